@@ -1,0 +1,271 @@
+//! The six algorithms of SPEC §2 as pure state transitions over an injected instant, and the
+//! all-or-nothing decision over a policy's tiers.
+//!
+//! Every function here takes the instant as an argument (nanoseconds since the clock's epoch)
+//! and touches nothing but the state it is given, so the same trace gives the same decisions in
+//! every store and in tests.
+
+mod bucket;
+mod gcra;
+mod log;
+mod window;
+
+use std::time::Duration;
+
+use crate::decision::{Decision, Outcome, Source, TierDecision};
+use crate::quota::{Algorithm, Policy, Rate};
+
+pub(crate) use bucket::Level;
+pub(crate) use log::Log;
+
+/// One tier's state for one key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum TierState {
+    /// GCRA: scaled TAT (see `gcra`).
+    Gcra(u128),
+    /// Token or leaky bucket level.
+    Bucket(Level),
+    /// Fixed window or sliding window counter.
+    Windows(Vec<(u64, u64)>),
+    /// Sliding window log.
+    Log(Log),
+}
+
+/// What one tier was charged, so that it can be given back (SPEC §4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Charge {
+    /// The instant the charge took effect (later than the decision when shaping).
+    pub(crate) at: u64,
+    /// Units charged.
+    pub(crate) cost: u64,
+    /// The sliding log entry's id (0 for other algorithms).
+    pub(crate) id: u64,
+}
+
+impl TierState {
+    /// The state of a key never seen (or idle past its horizon).
+    pub(crate) fn fresh(alg: Algorithm, r: Rate, now: u64) -> Self {
+        match alg {
+            Algorithm::Gcra => Self::Gcra(0),
+            Algorithm::TokenBucket => Self::Bucket(bucket::token::fresh(r, now)),
+            Algorithm::LeakyBucket => Self::Bucket(bucket::leaky::fresh(now)),
+            Algorithm::FixedWindow | Algorithm::SlidingCounter => Self::Windows(Vec::new()),
+            Algorithm::SlidingLog => Self::Log(Log::default()),
+        }
+    }
+
+    /// Forgets what no longer matters at `now` (expired windows and log entries).
+    fn prune(&mut self, alg: Algorithm, r: Rate, now: u64) {
+        match (alg, self) {
+            (Algorithm::FixedWindow, Self::Windows(w)) => window::fixed::prune(w, r, now),
+            (Algorithm::SlidingCounter, Self::Windows(w)) => window::sliding::prune(w, r, now),
+            (Algorithm::SlidingLog, Self::Log(l)) => log::prune(l, r, now),
+            _ => {}
+        }
+    }
+
+    /// Earliest instant >= `from` at which `cost` (<= capacity) fits this tier.
+    fn earliest(&self, alg: Algorithm, r: Rate, from: u64, cost: u64) -> u64 {
+        match (alg, self) {
+            (Algorithm::Gcra, Self::Gcra(tat)) => gcra::earliest(r, *tat, from, cost),
+            (Algorithm::TokenBucket, Self::Bucket(s)) => bucket::token::earliest(r, *s, from, cost),
+            (Algorithm::LeakyBucket, Self::Bucket(s)) => bucket::leaky::earliest(r, *s, from, cost),
+            (Algorithm::FixedWindow, Self::Windows(w)) => window::fixed::earliest(w, r, from, cost),
+            (Algorithm::SlidingCounter, Self::Windows(w)) => {
+                window::sliding::earliest(w, r, from, cost)
+            }
+            (Algorithm::SlidingLog, Self::Log(l)) => log::earliest(l, r, from, cost),
+            // A state of another algorithm (the policy changed under a live key): start over
+            // from a fresh state of the right kind, as `charge` does.
+            (_, _) => Self::fresh(alg, r, from).earliest(alg, r, from, cost),
+        }
+    }
+
+    /// Charges `cost` at instant `at` unconditionally.
+    pub(crate) fn charge(
+        &mut self,
+        alg: Algorithm,
+        r: Rate,
+        now: u64,
+        at: u64,
+        cost: u64,
+    ) -> Charge {
+        let mut id = 0;
+        match (alg, &mut *self) {
+            (Algorithm::Gcra, Self::Gcra(tat)) => gcra::charge(r, tat, at, cost),
+            (Algorithm::TokenBucket, Self::Bucket(s)) => bucket::token::charge(r, s, at, cost),
+            (Algorithm::LeakyBucket, Self::Bucket(s)) => bucket::leaky::charge(r, s, at, cost),
+            (Algorithm::FixedWindow | Algorithm::SlidingCounter, Self::Windows(w)) => {
+                window::charge(w, r, at, cost);
+            }
+            (Algorithm::SlidingLog, Self::Log(l)) => id = log::charge(l, at, cost),
+            (_, _) => {
+                *self = Self::fresh(alg, r, now);
+                return self.charge(alg, r, now, at, cost);
+            }
+        }
+        Charge { at, cost, id }
+    }
+
+    /// Gives back `cost` of an earlier `charge` (at most what it charged).
+    pub(crate) fn refund(&mut self, alg: Algorithm, r: Rate, charge: Charge, cost: u64) {
+        match (alg, self) {
+            (Algorithm::Gcra, Self::Gcra(tat)) => gcra::refund(r, tat, cost),
+            (Algorithm::TokenBucket, Self::Bucket(s)) => bucket::token::refund(r, s, cost),
+            (Algorithm::LeakyBucket, Self::Bucket(s)) => bucket::leaky::refund(r, s, cost),
+            (Algorithm::FixedWindow | Algorithm::SlidingCounter, Self::Windows(w)) => {
+                window::refund(w, r, charge.at, cost);
+            }
+            (Algorithm::SlidingLog, Self::Log(l)) => log::refund(l, charge.id, cost),
+            _ => {}
+        }
+    }
+
+    /// `(remaining units, nanoseconds until back to full capacity)` at `now`.
+    fn status(&self, alg: Algorithm, r: Rate, now: u64) -> (u64, u64) {
+        match (alg, self) {
+            (Algorithm::Gcra, Self::Gcra(tat)) => gcra::status(r, *tat, now),
+            (Algorithm::TokenBucket, Self::Bucket(s)) => bucket::token::status(r, *s, now),
+            (Algorithm::LeakyBucket, Self::Bucket(s)) => bucket::leaky::status(r, *s, now),
+            (Algorithm::FixedWindow, Self::Windows(w)) => window::fixed::status(w, r, now),
+            (Algorithm::SlidingCounter, Self::Windows(w)) => window::sliding::status(w, r, now),
+            (Algorithm::SlidingLog, Self::Log(l)) => log::status(l, r, now),
+            (_, _) => (r.burst, 0),
+        }
+    }
+
+    /// Whether the state is indistinguishable from a fresh one at `now` (safe to evict).
+    pub(crate) fn is_idle(&self, alg: Algorithm, r: Rate, now: u64) -> bool {
+        let (remaining, reset_after) = self.status(alg, r, now);
+        reset_after == 0 && remaining >= r.burst
+    }
+
+    /// When shaping with the leaky bucket: the drain time of the water ahead at `t`.
+    fn queue_wait(&self, alg: Algorithm, r: Rate, t: u64) -> u64 {
+        match (alg, self) {
+            (Algorithm::LeakyBucket, Self::Bucket(s)) => bucket::leaky::queue_wait(r, *s, t),
+            _ => 0,
+        }
+    }
+}
+
+/// The mode of one check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Admit only now.
+    Police,
+    /// Admit within this many nanoseconds, reserving the slot.
+    Shape(u64),
+}
+
+/// Decides one request of `cost` over all tiers of `policy` at `now`, charging every tier when
+/// admitted and none otherwise. Returns the decision and, when admitted, the charges per tier.
+pub(crate) fn decide(
+    policy: &Policy,
+    states: &mut [TierState],
+    now: u64,
+    cost: u64,
+    mode: Mode,
+) -> (Decision, Option<Vec<Charge>>) {
+    let alg = policy.algorithm();
+    let tiers = policy.tiers();
+    for (s, t) in states.iter_mut().zip(tiers) {
+        s.prune(alg, t.rate, now);
+    }
+    let over: Vec<bool> = tiers.iter().map(|t| cost > t.capacity()).collect();
+    if over.iter().any(|o| *o) {
+        let decision =
+            report(policy, states, now, Outcome::CostExceedsCapacity, 0, None, |i| (over[i], None));
+        return (decision, None);
+    }
+
+    // The earliest instant every tier admits the request together: each tier's own earliest
+    // instant can only move later when asked from a later start, so this converges; window
+    // algorithms with reserved future windows may need a few rounds.
+    let mut t = now;
+    for _ in 0..64 {
+        let next = states
+            .iter()
+            .zip(tiers)
+            .map(|(s, tier)| s.earliest(alg, tier.rate, t, cost))
+            .max()
+            .unwrap_or(t);
+        if next == t {
+            break;
+        }
+        t = next;
+    }
+    let queue = match mode {
+        Mode::Police => 0,
+        Mode::Shape(_) => states
+            .iter()
+            .zip(tiers)
+            .map(|(s, tier)| s.queue_wait(alg, tier.rate, t))
+            .max()
+            .unwrap_or(0),
+    };
+    let wait = (t - now).saturating_add(queue);
+    let budget = match mode {
+        Mode::Police => 0,
+        Mode::Shape(max) => max,
+    };
+    let per_tier_retry = |i: usize| {
+        let own = states[i].earliest(alg, tiers[i].rate, now, cost) - now;
+        (own > 0, (own > 0).then(|| Duration::from_nanos(own)))
+    };
+    if wait > budget {
+        let retry = Duration::from_nanos(wait - budget);
+        let decision =
+            report(policy, states, now, Outcome::Limited, 0, Some(retry), per_tier_retry);
+        return (decision, None);
+    }
+    let charges: Vec<Charge> = states
+        .iter_mut()
+        .zip(tiers)
+        .map(|(s, tier)| s.charge(alg, tier.rate, now, t, cost))
+        .collect();
+    let decision = report(policy, states, now, Outcome::Allowed, wait, None, |_| (false, None));
+    (decision, Some(charges))
+}
+
+/// Builds the decision from the states after any charge.
+fn report(
+    policy: &Policy,
+    states: &[TierState],
+    now: u64,
+    outcome: Outcome,
+    delay: u64,
+    retry_after: Option<Duration>,
+    per_tier: impl Fn(usize) -> (bool, Option<Duration>),
+) -> Decision {
+    let alg = policy.algorithm();
+    let tiers = policy
+        .tiers()
+        .iter()
+        .zip(states)
+        .enumerate()
+        .map(|(i, (tier, s))| {
+            let (remaining, reset) = s.status(alg, tier.rate, now);
+            let (violated, retry_after) = per_tier(i);
+            TierDecision {
+                name: tier.name_arc(),
+                quota: tier.quota(),
+                limit: tier.capacity(),
+                remaining,
+                reset_after: Duration::from_nanos(reset),
+                retry_after,
+                violated,
+            }
+        })
+        .collect();
+    Decision {
+        outcome,
+        delay: Duration::from_nanos(delay),
+        retry_after,
+        tiers,
+        source: Source::Store,
+    }
+}
+
+#[cfg(test)]
+mod tests;

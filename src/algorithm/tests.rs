@@ -1,0 +1,268 @@
+//! Exact decisions at exact instants, per algorithm.
+
+use std::time::Duration;
+
+use super::{Mode, TierState, decide};
+use crate::decision::Outcome;
+use crate::quota::{Algorithm, Policy, Quota};
+
+const MS: u64 = 1_000_000;
+const S: u64 = 1_000_000_000;
+
+/// A single-tier policy and its state, driven at explicit instants.
+struct Run {
+    policy: Policy,
+    states: Vec<TierState>,
+}
+
+impl Run {
+    fn new(alg: Algorithm, tiers: &[(&str, Quota)]) -> Self {
+        let mut b = Policy::builder("p").algorithm(alg);
+        for (n, q) in tiers {
+            b = b.tier(*n, *q);
+        }
+        let policy = b.build().unwrap();
+        let states = policy.tiers().iter().map(|t| TierState::fresh(alg, t.rate, 0)).collect();
+        Self { policy, states }
+    }
+
+    fn one(alg: Algorithm, q: Quota) -> Self {
+        Self::new(alg, &[("t", q)])
+    }
+
+    fn at(&mut self, now: u64, cost: u64) -> crate::Decision {
+        decide(&self.policy, &mut self.states, now, cost, Mode::Police).0
+    }
+
+    fn shape(&mut self, now: u64, cost: u64, max: u64) -> crate::Decision {
+        decide(&self.policy, &mut self.states, now, cost, Mode::Shape(max)).0
+    }
+}
+
+fn retry(d: &crate::Decision) -> u64 {
+    u64::try_from(d.retry_after().expect("limited").as_nanos()).unwrap()
+}
+
+fn allowed(d: &crate::Decision) -> bool {
+    d.outcome() == Outcome::Allowed
+}
+
+#[test]
+fn gcra_burst_then_refill() {
+    // 10 per second, burst 3: T = 100 ms, tau = 300 ms.
+    let mut r = Run::one(Algorithm::Gcra, Quota::per_second(10).with_burst(3));
+    for (i, rem) in [2, 1, 0].into_iter().enumerate() {
+        let d = r.at(0, 1);
+        assert!(allowed(&d), "request {i}");
+        assert_eq!(d.tiers()[0].remaining(), rem);
+    }
+    let d = r.at(0, 1);
+    assert_eq!(d.outcome(), Outcome::Limited);
+    assert_eq!(retry(&d), 100 * MS);
+    assert_eq!(d.tiers()[0].reset_after(), Duration::from_millis(300));
+    assert!(!allowed(&r.at(100 * MS - 1, 1)));
+    let d = r.at(100 * MS, 1);
+    assert!(allowed(&d));
+    assert_eq!(d.tiers()[0].remaining(), 0);
+    // After a full idle spell the whole burst is back.
+    assert_eq!(r.at(10 * S, 3).tiers()[0].remaining(), 0);
+}
+
+#[test]
+fn gcra_cost_and_capacity() {
+    let mut r = Run::one(Algorithm::Gcra, Quota::per_second(10).with_burst(5));
+    let d = r.at(0, 4);
+    assert!(allowed(&d));
+    assert_eq!(d.tiers()[0].remaining(), 1);
+    let d = r.at(0, 2);
+    assert_eq!(d.outcome(), Outcome::Limited);
+    assert_eq!(retry(&d), 100 * MS);
+    let d = r.at(0, 6);
+    assert_eq!(d.outcome(), Outcome::CostExceedsCapacity);
+    assert_eq!(d.retry_after(), None);
+    assert_eq!(d.violated().collect::<Vec<_>>(), ["t"]);
+}
+
+#[test]
+fn gcra_period_not_a_multiple_of_count_is_exact() {
+    // 3 per second: T = 333,333,333.33 ns. A truncated integer T would refill 3 units in
+    // 999,999,999 ns; the scaled arithmetic needs exactly one second, for 1,000 seconds.
+    let mut r = Run::one(Algorithm::Gcra, Quota::per_second(3));
+    assert!(allowed(&r.at(0, 3)));
+    for k in 1..=1000u64 {
+        assert_eq!(r.at(k * S - 1, 3).outcome(), Outcome::Limited, "second {k}");
+        assert!(allowed(&r.at(k * S, 3)), "second {k}");
+    }
+    let mut r = Run::one(Algorithm::Gcra, Quota::per_second(3));
+    assert!(allowed(&r.at(0, 3)));
+    assert!(allowed(&r.at(S - 1, 2)));
+}
+
+#[test]
+fn redis_cell_numbers() {
+    // CL.THROTTLE user123 15 30 60 -> limit 16, remaining 15, retry -1, reset 2 s.
+    let q = Quota::redis_cell(15, 30, Duration::from_secs(60));
+    let mut r = Run::one(Algorithm::Gcra, q);
+    let d = r.at(0, 1);
+    let t = &d.tiers()[0];
+    assert_eq!((t.limit(), t.remaining(), t.reset_after()), (16, 15, Duration::from_secs(2)));
+    assert_eq!(d.retry_after(), None);
+    for _ in 0..15 {
+        assert!(allowed(&r.at(0, 1)));
+    }
+    let d = r.at(0, 1);
+    assert_eq!(retry(&d), 2 * S);
+    assert_eq!(d.tiers()[0].reset_after(), Duration::from_secs(32));
+}
+
+#[test]
+fn token_bucket_refills_lazily_and_exactly() {
+    let mut r = Run::one(Algorithm::TokenBucket, Quota::per_second(2).with_burst(4));
+    assert!(allowed(&r.at(0, 4)));
+    let d = r.at(0, 1);
+    assert_eq!(retry(&d), 500 * MS);
+    assert!(!allowed(&r.at(500 * MS - 1, 1)));
+    assert!(allowed(&r.at(500 * MS, 1)));
+    // 1.75 s later: 3.5 tokens -> 3 whole ones remain visible.
+    let d = r.at(2250 * MS, 0);
+    assert_eq!(d.tiers()[0].remaining(), 3);
+    assert_eq!(d.tiers()[0].reset_after(), Duration::from_millis(250));
+    assert_eq!(r.at(0, 5).outcome(), Outcome::CostExceedsCapacity);
+}
+
+#[test]
+fn leaky_bucket_police_and_shape() {
+    let mut r = Run::one(Algorithm::LeakyBucket, Quota::per_second(10).with_burst(2));
+    assert!(allowed(&r.at(0, 1)));
+    assert!(allowed(&r.at(0, 1)));
+    let d = r.at(0, 1);
+    assert_eq!(retry(&d), 100 * MS);
+
+    // Shaping: requests leave at the leak rate, 100 ms apart, while the queue has room.
+    let mut r = Run::one(Algorithm::LeakyBucket, Quota::per_second(10).with_burst(3));
+    let delays: Vec<u64> =
+        (0..4).map(|_| u64::try_from(r.shape(0, 1, S).delay().as_nanos()).unwrap()).collect();
+    // The fourth enters the queue at 100 ms, when there is room, and leaves after the three.
+    assert_eq!(delays, [0, 100 * MS, 200 * MS, 300 * MS]);
+    // The fifth would enter at 200 ms and leave at 400 ms: over a 350 ms budget by 50 ms.
+    let d = r.shape(0, 1, 350 * MS);
+    assert_eq!(d.outcome(), Outcome::Limited);
+    assert_eq!(retry(&d), 50 * MS);
+}
+
+#[test]
+fn fixed_window_boundary_double_burst() {
+    let mut r = Run::one(Algorithm::FixedWindow, Quota::per_second(3));
+    for _ in 0..3 {
+        assert!(allowed(&r.at(999 * MS, 1)));
+    }
+    let d = r.at(999 * MS, 1);
+    assert_eq!(retry(&d), MS);
+    assert_eq!(d.tiers()[0].reset_after(), Duration::from_millis(1));
+    // Documented: the next window admits another full count 1 ms later (6 in 2 ms).
+    for _ in 0..3 {
+        assert!(allowed(&r.at(S, 1)));
+    }
+    assert!(!allowed(&r.at(S, 1)));
+}
+
+#[test]
+fn sliding_log_records_only_admitted_and_same_instant_requests() {
+    let mut r = Run::one(Algorithm::SlidingLog, Quota::per_second(3));
+    // Three requests in the same nanosecond are three entries, not one.
+    for _ in 0..3 {
+        assert!(allowed(&r.at(0, 1)));
+    }
+    assert!(!allowed(&r.at(0, 1)));
+    // Rejected requests are not recorded: hammering does not extend the ban.
+    for t in 1..100 {
+        assert!(!allowed(&r.at(t * MS, 1)));
+    }
+    let d = r.at(999 * MS, 1);
+    assert_eq!(retry(&d), MS);
+    assert!(allowed(&r.at(S, 3)));
+    assert_eq!(r.at(S, 4).outcome(), Outcome::CostExceedsCapacity);
+}
+
+#[test]
+fn sliding_log_weighted_entries_leave_in_order() {
+    let mut r = Run::one(Algorithm::SlidingLog, Quota::per_second(5));
+    assert!(allowed(&r.at(0, 2)));
+    assert!(allowed(&r.at(300 * MS, 3)));
+    let d = r.at(400 * MS, 3);
+    // Needs both entries gone: the second leaves at 1.3 s.
+    assert_eq!(retry(&d), 900 * MS);
+    let d = r.at(400 * MS, 2);
+    assert_eq!(retry(&d), 600 * MS);
+}
+
+#[test]
+fn sliding_counter_weights_previous_window() {
+    let mut r = Run::one(Algorithm::SlidingCounter, Quota::per_second(10));
+    assert!(allowed(&r.at(0, 10)));
+    // At 1.5 s the estimate is 10 * 0.5 = 5: room for exactly 5.
+    let d = r.at(1500 * MS, 5);
+    assert!(allowed(&d));
+    assert_eq!(d.tiers()[0].remaining(), 0);
+    let d = r.at(1500 * MS, 1);
+    // prev 10, cur 5: need 10 * (1 - e) <= 4 -> e >= 0.6 s -> at 1.6 s.
+    assert_eq!(retry(&d), 100 * MS);
+    assert!(!allowed(&r.at(1600 * MS - 1, 1)));
+    assert!(allowed(&r.at(1600 * MS, 1)));
+}
+
+#[test]
+fn stacked_tiers_are_all_or_nothing() {
+    let mut r = Run::new(
+        Algorithm::Gcra,
+        &[("second", Quota::per_second(10)), ("minute", Quota::per_minute(12))],
+    );
+    assert!(allowed(&r.at(0, 10)));
+    let d = r.at(0, 5);
+    // The second tier is full; the minute tier has 2 left but is not charged.
+    assert_eq!(d.outcome(), Outcome::Limited);
+    assert_eq!(d.tiers()[1].remaining(), 2);
+    assert_eq!(d.violated().collect::<Vec<_>>(), ["second", "minute"]);
+    let d = r.at(S, 2);
+    assert!(allowed(&d));
+    assert_eq!(d.tiers()[1].remaining(), 0);
+    let d = r.at(S, 1);
+    assert_eq!(d.violated().collect::<Vec<_>>(), ["minute"]);
+    // The minute tier (T = 5 s, TAT now 60 s) has room again at 5 s.
+    assert_eq!(retry(&d), 4 * S);
+}
+
+#[test]
+fn shaping_reserves_consecutive_slots() {
+    let mut r = Run::one(Algorithm::Gcra, Quota::per_second(10).with_burst(1));
+    let delays: Vec<Duration> = (0..4).map(|_| r.shape(0, 1, 250 * MS).delay()).collect();
+    assert_eq!(
+        delays[..3],
+        [Duration::ZERO, Duration::from_millis(100), Duration::from_millis(200)]
+    );
+    assert_eq!(delays[3], Duration::ZERO);
+    let d = r.shape(0, 1, 250 * MS);
+    assert_eq!(d.outcome(), Outcome::Limited);
+    assert_eq!(retry(&d), 50 * MS);
+}
+
+#[test]
+fn refund_gives_the_slot_back_for_every_algorithm() {
+    for alg in [
+        Algorithm::Gcra,
+        Algorithm::TokenBucket,
+        Algorithm::LeakyBucket,
+        Algorithm::FixedWindow,
+        Algorithm::SlidingLog,
+        Algorithm::SlidingCounter,
+    ] {
+        let mut r = Run::one(alg, Quota::per_second(2));
+        let (d, charges) = decide(&r.policy, &mut r.states, 0, 2, Mode::Police);
+        assert!(allowed(&d), "{alg:?}");
+        assert!(!allowed(&r.at(0, 1)), "{alg:?}");
+        let c = charges.unwrap()[0];
+        r.states[0].refund(alg, r.policy.tiers()[0].rate, c, 1);
+        assert!(allowed(&r.at(0, 1)), "{alg:?} after refund");
+        assert!(!allowed(&r.at(0, 1)), "{alg:?} refund gave back only 1");
+    }
+}

@@ -1,0 +1,109 @@
+//! Error types.
+
+use std::time::Duration;
+
+/// A policy or layer configuration that cannot work, refused when it is built.
+///
+/// Every variant says which tier (or setting) is wrong and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A quota's `count` is zero: nothing could ever be admitted.
+    #[error("tier `{tier}`: count must be at least 1")]
+    ZeroCount {
+        /// The tier's name.
+        tier: String,
+    },
+    /// A quota's `period` is zero (or below one nanosecond).
+    #[error("tier `{tier}`: period must be at least 1 ns")]
+    ZeroPeriod {
+        /// The tier's name.
+        tier: String,
+    },
+    /// A quota's `burst` is zero: no request could ever fit.
+    #[error("tier `{tier}`: burst must be at least 1")]
+    ZeroBurst {
+        /// The tier's name.
+        tier: String,
+    },
+    /// `count` or `burst` exceeds [`MAX_COUNT`](crate::quota::MAX_COUNT).
+    #[error("tier `{tier}`: {what} {value} exceeds the maximum {max}")]
+    TooLarge {
+        /// The tier's name.
+        tier: String,
+        /// `"count"` or `"burst"`.
+        what: &'static str,
+        /// The value given.
+        value: u64,
+        /// The largest accepted value.
+        max: u64,
+    },
+    /// A window algorithm was given a `burst` different from `count`; windows admit exactly
+    /// `count` per window and have no separate burst.
+    #[error(
+        "tier `{tier}`: the {algorithm} algorithm admits `count` per window; burst {burst} != count {count}"
+    )]
+    BurstNotSupported {
+        /// The tier's name.
+        tier: String,
+        /// The algorithm's name.
+        algorithm: &'static str,
+        /// The burst given.
+        burst: u64,
+        /// The count given.
+        count: u64,
+    },
+    /// A sliding-window-log limit above [`MAX_SLIDING_LOG`](crate::quota::MAX_SLIDING_LOG):
+    /// the log keeps one entry per admitted request, so memory per key grows with the limit.
+    #[error(
+        "tier `{tier}`: sliding log limit {count} exceeds {max}; use the sliding window counter for large limits"
+    )]
+    SlidingLogTooLarge {
+        /// The tier's name.
+        tier: String,
+        /// The count given.
+        count: u64,
+        /// The ceiling.
+        max: u64,
+    },
+    /// Two tiers of one policy share a name.
+    #[error("duplicate tier name `{0}`")]
+    DuplicateTier(String),
+    /// A policy without tiers.
+    #[error("policy `{0}` has no tiers")]
+    NoTiers(String),
+    /// A name (policy or tier) that is empty or cannot be written as an RFC 9651 String
+    /// (printable ASCII only).
+    #[error("name {0:?} must be non-empty printable ASCII")]
+    BadName(String),
+    /// A setting of the layer is out of range.
+    #[error("{0}")]
+    Invalid(String),
+    /// The store cannot run this policy (for example a horizon beyond what it represents).
+    #[error("store cannot run this policy: {0}")]
+    UnsupportedByStore(String),
+    /// A duration too long to represent.
+    #[error("duration {0:?} is too long")]
+    DurationTooLong(Duration),
+}
+
+/// A store failed to decide (unreachable, timed out, returned nonsense).
+///
+/// The layer turns this into the configured failure outcome (fail open, fail closed), never into
+/// the inner service's error.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The store did not answer within its timeout.
+    #[error("store timed out after {0:?}")]
+    Timeout(Duration),
+    /// The circuit breaker is open: recent calls failed, so this one was not attempted.
+    #[error("circuit breaker open")]
+    CircuitOpen,
+    /// The backend returned an error.
+    #[error("store backend error: {0}")]
+    Backend(String),
+    /// The policy is not valid for this store.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+}

@@ -1,0 +1,259 @@
+//! Keys: who or what is limited (SPEC §7).
+//!
+//! A [`KeyExtractor`] reads a [`Key`] from the request head. Built-ins cover the peer address
+//! ([`PeerIp`]), the client address behind trusted proxies ([`ClientIp`]), a header or API key
+//! ([`HeaderKey`]), an authenticated user in the request extensions ([`ExtensionKey`]), the
+//! route ([`RouteKey`]), the method ([`MethodKey`]), one global bucket ([`GlobalKey`]), tuples
+//! of these, and any closure `Fn(&Parts) -> Option<Key>`.
+
+mod ip;
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use http::request::Parts;
+
+pub use ip::{ClientIp, DEFAULT_IPV6_PREFIX, ForwardedHeader, PeerIp, group_ip};
+
+/// Longest header value used as a key, in bytes. Longer values count as a missing key, so an
+/// attacker cannot make the store hold megabyte-sized keys.
+pub const MAX_KEY_BYTES: usize = 256;
+
+/// The identity being limited.
+///
+/// Cheap to clone (addresses inline, text behind an `Arc`). Its `Display` form is an
+/// unambiguous encoding (used in Redis keys): `g`, `ip:203.0.113.7`, `s5:alice`,
+/// `t2(ip:203.0.113.7,s5:alice)`, `m` for the shared missing-key bucket.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum Key {
+    /// One bucket for everything.
+    Global,
+    /// A client address (IPv6 already grouped by prefix).
+    Ip(IpAddr),
+    /// Text: a header value, user id, route, method.
+    Text(Arc<str>),
+    /// A composite key.
+    Tuple(Arc<[Key]>),
+    /// The shared bucket for requests without a key (see the layer's missing-key setting).
+    Missing,
+}
+
+impl Key {
+    /// A text key.
+    pub fn text(s: impl Into<Arc<str>>) -> Self {
+        Self::Text(s.into())
+    }
+}
+
+impl From<IpAddr> for Key {
+    fn from(ip: IpAddr) -> Self {
+        Self::Ip(ip)
+    }
+}
+
+impl From<&str> for Key {
+    fn from(s: &str) -> Self {
+        Self::Text(s.into())
+    }
+}
+
+impl From<String> for Key {
+    fn from(s: String) -> Self {
+        Self::Text(s.into())
+    }
+}
+
+impl fmt::Display for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Global => f.write_str("g"),
+            Self::Ip(ip) => write!(f, "ip:{ip}"),
+            // The length prefix makes the encoding unambiguous whatever the text holds.
+            Self::Text(s) => write!(f, "s{}:{s}", s.len()),
+            Self::Tuple(items) => {
+                write!(f, "t{}(", items.len())?;
+                for (i, k) in items.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str(",")?;
+                    }
+                    write!(f, "{k}")?;
+                }
+                f.write_str(")")
+            }
+            Self::Missing => f.write_str("m"),
+        }
+    }
+}
+
+/// Reads the key of a request from its head. `None` means the request has no key; the layer
+/// then applies its missing-key setting.
+///
+/// Implemented for closures `Fn(&Parts) -> Option<Key>` and for tuples of extractors (whose
+/// key is the tuple of their keys, missing if any part is missing).
+///
+/// ```
+/// use tollgate::key::{Key, KeyExtractor};
+///
+/// let by_tenant = |parts: &http::request::Parts| {
+///     parts.uri.path().split('/').nth(1).map(|t| Key::text(t))
+/// };
+/// let (parts, ()) = http::Request::get("/acme/items").body(()).unwrap().into_parts();
+/// assert_eq!(by_tenant.extract(&parts), Some(Key::text("acme")));
+/// ```
+pub trait KeyExtractor: Send + Sync + 'static {
+    /// The key of this request, or `None`.
+    fn extract(&self, parts: &Parts) -> Option<Key>;
+}
+
+impl<F> KeyExtractor for F
+where
+    F: Fn(&Parts) -> Option<Key> + Send + Sync + 'static,
+{
+    fn extract(&self, parts: &Parts) -> Option<Key> {
+        self(parts)
+    }
+}
+
+macro_rules! tuple_extractor {
+    ($($name:ident)+) => {
+        impl<$($name: KeyExtractor),+> KeyExtractor for ($($name,)+) {
+            #[allow(non_snake_case)]
+            fn extract(&self, parts: &Parts) -> Option<Key> {
+                let ($($name,)+) = self;
+                Some(Key::Tuple(Arc::new([$($name.extract(parts)?),+])))
+            }
+        }
+    };
+}
+tuple_extractor!(A B);
+tuple_extractor!(A B C);
+tuple_extractor!(A B C D);
+
+/// One bucket shared by every request.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GlobalKey;
+
+impl KeyExtractor for GlobalKey {
+    fn extract(&self, _: &Parts) -> Option<Key> {
+        Some(Key::Global)
+    }
+}
+
+/// The value of a request header, e.g. an API key. Missing, empty, or longer than
+/// [`MAX_KEY_BYTES`] counts as no key; bytes that are not UTF-8 are kept (replaced by U+FFFD).
+/// When the header repeats, the first line is used.
+#[derive(Debug, Clone)]
+pub struct HeaderKey {
+    name: http::HeaderName,
+}
+
+impl HeaderKey {
+    /// Keys by header `name`.
+    #[must_use]
+    pub fn new(name: http::HeaderName) -> Self {
+        Self { name }
+    }
+}
+
+impl KeyExtractor for HeaderKey {
+    fn extract(&self, parts: &Parts) -> Option<Key> {
+        let v = parts.headers.get(&self.name)?.as_bytes();
+        if v.is_empty() || v.len() > MAX_KEY_BYTES {
+            return None;
+        }
+        Some(Key::Text(String::from_utf8_lossy(v).into()))
+    }
+}
+
+/// A value that an earlier layer (authentication) put in the request extensions, keyed by its
+/// `Display` form: e.g. a `UserId`.
+pub struct ExtensionKey<T> {
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T> ExtensionKey<T> {
+    /// Keys by the extension of type `T`.
+    #[must_use]
+    pub fn new() -> Self {
+        Self { _t: PhantomData }
+    }
+}
+
+impl<T> Default for ExtensionKey<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T> Clone for ExtensionKey<T> {
+    fn clone(&self) -> Self {
+        Self::new()
+    }
+}
+
+impl<T> fmt::Debug for ExtensionKey<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExtensionKey").field("type", &std::any::type_name::<T>()).finish()
+    }
+}
+
+impl<T: fmt::Display + Send + Sync + 'static> KeyExtractor for ExtensionKey<T> {
+    fn extract(&self, parts: &Parts) -> Option<Key> {
+        parts.extensions.get::<T>().map(|v| Key::Text(v.to_string().into()))
+    }
+}
+
+/// The route template axum matched (`/users/{id}`, from `MatchedPath`): one bucket per route,
+/// whatever the path parameters. No key when the router matched nothing.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RouteKey;
+
+impl KeyExtractor for RouteKey {
+    fn extract(&self, parts: &Parts) -> Option<Key> {
+        parts.extensions.get::<axum::extract::MatchedPath>().map(|p| Key::text(p.as_str()))
+    }
+}
+
+/// The request method.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MethodKey;
+
+impl KeyExtractor for MethodKey {
+    fn extract(&self, parts: &Parts) -> Option<Key> {
+        Some(Key::text(parts.method.as_str()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn display_is_unambiguous() {
+        let a = Key::Tuple(Arc::new([Key::text("a,s1:b"), Key::text("c")]));
+        let b = Key::Tuple(Arc::new([Key::text("a"), Key::text("b,s1:c")]));
+        assert_ne!(a.to_string(), b.to_string());
+        assert_eq!(a.to_string(), "t2(s6:a,s1:b,s1:c)");
+        assert_eq!(Key::Ip("2001:db8::".parse().unwrap()).to_string(), "ip:2001:db8::");
+    }
+
+    #[test]
+    fn header_key_rejects_oversized_and_empty() {
+        let ex = HeaderKey::new(http::HeaderName::from_static("x-api-key"));
+        let parts = |v: &[u8]| {
+            http::Request::get("/")
+                .header("x-api-key", http::HeaderValue::from_bytes(v).unwrap())
+                .body(())
+                .unwrap()
+                .into_parts()
+                .0
+        };
+        assert_eq!(ex.extract(&parts(b"k1")), Some(Key::text("k1")));
+        assert_eq!(ex.extract(&parts(b"")), None);
+        assert_eq!(ex.extract(&parts(&[b'a'; 257])), None);
+        assert_eq!(ex.extract(&parts(&[0xff, b'a'])), Some(Key::text("\u{fffd}a")));
+    }
+}

@@ -1,0 +1,256 @@
+//! [`RateLimit`], the service, and its [`ResponseFuture`].
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response, StatusCode, header};
+use tower_service::Service;
+
+use crate::key::{Key, KeyExtractor};
+use crate::layer::{Config, MissingKey, OnStoreError};
+use crate::response::{problem, too_many_requests, write_headers};
+use crate::store::{Check, Store, Ticket};
+
+/// The rate-limiting service made by [`RateLimitLayer`](crate::RateLimitLayer).
+///
+/// Decides in `call`, never in `poll_ready` (which is delegated to the inner service), so no
+/// capacity is taken for a request that never comes. Limits become responses; the inner
+/// service's error passes through unchanged.
+pub struct RateLimit<S, K, St> {
+    inner: S,
+    config: Arc<Config<K, St>>,
+}
+
+impl<S: Clone, K, St> Clone for RateLimit<S, K, St> {
+    fn clone(&self) -> Self {
+        Self { inner: self.inner.clone(), config: Arc::clone(&self.config) }
+    }
+}
+
+impl<S: fmt::Debug, K, St> fmt::Debug for RateLimit<S, K, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimit")
+            .field("inner", &self.inner)
+            .field("policy", &self.config.policy.name())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, K, St> RateLimit<S, K, St> {
+    pub(crate) fn new(inner: S, config: Arc<Config<K, St>>) -> Self {
+        Self { inner, config }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Consumes the limiter, returning the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The response future of [`RateLimit`].
+pub struct ResponseFuture<E> {
+    inner: Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>,
+}
+
+impl<E> fmt::Debug for ResponseFuture<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+impl<E> Future for ResponseFuture<E> {
+    type Output = Result<Response<Body>, E>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}
+
+impl<S, K, St, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, K, St>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Send + 'static,
+    K: KeyExtractor,
+    St: Store,
+    ReqB: Send + 'static,
+    ResB: http_body::Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    type Response = Response<Body>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        // Take the service that was polled ready; leave a fresh clone in its place.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let config = Arc::clone(&self.config);
+        ResponseFuture { inner: Box::pin(run(config, inner, req)) }
+    }
+}
+
+/// Gives a shaped reservation back if the request is dropped while it waits for its slot.
+struct CancelOnDrop<St: Store> {
+    store: St,
+    ticket: Option<Ticket>,
+}
+
+impl<St: Store> CancelOnDrop<St> {
+    /// The wait is over: keep the charge.
+    fn disarm(mut self) -> Option<Ticket> {
+        self.ticket.take()
+    }
+}
+
+impl<St: Store> Drop for CancelOnDrop<St> {
+    fn drop(&mut self) {
+        let Some(ticket) = self.ticket.take() else { return };
+        tracing::debug!(policy = ticket.policy().name(), "tollgate: waiter dropped; slot returned");
+        let settle = self.store.settle(ticket, 0);
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(settle);
+        }
+    }
+}
+
+async fn run<S, K, St, ReqB, ResB>(
+    config: Arc<Config<K, St>>,
+    mut inner: S,
+    req: Request<ReqB>,
+) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>>,
+    K: KeyExtractor,
+    St: Store,
+    ResB: http_body::Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    let (parts, body) = req.into_parts();
+    let key = match config.key.extract(&parts) {
+        Some(key) => key,
+        None => match config.missing_key {
+            MissingKey::Reject(status) => {
+                tracing::debug!(policy = config.policy.name(), "tollgate: request without a key");
+                return Ok(problem(
+                    status,
+                    "about:blank",
+                    status.canonical_reason().unwrap_or("Bad Request"),
+                    "no rate-limit key could be read from the request",
+                    &[],
+                ));
+            }
+            MissingKey::Allow => {
+                let res = inner.call(Request::from_parts(parts, body)).await?;
+                return Ok(res.map(Body::new));
+            }
+            MissingKey::Shared => Key::Missing,
+        },
+    };
+    let cost = config.cost.as_ref().map_or(1, |f| f(&parts));
+
+    // A place in the waiting room, taken before deciding so a full room polices instead of
+    // reserving slots it cannot wait for.
+    let permit = match (&config.waiters, config.max_delay) {
+        (Some(sem), Some(_)) if !config.dry_run => Arc::clone(sem).try_acquire_owned().ok(),
+        _ => None,
+    };
+    let max_delay = permit.as_ref().and(config.max_delay);
+    let check = Check { policy: &config.policy, key: &key, cost, max_delay };
+    let verdict = match config.store.check(check).await {
+        Ok(v) => v,
+        Err(error) => {
+            drop(permit);
+            return match config.on_store_error {
+                OnStoreError::FailOpen => {
+                    tracing::warn!(%error, policy = config.policy.name(), "tollgate: store failed; failing open");
+                    let res = inner.call(Request::from_parts(parts, body)).await?;
+                    Ok(res.map(Body::new))
+                }
+                OnStoreError::FailClosed => {
+                    tracing::warn!(%error, policy = config.policy.name(), "tollgate: store failed; failing closed");
+                    let mut res = problem(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "about:blank",
+                        "Service Unavailable",
+                        "the rate limiter cannot decide right now",
+                        &[],
+                    );
+                    res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                    Ok(res)
+                }
+            };
+        }
+    };
+    let decision = verdict.decision;
+
+    if !decision.is_allowed() && !config.dry_run {
+        drop(permit);
+        tracing::debug!(policy = config.policy.name(), %key, outcome = ?decision.outcome(), "tollgate: limited");
+        if let Some(delay) = config.tarpit {
+            tokio::time::sleep(delay).await;
+        }
+        let mut res = match &config.rejection {
+            Some(f) => f(&decision),
+            None => too_many_requests(&decision),
+        };
+        write_headers(res.headers_mut(), &decision, config.headers);
+        return Ok(res);
+    }
+
+    let mut ticket = verdict.ticket;
+    if !decision.delay().is_zero() {
+        tracing::debug!(policy = config.policy.name(), %key, delay = ?decision.delay(), "tollgate: delayed");
+        let guard = CancelOnDrop { store: config.store.clone(), ticket: ticket.take() };
+        tokio::time::sleep(decision.delay()).await;
+        ticket = guard.disarm();
+    }
+    drop(permit);
+
+    // From here the request is served: dropping it (a client disconnect) keeps the charge.
+    let res = inner.call(Request::from_parts(parts, body)).await?;
+    let (mut head, body) = res.into_parts();
+    if let Some(ticket) = ticket {
+        settle(&config, ticket, &head).await;
+    }
+    write_headers(&mut head.headers, &decision, config.headers);
+    Ok(Response::from_parts(head, Body::new(body)))
+}
+
+/// Applies the refund predicate and the response-settled cost.
+async fn settle<K, St: Store>(
+    config: &Config<K, St>,
+    ticket: Ticket,
+    head: &http::response::Parts,
+) {
+    let refund = config.refund_if.as_ref().is_some_and(|f| f(head.status));
+    let cost = if refund { Some(0) } else { config.settle_cost.as_ref().and_then(|f| f(head)) };
+    let Some(cost) = cost else { return };
+    if cost == ticket.cost() {
+        return;
+    }
+    if let Err(error) = config.store.settle(ticket, cost).await {
+        tracing::warn!(%error, "tollgate: could not settle a charge");
+    }
+}

@@ -1,0 +1,402 @@
+//! The in-memory store: sharded maps behind short-held mutexes, bounded in keys, with idle keys
+//! evicted by a background sweeper that stops when the store is dropped.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use super::{Check, Store, Ticket, Verdict};
+use crate::algorithm::{Mode, TierState, decide};
+
+use crate::clock::{Clock, MonotonicClock, duration_to_nanos};
+use crate::error::StoreError;
+use crate::key::Key;
+use crate::quota::Policy;
+
+/// Default hard cap on keys held: 1,000,000.
+pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
+
+/// Default interval of the idle-key sweeper: 10 s.
+pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(10);
+
+/// The default store: all state in this process.
+///
+/// - Safe for any number of tasks and threads: keys are spread over shards, each a `HashMap`
+///   behind a `std::sync::Mutex` held only for one decision (never across an `.await`).
+/// - All tiers of a request are decided under one lock: all-or-nothing.
+/// - Idle keys (whose state equals a fresh one) are removed by a sweeper task that runs every
+///   [`MemoryStoreBuilder::sweep_interval`] on the tokio runtime of the first check, holds only
+///   a weak reference, and ends when the last clone of the store is dropped. Eviction is
+///   lossless: only keys that would decide exactly like new ones are removed.
+/// - At most [`MemoryStoreBuilder::max_keys`] keys are held. When full, a new key first makes
+///   room by evicting idle keys of its shard; if none are idle it is decided by **one overflow
+///   bucket per policy**, shared by all keys that did not fit. Established keys keep their own
+///   state, and an IP flood cannot grow memory nor obtain a fresh bucket per request.
+///
+/// Policy names are namespaces: two different policies must not share a name in one store.
+///
+/// Clones share the same state.
+#[derive(Clone)]
+pub struct MemoryStore {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("keys", &self.len())
+            .field("max_keys", &self.inner.max_keys)
+            .finish_non_exhaustive()
+    }
+}
+
+type StateMap = HashMap<(Arc<str>, Key), Entry>;
+
+/// One key's state, with the policy it was made under (the sweeper needs the rates).
+struct Entry {
+    policy: Policy,
+    states: Vec<TierState>,
+}
+
+impl Entry {
+    fn new(policy: &Policy, now: u64) -> Self {
+        let states = policy
+            .tiers()
+            .iter()
+            .map(|t| TierState::fresh(policy.algorithm(), t.rate, now))
+            .collect();
+        Self { policy: policy.clone(), states }
+    }
+
+    fn is_idle(&self, now: u64) -> bool {
+        let alg = self.policy.algorithm();
+        self.states.iter().zip(self.policy.tiers()).all(|(s, t)| s.is_idle(alg, t.rate, now))
+    }
+
+    /// Decides under `policy`; a key whose policy was reconfigured (same name, other tiers)
+    /// starts over under the new one.
+    fn decide(
+        &mut self,
+        policy: &Policy,
+        now: u64,
+        cost: u64,
+        max_delay: Option<Duration>,
+    ) -> (crate::Decision, Option<Vec<crate::algorithm::Charge>>) {
+        if !self.policy.same(policy) {
+            *self = Self::new(policy, now);
+        }
+        decide(policy, &mut self.states, now, cost, mode(max_delay))
+    }
+}
+
+struct Inner {
+    shards: Box<[Mutex<StateMap>]>,
+    hasher: RandomState,
+    clock: Arc<dyn Clock>,
+    len: AtomicUsize,
+    max_keys: usize,
+    sweep_interval: Duration,
+    sweeper: AtomicBool,
+    /// One shared state per policy for keys that arrive when the store is full.
+    overflow: Mutex<HashMap<Arc<str>, Entry>>,
+}
+
+/// Configures a [`MemoryStore`].
+#[derive(Clone)]
+#[must_use]
+pub struct MemoryStoreBuilder {
+    clock: Arc<dyn Clock>,
+    max_keys: usize,
+    sweep_interval: Duration,
+    shards: usize,
+}
+
+impl std::fmt::Debug for MemoryStoreBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStoreBuilder")
+            .field("max_keys", &self.max_keys)
+            .field("sweep_interval", &self.sweep_interval)
+            .field("shards", &self.shards)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemoryStoreBuilder {
+    /// The clock (default [`MonotonicClock`]). Tests inject a
+    /// [`FakeClock`](crate::clock::FakeClock).
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// Hard cap on keys held (default [`DEFAULT_MAX_KEYS`]); at least 1.
+    pub fn max_keys(mut self, max_keys: usize) -> Self {
+        self.max_keys = max_keys.max(1);
+        self
+    }
+
+    /// How often the sweeper removes idle keys (default [`DEFAULT_SWEEP_INTERVAL`]).
+    pub fn sweep_interval(mut self, every: Duration) -> Self {
+        self.sweep_interval = every.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Number of shards (default: 4 per available core, rounded up to a power of two).
+    pub fn shards(mut self, shards: usize) -> Self {
+        self.shards = shards.max(1);
+        self
+    }
+
+    /// Builds the store.
+    #[must_use]
+    pub fn build(self) -> MemoryStore {
+        let shards = self.shards.next_power_of_two();
+        MemoryStore {
+            inner: Arc::new(Inner {
+                shards: (0..shards).map(|_| Mutex::new(HashMap::new())).collect(),
+                hasher: RandomState::new(),
+                clock: self.clock,
+                len: AtomicUsize::new(0),
+                max_keys: self.max_keys,
+                sweep_interval: self.sweep_interval,
+                sweeper: AtomicBool::new(false),
+                overflow: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Locks a mutex, recovering from poisoning: the maps hold plain data that a panicking thread
+/// cannot leave half-written (every update is a single assignment after the decision).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl MemoryStore {
+    /// A store with the default clock and limits.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::builder().build()
+    }
+
+    /// Starts configuring a store.
+    pub fn builder() -> MemoryStoreBuilder {
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+        MemoryStoreBuilder {
+            clock: Arc::new(MonotonicClock::new()),
+            max_keys: DEFAULT_MAX_KEYS,
+            sweep_interval: DEFAULT_SWEEP_INTERVAL,
+            shards: cores * 4,
+        }
+    }
+
+    /// Keys currently held (not counting the overflow buckets).
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.inner.len.load(Ordering::Relaxed)
+    }
+
+    /// Whether no key is held.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Removes every idle key now; returns how many were removed. The sweeper calls this.
+    pub fn sweep(&self) -> usize {
+        self.inner.sweep()
+    }
+
+    /// Decides synchronously (the [`Store::check`] future is this, already complete).
+    ///
+    /// # Errors
+    /// Never fails today; the `Result` matches [`Store::check`].
+    pub fn check_now(&self, check: Check<'_>) -> Result<Verdict, StoreError> {
+        self.start_sweeper();
+        Ok(self.inner.check(check))
+    }
+
+    /// Settles synchronously; see [`Store::settle`].
+    pub fn settle_now(&self, ticket: &Ticket, cost: u64) {
+        self.inner.settle(ticket, cost);
+    }
+
+    fn start_sweeper(&self) {
+        if self.inner.sweeper.load(Ordering::Relaxed) {
+            return;
+        }
+        let Ok(handle) = tokio::runtime::Handle::try_current() else { return };
+        if self.inner.sweeper.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let weak: Weak<Inner> = Arc::downgrade(&self.inner);
+        let every = self.inner.sweep_interval;
+        handle.spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let Some(inner) = weak.upgrade() else { break };
+                let removed = inner.sweep();
+                tracing::trace!(removed, "tollgate: swept idle keys");
+            }
+        });
+    }
+}
+
+fn mode(max_delay: Option<Duration>) -> Mode {
+    max_delay.map_or(Mode::Police, |d| Mode::Shape(duration_to_nanos(d)))
+}
+
+impl Inner {
+    fn shard(&self, key: &(Arc<str>, Key)) -> &Mutex<StateMap> {
+        let h = self.hasher.hash_one(key);
+        &self.shards[usize::try_from(h).unwrap_or(0) & (self.shards.len() - 1)]
+    }
+
+    fn check(&self, check: Check<'_>) -> Verdict {
+        let Check { policy, key, cost, max_delay } = check;
+        let now = self.clock.now();
+        let map_key = (policy.name_arc(), key.clone());
+        let mut shard = lock(self.shard(&map_key));
+        let (decision, charges) = match shard.get_mut(&map_key) {
+            Some(entry) => entry.decide(policy, now, cost, max_delay),
+            None => {
+                let mut entry = Entry::new(policy, now);
+                let out = entry.decide(policy, now, cost, max_delay);
+                // A rejected request on a fresh key (cost above capacity) leaves no state.
+                if out.1.is_some() {
+                    if !self.make_room(&mut shard, now) {
+                        drop(shard);
+                        return self.check_overflow(policy, key, cost, max_delay, now);
+                    }
+                    shard.insert(map_key, entry);
+                    self.len.fetch_add(1, Ordering::Relaxed);
+                }
+                out
+            }
+        };
+        let ticket = charges.filter(|_| cost > 0).map(|charges| Ticket {
+            policy: policy.clone(),
+            key: key.clone(),
+            cost,
+            charges,
+            overflow: false,
+        });
+        Verdict { decision, ticket }
+    }
+
+    /// Whether a new key may be inserted, evicting idle keys of this shard when full.
+    fn make_room(&self, shard: &mut StateMap, now: u64) -> bool {
+        if self.len.load(Ordering::Relaxed) < self.max_keys {
+            return true;
+        }
+        let before = shard.len();
+        shard.retain(|_, entry| !entry.is_idle(now));
+        let removed = before - shard.len();
+        self.len.fetch_sub(removed, Ordering::Relaxed);
+        removed > 0
+    }
+
+    fn check_overflow(
+        &self,
+        policy: &Policy,
+        key: &Key,
+        cost: u64,
+        max_delay: Option<Duration>,
+        now: u64,
+    ) -> Verdict {
+        let mut overflow = lock(&self.overflow);
+        let entry = overflow.entry(policy.name_arc()).or_insert_with(|| Entry::new(policy, now));
+        let (decision, charges) = entry.decide(policy, now, cost, max_delay);
+        tracing::debug!(policy = policy.name(), "tollgate: key cap reached, using overflow bucket");
+        let ticket = charges.filter(|_| cost > 0).map(|charges| Ticket {
+            policy: policy.clone(),
+            key: key.clone(),
+            cost,
+            charges,
+            overflow: true,
+        });
+        Verdict { decision, ticket }
+    }
+
+    fn settle(&self, ticket: &Ticket, cost: u64) {
+        if cost == ticket.cost {
+            return;
+        }
+        let now = self.clock.now();
+        let policy = &ticket.policy;
+        let alg = policy.algorithm();
+        let apply = |entry: &mut Entry| {
+            if !entry.policy.same(policy) {
+                return;
+            }
+            for ((state, tier), charge) in
+                entry.states.iter_mut().zip(policy.tiers()).zip(&ticket.charges)
+            {
+                if cost < ticket.cost {
+                    state.refund(alg, tier.rate, *charge, ticket.cost - cost);
+                } else {
+                    state.charge(alg, tier.rate, now, charge.at.max(now), cost - ticket.cost);
+                }
+            }
+        };
+        if ticket.overflow {
+            if let Some(entry) = lock(&self.overflow).get_mut(policy.name()) {
+                apply(entry);
+            }
+            return;
+        }
+        let map_key = (policy.name_arc(), ticket.key.clone());
+        let mut shard = lock(self.shard(&map_key));
+        if let Some(entry) = shard.get_mut(&map_key) {
+            apply(entry);
+        } else if cost > ticket.cost {
+            // Evicted since: the extra is charged to a fresh state.
+            let mut entry = Entry::new(policy, now);
+            apply(&mut entry);
+            shard.insert(map_key, entry);
+            self.len.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn sweep(&self) -> usize {
+        let now = self.clock.now();
+        let mut removed = 0;
+        for shard in &self.shards {
+            let mut shard = lock(shard);
+            let before = shard.len();
+            shard.retain(|_, entry| !entry.is_idle(now));
+            removed += before - shard.len();
+        }
+        self.len.fetch_sub(removed, Ordering::Relaxed);
+        removed
+    }
+}
+
+impl Store for MemoryStore {
+    fn check(
+        &self,
+        check: Check<'_>,
+    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send + 'static {
+        std::future::ready(self.check_now(check))
+    }
+
+    fn settle(
+        &self,
+        ticket: Ticket,
+        cost: u64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'static {
+        self.settle_now(&ticket, cost);
+        std::future::ready(Ok(()))
+    }
+}

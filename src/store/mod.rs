@@ -1,0 +1,108 @@
+//! Stores: where the per-key state lives (SPEC §8).
+//!
+//! [`MemoryStore`] is the default; `RedisStore` (feature `redis`) shares limits across a fleet.
+//! The [`Store`] trait is public so users can add their own backend.
+
+mod memory;
+
+use std::future::Future;
+use std::time::Duration;
+
+pub use memory::{DEFAULT_MAX_KEYS, DEFAULT_SWEEP_INTERVAL, MemoryStore, MemoryStoreBuilder};
+
+use crate::algorithm::Charge;
+use crate::decision::Decision;
+use crate::error::StoreError;
+use crate::key::Key;
+use crate::quota::Policy;
+
+/// One request to decide: which policy, which key, what it costs, and how long it may wait.
+#[derive(Debug, Clone, Copy)]
+pub struct Check<'a> {
+    /// The policy (its name namespaces the key in the store).
+    pub policy: &'a Policy,
+    /// The key being limited.
+    pub key: &'a Key,
+    /// Units this request consumes (0 consumes nothing and is always admitted).
+    pub cost: u64,
+    /// `None` to police (admit now or reject); `Some(d)` to shape: reserve the earliest
+    /// conforming slot if it is at most `d` away.
+    pub max_delay: Option<Duration>,
+}
+
+/// A store's answer: the decision, and for an admitted request a [`Ticket`] that can give the
+/// charge back or settle it at another cost (SPEC §4).
+#[derive(Debug)]
+pub struct Verdict {
+    /// The decision.
+    pub decision: Decision,
+    /// Present when the request was admitted with a cost above 0.
+    pub ticket: Option<Ticket>,
+}
+
+/// What an admitted request was charged, so that it can be cancelled or settled later.
+///
+/// Dropping a ticket keeps the charge (commits it).
+#[derive(Debug, Clone)]
+pub struct Ticket {
+    pub(crate) policy: Policy,
+    pub(crate) key: Key,
+    pub(crate) cost: u64,
+    pub(crate) charges: Vec<Charge>,
+    /// Charged to the overflow bucket of a full `MemoryStore`.
+    pub(crate) overflow: bool,
+}
+
+impl Ticket {
+    /// A ticket for a custom store: `cost` units charged to `key` under `policy`.
+    #[must_use]
+    pub fn new(policy: Policy, key: Key, cost: u64) -> Self {
+        Self { policy, key, cost, charges: Vec::new(), overflow: false }
+    }
+
+    /// The policy charged.
+    #[must_use]
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// The key charged.
+    #[must_use]
+    pub fn key(&self) -> &Key {
+        &self.key
+    }
+
+    /// Units charged.
+    #[must_use]
+    pub fn cost(&self) -> u64 {
+        self.cost
+    }
+}
+
+/// A backend that decides requests atomically over all tiers of a policy.
+///
+/// Implementations must decide all tiers of one check atomically: a rejected request charges no
+/// tier, and concurrent checks on one key never both take the last unit. Futures are `'static`
+/// so the layer can spawn settlements; keep shared state behind an `Arc`.
+pub trait Store: Clone + Send + Sync + 'static {
+    /// Decides one request, charging every tier when it is admitted.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the backend cannot decide (unreachable, timed out, invalid policy).
+    fn check(
+        &self,
+        check: Check<'_>,
+    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send + 'static;
+
+    /// Settles an admitted request at `cost` units instead of what it was charged: 0 cancels it
+    /// (gives every tier its charge back), less refunds the difference, more charges the extra
+    /// (unconditionally: it was already served).
+    ///
+    /// # Errors
+    /// [`StoreError`] when the backend cannot be reached.
+    fn settle(
+        &self,
+        ticket: Ticket,
+        cost: u64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'static;
+}
