@@ -61,9 +61,16 @@ pub(crate) struct Config<K, St> {
     pub(crate) policy: Policy,
     pub(crate) key: K,
     pub(crate) store: St,
+    pub(crate) waiters: Option<Arc<Semaphore>>,
+    pub(crate) settings: Settings,
+}
+
+/// The settings that do not change the layer's type.
+#[derive(Clone)]
+pub(crate) struct Settings {
     pub(crate) cost: Option<CostFn>,
     pub(crate) max_delay: Option<Duration>,
-    pub(crate) waiters: Option<Arc<Semaphore>>,
+    pub(crate) max_waiters: usize,
     pub(crate) headers: HeaderStyle,
     pub(crate) missing_key: MissingKey,
     pub(crate) on_store_error: OnStoreError,
@@ -103,7 +110,7 @@ impl<K, St> fmt::Debug for RateLimitLayer<K, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayer")
             .field("policy", &self.config.policy.name())
-            .field("max_delay", &self.config.max_delay)
+            .field("max_delay", &self.config.settings.max_delay)
             .finish_non_exhaustive()
     }
 }
@@ -115,17 +122,19 @@ impl RateLimitLayer {
             policy,
             key: PeerIp::new(),
             store: MemoryStore::new(),
-            cost: None,
-            max_delay: None,
-            max_waiters: DEFAULT_MAX_WAITERS,
-            headers: HeaderStyle::default(),
-            missing_key: MissingKey::default(),
-            on_store_error: OnStoreError::default(),
-            tarpit: None,
-            refund_if: None,
-            settle_cost: None,
-            rejection: None,
-            dry_run: false,
+            settings: Settings {
+                cost: None,
+                max_delay: None,
+                max_waiters: DEFAULT_MAX_WAITERS,
+                headers: HeaderStyle::default(),
+                missing_key: MissingKey::default(),
+                on_store_error: OnStoreError::default(),
+                tarpit: None,
+                refund_if: None,
+                settle_cost: None,
+                rejection: None,
+                dry_run: false,
+            },
         }
     }
 }
@@ -158,17 +167,7 @@ pub struct RateLimitLayerBuilder<K = PeerIp, St = MemoryStore> {
     policy: Policy,
     key: K,
     store: St,
-    cost: Option<CostFn>,
-    max_delay: Option<Duration>,
-    max_waiters: usize,
-    headers: HeaderStyle,
-    missing_key: MissingKey,
-    on_store_error: OnStoreError,
-    tarpit: Option<Duration>,
-    refund_if: Option<RefundFn>,
-    settle_cost: Option<SettleFn>,
-    rejection: Option<RejectFn>,
-    dry_run: bool,
+    settings: Settings,
 }
 
 impl<K, St> fmt::Debug for RateLimitLayerBuilder<K, St> {
@@ -186,50 +185,25 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
             policy: self.policy,
             key,
             store: self.store,
-            cost: self.cost,
-            max_delay: self.max_delay,
-            max_waiters: self.max_waiters,
-            headers: self.headers,
-            missing_key: self.missing_key,
-            on_store_error: self.on_store_error,
-            tarpit: self.tarpit,
-            refund_if: self.refund_if,
-            settle_cost: self.settle_cost,
-            rejection: self.rejection,
-            dry_run: self.dry_run,
+            settings: self.settings,
         }
     }
 
     /// Sets the store (default: a new [`MemoryStore`]). Pass a clone of one store to several
     /// layers to keep their states in one place; policy names must then differ.
     pub fn store<St2: Store>(self, store: St2) -> RateLimitLayerBuilder<K, St2> {
-        RateLimitLayerBuilder {
-            policy: self.policy,
-            key: self.key,
-            store,
-            cost: self.cost,
-            max_delay: self.max_delay,
-            max_waiters: self.max_waiters,
-            headers: self.headers,
-            missing_key: self.missing_key,
-            on_store_error: self.on_store_error,
-            tarpit: self.tarpit,
-            refund_if: self.refund_if,
-            settle_cost: self.settle_cost,
-            rejection: self.rejection,
-            dry_run: self.dry_run,
-        }
+        RateLimitLayerBuilder { policy: self.policy, key: self.key, store, settings: self.settings }
     }
 
     /// Every request costs `units` (default 1).
     pub fn cost(mut self, units: u64) -> Self {
-        self.cost = Some(Arc::new(move |_| units));
+        self.settings.cost = Some(Arc::new(move |_| units));
         self
     }
 
     /// Computes each request's cost in units from its head, e.g. from `Content-Length`.
     pub fn cost_fn(mut self, f: impl Fn(&Parts) -> u64 + Send + Sync + 'static) -> Self {
-        self.cost = Some(Arc::new(f));
+        self.settings.cost = Some(Arc::new(f));
         self
     }
 
@@ -237,46 +211,46 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
     /// its slot and waits for it; one that would wait longer is rejected as when policing
     /// (nginx `limit_req burst=N delay=M`). A request dropped while waiting gives its slot back.
     pub fn shape(mut self, max_delay: Duration) -> Self {
-        self.max_delay = Some(max_delay);
+        self.settings.max_delay = Some(max_delay);
         self
     }
 
     /// Bounds how many requests may wait at once while shaping (default
     /// [`DEFAULT_MAX_WAITERS`]). When all places are taken, further requests are policed.
     pub fn max_waiters(mut self, n: usize) -> Self {
-        self.max_waiters = n;
+        self.settings.max_waiters = n;
         self
     }
 
     /// Which rate-limit headers responses carry (default [`HeaderStyle::Ietf`]).
     pub fn headers(mut self, style: HeaderStyle) -> Self {
-        self.headers = style;
+        self.settings.headers = style;
         self
     }
 
     /// What to do with requests without a key (default: 400).
     pub fn missing_key(mut self, missing: MissingKey) -> Self {
-        self.missing_key = missing;
+        self.settings.missing_key = missing;
         self
     }
 
     /// What to do when the store fails (default [`OnStoreError::FailOpen`]).
     pub fn on_store_error(mut self, on_error: OnStoreError) -> Self {
-        self.on_store_error = on_error;
+        self.settings.on_store_error = on_error;
         self
     }
 
     /// Delays every rejection by `delay` before answering, to slow clients that retry in a
     /// tight loop (seed 002's tarpit). Costs one sleeping task per rejected request.
     pub fn tarpit(mut self, delay: Duration) -> Self {
-        self.tarpit = Some(delay);
+        self.settings.tarpit = Some(delay);
         self
     }
 
     /// Gives the charge back when the inner service answers with a status for which `f` is
     /// true, e.g. `|s| s.is_server_error()`.
     pub fn refund_if(mut self, f: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
-        self.refund_if = Some(Arc::new(f));
+        self.settings.refund_if = Some(Arc::new(f));
         self
     }
 
@@ -287,7 +261,7 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         mut self,
         f: impl Fn(&http::response::Parts) -> Option<u64> + Send + Sync + 'static,
     ) -> Self {
-        self.settle_cost = Some(Arc::new(f));
+        self.settings.settle_cost = Some(Arc::new(f));
         self
     }
 
@@ -297,13 +271,13 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         mut self,
         f: impl Fn(&Decision) -> Response<Body> + Send + Sync + 'static,
     ) -> Self {
-        self.rejection = Some(Arc::new(f));
+        self.settings.rejection = Some(Arc::new(f));
         self
     }
 
     /// Dry run (shadow mode): decide, charge and report headers, but never reject or delay.
     pub fn dry_run(mut self, on: bool) -> Self {
-        self.dry_run = on;
+        self.settings.dry_run = on;
         self
     }
 
@@ -312,26 +286,18 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
     /// # Errors
     /// [`ConfigError::Invalid`] when `max_waiters` is 0 while shaping.
     pub fn build(self) -> Result<RateLimitLayer<K, St>, ConfigError> {
-        if self.max_delay.is_some() && self.max_waiters == 0 {
+        let settings = self.settings;
+        if settings.max_delay.is_some() && settings.max_waiters == 0 {
             return Err(ConfigError::Invalid("max_waiters must be at least 1 when shaping".into()));
         }
-        let waiters = self.max_delay.map(|_| Arc::new(Semaphore::new(self.max_waiters)));
+        let waiters = settings.max_delay.map(|_| Arc::new(Semaphore::new(settings.max_waiters)));
         Ok(RateLimitLayer {
             config: Arc::new(Config {
                 policy: self.policy,
                 key: self.key,
                 store: self.store,
-                cost: self.cost,
-                max_delay: self.max_delay,
                 waiters,
-                headers: self.headers,
-                missing_key: self.missing_key,
-                on_store_error: self.on_store_error,
-                tarpit: self.tarpit,
-                refund_if: self.refund_if,
-                settle_cost: self.settle_cost,
-                rejection: self.rejection,
-                dry_run: self.dry_run,
+                settings,
             }),
         })
     }

@@ -150,7 +150,7 @@ where
     let (parts, body) = req.into_parts();
     let key = match config.key.extract(&parts) {
         Some(key) => key,
-        None => match config.missing_key {
+        None => match config.settings.missing_key {
             MissingKey::Reject(status) => {
                 tracing::debug!(policy = config.policy.name(), "tollgate: request without a key");
                 return Ok(problem(
@@ -168,21 +168,23 @@ where
             MissingKey::Shared => Key::Missing,
         },
     };
-    let cost = config.cost.as_ref().map_or(1, |f| f(&parts));
+    let cost = config.settings.cost.as_ref().map_or(1, |f| f(&parts));
 
     // A place in the waiting room, taken before deciding so a full room polices instead of
     // reserving slots it cannot wait for.
-    let permit = match (&config.waiters, config.max_delay) {
-        (Some(sem), Some(_)) if !config.dry_run => Arc::clone(sem).try_acquire_owned().ok(),
+    let permit = match (&config.waiters, config.settings.max_delay) {
+        (Some(sem), Some(_)) if !config.settings.dry_run => {
+            Arc::clone(sem).try_acquire_owned().ok()
+        }
         _ => None,
     };
-    let max_delay = permit.as_ref().and(config.max_delay);
+    let max_delay = permit.as_ref().and(config.settings.max_delay);
     let check = Check { policy: &config.policy, key: &key, cost, max_delay };
     let verdict = match config.store.check(check).await {
         Ok(v) => v,
         Err(error) => {
             drop(permit);
-            return match config.on_store_error {
+            return match config.settings.on_store_error {
                 OnStoreError::FailOpen => {
                     tracing::warn!(%error, policy = config.policy.name(), "tollgate: store failed; failing open");
                     let res = inner.call(Request::from_parts(parts, body)).await?;
@@ -205,17 +207,17 @@ where
     };
     let decision = verdict.decision;
 
-    if !decision.is_allowed() && !config.dry_run {
+    if !decision.is_allowed() && !config.settings.dry_run {
         drop(permit);
         tracing::debug!(policy = config.policy.name(), %key, outcome = ?decision.outcome(), "tollgate: limited");
-        if let Some(delay) = config.tarpit {
+        if let Some(delay) = config.settings.tarpit {
             tokio::time::sleep(delay).await;
         }
-        let mut res = match &config.rejection {
+        let mut res = match &config.settings.rejection {
             Some(f) => f(&decision),
             None => too_many_requests(&decision),
         };
-        write_headers(res.headers_mut(), &decision, config.headers);
+        write_headers(res.headers_mut(), &decision, config.settings.headers);
         return Ok(res);
     }
 
@@ -234,7 +236,7 @@ where
     if let Some(ticket) = ticket {
         settle(&config, ticket, &head).await;
     }
-    write_headers(&mut head.headers, &decision, config.headers);
+    write_headers(&mut head.headers, &decision, config.settings.headers);
     Ok(Response::from_parts(head, Body::new(body)))
 }
 
@@ -244,8 +246,9 @@ async fn settle<K, St: Store>(
     ticket: Ticket,
     head: &http::response::Parts,
 ) {
-    let refund = config.refund_if.as_ref().is_some_and(|f| f(head.status));
-    let cost = if refund { Some(0) } else { config.settle_cost.as_ref().and_then(|f| f(head)) };
+    let refund = config.settings.refund_if.as_ref().is_some_and(|f| f(head.status));
+    let cost =
+        if refund { Some(0) } else { config.settings.settle_cost.as_ref().and_then(|f| f(head)) };
     let Some(cost) = cost else { return };
     if cost == ticket.cost() {
         return;

@@ -1,0 +1,336 @@
+//! End-to-end over real HTTP on loopback: status codes, headers (parsed with an RFC 9651
+//! parser), Retry-After, problem+json, per-route policies, keys, refunds, concurrency.
+
+mod support;
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::get as route_get;
+use http::StatusCode;
+use support::{client, get, serve, serve_without_connect_info};
+use tollgate::key::{ClientIp, HeaderKey};
+use tollgate::{Algorithm, HeaderStyle, MissingKey, Policy, Quota, RateLimitLayer};
+
+/// `[(name, [(param, integer)])]` from a structured-field List, asserting its syntax.
+fn sf_list(value: &str) -> Vec<(String, Vec<(String, i64)>)> {
+    let list: sfv::List = sfv::Parser::new(value).parse().expect("RFC 9651 list");
+    list.into_iter()
+        .map(|entry| match entry {
+            sfv::ListEntry::Item(item) => {
+                let name = item.bare_item.as_string().expect("policy name is a String");
+                let params = item
+                    .params
+                    .iter()
+                    .map(|(k, v)| {
+                        (k.as_str().to_owned(), i64::from(v.as_integer().expect("integer")))
+                    })
+                    .collect();
+                (name.as_str().to_owned(), params)
+            }
+            sfv::ListEntry::InnerList(_) => panic!("unexpected inner list in {value}"),
+        })
+        .collect()
+}
+
+fn p(pairs: &[(&str, i64)]) -> Vec<(String, i64)> {
+    pairs.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect()
+}
+
+fn app(layer: RateLimitLayer<impl tollgate::key::KeyExtractor, tollgate::MemoryStore>) -> Router {
+    Router::new().route("/", route_get(|| async { "ok" })).layer(layer)
+}
+
+#[tokio::test]
+async fn police_429_headers_retry_after_and_problem_body() {
+    let policy = Policy::builder("api")
+        .tier("burst", Quota::per_second(1).with_burst(2))
+        .tier("daily", Quota::per_day(1000))
+        .build()
+        .unwrap();
+    let server = serve(app(RateLimitLayer::builder(policy).build().unwrap())).await;
+    let c = client();
+
+    let first = get(&c, &server.url("/"), &[]).await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(
+        sf_list(first.header("ratelimit-policy").unwrap()),
+        [
+            ("burst".to_owned(), p(&[("q", 1), ("w", 1)])),
+            ("daily".to_owned(), p(&[("q", 1000), ("w", 86400)]))
+        ]
+    );
+    let state = sf_list(first.header("ratelimit").unwrap());
+    assert_eq!(state[0], ("burst".to_owned(), p(&[("r", 1), ("t", 1)])));
+    // 1,000 per day: one unit back every 86.4 s.
+    assert_eq!(state[1], ("daily".to_owned(), p(&[("r", 999), ("t", 87)])));
+
+    let second = get(&c, &server.url("/"), &[]).await;
+    assert_eq!(second.status, StatusCode::OK);
+    let third = get(&c, &server.url("/"), &[]).await;
+    assert_eq!(third.status, StatusCode::TOO_MANY_REQUESTS);
+    // About a second to wait, rounded up to whole seconds, never 0.
+    assert_eq!(third.header("retry-after"), Some("1"));
+    assert_eq!(third.header("cache-control"), Some("no-store"));
+    assert_eq!(third.header("content-type"), Some("application/problem+json"));
+    let state = sf_list(third.header("ratelimit").unwrap());
+    assert_eq!(state[0].1[0], ("r".to_owned(), 0));
+    assert_eq!(state[1].1[0], ("r".to_owned(), 998), "a rejected request charges no tier");
+    let body = third.json();
+    assert_eq!(body["type"], "https://iana.org/assignments/http-problem-types#quota-exceeded");
+    assert_eq!(body["status"], 429);
+    assert_eq!(body["title"], "Too Many Requests");
+    assert_eq!(body["violated-policies"], serde_json::json!(["burst"]));
+    assert_eq!(body["detail"], "quota exceeded; retry in 1 s");
+}
+
+#[tokio::test]
+async fn retry_after_rounds_up_whole_seconds() {
+    // 1 per 2.5 s: after one request the next fits in 2.5 s -> Retry-After 3.
+    let policy = Policy::single("slow", Quota::new(1, Duration::from_millis(2500))).unwrap();
+    let server = serve(app(RateLimitLayer::builder(policy).build().unwrap())).await;
+    let c = client();
+    assert_eq!(get(&c, &server.url("/"), &[]).await.status, StatusCode::OK);
+    let r = get(&c, &server.url("/"), &[]).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(r.header("retry-after"), Some("3"));
+    assert_eq!(sf_list(r.header("ratelimit-policy").unwrap())[0].1, p(&[("q", 1), ("w", 3)]));
+}
+
+#[tokio::test]
+async fn cost_above_capacity_has_no_retry_after() {
+    let policy = Policy::single("p", Quota::per_second(5)).unwrap();
+    let layer = RateLimitLayer::builder(policy).cost(6).build().unwrap();
+    let server = serve(app(layer)).await;
+    let r = get(&client(), &server.url("/"), &[]).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(r.header("retry-after"), None);
+    let body = r.json();
+    assert_eq!(
+        body["detail"],
+        "the request costs more than the policy's capacity; it can never be admitted"
+    );
+    assert_eq!(body["violated-policies"], serde_json::json!(["p"]));
+}
+
+#[tokio::test]
+async fn per_route_policies_have_separate_budgets() {
+    let a =
+        RateLimitLayer::builder(Policy::single("a", Quota::per_hour(2)).unwrap()).build().unwrap();
+    let b =
+        RateLimitLayer::builder(Policy::single("b", Quota::per_hour(1)).unwrap()).build().unwrap();
+    let app = Router::new()
+        .route("/a", route_get(|| async { "a" }))
+        .route_layer(a)
+        .merge(Router::new().route("/b", route_get(|| async { "b" })).route_layer(b))
+        .route("/free", route_get(|| async { "free" }));
+    let server = serve(app).await;
+    let c = client();
+    let mut statuses = Vec::new();
+    for path in ["/a", "/b", "/a", "/b", "/a", "/free", "/free"] {
+        statuses.push(get(&c, &server.url(path), &[]).await.status.as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 200, 429, 429, 200, 200]);
+    let free = get(&c, &server.url("/free"), &[]).await;
+    assert_eq!(free.header("ratelimit"), None, "unlimited routes carry no headers");
+}
+
+#[tokio::test]
+async fn thousand_concurrent_requests_on_one_key_admit_exactly_the_quota() {
+    let policy = Policy::single("hot", Quota::per_hour(100)).unwrap();
+    let server = serve(app(RateLimitLayer::builder(policy).build().unwrap())).await;
+    let c = client();
+    let url = server.url("/");
+    let tasks: Vec<_> = (0..1000)
+        .map(|_| {
+            let c = c.clone();
+            let url = url.clone();
+            tokio::spawn(async move { get(&c, &url, &[]).await.status })
+        })
+        .collect();
+    let mut ok = 0;
+    let mut limited = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            StatusCode::OK => ok += 1,
+            StatusCode::TOO_MANY_REQUESTS => limited += 1,
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert_eq!((ok, limited), (100, 900));
+}
+
+#[tokio::test]
+async fn forged_forwarding_headers_from_an_untrusted_peer_do_not_change_the_key() {
+    let policy = Policy::single("ip", Quota::per_hour(3)).unwrap();
+    // The test client connects from 127.0.0.1, which is not trusted here.
+    let key = ClientIp::from_cidrs(["10.0.0.0/8"]).unwrap();
+    let server = serve(app(RateLimitLayer::builder(policy).key(key).build().unwrap())).await;
+    let c = client();
+    let mut statuses = Vec::new();
+    for i in 0..6 {
+        let forged = format!("203.0.113.{i}");
+        let r = get(&c, &server.url("/"), &[("x-forwarded-for", &forged), ("x-real-ip", &forged)])
+            .await;
+        statuses.push(r.status.as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 200, 429, 429, 429]);
+}
+
+#[tokio::test]
+async fn trusted_proxy_forwards_the_right_most_untrusted_hop() {
+    let policy = Policy::single("ip", Quota::per_hour(1)).unwrap();
+    let key = ClientIp::from_cidrs(["127.0.0.0/8"]).unwrap();
+    let server = serve(app(RateLimitLayer::builder(policy).key(key).build().unwrap())).await;
+    let c = client();
+    let mut statuses = Vec::new();
+    // Two clients behind the proxy, each with a spoofed left part that must be ignored.
+    for (spoof, client_ip) in
+        [("1.1.1.1", "203.0.113.1"), ("2.2.2.2", "203.0.113.2"), ("3.3.3.3", "203.0.113.1")]
+    {
+        let xff = format!("{spoof}, {client_ip}");
+        statuses
+            .push(get(&c, &server.url("/"), &[("x-forwarded-for", &xff)]).await.status.as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 429]);
+}
+
+#[tokio::test]
+async fn missing_key_is_a_clear_400_or_passes_when_configured() {
+    let policy = Policy::single("p", Quota::per_second(1)).unwrap();
+    let server =
+        serve_without_connect_info(app(RateLimitLayer::builder(policy.clone()).build().unwrap()))
+            .await;
+    let r = get(&client(), &server.url("/"), &[]).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(r.json()["detail"], "no rate-limit key could be read from the request");
+
+    let layer = RateLimitLayer::builder(policy.clone())
+        .key(HeaderKey::new(http::HeaderName::from_static("x-api-key")))
+        .missing_key(MissingKey::Allow)
+        .build()
+        .unwrap();
+    let server = serve(app(layer)).await;
+    let c = client();
+    for _ in 0..3 {
+        assert_eq!(get(&c, &server.url("/"), &[]).await.status, StatusCode::OK);
+    }
+    assert_eq!(get(&c, &server.url("/"), &[("x-api-key", "k")]).await.status, StatusCode::OK);
+    assert_eq!(
+        get(&c, &server.url("/"), &[("x-api-key", "k")]).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+
+    let layer = RateLimitLayer::builder(policy)
+        .key(HeaderKey::new(http::HeaderName::from_static("x-api-key")))
+        .missing_key(MissingKey::Shared)
+        .build()
+        .unwrap();
+    let server = serve(app(layer)).await;
+    assert_eq!(get(&c, &server.url("/"), &[]).await.status, StatusCode::OK);
+    assert_eq!(get(&c, &server.url("/"), &[]).await.status, StatusCode::TOO_MANY_REQUESTS);
+}
+
+#[tokio::test]
+async fn refund_on_server_error_gives_the_charge_back() {
+    let policy = Policy::single("p", Quota::per_hour(2)).unwrap();
+    let layer = RateLimitLayer::builder(policy).refund_if(|s| s.is_server_error()).build().unwrap();
+    let app = Router::new()
+        .route("/fail", route_get(|| async { (StatusCode::INTERNAL_SERVER_ERROR, "boom") }))
+        .route("/ok", route_get(|| async { "ok" }))
+        .layer(layer);
+    let server = serve(app).await;
+    let c = client();
+    for _ in 0..5 {
+        assert_eq!(
+            get(&c, &server.url("/fail"), &[]).await.status,
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+    }
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(get(&c, &server.url("/ok"), &[]).await.status.as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 429]);
+}
+
+#[tokio::test]
+async fn legacy_headers_and_custom_rejection() {
+    let policy = Policy::builder("p")
+        .tier("minute", Quota::per_minute(2))
+        .algorithm(Algorithm::FixedWindow)
+        .build()
+        .unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .headers(HeaderStyle::Legacy)
+        .rejection(|d| {
+            let mut res = http::Response::new(axum::body::Body::from(format!(
+                "slow down: {}",
+                d.violated().collect::<Vec<_>>().join(",")
+            )));
+            *res.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+            res
+        })
+        .build()
+        .unwrap();
+    let server = serve(app(layer)).await;
+    let c = client();
+    let first = get(&c, &server.url("/"), &[]).await;
+    assert_eq!(first.header("x-ratelimit-limit"), Some("2"));
+    assert_eq!(first.header("x-ratelimit-remaining"), Some("1"));
+    assert_eq!(first.header("ratelimit"), None);
+    get(&c, &server.url("/"), &[]).await;
+    let third = get(&c, &server.url("/"), &[]).await;
+    assert_eq!(third.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(&third.body[..], b"slow down: minute");
+    assert_eq!(third.header("x-ratelimit-remaining"), Some("0"));
+}
+
+#[tokio::test]
+async fn dry_run_reports_but_never_blocks() {
+    let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
+    let server = serve(app(RateLimitLayer::builder(policy).dry_run(true).build().unwrap())).await;
+    let c = client();
+    for _ in 0..3 {
+        let r = get(&c, &server.url("/"), &[]).await;
+        assert_eq!(r.status, StatusCode::OK);
+        assert_eq!(sf_list(r.header("ratelimit").unwrap())[0].1[0], ("r".to_owned(), 0));
+    }
+}
+
+#[tokio::test]
+async fn shaping_over_http_delays_then_rejects_over_budget() {
+    // 10/s, burst 1, wait at most 250 ms: of 5 simultaneous requests, slots at 0, 100 and
+    // 200 ms pass; the other two would wait 300 and 400 ms and are rejected at once.
+    let policy =
+        Policy::builder("s").tier("s", Quota::per_second(10).with_burst(1)).build().unwrap();
+    let layer = RateLimitLayer::builder(policy).shape(Duration::from_millis(250)).build().unwrap();
+    let server = serve(app(layer)).await;
+    let c = client();
+    let url = server.url("/");
+    let start = tokio::time::Instant::now();
+    let tasks: Vec<_> = (0..5)
+        .map(|_| {
+            let (c, url) = (c.clone(), url.clone());
+            tokio::spawn(async move {
+                let r = get(&c, &url, &[]).await;
+                (r.status, start.elapsed())
+            })
+        })
+        .collect();
+    let mut ok: Vec<Duration> = Vec::new();
+    let mut limited = 0;
+    for t in tasks {
+        let (status, took) = t.await.unwrap();
+        match status {
+            StatusCode::OK => ok.push(took),
+            StatusCode::TOO_MANY_REQUESTS => limited += 1,
+            other => panic!("{other}"),
+        }
+    }
+    ok.sort();
+    assert_eq!((ok.len(), limited), (3, 2));
+    // Wall-clock lower bounds only: each passed request waited at least for its slot.
+    assert!(ok[1] >= Duration::from_millis(100) - Duration::from_millis(5), "{ok:?}");
+    assert!(ok[2] >= Duration::from_millis(200) - Duration::from_millis(5), "{ok:?}");
+}
