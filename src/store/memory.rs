@@ -400,3 +400,121 @@ impl Store for MemoryStore {
         std::future::ready(Ok(()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, Ipv4Addr};
+
+    use super::*;
+    use crate::clock::FakeClock;
+    use crate::decision::Outcome;
+    use crate::quota::Quota;
+
+    fn ip(i: u32) -> Key {
+        Key::Ip(IpAddr::V4(Ipv4Addr::from(i)))
+    }
+
+    fn check<'a>(policy: &'a Policy, key: &'a Key) -> Check<'a> {
+        Check { policy, key, cost: 1, max_delay: None }
+    }
+
+    #[test]
+    fn full_store_keeps_established_keys_and_shares_one_overflow_bucket() {
+        let clock = FakeClock::new();
+        let store = MemoryStore::builder().clock(clock.clone()).max_keys(10).shards(4).build();
+        let policy = Policy::single("p", Quota::per_hour(2)).unwrap();
+        for i in 0..10 {
+            assert!(store.check_now(check(&policy, &ip(i))).unwrap().decision.is_allowed());
+        }
+        assert_eq!(store.len(), 10);
+        // 100 new keys: none is held; together they get the overflow bucket's 2 units.
+        let admitted = (100..200)
+            .filter(|i| store.check_now(check(&policy, &ip(*i))).unwrap().decision.is_allowed())
+            .count();
+        assert_eq!(admitted, 2);
+        assert_eq!(store.len(), 10);
+        // Established keys keep their own state: one unit left each.
+        assert!(store.check_now(check(&policy, &ip(3))).unwrap().decision.is_allowed());
+        assert!(!store.check_now(check(&policy, &ip(3))).unwrap().decision.is_allowed());
+    }
+
+    #[test]
+    fn sweep_removes_only_idle_keys() {
+        let clock = FakeClock::new();
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let fast = Policy::single("fast", Quota::per_second(1)).unwrap();
+        let slow = Policy::single("slow", Quota::per_hour(1)).unwrap();
+        store.check_now(check(&fast, &ip(1))).unwrap();
+        store.check_now(check(&slow, &ip(1))).unwrap();
+        assert_eq!(store.sweep(), 0);
+        clock.advance(Duration::from_secs(1));
+        assert_eq!(store.sweep(), 1, "the 1/s key is back to full, the 1/h key is not");
+        assert_eq!(store.len(), 1);
+        assert!(!store.check_now(check(&slow, &ip(1))).unwrap().decision.is_allowed());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sweeper_runs_on_its_interval_and_stops_with_the_store() {
+        let store = MemoryStore::builder().sweep_interval(Duration::from_secs(5)).build();
+        let policy = Policy::single("p", Quota::per_second(1)).unwrap();
+        store.check_now(check(&policy, &ip(1))).unwrap();
+        assert_eq!(store.len(), 1);
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        assert_eq!(store.len(), 0);
+        let weak = Arc::downgrade(&store.inner);
+        drop(store);
+        tokio::time::sleep(Duration::from_secs(11)).await;
+        assert!(weak.upgrade().is_none(), "the sweeper holds no strong reference");
+    }
+
+    #[test]
+    fn threads_never_over_admit() {
+        let store = MemoryStore::new();
+        let policy = Policy::single("p", Quota::per_hour(1000)).unwrap();
+        let admitted = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..1000 {
+                        if store
+                            .check_now(check(&policy, &Key::Global))
+                            .unwrap()
+                            .decision
+                            .is_allowed()
+                        {
+                            admitted.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(admitted.load(Ordering::Relaxed), 1000);
+    }
+
+    #[test]
+    fn settle_refunds_and_charges_extra() {
+        let clock = FakeClock::new();
+        let store = MemoryStore::builder().clock(clock).build();
+        let policy = Policy::single("p", Quota::per_hour(10)).unwrap();
+        let key = ip(7);
+        let c = Check { policy: &policy, key: &key, cost: 4, max_delay: None };
+        let ticket = store.check_now(c).unwrap().ticket.unwrap();
+        store.settle_now(&ticket, 9);
+        let d = store.check_now(check(&policy, &key)).unwrap().decision;
+        assert_eq!(d.tiers()[0].remaining(), 0);
+        let ticket = store.check_now(Check { cost: 0, ..c }).unwrap();
+        assert!(ticket.ticket.is_none(), "cost 0 charges nothing");
+        let d = store.check_now(check(&policy, &key)).unwrap().decision;
+        assert_eq!(d.outcome(), Outcome::Limited);
+    }
+
+    #[test]
+    fn cost_above_capacity_on_a_new_key_leaves_no_state() {
+        let store = MemoryStore::new();
+        let policy = Policy::single("p", Quota::per_second(2)).unwrap();
+        let c = Check { policy: &policy, key: &Key::Global, cost: 3, max_delay: None };
+        let v = store.check_now(c).unwrap();
+        assert_eq!(v.decision.outcome(), Outcome::CostExceedsCapacity);
+        assert!(store.is_empty());
+    }
+}

@@ -1,0 +1,227 @@
+//! The layer as a plain Tower service on a paused tokio clock: exact shaping delays, cancelled
+//! waiters, the waiter bound, tarpit, settlement, store failures, error pass-through.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::ConnectInfo;
+use http::{Request, Response, StatusCode};
+use tokio::time::Instant;
+use tollgate::store::{Check, Store, Ticket, Verdict};
+use tollgate::{
+    MemoryStore, OnStoreError, Policy, Quota, RateLimitLayer, StoreError, key::GlobalKey,
+};
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+fn request() -> Request<Body> {
+    let mut req = Request::new(Body::empty());
+    req.extensions_mut().insert(ConnectInfo("192.0.2.1:1234".parse::<SocketAddr>().unwrap()));
+    req
+}
+
+fn ok_service()
+-> impl Service<Request<Body>, Response = Response<Body>, Error = Infallible, Future: Send>
++ Clone
++ Send
++ 'static {
+    service_fn(|_req: Request<Body>| async { Ok::<_, Infallible>(Response::new(Body::from("ok"))) })
+}
+
+#[tokio::test(start_paused = true)]
+async fn shaping_delays_are_exact_on_a_paused_clock() {
+    let policy = Policy::single("s", Quota::per_second(10).with_burst(1)).unwrap();
+    let layer = RateLimitLayer::builder(policy).shape(Duration::from_millis(250)).build().unwrap();
+    let svc = layer.layer(ok_service());
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..5)
+        .map(|_| {
+            let svc = svc.clone();
+            tokio::spawn(async move {
+                let res = svc.oneshot(request()).await.unwrap();
+                (res.status(), start.elapsed())
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out.sort_by_key(|(s, d)| (s.as_u16(), *d));
+    assert_eq!(
+        out,
+        [
+            (StatusCode::OK, Duration::ZERO),
+            (StatusCode::OK, Duration::from_millis(100)),
+            (StatusCode::OK, Duration::from_millis(200)),
+            (StatusCode::TOO_MANY_REQUESTS, Duration::ZERO),
+            (StatusCode::TOO_MANY_REQUESTS, Duration::ZERO),
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_dropped_while_waiting_gives_its_slot_back() {
+    let policy = Policy::single("s", Quota::per_second(10).with_burst(1)).unwrap();
+    let layer = RateLimitLayer::builder(policy).shape(Duration::from_secs(1)).build().unwrap();
+    let svc = layer.layer(ok_service());
+    assert_eq!(svc.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
+    // Reserves the 100 ms slot, then gives up after 50 ms.
+    let waiting =
+        tokio::time::timeout(Duration::from_millis(50), svc.clone().oneshot(request())).await;
+    assert!(waiting.is_err());
+    tokio::task::yield_now().await;
+    // The next request gets the returned 100 ms slot: it waits 50 ms more, not 150.
+    let start = Instant::now();
+    assert_eq!(svc.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(start.elapsed(), Duration::from_millis(50));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_number_of_waiters_is_bounded() {
+    let policy = Policy::single("s", Quota::per_second(10).with_burst(1)).unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .key(GlobalKey)
+        .shape(Duration::from_secs(10))
+        .max_waiters(3)
+        .build()
+        .unwrap();
+    let svc = layer.layer(ok_service());
+    let tasks: Vec<_> = (0..10)
+        .map(|_| {
+            let svc = svc.clone();
+            tokio::spawn(async move { svc.oneshot(request()).await.unwrap().status() })
+        })
+        .collect();
+    let mut ok = 0;
+    let mut limited = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            StatusCode::OK => ok += 1,
+            _ => limited += 1,
+        }
+    }
+    // One admitted without waiting (the permit is given back at once), three waited, and the
+    // other six were policed: no waiting room left, no slot free now.
+    assert_eq!((ok, limited), (4, 6));
+}
+
+#[tokio::test(start_paused = true)]
+async fn tarpit_delays_rejections() {
+    let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
+    let layer = RateLimitLayer::builder(policy).tarpit(Duration::from_secs(2)).build().unwrap();
+    let svc = layer.layer(ok_service());
+    let start = Instant::now();
+    assert_eq!(svc.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    let res = svc.clone().oneshot(request()).await.unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(start.elapsed(), Duration::from_secs(2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn cost_settled_from_the_response() {
+    let policy = Policy::single("tokens", Quota::per_hour(100)).unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .settle_cost(|head| head.headers.get("x-tokens")?.to_str().ok()?.parse().ok())
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(|_req: Request<Body>| async {
+        Ok::<_, Infallible>(
+            Response::builder().header("x-tokens", "60").body(Body::empty()).unwrap(),
+        )
+    }));
+    let first = svc.clone().oneshot(request()).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    // Charged 1 at admission, settled to 60 after; the second charges 1: 39 left, and the
+    // TAT is 61 emission intervals of 36 s ahead.
+    let second = svc.clone().oneshot(request()).await.unwrap();
+    assert_eq!(second.headers()["ratelimit"], "\"tokens\";r=39;t=2196");
+    let third = svc.clone().oneshot(request()).await.unwrap();
+    assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
+}
+
+/// A store that always fails, counting its calls.
+#[derive(Clone, Default)]
+struct Broken(Arc<AtomicUsize>);
+
+impl Store for Broken {
+    fn check(
+        &self,
+        _: Check<'_>,
+    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send + 'static {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        std::future::ready(Err(StoreError::Backend("down".into())))
+    }
+
+    fn settle(
+        &self,
+        _: Ticket,
+        _: u64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'static {
+        std::future::ready(Ok(()))
+    }
+}
+
+#[tokio::test]
+async fn store_failure_fails_open_or_closed_as_configured() {
+    let policy = Policy::single("p", Quota::per_second(1)).unwrap();
+    let store = Broken::default();
+    let open = RateLimitLayer::builder(policy.clone()).store(store.clone()).build().unwrap();
+    let res = open.layer(ok_service()).oneshot(request()).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert!(res.headers().get("ratelimit").is_none());
+
+    let closed = RateLimitLayer::builder(policy)
+        .store(store.clone())
+        .on_store_error(OnStoreError::FailClosed)
+        .build()
+        .unwrap();
+    let res = closed.layer(ok_service()).oneshot(request()).await.unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(res.headers()["retry-after"], "1");
+    assert_eq!(store.0.load(Ordering::SeqCst), 2);
+}
+
+#[derive(Debug, PartialEq)]
+struct MyError(&'static str);
+
+#[tokio::test]
+async fn the_inner_error_type_passes_through_and_poll_ready_takes_nothing() {
+    let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
+    let store = MemoryStore::new();
+    let layer = RateLimitLayer::builder(policy).store(store.clone()).build().unwrap();
+    let mut svc = layer.layer(service_fn(|_req: Request<Body>| async {
+        Err::<Response<Body>, _>(MyError("inner failed"))
+    }));
+    for _ in 0..5 {
+        std::future::poll_fn(|cx: &mut Context<'_>| match svc.poll_ready(cx) {
+            Poll::Ready(r) => Poll::Ready(r),
+            Poll::Pending => Poll::Pending,
+        })
+        .await
+        .unwrap();
+    }
+    assert_eq!(store.len(), 0, "poll_ready decided nothing");
+    let err = svc.ready().await.unwrap().call(request()).await.unwrap_err();
+    assert_eq!(err, MyError("inner failed"));
+    // The rate limit itself is a response, not an error.
+    let res = svc.ready().await.unwrap().call(request()).await;
+    assert_eq!(res.unwrap().status(), StatusCode::TOO_MANY_REQUESTS);
+}
+
+#[tokio::test]
+async fn clones_share_state() {
+    let policy = Policy::single("p", Quota::per_hour(2)).unwrap();
+    let layer = RateLimitLayer::builder(policy).build().unwrap();
+    let a = layer.layer(ok_service());
+    let b = layer.clone().layer(ok_service());
+    assert_eq!(a.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(b.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(a.clone().oneshot(request()).await.unwrap().status(), StatusCode::TOO_MANY_REQUESTS);
+}
