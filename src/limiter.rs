@@ -75,7 +75,7 @@ impl<St: Store> Limiter<St> {
     /// # Errors
     /// [`StoreError`] when the store cannot decide.
     pub async fn reserve(&self, key: &Key, cost: u64) -> Result<Reservation<St>, StoreError> {
-        self.reserve_within(key, cost, Duration::ZERO).await
+        self.reservation(key, cost, None).await
     }
 
     /// Reserves the earliest slot within `max_delay` (shaping): the decision's
@@ -89,7 +89,16 @@ impl<St: Store> Limiter<St> {
         cost: u64,
         max_delay: Duration,
     ) -> Result<Reservation<St>, StoreError> {
-        let verdict = self.store.check(self.request(key, cost, Some(max_delay))).await?;
+        self.reservation(key, cost, Some(max_delay)).await
+    }
+
+    async fn reservation(
+        &self,
+        key: &Key,
+        cost: u64,
+        max_delay: Option<Duration>,
+    ) -> Result<Reservation<St>, StoreError> {
+        let verdict = self.store.check(self.request(key, cost, max_delay)).await?;
         Ok(Reservation {
             decision: verdict.decision,
             ticket: verdict.ticket,
