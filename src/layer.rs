@@ -284,8 +284,14 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
     /// Builds the layer.
     ///
     /// # Errors
-    /// [`ConfigError::Invalid`] when `max_waiters` is 0 while shaping.
-    pub fn build(self) -> Result<RateLimitLayer<K, St>, ConfigError> {
+    /// [`ConfigError::Invalid`] when `max_waiters` is 0 while shaping;
+    /// [`ConfigError::UnsupportedByStore`] when the store cannot run the policy (see
+    /// [`Store::validate`]).
+    pub fn build(self) -> Result<RateLimitLayer<K, St>, ConfigError>
+    where
+        St: Store,
+    {
+        self.store.validate(&self.policy)?;
         let settings = self.settings;
         if settings.max_delay.is_some() && settings.max_waiters == 0 {
             return Err(ConfigError::Invalid("max_waiters must be at least 1 when shaping".into()));

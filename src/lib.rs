@@ -27,6 +27,9 @@
 //!
 //! Algorithms (SPEC §2): GCRA (default), token bucket, leaky bucket, fixed window, sliding
 //! window log, sliding window counter — see [`Algorithm`].
+//!
+//! Stores: [`MemoryStore`] (default) keeps state in the process; `RedisStore` (cargo feature
+//! `redis`) shares it across a fleet through Redis, Redis Cluster or Valkey.
 #![forbid(unsafe_code)]
 
 pub mod algorithm;
@@ -48,4 +51,6 @@ pub use limiter::{Limiter, Reservation};
 pub use quota::{Algorithm, Policy, PolicyBuilder, Quota, Tier};
 pub use response::HeaderStyle;
 pub use service::{RateLimit, ResponseFuture};
+#[cfg(feature = "redis")]
+pub use store::{BreakerState, RedisStore};
 pub use store::{MemoryStore, Store};

@@ -172,6 +172,12 @@ pub(crate) fn decide(
     for (s, t) in states.iter_mut().zip(tiers) {
         s.prune(alg, t.rate, now);
     }
+    // Cost 0 is a query: always admitted, charges nothing (not even an empty window or a
+    // zero-weight log entry, which would report a reset for nothing used).
+    if cost == 0 {
+        let decision = report(policy, states, now, Outcome::Allowed, 0, None, |_| (false, None));
+        return (decision, None);
+    }
     let over: Vec<bool> = tiers.iter().map(|t| cost > t.capacity()).collect();
     if over.iter().any(|o| *o) {
         let decision =

@@ -266,3 +266,25 @@ fn refund_gives_the_slot_back_for_every_algorithm() {
         assert!(!allowed(&r.at(0, 1)), "{alg:?} refund gave back only 1");
     }
 }
+
+#[test]
+fn cost_zero_is_a_query_that_charges_nothing() {
+    for alg in [
+        Algorithm::Gcra,
+        Algorithm::TokenBucket,
+        Algorithm::LeakyBucket,
+        Algorithm::FixedWindow,
+        Algorithm::SlidingLog,
+        Algorithm::SlidingCounter,
+    ] {
+        let mut r = Run::one(alg, Quota::per_second(2));
+        let d = r.at(0, 0);
+        assert!(allowed(&d), "{alg:?}");
+        let t = &d.tiers()[0];
+        assert_eq!((t.remaining(), t.reset_after()), (2, Duration::ZERO), "{alg:?}");
+        assert!(allowed(&r.at(0, 2)), "{alg:?}");
+        // Exhausted, and even with shaping reservations ahead: a query is still admitted.
+        assert!(allowed(&r.shape(0, 0, 0)), "{alg:?}");
+        assert_eq!(r.at(0, 0).tiers()[0].remaining(), 0, "{alg:?}");
+    }
+}

@@ -291,6 +291,7 @@ impl Inner {
             cost,
             charges,
             overflow: false,
+            fallback: false,
         });
         Verdict { decision, ticket }
     }
@@ -325,6 +326,7 @@ impl Inner {
             cost,
             charges,
             overflow: true,
+            fallback: false,
         });
         Verdict { decision, ticket }
     }

@@ -4,15 +4,22 @@
 //! The [`Store`] trait is public so users can add their own backend.
 
 mod memory;
+#[cfg(feature = "redis")]
+mod redis;
 
 use std::future::Future;
 use std::time::Duration;
 
 pub use memory::{DEFAULT_MAX_KEYS, DEFAULT_SWEEP_INTERVAL, MemoryStore, MemoryStoreBuilder};
+#[cfg(feature = "redis")]
+pub use redis::{
+    BreakerState, DEFAULT_FAILURE_THRESHOLD, DEFAULT_OPEN_FOR, DEFAULT_PREFIX, DEFAULT_TIMEOUT,
+    MAX_HORIZON, RedisStore, RedisStoreBuilder,
+};
 
 use crate::algorithm::Charge;
 use crate::decision::Decision;
-use crate::error::StoreError;
+use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
 use crate::quota::Policy;
 
@@ -51,13 +58,15 @@ pub struct Ticket {
     pub(crate) charges: Vec<Charge>,
     /// Charged to the overflow bucket of a full `MemoryStore`.
     pub(crate) overflow: bool,
+    /// Charged to the local fallback of a remote store that was failing.
+    pub(crate) fallback: bool,
 }
 
 impl Ticket {
     /// A ticket for a custom store: `cost` units charged to `key` under `policy`.
     #[must_use]
     pub fn new(policy: Policy, key: Key, cost: u64) -> Self {
-        Self { policy, key, cost, charges: Vec::new(), overflow: false }
+        Self { policy, key, cost, charges: Vec::new(), overflow: false, fallback: false }
     }
 
     /// The policy charged.
@@ -85,6 +94,18 @@ impl Ticket {
 /// tier, and concurrent checks on one key never both take the last unit. Futures are `'static`
 /// so the layer can spawn settlements; keep shared state behind an `Arc`.
 pub trait Store: Clone + Send + Sync + 'static {
+    /// Whether this store can run `policy`; called when a layer is built, so a policy the store
+    /// cannot represent is refused at start-up rather than on the first request.
+    ///
+    /// The default accepts every policy.
+    ///
+    /// # Errors
+    /// [`ConfigError::UnsupportedByStore`] saying which tier and why.
+    fn validate(&self, policy: &Policy) -> Result<(), ConfigError> {
+        let _ = policy;
+        Ok(())
+    }
+
     /// Decides one request, charging every tier when it is admitted.
     ///
     /// # Errors

@@ -1,6 +1,9 @@
 //! Test harness: serve an axum app on an ephemeral loopback port and talk to it over real HTTP.
 #![allow(dead_code, unreachable_pub)]
 
+#[cfg(feature = "redis")]
+pub mod redis;
+
 use std::net::SocketAddr;
 
 use axum::Router;

@@ -1,0 +1,224 @@
+//! The circuit breaker in front of Redis (SPEC §8).
+//!
+//! After `threshold` consecutive failed calls the breaker **opens**: calls are not attempted
+//! (the store answers at once from its fallback, or with [`StoreError::CircuitOpen`]) so that
+//! requests stop paying the timeout while Redis is down. After `open_for` it lets **one** probe
+//! call through (half-open); the probe's success closes it, its failure (or its future being
+//! dropped unfinished) opens it for another `open_for`.
+//!
+//! Time is tokio's clock, so `tokio::time::pause()` drives it in tests.
+//!
+//! [`StoreError::CircuitOpen`]: crate::StoreError::CircuitOpen
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::clock::duration_to_nanos;
+
+/// The state of a [`RedisStore`](super::RedisStore)'s circuit breaker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum BreakerState {
+    /// Calls go to Redis.
+    Closed,
+    /// Recent calls failed: calls are not attempted until the open period ends.
+    Open,
+    /// The open period is over and one probe call is (or may be) on its way; others are still
+    /// not attempted.
+    HalfOpen,
+}
+
+pub(crate) struct Breaker {
+    threshold: u32,
+    open_for: u64,
+    origin: Instant,
+    /// Consecutive failures while closed.
+    failures: AtomicU32,
+    /// 0 when closed; otherwise the instant (nanoseconds since `origin`, at least 1) from which
+    /// a probe may be sent.
+    open_until: AtomicU64,
+    /// A probe is in flight.
+    probing: AtomicBool,
+}
+
+/// Whether a call may go to Redis.
+pub(crate) enum Admit<'a> {
+    /// Closed: call, then report with [`Breaker::success`] / [`Breaker::failure`].
+    Call,
+    /// Half-open: this call is the probe; report through the guard.
+    Probe(Probe<'a>),
+    /// Open: do not call.
+    Reject,
+}
+
+impl Breaker {
+    pub(crate) fn new(threshold: u32, open_for: Duration) -> Self {
+        Self {
+            threshold: threshold.max(1),
+            open_for: duration_to_nanos(open_for),
+            origin: Instant::now(),
+            failures: AtomicU32::new(0),
+            open_until: AtomicU64::new(0),
+            probing: AtomicBool::new(false),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        // +1 keeps a real instant distinct from the "closed" marker 0.
+        duration_to_nanos(Instant::now().saturating_duration_since(self.origin)).saturating_add(1)
+    }
+
+    pub(crate) fn state(&self) -> BreakerState {
+        match self.open_until.load(Ordering::Acquire) {
+            0 => BreakerState::Closed,
+            until if self.now() < until => BreakerState::Open,
+            _ => BreakerState::HalfOpen,
+        }
+    }
+
+    pub(crate) fn admit(&self) -> Admit<'_> {
+        let until = self.open_until.load(Ordering::Acquire);
+        if until == 0 {
+            return Admit::Call;
+        }
+        if self.now() < until {
+            return Admit::Reject;
+        }
+        match self.probing.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => Admit::Probe(Probe { breaker: self, done: false }),
+            Err(_) => Admit::Reject,
+        }
+    }
+
+    /// A call admitted while closed succeeded.
+    pub(crate) fn success(&self) {
+        self.failures.store(0, Ordering::Release);
+    }
+
+    /// A call admitted while closed failed.
+    pub(crate) fn failure(&self) {
+        let n = self.failures.fetch_add(1, Ordering::AcqRel).saturating_add(1);
+        if n >= self.threshold {
+            let until = self.now().saturating_add(self.open_for);
+            // Only the transition from closed opens (and logs); late failures of calls that
+            // were in flight do not extend the open period.
+            if self
+                .open_until
+                .compare_exchange(0, until, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                tracing::warn!(
+                    failures = n,
+                    open_for = ?Duration::from_nanos(self.open_for),
+                    "tollgate: redis circuit breaker opened; calls are not attempted"
+                );
+            }
+        }
+    }
+}
+
+/// The one call let through while half-open. Dropped without a verdict it counts as failed.
+pub(crate) struct Probe<'a> {
+    breaker: &'a Breaker,
+    done: bool,
+}
+
+impl Probe<'_> {
+    pub(crate) fn success(mut self) {
+        self.done = true;
+        let b = self.breaker;
+        b.failures.store(0, Ordering::Release);
+        b.open_until.store(0, Ordering::Release);
+        b.probing.store(false, Ordering::Release);
+        tracing::info!("tollgate: redis answered the probe; circuit breaker closed");
+    }
+
+    pub(crate) fn failure(mut self) {
+        self.done = true;
+        self.reopen();
+    }
+
+    fn reopen(&self) {
+        let b = self.breaker;
+        b.open_until.store(b.now().saturating_add(b.open_for), Ordering::Release);
+        b.probing.store(false, Ordering::Release);
+        tracing::debug!("tollgate: redis probe failed; circuit breaker stays open");
+    }
+}
+
+impl Drop for Probe<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.reopen();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OPEN_FOR: Duration = Duration::from_millis(500);
+
+    fn call(b: &Breaker) -> bool {
+        matches!(b.admit(), Admit::Call)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn opens_after_threshold_consecutive_failures_only() {
+        let b = Breaker::new(3, OPEN_FOR);
+        b.failure();
+        b.failure();
+        b.success(); // resets the run
+        b.failure();
+        b.failure();
+        assert_eq!(b.state(), BreakerState::Closed);
+        assert!(call(&b));
+        b.failure();
+        assert_eq!(b.state(), BreakerState::Open);
+        assert!(matches!(b.admit(), Admit::Reject));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn half_open_lets_exactly_one_probe_through() {
+        let b = Breaker::new(1, OPEN_FOR);
+        b.failure();
+        tokio::time::advance(OPEN_FOR - Duration::from_nanos(1)).await;
+        assert!(matches!(b.admit(), Admit::Reject), "still open 1 ns before the end");
+        tokio::time::advance(Duration::from_nanos(1)).await;
+        assert_eq!(b.state(), BreakerState::HalfOpen);
+        let Admit::Probe(probe) = b.admit() else { panic!("expected the probe") };
+        assert!(matches!(b.admit(), Admit::Reject), "a second caller is not a probe");
+        probe.success();
+        assert_eq!(b.state(), BreakerState::Closed);
+        assert!(call(&b));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_or_abandoned_probe_reopens_for_a_full_period() {
+        let b = Breaker::new(1, OPEN_FOR);
+        b.failure();
+        tokio::time::advance(OPEN_FOR).await;
+        let Admit::Probe(probe) = b.admit() else { panic!("expected the probe") };
+        probe.failure();
+        assert_eq!(b.state(), BreakerState::Open);
+        tokio::time::advance(OPEN_FOR).await;
+        let Admit::Probe(probe) = b.admit() else { panic!("expected the probe") };
+        drop(probe);
+        assert_eq!(b.state(), BreakerState::Open);
+        tokio::time::advance(OPEN_FOR).await;
+        assert!(matches!(b.admit(), Admit::Probe(_)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn late_failures_do_not_extend_the_open_period() {
+        let b = Breaker::new(1, OPEN_FOR);
+        b.failure();
+        tokio::time::advance(OPEN_FOR / 2).await;
+        b.failure(); // a call that was in flight when the breaker opened
+        tokio::time::advance(OPEN_FOR / 2).await;
+        assert_eq!(b.state(), BreakerState::HalfOpen);
+    }
+}

@@ -1,0 +1,242 @@
+//! Throw-away Redis servers for tests: each on a free 127.0.0.1 port with `--save ""` and its
+//! own temp dir, killed (and the dir removed) on drop. Never port 6379, never off loopback.
+//!
+//! When the server binary is missing the test is skipped with a note on stderr, except under
+//! `CI=true`, where that is a failure (`.ci/run` installs it).
+
+use std::io::Write as _;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+static NEXT_DIR: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether `bin` can be run; panics under `CI=true` when it cannot.
+pub fn available(bin: &str) -> bool {
+    let found = Command::new(bin)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if found {
+        return true;
+    }
+    assert!(
+        std::env::var("CI").map_or(true, |v| v != "true"),
+        "`{bin}` is not installed, and CI=true requires the Redis tests to run \
+         (.ci/run installs it with apt-get)"
+    );
+    // Straight to stderr: the test harness captures print macros, not this.
+    let _ = writeln!(
+        std::io::stderr(),
+        "SKIPPED: `{bin}` is not on PATH; install it (apt-get install redis-server / \
+         valkey-server) to run this test"
+    );
+    false
+}
+
+fn free_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral loopback port");
+    l.local_addr().expect("local addr").port()
+}
+
+/// One server process.
+pub struct Server {
+    bin: String,
+    pub port: u16,
+    cluster_port: Option<u16>,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl Server {
+    /// Starts `bin` (`redis-server` or `valkey-server`), or `None` when it is not installed.
+    pub fn start(bin: &str) -> Option<Self> {
+        available(bin).then(|| Self::start_with(bin, false))
+    }
+
+    fn start_with(bin: &str, cluster: bool) -> Self {
+        let mut last = String::new();
+        for _ in 0..5 {
+            let n = NEXT_DIR.fetch_add(1, Ordering::Relaxed);
+            let dir =
+                std::env::temp_dir().join(format!("tollgate-test-{}-{n}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("create temp dir");
+            let mut s = Self {
+                bin: bin.to_owned(),
+                port: free_port(),
+                cluster_port: cluster.then(free_port),
+                dir,
+                child: None,
+            };
+            match s.spawn() {
+                Ok(()) => return s,
+                Err(e) => last = e, // most likely a port taken between probe and bind: retry
+            }
+        }
+        panic!("could not start {bin}: {last}");
+    }
+
+    fn spawn(&mut self) -> Result<(), String> {
+        assert_ne!(self.port, 6379, "never the default Redis port");
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+            .args(["--appendonly", "no", "--daemonize", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .arg("--logfile")
+            .arg(self.dir.join("server.log"));
+        if let Some(bus) = self.cluster_port {
+            cmd.args(["--cluster-enabled", "yes", "--cluster-config-file"])
+                .arg(self.dir.join("nodes.conf"))
+                .args(["--cluster-port", &bus.to_string(), "--cluster-node-timeout", "2000"]);
+        }
+        let child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("spawn {}: {e}", self.bin))?;
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                self.child = None;
+                return Err(format!("{} exited with {status}; log:\n{}", self.bin, self.log()));
+            }
+            if self.ping() {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.kill();
+        Err(format!("{} did not answer PING within 10 s; log:\n{}", self.bin, self.log()))
+    }
+
+    /// `redis://127.0.0.1:{port}/`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// The server's log, for panic messages.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default()
+    }
+
+    fn ping(&self) -> bool {
+        let Ok(client) = redis::Client::open(self.url()) else { return false };
+        let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_millis(200)) else {
+            return false;
+        };
+        redis::cmd("PING").query::<String>(&mut conn).is_ok_and(|p| p == "PONG")
+    }
+
+    /// A synchronous connection for inspecting the server (`PTTL`, `KEYS`, ...).
+    pub fn conn(&self) -> redis::Connection {
+        redis::Client::open(self.url())
+            .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(2)))
+            .unwrap_or_else(|e| panic!("connect to the test server: {e}; log:\n{}", self.log()))
+    }
+
+    /// Kills the server (SIGKILL): connections drop, state is lost.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port, empty.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn().unwrap_or_else(|e| panic!("restart: {e}"));
+    }
+
+    fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().expect("server running").id();
+        let ok =
+            Command::new("kill").args([sig, &pid.to_string()]).status().is_ok_and(|s| s.success());
+        assert!(ok, "kill {sig} {pid}");
+    }
+
+    /// Freezes the server (SIGSTOP): connections stay open, calls hang.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Thaws a paused server (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            // A paused server must be thawed to die cleanly under SIGKILL on some kernels.
+            let _ = Command::new("kill")
+                .args(["-CONT", &self.child.as_ref().map_or(0, Child::id).to_string()])
+                .status();
+        }
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A Redis Cluster of three masters, no replicas, formed with `redis-cli --cluster create`.
+pub struct Cluster {
+    pub nodes: Vec<Server>,
+}
+
+impl Cluster {
+    /// Starts and joins three `redis-server`s, or `None` when Redis is not installed.
+    pub fn start() -> Option<Self> {
+        if !available("redis-server") || !available("redis-cli") {
+            return None;
+        }
+        let nodes: Vec<Server> = (0..3).map(|_| Server::start_with("redis-server", true)).collect();
+        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("run redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let cluster = Self { nodes };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !cluster.is_ok() {
+            assert!(Instant::now() < deadline, "cluster did not reach cluster_state:ok in 20 s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(cluster)
+    }
+
+    fn is_ok(&self) -> bool {
+        self.nodes.iter().all(|n| {
+            let info: String =
+                redis::cmd("CLUSTER").arg("INFO").query(&mut n.conn()).unwrap_or_default();
+            info.contains("cluster_state:ok") && info.contains("cluster_slots_assigned:16384")
+        })
+    }
+
+    /// The nodes' URLs.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(Server::url).collect()
+    }
+
+    /// The node serving `key`'s slot (the others answer `MOVED`).
+    pub fn node_of(&self, key: &str) -> &Server {
+        self.nodes
+            .iter()
+            .find(|n| redis::cmd("EXISTS").arg(key).query::<i64>(&mut n.conn()).is_ok())
+            .expect("some node serves the slot")
+    }
+}
