@@ -11,9 +11,12 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use support::redis::{Cluster, Server};
 use tollgate::clock::FakeClock;
-use tollgate::key::Key;
+use tollgate::key::{GlobalKey, Key};
 use tollgate::store::{Check, Store, Ticket};
-use tollgate::{Algorithm, Decision, MemoryStore, Policy, Quota, RedisStore};
+use tollgate::{
+    Algorithm, BreakerState, Decision, Limiter, MemoryStore, OnStoreError, Policy, Quota,
+    RateLimitLayer, RedisStore, Source, StoreError,
+};
 
 const ALGORITHMS: [Algorithm; 6] = [
     Algorithm::Gcra,
@@ -269,4 +272,330 @@ fn every_algorithm_admits_then_limits_on_redis() {
             assert_eq!(d.violated().collect::<Vec<_>>(), ["slow"], "{algorithm:?}");
         });
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Concurrency: many tasks, one key, pipelined on one multiplexed connection.
+
+/// 12 days: long enough that no window boundary (aligned to the Unix epoch on server time) falls
+/// inside the test, short enough for the store's horizon.
+const LONG: Duration = Duration::from_secs(12 * 86_400);
+
+/// Sends `n` checks of one key at once, each from its own task, released together by a
+/// barrier; returns how many were admitted.
+async fn admitted_concurrently(store: &RedisStore, policy: &Policy, n: usize) -> usize {
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(n));
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let (store, policy, barrier) = (store.clone(), policy.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let check = Check { policy: &policy, key: &Key::Global, cost: 1, max_delay: None };
+                store.check(check).await.expect("redis answers").decision.is_allowed()
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += usize::from(t.await.unwrap());
+    }
+    admitted
+}
+
+fn long_policy(algorithm: Algorithm) -> Policy {
+    Policy::builder(format!("conc-{}", algorithm.name()))
+        .algorithm(algorithm)
+        .tier("t", Quota::new(100, LONG))
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_admits_exactly_100_of_1000_concurrent_on_one_connection() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(10)).build().unwrap();
+    for algorithm in ALGORITHMS {
+        let admitted = admitted_concurrently(&store, &long_policy(algorithm), 1000).await;
+        assert_eq!(admitted, 100, "{algorithm:?}");
+    }
+    // Six thousand requests, one multiplexed connection (plus this inspecting one).
+    let info: String = redis::cmd("INFO").arg("clients").query(&mut server.conn()).unwrap();
+    assert!(info.contains("connected_clients:2\r\n"), "{info}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_admits_exactly_100_of_1000_concurrent() {
+    let Some(cluster) = Cluster::start() else { return };
+    let store = RedisStore::cluster_builder(cluster.urls())
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    for algorithm in [Algorithm::Gcra, Algorithm::SlidingLog, Algorithm::SlidingCounter] {
+        let admitted = admitted_concurrently(&store, &long_policy(algorithm), 1000).await;
+        assert_eq!(admitted, 100, "{algorithm:?}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Keys: hash tags, TTLs, script reloads.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policys_keys_share_one_cluster_slot_and_keys_spread_over_nodes() {
+    let Some(cluster) = Cluster::start() else { return };
+    let store = RedisStore::cluster_builder(cluster.urls())
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let policy = Policy::builder("log")
+        .algorithm(Algorithm::SlidingLog)
+        .tier("second", Quota::per_second(5))
+        .tier("minute", Quota::per_minute(50))
+        .build()
+        .unwrap();
+    let mut owners = std::collections::HashSet::new();
+    for i in 0..30 {
+        let key = Key::text(format!("user-{i}"));
+        let v = store.check(Check { policy: &policy, key: &key, cost: 1, max_delay: None });
+        assert!(v.await.unwrap().decision.is_allowed());
+        let state = store.state_key(&policy, &key);
+        let node = cluster.node_of(&state);
+        let mut conn = node.conn();
+        // The hash and both tiers' sets live on the node of the hash's slot (a multi-key script
+        // across slots would have been refused with CROSSSLOT).
+        for k in [state.clone(), format!("{state}:z1"), format!("{state}:z2")] {
+            let exists: i64 = redis::cmd("EXISTS").arg(&k).query(&mut conn).unwrap();
+            assert_eq!(exists, 1, "{k}");
+        }
+        owners.insert(node.port);
+    }
+    assert_eq!(owners.len(), 3, "30 keys land on all three masters");
+}
+
+/// `PTTL` of `key` in milliseconds (-2 when it does not exist).
+fn pttl(conn: &mut redis::Connection, key: &str) -> i64 {
+    redis::cmd("PTTL").arg(key).query(conn).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_key_lives_as_long_as_its_state_needs() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(5)).build().unwrap();
+    let mut conn = server.conn();
+    for algorithm in ALGORITHMS {
+        let policy = Policy::builder(format!("ttl-{}", algorithm.name()))
+            .algorithm(algorithm)
+            .tier("t", Quota::new(10, Duration::from_millis(400)))
+            .build()
+            .unwrap();
+        let check = Check { policy: &policy, key: &Key::Global, cost: 3, max_delay: None };
+        let d = store.check(check).await.unwrap().decision;
+        let state = store.state_key(&policy, &Key::Global);
+        let mut keys = vec![state.clone()];
+        if algorithm == Algorithm::SlidingLog {
+            keys.push(format!("{state}:z1"));
+        }
+        // TTL = the time until the state is back to full, rounded up to ms (no grace).
+        let need =
+            i64::try_from(d.tiers()[0].reset_after().as_nanos().div_ceil(1_000_000)).unwrap();
+        // At most one period; two for the sliding counter, whose window still weighs in
+        // during the next one.
+        assert!(need > 0 && need <= 800, "{algorithm:?}: {need}");
+        for k in &keys {
+            let ttl = pttl(&mut conn, k);
+            assert!(ttl <= need && ttl > need - 150, "{algorithm:?} {k}: pttl {ttl}, need {need}");
+        }
+        // ... after which the keys are gone by themselves.
+        let deadline = std::time::Instant::now() + Duration::from_secs(3);
+        while keys.iter().any(|k| pttl(&mut conn, k) != -2) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{algorithm:?}: keys outlived their state"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    // A rejected request on a fresh key writes nothing.
+    let policy = Policy::single("none", Quota::per_second(2)).unwrap();
+    let check = Check { policy: &policy, key: &Key::Global, cost: 3, max_delay: None };
+    assert!(!store.check(check).await.unwrap().decision.is_allowed());
+    assert_eq!(pttl(&mut conn, &store.state_key(&policy, &Key::Global)), -2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flushed_script_is_reloaded_transparently() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(5)).build().unwrap();
+    store.connect().await.unwrap();
+    let policy = Policy::single("flush", Quota::per_minute(2)).unwrap();
+    let check = Check { policy: &policy, key: &Key::Global, cost: 1, max_delay: None };
+    assert!(store.check(check).await.unwrap().decision.is_allowed());
+    let () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut server.conn()).unwrap();
+    let d = store.check(check).await.unwrap().decision;
+    assert_eq!((d.is_allowed(), d.tiers()[0].remaining()), (true, 0));
+    assert!(!store.check(check).await.unwrap().decision.is_allowed());
+}
+
+#[test]
+fn policies_beyond_the_redis_horizon_are_refused_when_the_layer_is_built() {
+    let store = RedisStore::builder("redis://127.0.0.1:1/").build().unwrap();
+    let monthly =
+        Policy::single("monthly", Quota::new(1000, Duration::from_secs(30 * 86_400))).unwrap();
+    let err = tollgate::RateLimitLayer::builder(monthly).store(store).build().unwrap_err();
+    assert!(matches!(err, tollgate::ConfigError::UnsupportedByStore(_)), "{err}");
+    let bad = RedisStore::builder("not a url").build().unwrap_err();
+    assert!(matches!(bad, tollgate::ConfigError::Invalid(_)), "{bad}");
+    let tag = RedisStore::builder("redis://127.0.0.1:1/").prefix("a{b}").build().unwrap_err();
+    assert!(matches!(tag, tollgate::ConfigError::Invalid(_)), "{tag}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Failure policy: the server killed mid-run and restarted.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_falls_back_locally_opens_the_breaker_and_recovers() {
+    let Some(mut server) = Server::start("redis-server") else { return };
+    let store = RedisStore::builder(server.url())
+        .timeout(Duration::from_millis(300))
+        .circuit_breaker(2, Duration::from_millis(200))
+        .fallback(MemoryStore::new())
+        .build()
+        .unwrap();
+    let policy = Policy::single("restart", Quota::per_hour(5)).unwrap();
+    let limiter = Limiter::with_store(policy, store.clone());
+    let key = Key::text("k");
+    let decide = |cost| {
+        let limiter = limiter.clone();
+        let key = key.clone();
+        async move {
+            let d = limiter.check(&key, cost).await.expect("a fallback never errors");
+            (d.source(), d.is_allowed(), d.tiers()[0].remaining())
+        }
+    };
+    assert_eq!(decide(1).await, (Source::Store, true, 4));
+    assert_eq!(decide(1).await, (Source::Store, true, 3));
+
+    server.kill();
+    // Redis is gone: the local fallback decides, from its own state.
+    assert_eq!(decide(1).await, (Source::Fallback, true, 4));
+    assert_eq!(decide(1).await, (Source::Fallback, true, 3));
+    assert_eq!(store.breaker_state(), BreakerState::Open, "two failures open it");
+    for remaining in [2, 1, 0] {
+        assert_eq!(decide(1).await, (Source::Fallback, true, remaining));
+    }
+    assert_eq!(decide(1).await, (Source::Fallback, false, 0), "the fallback limits too");
+
+    server.restart();
+    // Within a few open periods a probe reaches the restarted Redis and the breaker closes.
+    // Cost 0 polls without charging.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let (source, _, remaining) = decide(0).await;
+        if source == Source::Store {
+            assert_eq!(remaining, 5, "the restarted server is empty (--save \"\")");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no recovery within 5 s");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(store.breaker_state(), BreakerState::Closed);
+    for remaining in [4, 3, 2, 1, 0] {
+        assert_eq!(decide(1).await, (Source::Store, true, remaining));
+    }
+    assert_eq!(decide(1).await, (Source::Store, false, 0));
+}
+
+fn ok_service() -> impl tower::Service<
+    http::Request<axum::body::Body>,
+    Response = http::Response<axum::body::Body>,
+    Error = std::convert::Infallible,
+    Future: Send,
+> + Clone
++ Send
++ 'static {
+    tower::service_fn(|_req| async {
+        Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::from("ok")))
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_fallback_the_layer_fails_closed_or_open_as_configured() {
+    use tower::{Layer as _, ServiceExt as _};
+    let Some(mut server) = Server::start("redis-server") else { return };
+    let store = RedisStore::builder(server.url())
+        .timeout(Duration::from_millis(300))
+        .circuit_breaker(1, Duration::from_secs(600))
+        .build()
+        .unwrap();
+    let policy = Policy::single("outage", Quota::per_hour(5)).unwrap();
+    let layer = |on_error| {
+        RateLimitLayer::builder(policy.clone())
+            .key(GlobalKey)
+            .store(store.clone())
+            .on_store_error(on_error)
+            .build()
+            .unwrap()
+    };
+    let closed = layer(OnStoreError::FailClosed).layer(ok_service());
+    let open = layer(OnStoreError::FailOpen).layer(ok_service());
+    let request = || http::Request::new(axum::body::Body::empty());
+
+    let res = closed.clone().oneshot(request()).await.unwrap();
+    assert_eq!(res.status(), http::StatusCode::OK);
+    assert_eq!(res.headers()["ratelimit"], "\"outage\";r=4;t=720");
+
+    server.kill();
+    let res = closed.clone().oneshot(request()).await.unwrap();
+    assert_eq!(res.status(), http::StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(res.headers()["retry-after"], "1");
+    assert_eq!(store.breaker_state(), BreakerState::Open);
+    // Open: the store is not called at all, so nothing waits for the timeout.
+    let limiter = Limiter::with_store(policy.clone(), store.clone());
+    let err = limiter.check(&Key::Global, 1).await.unwrap_err();
+    assert!(matches!(err, StoreError::CircuitOpen), "{err}");
+    let res = closed.clone().oneshot(request()).await.unwrap();
+    assert_eq!(res.status(), http::StatusCode::SERVICE_UNAVAILABLE);
+    // Failing open passes the request on, without rate-limit headers (nothing was decided).
+    let res = open.oneshot(request()).await.unwrap();
+    assert_eq!(res.status(), http::StatusCode::OK);
+    assert!(res.headers().get("ratelimit").is_none());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The layer over real HTTP: two app instances, one Redis, one limit.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_app_instances_enforce_one_limit_over_http() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let policy = Policy::single("fleet", Quota::per_hour(30)).unwrap();
+    let mut apps = Vec::new();
+    for _ in 0..2 {
+        // Each instance has its own store (own connection); PeerIp keys both by 127.0.0.1.
+        let store =
+            RedisStore::builder(server.url()).timeout(Duration::from_secs(5)).build().unwrap();
+        let layer = RateLimitLayer::builder(policy.clone()).store(store).build().unwrap();
+        let app =
+            axum::Router::new().route("/", axum::routing::get(|| async { "ok" })).layer(layer);
+        apps.push(support::serve(app).await);
+    }
+    let client = support::client();
+    let requests: Vec<_> = (0..100)
+        .map(|i| {
+            let (client, url) = (client.clone(), apps[i % 2].url("/"));
+            tokio::spawn(async move { support::get(&client, &url, &[]).await })
+        })
+        .collect();
+    let (mut ok, mut limited) = (0, 0);
+    for r in requests {
+        let reply = r.await.unwrap();
+        match reply.status {
+            http::StatusCode::OK => ok += 1,
+            http::StatusCode::TOO_MANY_REQUESTS => {
+                limited += 1;
+                let retry: u64 = reply.header("retry-after").unwrap().parse().unwrap();
+                assert!(retry >= 1);
+            }
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert_eq!((ok, limited), (30, 70));
 }
