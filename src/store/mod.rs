@@ -59,6 +59,7 @@ pub struct Ticket {
     /// Charged to the overflow bucket of a full `MemoryStore`.
     pub(crate) overflow: bool,
     /// Charged to the local fallback of a remote store that was failing.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fallback: bool,
 }
 

@@ -260,7 +260,16 @@ impl Inner {
         };
         let attempt = async {
             let mut conn = self.connection().await?;
-            call.invocation().invoke_async::<Vec<i64>>(&mut conn).await
+            match call.invocation().invoke_async::<Vec<i64>>(&mut conn).await {
+                // The connection's last (re)connect was refused, so nothing was sent; that
+                // refusal has started a new attempt: wait for it rather than fail, so that one
+                // probe suffices once Redis is back. Only refusals: a call that may have
+                // reached the server is never sent twice.
+                Err(e) if e.is_connection_refusal() => {
+                    call.invocation().invoke_async::<Vec<i64>>(&mut conn).await
+                }
+                result => result,
+            }
         };
         let result = match tokio::time::timeout(self.timeout, attempt).await {
             Ok(Ok(reply)) => Ok(reply),
