@@ -211,12 +211,17 @@ impl Cluster {
             String::from_utf8_lossy(&out.stderr)
         );
         let cluster = Self { nodes };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !cluster.is_ok() {
-            assert!(Instant::now() < deadline, "cluster did not reach cluster_state:ok in 20 s");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        cluster.wait_ok();
         Some(cluster)
+    }
+
+    /// Waits (up to 20 s) until every node reports `cluster_state:ok` with all slots assigned.
+    pub fn wait_ok(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.is_ok() {
+            assert!(Instant::now() < deadline, "cluster did not reach cluster_state:ok in 20 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     fn is_ok(&self) -> bool {

@@ -5,7 +5,7 @@ mod call;
 
 use std::fmt;
 use std::future::Future;
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -107,8 +107,13 @@ pub struct RedisStore {
 
 struct Inner {
     target: Target,
-    /// Opened on first use; a failed attempt leaves it empty so the next call tries again.
-    conn: tokio::sync::OnceCell<Connection>,
+    /// The connection, opened on first use. A failed attempt leaves it empty so that the next
+    /// call tries again, and a failed breaker probe empties it, so that the next probe starts
+    /// from a new client rather than one stuck recovering (redis-rs's cluster client can stay
+    /// broken after a node restart under load; a new one works at once).
+    conn: Mutex<Option<Connection>>,
+    /// Held while opening a connection, so concurrent calls wait for one attempt.
+    connecting: tokio::sync::Mutex<()>,
     prefix: Box<str>,
     /// `None`: the server's `TIME`.
     clock: Option<Arc<dyn Clock>>,
@@ -227,28 +232,39 @@ impl Inner {
         self.clock.as_ref().map_or(Now::Server, |c| Now::At(c.now()))
     }
 
+    fn current(&self) -> Option<Connection> {
+        self.conn.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
     async fn connection(&self) -> RedisResult<Connection> {
-        self.conn
-            .get_or_try_init(|| async {
-                match &self.target {
-                    Target::Single(client) => {
-                        // No retries inside the manager: each failed attempt returns at once and
-                        // the next call (or breaker probe) starts a new one, so recovery is not
-                        // held back by the manager's own backoff (seconds to minutes).
-                        let config = ConnectionManagerConfig::new()
-                            .set_number_of_retries(0)
-                            .set_connection_timeout(self.timeout);
-                        ConnectionManager::new_with_config(client.clone(), config)
-                            .await
-                            .map(Connection::Single)
-                    }
-                    Target::Cluster(client) => {
-                        client.get_async_connection().await.map(Connection::Cluster)
-                    }
-                }
-            })
-            .await
-            .cloned()
+        if let Some(conn) = self.current() {
+            return Ok(conn);
+        }
+        let _connecting = self.connecting.lock().await;
+        if let Some(conn) = self.current() {
+            return Ok(conn);
+        }
+        let conn = match &self.target {
+            Target::Single(client) => {
+                // No retries inside the manager: each failed attempt returns at once and the
+                // next call (or breaker probe) starts a new one, so recovery is not held back
+                // by the manager's own backoff (seconds to minutes).
+                let config = ConnectionManagerConfig::new()
+                    .set_number_of_retries(0)
+                    .set_connection_timeout(self.timeout);
+                Connection::Single(
+                    ConnectionManager::new_with_config(client.clone(), config).await?,
+                )
+            }
+            Target::Cluster(client) => Connection::Cluster(client.get_async_connection().await?),
+        };
+        *self.conn.lock().unwrap_or_else(PoisonError::into_inner) = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// Forgets the connection: the next call opens a new one.
+    fn discard_connection(&self) {
+        self.conn.lock().unwrap_or_else(PoisonError::into_inner).take();
     }
 
     /// Runs one script call through the circuit breaker, within the timeout.
@@ -278,7 +294,10 @@ impl Inner {
         };
         match (probe, result.is_ok()) {
             (Some(probe), true) => probe.success(),
-            (Some(probe), false) => probe.failure(),
+            (Some(probe), false) => {
+                self.discard_connection();
+                probe.failure();
+            }
             (None, true) => self.breaker.success(),
             (None, false) => self.breaker.failure(),
         }
@@ -465,10 +484,20 @@ impl RedisStoreBuilder {
             (false, _) => {
                 return Err(ConfigError::Invalid("one url for a standalone redis".into()));
             }
+            // The client's own retries (MOVED/ASK redirects, TRYAGAIN, reconnects) must fit in
+            // one call: its defaults (16 retries, each after at least 1.28 s) keep requests that
+            // callers gave up on retrying for minutes, and each failure sends the connection
+            // back to refreshing slots, during which it serves nothing.
             (true, nodes) => Target::Cluster(
                 ClusterClient::builder(nodes.iter().map(String::as_str))
                     .connection_timeout(self.timeout)
                     .response_timeout(self.timeout)
+                    .retries(2)
+                    .min_retry_wait(1)
+                    .max_retry_wait(
+                        u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX).max(2),
+                    )
+                    .retry_wait_formula(5, 2)
                     .build()
                     .map_err(bad)?,
             ),
@@ -477,7 +506,8 @@ impl RedisStoreBuilder {
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 target,
-                conn: tokio::sync::OnceCell::new(),
+                conn: Mutex::new(None),
+                connecting: tokio::sync::Mutex::new(()),
                 prefix: self.prefix.into(),
                 clock: self.clock,
                 timeout: self.timeout,
