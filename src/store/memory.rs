@@ -31,9 +31,11 @@ pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 ///   a weak reference, and ends when the last clone of the store is dropped. Eviction is
 ///   lossless: only keys that would decide exactly like new ones are removed.
 /// - At most [`MemoryStoreBuilder::max_keys`] keys are held. When full, a new key first makes
-///   room by evicting idle keys of its shard; if none are idle it is decided by **one overflow
-///   bucket per policy**, shared by all keys that did not fit. Established keys keep their own
-///   state, and an IP flood cannot grow memory nor obtain a fresh bucket per request.
+///   room by evicting idle keys of its shard (a shard is scanned at most every 100 ms, so a
+///   flood of new keys cannot make every request walk it); if none are idle it is decided by
+///   **one overflow bucket per policy**, shared by all keys that did not fit. Established keys
+///   keep their own state, and an IP flood cannot grow memory nor obtain a fresh bucket per
+///   request.
 ///
 /// Policy names are namespaces: two different policies must not share a name in one store.
 ///
@@ -53,6 +55,19 @@ impl std::fmt::Debug for MemoryStore {
 }
 
 type StateMap = HashMap<(Arc<str>, Key), Entry>;
+
+/// How often a full shard may be scanned for idle keys to make room for a new key, in
+/// nanoseconds of the store's clock (100 ms). Between scans, new keys of a full shard go to the
+/// overflow bucket at once: scanning on every new key would let a flood of new keys make every
+/// request cost a walk over the whole shard.
+const FULL_RESCAN_NANOS: u64 = 100_000_000;
+
+/// One shard: its keys, and when it may next be scanned for room.
+#[derive(Default)]
+struct Shard {
+    map: StateMap,
+    next_scan: u64,
+}
 
 /// One key's state, with the policy it was made under (the sweeper needs the rates).
 struct Entry {
@@ -92,7 +107,7 @@ impl Entry {
 }
 
 struct Inner {
-    shards: Box<[Mutex<StateMap>]>,
+    shards: Box<[Mutex<Shard>]>,
     hasher: RandomState,
     clock: Arc<dyn Clock>,
     len: AtomicUsize,
@@ -155,7 +170,7 @@ impl MemoryStoreBuilder {
         let shards = self.shards.next_power_of_two();
         MemoryStore {
             inner: Arc::new(Inner {
-                shards: (0..shards).map(|_| Mutex::new(HashMap::new())).collect(),
+                shards: (0..shards).map(|_| Mutex::new(Shard::default())).collect(),
                 hasher: RandomState::new(),
                 clock: self.clock,
                 len: AtomicUsize::new(0),
@@ -258,7 +273,7 @@ fn mode(max_delay: Option<Duration>) -> Mode {
 }
 
 impl Inner {
-    fn shard(&self, key: &(Arc<str>, Key)) -> &Mutex<StateMap> {
+    fn shard(&self, key: &(Arc<str>, Key)) -> &Mutex<Shard> {
         let h = self.hasher.hash_one(key);
         &self.shards[usize::try_from(h).unwrap_or(0) & (self.shards.len() - 1)]
     }
@@ -268,7 +283,7 @@ impl Inner {
         let now = self.clock.now();
         let map_key = (policy.name_arc(), key.clone());
         let mut shard = lock(self.shard(&map_key));
-        let (decision, charges) = match shard.get_mut(&map_key) {
+        let (decision, charges) = match shard.map.get_mut(&map_key) {
             Some(entry) => entry.decide(policy, now, cost, max_delay),
             None => {
                 let mut entry = Entry::new(policy, now);
@@ -279,7 +294,7 @@ impl Inner {
                         drop(shard);
                         return self.check_overflow(policy, key, cost, max_delay, now);
                     }
-                    shard.insert(map_key, entry);
+                    shard.map.insert(map_key, entry);
                     self.len.fetch_add(1, Ordering::Relaxed);
                 }
                 out
@@ -296,14 +311,19 @@ impl Inner {
         Verdict { decision, ticket }
     }
 
-    /// Whether a new key may be inserted, evicting idle keys of this shard when full.
-    fn make_room(&self, shard: &mut StateMap, now: u64) -> bool {
+    /// Whether a new key may be inserted, evicting idle keys of this shard when full (at most
+    /// once per [`FULL_RESCAN_NANOS`]).
+    fn make_room(&self, shard: &mut Shard, now: u64) -> bool {
         if self.len.load(Ordering::Relaxed) < self.max_keys {
             return true;
         }
-        let before = shard.len();
-        shard.retain(|_, entry| !entry.is_idle(now));
-        let removed = before - shard.len();
+        if now < shard.next_scan {
+            return false;
+        }
+        shard.next_scan = now.saturating_add(FULL_RESCAN_NANOS);
+        let before = shard.map.len();
+        shard.map.retain(|_, entry| !entry.is_idle(now));
+        let removed = before - shard.map.len();
         self.len.fetch_sub(removed, Ordering::Relaxed);
         removed > 0
     }
@@ -360,13 +380,13 @@ impl Inner {
         }
         let map_key = (policy.name_arc(), ticket.key.clone());
         let mut shard = lock(self.shard(&map_key));
-        if let Some(entry) = shard.get_mut(&map_key) {
+        if let Some(entry) = shard.map.get_mut(&map_key) {
             apply(entry);
         } else if cost > ticket.cost {
             // Evicted since: the extra is charged to a fresh state.
             let mut entry = Entry::new(policy, now);
             apply(&mut entry);
-            shard.insert(map_key, entry);
+            shard.map.insert(map_key, entry);
             self.len.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -376,9 +396,9 @@ impl Inner {
         let mut removed = 0;
         for shard in &self.shards {
             let mut shard = lock(shard);
-            let before = shard.len();
-            shard.retain(|_, entry| !entry.is_idle(now));
-            removed += before - shard.len();
+            let before = shard.map.len();
+            shard.map.retain(|_, entry| !entry.is_idle(now));
+            removed += before - shard.map.len();
         }
         self.len.fetch_sub(removed, Ordering::Relaxed);
         removed
@@ -438,6 +458,30 @@ mod tests {
         // Established keys keep their own state: one unit left each.
         assert!(store.check_now(check(&policy, &ip(3))).unwrap().decision.is_allowed());
         assert!(!store.check_now(check(&policy, &ip(3))).unwrap().decision.is_allowed());
+    }
+
+    #[test]
+    fn a_full_shard_is_scanned_for_room_at_most_every_100_ms() {
+        let clock = FakeClock::new();
+        let store = MemoryStore::builder().clock(clock.clone()).max_keys(10).shards(1).build();
+        let policy = Policy::single("p", Quota::new(1, Duration::from_millis(20))).unwrap();
+        let allowed = |i| store.check_now(check(&policy, &ip(i))).unwrap().decision.is_allowed();
+        for i in 0..10 {
+            assert!(allowed(i));
+        }
+        // Full and nothing idle: scanned, then key 100 goes to the overflow bucket.
+        assert!(allowed(100));
+        assert_eq!(store.len(), 10);
+        // 50 ms later every key is idle, but the shard was scanned 50 ms ago: overflow again
+        // (the overflow bucket is idle too, so key 101 is admitted there, not stored).
+        clock.advance(Duration::from_millis(50));
+        assert!(allowed(101));
+        assert_eq!(store.len(), 10);
+        // 100 ms after the last scan, the next new key scans, evicts the ten idle keys and is
+        // stored.
+        clock.advance(Duration::from_millis(50));
+        assert!(allowed(102));
+        assert_eq!(store.len(), 1);
     }
 
     #[test]
