@@ -274,4 +274,6 @@ fn report(
 }
 
 #[cfg(test)]
+mod model;
+#[cfg(test)]
 mod tests;
