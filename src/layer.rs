@@ -215,8 +215,10 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         self
     }
 
-    /// Bounds how many requests may wait at once while shaping (default
-    /// [`DEFAULT_MAX_WAITERS`]). When all places are taken, further requests are policed.
+    /// Bounds how many requests may wait at once, for their shaped slot or in the
+    /// [`tarpit`](Self::tarpit) (default [`DEFAULT_MAX_WAITERS`]). When all places are taken,
+    /// further requests are policed, and rejections are answered without the tarpit delay: a
+    /// flood cannot pile up sleeping requests.
     pub fn max_waiters(mut self, n: usize) -> Self {
         self.settings.max_waiters = n;
         self
@@ -241,7 +243,8 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
     }
 
     /// Delays every rejection by `delay` before answering, to slow clients that retry in a
-    /// tight loop (seed 002's tarpit). Costs one sleeping task per rejected request.
+    /// tight loop (seed 002's tarpit). Each delayed rejection holds a place of the waiting room
+    /// ([`max_waiters`](Self::max_waiters)); when it is full, rejections are answered at once.
     pub fn tarpit(mut self, delay: Duration) -> Self {
         self.settings.tarpit = Some(delay);
         self
@@ -284,7 +287,7 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
     /// Builds the layer.
     ///
     /// # Errors
-    /// [`ConfigError::Invalid`] when `max_waiters` is 0 while shaping;
+    /// [`ConfigError::Invalid`] when `max_waiters` is 0 while shaping or with a tarpit;
     /// [`ConfigError::UnsupportedByStore`] when the store cannot run the policy (see
     /// [`Store::validate`]).
     pub fn build(self) -> Result<RateLimitLayer<K, St>, ConfigError>
@@ -293,10 +296,13 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
     {
         self.store.validate(&self.policy)?;
         let settings = self.settings;
-        if settings.max_delay.is_some() && settings.max_waiters == 0 {
-            return Err(ConfigError::Invalid("max_waiters must be at least 1 when shaping".into()));
+        let waits = settings.max_delay.is_some() || settings.tarpit.is_some();
+        if waits && settings.max_waiters == 0 {
+            return Err(ConfigError::Invalid(
+                "max_waiters must be at least 1 when shaping or with a tarpit".into(),
+            ));
         }
-        let waiters = settings.max_delay.map(|_| Arc::new(Semaphore::new(settings.max_waiters)));
+        let waiters = waits.then(|| Arc::new(Semaphore::new(settings.max_waiters)));
         Ok(RateLimitLayer {
             config: Arc::new(Config {
                 policy: self.policy,

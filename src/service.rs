@@ -211,7 +211,10 @@ where
         drop(permit);
         tracing::debug!(policy = config.policy.name(), %key, outcome = ?decision.outcome(), "tollgate: limited");
         if let Some(delay) = config.settings.tarpit {
-            tokio::time::sleep(delay).await;
+            // Only with a place in the waiting room: a flood is answered at once, not held.
+            if let Some(_place) = config.waiters.as_ref().and_then(|w| w.try_acquire().ok()) {
+                tokio::time::sleep(delay).await;
+            }
         }
         let mut res = match &config.settings.rejection {
             Some(f) => f(&decision),

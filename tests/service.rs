@@ -225,3 +225,80 @@ async fn clones_share_state() {
     assert_eq!(b.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
     assert_eq!(a.clone().oneshot(request()).await.unwrap().status(), StatusCode::TOO_MANY_REQUESTS);
 }
+
+/// A slowloris-style flood (SECURITY.md, "shaping-queue exhaustion"): 20,000 requests that would
+/// all wait arrive at once. Only `max_waiters` of them are held; every other one is answered at
+/// once, so the flood cannot pile up tasks or memory. Cancelling the held ones gives every
+/// reserved slot back.
+#[tokio::test(start_paused = true)]
+async fn a_flood_of_would_be_waiters_is_held_to_the_bound_and_cancelling_returns_slots() {
+    const WAITERS: usize = 64;
+    let policy = Policy::single("s", Quota::per_second(10).with_burst(1)).unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .key(GlobalKey)
+        .shape(Duration::from_secs(60))
+        .max_waiters(WAITERS)
+        .build()
+        .unwrap();
+    let svc = layer.layer(ok_service());
+    let start = Instant::now();
+    let mut flood = tokio::task::JoinSet::new();
+    for _ in 0..20_000 {
+        let svc = svc.clone();
+        flood.spawn(async move { svc.oneshot(request()).await.unwrap().status() });
+    }
+    // Let every request run until it either finishes or sleeps for its slot (no time passes).
+    let mut answered = Vec::new();
+    while flood.len() > WAITERS {
+        answered.push(flood.join_next().await.unwrap().unwrap());
+    }
+    tokio::task::yield_now().await;
+    assert_eq!(flood.len(), WAITERS, "only the waiting room is held");
+    assert_eq!(answered.iter().filter(|s| **s == StatusCode::OK).count(), 1, "one free slot");
+    // Had more than the bound waited, reaching this point would have taken (paused) time.
+    assert_eq!(start.elapsed(), Duration::ZERO, "the rest answered without waiting");
+
+    // The held ones have reserved the slots at 100 ms, 200 ms, ... 6.4 s. Cancel them all.
+    flood.abort_all();
+    while flood.join_next().await.is_some() {}
+    tokio::task::yield_now().await;
+    // Every slot came back: the next request waits 100 ms (the first slot after the one used
+    // at 0), not 6.5 s.
+    let start = Instant::now();
+    assert_eq!(svc.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(start.elapsed(), Duration::from_millis(100));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_tarpit_holds_at_most_the_waiting_room() {
+    let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .key(GlobalKey)
+        .tarpit(Duration::from_secs(2))
+        .max_waiters(8)
+        .build()
+        .unwrap();
+    let svc = layer.layer(ok_service());
+    assert_eq!(svc.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
+    let start = Instant::now();
+    let mut flood = tokio::task::JoinSet::new();
+    for _ in 0..5_000 {
+        let svc = svc.clone();
+        flood.spawn(async move {
+            let status = svc.oneshot(request()).await.unwrap().status();
+            (status, Instant::now())
+        });
+    }
+    let mut at_once = 0;
+    let mut delayed = 0;
+    while let Some(done) = flood.join_next().await {
+        let (status, at) = done.unwrap();
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+        match at - start {
+            d if d == Duration::ZERO => at_once += 1,
+            d if d == Duration::from_secs(2) => delayed += 1,
+            d => panic!("answered after {d:?}"),
+        }
+    }
+    assert_eq!((delayed, at_once), (8, 4_992));
+}
