@@ -599,3 +599,98 @@ async fn two_app_instances_enforce_one_limit_over_http() {
     }
     assert_eq!((ok, limited), (30, 70));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Clocks (SECURITY.md, "clock skew"): app servers whose clocks disagree, and a server clock
+// that steps back.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn skewed_app_clocks_loosen_a_limit_unless_time_comes_from_redis() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let policy = Policy::single("skew", Quota::per_hour(10)).unwrap();
+    let admitted = |a: RedisStore, b: RedisStore| {
+        let policy = policy.clone();
+        async move {
+            let mut n = 0;
+            for store in [a, b] {
+                for _ in 0..10 {
+                    let check =
+                        Check { policy: &policy, key: &Key::Global, cost: 1, max_delay: None };
+                    n += usize::from(store.check(check).await.unwrap().decision.is_allowed());
+                }
+            }
+            n
+        }
+    };
+    // Two instances whose clocks are an hour apart, deciding on their own clocks: the one
+    // ahead sees the other's charges as refilled, and the pair admits twice the limit.
+    let (slow, fast) = (FakeClock::new(), FakeClock::new());
+    slow.set(10_000_000_000_000);
+    fast.set(10_000_000_000_000 + 3_600_000_000_000);
+    let on = |clock: FakeClock| {
+        fake_clock_store(RedisStore::builder(server.url()), clock, "skew1:".into())
+    };
+    assert_eq!(admitted(on(slow), on(fast)).await, 20);
+    // The default, Redis's TIME: whatever the app servers' clocks say, the limit holds.
+    let server_time = || RedisStore::builder(server.url()).prefix("skew2:").build().unwrap();
+    assert_eq!(admitted(server_time(), server_time()).await, 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clock_stepping_back_does_not_reopen_a_window() {
+    let Some(server) = Server::start("redis-server") else { return };
+    for algorithm in ALGORITHMS {
+        let clock = FakeClock::new();
+        clock.set(10_500_000_000); // 10.5 s: the middle of window 10 of one second
+        let store =
+            fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "back:".into());
+        let policy = Policy::builder(format!("back-{}", algorithm.name()))
+            .algorithm(algorithm)
+            .tier("t", Quota::per_second(3))
+            .build()
+            .unwrap();
+        let check = Check { policy: &policy, key: &Key::Global, cost: 3, max_delay: None };
+        assert!(store.check(check).await.unwrap().decision.is_allowed(), "{algorithm:?}");
+        // The clock steps back 0.6 s, into window 9, forgotten long ago.
+        clock.set(9_900_000_000);
+        let one = Check { cost: 1, ..check };
+        let d = store.check(one).await.unwrap().decision;
+        assert!(!d.is_allowed(), "{algorithm:?}: a step back reopened the limit");
+        assert_eq!(d.tiers()[0].remaining(), 0, "{algorithm:?}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Key material is data (SECURITY.md, "script or key injection").
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_key_material_stays_data() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(5)).build().unwrap();
+    let mut conn = server.conn();
+    let () = redis::cmd("SET").arg("victim").arg("intact").query(&mut conn).unwrap();
+    let hostile = [
+        "\"]] redis.call('FLUSHALL') --",
+        "'); redis.call('DEL', 'victim'); ('",
+        "*",
+        "{victim}",
+        "a}b{c",
+        "line\r\nFLUSHALL\r\n",
+        "\u{0}\u{1}\u{7f}",
+        "%7B%7D",
+    ];
+    let policy = Policy::single("hostile", Quota::per_minute(1)).unwrap();
+    for text in hostile {
+        let key = Key::text(text);
+        let check = Check { policy: &policy, key: &key, cost: 1, max_delay: None };
+        assert!(store.check(check).await.unwrap().decision.is_allowed(), "{text:?}");
+        assert!(!store.check(check).await.unwrap().decision.is_allowed(), "{text:?}");
+        let exists: i64 =
+            redis::cmd("EXISTS").arg(store.state_key(&policy, &key)).query(&mut conn).unwrap();
+        assert_eq!(exists, 1, "{text:?} has its own key");
+    }
+    let victim: String = redis::cmd("GET").arg("victim").query(&mut conn).unwrap();
+    assert_eq!(victim, "intact");
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).unwrap();
+    assert_eq!(keys.len(), hostile.len() + 1, "one key per hostile text, and the victim: {keys:?}");
+}

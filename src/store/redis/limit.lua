@@ -88,6 +88,13 @@ do
   local flat = redis.call('HGETALL', key)
   for i = 1, #flat, 2 do h[flat[i]] = flat[i + 1] end
 end
+-- Time never goes back for a key: Redis's TIME can step backwards (NTP, a failover to a
+-- replica whose clock is behind), and a window algorithm would then re-enter a window it has
+-- already forgotten, as if it were empty. A key decides at the later of now and its last write.
+if h.ws then
+  local ws, wn = tonumber(h.ws), tonumber(h.wn)
+  if ws > now_s or (ws == now_s and wn > now_n) then now_s, now_n = ws, wn end
+end
 -- Stored relative instants + shift = instants relative to now.
 local shift = 0
 if h.ws then
