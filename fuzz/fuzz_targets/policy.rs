@@ -51,7 +51,7 @@ fuzz_target!(|data: &[u8]| {
         };
         // Small numbers are the interesting ones; keep the raw value now and then.
         let shrink = |v: u64| if v >> 63 == 1 { v } else { v % 1000 };
-        let quota = Quota::new(shrink(count), Duration::from_nanos(shrink(period) * 1_000_000))
+        let quota = Quota::new(shrink(count), Duration::from_nanos(shrink(period).saturating_mul(1_000_000)))
             .with_burst(shrink(burst));
         builder = builder.tier(format!("t{i}"), quota);
     }
