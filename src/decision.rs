@@ -1,10 +1,19 @@
 //! Decisions: what a store answers for one request. Owned values, no borrows, so they cross
-//! `.await` points and threads freely.
+//! `.await` points and threads freely — and no shared reference counts either, so that deciding
+//! on many cores at once does not make them contend: a tier is named by its index in the policy.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use crate::quota::Quota;
+use smallvec::SmallVec;
+
+use crate::quota::Policy;
+
+/// "No duration" in the nanosecond fields below.
+const NONE: u64 = u64::MAX;
+
+fn optional(nanos: u64) -> Option<Duration> {
+    (nanos != NONE).then(|| Duration::from_nanos(nanos))
+}
 
 /// What happened to a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -31,29 +40,32 @@ pub enum Source {
     Fallback,
 }
 
-/// One tier's part of a decision, as reported in the `RateLimit` headers.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One tier's part of a decision, as reported in the `RateLimit` headers. The `i`-th entry of
+/// [`Decision::tiers`] is about the `i`-th tier of the policy ([`Policy::tiers`]), which has
+/// its name and quota.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TierDecision {
-    pub(crate) name: Arc<str>,
-    pub(crate) quota: Quota,
     pub(crate) limit: u64,
     pub(crate) remaining: u64,
-    pub(crate) reset_after: Duration,
-    pub(crate) retry_after: Option<Duration>,
+    /// Nanoseconds.
+    pub(crate) reset_after: u64,
+    /// Nanoseconds, or [`NONE`].
+    pub(crate) retry_after: u64,
     pub(crate) violated: bool,
 }
 
 impl TierDecision {
-    /// The tier's name.
-    #[must_use]
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// The tier's quota.
-    #[must_use]
-    pub fn quota(&self) -> Quota {
-        self.quota
+    /// A tier's part: capacity and remaining units, nanoseconds until full, and for a tier that
+    /// rejected the request the nanoseconds until it alone would admit it.
+    pub(crate) fn new(
+        limit: u64,
+        remaining: u64,
+        reset_after: u64,
+        retry_after: Option<u64>,
+        violated: bool,
+    ) -> Self {
+        let retry_after = retry_after.map_or(NONE, |r| r.min(NONE - 1));
+        Self { limit, remaining, reset_after, retry_after, violated }
     }
 
     /// The tier's capacity in units (`burst` for GCRA and the buckets, `count` for windows).
@@ -71,14 +83,14 @@ impl TierDecision {
     /// Time until this tier's state is back to full capacity (nanosecond precision).
     #[must_use]
     pub fn reset_after(&self) -> Duration {
-        self.reset_after
+        Duration::from_nanos(self.reset_after)
     }
 
     /// For a tier that rejected the request: time until it alone would admit it.
     /// `None` for a tier that had room, and for a tier whose capacity is below the cost.
     #[must_use]
     pub fn retry_after(&self) -> Option<Duration> {
-        self.retry_after
+        optional(self.retry_after)
     }
 
     /// Whether this tier rejected the request (no room, or capacity below the cost).
@@ -88,18 +100,52 @@ impl TierDecision {
     }
 }
 
+/// Per-tier decisions, kept inline for up to two tiers (no allocation).
+pub(crate) type Tiers = SmallVec<[TierDecision; 2]>;
+
 /// A store's answer for one request: the outcome, the shaping delay, when to retry, and one
-/// [`TierDecision`] per tier (SPEC §1).
+/// [`TierDecision`] per tier of the policy (SPEC §1).
+///
+/// ```
+/// use tollgate::{Limiter, Policy, Quota, key::Key};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let policy = Policy::builder("api")
+///     .tier("second", Quota::per_second(2))
+///     .tier("hour", Quota::per_hour(100))
+///     .build()
+///     .unwrap();
+/// let limiter = Limiter::new(policy.clone());
+/// let key = Key::text("alice");
+/// limiter.check(&key, 2).await.unwrap();
+/// let d = limiter.check(&key, 1).await.unwrap();
+/// assert!(!d.is_allowed());
+/// assert_eq!(d.violated_names(&policy).collect::<Vec<_>>(), ["second"]);
+/// assert_eq!(d.tiers()[1].remaining(), 98);
+/// # }
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decision {
     pub(crate) outcome: Outcome,
-    pub(crate) delay: Duration,
-    pub(crate) retry_after: Option<Duration>,
-    pub(crate) tiers: Vec<TierDecision>,
     pub(crate) source: Source,
+    /// Nanoseconds.
+    pub(crate) delay: u64,
+    /// Nanoseconds, or [`NONE`].
+    pub(crate) retry_after: u64,
+    pub(crate) tiers: Tiers,
 }
 
 impl Decision {
+    pub(crate) fn new(
+        outcome: Outcome,
+        delay: u64,
+        retry_after: Option<u64>,
+        tiers: Tiers,
+    ) -> Self {
+        let retry_after = retry_after.map_or(NONE, |r| r.min(NONE - 1));
+        Self { outcome, source: Source::Store, delay, retry_after, tiers }
+    }
+
     /// The outcome.
     #[must_use]
     pub fn outcome(&self) -> Outcome {
@@ -116,7 +162,7 @@ impl Decision {
     /// Zero when policing.
     #[must_use]
     pub fn delay(&self) -> Duration {
-        self.delay
+        Duration::from_nanos(self.delay)
     }
 
     /// For [`Outcome::Limited`]: the earliest time from now at which the same request would be
@@ -124,7 +170,7 @@ impl Decision {
     /// rejected). `None` when allowed and for [`Outcome::CostExceedsCapacity`].
     #[must_use]
     pub fn retry_after(&self) -> Option<Duration> {
-        self.retry_after
+        optional(self.retry_after)
     }
 
     /// Per-tier details, in the policy's tier order.
@@ -139,8 +185,14 @@ impl Decision {
         self.source
     }
 
-    /// Names of the tiers that rejected the request (empty when allowed).
-    pub fn violated(&self) -> impl Iterator<Item = &str> {
-        self.tiers.iter().filter(|t| t.violated).map(TierDecision::name)
+    /// Indices (into [`Policy::tiers`]) of the tiers that rejected the request; none when
+    /// allowed.
+    pub fn violated(&self) -> impl Iterator<Item = usize> + '_ {
+        self.tiers.iter().enumerate().filter(|(_, t)| t.violated).map(|(i, _)| i)
+    }
+
+    /// Names of the tiers of `policy` (the policy decided) that rejected the request.
+    pub fn violated_names<'a>(&'a self, policy: &'a Policy) -> impl Iterator<Item = &'a str> {
+        self.violated().filter_map(|i| policy.tiers().get(i).map(crate::quota::Tier::name))
     }
 }

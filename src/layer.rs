@@ -14,7 +14,7 @@ use crate::decision::Decision;
 use crate::error::ConfigError;
 use crate::key::{KeyExtractor, PeerIp};
 use crate::quota::Policy;
-use crate::response::HeaderStyle;
+use crate::response::{HeaderStyle, Headers};
 use crate::service::RateLimit;
 use crate::store::{MemoryStore, Store};
 
@@ -62,6 +62,8 @@ pub(crate) struct Config<K, St> {
     pub(crate) key: K,
     pub(crate) store: St,
     pub(crate) waiters: Option<Arc<Semaphore>>,
+    /// The policy's rate-limit headers, prepared once.
+    pub(crate) headers: Headers,
     pub(crate) settings: Settings,
 }
 
@@ -303,12 +305,14 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
             ));
         }
         let waiters = waits.then(|| Arc::new(Semaphore::new(settings.max_waiters)));
+        let headers = Headers::new(&self.policy, settings.headers);
         Ok(RateLimitLayer {
             config: Arc::new(Config {
                 policy: self.policy,
                 key: self.key,
                 store: self.store,
                 waiters,
+                headers,
                 settings,
             }),
         })

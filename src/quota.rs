@@ -185,10 +185,6 @@ impl Tier {
         self.quota
     }
 
-    pub(crate) fn name_arc(&self) -> Arc<str> {
-        Arc::clone(&self.name)
-    }
-
     /// The most units one request can ever consume on this tier: `burst` for the buckets and
     /// GCRA, `count` for the window algorithms.
     #[must_use]

@@ -8,7 +8,10 @@ use std::time::Duration;
 use axum::body::Body;
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode, header};
 
+use smallvec::SmallVec;
+
 use crate::decision::{Decision, Outcome};
+use crate::quota::Policy;
 
 /// The problem type of a 429 (IANA HTTP problem types registry).
 pub const QUOTA_EXCEEDED_TYPE: &str =
@@ -54,36 +57,70 @@ fn value(s: &str) -> HeaderValue {
     HeaderValue::from_str(s).unwrap_or_else(|_| HeaderValue::from_static(""))
 }
 
-/// Writes the configured rate-limit headers for `decision`.
-pub(crate) fn write_headers(headers: &mut HeaderMap, decision: &Decision, style: HeaderStyle) {
-    if decision.tiers.is_empty() {
-        return;
-    }
-    if matches!(style, HeaderStyle::Ietf | HeaderStyle::Both) {
-        let mut policy = String::with_capacity(32 * decision.tiers.len());
-        let mut state = String::with_capacity(32 * decision.tiers.len());
-        for (i, t) in decision.tiers.iter().enumerate() {
+/// The rate-limit headers of one policy, prepared when the layer is built: what does not change
+/// between responses is rendered once.
+#[derive(Debug, Clone)]
+pub(crate) struct Headers {
+    style: HeaderStyle,
+    /// The `RateLimit-Policy` value (constant for the policy).
+    policy: String,
+    /// Per tier, the start of its `RateLimit` item: `"name";r=`.
+    items: Box<[String]>,
+    /// Per tier, its quota's count (the legacy `X-RateLimit-Limit`).
+    counts: Box<[u64]>,
+}
+
+impl Headers {
+    pub(crate) fn new(policy: &Policy, style: HeaderStyle) -> Self {
+        let mut rendered = String::new();
+        let mut items = Vec::with_capacity(policy.tiers().len());
+        for (i, t) in policy.tiers().iter().enumerate() {
             if i > 0 {
-                policy.push_str(", ");
-                state.push_str(", ");
+                rendered.push_str(", ");
             }
-            sf_string(&mut policy, &t.name);
-            let _ =
-                write!(policy, ";q={};w={}", t.quota.count(), ceil_secs(t.quota.period()).max(1));
-            sf_string(&mut state, &t.name);
-            let _ = write!(state, ";r={};t={}", t.remaining, ceil_secs(t.reset_after));
+            sf_string(&mut rendered, t.name());
+            let q = t.quota();
+            let _ = write!(rendered, ";q={};w={}", q.count(), ceil_secs(q.period()).max(1));
+            let mut item = String::new();
+            sf_string(&mut item, t.name());
+            item.push_str(";r=");
+            items.push(item);
         }
-        headers.insert(HeaderName::from_static("ratelimit-policy"), value(&policy));
-        headers.insert(HeaderName::from_static("ratelimit"), value(&state));
+        let counts = policy.tiers().iter().map(|t| t.quota().count()).collect();
+        Self { style, policy: rendered, items: items.into(), counts }
     }
-    if matches!(style, HeaderStyle::Legacy | HeaderStyle::Both) {
-        if let Some(t) = decision.tiers.iter().min_by_key(|t| t.remaining) {
-            headers.insert(HeaderName::from_static("x-ratelimit-limit"), t.quota.count().into());
-            headers.insert(HeaderName::from_static("x-ratelimit-remaining"), t.remaining.into());
-            headers.insert(
-                HeaderName::from_static("x-ratelimit-reset"),
-                ceil_secs(t.reset_after).into(),
-            );
+
+    /// Writes the configured rate-limit headers for `decision`.
+    pub(crate) fn write(&self, headers: &mut HeaderMap, decision: &Decision) {
+        if decision.tiers.is_empty() {
+            return;
+        }
+        if matches!(self.style, HeaderStyle::Ietf | HeaderStyle::Both) {
+            let mut state = String::with_capacity(self.items.iter().map(|i| i.len() + 28).sum());
+            let mut n = itoa::Buffer::new();
+            for (i, (t, item)) in decision.tiers.iter().zip(self.items.iter()).enumerate() {
+                if i > 0 {
+                    state.push_str(", ");
+                }
+                state.push_str(item);
+                state.push_str(n.format(t.remaining));
+                state.push_str(";t=");
+                state.push_str(n.format(ceil_secs(t.reset_after())));
+            }
+            headers.insert(HeaderName::from_static("ratelimit-policy"), value(&self.policy));
+            headers.insert(HeaderName::from_static("ratelimit"), value(&state));
+        }
+        if matches!(self.style, HeaderStyle::Legacy | HeaderStyle::Both) {
+            let tiers = decision.tiers.iter().zip(self.counts.iter());
+            if let Some((t, count)) = tiers.min_by_key(|(t, _)| t.remaining) {
+                headers.insert(HeaderName::from_static("x-ratelimit-limit"), (*count).into());
+                headers
+                    .insert(HeaderName::from_static("x-ratelimit-remaining"), t.remaining.into());
+                headers.insert(
+                    HeaderName::from_static("x-ratelimit-reset"),
+                    ceil_secs(t.reset_after()).into(),
+                );
+            }
         }
     }
 }
@@ -139,15 +176,16 @@ pub(crate) fn problem(
 }
 
 /// The default rejection: 429, `Retry-After` (delay-seconds rounded up, at least 1; absent when
-/// the cost exceeds a tier's capacity), not cacheable, problem+json naming the violated tiers.
+/// the cost exceeds a tier's capacity), not cacheable, problem+json naming the violated tiers of
+/// `policy` (the policy that decided).
 #[must_use]
-pub fn too_many_requests(decision: &Decision) -> Response<Body> {
-    let violated: Vec<&str> = decision.violated().collect();
+pub fn too_many_requests(policy: &Policy, decision: &Decision) -> Response<Body> {
+    let violated: SmallVec<[&str; 2]> = decision.violated_names(policy).collect();
     let detail = match decision.outcome {
         Outcome::CostExceedsCapacity => {
             "the request costs more than the policy's capacity; it can never be admitted".to_owned()
         }
-        _ => match decision.retry_after {
+        _ => match decision.retry_after() {
             Some(d) => format!("quota exceeded; retry in {} s", ceil_secs(d).max(1)),
             None => "quota exceeded".to_owned(),
         },
@@ -159,7 +197,7 @@ pub fn too_many_requests(decision: &Decision) -> Response<Body> {
         &detail,
         &violated,
     );
-    if let (Outcome::Limited, Some(d)) = (decision.outcome, decision.retry_after) {
+    if let (Outcome::Limited, Some(d)) = (decision.outcome, decision.retry_after()) {
         res.headers_mut().insert(header::RETRY_AFTER, ceil_secs(d).max(1).into());
     }
     res

@@ -13,7 +13,7 @@ use tower_service::Service;
 
 use crate::key::{Key, KeyExtractor};
 use crate::layer::{Config, MissingKey, OnStoreError};
-use crate::response::{problem, too_many_requests, write_headers};
+use crate::response::{problem, too_many_requests};
 use crate::store::{Check, Store, Ticket};
 
 /// The rate-limiting service made by [`RateLimitLayer`](crate::RateLimitLayer).
@@ -218,9 +218,9 @@ where
         }
         let mut res = match &config.settings.rejection {
             Some(f) => f(&decision),
-            None => too_many_requests(&decision),
+            None => too_many_requests(&config.policy, &decision),
         };
-        write_headers(res.headers_mut(), &decision, config.settings.headers);
+        config.headers.write(res.headers_mut(), &decision);
         return Ok(res);
     }
 
@@ -239,7 +239,7 @@ where
     if let Some(ticket) = ticket {
         settle(&config, ticket, &head).await;
     }
-    write_headers(&mut head.headers, &decision, config.settings.headers);
+    config.headers.write(&mut head.headers, &decision);
     Ok(Response::from_parts(head, Body::new(body)))
 }
 

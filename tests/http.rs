@@ -261,12 +261,13 @@ async fn legacy_headers_and_custom_rejection() {
         .algorithm(Algorithm::FixedWindow)
         .build()
         .unwrap();
+    let names = policy.clone();
     let layer = RateLimitLayer::builder(policy)
         .headers(HeaderStyle::Legacy)
-        .rejection(|d| {
+        .rejection(move |d| {
             let mut res = http::Response::new(axum::body::Body::from(format!(
                 "slow down: {}",
-                d.violated().collect::<Vec<_>>().join(",")
+                d.violated_names(&names).collect::<Vec<_>>().join(",")
             )));
             *res.status_mut() = StatusCode::TOO_MANY_REQUESTS;
             res

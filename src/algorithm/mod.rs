@@ -10,9 +10,9 @@ mod gcra;
 mod log;
 mod window;
 
-use std::time::Duration;
+use smallvec::SmallVec;
 
-use crate::decision::{Decision, Outcome, Source, TierDecision};
+use crate::decision::{Decision, Outcome, TierDecision, Tiers};
 use crate::quota::{Algorithm, Policy, Rate};
 
 pub(crate) use bucket::Level;
@@ -30,6 +30,9 @@ pub(crate) enum TierState {
     /// Sliding window log.
     Log(Log),
 }
+
+/// What each tier was charged, inline for up to two tiers.
+pub(crate) type Charges = SmallVec<[Charge; 2]>;
 
 /// What one tier was charged, so that it can be given back (SPEC §4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,7 +169,7 @@ pub(crate) fn decide(
     now: u64,
     cost: u64,
     mode: Mode,
-) -> (Decision, Option<Vec<Charge>>) {
+) -> (Decision, Option<Charges>) {
     let alg = policy.algorithm();
     let tiers = policy.tiers();
     for (s, t) in states.iter_mut().zip(tiers) {
@@ -178,10 +181,9 @@ pub(crate) fn decide(
         let decision = report(policy, states, now, Outcome::Allowed, 0, None, |_| (false, None));
         return (decision, None);
     }
-    let over: Vec<bool> = tiers.iter().map(|t| cost > t.capacity()).collect();
-    if over.iter().any(|o| *o) {
-        let decision =
-            report(policy, states, now, Outcome::CostExceedsCapacity, 0, None, |i| (over[i], None));
+    if tiers.iter().any(|t| cost > t.capacity()) {
+        let over = |i: usize| (cost > tiers[i].capacity(), None);
+        let decision = report(policy, states, now, Outcome::CostExceedsCapacity, 0, None, over);
         return (decision, None);
     }
 
@@ -217,35 +219,38 @@ pub(crate) fn decide(
     };
     let per_tier_retry = |i: usize| {
         let own = states[i].earliest(alg, tiers[i].rate, now, cost) - now;
-        (own > 0, (own > 0).then(|| Duration::from_nanos(own)))
+        (own > 0, (own > 0).then_some(own))
     };
     if wait > budget {
-        let retry = Duration::from_nanos(wait - budget);
+        let retry = wait - budget;
         let decision =
             report(policy, states, now, Outcome::Limited, 0, Some(retry), per_tier_retry);
         return (decision, None);
     }
-    let charges: Vec<Charge> = states
+    let charges: Charges = states
         .iter_mut()
         .zip(tiers)
-        .map(|(s, tier)| s.charge(alg, tier.rate, now, t, cost))
+        // At the instant the request leaves: later than `t` when a leaky bucket holds it behind
+        // the water queued before it. Charging every tier then keeps each tier's output
+        // smooth even when another tier's queue is the one holding the request.
+        .map(|(s, tier)| s.charge(alg, tier.rate, now, t + queue, cost))
         .collect();
     let decision = report(policy, states, now, Outcome::Allowed, wait, None, |_| (false, None));
     (decision, Some(charges))
 }
 
-/// Builds the decision from the states after any charge.
+/// Builds the decision from the states after any charge. Durations in nanoseconds.
 fn report(
     policy: &Policy,
     states: &[TierState],
     now: u64,
     outcome: Outcome,
     delay: u64,
-    retry_after: Option<Duration>,
-    per_tier: impl Fn(usize) -> (bool, Option<Duration>),
+    retry_after: Option<u64>,
+    per_tier: impl Fn(usize) -> (bool, Option<u64>),
 ) -> Decision {
     let alg = policy.algorithm();
-    let tiers = policy
+    let tiers: Tiers = policy
         .tiers()
         .iter()
         .zip(states)
@@ -253,24 +258,10 @@ fn report(
         .map(|(i, (tier, s))| {
             let (remaining, reset) = s.status(alg, tier.rate, now);
             let (violated, retry_after) = per_tier(i);
-            TierDecision {
-                name: tier.name_arc(),
-                quota: tier.quota(),
-                limit: tier.capacity(),
-                remaining,
-                reset_after: Duration::from_nanos(reset),
-                retry_after,
-                violated,
-            }
+            TierDecision::new(tier.capacity(), remaining, reset, retry_after, violated)
         })
         .collect();
-    Decision {
-        outcome,
-        delay: Duration::from_nanos(delay),
-        retry_after,
-        tiers,
-        source: Source::Store,
-    }
+    Decision::new(outcome, delay, retry_after, tiers)
 }
 
 #[cfg(test)]

@@ -80,7 +80,7 @@ fn gcra_cost_and_capacity() {
     let d = r.at(0, 6);
     assert_eq!(d.outcome(), Outcome::CostExceedsCapacity);
     assert_eq!(d.retry_after(), None);
-    assert_eq!(d.violated().collect::<Vec<_>>(), ["t"]);
+    assert_eq!(d.violated_names(&r.policy).collect::<Vec<_>>(), ["t"]);
 }
 
 #[test]
@@ -222,12 +222,12 @@ fn stacked_tiers_are_all_or_nothing() {
     // The second tier is full; the minute tier has 2 left but is not charged.
     assert_eq!(d.outcome(), Outcome::Limited);
     assert_eq!(d.tiers()[1].remaining(), 2);
-    assert_eq!(d.violated().collect::<Vec<_>>(), ["second", "minute"]);
+    assert_eq!(d.violated_names(&r.policy).collect::<Vec<_>>(), ["second", "minute"]);
     let d = r.at(S, 2);
     assert!(allowed(&d));
     assert_eq!(d.tiers()[1].remaining(), 0);
     let d = r.at(S, 1);
-    assert_eq!(d.violated().collect::<Vec<_>>(), ["minute"]);
+    assert_eq!(d.violated_names(&r.policy).collect::<Vec<_>>(), ["minute"]);
     // The minute tier (T = 5 s, TAT now 60 s) has room again at 5 s.
     assert_eq!(retry(&d), 4 * S);
 }
@@ -287,4 +287,26 @@ fn cost_zero_is_a_query_that_charges_nothing() {
         assert!(allowed(&r.shape(0, 0, 0)), "{alg:?}");
         assert_eq!(r.at(0, 0).tiers()[0].remaining(), 0, "{alg:?}");
     }
+}
+
+#[test]
+fn stacked_leaky_shaping_keeps_every_tier_smooth() {
+    // Found by `admissions_never_exceed_the_promise`: tier `a` (1 per 30 ms) and tier `b` (2 per
+    // 50.7 ms). The second request fits `a` at 30 ms but leaves at 50.7 ms, held by `b`'s
+    // queue; charged at 30 ms, `a` would have let the third through at 60 ms, 9.3 ms after it.
+    let mut r = Run::new(
+        Algorithm::LeakyBucket,
+        &[
+            ("a", Quota::new(5, Duration::from_millis(150)).with_burst(1)),
+            ("b", Quota::new(3, Duration::from_nanos(152_245_822)).with_burst(2)),
+        ],
+    );
+    assert!(allowed(&r.at(0, 1)));
+    let d = r.shape(0, 1, 50_748_608);
+    assert_eq!(d.delay(), Duration::from_nanos(50_748_608));
+    // Charged when it leaves, the next request fits `a` only 30 ms after that.
+    let d = r.at(60 * MS, 1);
+    assert_eq!(d.outcome(), Outcome::Limited);
+    assert_eq!(d.violated_names(&r.policy).collect::<Vec<_>>(), ["a"]);
+    assert_eq!(retry(&d), 50_748_608 + 30 * MS - 60 * MS);
 }

@@ -98,7 +98,7 @@ impl Entry {
         now: u64,
         cost: u64,
         max_delay: Option<Duration>,
-    ) -> (crate::Decision, Option<Vec<crate::algorithm::Charge>>) {
+    ) -> (crate::Decision, Option<crate::algorithm::Charges>) {
         if !self.policy.same(policy) {
             *self = Self::new(policy, now);
         }

@@ -17,7 +17,7 @@ pub use redis::{
     MAX_HORIZON, RedisStore, RedisStoreBuilder,
 };
 
-use crate::algorithm::Charge;
+use crate::algorithm::Charges;
 use crate::decision::Decision;
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
@@ -55,7 +55,7 @@ pub struct Ticket {
     pub(crate) policy: Policy,
     pub(crate) key: Key,
     pub(crate) cost: u64,
-    pub(crate) charges: Vec<Charge>,
+    pub(crate) charges: Charges,
     /// Charged to the overflow bucket of a full `MemoryStore`.
     pub(crate) overflow: bool,
     /// Charged to the local fallback of a remote store that was failing.
@@ -67,7 +67,7 @@ impl Ticket {
     /// A ticket for a custom store: `cost` units charged to `key` under `policy`.
     #[must_use]
     pub fn new(policy: Policy, key: Key, cost: u64) -> Self {
-        Self { policy, key, cost, charges: Vec::new(), overflow: false, fallback: false }
+        Self { policy, key, cost, charges: Charges::new(), overflow: false, fallback: false }
     }
 
     /// The policy charged.

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use redis::ScriptInvocation;
 
-use crate::algorithm::Charge;
+use crate::algorithm::{Charge, Charges};
 use crate::clock::duration_to_nanos;
-use crate::decision::{Decision, Outcome, Source, TierDecision};
+use crate::decision::{Decision, Outcome, TierDecision, Tiers};
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
 use crate::quota::{Algorithm, Policy};
@@ -220,8 +220,8 @@ fn nanos(v: i64) -> Result<u64, StoreError> {
     u64::try_from(v).map_err(|_| bad_reply("negative duration"))
 }
 
-fn optional(v: i64) -> Result<Option<Duration>, StoreError> {
-    if v < 0 { Ok(None) } else { nanos(v).map(|n| Some(Duration::from_nanos(n))) }
+fn optional(v: i64) -> Result<Option<u64>, StoreError> {
+    if v < 0 { Ok(None) } else { nanos(v).map(Some) }
 }
 
 /// The decision of a `check` call, and for an admitted request what each tier was charged.
@@ -229,7 +229,7 @@ pub(crate) fn decode(
     policy: &Policy,
     cost: u64,
     reply: &[i64],
-) -> Result<(Decision, Option<Vec<Charge>>), StoreError> {
+) -> Result<(Decision, Option<Charges>), StoreError> {
     let tiers = policy.tiers();
     if reply.len() != HEAD + PER_TIER * tiers.len() {
         return Err(bad_reply("wrong length"));
@@ -240,28 +240,20 @@ pub(crate) fn decode(
         2 => Outcome::CostExceedsCapacity,
         _ => return Err(bad_reply("unknown outcome")),
     };
-    let mut decided = Vec::with_capacity(tiers.len());
-    let mut charges = Vec::with_capacity(tiers.len());
+    let mut decided = Tiers::with_capacity(tiers.len());
+    let mut charges = Charges::with_capacity(tiers.len());
     for (tier, r) in tiers.iter().zip(reply[HEAD..].chunks_exact(PER_TIER)) {
-        decided.push(TierDecision {
-            name: tier.name_arc(),
-            quota: tier.quota(),
-            limit: tier.capacity(),
-            remaining: nanos(r[0])?,
-            reset_after: Duration::from_nanos(nanos(r[1])?),
-            retry_after: optional(r[2])?,
-            violated: r[3] != 0,
-        });
+        decided.push(TierDecision::new(
+            tier.capacity(),
+            nanos(r[0])?,
+            nanos(r[1])?,
+            optional(r[2])?,
+            r[3] != 0,
+        ));
         let at = nanos(r[4])?.saturating_mul(NANOS_PER_SEC).saturating_add(nanos(r[5])?);
         charges.push(Charge { at, cost, id: nanos(r[6])? });
     }
-    let decision = Decision {
-        outcome,
-        delay: Duration::from_nanos(nanos(reply[1])?),
-        retry_after: optional(reply[2])?,
-        tiers: decided,
-        source: Source::Store,
-    };
+    let decision = Decision::new(outcome, nanos(reply[1])?, optional(reply[2])?, decided);
     let charges = (outcome == Outcome::Allowed).then_some(charges);
     Ok((decision, charges))
 }
@@ -368,7 +360,7 @@ mod tests {
         let limited = [0, 0, 50, 7, 9, 0, 100, 50, 1, 0, 0, 0, 99, 1, -1, 0, 0, 0, 0];
         let (d, charges) = decode(&p, 1, &limited).unwrap();
         assert_eq!(d.retry_after(), Some(Duration::from_nanos(50)));
-        assert_eq!(d.violated().collect::<Vec<_>>(), ["a"]);
+        assert_eq!(d.violated_names(&p).collect::<Vec<_>>(), ["a"]);
         assert!(charges.is_none());
         assert!(decode(&p, 1, &reply[..10]).is_err());
         assert!(decode(&p, 1, &[3; 19]).is_err());

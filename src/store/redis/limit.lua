@@ -534,9 +534,10 @@ else
     end
     reply = { 0, 0, wait - budget }
   else
+    -- Charged at the instant the request leaves (after a leaky bucket's queue), as in Rust.
     for i = 1, ntiers do
-      local id = impl.charge(tiers[i], t, cost) or 0
-      local s, n = abs_of(t)
+      local id = impl.charge(tiers[i], wait, cost) or 0
+      local s, n = abs_of(wait)
       per[i] = { -1, 0, s, n, id }
     end
     reply = { 1, wait, -1 }

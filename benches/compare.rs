@@ -1,0 +1,166 @@
+#![allow(missing_docs)] // criterion_group! generates undocumented items.
+//! tollgate beside the crates users would pick instead, in one run (BENCHMARKS.md):
+//!
+//! - `store/<peer>/<keys>/<threads>`: one allowed check of an in-memory keyed limiter —
+//!   tollgate's `MemoryStore` and governor's keyed `RateLimiter` (DashMap) — for 1 hot key,
+//!   10,000 and 1,000,000 IPv4 keys, on 1 and 2 threads. Time per check (wall time of all
+//!   threads / checks).
+//! - `layer/<stack>/<path>`: one request through an axum `Router` with a trivial handler, driven
+//!   in-process with `tower::ServiceExt::oneshot`: bare, with tollgate's layer, with
+//!   tower_governor's; rate-limit headers on in both; the allowed path and the 429 path.
+//!
+//! `cargo bench --bench compare`; `bash benches/compare.sh` runs it and prints the ratios.
+
+use std::hint::black_box;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::ConnectInfo;
+use axum::routing::get;
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use governor::{Quota as GQuota, RateLimiter};
+use http::{Request, StatusCode};
+use tollgate::key::Key;
+use tollgate::store::Check;
+use tollgate::{MemoryStore, Policy, Quota, RateLimitLayer};
+use tower::ServiceExt;
+use tower_governor::GovernorLayer;
+use tower_governor::governor::GovernorConfigBuilder;
+
+const KEY_COUNTS: [u32; 3] = [1, 10_000, 1_000_000];
+
+fn ip(i: u32) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i))
+}
+
+/// Runs `iters` calls of `f(i)` split over `threads` threads; returns the wall time.
+fn on_threads(threads: usize, iters: u64, f: &(dyn Fn(u64) + Sync)) -> Duration {
+    let per = iters / threads as u64 + 1;
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..threads as u64 {
+            s.spawn(move || {
+                for i in 0..per {
+                    f(t * 7919 + i);
+                }
+            });
+        }
+    });
+    start.elapsed().mul_f64(iters as f64 / (per * threads as u64) as f64)
+}
+
+fn store(c: &mut Criterion) {
+    let mut g = c.benchmark_group("store");
+    for keys in KEY_COUNTS {
+        let tollgate_keys: Vec<Key> = (0..keys).map(|i| Key::Ip(ip(i))).collect();
+        let governor_keys: Vec<IpAddr> = (0..keys).map(ip).collect();
+        // Allowed path: a rate no benchmark can exhaust.
+        let policy =
+            Policy::single("bench", Quota::per_second(tollgate::quota::MAX_COUNT)).unwrap();
+        let ours = MemoryStore::builder().max_keys(2_000_000).build();
+        let theirs = RateLimiter::keyed(GQuota::per_second(NonZeroU32::MAX));
+        for k in &tollgate_keys {
+            ours.check_now(Check { policy: &policy, key: k, cost: 1, max_delay: None }).unwrap();
+        }
+        for k in &governor_keys {
+            let _ = theirs.check_key(k);
+        }
+        let n = keys as u64;
+        for threads in [1usize, 2] {
+            let id = format!("{keys}/{threads}");
+            g.bench_function(BenchmarkId::new("tollgate", &id), |b| {
+                b.iter_custom(|iters| {
+                    on_threads(threads, iters, &|i| {
+                        let key = &tollgate_keys[(i % n) as usize];
+                        let check = Check { policy: &policy, key, cost: 1, max_delay: None };
+                        black_box(ours.check_now(check).unwrap());
+                    })
+                });
+            });
+            g.bench_function(BenchmarkId::new("governor", &id), |b| {
+                b.iter_custom(|iters| {
+                    on_threads(threads, iters, &|i| {
+                        black_box(theirs.check_key(&governor_keys[(i % n) as usize]).is_ok());
+                    })
+                });
+            });
+        }
+    }
+    g.finish();
+}
+
+fn request() -> Request<Body> {
+    let mut req = Request::get("/").body(Body::empty()).unwrap();
+    req.extensions_mut().insert(ConnectInfo(SocketAddr::from(([192, 0, 2, 1], 4711))));
+    req
+}
+
+/// Sends `iters` requests through `app` on one thread; asserts every status is `expect`.
+fn drive(rt: &tokio::runtime::Runtime, app: &Router, iters: u64, expect: StatusCode) -> Duration {
+    rt.block_on(async {
+        let start = Instant::now();
+        for _ in 0..iters {
+            let res = app.clone().oneshot(request()).await.unwrap();
+            assert_eq!(res.status(), expect);
+            black_box(res);
+        }
+        start.elapsed()
+    })
+}
+
+fn layer(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let bare = || Router::new().route("/", get(|| async { "ok" }));
+    let mut g = c.benchmark_group("layer");
+    for (path, status) in [("allowed", StatusCode::OK), ("limited", StatusCode::TOO_MANY_REQUESTS)]
+    {
+        let allowed = path == "allowed";
+        let quota = if allowed {
+            Quota::per_second(tollgate::quota::MAX_COUNT)
+        } else {
+            Quota::per_hour(1)
+        };
+        let ours = bare().layer(
+            RateLimitLayer::builder(Policy::single("bench", quota).unwrap()).build().unwrap(),
+        );
+        let mut config = GovernorConfigBuilder::default();
+        if allowed {
+            config.per_nanosecond(1).burst_size(u32::MAX);
+        } else {
+            config.per_second(3600).burst_size(1);
+        }
+        let config = Arc::new(config.use_headers().finish().unwrap());
+        let theirs = bare().layer(GovernorLayer::new(config));
+        if !allowed {
+            // Spend the single unit of each.
+            drive(&rt, &ours, 1, StatusCode::OK);
+            drive(&rt, &theirs, 1, StatusCode::OK);
+        }
+        if allowed {
+            g.bench_function(BenchmarkId::new("bare", path), |b| {
+                b.iter_custom(|iters| drive(&rt, &bare(), iters, StatusCode::OK));
+            });
+        }
+        g.bench_function(BenchmarkId::new("tollgate", path), |b| {
+            b.iter_custom(|iters| drive(&rt, &ours, iters, status));
+        });
+        g.bench_function(BenchmarkId::new("tower_governor", path), |b| {
+            b.iter_custom(|iters| drive(&rt, &theirs, iters, status));
+        });
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .sample_size(30);
+    targets = store, layer
+}
+criterion_main!(benches);
