@@ -40,7 +40,13 @@ fn bench(c: &mut Criterion) {
                     // 1 ms per check: below the rate, so the allowed path is measured.
                     clock.advance(Duration::from_millis(1));
                     n = (n + 1) % ids.len();
-                    let check = Check { policy: &policy, key: &ids[n], cost: 1, max_delay: None };
+                    let check = Check {
+                        policy: &policy,
+                        key: &ids[n],
+                        cost: 1,
+                        max_delay: None,
+                        reserve: false,
+                    };
                     black_box(store.check_now(check).expect("memory store never fails"))
                 });
             });

@@ -33,6 +33,9 @@ use tower_governor::governor::GovernorConfigBuilder;
 
 const KEY_COUNTS: [u32; 3] = [1, 10_000, 1_000_000];
 
+/// Requests per second on the allowed path: more than any benchmark sends.
+const RATE: u32 = 1_000_000_000;
+
 fn ip(i: u32) -> IpAddr {
     IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i))
 }
@@ -58,13 +61,20 @@ fn store(c: &mut Criterion) {
     for keys in KEY_COUNTS {
         let tollgate_keys: Vec<Key> = (0..keys).map(|i| Key::Ip(ip(i))).collect();
         let governor_keys: Vec<IpAddr> = (0..keys).map(ip).collect();
-        // Allowed path: a rate no benchmark can exhaust.
-        let policy =
-            Policy::single("bench", Quota::per_second(tollgate::quota::MAX_COUNT)).unwrap();
+        // Allowed path: 10^9 per second (T = 1 ns) is a rate no benchmark can exhaust, the same
+        // for both.
+        let policy = Policy::single("bench", Quota::per_second(RATE.into())).unwrap();
         let ours = MemoryStore::builder().max_keys(2_000_000).build();
-        let theirs = RateLimiter::keyed(GQuota::per_second(NonZeroU32::MAX));
+        let theirs = RateLimiter::keyed(GQuota::per_second(NonZeroU32::new(RATE).unwrap()));
         for k in &tollgate_keys {
-            ours.check_now(Check { policy: &policy, key: k, cost: 1, max_delay: None }).unwrap();
+            ours.check_now(Check {
+                policy: &policy,
+                key: k,
+                cost: 1,
+                max_delay: None,
+                reserve: false,
+            })
+            .unwrap();
         }
         for k in &governor_keys {
             let _ = theirs.check_key(k);
@@ -76,7 +86,13 @@ fn store(c: &mut Criterion) {
                 b.iter_custom(|iters| {
                     on_threads(threads, iters, &|i| {
                         let key = &tollgate_keys[(i % n) as usize];
-                        let check = Check { policy: &policy, key, cost: 1, max_delay: None };
+                        let check = Check {
+                            policy: &policy,
+                            key,
+                            cost: 1,
+                            max_delay: None,
+                            reserve: false,
+                        };
                         black_box(ours.check_now(check).unwrap());
                     })
                 });
@@ -119,11 +135,7 @@ fn layer(c: &mut Criterion) {
     for (path, status) in [("allowed", StatusCode::OK), ("limited", StatusCode::TOO_MANY_REQUESTS)]
     {
         let allowed = path == "allowed";
-        let quota = if allowed {
-            Quota::per_second(tollgate::quota::MAX_COUNT)
-        } else {
-            Quota::per_hour(1)
-        };
+        let quota = if allowed { Quota::per_second(u64::from(RATE)) } else { Quota::per_hour(1) };
         let ours = bare().layer(
             RateLimitLayer::builder(Policy::single("bench", quota).unwrap()).build().unwrap(),
         );

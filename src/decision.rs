@@ -45,12 +45,13 @@ pub enum Source {
 /// its name and quota.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TierDecision {
-    pub(crate) limit: u64,
     pub(crate) remaining: u64,
     /// Nanoseconds.
     pub(crate) reset_after: u64,
     /// Nanoseconds, or [`NONE`].
     pub(crate) retry_after: u64,
+    /// At most [`MAX_COUNT`](crate::quota::MAX_COUNT), so 32 bits (the struct stays 32 bytes).
+    pub(crate) limit: u32,
     pub(crate) violated: bool,
 }
 
@@ -65,13 +66,14 @@ impl TierDecision {
         violated: bool,
     ) -> Self {
         let retry_after = retry_after.map_or(NONE, |r| r.min(NONE - 1));
-        Self { limit, remaining, reset_after, retry_after, violated }
+        let limit = u32::try_from(limit).unwrap_or(u32::MAX);
+        Self { remaining, reset_after, retry_after, limit, violated }
     }
 
     /// The tier's capacity in units (`burst` for GCRA and the buckets, `count` for windows).
     #[must_use]
     pub fn limit(&self) -> u64 {
-        self.limit
+        u64::from(self.limit)
     }
 
     /// Units that could be consumed right now after this decision (0 when exhausted).

@@ -65,7 +65,7 @@ impl<St: Store> Limiter<St> {
     /// # Errors
     /// [`StoreError`] when the store cannot decide.
     pub async fn check(&self, key: &Key, cost: u64) -> Result<Decision, StoreError> {
-        Ok(self.store.check(self.request(key, cost, None)).await?.decision)
+        Ok(self.store.check(self.request(key, cost, None, false)).await?.decision)
     }
 
     /// Like [`check`](Self::check), but keeps the charge revocable: the returned
@@ -98,7 +98,7 @@ impl<St: Store> Limiter<St> {
         cost: u64,
         max_delay: Option<Duration>,
     ) -> Result<Reservation<St>, StoreError> {
-        let verdict = self.store.check(self.request(key, cost, max_delay)).await?;
+        let verdict = self.store.check(self.request(key, cost, max_delay, true)).await?;
         Ok(Reservation {
             decision: verdict.decision,
             ticket: verdict.ticket,
@@ -107,8 +107,14 @@ impl<St: Store> Limiter<St> {
         })
     }
 
-    fn request<'a>(&'a self, key: &'a Key, cost: u64, max_delay: Option<Duration>) -> Check<'a> {
-        Check { policy: &self.policy, key, cost, max_delay }
+    fn request<'a>(
+        &'a self,
+        key: &'a Key,
+        cost: u64,
+        max_delay: Option<Duration>,
+        reserve: bool,
+    ) -> Check<'a> {
+        Check { policy: &self.policy, key, cost, max_delay, reserve }
     }
 }
 

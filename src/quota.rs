@@ -253,10 +253,6 @@ impl Policy {
         &self.tiers
     }
 
-    pub(crate) fn name_arc(&self) -> Arc<str> {
-        Arc::clone(&self.name)
-    }
-
     /// Whether `other` is this policy (cheap when it is a clone).
     pub(crate) fn same(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.tiers, &other.tiers) || self == other

@@ -179,7 +179,12 @@ where
         _ => None,
     };
     let max_delay = permit.as_ref().and(config.settings.max_delay);
-    let check = Check { policy: &config.policy, key: &key, cost, max_delay };
+    // A ticket only when the charge may be given back: a refund or settlement from the response,
+    // or a shaped wait that may be cancelled.
+    let reserve = max_delay.is_some()
+        || config.settings.refund_if.is_some()
+        || config.settings.settle_cost.is_some();
+    let check = Check { policy: &config.policy, key: &key, cost, max_delay, reserve };
     let verdict = match config.store.check(check).await {
         Ok(v) => v,
         Err(error) => {

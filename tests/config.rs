@@ -96,7 +96,7 @@ proptest! {
         let clock = FakeClock::new();
         let store = MemoryStore::builder().clock(clock.clone()).build();
         let status = |store: &MemoryStore| {
-            let c = Check { policy: &policy, key: &Key::Global, cost: 0, max_delay: None };
+            let c = Check { policy: &policy, key: &Key::Global, cost: 0, max_delay: None, reserve: false };
             store.check_now(c).unwrap().decision.tiers().to_vec()
         };
         for op in ops {
@@ -105,7 +105,7 @@ proptest! {
                 Op::Check { cost, shape } => {
                     let before = status(&store);
                     let max_delay = shape.map(Duration::from_nanos);
-                    let c = Check { policy: &policy, key: &Key::Global, cost, max_delay };
+                    let c = Check { policy: &policy, key: &Key::Global, cost, max_delay, reserve: false };
                     let d = store.check_now(c).unwrap().decision;
                     let fits = policy.tiers().iter().all(|t| cost <= t.capacity());
                     match d.outcome() {

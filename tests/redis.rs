@@ -145,6 +145,7 @@ async fn replay(store: RedisStore, clock: FakeClock, trace: &Trace) -> Result<()
                     key: &keys[usize::from(key)],
                     cost,
                     max_delay: shape.map(Duration::from_nanos),
+                    reserve: true,
                 };
                 let m = memory.check(check).await.map_err(|e| e.to_string())?;
                 let r = store.check(check).await.map_err(|e| format!("step {i}: {e}"))?;
@@ -253,7 +254,13 @@ fn every_algorithm_admits_then_limits_on_redis() {
             let store = store.clone();
             let policy = policy.clone();
             async move {
-                let c = Check { policy: &policy, key: &Key::Global, cost, max_delay: None };
+                let c = Check {
+                    policy: &policy,
+                    key: &Key::Global,
+                    cost,
+                    max_delay: None,
+                    reserve: false,
+                };
                 store.check(c).await.unwrap().decision
             }
         };
@@ -290,7 +297,13 @@ async fn admitted_concurrently(store: &RedisStore, policy: &Policy, n: usize) ->
             let (store, policy, barrier) = (store.clone(), policy.clone(), barrier.clone());
             tokio::spawn(async move {
                 barrier.wait().await;
-                let check = Check { policy: &policy, key: &Key::Global, cost: 1, max_delay: None };
+                let check = Check {
+                    policy: &policy,
+                    key: &Key::Global,
+                    cost: 1,
+                    max_delay: None,
+                    reserve: false,
+                };
                 store.check(check).await.expect("redis answers").decision.is_allowed()
             })
         })
@@ -355,7 +368,13 @@ async fn a_policys_keys_share_one_cluster_slot_and_keys_spread_over_nodes() {
     let mut owners = std::collections::HashSet::new();
     for i in 0..30 {
         let key = Key::text(format!("user-{i}"));
-        let v = store.check(Check { policy: &policy, key: &key, cost: 1, max_delay: None });
+        let v = store.check(Check {
+            policy: &policy,
+            key: &key,
+            cost: 1,
+            max_delay: None,
+            reserve: false,
+        });
         assert!(v.await.unwrap().decision.is_allowed());
         let state = store.state_key(&policy, &key);
         let node = cluster.node_of(&state);
@@ -387,7 +406,8 @@ async fn every_key_lives_as_long_as_its_state_needs() {
             .tier("t", Quota::new(10, Duration::from_millis(400)))
             .build()
             .unwrap();
-        let check = Check { policy: &policy, key: &Key::Global, cost: 3, max_delay: None };
+        let check =
+            Check { policy: &policy, key: &Key::Global, cost: 3, max_delay: None, reserve: false };
         let d = store.check(check).await.unwrap().decision;
         let state = store.state_key(&policy, &Key::Global);
         let mut keys = vec![state.clone()];
@@ -416,7 +436,8 @@ async fn every_key_lives_as_long_as_its_state_needs() {
     }
     // A rejected request on a fresh key writes nothing.
     let policy = Policy::single("none", Quota::per_second(2)).unwrap();
-    let check = Check { policy: &policy, key: &Key::Global, cost: 3, max_delay: None };
+    let check =
+        Check { policy: &policy, key: &Key::Global, cost: 3, max_delay: None, reserve: false };
     assert!(!store.check(check).await.unwrap().decision.is_allowed());
     assert_eq!(pttl(&mut conn, &store.state_key(&policy, &Key::Global)), -2);
 }
@@ -427,7 +448,8 @@ async fn a_flushed_script_is_reloaded_transparently() {
     let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(5)).build().unwrap();
     store.connect().await.unwrap();
     let policy = Policy::single("flush", Quota::per_minute(2)).unwrap();
-    let check = Check { policy: &policy, key: &Key::Global, cost: 1, max_delay: None };
+    let check =
+        Check { policy: &policy, key: &Key::Global, cost: 1, max_delay: None, reserve: false };
     assert!(store.check(check).await.unwrap().decision.is_allowed());
     let () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut server.conn()).unwrap();
     let d = store.check(check).await.unwrap().decision;
@@ -614,8 +636,13 @@ async fn skewed_app_clocks_loosen_a_limit_unless_time_comes_from_redis() {
             let mut n = 0;
             for store in [a, b] {
                 for _ in 0..10 {
-                    let check =
-                        Check { policy: &policy, key: &Key::Global, cost: 1, max_delay: None };
+                    let check = Check {
+                        policy: &policy,
+                        key: &Key::Global,
+                        cost: 1,
+                        max_delay: None,
+                        reserve: false,
+                    };
                     n += usize::from(store.check(check).await.unwrap().decision.is_allowed());
                 }
             }
@@ -649,7 +676,8 @@ async fn a_clock_stepping_back_does_not_reopen_a_window() {
             .tier("t", Quota::per_second(3))
             .build()
             .unwrap();
-        let check = Check { policy: &policy, key: &Key::Global, cost: 3, max_delay: None };
+        let check =
+            Check { policy: &policy, key: &Key::Global, cost: 3, max_delay: None, reserve: false };
         assert!(store.check(check).await.unwrap().decision.is_allowed(), "{algorithm:?}");
         // The clock steps back 0.6 s, into window 9, forgotten long ago.
         clock.set(9_900_000_000);
@@ -682,7 +710,7 @@ async fn hostile_key_material_stays_data() {
     let policy = Policy::single("hostile", Quota::per_minute(1)).unwrap();
     for text in hostile {
         let key = Key::text(text);
-        let check = Check { policy: &policy, key: &key, cost: 1, max_delay: None };
+        let check = Check { policy: &policy, key: &key, cost: 1, max_delay: None, reserve: false };
         assert!(store.check(check).await.unwrap().decision.is_allowed(), "{text:?}");
         assert!(!store.check(check).await.unwrap().decision.is_allowed(), "{text:?}");
         let exists: i64 =

@@ -13,11 +13,17 @@ use axum::body::Body;
 use axum::extract::ConnectInfo;
 use http::{Request, Response, StatusCode};
 use tokio::time::Instant;
+use tollgate::clock::TokioClock;
 use tollgate::store::{Check, Store, Ticket, Verdict};
 use tollgate::{
     MemoryStore, OnStoreError, Policy, Quota, RateLimitLayer, StoreError, key::GlobalKey,
 };
 use tower::{Layer, Service, ServiceExt, service_fn};
+
+/// A store on tokio's clock, which these paused-clock tests drive.
+fn paused_store() -> MemoryStore {
+    MemoryStore::builder().clock(TokioClock::new()).build()
+}
 
 fn request() -> Request<Body> {
     let mut req = Request::new(Body::empty());
@@ -36,7 +42,11 @@ fn ok_service()
 #[tokio::test(start_paused = true)]
 async fn shaping_delays_are_exact_on_a_paused_clock() {
     let policy = Policy::single("s", Quota::per_second(10).with_burst(1)).unwrap();
-    let layer = RateLimitLayer::builder(policy).shape(Duration::from_millis(250)).build().unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .store(paused_store())
+        .shape(Duration::from_millis(250))
+        .build()
+        .unwrap();
     let svc = layer.layer(ok_service());
     let start = Instant::now();
     let tasks: Vec<_> = (0..5)
@@ -68,7 +78,11 @@ async fn shaping_delays_are_exact_on_a_paused_clock() {
 #[tokio::test(start_paused = true)]
 async fn a_waiter_dropped_while_waiting_gives_its_slot_back() {
     let policy = Policy::single("s", Quota::per_second(10).with_burst(1)).unwrap();
-    let layer = RateLimitLayer::builder(policy).shape(Duration::from_secs(1)).build().unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .store(paused_store())
+        .shape(Duration::from_secs(1))
+        .build()
+        .unwrap();
     let svc = layer.layer(ok_service());
     assert_eq!(svc.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
     // Reserves the 100 ms slot, then gives up after 50 ms.
@@ -86,6 +100,7 @@ async fn a_waiter_dropped_while_waiting_gives_its_slot_back() {
 async fn the_number_of_waiters_is_bounded() {
     let policy = Policy::single("s", Quota::per_second(10).with_burst(1)).unwrap();
     let layer = RateLimitLayer::builder(policy)
+        .store(paused_store())
         .key(GlobalKey)
         .shape(Duration::from_secs(10))
         .max_waiters(3)
@@ -114,7 +129,11 @@ async fn the_number_of_waiters_is_bounded() {
 #[tokio::test(start_paused = true)]
 async fn tarpit_delays_rejections() {
     let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
-    let layer = RateLimitLayer::builder(policy).tarpit(Duration::from_secs(2)).build().unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .store(paused_store())
+        .tarpit(Duration::from_secs(2))
+        .build()
+        .unwrap();
     let svc = layer.layer(ok_service());
     let start = Instant::now();
     assert_eq!(svc.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
@@ -128,6 +147,7 @@ async fn tarpit_delays_rejections() {
 async fn cost_settled_from_the_response() {
     let policy = Policy::single("tokens", Quota::per_hour(100)).unwrap();
     let layer = RateLimitLayer::builder(policy)
+        .store(paused_store())
         .settle_cost(|head| head.headers.get("x-tokens")?.to_str().ok()?.parse().ok())
         .build()
         .unwrap();
@@ -218,7 +238,7 @@ async fn the_inner_error_type_passes_through_and_poll_ready_takes_nothing() {
 #[tokio::test]
 async fn clones_share_state() {
     let policy = Policy::single("p", Quota::per_hour(2)).unwrap();
-    let layer = RateLimitLayer::builder(policy).build().unwrap();
+    let layer = RateLimitLayer::builder(policy).store(paused_store()).build().unwrap();
     let a = layer.layer(ok_service());
     let b = layer.clone().layer(ok_service());
     assert_eq!(a.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
@@ -235,6 +255,7 @@ async fn a_flood_of_would_be_waiters_is_held_to_the_bound_and_cancelling_returns
     const WAITERS: usize = 64;
     let policy = Policy::single("s", Quota::per_second(10).with_burst(1)).unwrap();
     let layer = RateLimitLayer::builder(policy)
+        .store(paused_store())
         .key(GlobalKey)
         .shape(Duration::from_secs(60))
         .max_waiters(WAITERS)
@@ -273,6 +294,7 @@ async fn a_flood_of_would_be_waiters_is_held_to_the_bound_and_cancelling_returns
 async fn the_tarpit_holds_at_most_the_waiting_room() {
     let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
     let layer = RateLimitLayer::builder(policy)
+        .store(paused_store())
         .key(GlobalKey)
         .tarpit(Duration::from_secs(2))
         .max_waiters(8)

@@ -65,8 +65,8 @@ fuzz_target!(|data: &[u8]| {
             op => {
                 let cost = arg % 64;
                 let max_delay = (op == 2).then(|| Duration::from_nanos(arg >> 8));
-                let before = store.check_now(Check { policy: &policy, key: &key, cost: 0, max_delay: None }).unwrap();
-                let v = store.check_now(Check { policy: &policy, key: &key, cost, max_delay }).unwrap();
+                let before = store.check_now(Check { policy: &policy, key: &key, cost: 0, max_delay: None, reserve: false }).unwrap();
+                let v = store.check_now(Check { policy: &policy, key: &key, cost, max_delay, reserve: false }).unwrap();
                 let d = v.decision;
                 match d.outcome() {
                     Outcome::Allowed => {
@@ -74,7 +74,7 @@ fuzz_target!(|data: &[u8]| {
                     }
                     Outcome::Limited => {
                         assert!(d.retry_after().is_some_and(|r| !r.is_zero()));
-                        let after = store.check_now(Check { policy: &policy, key: &key, cost: 0, max_delay: None }).unwrap();
+                        let after = store.check_now(Check { policy: &policy, key: &key, cost: 0, max_delay: None, reserve: false }).unwrap();
                         assert_eq!(before.decision.tiers(), after.decision.tiers(), "a rejection charged");
                     }
                     Outcome::CostExceedsCapacity => {

@@ -44,3 +44,79 @@ pub(crate) fn status(r: Rate, tat: Tat, now: u64) -> (u64, u64) {
     let remaining = u64::try_from(room / u128::from(r.period)).unwrap_or(u64::MAX);
     (remaining, unscale_ceil(r, tat - now_s))
 }
+
+/// GCRA for a tier whose emission interval `T = period / count` is a whole number of
+/// nanoseconds: the TAT is then plain nanoseconds, a `u64` that the in-memory store keeps in one
+/// atomic per key (0 is a fresh key). Exactly the decisions of the scaled version above.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Whole {
+    /// Emission interval, nanoseconds.
+    t: u64,
+    /// Capacity, units.
+    burst: u64,
+    /// Tolerance `T * burst`, nanoseconds.
+    tau: u64,
+}
+
+/// What [`Whole::decide`] concluded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Admitted after `wait` ns: store `tat`; the charge took effect at `at`.
+    Admit { wait: u64, tat: u64, at: u64 },
+    /// Rejected: retry after `retry` ns (beyond the shaping budget).
+    Limit { retry: u64 },
+    /// Rejected: the cost is above the capacity.
+    TooBig,
+    /// Cost 0: a query.
+    Query,
+}
+
+impl Whole {
+    /// The whole-nanosecond form of `r`, when its interval is whole and its tolerance fits.
+    pub(crate) fn of(r: Rate) -> Option<Self> {
+        if r.period % r.count != 0 {
+            return None;
+        }
+        let t = r.period / r.count;
+        Some(Self { t, burst: r.burst, tau: t.checked_mul(r.burst)? })
+    }
+
+    /// Decides `cost` at `now` on `tat`; `budget` is the shaping budget in ns (0 polices).
+    pub(crate) fn decide(&self, tat: u64, now: u64, cost: u64, budget: u64) -> Verdict {
+        if cost == 0 {
+            return Verdict::Query;
+        }
+        if cost > self.burst {
+            return Verdict::TooBig;
+        }
+        // cost <= burst, so cost * t <= tau: no overflow.
+        let new = tat.max(now).saturating_add(cost * self.t);
+        let wait = new.saturating_sub(self.tau).saturating_sub(now);
+        if wait > budget {
+            return Verdict::Limit { retry: wait - budget };
+        }
+        // Charged at now + wait <= max(tat, now): the TAT moves from max(tat, now).
+        Verdict::Admit { wait, tat: new, at: now + wait }
+    }
+
+    /// `(remaining, reset_after)` at `now`.
+    pub(crate) fn status(&self, tat: u64, now: u64) -> (u64, u64) {
+        let backlog = tat.saturating_sub(now);
+        (self.tau.saturating_sub(backlog) / self.t, backlog)
+    }
+
+    /// Gives back `cost` units.
+    pub(crate) fn refund(&self, tat: u64, cost: u64) -> u64 {
+        tat.saturating_sub(cost.saturating_mul(self.t))
+    }
+
+    /// Charges `cost` units at `at` unconditionally.
+    pub(crate) fn charge(&self, tat: u64, at: u64, cost: u64) -> u64 {
+        tat.max(at).saturating_add(cost.saturating_mul(self.t))
+    }
+
+    /// Capacity, units.
+    pub(crate) fn burst(&self) -> u64 {
+        self.burst
+    }
+}

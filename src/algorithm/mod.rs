@@ -16,6 +16,8 @@ use crate::decision::{Decision, Outcome, TierDecision, Tiers};
 use crate::quota::{Algorithm, Policy, Rate};
 
 pub(crate) use bucket::Level;
+pub(crate) use gcra::{Verdict as WholeVerdict, Whole};
+
 pub(crate) use log::Log;
 
 /// One tier's state for one key.
@@ -237,6 +239,59 @@ pub(crate) fn decide(
         .collect();
     let decision = report(policy, states, now, Outcome::Allowed, wait, None, |_| (false, None));
     (decision, Some(charges))
+}
+
+/// The shaping budget of a mode, in nanoseconds (0 polices).
+pub(crate) fn budget(mode: Mode) -> u64 {
+    match mode {
+        Mode::Police => 0,
+        Mode::Shape(max) => max,
+    }
+}
+
+/// Decides one request on the state of a single-tier GCRA policy whose emission interval is a
+/// whole number of nanoseconds (see [`Whole`]): the same decision [`decide`] makes, and what to
+/// store.
+#[inline]
+pub(crate) fn decide_whole(
+    w: &Whole,
+    tat: u64,
+    now: u64,
+    cost: u64,
+    mode: Mode,
+) -> (Decision, WholeVerdict) {
+    let verdict = w.decide(tat, now, cost, budget(mode));
+    (whole_decision(w, tat, now, verdict, budget(mode)), verdict)
+}
+
+/// The decision for `verdict`, reached on `tat` (the state before any charge).
+#[inline]
+pub(crate) fn whole_decision(
+    w: &Whole,
+    tat: u64,
+    now: u64,
+    verdict: WholeVerdict,
+    budget: u64,
+) -> Decision {
+    let tier = |tat: u64, violated: bool, retry: Option<u64>| {
+        let (remaining, reset) = w.status(tat, now);
+        let mut tiers = Tiers::new();
+        tiers.push(TierDecision::new(w.burst(), remaining, reset, retry, violated));
+        tiers
+    };
+    match verdict {
+        WholeVerdict::Admit { wait, tat: new, .. } => {
+            Decision::new(Outcome::Allowed, wait, None, tier(new, false, None))
+        }
+        WholeVerdict::Query => Decision::new(Outcome::Allowed, 0, None, tier(tat, false, None)),
+        WholeVerdict::Limit { retry } => {
+            let own = retry + budget;
+            Decision::new(Outcome::Limited, 0, Some(retry), tier(tat, true, Some(own)))
+        }
+        WholeVerdict::TooBig => {
+            Decision::new(Outcome::CostExceedsCapacity, 0, None, tier(tat, true, None))
+        }
+    }
 }
 
 /// Builds the decision from the states after any charge. Durations in nanoseconds.

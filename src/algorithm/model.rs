@@ -440,3 +440,59 @@ fn the_references_know_the_documented_numbers() {
     let said = reference(Algorithm::FixedWindow, r, &[(500_000_000, 2)], 600_000_000, 1);
     assert_eq!(said, Said { fits: false, remaining: 0, reset: 400_000_000 });
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// The whole-nanosecond GCRA the in-memory store keeps in one atomic decides exactly like
+    /// the scaled GCRA: same decisions, same state after charges, refunds and extra charges.
+    #[test]
+    fn whole_nanosecond_gcra_decides_like_the_scaled_one(
+        count in 1u64..=50,
+        t in 1u64..=200_000_000,
+        burst in 1u64..=40,
+        steps in proptest::collection::vec(
+            (0u64..=300_000_000, 0u64..=45, proptest::option::of(0u64..=2_000_000_000), 0u8..4),
+            1..100,
+        ),
+    ) {
+        let period = count * t;
+        let q = Quota::new(count, std::time::Duration::from_nanos(period)).with_burst(burst);
+        let policy = Policy::builder("w").tier("t", q).build().unwrap();
+        let rate = policy.tiers()[0].rate;
+        let w = super::Whole::of(rate).expect("whole interval");
+        let mut now = 0u64;
+        let mut states = fresh(&policy, now);
+        let mut tat = 0u64;
+        let mut last_charge: Option<(u64, u64)> = None;
+        for (advance, cost, shape, settle) in steps {
+            now += advance;
+            let mode = shape.map_or(Mode::Police, Mode::Shape);
+            let (expected, charges) = decide(&policy, &mut states, now, cost, mode);
+            let (got, verdict) = super::decide_whole(&w, tat, now, cost, mode);
+            prop_assert_eq!(&got, &expected, "at {} cost {}", now, cost);
+            if let super::WholeVerdict::Admit { tat: new, at, .. } = verdict {
+                tat = new;
+                prop_assert_eq!(Some(at), charges.as_ref().map(|c| c[0].at));
+                last_charge = Some((at, cost));
+            }
+            // Now and then settle the last admitted request at another cost.
+            if let (Some((at, charged)), 1..) = (last_charge, settle) {
+                let new_cost = u64::from(settle) * charged / 2;
+                let alg = policy.algorithm();
+                let charge = super::Charge { at, cost: charged, id: 0 };
+                if new_cost < charged {
+                    states[0].refund(alg, rate, charge, charged - new_cost);
+                    tat = w.refund(tat, charged - new_cost);
+                } else if new_cost > charged {
+                    states[0].charge(alg, rate, now, at.max(now), new_cost - charged);
+                    tat = w.charge(tat, at.max(now), new_cost - charged);
+                }
+                last_charge = None;
+            }
+            let (got, _) = super::decide_whole(&w, tat, now, 0, Mode::Police);
+            let (expected, _) = decide(&policy, &mut states, now, 0, Mode::Police);
+            prop_assert_eq!(got, expected, "status after settling at {}", now);
+        }
+    }
+}

@@ -48,6 +48,35 @@ impl Key {
     }
 }
 
+impl Key {
+    /// Feeds a compact, injective encoding of the key to `h` (a store's fingerprint): one write
+    /// for an address, where the derived `Hash` makes several. Every variant starts with its own
+    /// tag and is self-delimiting, so distinct keys feed distinct byte streams.
+    pub(crate) fn feed(&self, h: &mut impl std::hash::Hasher) {
+        match self {
+            Self::Global => h.write_u8(0),
+            Self::Missing => h.write_u8(1),
+            Self::Ip(IpAddr::V4(v4)) => h.write_u64((2 << 56) | u64::from(u32::from(*v4))),
+            Self::Ip(IpAddr::V6(v6)) => {
+                h.write_u8(3);
+                h.write_u128(u128::from(*v6));
+            }
+            Self::Text(s) => {
+                h.write_u8(4);
+                h.write_usize(s.len());
+                h.write(s.as_bytes());
+            }
+            Self::Tuple(items) => {
+                h.write_u8(5);
+                h.write_usize(items.len());
+                for k in items.iter() {
+                    k.feed(h);
+                }
+            }
+        }
+    }
+}
+
 impl From<IpAddr> for Key {
     fn from(ip: IpAddr) -> Self {
         Self::Ip(ip)

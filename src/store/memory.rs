@@ -1,19 +1,22 @@
-//! The in-memory store: sharded maps behind short-held mutexes, bounded in keys, with idle keys
+//! The in-memory store: sharded tables behind read-write locks, bounded in keys, with idle keys
 //! evicted by a background sweeper that stops when the store is dropped.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, RandomState};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
 use super::{Check, Store, Ticket, Verdict};
-use crate::algorithm::{Mode, TierState, decide};
-
+use crate::algorithm::{
+    Charge, Charges, Mode, TierState, Whole, WholeVerdict, budget, decide, decide_whole,
+    whole_decision,
+};
 use crate::clock::{Clock, MonotonicClock, duration_to_nanos};
+use crate::decision::Decision;
 use crate::error::StoreError;
 use crate::key::Key;
-use crate::quota::Policy;
+use crate::quota::{Algorithm, Policy};
 
 /// Default hard cap on keys held: 1,000,000.
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
@@ -21,11 +24,25 @@ pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 /// Default interval of the idle-key sweeper: 10 s.
 pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 
+/// How often a full shard may be scanned for idle keys to make room for a new key, in
+/// nanoseconds of the store's clock (100 ms). Between scans, new keys of a full shard go to the
+/// overflow bucket at once: scanning on every new key would let a flood of new keys make every
+/// request cost a walk over the whole shard.
+const FULL_RESCAN_NANOS: u64 = 100_000_000;
+
 /// The default store: all state in this process.
 ///
-/// - Safe for any number of tasks and threads: keys are spread over shards, each a `HashMap`
-///   behind a `std::sync::Mutex` held only for one decision (never across an `.await`).
-/// - All tiers of a request are decided under one lock: all-or-nothing.
+/// - Safe for any number of tasks and threads: keys are spread over shards, each behind a
+///   `std::sync::RwLock` held only for one decision (never across an `.await`).
+/// - Keys are held as 64-bit fingerprints (aHash, designed against hash flooding, with random
+///   keys per store): a key's size does not matter, and a client cannot choose collisions. Two
+///   keys share a bucket only if their fingerprints collide (about one chance in 2^25 that any
+///   pair does among a million keys).
+/// - The common case — one GCRA tier whose emission interval (`period / count`) is a whole
+///   number of nanoseconds — keeps **8 bytes of state per key** (the TAT) and decides without
+///   taking the shard's write lock, by compare-and-swap, like governor. Every other policy keeps
+///   each tier's state and decides under the shard's write lock. Either way all tiers of a
+///   request are decided together: all-or-nothing.
 /// - Idle keys (whose state equals a fresh one) are removed by a sweeper task that runs every
 ///   [`MemoryStoreBuilder::sweep_interval`] on the tokio runtime of the first check, holds only
 ///   a weak reference, and ends when the last clone of the store is dropped. Eviction is
@@ -37,7 +54,8 @@ pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 ///   keep their own state, and an IP flood cannot grow memory nor obtain a fresh bucket per
 ///   request.
 ///
-/// Policy names are namespaces: two different policies must not share a name in one store.
+/// Policy names are namespaces: two different policies must not share a name in one store (a
+/// policy rebuilt with other quotas under the same name starts its keys afresh).
 ///
 /// Clones share the same state.
 #[derive(Clone)]
@@ -54,68 +72,143 @@ impl std::fmt::Debug for MemoryStore {
     }
 }
 
-type StateMap = HashMap<(Arc<str>, Key), Entry>;
-
-/// How often a full shard may be scanned for idle keys to make room for a new key, in
-/// nanoseconds of the store's clock (100 ms). Between scans, new keys of a full shard go to the
-/// overflow bucket at once: scanning on every new key would let a flood of new keys make every
-/// request cost a walk over the whole shard.
-const FULL_RESCAN_NANOS: u64 = 100_000_000;
-
-/// One shard: its keys, and when it may next be scanned for room.
+/// Hashes a fingerprint (already uniformly random) by using it as is.
 #[derive(Default)]
-struct Shard {
-    map: StateMap,
-    next_scan: u64,
+struct Identity(u64);
+
+impl Hasher for Identity {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `u64` fingerprints are hashed; fold anything else rather than panic.
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
 }
 
-/// One key's state, with the policy it was made under (the sweeper needs the rates).
-struct Entry {
+type ByFingerprint<V> = HashMap<u64, V, BuildHasherDefault<Identity>>;
+
+/// The keys of one policy in one shard.
+struct Table {
     policy: Policy,
-    states: Vec<TierState>,
+    states: States,
 }
 
-impl Entry {
-    fn new(policy: &Policy, now: u64) -> Self {
-        let states = policy
-            .tiers()
-            .iter()
-            .map(|t| TierState::fresh(policy.algorithm(), t.rate, now))
-            .collect();
+enum States {
+    /// One GCRA tier with a whole-nanosecond interval: the TAT, updated by compare-and-swap
+    /// under the shard's read lock.
+    Whole(Whole, ByFingerprint<AtomicU64>),
+    /// Anything else: every tier's state, updated under the shard's write lock.
+    General(ByFingerprint<Box<[TierState]>>),
+}
+
+impl Table {
+    fn new(policy: &Policy) -> Self {
+        let whole = match policy.tiers() {
+            [tier] if policy.algorithm() == Algorithm::Gcra => Whole::of(tier.rate),
+            _ => None,
+        };
+        let states = match whole {
+            Some(w) => States::Whole(w, ByFingerprint::default()),
+            None => States::General(ByFingerprint::default()),
+        };
         Self { policy: policy.clone(), states }
     }
 
-    fn is_idle(&self, now: u64) -> bool {
-        let alg = self.policy.algorithm();
-        self.states.iter().zip(self.policy.tiers()).all(|(s, t)| s.is_idle(alg, t.rate, now))
+    fn len(&self) -> usize {
+        match &self.states {
+            States::Whole(_, m) => m.len(),
+            States::General(m) => m.len(),
+        }
     }
 
-    /// Decides under `policy`; a key whose policy was reconfigured (same name, other tiers)
-    /// starts over under the new one.
-    fn decide(
-        &mut self,
-        policy: &Policy,
-        now: u64,
-        cost: u64,
-        max_delay: Option<Duration>,
-    ) -> (crate::Decision, Option<crate::algorithm::Charges>) {
-        if !self.policy.same(policy) {
-            *self = Self::new(policy, now);
+    fn contains(&self, fp: u64) -> bool {
+        match &self.states {
+            States::Whole(_, m) => m.contains_key(&fp),
+            States::General(m) => m.contains_key(&fp),
         }
-        decide(policy, &mut self.states, now, cost, mode(max_delay))
+    }
+
+    /// Removes the idle keys; returns how many.
+    fn evict_idle(&mut self, now: u64) -> usize {
+        let before = self.len();
+        match &mut self.states {
+            States::Whole(_, m) => m.retain(|_, tat| *tat.get_mut() > now),
+            States::General(m) => {
+                let policy = &self.policy;
+                m.retain(|_, states| !is_idle(policy, states, now));
+            }
+        }
+        before - self.len()
     }
 }
 
+fn fresh(policy: &Policy, now: u64) -> Box<[TierState]> {
+    policy.tiers().iter().map(|t| TierState::fresh(policy.algorithm(), t.rate, now)).collect()
+}
+
+fn is_idle(policy: &Policy, states: &[TierState], now: u64) -> bool {
+    let alg = policy.algorithm();
+    states.iter().zip(policy.tiers()).all(|(s, t)| s.is_idle(alg, t.rate, now))
+}
+
+/// One shard: a table per policy, and when it may next be scanned for room.
+#[derive(Default)]
+struct Shard {
+    tables: Vec<Table>,
+    next_scan: u64,
+}
+
+impl Shard {
+    fn table(&self, policy: &Policy) -> Option<&Table> {
+        self.tables.iter().find(|t| t.policy.same(policy))
+    }
+
+    /// The table of `policy`, created — or, for a policy reconfigured under the same name,
+    /// started afresh — when needed. Returns it and how many keys were dropped.
+    fn table_mut(&mut self, policy: &Policy) -> (&mut Table, usize) {
+        let mut dropped = 0;
+        let i = match self.tables.iter().position(|t| t.policy.same(policy)) {
+            Some(i) => i,
+            None => match self.tables.iter().position(|t| t.policy.name() == policy.name()) {
+                Some(i) => {
+                    dropped = self.tables[i].len();
+                    self.tables[i] = Table::new(policy);
+                    i
+                }
+                None => {
+                    self.tables.push(Table::new(policy));
+                    self.tables.len() - 1
+                }
+            },
+        };
+        (&mut self.tables[i], dropped)
+    }
+}
+
+/// A policy's shared state for keys that arrived while the store was full.
+struct Overflow {
+    policy: Policy,
+    states: Box<[TierState]>,
+}
+
 struct Inner {
-    shards: Box<[Mutex<Shard>]>,
-    hasher: RandomState,
+    shards: Box<[RwLock<Shard>]>,
+    /// Fingerprints keys (aHash with random keys).
+    hasher: ahash::RandomState,
     clock: Arc<dyn Clock>,
     len: AtomicUsize,
     max_keys: usize,
     sweep_interval: Duration,
     sweeper: AtomicBool,
-    /// One shared state per policy for keys that arrive when the store is full.
-    overflow: Mutex<HashMap<Arc<str>, Entry>>,
+    overflow: Mutex<Vec<Overflow>>,
 }
 
 /// Configures a [`MemoryStore`].
@@ -140,7 +233,8 @@ impl std::fmt::Debug for MemoryStoreBuilder {
 
 impl MemoryStoreBuilder {
     /// The clock (default [`MonotonicClock`]). Tests inject a
-    /// [`FakeClock`](crate::clock::FakeClock).
+    /// [`FakeClock`](crate::clock::FakeClock), or a [`TokioClock`](crate::clock::TokioClock) to
+    /// follow `tokio::time::pause()`.
     pub fn clock(mut self, clock: impl Clock) -> Self {
         self.clock = Arc::new(clock);
         self
@@ -158,9 +252,10 @@ impl MemoryStoreBuilder {
         self
     }
 
-    /// Number of shards (default: 4 per available core, rounded up to a power of two).
+    /// Number of shards (default: 4 per available core, rounded up to a power of two; at most
+    /// 65,536).
     pub fn shards(mut self, shards: usize) -> Self {
-        self.shards = shards.max(1);
+        self.shards = shards.clamp(1, 1 << 16);
         self
     }
 
@@ -170,14 +265,14 @@ impl MemoryStoreBuilder {
         let shards = self.shards.next_power_of_two();
         MemoryStore {
             inner: Arc::new(Inner {
-                shards: (0..shards).map(|_| Mutex::new(Shard::default())).collect(),
-                hasher: RandomState::new(),
+                shards: (0..shards).map(|_| RwLock::new(Shard::default())).collect(),
+                hasher: random_hasher(),
                 clock: self.clock,
                 len: AtomicUsize::new(0),
                 max_keys: self.max_keys,
                 sweep_interval: self.sweep_interval,
                 sweeper: AtomicBool::new(false),
-                overflow: Mutex::new(HashMap::new()),
+                overflow: Mutex::new(Vec::new()),
             }),
         }
     }
@@ -189,10 +284,18 @@ impl Default for MemoryStore {
     }
 }
 
-/// Locks a mutex, recovering from poisoning: the maps hold plain data that a panicking thread
-/// cannot leave half-written (every update is a single assignment after the decision).
+/// aHash keyed with four random words from the standard library's per-process randomness (the
+/// keys of its `HashMap`s), so no other source of randomness is needed.
+fn random_hasher() -> ahash::RandomState {
+    let std = RandomState::new();
+    let [k0, k1, k2, k3] = [0u8, 1, 2, 3].map(|i| std.hash_one(i));
+    ahash::RandomState::with_seeds(k0, k1, k2, k3)
+}
+
+/// Locks, recovering from poisoning: a panicking thread cannot leave the maps half-written (each
+/// update is a single assignment or compare-and-swap after the decision).
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl MemoryStore {
@@ -235,8 +338,31 @@ impl MemoryStore {
     /// # Errors
     /// Never fails today; the `Result` matches [`Store::check`].
     pub fn check_now(&self, check: Check<'_>) -> Result<Verdict, StoreError> {
-        self.start_sweeper();
-        Ok(self.inner.check(check))
+        let inner = &*self.inner;
+        let fp = inner.fingerprint(check.key);
+        let now = inner.clock.now();
+        // The common case, kept small enough to inline: a known key of a whole-nanosecond GCRA
+        // policy, decided under the shard's read lock.
+        {
+            let shard = inner.shard(fp).read().unwrap_or_else(PoisonError::into_inner);
+            if let Some(Table { states: States::Whole(w, map), .. }) = shard.table(check.policy) {
+                if let Some(tat) = map.get(&fp) {
+                    return Ok(check_whole(w, tat, &check, now));
+                }
+            }
+        }
+        Ok(self.check_slow(&check, fp, now))
+    }
+
+    /// Everything but the common case, under the shard's write lock.
+    #[inline(never)]
+    fn check_slow(&self, check: &Check<'_>, fp: u64, now: u64) -> Verdict {
+        let mut stored = false;
+        let verdict = self.inner.check(check, fp, now, &mut stored);
+        if stored {
+            Self::start_sweeper(&self.inner);
+        }
+        verdict
     }
 
     /// Settles synchronously; see [`Store::settle`].
@@ -244,16 +370,18 @@ impl MemoryStore {
         self.inner.settle(ticket, cost);
     }
 
-    fn start_sweeper(&self) {
-        if self.inner.sweeper.load(Ordering::Relaxed) {
+    /// Starts the sweeper on the current tokio runtime, once. Called when a key is stored: with
+    /// no keys there is nothing to sweep, and the check's fast path stays free of it.
+    fn start_sweeper(inner: &Arc<Inner>) {
+        if inner.sweeper.load(Ordering::Relaxed) {
             return;
         }
         let Ok(handle) = tokio::runtime::Handle::try_current() else { return };
-        if self.inner.sweeper.swap(true, Ordering::AcqRel) {
+        if inner.sweeper.swap(true, Ordering::AcqRel) {
             return;
         }
-        let weak: Weak<Inner> = Arc::downgrade(&self.inner);
-        let every = self.inner.sweep_interval;
+        let weak: Weak<Inner> = Arc::downgrade(inner);
+        let every = inner.sweep_interval;
         handle.spawn(async move {
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -272,121 +400,237 @@ fn mode(max_delay: Option<Duration>) -> Mode {
     max_delay.map_or(Mode::Police, |d| Mode::Shape(duration_to_nanos(d)))
 }
 
-impl Inner {
-    fn shard(&self, key: &(Arc<str>, Key)) -> &Mutex<Shard> {
-        let h = self.hasher.hash_one(key);
-        &self.shards[usize::try_from(h).unwrap_or(0) & (self.shards.len() - 1)]
-    }
+/// A ticket, when the caller asked to be able to settle.
+#[inline]
+fn ticket(check: &Check<'_>, charges: impl FnOnce() -> Charges, overflow: bool) -> Option<Ticket> {
+    (check.reserve && check.cost > 0).then(|| {
+        Ticket::charged(check.policy.clone(), check.key.clone(), check.cost, charges(), overflow)
+    })
+}
 
-    fn check(&self, check: Check<'_>) -> Verdict {
-        let Check { policy, key, cost, max_delay } = check;
-        let now = self.clock.now();
-        let map_key = (policy.name_arc(), key.clone());
-        let mut shard = lock(self.shard(&map_key));
-        let (decision, charges) = match shard.map.get_mut(&map_key) {
-            Some(entry) => entry.decide(policy, now, cost, max_delay),
-            None => {
-                let mut entry = Entry::new(policy, now);
-                let out = entry.decide(policy, now, cost, max_delay);
-                // A rejected request on a fresh key (cost above capacity) leaves no state.
-                if out.1.is_some() {
-                    if !self.make_room(&mut shard, now) {
-                        drop(shard);
-                        return self.check_overflow(policy, key, cost, max_delay, now);
-                    }
-                    shard.map.insert(map_key, entry);
-                    self.len.fetch_add(1, Ordering::Relaxed);
-                }
-                out
-            }
-        };
-        let ticket = charges.filter(|_| cost > 0).map(|charges| Ticket {
-            policy: policy.clone(),
-            key: key.clone(),
-            cost,
-            charges,
-            overflow: false,
-            fallback: false,
-        });
-        Verdict { decision, ticket }
-    }
+/// The one charge of a single-tier request.
+fn one(at: u64, cost: u64) -> impl FnOnce() -> Charges {
+    move || Charges::from_elem(Charge { at, cost, id: 0 }, 1)
+}
 
-    /// Whether a new key may be inserted, evicting idle keys of this shard when full (at most
-    /// once per [`FULL_RESCAN_NANOS`]).
-    fn make_room(&self, shard: &mut Shard, now: u64) -> bool {
-        if self.len.load(Ordering::Relaxed) < self.max_keys {
-            return true;
+/// Decides on a whole-nanosecond GCRA TAT by compare-and-swap. The loop does only the GCRA
+/// comparison, so that a retry under contention is short; the decision is built after it.
+#[inline(always)]
+fn check_whole(w: &Whole, tat: &AtomicU64, check: &Check<'_>, now: u64) -> Verdict {
+    let budget = budget(mode(check.max_delay));
+    let mut current = tat.load(Ordering::Acquire);
+    let verdict = loop {
+        let verdict = w.decide(current, now, check.cost, budget);
+        let WholeVerdict::Admit { tat: new, .. } = verdict else { break verdict };
+        match tat.compare_exchange_weak(current, new, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => break verdict,
+            Err(actual) => current = actual,
         }
+    };
+    let decision = whole_decision(w, current, now, verdict, budget);
+    let ticket = match verdict {
+        WholeVerdict::Admit { at, .. } => ticket(check, one(at, check.cost), false),
+        _ => None,
+    };
+    Verdict { decision, ticket }
+}
+
+/// Applies `f` to a TAT by compare-and-swap.
+fn update(tat: &AtomicU64, f: impl Fn(u64) -> u64) {
+    let _ = tat.fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| Some(f(t)));
+}
+
+impl Inner {
+    fn fingerprint(&self, key: &Key) -> u64 {
+        let mut h = self.hasher.build_hasher();
+        key.feed(&mut h);
+        h.finish()
+    }
+
+    /// The shard of a fingerprint: bits 40..56, apart from the low bits that index buckets
+    /// inside a table and the top seven that tag them.
+    fn shard(&self, fp: u64) -> &RwLock<Shard> {
+        let i = usize::try_from(fp >> 40).unwrap_or(0) & (self.shards.len() - 1);
+        &self.shards[i]
+    }
+
+    /// Decides under the shard's write lock; sets `stored` when a new key was stored.
+    fn check(&self, check: &Check<'_>, fp: u64, now: u64, stored: &mut bool) -> Verdict {
+        let mut shard = self.shard(fp).write().unwrap_or_else(PoisonError::into_inner);
+        // Room is only needed for a new key (and checked before the table is borrowed).
+        let known = shard.table(check.policy).is_some_and(|t| t.contains(fp));
+        let room = known
+            || self.len.load(Ordering::Relaxed) < self.max_keys
+            || self.make_room(&mut shard, now);
+        let (table, dropped) = shard.table_mut(check.policy);
+        self.len.fetch_sub(dropped, Ordering::Relaxed);
+        match &mut table.states {
+            States::Whole(w, map) => {
+                if let Some(tat) = map.get(&fp) {
+                    return check_whole(w, tat, check, now);
+                }
+                let (decision, verdict) =
+                    decide_whole(w, 0, now, check.cost, mode(check.max_delay));
+                let WholeVerdict::Admit { tat, at, .. } = verdict else {
+                    // A rejected request on a new key leaves no state.
+                    return Verdict { decision, ticket: None };
+                };
+                if !room {
+                    drop(shard);
+                    return self.check_overflow(check, now);
+                }
+                map.insert(fp, AtomicU64::new(tat));
+                self.len.fetch_add(1, Ordering::Relaxed);
+                *stored = true;
+                Verdict { decision, ticket: ticket(check, one(at, check.cost), false) }
+            }
+            States::General(map) => {
+                let (decision, charges) = match map.get_mut(&fp) {
+                    Some(states) => self.decide(check, states, now),
+                    None => {
+                        let mut states = fresh(check.policy, now);
+                        let out = self.decide(check, &mut states, now);
+                        if out.1.is_some() {
+                            if !room {
+                                drop(shard);
+                                return self.check_overflow(check, now);
+                            }
+                            map.insert(fp, states);
+                            self.len.fetch_add(1, Ordering::Relaxed);
+                            *stored = true;
+                        }
+                        out
+                    }
+                };
+                let ticket = charges.and_then(|c| ticket(check, || c, false));
+                Verdict { decision, ticket }
+            }
+        }
+    }
+
+    fn decide(
+        &self,
+        check: &Check<'_>,
+        states: &mut [TierState],
+        now: u64,
+    ) -> (Decision, Option<Charges>) {
+        decide(check.policy, states, now, check.cost, mode(check.max_delay))
+    }
+
+    /// Whether a full shard could make room for a new key, evicting its idle keys (at most once
+    /// per [`FULL_RESCAN_NANOS`]).
+    fn make_room(&self, shard: &mut Shard, now: u64) -> bool {
         if now < shard.next_scan {
             return false;
         }
         shard.next_scan = now.saturating_add(FULL_RESCAN_NANOS);
-        let before = shard.map.len();
-        shard.map.retain(|_, entry| !entry.is_idle(now));
-        let removed = before - shard.map.len();
+        let removed: usize = shard.tables.iter_mut().map(|t| t.evict_idle(now)).sum();
         self.len.fetch_sub(removed, Ordering::Relaxed);
         removed > 0
     }
 
-    fn check_overflow(
-        &self,
-        policy: &Policy,
-        key: &Key,
-        cost: u64,
-        max_delay: Option<Duration>,
-        now: u64,
-    ) -> Verdict {
+    fn check_overflow(&self, check: &Check<'_>, now: u64) -> Verdict {
+        tracing::debug!(
+            policy = check.policy.name(),
+            "tollgate: key cap reached, using overflow bucket"
+        );
         let mut overflow = lock(&self.overflow);
-        let entry = overflow.entry(policy.name_arc()).or_insert_with(|| Entry::new(policy, now));
-        let (decision, charges) = entry.decide(policy, now, cost, max_delay);
-        tracing::debug!(policy = policy.name(), "tollgate: key cap reached, using overflow bucket");
-        let ticket = charges.filter(|_| cost > 0).map(|charges| Ticket {
-            policy: policy.clone(),
-            key: key.clone(),
-            cost,
-            charges,
-            overflow: true,
-            fallback: false,
-        });
+        let i = match overflow.iter().position(|o| o.policy.name() == check.policy.name()) {
+            Some(i) => i,
+            None => {
+                overflow.push(Overflow {
+                    policy: check.policy.clone(),
+                    states: fresh(check.policy, now),
+                });
+                overflow.len() - 1
+            }
+        };
+        let entry = &mut overflow[i];
+        if !entry.policy.same(check.policy) {
+            *entry = Overflow { policy: check.policy.clone(), states: fresh(check.policy, now) };
+        }
+        let (decision, charges) = self.decide(check, &mut entry.states, now);
+        let ticket = charges.and_then(|c| ticket(check, || c, true));
         Verdict { decision, ticket }
     }
 
     fn settle(&self, ticket: &Ticket, cost: u64) {
-        if cost == ticket.cost {
+        if cost == ticket.inner.cost {
             return;
         }
         let now = self.clock.now();
-        let policy = &ticket.policy;
-        let alg = policy.algorithm();
-        let apply = |entry: &mut Entry| {
-            if !entry.policy.same(policy) {
-                return;
-            }
+        let policy = &ticket.inner.policy;
+        let apply = |states: &mut [TierState]| {
+            let alg = policy.algorithm();
             for ((state, tier), charge) in
-                entry.states.iter_mut().zip(policy.tiers()).zip(&ticket.charges)
+                states.iter_mut().zip(policy.tiers()).zip(&ticket.inner.charges)
             {
-                if cost < ticket.cost {
-                    state.refund(alg, tier.rate, *charge, ticket.cost - cost);
+                if cost < ticket.inner.cost {
+                    state.refund(alg, tier.rate, *charge, ticket.inner.cost - cost);
                 } else {
-                    state.charge(alg, tier.rate, now, charge.at.max(now), cost - ticket.cost);
+                    state.charge(alg, tier.rate, now, charge.at.max(now), cost - ticket.inner.cost);
                 }
             }
         };
-        if ticket.overflow {
-            if let Some(entry) = lock(&self.overflow).get_mut(policy.name()) {
-                apply(entry);
+        if ticket.inner.overflow {
+            let mut overflow = lock(&self.overflow);
+            if let Some(o) = overflow.iter_mut().find(|o| o.policy.same(policy)) {
+                apply(&mut o.states);
             }
             return;
         }
-        let map_key = (policy.name_arc(), ticket.key.clone());
-        let mut shard = lock(self.shard(&map_key));
-        if let Some(entry) = shard.map.get_mut(&map_key) {
-            apply(entry);
-        } else if cost > ticket.cost {
-            // Evicted since: the extra is charged to a fresh state.
-            let mut entry = Entry::new(policy, now);
-            apply(&mut entry);
-            shard.map.insert(map_key, entry);
+        let fp = self.fingerprint(&ticket.inner.key);
+        let shard = self.shard(fp);
+        let whole = |w: &Whole, tat: &AtomicU64| {
+            let at = ticket.inner.charges.first().map_or(now, |c| c.at).max(now);
+            if cost < ticket.inner.cost {
+                update(tat, |t| w.refund(t, ticket.inner.cost - cost));
+            } else {
+                update(tat, |t| w.charge(t, at, cost - ticket.inner.cost));
+            }
+        };
+        {
+            let shard = shard.read().unwrap_or_else(PoisonError::into_inner);
+            if let Some(Table { states: States::Whole(w, map), .. }) = shard.table(policy) {
+                if let Some(tat) = map.get(&fp) {
+                    whole(w, tat);
+                    return;
+                }
+            }
+        }
+        let mut shard = shard.write().unwrap_or_else(PoisonError::into_inner);
+        let Some(i) = shard.tables.iter().position(|t| t.policy.same(policy)) else { return };
+        let extra = cost > ticket.inner.cost;
+        let inserted = match &mut shard.tables[i].states {
+            States::Whole(w, map) => match map.get(&fp) {
+                Some(tat) => {
+                    whole(w, tat);
+                    false
+                }
+                // Evicted since: the extra is charged to a fresh state; a refund has nothing
+                // left to give back.
+                None if extra => {
+                    let at = ticket.inner.charges.first().map_or(now, |c| c.at).max(now);
+                    map.insert(fp, AtomicU64::new(w.charge(0, at, cost - ticket.inner.cost)));
+                    true
+                }
+                None => false,
+            },
+            States::General(map) => match map.get_mut(&fp) {
+                Some(states) => {
+                    apply(states);
+                    false
+                }
+                None if extra => {
+                    let mut states = fresh(policy, now);
+                    apply(&mut states);
+                    map.insert(fp, states);
+                    true
+                }
+                None => false,
+            },
+        };
+        if inserted {
             self.len.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -395,10 +639,8 @@ impl Inner {
         let now = self.clock.now();
         let mut removed = 0;
         for shard in &self.shards {
-            let mut shard = lock(shard);
-            let before = shard.map.len();
-            shard.map.retain(|_, entry| !entry.is_idle(now));
-            removed += before - shard.map.len();
+            let mut shard = shard.write().unwrap_or_else(PoisonError::into_inner);
+            removed += shard.tables.iter_mut().map(|t| t.evict_idle(now)).sum::<usize>();
         }
         self.len.fetch_sub(removed, Ordering::Relaxed);
         removed
@@ -437,7 +679,7 @@ mod tests {
     }
 
     fn check<'a>(policy: &'a Policy, key: &'a Key) -> Check<'a> {
-        Check { policy, key, cost: 1, max_delay: None }
+        Check { policy, key, cost: 1, max_delay: None, reserve: false }
     }
 
     #[test]
@@ -501,7 +743,10 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn sweeper_runs_on_its_interval_and_stops_with_the_store() {
-        let store = MemoryStore::builder().sweep_interval(Duration::from_secs(5)).build();
+        let store = MemoryStore::builder()
+            .clock(crate::clock::TokioClock::new())
+            .sweep_interval(Duration::from_secs(5))
+            .build();
         let policy = Policy::single("p", Quota::per_second(1)).unwrap();
         store.check_now(check(&policy, &ip(1))).unwrap();
         assert_eq!(store.len(), 1);
@@ -543,7 +788,7 @@ mod tests {
         let store = MemoryStore::builder().clock(clock).build();
         let policy = Policy::single("p", Quota::per_hour(10)).unwrap();
         let key = ip(7);
-        let c = Check { policy: &policy, key: &key, cost: 4, max_delay: None };
+        let c = Check { policy: &policy, key: &key, cost: 4, max_delay: None, reserve: true };
         let ticket = store.check_now(c).unwrap().ticket.unwrap();
         store.settle_now(&ticket, 9);
         let d = store.check_now(check(&policy, &key)).unwrap().decision;
@@ -558,7 +803,8 @@ mod tests {
     fn cost_above_capacity_on_a_new_key_leaves_no_state() {
         let store = MemoryStore::new();
         let policy = Policy::single("p", Quota::per_second(2)).unwrap();
-        let c = Check { policy: &policy, key: &Key::Global, cost: 3, max_delay: None };
+        let c =
+            Check { policy: &policy, key: &Key::Global, cost: 3, max_delay: None, reserve: false };
         let v = store.check_now(c).unwrap();
         assert_eq!(v.decision.outcome(), Outcome::CostExceedsCapacity);
         assert!(store.is_empty());

@@ -35,6 +35,9 @@ pub struct Check<'a> {
     /// `None` to police (admit now or reject); `Some(d)` to shape: reserve the earliest
     /// conforming slot if it is at most `d` away.
     pub max_delay: Option<Duration>,
+    /// Whether the caller may settle or cancel this request later (SPEC §4): only then does
+    /// an admitted request come with a [`Ticket`]. Plain checks skip building one.
+    pub reserve: bool,
 }
 
 /// A store's answer: the decision, and for an admitted request a [`Ticket`] that can give the
@@ -43,15 +46,22 @@ pub struct Check<'a> {
 pub struct Verdict {
     /// The decision.
     pub decision: Decision,
-    /// Present when the request was admitted with a cost above 0.
+    /// Present when the request was admitted with a cost above 0 and [`Check::reserve`] was set.
     pub ticket: Option<Ticket>,
 }
 
 /// What an admitted request was charged, so that it can be cancelled or settled later.
 ///
-/// Dropping a ticket keeps the charge (commits it).
+/// Dropping a ticket keeps the charge (commits it). One pointer wide: deciding moves
+/// [`Verdict`]s around, and most carry no ticket.
 #[derive(Debug, Clone)]
 pub struct Ticket {
+    pub(crate) inner: Box<Charged>,
+}
+
+/// The contents of a [`Ticket`].
+#[derive(Debug, Clone)]
+pub(crate) struct Charged {
     pub(crate) policy: Policy,
     pub(crate) key: Key,
     pub(crate) cost: u64,
@@ -67,25 +77,35 @@ impl Ticket {
     /// A ticket for a custom store: `cost` units charged to `key` under `policy`.
     #[must_use]
     pub fn new(policy: Policy, key: Key, cost: u64) -> Self {
-        Self { policy, key, cost, charges: Charges::new(), overflow: false, fallback: false }
+        Self::charged(policy, key, cost, Charges::new(), false)
+    }
+
+    pub(crate) fn charged(
+        policy: Policy,
+        key: Key,
+        cost: u64,
+        charges: Charges,
+        overflow: bool,
+    ) -> Self {
+        Self { inner: Box::new(Charged { policy, key, cost, charges, overflow, fallback: false }) }
     }
 
     /// The policy charged.
     #[must_use]
     pub fn policy(&self) -> &Policy {
-        &self.policy
+        &self.inner.policy
     }
 
     /// The key charged.
     #[must_use]
     pub fn key(&self) -> &Key {
-        &self.key
+        &self.inner.key
     }
 
     /// Units charged.
     #[must_use]
     pub fn cost(&self) -> u64 {
-        self.cost
+        self.inner.cost
     }
 }
 

@@ -185,9 +185,9 @@ impl Call {
         grace_ms: u64,
         cost: u64,
     ) -> Self {
-        let mut call = Self::new("settle", state_key, &ticket.policy, now, grace_ms);
-        call.arg(ticket.cost).arg(cost);
-        for c in &ticket.charges {
+        let mut call = Self::new("settle", state_key, &ticket.inner.policy, now, grace_ms);
+        call.arg(ticket.inner.cost).arg(cost);
+        for c in &ticket.inner.charges {
             call.arg(c.at / NANOS_PER_SEC).arg(c.at % NANOS_PER_SEC).arg(c.id);
         }
         call

@@ -311,7 +311,7 @@ impl Inner {
         let mut verdict = local.check_now(check)?;
         verdict.decision.source = Source::Fallback;
         if let Some(ticket) = &mut verdict.ticket {
-            ticket.fallback = true;
+            ticket.inner.fallback = true;
         }
         Ok(verdict)
     }
@@ -327,7 +327,7 @@ impl Store for RedisStore {
         check: Check<'_>,
     ) -> impl Future<Output = Result<Verdict, StoreError>> + Send + 'static {
         let inner = Arc::clone(&self.inner);
-        let Check { policy, key, cost, max_delay } = check;
+        let Check { policy, key, cost, max_delay, reserve } = check;
         let call = call::validate(policy).map(|()| {
             let state_key = call::state_key(&inner.prefix, policy, key);
             Call::check(state_key, policy, inner.now(), inner.grace_ms, cost, max_delay)
@@ -339,19 +339,15 @@ impl Store for RedisStore {
                 inner.eval(&call).await.and_then(|reply| call::decode(&policy, cost, &reply));
             match decided {
                 Ok((decision, charges)) => {
-                    let ticket = charges.filter(|_| cost > 0).map(|charges| Ticket {
-                        policy,
-                        key,
-                        cost,
-                        charges,
-                        overflow: false,
-                        fallback: false,
-                    });
+                    let ticket = charges
+                        .filter(|_| cost > 0 && reserve)
+                        .map(|charges| Ticket::charged(policy, key, cost, charges, false));
                     Ok(Verdict { decision, ticket })
                 }
-                Err(error) => {
-                    inner.fall_back(error, Check { policy: &policy, key: &key, cost, max_delay })
-                }
+                Err(error) => inner.fall_back(
+                    error,
+                    Check { policy: &policy, key: &key, cost, max_delay, reserve },
+                ),
             }
         }
     }
@@ -363,16 +359,16 @@ impl Store for RedisStore {
     ) -> impl Future<Output = Result<(), StoreError>> + Send + 'static {
         let inner = Arc::clone(&self.inner);
         async move {
-            if cost == ticket.cost {
+            if cost == ticket.inner.cost {
                 return Ok(());
             }
-            if ticket.fallback {
+            if ticket.inner.fallback {
                 if let Some(local) = &inner.fallback {
                     local.settle_now(&ticket, cost);
                 }
                 return Ok(());
             }
-            let state_key = call::state_key(&inner.prefix, &ticket.policy, &ticket.key);
+            let state_key = call::state_key(&inner.prefix, &ticket.inner.policy, &ticket.inner.key);
             let call = Call::settle(state_key, &ticket, inner.now(), inner.grace_ms, cost);
             inner.eval(&call).await.map(drop)
         }
