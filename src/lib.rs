@@ -36,6 +36,7 @@ pub mod algorithm;
 pub mod clock;
 pub mod decision;
 pub mod error;
+mod future;
 pub mod key;
 pub mod layer;
 pub mod limiter;
@@ -46,11 +47,12 @@ pub mod store;
 
 pub use decision::{Decision, Outcome, Source, TierDecision};
 pub use error::{ConfigError, StoreError};
+pub use future::ResponseFuture;
 pub use layer::{MissingKey, OnStoreError, RateLimitLayer, RateLimitLayerBuilder};
 pub use limiter::{Limiter, Reservation};
 pub use quota::{Algorithm, Policy, PolicyBuilder, Quota, Tier};
 pub use response::HeaderStyle;
-pub use service::{RateLimit, ResponseFuture};
+pub use service::RateLimit;
 #[cfg(feature = "redis")]
 pub use store::{BreakerState, RedisStore};
 pub use store::{MemoryStore, Store};

@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use axum::body::Body;
+use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode, header};
 
 use smallvec::SmallVec;
@@ -51,11 +52,23 @@ fn sf_string(out: &mut String, s: &str) {
     out.push('"');
 }
 
-fn value(s: &str) -> HeaderValue {
+fn value(s: String) -> HeaderValue {
     // Built only from printable ASCII above, so this cannot fail; an empty value is the
-    // documented fallback rather than a panic.
-    HeaderValue::from_str(s).unwrap_or_else(|_| HeaderValue::from_static(""))
+    // documented fallback rather than a panic. The string's buffer becomes the value: no copy.
+    HeaderValue::from_maybe_shared(Bytes::from(s)).unwrap_or_else(|_| HeaderValue::from_static(""))
 }
+
+// Header names as constants: `HeaderName::from_static` validates its argument, which in a
+// `const` happens once, at compile time, instead of on every response.
+const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+const X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+
+/// The rate-limit headers of one response, computed when it was decided and inserted when the
+/// response is ready (inline for the two IETF headers).
+pub(crate) type Prepared = SmallVec<[(HeaderName, HeaderValue); 2]>;
 
 /// The rate-limit headers of one policy, prepared when the layer is built: what does not change
 /// between responses is rendered once.
@@ -63,7 +76,7 @@ fn value(s: &str) -> HeaderValue {
 pub(crate) struct Headers {
     style: HeaderStyle,
     /// The `RateLimit-Policy` value (constant for the policy).
-    policy: String,
+    policy: HeaderValue,
     /// Per tier, the start of its `RateLimit` item: `"name";r=`.
     items: Box<[String]>,
     /// Per tier, its quota's count (the legacy `X-RateLimit-Limit`).
@@ -87,41 +100,68 @@ impl Headers {
             items.push(item);
         }
         let counts = policy.tiers().iter().map(|t| t.quota().count()).collect();
-        Self { style, policy: rendered, items: items.into(), counts }
+        Self { style, policy: value(rendered), items: items.into(), counts }
     }
 
-    /// Writes the configured rate-limit headers for `decision`.
-    pub(crate) fn write(&self, headers: &mut HeaderMap, decision: &Decision) {
+    /// The configured rate-limit headers for `decision`.
+    pub(crate) fn prepare(&self, decision: &Decision) -> Prepared {
+        let mut out = Prepared::new();
         if decision.tiers.is_empty() {
-            return;
+            return out;
         }
         if matches!(self.style, HeaderStyle::Ietf | HeaderStyle::Both) {
-            let mut state = String::with_capacity(self.items.iter().map(|i| i.len() + 28).sum());
-            let mut n = itoa::Buffer::new();
-            for (i, (t, item)) in decision.tiers.iter().zip(self.items.iter()).enumerate() {
+            // The numbers first, so the value is allocated at exactly its length: a `Bytes`
+            // made from a `String` with spare capacity would allocate a second time.
+            let mut buffers: SmallVec<[(itoa::Buffer, itoa::Buffer); 2]> = SmallVec::new();
+            buffers
+                .resize_with(decision.tiers.len(), || (itoa::Buffer::new(), itoa::Buffer::new()));
+            let numbers: SmallVec<[(&str, &str); 2]> = buffers
+                .iter_mut()
+                .zip(decision.tiers.iter())
+                .map(|((r, t), d)| (r.format(d.remaining), t.format(ceil_secs(d.reset_after()))))
+                .collect();
+            let len: usize = self
+                .items
+                .iter()
+                .zip(&numbers)
+                .map(|(item, (r, t))| item.len() + r.len() + 3 + t.len())
+                .sum::<usize>()
+                + 2 * numbers.len().saturating_sub(1);
+            let mut state = String::with_capacity(len);
+            for (i, (item, (r, t))) in self.items.iter().zip(&numbers).enumerate() {
                 if i > 0 {
                     state.push_str(", ");
                 }
                 state.push_str(item);
-                state.push_str(n.format(t.remaining));
+                state.push_str(r);
                 state.push_str(";t=");
-                state.push_str(n.format(ceil_secs(t.reset_after())));
+                state.push_str(t);
             }
-            headers.insert(HeaderName::from_static("ratelimit-policy"), value(&self.policy));
-            headers.insert(HeaderName::from_static("ratelimit"), value(&state));
+            out.push((RATELIMIT_POLICY, self.policy.clone()));
+            out.push((RATELIMIT, value(state)));
         }
         if matches!(self.style, HeaderStyle::Legacy | HeaderStyle::Both) {
             let tiers = decision.tiers.iter().zip(self.counts.iter());
             if let Some((t, count)) = tiers.min_by_key(|(t, _)| t.remaining) {
-                headers.insert(HeaderName::from_static("x-ratelimit-limit"), (*count).into());
-                headers
-                    .insert(HeaderName::from_static("x-ratelimit-remaining"), t.remaining.into());
-                headers.insert(
-                    HeaderName::from_static("x-ratelimit-reset"),
-                    ceil_secs(t.reset_after()).into(),
-                );
+                out.push((X_RATELIMIT_LIMIT, (*count).into()));
+                out.push((X_RATELIMIT_REMAINING, t.remaining.into()));
+                let reset = ceil_secs(t.reset_after());
+                out.push((X_RATELIMIT_RESET, reset.into()));
             }
         }
+        out
+    }
+
+    /// Writes the configured rate-limit headers for `decision`.
+    pub(crate) fn write(&self, headers: &mut HeaderMap, decision: &Decision) {
+        insert(headers, self.prepare(decision));
+    }
+}
+
+/// Inserts prepared headers.
+pub(crate) fn insert(headers: &mut HeaderMap, prepared: Prepared) {
+    for (name, value) in prepared {
+        headers.insert(name, value);
     }
 }
 
@@ -201,4 +241,33 @@ pub fn too_many_requests(policy: &Policy, decision: &Decision) -> Response<Body>
         res.headers_mut().insert(header::RETRY_AFTER, ceil_secs(d).max(1).into());
     }
     res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Limiter;
+    use crate::key::Key;
+    use crate::quota::Quota;
+
+    #[tokio::test]
+    async fn headers_render_every_tier_exactly() {
+        let policy = Policy::builder("api")
+            .tier("burst", Quota::per_second(10))
+            .tier("daily \"q\"", Quota::per_day(12_345))
+            .build()
+            .unwrap();
+        let limiter = Limiter::new(policy.clone());
+        let decision = limiter.check(&Key::Global, 3).await.unwrap();
+        let headers = Headers::new(&policy, HeaderStyle::Both);
+        let mut map = HeaderMap::new();
+        headers.write(&mut map, &decision);
+        assert_eq!(map["ratelimit-policy"], r#""burst";q=10;w=1, "daily \"q\"";q=12345;w=86400"#);
+        assert_eq!(map["ratelimit"], r#""burst";r=7;t=1, "daily \"q\"";r=12342;t=21"#);
+        assert_eq!(map["x-ratelimit-limit"], "10");
+        assert_eq!(map["x-ratelimit-remaining"], "7");
+        assert_eq!(map["x-ratelimit-reset"], "1");
+        let state = map["ratelimit"].as_bytes();
+        assert_eq!(state.len(), r#""burst";r=7;t=1, "daily \"q\"";r=12342;t=21"#.len());
+    }
 }

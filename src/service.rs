@@ -1,20 +1,22 @@
-//! [`RateLimit`], the service, and its [`ResponseFuture`].
+//! [`RateLimit`], the service.
 
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use axum::body::Body;
 use bytes::Bytes;
+use http::request::Parts;
 use http::{HeaderValue, Request, Response, StatusCode, header};
 use tower_service::Service;
 
+use crate::decision::Decision;
+use crate::error::StoreError;
+use crate::future::{BoxError, ResponseFuture};
 use crate::key::{Key, KeyExtractor};
 use crate::layer::{Config, MissingKey, OnStoreError};
 use crate::response::{problem, too_many_requests};
-use crate::store::{Check, Store, Ticket};
+use crate::store::{Check, Store, Ticket, Verdict};
 
 /// The rate-limiting service made by [`RateLimitLayer`](crate::RateLimitLayer).
 ///
@@ -62,27 +64,6 @@ impl<S, K, St> RateLimit<S, K, St> {
     }
 }
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-/// The response future of [`RateLimit`].
-pub struct ResponseFuture<E> {
-    inner: Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>,
-}
-
-impl<E> fmt::Debug for ResponseFuture<E> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ResponseFuture").finish_non_exhaustive()
-    }
-}
-
-impl<E> Future for ResponseFuture<E> {
-    type Output = Result<Response<Body>, E>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
-    }
-}
-
 impl<S, K, St, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, K, St>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone + Send + 'static,
@@ -96,19 +77,75 @@ where
 {
     type Response = Response<Body>;
     type Error = S::Error;
-    type Future = ResponseFuture<S::Error>;
+    type Future = ResponseFuture<S::Future, ResB, S::Error>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
-        // Take the service that was polled ready; leave a fresh clone in its place.
+        let config = &self.config;
+        let (parts, body) = req.into_parts();
+        let key = config.key.extract(&parts);
+        // The common case, decided here and now: policing, a key, and a store that answers
+        // without I/O. Whatever has to wait goes to `run`, with the decision already made.
+        let mut decided = None;
+        if let (Some(key), None, false) = (&key, config.settings.max_delay, config.settings.dry_run)
+        {
+            let cost = cost(config, &parts);
+            let check = Check {
+                policy: &config.policy,
+                key,
+                cost,
+                max_delay: None,
+                reserve: reserve(config, None),
+            };
+            match config.store.check_sync(check) {
+                Some(Ok(Verdict { decision, ticket: None })) if decision.is_allowed() => {
+                    let headers = config.headers.prepare(&decision);
+                    // Called here and now: the service that was polled ready, no clone.
+                    let future = self.inner.call(Request::from_parts(parts, body));
+                    return ResponseFuture::inner(future, headers);
+                }
+                Some(Ok(verdict))
+                    if !verdict.decision.is_allowed() && config.settings.tarpit.is_none() =>
+                {
+                    return ResponseFuture::ready(reject(config, key, &verdict.decision));
+                }
+                Some(result) => decided = Some((cost, result)),
+                None => {}
+            }
+        }
+        // Called later: take the service that was polled ready, leave a fresh clone in its place.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let config = Arc::clone(&self.config);
-        ResponseFuture { inner: Box::pin(run(config, inner, req)) }
+        ResponseFuture::slow(Box::pin(run(config, inner, parts, body, key, decided)))
     }
+}
+
+/// The request's cost in units.
+fn cost<K, St>(config: &Config<K, St>, parts: &Parts) -> u64 {
+    config.settings.cost.as_ref().map_or(1, |f| f(parts))
+}
+
+/// Whether to ask for a ticket: when the charge may be given back — a refund or settlement from
+/// the response, or a shaped wait (`max_delay`) that may be cancelled.
+fn reserve<K, St>(config: &Config<K, St>, max_delay: Option<std::time::Duration>) -> bool {
+    max_delay.is_some()
+        || config.settings.refund_if.is_some()
+        || config.settings.settle_cost.is_some()
+}
+
+/// The response to a rejected request, with its rate-limit headers.
+fn reject<K, St>(config: &Config<K, St>, key: &Key, decision: &Decision) -> Response<Body> {
+    tracing::debug!(policy = config.policy.name(), %key, outcome = ?decision.outcome(), "tollgate: limited");
+    let mut res = match &config.settings.rejection {
+        Some(f) => f(decision),
+        None => too_many_requests(&config.policy, decision),
+    };
+    config.headers.write(res.headers_mut(), decision);
+    res
 }
 
 /// Gives a shaped reservation back if the request is dropped while it waits for its slot.
@@ -135,10 +172,15 @@ impl<St: Store> Drop for CancelOnDrop<St> {
     }
 }
 
+/// Every path that waits: a store doing I/O, shaping, a tarpit, a settlement, a missing key, a
+/// store error. `decided` is the `(cost, result)` when `call` already asked the store.
 async fn run<S, K, St, ReqB, ResB>(
     config: Arc<Config<K, St>>,
     mut inner: S,
-    req: Request<ReqB>,
+    parts: Parts,
+    body: ReqB,
+    key: Option<Key>,
+    decided: Option<(u64, Result<Verdict, StoreError>)>,
 ) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
@@ -147,8 +189,7 @@ where
     ResB: http_body::Body<Data = Bytes> + Send + 'static,
     ResB::Error: Into<BoxError>,
 {
-    let (parts, body) = req.into_parts();
-    let key = match config.key.extract(&parts) {
+    let key = match key {
         Some(key) => key,
         None => match config.settings.missing_key {
             MissingKey::Reject(status) => {
@@ -168,24 +209,27 @@ where
             MissingKey::Shared => Key::Missing,
         },
     };
-    let cost = config.settings.cost.as_ref().map_or(1, |f| f(&parts));
 
-    // A place in the waiting room, taken before deciding so a full room polices instead of
-    // reserving slots it cannot wait for.
-    let permit = match (&config.waiters, config.settings.max_delay) {
-        (Some(sem), Some(_)) if !config.settings.dry_run => {
-            Arc::clone(sem).try_acquire_owned().ok()
+    let mut permit = None;
+    let result = match decided {
+        Some((_, result)) => result,
+        None => {
+            let cost = cost(&config, &parts);
+            // A place in the waiting room, taken before deciding so a full room polices instead
+            // of reserving slots it cannot wait for.
+            permit = match (&config.waiters, config.settings.max_delay) {
+                (Some(sem), Some(_)) if !config.settings.dry_run => {
+                    Arc::clone(sem).try_acquire_owned().ok()
+                }
+                _ => None,
+            };
+            let max_delay = permit.as_ref().and(config.settings.max_delay);
+            let reserve = reserve(&config, max_delay);
+            let check = Check { policy: &config.policy, key: &key, cost, max_delay, reserve };
+            config.store.check(check).await
         }
-        _ => None,
     };
-    let max_delay = permit.as_ref().and(config.settings.max_delay);
-    // A ticket only when the charge may be given back: a refund or settlement from the response,
-    // or a shaped wait that may be cancelled.
-    let reserve = max_delay.is_some()
-        || config.settings.refund_if.is_some()
-        || config.settings.settle_cost.is_some();
-    let check = Check { policy: &config.policy, key: &key, cost, max_delay, reserve };
-    let verdict = match config.store.check(check).await {
+    let verdict = match result {
         Ok(v) => v,
         Err(error) => {
             drop(permit);
@@ -214,19 +258,13 @@ where
 
     if !decision.is_allowed() && !config.settings.dry_run {
         drop(permit);
-        tracing::debug!(policy = config.policy.name(), %key, outcome = ?decision.outcome(), "tollgate: limited");
         if let Some(delay) = config.settings.tarpit {
             // Only with a place in the waiting room: a flood is answered at once, not held.
             if let Some(_place) = config.waiters.as_ref().and_then(|w| w.try_acquire().ok()) {
                 tokio::time::sleep(delay).await;
             }
         }
-        let mut res = match &config.settings.rejection {
-            Some(f) => f(&decision),
-            None => too_many_requests(&config.policy, &decision),
-        };
-        config.headers.write(res.headers_mut(), &decision);
-        return Ok(res);
+        return Ok(reject(&config, &key, &decision));
     }
 
     let mut ticket = verdict.ticket;

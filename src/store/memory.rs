@@ -648,6 +648,10 @@ impl Inner {
 }
 
 impl Store for MemoryStore {
+    fn check_sync(&self, check: Check<'_>) -> Option<Result<Verdict, StoreError>> {
+        Some(self.check_now(check))
+    }
+
     fn check(
         &self,
         check: Check<'_>,

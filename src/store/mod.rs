@@ -127,6 +127,15 @@ pub trait Store: Clone + Send + Sync + 'static {
         Ok(())
     }
 
+    /// Decides one request at once when the store can do so without waiting on I/O, as
+    /// [`MemoryStore`] always can; `None` otherwise (the default), and the layer then awaits
+    /// [`check`](Self::check). Lets the layer skip the asynchronous machinery for the common
+    /// case.
+    fn check_sync(&self, check: Check<'_>) -> Option<Result<Verdict, StoreError>> {
+        let _ = check;
+        None
+    }
+
     /// Decides one request, charging every tier when it is admitted.
     ///
     /// # Errors
