@@ -64,9 +64,11 @@ pub(crate) fn charge(log: &mut Log, at: u64, cost: u64) -> u64 {
     id
 }
 
-/// Takes `cost` off the entry `id` (removing it when nothing is left).
-pub(crate) fn refund(log: &mut Log, id: u64, cost: u64) {
-    if let Some(p) = log.entries.iter().position(|e| e.id == id) {
+/// Takes `cost` off the entry `id` recorded at `at` (removing it when nothing is left). Both
+/// must match: ids restart when a key's state is dropped, so a stale ticket's id alone could name
+/// an entry of the key's next life; its instant, always earlier than any of those, cannot.
+pub(crate) fn refund(log: &mut Log, id: u64, at: u64, cost: u64) {
+    if let Some(p) = log.entries.iter().position(|e| e.id == id && e.ts == at) {
         let e = &mut log.entries[p];
         e.weight = e.weight.saturating_sub(cost);
         if e.weight == 0 {

@@ -804,6 +804,27 @@ mod tests {
     }
 
     #[test]
+    fn a_stale_ticket_cannot_cancel_an_entry_of_the_keys_next_life() {
+        // Sliding-log entry ids restart when an idle key is evicted; a ticket from before must
+        // not give back the entry that reuses its id.
+        let clock = FakeClock::new();
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let policy = Policy::builder("log")
+            .algorithm(crate::quota::Algorithm::SlidingLog)
+            .tier("t", Quota::per_second(1))
+            .build()
+            .unwrap();
+        let key = Key::Global;
+        let reserve = Check { policy: &policy, key: &key, cost: 1, max_delay: None, reserve: true };
+        let stale = store.check_now(reserve).unwrap().ticket.unwrap();
+        clock.advance(Duration::from_secs(1));
+        assert_eq!(store.sweep(), 1, "idle: evicted, ids start over");
+        assert!(store.check_now(reserve).unwrap().decision.is_allowed());
+        store.settle_now(&stale, 0);
+        assert!(!store.check_now(reserve).unwrap().decision.is_allowed(), "the new entry counts");
+    }
+
+    #[test]
     fn cost_above_capacity_on_a_new_key_leaves_no_state() {
         let store = MemoryStore::new();
         let policy = Policy::single("p", Quota::per_second(2)).unwrap();

@@ -397,10 +397,12 @@ function log.charge(t, at, cost)
   return id
 end
 
-function log.refund_id(t, id, charged, cost)
+-- Both the id and the instant must match: ids restart when a key's state is dropped, so a stale
+-- ticket's id alone could name an entry of the key's next life; its instant cannot.
+function log.refund_id(t, id, at, charged, cost)
   local member = fmt(id) .. ':' .. fmt(charged)
   local score = redis.call('ZSCORE', t.zkey, member)
-  if not score then return end
+  if not score or tonumber(score) + t.base ~= at then return end
   redis.call('ZREM', t.zkey, member)
   local left = charged - math.min(charged, cost)
   if left > 0 then redis.call('ZADD', t.zkey, score, fmt(id) .. ':' .. fmt(left)) end
@@ -484,7 +486,7 @@ if op == 'settle' then
     if new < old then
       if impl == rate then rate.refund(t, old - new)
       elseif impl == win then win.refund_at(t, at, old - new)
-      else log.refund_id(t, id, old, old - new) end
+      else log.refund_id(t, id, at, old, old - new) end
     elseif new > old then
       impl.charge(t, math.max(at, 0), new - old)
     end
