@@ -71,14 +71,20 @@ fn tier(algorithm: Algorithm, grid: bool) -> impl Strategy<Value = (u64, u64, u6
     let round = (1u64..=100).prop_map(|k| k * 10_000_000);
     let period =
         if grid { round.boxed() } else { prop_oneof![1_000_000u64..=5_000_000_000, round].boxed() };
-    (1u64..=max_count, period, 0u64..=40).prop_map(move |(c, p, extra)| {
-        let window = matches!(
-            algorithm,
-            Algorithm::FixedWindow | Algorithm::SlidingLog | Algorithm::SlidingCounter
-        );
-        let burst = if window { c } else { 1 + extra % (2 * c + 2) };
-        (c, p, burst)
-    })
+    // Half the time a whole-nanosecond emission interval (period = count x T): GCRA policies
+    // made only of such tiers run on the Redis store's fast path (`gcra.lua`).
+    let whole = prop::bool::weighted(0.5);
+    (1u64..=max_count, period, 0u64..=40, whole, 100_000u64..=200_000_000).prop_map(
+        move |(c, p, extra, whole, t)| {
+            let window = matches!(
+                algorithm,
+                Algorithm::FixedWindow | Algorithm::SlidingLog | Algorithm::SlidingCounter
+            );
+            let burst = if window { c } else { 1 + extra % (2 * c + 2) };
+            let p = if whole && !window { c * t } else { p };
+            (c, p, burst)
+        },
+    )
 }
 
 /// `grid`: every advance a multiple of 10 ms, like the periods, so that instants land exactly
@@ -721,4 +727,32 @@ async fn hostile_key_material_stays_data() {
     assert_eq!(victim, "intact");
     let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).unwrap();
     assert_eq!(keys.len(), hostile.len() + 1, "one key per hostile text, and the victim: {keys:?}");
+}
+
+/// Found by the differential test: sliding-log ids restart when an empty log's key is deleted, so
+/// a late cancel could delete the entry of a later request that reused the id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_ticket_cannot_cancel_a_later_entry() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "stale:".into());
+    let policy = Policy::builder("log")
+        .algorithm(Algorithm::SlidingLog)
+        .tier("t", Quota::per_second(1))
+        .build()
+        .unwrap();
+    let reserve =
+        Check { policy: &policy, key: &Key::Global, cost: 1, max_delay: None, reserve: true };
+    let stale = store.check(reserve).await.unwrap().ticket.unwrap();
+    clock.advance(Duration::from_secs(1));
+    // The log is empty again: a query that charges nothing drops its keys, and ids start over.
+    let query = Check { cost: 0, ..reserve };
+    assert_eq!(store.check(query).await.unwrap().decision.tiers()[0].remaining(), 1);
+    let mut conn = server.conn();
+    let state = store.state_key(&policy, &Key::Global);
+    assert_eq!(redis::cmd("EXISTS").arg(&state).query::<i64>(&mut conn).unwrap(), 0);
+    assert!(store.check(reserve).await.unwrap().decision.is_allowed());
+    store.settle(stale, 0).await.unwrap();
+    let d = store.check(reserve).await.unwrap().decision;
+    assert!(!d.is_allowed(), "the later entry still counts");
 }

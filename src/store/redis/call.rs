@@ -101,6 +101,8 @@ fn fingerprint(policy: &Policy) -> u32 {
             h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
         }
     };
+    // The representation too: the fast path keeps a string, the general script a hash.
+    feed(if whole_gcra(policy) { b"gcra-string" } else { b"hash" });
     feed(policy.algorithm().name().as_bytes());
     for t in policy.tiers() {
         for v in [t.rate.count, t.rate.period, t.rate.burst] {
@@ -125,10 +127,18 @@ fn log_key(state_key: &str, i: usize) -> String {
     format!("{state_key}:z{i}")
 }
 
-/// A prepared script call: `KEYS` and `ARGV` as `limit.lua` documents them.
+/// Whether `policy` runs on the fast path (`gcra.lua`): GCRA tiers whose emission intervals are
+/// all whole numbers of nanoseconds.
+pub(crate) fn whole_gcra(policy: &Policy) -> bool {
+    policy.algorithm() == Algorithm::Gcra
+        && policy.tiers().iter().all(|t| t.rate.period % t.rate.count == 0)
+}
+
+/// A prepared script call: the script, and `KEYS` and `ARGV` as it documents them.
 pub(crate) struct Call {
     pub(crate) keys: Vec<String>,
     pub(crate) args: Vec<Vec<u8>>,
+    fast: bool,
 }
 
 impl Call {
@@ -136,16 +146,30 @@ impl Call {
     /// `op, clock, now_sec, now_nsec, algorithm, ttl_grace_ms, ntiers, (count, period, burst)*`.
     fn new(op: &str, state_key: String, policy: &Policy, now: Now, grace_ms: u64) -> Self {
         let ntiers = policy.tiers().len();
+        let (flag, secs, nanos) = match now {
+            Now::Server => ("S", 0, 0),
+            Now::At(t) => ("C", t / NANOS_PER_SEC, t % NANOS_PER_SEC),
+        };
+        if whole_gcra(policy) {
+            // op, clock, now_sec, now_nsec, ttl_grace_ms, ntiers, (T, tau)*
+            let mut call = Self {
+                keys: vec![state_key],
+                args: Vec::with_capacity(10 + 2 * ntiers),
+                fast: true,
+            };
+            call.arg(op).arg(flag).arg(secs).arg(nanos).arg(grace_ms).arg(ntiers);
+            for t in policy.tiers() {
+                let interval = t.rate.period / t.rate.count;
+                call.arg(interval).arg(interval * t.rate.burst);
+            }
+            return call;
+        }
         let mut keys = Vec::with_capacity(1 + ntiers);
         if policy.algorithm() == Algorithm::SlidingLog {
             keys.extend((1..=ntiers).map(|i| log_key(&state_key, i)));
         }
         keys.insert(0, state_key);
-        let (flag, secs, nanos) = match now {
-            Now::Server => ("S", 0, 0),
-            Now::At(t) => ("C", t / NANOS_PER_SEC, t % NANOS_PER_SEC),
-        };
-        let mut call = Self { keys, args: Vec::with_capacity(10 + 3 * ntiers) };
+        let mut call = Self { keys, args: Vec::with_capacity(10 + 3 * ntiers), fast: false };
         call.arg(op).arg(flag).arg(secs).arg(nanos).arg(policy.algorithm().name());
         call.arg(grace_ms).arg(ntiers);
         for t in policy.tiers() {
@@ -187,6 +211,12 @@ impl Call {
     ) -> Self {
         let mut call = Self::new("settle", state_key, &ticket.inner.policy, now, grace_ms);
         call.arg(ticket.inner.cost).arg(cost);
+        if call.fast {
+            // Every tier was charged at the same instant.
+            let at = ticket.inner.charges.first().map_or(0, |c| c.at);
+            call.arg(at / NANOS_PER_SEC).arg(at % NANOS_PER_SEC);
+            return call;
+        }
         for c in &ticket.inner.charges {
             call.arg(c.at / NANOS_PER_SEC).arg(c.at % NANOS_PER_SEC).arg(c.id);
         }
@@ -195,7 +225,8 @@ impl Call {
 
     /// The script invocation.
     pub(crate) fn invocation(&self) -> ScriptInvocation<'static> {
-        let mut inv = super::SCRIPT.prepare_invoke();
+        let script = if self.fast { &*super::FAST } else { &*super::SCRIPT };
+        let mut inv = script.prepare_invoke();
         for k in &self.keys {
             inv.key(k.as_str());
         }

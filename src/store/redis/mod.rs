@@ -28,6 +28,10 @@ use crate::quota::Policy;
 /// `redis::Script` loads it (`SCRIPT LOAD`) and retries when the server answers `NOSCRIPT`.
 static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("limit.lua")));
 
+/// The fast path for the common case — GCRA tiers with whole-nanosecond emission intervals —
+/// keeping every tier's TAT in one string: one `GET`, one `SET`.
+static FAST: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("gcra.lua")));
+
 /// Default prefix of every key the store writes: `"tollgate:"`.
 pub const DEFAULT_PREFIX: &str = "tollgate:";
 
@@ -205,7 +209,8 @@ impl RedisStore {
         let inner = &self.inner;
         let attempt = async {
             let mut conn = inner.connection().await?;
-            SCRIPT.load_async(&mut conn).await.map(drop)
+            SCRIPT.load_async(&mut conn).await?;
+            FAST.load_async(&mut conn).await.map(drop)
         };
         match tokio::time::timeout(inner.timeout, attempt).await {
             Ok(result) => result.map_err(|e| StoreError::Backend(e.to_string())),
