@@ -13,17 +13,8 @@ use tollgate::key::Key;
 use tollgate::store::Check;
 use tollgate::{Algorithm, MemoryStore, Policy, Quota};
 
-const ALGORITHMS: [Algorithm; 6] = [
-    Algorithm::Gcra,
-    Algorithm::TokenBucket,
-    Algorithm::LeakyBucket,
-    Algorithm::FixedWindow,
-    Algorithm::SlidingLog,
-    Algorithm::SlidingCounter,
-];
-
 fn bench(c: &mut Criterion) {
-    for alg in ALGORITHMS {
+    for alg in Algorithm::ALL {
         let policy = Policy::builder("p")
             .tier("t", Quota::per_second(1000))
             .algorithm(alg)

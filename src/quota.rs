@@ -134,6 +134,24 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
+    /// Every algorithm, in the order of SPEC §2.
+    ///
+    /// ```
+    /// use tollgate::Algorithm;
+    ///
+    /// let names: Vec<_> = Algorithm::ALL.iter().map(|a| a.name()).collect();
+    /// assert_eq!(names[0], "gcra");
+    /// assert_eq!(names.len(), 6);
+    /// ```
+    pub const ALL: [Self; 6] = [
+        Self::Gcra,
+        Self::TokenBucket,
+        Self::LeakyBucket,
+        Self::FixedWindow,
+        Self::SlidingLog,
+        Self::SlidingCounter,
+    ];
+
     /// The algorithm's name as used in errors and docs (`"gcra"`, `"token_bucket"`, ...).
     #[must_use]
     pub const fn name(self) -> &'static str {
@@ -217,6 +235,13 @@ pub struct Policy {
     name: Arc<str>,
     algorithm: Algorithm,
     tiers: Arc<[Tier]>,
+    /// What a stored state means, hashed once when built (FNV-1a over the algorithm and every
+    /// tier's count, period and burst): stores name their keys with it, so that state written
+    /// under other quotas is never read under these.
+    pub(crate) meaning: u64,
+    /// GCRA, and every tier's emission interval a whole number of nanoseconds: the stores'
+    /// compact fast paths apply.
+    pub(crate) whole_gcra: bool,
 }
 
 impl Policy {
@@ -302,8 +327,34 @@ impl PolicyBuilder {
             let rate = validate(&name, quota, self.algorithm)?;
             tiers.push(Tier { name: name.into(), quota, rate });
         }
-        Ok(Policy { name: self.name.into(), algorithm: self.algorithm, tiers: tiers.into() })
+        let meaning = meaning(self.algorithm, &tiers);
+        let whole_gcra = self.algorithm == Algorithm::Gcra
+            && tiers.iter().all(|t| t.rate.period % t.rate.count == 0);
+        Ok(Policy {
+            name: self.name.into(),
+            algorithm: self.algorithm,
+            tiers: tiers.into(),
+            meaning,
+            whole_gcra,
+        })
     }
+}
+
+/// FNV-1a over the algorithm's name and every tier's count, period and burst.
+fn meaning(algorithm: Algorithm, tiers: &[Tier]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut feed = |bytes: &[u8]| {
+        for b in bytes {
+            h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    feed(algorithm.name().as_bytes());
+    for t in tiers {
+        for v in [t.rate.count, t.rate.period, t.rate.burst] {
+            feed(&v.to_le_bytes());
+        }
+    }
+    h
 }
 
 fn check_name(name: &str) -> Result<(), ConfigError> {

@@ -61,22 +61,13 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-const ALGORITHMS: [Algorithm; 6] = [
-    Algorithm::Gcra,
-    Algorithm::TokenBucket,
-    Algorithm::LeakyBucket,
-    Algorithm::FixedWindow,
-    Algorithm::SlidingLog,
-    Algorithm::SlidingCounter,
-];
-
 proptest! {
     #![proptest_config(ProptestConfig { cases: 3000, failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
     fn any_configuration_builds_or_is_refused_and_then_decides_sanely(
         policy_name in name(),
-        algorithm in prop::sample::select(ALGORITHMS.to_vec()),
+        algorithm in prop::sample::select(Algorithm::ALL.to_vec()),
         tiers in proptest::collection::vec(tier(), 0..4),
         ops in proptest::collection::vec(op(), 0..30),
     ) {

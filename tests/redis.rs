@@ -18,15 +18,6 @@ use tollgate::{
     RateLimitLayer, RedisStore, Source, StoreError,
 };
 
-const ALGORITHMS: [Algorithm; 6] = [
-    Algorithm::Gcra,
-    Algorithm::TokenBucket,
-    Algorithm::LeakyBucket,
-    Algorithm::FixedWindow,
-    Algorithm::SlidingLog,
-    Algorithm::SlidingCounter,
-];
-
 // ---------------------------------------------------------------------------------------------
 // Differential traces: the same random requests through MemoryStore and RedisStore on one
 // fake clock must give identical decisions.
@@ -117,7 +108,7 @@ fn step(grid: bool) -> impl Strategy<Value = Step> {
 
 fn trace() -> impl Strategy<Value = Trace> {
     let grid = proptest::bool::weighted(0.35);
-    (proptest::sample::select(ALGORITHMS.to_vec()), grid).prop_flat_map(|(algorithm, grid)| {
+    (proptest::sample::select(Algorithm::ALL.to_vec()), grid).prop_flat_map(|(algorithm, grid)| {
         (
             proptest::collection::vec(tier(algorithm, grid), 1..=3),
             0u64..=1_000_000_000_000,
@@ -247,7 +238,7 @@ fn cluster_decides_exactly_like_memory_store() {
 fn every_algorithm_admits_then_limits_on_redis() {
     let Some(server) = Server::start("redis-server") else { return };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    for algorithm in ALGORITHMS {
+    for algorithm in Algorithm::ALL {
         let clock = FakeClock::new();
         let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "a:".into());
         let policy = Policy::builder(algorithm.name())
@@ -333,7 +324,7 @@ fn long_policy(algorithm: Algorithm) -> Policy {
 async fn standalone_admits_exactly_100_of_1000_concurrent_on_one_connection() {
     let Some(server) = Server::start("redis-server") else { return };
     let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(10)).build().unwrap();
-    for algorithm in ALGORITHMS {
+    for algorithm in Algorithm::ALL {
         let admitted = admitted_concurrently(&store, &long_policy(algorithm), 1000).await;
         assert_eq!(admitted, 100, "{algorithm:?}");
     }
@@ -406,7 +397,7 @@ async fn every_key_lives_as_long_as_its_state_needs() {
     let Some(server) = Server::start("redis-server") else { return };
     let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(5)).build().unwrap();
     let mut conn = server.conn();
-    for algorithm in ALGORITHMS {
+    for algorithm in Algorithm::ALL {
         let policy = Policy::builder(format!("ttl-{}", algorithm.name()))
             .algorithm(algorithm)
             .tier("t", Quota::new(10, Duration::from_millis(400)))
@@ -672,7 +663,7 @@ async fn skewed_app_clocks_loosen_a_limit_unless_time_comes_from_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clock_stepping_back_does_not_reopen_a_window() {
     let Some(server) = Server::start("redis-server") else { return };
-    for algorithm in ALGORITHMS {
+    for algorithm in Algorithm::ALL {
         let clock = FakeClock::new();
         clock.set(10_500_000_000); // 10.5 s: the middle of window 10 of one second
         let store =

@@ -15,15 +15,6 @@ use tollgate::key::Key;
 use tollgate::store::Check;
 use tollgate::{Algorithm, MemoryStore, Outcome, Policy, Quota};
 
-const ALGORITHMS: [Algorithm; 6] = [
-    Algorithm::Gcra,
-    Algorithm::TokenBucket,
-    Algorithm::LeakyBucket,
-    Algorithm::FixedWindow,
-    Algorithm::SlidingLog,
-    Algorithm::SlidingCounter,
-];
-
 struct Input<'a>(&'a [u8]);
 
 impl Input<'_> {
@@ -44,7 +35,7 @@ fuzz_target!(|data: &[u8]| {
     let mut input = Input(data);
     let Some(alg) = input.byte() else { return };
     let Some(ntiers) = input.byte() else { return };
-    let mut builder = Policy::builder("fuzz").algorithm(ALGORITHMS[usize::from(alg) % 6]);
+    let mut builder = Policy::builder("fuzz").algorithm(Algorithm::ALL[usize::from(alg) % 6]);
     for i in 0..(ntiers % 4) {
         let (Some(count), Some(period), Some(burst)) = (input.u64(), input.u64(), input.u64()) else {
             return;

@@ -21,15 +21,6 @@ use super::{Mode, TierState, decide};
 use crate::decision::{Decision, Outcome};
 use crate::quota::{Algorithm, Policy, Quota, Rate};
 
-const ALGORITHMS: [Algorithm; 6] = [
-    Algorithm::Gcra,
-    Algorithm::TokenBucket,
-    Algorithm::LeakyBucket,
-    Algorithm::FixedWindow,
-    Algorithm::SlidingLog,
-    Algorithm::SlidingCounter,
-];
-
 /// What a reference says of one tier at `now`.
 #[derive(Debug, PartialEq, Eq)]
 struct Said {
@@ -187,7 +178,7 @@ impl Trace {
 }
 
 fn trace(shaping: bool) -> impl Strategy<Value = Trace> {
-    (prop::sample::select(ALGORITHMS.to_vec()), prop::bool::weighted(0.4)).prop_flat_map(
+    (prop::sample::select(Algorithm::ALL.to_vec()), prop::bool::weighted(0.4)).prop_flat_map(
         move |(algorithm, grid)| {
             let window = matches!(
                 algorithm,

@@ -248,14 +248,7 @@ fn shaping_reserves_consecutive_slots() {
 
 #[test]
 fn refund_gives_the_slot_back_for_every_algorithm() {
-    for alg in [
-        Algorithm::Gcra,
-        Algorithm::TokenBucket,
-        Algorithm::LeakyBucket,
-        Algorithm::FixedWindow,
-        Algorithm::SlidingLog,
-        Algorithm::SlidingCounter,
-    ] {
+    for alg in Algorithm::ALL {
         let mut r = Run::one(alg, Quota::per_second(2));
         let (d, charges) = decide(&r.policy, &mut r.states, 0, 2, Mode::Police);
         assert!(allowed(&d), "{alg:?}");
@@ -269,14 +262,7 @@ fn refund_gives_the_slot_back_for_every_algorithm() {
 
 #[test]
 fn cost_zero_is_a_query_that_charges_nothing() {
-    for alg in [
-        Algorithm::Gcra,
-        Algorithm::TokenBucket,
-        Algorithm::LeakyBucket,
-        Algorithm::FixedWindow,
-        Algorithm::SlidingLog,
-        Algorithm::SlidingCounter,
-    ] {
+    for alg in Algorithm::ALL {
         let mut r = Run::one(alg, Quota::per_second(2));
         let d = r.at(0, 0);
         assert!(allowed(&d), "{alg:?}");

@@ -91,24 +91,15 @@ fn escape(s: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
-/// A stable 32-bit fingerprint of what the stored state means: the algorithm and every tier's
-/// count, period and burst (FNV-1a). A reconfigured policy gets new keys, so state written
-/// under the old one is never read under the new one; the old keys expire on their TTL.
+/// A stable 32-bit fingerprint of what the stored state means — the algorithm and every tier's
+/// count, period and burst — and of how it is stored. A reconfigured policy gets new keys, so
+/// state written under the old one is never read under the new one; the old keys expire on
+/// their TTL.
 fn fingerprint(policy: &Policy) -> u32 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut feed = |bytes: &[u8]| {
-        for b in bytes {
-            h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
-        }
-    };
-    // The representation too: the fast path keeps a string, the general script a hash.
-    feed(if whole_gcra(policy) { b"gcra-string" } else { b"hash" });
-    feed(policy.algorithm().name().as_bytes());
-    for t in policy.tiers() {
-        for v in [t.rate.count, t.rate.period, t.rate.burst] {
-            feed(&v.to_le_bytes());
-        }
-    }
+    // The policy's meaning (hashed when it was built) and the representation: the fast path
+    // keeps a string, the general script a hash.
+    let representation: u64 = if whole_gcra(policy) { 0x5354_5249_4e47 } else { 0x4841_5348 };
+    let h = (policy.meaning ^ representation).wrapping_mul(0x0100_0000_01b3);
     #[allow(clippy::cast_possible_truncation)] // folding 64 bits into 32 on purpose
     let folded = (h ^ (h >> 32)) as u32;
     folded
@@ -130,8 +121,7 @@ fn log_key(state_key: &str, i: usize) -> String {
 /// Whether `policy` runs on the fast path (`gcra.lua`): GCRA tiers whose emission intervals are
 /// all whole numbers of nanoseconds.
 pub(crate) fn whole_gcra(policy: &Policy) -> bool {
-    policy.algorithm() == Algorithm::Gcra
-        && policy.tiers().iter().all(|t| t.rate.period % t.rate.count == 0)
+    policy.whole_gcra
 }
 
 /// A prepared script call: the script, and `KEYS` and `ARGV` as it documents them.
