@@ -235,7 +235,7 @@ pub(crate) fn decide(
         // At the instant the request leaves: later than `t` when a leaky bucket holds it behind
         // the water queued before it. Charging every tier then keeps each tier's output
         // smooth even when another tier's queue is the one holding the request.
-        .map(|(s, tier)| s.charge(alg, tier.rate, now, t + queue, cost))
+        .map(|(s, tier)| s.charge(alg, tier.rate, now, t.saturating_add(queue), cost))
         .collect();
     let decision = report(policy, states, now, Outcome::Allowed, wait, None, |_| (false, None));
     (decision, Some(charges))

@@ -296,3 +296,19 @@ fn stacked_leaky_shaping_keeps_every_tier_smooth() {
     assert_eq!(d.violated_names(&r.policy).collect::<Vec<_>>(), ["a"]);
     assert_eq!(retry(&d), 50_748_608 + 30 * MS - 60 * MS);
 }
+
+#[test]
+fn an_unlimited_shaping_budget_behind_a_huge_queue_does_not_overflow() {
+    // Found by tests/config.rs: 26 units queued in a bucket draining one unit per 22 years, then
+    // a request willing to wait forever. The departure instant saturates instead of wrapping.
+    let q = Quota::new(1, Duration::from_secs_f64(709_490_156.553_312_5)).with_burst(10_000);
+    let mut r = Run::one(Algorithm::LeakyBucket, q);
+    assert!(allowed(&r.at(3_323_426_122, 26)));
+    let d = r.shape(3_323_426_122, 1, u64::MAX);
+    assert!(allowed(&d));
+    // It leaves after the 26 units ahead of it drain, one per period: 26 periods, an instant
+    // past u64::MAX nanoseconds (the charge is recorded at u64::MAX).
+    let period = u64::try_from(q.period().as_nanos()).unwrap();
+    assert_eq!(d.delay(), Duration::from_nanos(26 * period));
+    assert!(3_323_426_122_u64.checked_add(26 * period).is_none());
+}
