@@ -2,7 +2,7 @@
 //!
 //! Rate limiting for [Tower](https://docs.rs/tower) services (axum, hyper, tonic).
 //!
-//! A [`RateLimitLayer`] takes a [key](key) from each request, asks a [store](store) whether the
+//! A [`RateLimitLayer`] takes a [key] from each request, asks a [store] whether the
 //! request fits its [`Policy`], and then either **polices** (429 with `Retry-After`, the IETF
 //! `RateLimit-Policy` / `RateLimit` headers and an `application/problem+json` body) or
 //! **shapes** (holds the request until its reserved slot).
