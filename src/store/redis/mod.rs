@@ -5,7 +5,7 @@ mod call;
 
 use std::fmt;
 use std::future::Future;
-use std::sync::{Arc, LazyLock, Mutex, PoisonError};
+use std::sync::{Arc, LazyLock, PoisonError, RwLock};
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -115,7 +115,9 @@ struct Inner {
     /// call tries again, and a failed breaker probe empties it, so that the next probe starts
     /// from a new client rather than one stuck recovering (redis-rs's cluster client can stay
     /// broken after a node restart under load; a new one works at once).
-    conn: Mutex<Option<Connection>>,
+    /// Read (and the handle cloned) by every call, so readers never wait for each other; written
+    /// only to replace the connection.
+    conn: RwLock<Option<Connection>>,
     /// Held while opening a connection, so concurrent calls wait for one attempt.
     connecting: tokio::sync::Mutex<()>,
     prefix: Box<str>,
@@ -238,7 +240,7 @@ impl Inner {
     }
 
     fn current(&self) -> Option<Connection> {
-        self.conn.lock().unwrap_or_else(PoisonError::into_inner).clone()
+        self.conn.read().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     async fn connection(&self) -> RedisResult<Connection> {
@@ -263,13 +265,13 @@ impl Inner {
             }
             Target::Cluster(client) => Connection::Cluster(client.get_async_connection().await?),
         };
-        *self.conn.lock().unwrap_or_else(PoisonError::into_inner) = Some(conn.clone());
+        *self.conn.write().unwrap_or_else(PoisonError::into_inner) = Some(conn.clone());
         Ok(conn)
     }
 
     /// Forgets the connection: the next call opens a new one.
     fn discard_connection(&self) {
-        self.conn.lock().unwrap_or_else(PoisonError::into_inner).take();
+        self.conn.write().unwrap_or_else(PoisonError::into_inner).take();
     }
 
     /// Runs one script call through the circuit breaker, within the timeout.
@@ -507,7 +509,7 @@ impl RedisStoreBuilder {
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 target,
-                conn: Mutex::new(None),
+                conn: RwLock::new(None),
                 connecting: tokio::sync::Mutex::new(()),
                 prefix: self.prefix.into(),
                 clock: self.clock,
