@@ -174,11 +174,9 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        if self.child.is_some() {
+        if let Some(child) = &self.child {
             // A paused server must be thawed to die cleanly under SIGKILL on some kernels.
-            let _ = Command::new("kill")
-                .args(["-CONT", &self.child.as_ref().map_or(0, Child::id).to_string()])
-                .status();
+            let _ = Command::new("kill").args(["-CONT", &child.id().to_string()]).status();
         }
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);

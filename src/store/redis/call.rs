@@ -98,7 +98,7 @@ fn escape(s: &str) -> Cow<'_, str> {
 fn fingerprint(policy: &Policy) -> u32 {
     // The policy's meaning (hashed when it was built) and the representation: the fast path
     // keeps a string, the general script a hash.
-    let representation: u64 = if whole_gcra(policy) { 0x5354_5249_4e47 } else { 0x4841_5348 };
+    let representation: u64 = if policy.whole_gcra { 0x5354_5249_4e47 } else { 0x4841_5348 };
     let h = (policy.meaning ^ representation).wrapping_mul(0x0100_0000_01b3);
     #[allow(clippy::cast_possible_truncation)] // folding 64 bits into 32 on purpose
     let folded = (h ^ (h >> 32)) as u32;
@@ -118,12 +118,6 @@ fn log_key(state_key: &str, i: usize) -> String {
     format!("{state_key}:z{i}")
 }
 
-/// Whether `policy` runs on the fast path (`gcra.lua`): GCRA tiers whose emission intervals are
-/// all whole numbers of nanoseconds.
-pub(crate) fn whole_gcra(policy: &Policy) -> bool {
-    policy.whole_gcra
-}
-
 /// A prepared script call: the script, and `KEYS` and `ARGV` as it documents them.
 pub(crate) struct Call {
     pub(crate) keys: Vec<String>,
@@ -140,7 +134,8 @@ impl Call {
             Now::Server => ("S", 0, 0),
             Now::At(t) => ("C", t / NANOS_PER_SEC, t % NANOS_PER_SEC),
         };
-        if whole_gcra(policy) {
+        // The fast path (`gcra.lua`) for whole-nanosecond GCRA tiers.
+        if policy.whole_gcra {
             // op, clock, now_sec, now_nsec, ttl_grace_ms, ntiers, (T, tau)*
             let mut call = Self {
                 keys: vec![state_key],

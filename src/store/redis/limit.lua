@@ -148,7 +148,7 @@ function rate.load(t, i)
     t.xn, t.xf, t.last = n, tonumber(h[i .. '.f']), load_rel(i .. '.l')
   else
     -- Fresh: GCRA's TAT in the past; a full token bucket; an empty leaky bucket.
-    t.xn, t.xf, t.last, t.fresh = 0, 0, 0, true
+    t.xn, t.xf, t.last = 0, 0, 0
   end
 end
 
