@@ -10,8 +10,8 @@ use std::time::Duration;
 use criterion::{Criterion, criterion_group, criterion_main};
 use tollgate::clock::FakeClock;
 use tollgate::key::Key;
-use tollgate::store::Check;
-use tollgate::{Algorithm, MemoryStore, Policy, Quota};
+use tollgate::store::{Check, MemoryStore};
+use tollgate::{Algorithm, Policy, Quota};
 
 fn bench(c: &mut Criterion) {
     for alg in Algorithm::ALL {
@@ -22,7 +22,8 @@ fn bench(c: &mut Criterion) {
             .expect("valid policy");
         for keys in [1u32, 10_000] {
             let clock = FakeClock::new();
-            let store = MemoryStore::builder().clock(clock.clone()).build();
+            let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+            let bound = store.bind_policy(&policy);
             let ids: Vec<Key> =
                 (0..keys).map(|i| Key::Ip(IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i)))).collect();
             let mut n = 0usize;
@@ -31,14 +32,7 @@ fn bench(c: &mut Criterion) {
                     // 1 ms per check: below the rate, so the allowed path is measured.
                     clock.advance(Duration::from_millis(1));
                     n = (n + 1) % ids.len();
-                    let check = Check {
-                        policy: &policy,
-                        key: &ids[n],
-                        cost: 1,
-                        max_delay: None,
-                        reserve: false,
-                    };
-                    black_box(store.check_now(check).expect("memory store never fails"))
+                    black_box(store.check_now(&bound, Check::new(&ids[n], 1)))
                 });
             });
         }

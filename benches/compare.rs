@@ -27,8 +27,8 @@ use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use governor::{Quota as GQuota, RateLimiter};
 use http::{Request, StatusCode};
 use tollgate::key::Key;
-use tollgate::store::Check;
-use tollgate::{MemoryStore, Policy, Quota, RateLimitLayer};
+use tollgate::store::MemoryStore;
+use tollgate::{Limiter, Policy, Quota, RateLimitLayer};
 use tower::ServiceExt;
 use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
@@ -66,17 +66,11 @@ fn store(c: &mut Criterion) {
         // Allowed path: 10^9 per second (T = 1 ns) is a rate no benchmark can exhaust, the same
         // for both.
         let policy = Policy::single("bench", Quota::per_second(RATE.into())).unwrap();
-        let ours = MemoryStore::builder().max_keys(2_000_000).build();
+        let store = MemoryStore::builder().max_keys(2_000_000).build().unwrap();
+        let ours = Limiter::with_store(policy, store).unwrap();
         let theirs = RateLimiter::keyed(GQuota::per_second(NonZeroU32::new(RATE).unwrap()));
         for k in &tollgate_keys {
-            ours.check_now(Check {
-                policy: &policy,
-                key: k,
-                cost: 1,
-                max_delay: None,
-                reserve: false,
-            })
-            .unwrap();
+            assert!(ours.check_now(k, 1).is_allowed());
         }
         for k in &governor_keys {
             let _ = theirs.check_key(k);
@@ -88,16 +82,9 @@ fn store(c: &mut Criterion) {
                 b.iter_custom(|iters| {
                     on_threads(threads, iters, &|i| {
                         let key = &tollgate_keys[(i % n) as usize];
-                        let check = Check {
-                            policy: &policy,
-                            key,
-                            cost: 1,
-                            max_delay: None,
-                            reserve: false,
-                        };
-                        // Consumed like governor's: the outcome. The full decision (remaining, reset
-                        // per tier, for the headers) is computed all the same.
-                        black_box(ours.check_now(check).unwrap().decision.is_allowed());
+                        // Consumed like governor's: the outcome. The full decision (remaining,
+                        // reset per tier, for the headers) is computed all the same.
+                        black_box(ours.check_now(key, 1).is_allowed());
                     })
                 });
             });

@@ -11,8 +11,8 @@ use std::num::NonZeroU32;
 use std::process::Command;
 
 use tollgate::key::Key;
-use tollgate::store::Check;
-use tollgate::{MemoryStore, Policy, Quota};
+use tollgate::store::{Check, MemoryStore};
+use tollgate::{Policy, Quota};
 
 const KEYS: u32 = 1_000_000;
 
@@ -32,16 +32,15 @@ fn child(peer: &str) {
     match peer {
         "tollgate" => {
             let policy = Policy::single("mem", Quota::per_second(10)).unwrap();
-            let store = MemoryStore::builder().max_keys(2 * KEYS as usize).build();
+            let store = MemoryStore::builder().max_keys(2 * KEYS as usize).build().unwrap();
+            let bound = store.bind_policy(&policy);
             for i in 0..KEYS {
                 let key = Key::Ip(ip(i));
-                let check =
-                    Check { policy: &policy, key: &key, cost: 1, max_delay: None, reserve: false };
-                assert!(store.check_now(check).unwrap().decision.is_allowed());
+                assert!(store.check_now(&bound, Check::new(&key, 1)).decision.is_allowed());
             }
             assert_eq!(store.len(), KEYS as usize);
             println!("{}", resident_bytes() - before);
-            std::hint::black_box(store);
+            std::hint::black_box((store, bound));
         }
         "governor" => {
             let limiter = governor::RateLimiter::keyed(governor::Quota::per_second(

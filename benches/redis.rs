@@ -18,8 +18,8 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use tollgate::clock::MonotonicClock;
 use tollgate::key::Key;
-use tollgate::store::{Check, Store};
-use tollgate::{Policy, Quota, RedisStore};
+use tollgate::store::RedisStore;
+use tollgate::{Limiter, Policy, Quota};
 
 const TASKS: u64 = 64;
 const KEYS: u64 = 1_000;
@@ -136,25 +136,15 @@ fn bench(c: &mut Criterion) {
         let store = builder.build().unwrap();
         rt.block_on(store.connect()).unwrap();
         for tiers in [1, 2] {
-            let policy = Arc::new(policy(tiers));
+            let limiter = Limiter::with_store(policy(tiers), store.clone()).unwrap();
             g.bench_function(BenchmarkId::new(format!("gcra_{tiers}_tier"), name), |b| {
                 b.iter_custom(|iters| {
-                    let (store, policy, keys) =
-                        (store.clone(), Arc::clone(&policy), Arc::clone(&keys));
+                    let (limiter, keys) = (limiter.clone(), Arc::clone(&keys));
                     concurrently(&rt, iters, move |i| {
-                        let (store, policy, keys) =
-                            (store.clone(), Arc::clone(&policy), Arc::clone(&keys));
+                        let (limiter, keys) = (limiter.clone(), Arc::clone(&keys));
                         async move {
                             let key = &keys[(i % KEYS) as usize];
-                            let check = Check {
-                                policy: &policy,
-                                key,
-                                cost: 1,
-                                max_delay: None,
-                                reserve: false,
-                            };
-                            let v = store.check(check).await.unwrap();
-                            assert!(v.decision.is_allowed());
+                            assert!(limiter.check(key, 1).await.unwrap().is_allowed());
                         }
                     })
                 });

@@ -19,7 +19,8 @@ use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tollgate::key::GlobalKey;
-use tollgate::{MemoryStore, Policy, Quota, RateLimitLayer, RedisStore};
+use tollgate::store::{MemoryStore, RedisStore};
+use tollgate::{Policy, Quota, RateLimitLayer};
 
 type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
 

@@ -36,7 +36,7 @@ pub enum Source {
     /// The configured store.
     #[default]
     Store,
-    /// The local in-memory fallback of a remote store that is failing (SPEC §8).
+    /// The local in-memory fallback of a remote store that is failing.
     Fallback,
 }
 
@@ -106,7 +106,7 @@ impl TierDecision {
 pub(crate) type Tiers = SmallVec<[TierDecision; 2]>;
 
 /// A store's answer for one request: the outcome, the shaping delay, when to retry, and one
-/// [`TierDecision`] per tier of the policy (SPEC §1).
+/// [`TierDecision`] per tier of the policy.
 ///
 /// ```
 /// use tollgate::{Limiter, Policy, Quota, key::Key};

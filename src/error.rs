@@ -76,21 +76,45 @@ pub enum ConfigError {
     /// (printable ASCII only).
     #[error("name {0:?} must be non-empty printable ASCII")]
     BadName(String),
-    /// A setting of the layer is out of range.
-    #[error("{0}")]
-    Invalid(String),
-    /// The store cannot run this policy (for example a horizon beyond what it represents).
-    #[error("store cannot run this policy: {0}")]
-    UnsupportedByStore(String),
-    /// A duration too long to represent.
-    #[error("duration {0:?} is too long")]
-    DurationTooLong(Duration),
+    /// A setting of a builder is out of range or inconsistent with another.
+    #[error("{setting}: {reason}")]
+    Invalid {
+        /// The setting, as the builder method that sets it is named (`"max_waiters"`,
+        /// `"timeout"`, `"prefix"`, ...).
+        setting: &'static str,
+        /// Why it is refused.
+        reason: String,
+    },
+    /// A fixed cost above a tier's capacity: every request would be refused.
+    #[error("cost: {cost} units exceed the capacity of tier `{tier}` ({capacity} units)")]
+    CostExceedsCapacity {
+        /// The cost given, in units.
+        cost: u64,
+        /// The tier's name.
+        tier: String,
+        /// The tier's capacity, in units ([`Tier::capacity`](crate::Tier::capacity)).
+        capacity: u64,
+    },
+    /// The store cannot run this tier (for example a span beyond what it represents).
+    #[error("{store} cannot run tier `{tier}`: {reason}")]
+    UnsupportedByStore {
+        /// The store (`"RedisStore"`).
+        store: &'static str,
+        /// The tier's name.
+        tier: String,
+        /// Why.
+        reason: String,
+    },
 }
+
+/// A boxed error from a store's backend (the `redis` crate's `RedisError`, say).
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A store failed to decide (unreachable, timed out, returned nonsense).
 ///
 /// The layer turns this into the configured failure outcome (fail open, fail closed), never into
-/// the inner service's error.
+/// the inner service's error. [`source`](std::error::Error::source) gives the backend's own
+/// error, so operators can tell a refused connection from a script error.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
@@ -100,10 +124,14 @@ pub enum StoreError {
     /// The circuit breaker is open: recent calls failed, so this one was not attempted.
     #[error("circuit breaker open")]
     CircuitOpen,
-    /// The backend returned an error.
+    /// The backend failed; the source is its error.
     #[error("store backend error: {0}")]
-    Backend(String),
-    /// The policy is not valid for this store.
-    #[error(transparent)]
-    Config(#[from] ConfigError),
+    Backend(#[source] BoxError),
+}
+
+impl StoreError {
+    /// A backend error from anything that converts into a boxed error (a message, an error).
+    pub fn backend(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self::Backend(error.into())
+    }
 }

@@ -2,10 +2,11 @@
 //!
 //! Rate limiting for [Tower](https://docs.rs/tower) services (axum, hyper, tonic).
 //!
-//! A [`RateLimitLayer`] takes a [key] from each request, asks a [store] whether the
-//! request fits its [`Policy`], and then either **polices** (429 with `Retry-After`, the IETF
+//! A [`RateLimitLayer`] takes a [key] from each request, asks a [store] whether the request
+//! fits its [`Policy`], and then either **polices** (429 with `Retry-After`, the IETF
 //! `RateLimit-Policy` / `RateLimit` headers and an `application/problem+json` body) or
-//! **shapes** (holds the request until its reserved slot).
+//! **shapes** (holds the request until its reserved slot). A [`Limiter`] does the same for
+//! code that is not an HTTP service.
 //!
 //! ```no_run
 //! use std::net::SocketAddr;
@@ -25,34 +26,37 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Algorithms (SPEC §2): GCRA (default), token bucket, leaky bucket, fixed window, sliding
-//! window log, sliding window counter — see [`Algorithm`].
+//! Algorithms: GCRA (default), token bucket, leaky bucket, fixed window, sliding window log,
+//! sliding window counter; see [`Algorithm`].
 //!
-//! Stores: [`MemoryStore`] (default) keeps state in the process; `RedisStore` (cargo feature
-//! `redis`) shares it across a fleet through Redis, Redis Cluster or Valkey.
-#![forbid(unsafe_code)]
+//! Stores: [`MemoryStore`](store::MemoryStore) (default) keeps state in the process;
+//! `RedisStore` (cargo feature `redis`) shares it across a fleet through Redis, Redis Cluster or
+//! Valkey.
+//!
+//! Cargo features: `axum` (default) adds axum's `ConnectInfo` / `MatchedPath` to the key
+//! extractors and `IntoResponse` to the rejections; without it the crate depends on `http` and
+//! Tower only. `redis` adds `RedisStore`.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
-pub mod algorithm;
+mod algorithm;
 pub mod clock;
-pub mod decision;
-pub mod error;
-mod future;
+mod decision;
+mod error;
+mod headers;
 pub mod key;
-pub mod layer;
-pub mod limiter;
-pub mod quota;
-pub mod response;
-pub mod service;
+mod layer;
+mod limiter;
+mod quota;
+mod rejection;
 pub mod store;
 
 pub use decision::{Decision, Outcome, Source, TierDecision};
 pub use error::{ConfigError, StoreError};
-pub use future::ResponseFuture;
-pub use layer::{MissingKey, OnStoreError, RateLimitLayer, RateLimitLayerBuilder};
+pub use headers::HeaderStyle;
+pub use layer::{
+    MissingKey, OnStoreError, RateLimit, RateLimitLayer, RateLimitLayerBuilder, ResponseBody,
+    ResponseFuture,
+};
 pub use limiter::{Limiter, Reservation};
-pub use quota::{Algorithm, Policy, PolicyBuilder, Quota, Tier};
-pub use response::HeaderStyle;
-pub use service::RateLimit;
-#[cfg(feature = "redis")]
-pub use store::{BreakerState, RedisStore};
-pub use store::{MemoryStore, Store};
+pub use quota::{Algorithm, MAX_COUNT, MAX_SLIDING_LOG, Policy, PolicyBuilder, Quota, Tier};
+pub use rejection::{QUOTA_EXCEEDED_TYPE, RateLimited, Rejection};

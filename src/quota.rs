@@ -13,7 +13,7 @@ pub const MAX_COUNT: u64 = u32::MAX as u64;
 /// The largest accepted sliding-window-log limit (requests per window).
 ///
 /// The log keeps one entry per admitted request (a weighted entry for a cost above 1), so its
-/// memory per key is O(limit); the seeds' 1,000,000 per 60 s would cost megabytes per key.
+/// memory per key is O(limit): a limit of 1,000,000 per minute would cost megabytes per key.
 pub const MAX_SLIDING_LOG: u64 = 10_000;
 
 /// A quota: `count` units per `period`, with a `burst` capacity.
@@ -109,7 +109,7 @@ impl Quota {
     }
 }
 
-/// The algorithm a policy runs, the same in every store (SPEC §2).
+/// The algorithm a policy runs, the same in every store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
 pub enum Algorithm {
@@ -134,7 +134,8 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
-    /// Every algorithm, in the order of SPEC §2.
+    /// Every algorithm: GCRA, token bucket, leaky bucket, fixed window, sliding log, sliding
+    /// counter.
     ///
     /// ```
     /// use tollgate::Algorithm;
@@ -214,7 +215,7 @@ impl Tier {
 /// A validated policy: a name, an algorithm and one or more tiers on the same key.
 ///
 /// A request is admitted only if every tier admits it; then every tier is charged, and a
-/// rejected request charges no tier (SPEC §3).
+/// rejected request charges no tier.
 ///
 /// ```
 /// use tollgate::{Algorithm, Policy, Quota};
@@ -235,13 +236,6 @@ pub struct Policy {
     name: Arc<str>,
     algorithm: Algorithm,
     tiers: Arc<[Tier]>,
-    /// What a stored state means, hashed once when built (FNV-1a over the algorithm and every
-    /// tier's count, period and burst): stores name their keys with it, so that state written
-    /// under other quotas is never read under these.
-    pub(crate) meaning: u64,
-    /// GCRA, and every tier's emission interval a whole number of nanoseconds: the stores'
-    /// compact fast paths apply.
-    pub(crate) whole_gcra: bool,
 }
 
 impl Policy {
@@ -276,11 +270,6 @@ impl Policy {
     #[must_use]
     pub fn tiers(&self) -> &[Tier] {
         &self.tiers
-    }
-
-    /// Whether `other` is this policy (cheap when it is a clone).
-    pub(crate) fn same(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.tiers, &other.tiers) || self == other
     }
 }
 
@@ -327,34 +316,8 @@ impl PolicyBuilder {
             let rate = validate(&name, quota, self.algorithm)?;
             tiers.push(Tier { name: name.into(), quota, rate });
         }
-        let meaning = meaning(self.algorithm, &tiers);
-        let whole_gcra = self.algorithm == Algorithm::Gcra
-            && tiers.iter().all(|t| t.rate.period % t.rate.count == 0);
-        Ok(Policy {
-            name: self.name.into(),
-            algorithm: self.algorithm,
-            tiers: tiers.into(),
-            meaning,
-            whole_gcra,
-        })
+        Ok(Policy { name: self.name.into(), algorithm: self.algorithm, tiers: tiers.into() })
     }
-}
-
-/// FNV-1a over the algorithm's name and every tier's count, period and burst.
-fn meaning(algorithm: Algorithm, tiers: &[Tier]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut feed = |bytes: &[u8]| {
-        for b in bytes {
-            h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
-        }
-    };
-    feed(algorithm.name().as_bytes());
-    for t in tiers {
-        for v in [t.rate.count, t.rate.period, t.rate.burst] {
-            feed(&v.to_le_bytes());
-        }
-    }
-    h
 }
 
 fn check_name(name: &str) -> Result<(), ConfigError> {

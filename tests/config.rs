@@ -8,9 +8,8 @@ use std::time::Duration;
 use proptest::prelude::*;
 use tollgate::clock::FakeClock;
 use tollgate::key::Key;
-use tollgate::quota::{MAX_COUNT, MAX_SLIDING_LOG};
-use tollgate::store::Check;
-use tollgate::{Algorithm, ConfigError, MemoryStore, Outcome, Policy, Quota};
+use tollgate::store::{Check, MemoryStore};
+use tollgate::{Algorithm, ConfigError, MAX_COUNT, MAX_SLIDING_LOG, Outcome, Policy, Quota};
 
 fn number() -> impl Strategy<Value = u64> {
     prop_oneof![
@@ -80,24 +79,27 @@ proptest! {
             // Refusals are typed and say why.
             Err(e) => {
                 prop_assert!(!e.to_string().is_empty());
-                prop_assert!(!matches!(e, ConfigError::UnsupportedByStore(_)));
+                let unsupported = matches!(e, ConfigError::UnsupportedByStore { .. });
+                prop_assert!(!unsupported, "a policy refused for a store: {}", e);
                 return Ok(());
             }
         };
         let clock = FakeClock::new();
-        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        let bound = store.bind_policy(&policy);
         let status = |store: &MemoryStore| {
-            let c = Check { policy: &policy, key: &Key::Global, cost: 0, max_delay: None, reserve: false };
-            store.check_now(c).unwrap().decision.tiers().to_vec()
+            store.check_now(&bound, Check::new(&Key::Global, 0)).decision.tiers().to_vec()
         };
         for op in ops {
             match op {
                 Op::Advance(by) => clock.advance(Duration::from_nanos(by)),
                 Op::Check { cost, shape } => {
                     let before = status(&store);
-                    let max_delay = shape.map(Duration::from_nanos);
-                    let c = Check { policy: &policy, key: &Key::Global, cost, max_delay, reserve: false };
-                    let d = store.check_now(c).unwrap().decision;
+                    let mut c = Check::new(&Key::Global, cost);
+                    if let Some(shape) = shape {
+                        c = c.shape(Duration::from_nanos(shape));
+                    }
+                    let d = store.check_now(&bound, c).decision;
                     let fits = policy.tiers().iter().all(|t| cost <= t.capacity());
                     match d.outcome() {
                         Outcome::Allowed => prop_assert!(fits),
@@ -116,4 +118,67 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn every_configuration_error_names_what_is_wrong() {
+    let tier = |q| Policy::builder("p").tier("t", q).build().unwrap_err().to_string();
+    assert_eq!(tier(Quota::per_second(0)), "tier `t`: count must be at least 1");
+    assert_eq!(tier(Quota::new(1, Duration::ZERO)), "tier `t`: period must be at least 1 ns");
+    assert_eq!(tier(Quota::per_second(1).with_burst(0)), "tier `t`: burst must be at least 1");
+    assert_eq!(
+        tier(Quota::per_second(MAX_COUNT + 1)),
+        format!("tier `t`: count {} exceeds the maximum {MAX_COUNT}", MAX_COUNT + 1)
+    );
+    let window =
+        |alg, q| Policy::builder("p").algorithm(alg).tier("t", q).build().unwrap_err().to_string();
+    assert_eq!(
+        window(Algorithm::FixedWindow, Quota::per_second(5).with_burst(6)),
+        "tier `t`: the fixed_window algorithm admits `count` per window; burst 6 != count 5"
+    );
+    assert_eq!(
+        window(Algorithm::SlidingLog, Quota::per_second(MAX_SLIDING_LOG + 1)),
+        format!(
+            "tier `t`: sliding log limit {} exceeds {MAX_SLIDING_LOG}; use the sliding window counter for large limits",
+            MAX_SLIDING_LOG + 1
+        )
+    );
+    let q = Quota::per_second(1);
+    assert_eq!(
+        Policy::builder("p").tier("t", q).tier("t", q).build().unwrap_err(),
+        ConfigError::DuplicateTier("t".into())
+    );
+    assert_eq!(Policy::builder("p").build().unwrap_err(), ConfigError::NoTiers("p".into()));
+    assert_eq!(
+        Policy::builder("p").tier("é", q).build().unwrap_err(),
+        ConfigError::BadName("é".into())
+    );
+
+    // The layer's settings.
+    let policy = Policy::single("p", Quota::per_second(5)).unwrap();
+    let layer = || tollgate::RateLimitLayer::builder(policy.clone());
+    assert_eq!(
+        layer().cost(6).build().unwrap_err().to_string(),
+        "cost: 6 units exceed the capacity of tier `p` (5 units)"
+    );
+    assert!(matches!(
+        layer().shape(Duration::from_millis(10)).max_waiters(0).build().unwrap_err(),
+        ConfigError::Invalid { setting: "max_waiters", .. }
+    ));
+    assert!(matches!(
+        layer().tarpit(Duration::from_millis(10)).max_waiters(0).build().unwrap_err(),
+        ConfigError::Invalid { setting: "max_waiters", .. }
+    ));
+    // The memory store's.
+    for (builder, setting) in [
+        (MemoryStore::builder().max_keys(0), "max_keys"),
+        (MemoryStore::builder().sweep_interval(Duration::ZERO), "sweep_interval"),
+        (MemoryStore::builder().shards(0), "shards"),
+    ] {
+        let err = builder.build().unwrap_err();
+        assert!(matches!(err, ConfigError::Invalid { setting: s, .. } if s == setting), "{err}");
+    }
+    // Trusted proxies.
+    let err = tollgate::key::ClientIp::from_cidrs(["10.0.0.0/8", "ten"]).unwrap_err();
+    assert_eq!(err.to_string(), "trusted proxies: \"ten\" is not a CIDR or an address");
 }

@@ -20,9 +20,8 @@ use axum::body::Body;
 use http::{Request, Response, StatusCode};
 use support::redis::{Cluster, Server};
 use tollgate::key::Key;
-use tollgate::{
-    BreakerState, MemoryStore, OnStoreError, Policy, Quota, RateLimitLayer, RedisStore,
-};
+use tollgate::store::{BreakerState, MemoryStore, RedisStore, Store};
+use tollgate::{OnStoreError, Policy, Quota, RateLimitLayer};
 use tower::{Layer, Service, ServiceExt};
 
 /// The store's per-call timeout in these tests.
@@ -83,7 +82,7 @@ fn by_header(parts: &http::request::Parts) -> Option<Key> {
     parts.headers.get("x-key").and_then(|v| v.to_str().ok()).map(Key::text)
 }
 
-fn classify(res: &Response<Body>) -> Seen {
+fn classify(res: &Response<tollgate::ResponseBody<Body>>) -> Seen {
     let headers = res.headers();
     match res.status() {
         StatusCode::OK | StatusCode::TOO_MANY_REQUESTS if headers.contains_key("ratelimit") => {
@@ -112,8 +111,11 @@ type Workers = Vec<tokio::task::JoinHandle<Vec<Sample>>>;
 
 fn drive<S>(svc: S, store: RedisStore, stop: Arc<AtomicBool>) -> (Monitor, Workers)
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = std::convert::Infallible>
-        + Clone
+    S: Service<
+            Request<Body>,
+            Response = Response<tollgate::ResponseBody<Body>>,
+            Error = std::convert::Infallible,
+        > + Clone
         + Send
         + 'static,
     S::Future: Send,
@@ -242,7 +244,7 @@ async fn scenario(mut target: Target, configured: Configured, fault: Fault) {
         allowed += usize::from(res.status() == StatusCode::OK);
     }
     assert_eq!(allowed, 50, "{name}");
-    let state = store.state_key(&policy, &Key::text("fresh"));
+    let state = store.bind(&policy).unwrap().state_key(&Key::text("fresh"));
     let exists: i64 = redis::cmd("EXISTS").arg(&state).query(&mut target.conn_for(&state)).unwrap();
     assert_eq!(exists, 1, "{name}: decided by Redis, not the fallback");
 }

@@ -10,9 +10,9 @@ use std::convert::Infallible;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use axum::body::Body;
-use axum::extract::ConnectInfo;
 use http::{Request, Response, StatusCode};
-use tollgate::{MemoryStore, Policy, Quota, RateLimitLayer};
+use tollgate::store::MemoryStore;
+use tollgate::{Policy, Quota, RateLimitLayer};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 /// Resident memory of this process, in bytes (`/proc/self/statm`).
@@ -40,7 +40,7 @@ impl Rng {
 
 fn from(ip: IpAddr) -> Request<Body> {
     let mut req = Request::new(Body::empty());
-    req.extensions_mut().insert(ConnectInfo(SocketAddr::new(ip, 40_000)));
+    req.extensions_mut().insert(SocketAddr::new(ip, 40_000));
     req
 }
 
@@ -55,7 +55,7 @@ fn ok() -> impl Service<Request<Body>, Response = Response<Body>, Error = Infall
 async fn an_ipv4_flood_stays_under_the_key_cap_and_established_clients_keep_their_state() {
     const CAP: usize = 20_000;
     const ESTABLISHED: u32 = 100;
-    let store = MemoryStore::builder().max_keys(CAP).build();
+    let store = MemoryStore::builder().max_keys(CAP).build().unwrap();
     let policy = Policy::single("flood", Quota::per_hour(5)).unwrap();
     let layer = RateLimitLayer::builder(policy).store(store.clone()).build().unwrap();
     let svc = layer.layer(ok());

@@ -1,5 +1,6 @@
 //! End-to-end over real HTTP on loopback: status codes, headers (parsed with an RFC 9651
 //! parser), Retry-After, problem+json, per-route policies, keys, refunds, concurrency.
+#![cfg(feature = "axum")]
 
 mod support;
 
@@ -37,7 +38,9 @@ fn p(pairs: &[(&str, i64)]) -> Vec<(String, i64)> {
     pairs.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect()
 }
 
-fn app(layer: RateLimitLayer<impl tollgate::key::KeyExtractor, tollgate::MemoryStore>) -> Router {
+fn app(
+    layer: RateLimitLayer<impl tollgate::key::KeyExtractor, tollgate::store::MemoryStore>,
+) -> Router {
     Router::new().route("/", route_get(|| async { "ok" })).layer(layer)
 }
 
@@ -56,7 +59,9 @@ async fn police_429_headers_retry_after_and_problem_body() {
     assert_eq!(
         sf_list(first.header("ratelimit-policy").unwrap()),
         [
-            ("burst".to_owned(), p(&[("q", 1), ("w", 1)])),
+            // q is the capacity (the burst of 2), w the time to refill it (2 s at 1/s): r never
+            // exceeds q.
+            ("burst".to_owned(), p(&[("q", 2), ("w", 2)])),
             ("daily".to_owned(), p(&[("q", 1000), ("w", 86400)]))
         ]
     );
@@ -81,7 +86,10 @@ async fn police_429_headers_retry_after_and_problem_body() {
     assert_eq!(body["status"], 429);
     assert_eq!(body["title"], "Too Many Requests");
     assert_eq!(body["violated-policies"], serde_json::json!(["burst"]));
-    assert_eq!(body["detail"], "quota exceeded; retry in 1 s");
+    assert_eq!(
+        body["detail"],
+        "quota exceeded; retry after the number of seconds in the Retry-After header"
+    );
 }
 
 #[tokio::test]
@@ -100,7 +108,11 @@ async fn retry_after_rounds_up_whole_seconds() {
 #[tokio::test]
 async fn cost_above_capacity_has_no_retry_after() {
     let policy = Policy::single("p", Quota::per_second(5)).unwrap();
-    let layer = RateLimitLayer::builder(policy).cost(6).build().unwrap();
+    // A fixed cost above the capacity is refused when the layer is built ...
+    let err = RateLimitLayer::builder(policy.clone()).cost(6).build().unwrap_err();
+    assert_eq!(err.to_string(), "cost: 6 units exceed the capacity of tier `p` (5 units)");
+    // ... a cost computed per request is refused per request.
+    let layer = RateLimitLayer::builder(policy).cost_fn(|_| 6).build().unwrap();
     let server = serve(app(layer)).await;
     let r = get(&client(), &server.url("/"), &[]).await;
     assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
@@ -108,7 +120,7 @@ async fn cost_above_capacity_has_no_retry_after() {
     let body = r.json();
     assert_eq!(
         body["detail"],
-        "the request costs more than the policy's capacity; it can never be admitted"
+        "the request costs more than the capacity of the violated policies; it can never be admitted"
     );
     assert_eq!(body["violated-policies"], serde_json::json!(["p"]));
 }
@@ -261,15 +273,12 @@ async fn legacy_headers_and_custom_rejection() {
         .algorithm(Algorithm::FixedWindow)
         .build()
         .unwrap();
-    let names = policy.clone();
     let layer = RateLimitLayer::builder(policy)
         .headers(HeaderStyle::Legacy)
-        .rejection(move |d| {
-            let mut res = http::Response::new(axum::body::Body::from(format!(
-                "slow down: {}",
-                d.violated_names(&names).collect::<Vec<_>>().join(",")
-            )));
-            *res.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+        .rejection(|limited| {
+            let names: Vec<&str> = limited.violated_tiers().map(|t| t.name()).collect();
+            let mut res = http::Response::new(format!("slow down: {}", names.join(",")));
+            *res.status_mut() = limited.status();
             res
         })
         .build()
@@ -285,6 +294,8 @@ async fn legacy_headers_and_custom_rejection() {
     assert_eq!(third.status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(&third.body[..], b"slow down: minute");
     assert_eq!(third.header("x-ratelimit-remaining"), Some("0"));
+    // The layer adds Retry-After to a custom rejection that has none.
+    assert!(third.header("retry-after").is_some());
 }
 
 #[tokio::test]
@@ -334,4 +345,77 @@ async fn shaping_over_http_delays_then_rejects_over_budget() {
     // Wall-clock lower bounds only: each passed request waited at least for its slot.
     assert!(ok[1] >= Duration::from_millis(100) - Duration::from_millis(5), "{ok:?}");
     assert!(ok[2] >= Duration::from_millis(200) - Duration::from_millis(5), "{ok:?}");
+}
+
+#[tokio::test]
+async fn layers_sharing_a_store_and_a_policy_name_keep_their_own_budgets() {
+    // One store for two routes, the same policy name with different quotas: each route is
+    // limited exactly by its own quota (a store keyed by policy name would mix or wipe them).
+    let store = tollgate::store::MemoryStore::new();
+    let layer = |count| {
+        RateLimitLayer::builder(Policy::single("api", Quota::per_hour(count)).unwrap())
+            .store(store.clone())
+            .build()
+            .unwrap()
+    };
+    let app = Router::new()
+        .route("/a", route_get(|| async { "a" }).layer(layer(2)))
+        .route("/b", route_get(|| async { "b" }).layer(layer(3)));
+    let server = serve(app).await;
+    let c = client();
+    let (mut a, mut b) = (0, 0);
+    for _ in 0..6 {
+        a += usize::from(get(&c, &server.url("/a"), &[]).await.status == StatusCode::OK);
+        b += usize::from(get(&c, &server.url("/b"), &[]).await.status == StatusCode::OK);
+    }
+    assert_eq!((a, b), (2, 3));
+    assert_eq!(store.len(), 2, "one key per binding");
+}
+
+#[tokio::test]
+async fn a_handler_matches_on_the_rejection_of_its_own_limiter() {
+    use axum::extract::State;
+    use axum::response::{IntoResponse, Response};
+    use tollgate::key::Key;
+    use tollgate::{Limiter, Rejection};
+
+    async fn export(State(limiter): State<Limiter>) -> Response {
+        match limiter.enforce(&Key::text("exports"), 1).await {
+            Ok(decision) => {
+                format!("exported; {} left", decision.tiers()[0].remaining()).into_response()
+            }
+            Err(Rejection::Limited(limited)) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("exports paused for {} s", limited.retry_after_secs().unwrap_or(0)),
+            )
+                .into_response(),
+            Err(other) => other.into_response(),
+        }
+    }
+    async fn report(State(limiter): State<Limiter>) -> Result<&'static str, Rejection> {
+        limiter.enforce(&Key::text("reports"), 1).await?;
+        Ok("report")
+    }
+
+    let limiter = Limiter::new(Policy::single("jobs", Quota::per_minute(1)).unwrap());
+    let app = Router::new()
+        .route("/export", route_get(export))
+        .route("/report", route_get(report))
+        .with_state(limiter);
+    let server = serve(app).await;
+    let c = client();
+    let first = get(&c, &server.url("/export"), &[]).await;
+    assert_eq!((first.status, &first.body[..]), (StatusCode::OK, &b"exported; 0 left"[..]));
+    let second = get(&c, &server.url("/export"), &[]).await;
+    assert_eq!(
+        (second.status, &second.body[..]),
+        (StatusCode::SERVICE_UNAVAILABLE, &b"exports paused for 60 s"[..])
+    );
+    assert_eq!(get(&c, &server.url("/report"), &[]).await.status, StatusCode::OK);
+    // `?` turns the rejection into the default 429.
+    let limited = get(&c, &server.url("/report"), &[]).await;
+    assert_eq!(limited.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(limited.header("retry-after"), Some("60"));
+    assert_eq!(limited.header("ratelimit"), Some(r#""jobs";r=0;t=60"#));
+    assert_eq!(limited.json()["violated-policies"], serde_json::json!(["jobs"]));
 }

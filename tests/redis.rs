@@ -12,11 +12,22 @@ use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use support::redis::{Cluster, Server};
 use tollgate::clock::FakeClock;
 use tollgate::key::{GlobalKey, Key};
-use tollgate::store::{Check, Store, Ticket};
+use tollgate::store::{BreakerState, MemoryStore, RedisStore, Store};
 use tollgate::{
-    Algorithm, BreakerState, Decision, Limiter, MemoryStore, OnStoreError, Policy, Quota,
-    RateLimitLayer, RedisStore, Source, StoreError,
+    Algorithm, Decision, Limiter, OnStoreError, Policy, Quota, RateLimitLayer, Reservation, Source,
+    StoreError,
 };
+
+/// One check of `cost` units for `key` under `policy`, through `store`.
+async fn decide(store: &RedisStore, policy: &Policy, key: &Key, cost: u64) -> Decision {
+    let limiter = Limiter::with_store(policy.clone(), store.clone()).expect("binds");
+    limiter.check(key, cost).await.expect("redis answers")
+}
+
+/// The Redis key of `key`'s state under `policy`.
+fn state_key(store: &RedisStore, policy: &Policy, key: &Key) -> String {
+    store.bind(policy).expect("binds").state_key(key)
+}
 
 // ---------------------------------------------------------------------------------------------
 // Differential traces: the same random requests through MemoryStore and RedisStore on one
@@ -129,33 +140,36 @@ fn keys() -> [Key; 3] {
 
 /// Replays `trace` through both stores; the first difference is the error.
 async fn replay(store: RedisStore, clock: FakeClock, trace: &Trace) -> Result<(), String> {
-    let memory = MemoryStore::builder().clock(clock.clone()).build();
+    let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     let policy = trace.policy();
+    let memory = Limiter::with_store(policy.clone(), memory).unwrap();
+    let store = Limiter::with_store(policy, store).unwrap();
     let keys = keys();
-    let mut tickets: Vec<(Ticket, Ticket)> = Vec::new();
+    let mut tickets: Vec<(Reservation<MemoryStore>, Reservation<RedisStore>)> = Vec::new();
     for (i, step) in trace.steps.iter().enumerate() {
         match *step {
             Step::Advance(by) => clock.advance(Duration::from_nanos(by)),
             Step::Check { key, cost, shape } => {
-                let check = Check {
-                    policy: &policy,
-                    key: &keys[usize::from(key)],
-                    cost,
-                    max_delay: shape.map(Duration::from_nanos),
-                    reserve: true,
+                let key = &keys[usize::from(key)];
+                let (m, r) = match shape.map(Duration::from_nanos) {
+                    None => (memory.reserve(key, cost).await, store.reserve(key, cost).await),
+                    Some(max) => (
+                        memory.reserve_within(key, cost, max).await,
+                        store.reserve_within(key, cost, max).await,
+                    ),
                 };
-                let m = memory.check(check).await.map_err(|e| e.to_string())?;
-                let r = store.check(check).await.map_err(|e| format!("step {i}: {e}"))?;
-                if m.decision != r.decision {
+                let m = m.map_err(|e| e.to_string())?;
+                let r = r.map_err(|e| format!("step {i}: {e}"))?;
+                if m.decision() != r.decision() {
                     return Err(format!(
                         "step {i} ({step:?}) at {} ns differs:\nmemory: {:?}\nredis:  {:?}",
                         clock_now(&clock),
-                        m.decision,
-                        r.decision
+                        m.decision(),
+                        r.decision()
                     ));
                 }
-                if let (Some(a), Some(b)) = (m.ticket, r.ticket) {
-                    tickets.push((a, b));
+                if m.decision().is_allowed() {
+                    tickets.push((m, r));
                 }
             }
             Step::Settle { which, cost } => {
@@ -163,8 +177,8 @@ async fn replay(store: RedisStore, clock: FakeClock, trace: &Trace) -> Result<()
                     continue;
                 }
                 let (a, b) = tickets.remove(which % tickets.len());
-                memory.settle(a, cost).await.map_err(|e| e.to_string())?;
-                store.settle(b, cost).await.map_err(|e| format!("step {i}: {e}"))?;
+                a.settle(cost).await.map_err(|e| e.to_string())?;
+                b.settle(cost).await.map_err(|e| format!("step {i}: {e}"))?;
             }
         }
     }
@@ -250,16 +264,7 @@ fn every_algorithm_admits_then_limits_on_redis() {
         let decide = |cost| {
             let store = store.clone();
             let policy = policy.clone();
-            async move {
-                let c = Check {
-                    policy: &policy,
-                    key: &Key::Global,
-                    cost,
-                    max_delay: None,
-                    reserve: false,
-                };
-                store.check(c).await.unwrap().decision
-            }
+            async move { decide(&store, &policy, &Key::Global, cost).await }
         };
         rt.block_on(async {
             let d: Decision = decide(3).await;
@@ -294,14 +299,7 @@ async fn admitted_concurrently(store: &RedisStore, policy: &Policy, n: usize) ->
             let (store, policy, barrier) = (store.clone(), policy.clone(), barrier.clone());
             tokio::spawn(async move {
                 barrier.wait().await;
-                let check = Check {
-                    policy: &policy,
-                    key: &Key::Global,
-                    cost: 1,
-                    max_delay: None,
-                    reserve: false,
-                };
-                store.check(check).await.expect("redis answers").decision.is_allowed()
+                decide(&store, &policy, &Key::Global, 1).await.is_allowed()
             })
         })
         .collect();
@@ -365,15 +363,8 @@ async fn a_policys_keys_share_one_cluster_slot_and_keys_spread_over_nodes() {
     let mut owners = std::collections::HashSet::new();
     for i in 0..30 {
         let key = Key::text(format!("user-{i}"));
-        let v = store.check(Check {
-            policy: &policy,
-            key: &key,
-            cost: 1,
-            max_delay: None,
-            reserve: false,
-        });
-        assert!(v.await.unwrap().decision.is_allowed());
-        let state = store.state_key(&policy, &key);
+        assert!(decide(&store, &policy, &key, 1).await.is_allowed());
+        let state = state_key(&store, &policy, &key);
         let node = cluster.node_of(&state);
         let mut conn = node.conn();
         // The hash and both tiers' sets live on the node of the hash's slot (a multi-key script
@@ -403,10 +394,8 @@ async fn every_key_lives_as_long_as_its_state_needs() {
             .tier("t", Quota::new(10, Duration::from_millis(400)))
             .build()
             .unwrap();
-        let check =
-            Check { policy: &policy, key: &Key::Global, cost: 3, max_delay: None, reserve: false };
-        let d = store.check(check).await.unwrap().decision;
-        let state = store.state_key(&policy, &Key::Global);
+        let d = decide(&store, &policy, &Key::Global, 3).await;
+        let state = state_key(&store, &policy, &Key::Global);
         let mut keys = vec![state.clone()];
         if algorithm == Algorithm::SlidingLog {
             keys.push(format!("{state}:z1"));
@@ -433,10 +422,8 @@ async fn every_key_lives_as_long_as_its_state_needs() {
     }
     // A rejected request on a fresh key writes nothing.
     let policy = Policy::single("none", Quota::per_second(2)).unwrap();
-    let check =
-        Check { policy: &policy, key: &Key::Global, cost: 3, max_delay: None, reserve: false };
-    assert!(!store.check(check).await.unwrap().decision.is_allowed());
-    assert_eq!(pttl(&mut conn, &store.state_key(&policy, &Key::Global)), -2);
+    assert!(!decide(&store, &policy, &Key::Global, 3).await.is_allowed());
+    assert_eq!(pttl(&mut conn, &state_key(&store, &policy, &Key::Global)), -2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -445,13 +432,11 @@ async fn a_flushed_script_is_reloaded_transparently() {
     let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(5)).build().unwrap();
     store.connect().await.unwrap();
     let policy = Policy::single("flush", Quota::per_minute(2)).unwrap();
-    let check =
-        Check { policy: &policy, key: &Key::Global, cost: 1, max_delay: None, reserve: false };
-    assert!(store.check(check).await.unwrap().decision.is_allowed());
+    assert!(decide(&store, &policy, &Key::Global, 1).await.is_allowed());
     let () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut server.conn()).unwrap();
-    let d = store.check(check).await.unwrap().decision;
+    let d = decide(&store, &policy, &Key::Global, 1).await;
     assert_eq!((d.is_allowed(), d.tiers()[0].remaining()), (true, 0));
-    assert!(!store.check(check).await.unwrap().decision.is_allowed());
+    assert!(!decide(&store, &policy, &Key::Global, 1).await.is_allowed());
 }
 
 #[test]
@@ -460,11 +445,19 @@ fn policies_beyond_the_redis_horizon_are_refused_when_the_layer_is_built() {
     let monthly =
         Policy::single("monthly", Quota::new(1000, Duration::from_secs(30 * 86_400))).unwrap();
     let err = tollgate::RateLimitLayer::builder(monthly).store(store).build().unwrap_err();
-    assert!(matches!(err, tollgate::ConfigError::UnsupportedByStore(_)), "{err}");
+    assert!(matches!(err, tollgate::ConfigError::UnsupportedByStore { .. }), "{err}");
     let bad = RedisStore::builder("not a url").build().unwrap_err();
-    assert!(matches!(bad, tollgate::ConfigError::Invalid(_)), "{bad}");
+    assert!(matches!(bad, tollgate::ConfigError::Invalid { setting: "url", .. }), "{bad}");
     let tag = RedisStore::builder("redis://127.0.0.1:1/").prefix("a{b}").build().unwrap_err();
-    assert!(matches!(tag, tollgate::ConfigError::Invalid(_)), "{tag}");
+    assert!(matches!(tag, tollgate::ConfigError::Invalid { setting: "prefix", .. }), "{tag}");
+    let url = "redis://127.0.0.1:1/";
+    let err = RedisStore::builder(url).timeout(Duration::ZERO).build().unwrap_err();
+    assert!(matches!(err, tollgate::ConfigError::Invalid { setting: "timeout", .. }), "{err}");
+    let err = RedisStore::builder(url).circuit_breaker(0, Duration::from_secs(1)).build();
+    let err = err.unwrap_err();
+    assert!(matches!(err, tollgate::ConfigError::Invalid { setting: "circuit_breaker", .. }));
+    let err = RedisStore::cluster_builder(Vec::<String>::new()).build().unwrap_err();
+    assert!(matches!(err, tollgate::ConfigError::Invalid { setting: "url", .. }), "{err}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -480,7 +473,7 @@ async fn a_restart_falls_back_locally_opens_the_breaker_and_recovers() {
         .build()
         .unwrap();
     let policy = Policy::single("restart", Quota::per_hour(5)).unwrap();
-    let limiter = Limiter::with_store(policy, store.clone());
+    let limiter = Limiter::with_store(policy, store.clone()).unwrap();
     let key = Key::text("k");
     let decide = |cost| {
         let limiter = limiter.clone();
@@ -568,7 +561,7 @@ async fn without_a_fallback_the_layer_fails_closed_or_open_as_configured() {
     assert_eq!(res.headers()["retry-after"], "1");
     assert_eq!(store.breaker_state(), BreakerState::Open);
     // Open: the store is not called at all, so nothing waits for the timeout.
-    let limiter = Limiter::with_store(policy.clone(), store.clone());
+    let limiter = Limiter::with_store(policy.clone(), store.clone()).unwrap();
     let err = limiter.check(&Key::Global, 1).await.unwrap_err();
     assert!(matches!(err, StoreError::CircuitOpen), "{err}");
     let res = closed.clone().oneshot(request()).await.unwrap();
@@ -633,14 +626,7 @@ async fn skewed_app_clocks_loosen_a_limit_unless_time_comes_from_redis() {
             let mut n = 0;
             for store in [a, b] {
                 for _ in 0..10 {
-                    let check = Check {
-                        policy: &policy,
-                        key: &Key::Global,
-                        cost: 1,
-                        max_delay: None,
-                        reserve: false,
-                    };
-                    n += usize::from(store.check(check).await.unwrap().decision.is_allowed());
+                    n += usize::from(decide(&store, &policy, &Key::Global, 1).await.is_allowed());
                 }
             }
             n
@@ -673,13 +659,10 @@ async fn a_clock_stepping_back_does_not_reopen_a_window() {
             .tier("t", Quota::per_second(3))
             .build()
             .unwrap();
-        let check =
-            Check { policy: &policy, key: &Key::Global, cost: 3, max_delay: None, reserve: false };
-        assert!(store.check(check).await.unwrap().decision.is_allowed(), "{algorithm:?}");
+        assert!(decide(&store, &policy, &Key::Global, 3).await.is_allowed(), "{algorithm:?}");
         // The clock steps back 0.6 s, into window 9, forgotten long ago.
         clock.set(9_900_000_000);
-        let one = Check { cost: 1, ..check };
-        let d = store.check(one).await.unwrap().decision;
+        let d = decide(&store, &policy, &Key::Global, 1).await;
         assert!(!d.is_allowed(), "{algorithm:?}: a step back reopened the limit");
         assert_eq!(d.tiers()[0].remaining(), 0, "{algorithm:?}");
     }
@@ -707,11 +690,10 @@ async fn hostile_key_material_stays_data() {
     let policy = Policy::single("hostile", Quota::per_minute(1)).unwrap();
     for text in hostile {
         let key = Key::text(text);
-        let check = Check { policy: &policy, key: &key, cost: 1, max_delay: None, reserve: false };
-        assert!(store.check(check).await.unwrap().decision.is_allowed(), "{text:?}");
-        assert!(!store.check(check).await.unwrap().decision.is_allowed(), "{text:?}");
+        assert!(decide(&store, &policy, &key, 1).await.is_allowed(), "{text:?}");
+        assert!(!decide(&store, &policy, &key, 1).await.is_allowed(), "{text:?}");
         let exists: i64 =
-            redis::cmd("EXISTS").arg(store.state_key(&policy, &key)).query(&mut conn).unwrap();
+            redis::cmd("EXISTS").arg(state_key(&store, &policy, &key)).query(&mut conn).unwrap();
         assert_eq!(exists, 1, "{text:?} has its own key");
     }
     let victim: String = redis::cmd("GET").arg("victim").query(&mut conn).unwrap();
@@ -732,18 +714,16 @@ async fn a_stale_ticket_cannot_cancel_a_later_entry() {
         .tier("t", Quota::per_second(1))
         .build()
         .unwrap();
-    let reserve =
-        Check { policy: &policy, key: &Key::Global, cost: 1, max_delay: None, reserve: true };
-    let stale = store.check(reserve).await.unwrap().ticket.unwrap();
+    let limiter = Limiter::with_store(policy, store).unwrap();
+    let stale = limiter.reserve(&Key::Global, 1).await.unwrap();
     clock.advance(Duration::from_secs(1));
     // The log is empty again: a query that charges nothing drops its keys, and ids start over.
-    let query = Check { cost: 0, ..reserve };
-    assert_eq!(store.check(query).await.unwrap().decision.tiers()[0].remaining(), 1);
+    assert_eq!(limiter.check(&Key::Global, 0).await.unwrap().tiers()[0].remaining(), 1);
     let mut conn = server.conn();
-    let state = store.state_key(&policy, &Key::Global);
+    let state = limiter.bound().state_key(&Key::Global);
     assert_eq!(redis::cmd("EXISTS").arg(&state).query::<i64>(&mut conn).unwrap(), 0);
-    assert!(store.check(reserve).await.unwrap().decision.is_allowed());
-    store.settle(stale, 0).await.unwrap();
-    let d = store.check(reserve).await.unwrap().decision;
+    assert!(limiter.check(&Key::Global, 1).await.unwrap().is_allowed());
+    stale.cancel().await.unwrap();
+    let d = limiter.check(&Key::Global, 1).await.unwrap();
     assert!(!d.is_allowed(), "the later entry still counts");
 }

@@ -10,24 +10,23 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::ConnectInfo;
 use http::{Request, Response, StatusCode};
 use tokio::time::Instant;
 use tollgate::clock::TokioClock;
-use tollgate::store::{Check, Store, Ticket, Verdict};
+use tollgate::store::{Check, MemoryStore, Store, Verdict};
 use tollgate::{
-    MemoryStore, OnStoreError, Policy, Quota, RateLimitLayer, StoreError, key::GlobalKey,
+    ConfigError, OnStoreError, Policy, Quota, RateLimitLayer, StoreError, key::GlobalKey,
 };
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 /// A store on tokio's clock, which these paused-clock tests drive.
 fn paused_store() -> MemoryStore {
-    MemoryStore::builder().clock(TokioClock::new()).build()
+    MemoryStore::builder().clock(TokioClock::new()).build().unwrap()
 }
 
 fn request() -> Request<Body> {
     let mut req = Request::new(Body::empty());
-    req.extensions_mut().insert(ConnectInfo("192.0.2.1:1234".parse::<SocketAddr>().unwrap()));
+    req.extensions_mut().insert("192.0.2.1:1234".parse::<SocketAddr>().unwrap());
     req
 }
 
@@ -171,19 +170,28 @@ async fn cost_settled_from_the_response() {
 struct Broken(Arc<AtomicUsize>);
 
 impl Store for Broken {
+    type Bound = ();
+    type Ticket = ();
+
+    fn bind(&self, _: &Policy) -> Result<(), ConfigError> {
+        Ok(())
+    }
+
     fn check(
         &self,
+        (): &(),
         _: Check<'_>,
-    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send + 'static {
+    ) -> impl Future<Output = Result<Verdict<()>, StoreError>> + Send {
         self.0.fetch_add(1, Ordering::SeqCst);
-        std::future::ready(Err(StoreError::Backend("down".into())))
+        std::future::ready(Err(StoreError::backend("down")))
     }
 
     fn settle(
         &self,
-        _: Ticket,
+        (): &(),
+        (): (),
         _: u64,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'static {
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
         std::future::ready(Ok(()))
     }
 }
@@ -323,4 +331,21 @@ async fn the_tarpit_holds_at_most_the_waiting_room() {
         }
     }
     assert_eq!((delayed, at_once), (8, 4_992));
+}
+
+#[tokio::test]
+#[should_panic(expected = "ResponseFuture polled after completion")]
+async fn a_response_future_polled_after_completion_panics() {
+    let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
+    let layer = RateLimitLayer::builder(policy).key(GlobalKey).build().unwrap();
+    let mut svc = layer.layer(ok_service());
+    for expected in [StatusCode::OK, StatusCode::TOO_MANY_REQUESTS] {
+        let mut future = std::pin::pin!(svc.ready().await.unwrap().call(request()));
+        let res = std::future::poll_fn(|cx| future.as_mut().poll(cx)).await.unwrap();
+        assert_eq!(res.status(), expected);
+        if expected == StatusCode::TOO_MANY_REQUESTS {
+            // The contract says never; a future that answered a made-up 200 would hide the bug.
+            let _ = std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await;
+        }
+    }
 }

@@ -7,7 +7,6 @@ use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
 
 use axum::body::Body;
-use axum::extract::ConnectInfo;
 use http::{HeaderValue, Request, Response, StatusCode};
 use proptest::prelude::*;
 use tollgate::key::{ClientIp, ForwardedHeader, HeaderKey, Key, KeyExtractor, group_ip};
@@ -93,7 +92,7 @@ fn parts(peer: IpAddr, lines: &[(&str, Vec<u8>)]) -> http::request::Parts {
         req = req.header(*name, HeaderValue::from_bytes(v).expect("valid header bytes"));
     }
     let mut req = req.body(()).unwrap();
-    req.extensions_mut().insert(ConnectInfo(SocketAddr::new(peer, 4711)));
+    req.extensions_mut().insert(SocketAddr::new(peer, 4711));
     req.into_parts().0
 }
 
@@ -204,7 +203,7 @@ fn request(peer: &str, headers: &[(&str, Vec<u8>)]) -> Request<Body> {
         req = req.header(*n, HeaderValue::from_bytes(v).unwrap());
     }
     let mut req = req.body(Body::empty()).unwrap();
-    req.extensions_mut().insert(ConnectInfo(peer.parse::<SocketAddr>().unwrap()));
+    req.extensions_mut().insert(peer.parse::<SocketAddr>().unwrap());
     req
 }
 

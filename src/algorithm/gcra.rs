@@ -49,7 +49,7 @@ pub(crate) fn status(r: Rate, tat: Tat, now: u64) -> (u64, u64) {
 /// nanoseconds: the TAT is then plain nanoseconds, a `u64` that the in-memory store keeps in one
 /// atomic per key (0 is a fresh key). Exactly the decisions of the scaled version above.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Whole {
+pub(crate) struct WholeGcra {
     /// Emission interval, nanoseconds.
     t: u64,
     /// Capacity, units.
@@ -58,9 +58,9 @@ pub(crate) struct Whole {
     tau: u64,
 }
 
-/// What [`Whole::decide`] concluded.
+/// What [`WholeGcra::decide`] concluded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Verdict {
+pub(crate) enum Step {
     /// Admitted after `wait` ns: store `tat`; the charge took effect at `at`.
     Admit { wait: u64, tat: u64, at: u64 },
     /// Rejected: retry after `retry` ns (beyond the shaping budget).
@@ -71,7 +71,7 @@ pub(crate) enum Verdict {
     Query,
 }
 
-impl Whole {
+impl WholeGcra {
     /// The whole-nanosecond form of `r`, when its interval is whole and its tolerance fits.
     pub(crate) fn of(r: Rate) -> Option<Self> {
         if r.period % r.count != 0 {
@@ -82,21 +82,21 @@ impl Whole {
     }
 
     /// Decides `cost` at `now` on `tat`; `budget` is the shaping budget in ns (0 polices).
-    pub(crate) fn decide(&self, tat: u64, now: u64, cost: u64, budget: u64) -> Verdict {
+    pub(crate) fn decide(&self, tat: u64, now: u64, cost: u64, budget: u64) -> Step {
         if cost == 0 {
-            return Verdict::Query;
+            return Step::Query;
         }
         if cost > self.burst {
-            return Verdict::TooBig;
+            return Step::TooBig;
         }
         // cost <= burst, so cost * t <= tau: no overflow.
         let new = tat.max(now).saturating_add(cost * self.t);
         let wait = new.saturating_sub(self.tau).saturating_sub(now);
         if wait > budget {
-            return Verdict::Limit { retry: wait - budget };
+            return Step::Limit { retry: wait - budget };
         }
         // Charged at now + wait <= max(tat, now): the TAT moves from max(tat, now).
-        Verdict::Admit { wait, tat: new, at: now + wait }
+        Step::Admit { wait, tat: new, at: now + wait }
     }
 
     /// `(remaining, reset_after)` at `now`.

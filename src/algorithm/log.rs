@@ -1,9 +1,10 @@
 //! Sliding window log: one weighted entry per admitted request.
 //!
 //! An entry admitted at `ts` counts against every window `(t - period, t]` with
-//! `ts > t - period`. Unlike the seeds' version (SPEC §2.5) only admitted requests are recorded,
-//! each entry carries a unique id (two requests in one nanosecond stay two entries), and a cost
-//! above 1 is one entry with that weight.
+//! `ts > t - period`. Only admitted requests are recorded (recording rejected ones too would let
+//! a client that keeps retrying extend its own ban), each entry carries a unique id (two
+//! requests in one nanosecond stay two entries), and a cost above 1 is one entry with that
+//! weight.
 
 use std::collections::VecDeque;
 

@@ -1,4 +1,4 @@
-//! The six algorithms of SPEC §2 as pure state transitions over an injected instant, and the
+//! The six algorithms as pure state transitions over an injected instant, and the
 //! all-or-nothing decision over a policy's tiers.
 //!
 //! Every function here takes the instant as an argument (nanoseconds since the clock's epoch)
@@ -16,7 +16,7 @@ use crate::decision::{Decision, Outcome, TierDecision, Tiers};
 use crate::quota::{Algorithm, Policy, Rate};
 
 pub(crate) use bucket::Level;
-pub(crate) use gcra::{Verdict as WholeVerdict, Whole};
+pub(crate) use gcra::{Step as GcraStep, WholeGcra};
 
 pub(crate) use log::Log;
 
@@ -36,7 +36,7 @@ pub(crate) enum TierState {
 /// What each tier was charged, inline for up to two tiers.
 pub(crate) type Charges = SmallVec<[Charge; 2]>;
 
-/// What one tier was charged, so that it can be given back (SPEC §4).
+/// What one tier was charged, so that it can be given back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Charge {
     /// The instant the charge took effect (later than the decision when shaping).
@@ -250,27 +250,27 @@ pub(crate) fn budget(mode: Mode) -> u64 {
 }
 
 /// Decides one request on the state of a single-tier GCRA policy whose emission interval is a
-/// whole number of nanoseconds (see [`Whole`]): the same decision [`decide`] makes, and what to
+/// whole number of nanoseconds (see [`WholeGcra`]): the same decision [`decide`] makes, and what to
 /// store.
 #[inline]
 pub(crate) fn decide_whole(
-    w: &Whole,
+    w: &WholeGcra,
     tat: u64,
     now: u64,
     cost: u64,
     mode: Mode,
-) -> (Decision, WholeVerdict) {
-    let verdict = w.decide(tat, now, cost, budget(mode));
-    (whole_decision(w, tat, now, verdict, budget(mode)), verdict)
+) -> (Decision, GcraStep) {
+    let step = w.decide(tat, now, cost, budget(mode));
+    (whole_decision(w, tat, now, step, budget(mode)), step)
 }
 
-/// The decision for `verdict`, reached on `tat` (the state before any charge).
+/// The decision for `step`, reached on `tat` (the state before any charge).
 #[inline]
 pub(crate) fn whole_decision(
-    w: &Whole,
+    w: &WholeGcra,
     tat: u64,
     now: u64,
-    verdict: WholeVerdict,
+    step: GcraStep,
     budget: u64,
 ) -> Decision {
     let tier = |tat: u64, violated: bool, retry: Option<u64>| {
@@ -279,16 +279,16 @@ pub(crate) fn whole_decision(
         tiers.push(TierDecision::new(w.burst(), remaining, reset, retry, violated));
         tiers
     };
-    match verdict {
-        WholeVerdict::Admit { wait, tat: new, .. } => {
+    match step {
+        GcraStep::Admit { wait, tat: new, .. } => {
             Decision::new(Outcome::Allowed, wait, None, tier(new, false, None))
         }
-        WholeVerdict::Query => Decision::new(Outcome::Allowed, 0, None, tier(tat, false, None)),
-        WholeVerdict::Limit { retry } => {
+        GcraStep::Query => Decision::new(Outcome::Allowed, 0, None, tier(tat, false, None)),
+        GcraStep::Limit { retry } => {
             let own = retry + budget;
             Decision::new(Outcome::Limited, 0, Some(retry), tier(tat, true, Some(own)))
         }
-        WholeVerdict::TooBig => {
+        GcraStep::TooBig => {
             Decision::new(Outcome::CostExceedsCapacity, 0, None, tier(tat, true, None))
         }
     }

@@ -451,7 +451,7 @@ proptest! {
         let q = Quota::new(count, std::time::Duration::from_nanos(period)).with_burst(burst);
         let policy = Policy::builder("w").tier("t", q).build().unwrap();
         let rate = policy.tiers()[0].rate;
-        let w = super::Whole::of(rate).expect("whole interval");
+        let w = super::WholeGcra::of(rate).expect("whole interval");
         let mut now = 0u64;
         let mut states = fresh(&policy, now);
         let mut tat = 0u64;
@@ -462,7 +462,7 @@ proptest! {
             let (expected, charges) = decide(&policy, &mut states, now, cost, mode);
             let (got, verdict) = super::decide_whole(&w, tat, now, cost, mode);
             prop_assert_eq!(&got, &expected, "at {} cost {}", now, cost);
-            if let super::WholeVerdict::Admit { tat: new, at, .. } = verdict {
+            if let super::GcraStep::Admit { tat: new, at, .. } = verdict {
                 tat = new;
                 prop_assert_eq!(Some(at), charges.as_ref().map(|c| c[0].at));
                 last_charge = Some((at, cost));

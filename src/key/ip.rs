@@ -1,8 +1,7 @@
-//! Client addresses: the peer, and the client behind trusted proxies (SPEC §7).
+//! Client addresses: the peer, and the client behind trusted proxies.
 
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
-use axum::extract::ConnectInfo;
 use http::request::Parts;
 use ipnet::IpNet;
 
@@ -35,12 +34,33 @@ pub fn group_ip(ip: IpAddr, v6_prefix: u8) -> IpAddr {
     }
 }
 
-fn peer(parts: &Parts) -> Option<IpAddr> {
-    parts.extensions.get::<ConnectInfo<SocketAddr>>().map(|c| c.0.ip())
+/// The TCP peer's address from the request extensions: axum's `ConnectInfo<SocketAddr>` or
+/// its test double `MockConnectInfo<SocketAddr>` (with the `axum` feature), or a plain
+/// `SocketAddr` that a hyper server (or any layer) inserted.
+pub(crate) fn peer(parts: &Parts) -> Option<IpAddr> {
+    #[cfg(feature = "axum")]
+    {
+        use axum::extract::ConnectInfo;
+        use axum::extract::connect_info::MockConnectInfo;
+        if let Some(ConnectInfo(addr)) = parts.extensions.get::<ConnectInfo<SocketAddr>>() {
+            return Some(addr.ip());
+        }
+        if let Some(MockConnectInfo(addr)) = parts.extensions.get::<MockConnectInfo<SocketAddr>>() {
+            return Some(addr.ip());
+        }
+    }
+    parts.extensions.get::<SocketAddr>().map(SocketAddr::ip)
 }
 
-/// The TCP peer's address, from axum's `ConnectInfo<SocketAddr>` (serve with
-/// `into_make_service_with_connect_info::<SocketAddr>()`). No key without it.
+/// The TCP peer's address. Read from the request extensions:
+///
+/// - axum (feature `axum`): `ConnectInfo<SocketAddr>`, present when the app is served with
+///   `into_make_service_with_connect_info::<SocketAddr>()`, or `MockConnectInfo<SocketAddr>`
+///   in tests;
+/// - hyper or any other server: a plain `SocketAddr` extension, inserted per connection
+///   (`req.extensions_mut().insert(remote_addr)` in the service that hyper calls).
+///
+/// No key without one of them (the layer's missing-key setting then applies).
 ///
 /// Use this when clients connect directly; behind a proxy every client would share the proxy's
 /// bucket: use [`ClientIp`].
@@ -102,14 +122,13 @@ pub enum ForwardedHeader {
 ///
 /// ```
 /// use std::net::SocketAddr;
-/// use axum::extract::ConnectInfo;
 /// use tollgate::key::{ClientIp, Key, KeyExtractor};
 ///
 /// let ex = ClientIp::new(["10.0.0.0/8".parse().unwrap()]);
 /// let mut req = http::Request::get("/")
 ///     .header("x-forwarded-for", "6.6.6.6, 203.0.113.7, 10.0.0.2")
 ///     .body(()).unwrap();
-/// req.extensions_mut().insert(ConnectInfo("10.0.0.1:5000".parse::<SocketAddr>().unwrap()));
+/// req.extensions_mut().insert("10.0.0.1:5000".parse::<SocketAddr>().unwrap());
 /// let (parts, ()) = req.into_parts();
 /// assert_eq!(ex.extract(&parts), Some(Key::Ip("203.0.113.7".parse().unwrap())));
 /// ```
@@ -141,7 +160,10 @@ impl ClientIp {
             .into_iter()
             .map(|s| {
                 s.parse::<IpNet>().or_else(|_| s.parse::<IpAddr>().map(IpNet::from)).map_err(|_| {
-                    crate::ConfigError::Invalid(format!("not a CIDR or address: {s:?}"))
+                    crate::ConfigError::Invalid {
+                        setting: "trusted proxies",
+                        reason: format!("{s:?} is not a CIDR or an address"),
+                    }
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -265,7 +287,7 @@ mod tests {
             b = b.header(*n, http::HeaderValue::from_bytes(v).unwrap());
         }
         let mut req = b.body(()).unwrap();
-        req.extensions_mut().insert(ConnectInfo(peer.parse::<SocketAddr>().unwrap()));
+        req.extensions_mut().insert(peer.parse::<SocketAddr>().unwrap());
         req.into_parts().0
     }
 

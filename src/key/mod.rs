@@ -1,9 +1,9 @@
-//! Keys: who or what is limited (SPEC §7).
+//! Keys: who or what is limited.
 //!
 //! A [`KeyExtractor`] reads a [`Key`] from the request head. Built-ins cover the peer address
 //! ([`PeerIp`]), the client address behind trusted proxies ([`ClientIp`]), a header or API key
 //! ([`HeaderKey`]), an authenticated user in the request extensions ([`ExtensionKey`]), the
-//! route ([`RouteKey`]), the method ([`MethodKey`]), one global bucket ([`GlobalKey`]), tuples
+//! route (`RouteKey`, with the `axum` feature), the method ([`MethodKey`]), one global bucket ([`GlobalKey`]), tuples
 //! of these, and any closure `Fn(&Parts) -> Option<Key>`.
 
 mod ip;
@@ -237,9 +237,12 @@ impl<T: fmt::Display + Send + Sync + 'static> KeyExtractor for ExtensionKey<T> {
 
 /// The route template axum matched (`/users/{id}`, from `MatchedPath`): one bucket per route,
 /// whatever the path parameters. No key when the router matched nothing.
+#[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RouteKey;
 
+#[cfg(feature = "axum")]
 impl KeyExtractor for RouteKey {
     fn extract(&self, parts: &Parts) -> Option<Key> {
         parts.extensions.get::<axum::extract::MatchedPath>().map(|p| Key::text(p.as_str()))

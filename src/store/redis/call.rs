@@ -5,7 +5,7 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
-use redis::ScriptInvocation;
+use redis::{ScriptInvocation, ToRedisArgs};
 
 use crate::algorithm::{Charge, Charges};
 use crate::clock::duration_to_nanos;
@@ -13,7 +13,6 @@ use crate::decision::{Decision, Outcome, TierDecision, Tiers};
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
 use crate::quota::{Algorithm, Policy};
-use crate::store::Ticket;
 
 /// The longest span the script represents, 2^50 ns (about 13 days): it computes in Lua's
 /// doubles, exact for integers below 2^53, relative to the current instant.
@@ -36,8 +35,8 @@ pub(crate) enum Now {
 
 /// Checks that the script can represent every tier of `policy` exactly.
 pub(crate) fn validate(policy: &Policy) -> Result<(), ConfigError> {
-    let unsupported = |tier: &str, why: String| {
-        Err(ConfigError::UnsupportedByStore(format!("RedisStore, tier `{tier}`: {why}")))
+    let unsupported = |tier: &str, reason: String| {
+        Err(ConfigError::UnsupportedByStore { store: "RedisStore", tier: tier.to_owned(), reason })
     };
     let max = Duration::from_nanos(MAX_HORIZON_NANOS);
     for tier in policy.tiers() {
@@ -91,26 +90,61 @@ fn escape(s: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
-/// A stable 32-bit fingerprint of what the stored state means — the algorithm and every tier's
-/// count, period and burst — and of how it is stored. A reconfigured policy gets new keys, so
+/// FNV-1a over the algorithm's name and every tier's count, period and burst: what a stored
+/// state means.
+fn meaning(policy: &Policy) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut feed = |bytes: &[u8]| {
+        for b in bytes {
+            h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    feed(policy.algorithm().name().as_bytes());
+    for t in policy.tiers() {
+        for v in [t.rate.count, t.rate.period, t.rate.burst] {
+            feed(&v.to_le_bytes());
+        }
+    }
+    h
+}
+
+/// Whether the fast path (`gcra.lua`) applies: GCRA, every tier's emission interval a whole
+/// number of nanoseconds.
+pub(crate) fn whole_gcra(policy: &Policy) -> bool {
+    policy.algorithm() == Algorithm::Gcra
+        && policy.tiers().iter().all(|t| t.rate.period % t.rate.count == 0)
+}
+
+/// A stable 32-bit fingerprint of what the stored state means (the algorithm and every tier's
+/// count, period and burst) and of how it is stored. A reconfigured policy gets new keys, so
 /// state written under the old one is never read under the new one; the old keys expire on
 /// their TTL.
 fn fingerprint(policy: &Policy) -> u32 {
-    // The policy's meaning (hashed when it was built) and the representation: the fast path
-    // keeps a string, the general script a hash.
-    let representation: u64 = if policy.whole_gcra { 0x5354_5249_4e47 } else { 0x4841_5348 };
-    let h = (policy.meaning ^ representation).wrapping_mul(0x0100_0000_01b3);
+    // The representation: the fast path keeps a string, the general script a hash.
+    let representation: u64 = if whole_gcra(policy) { 0x5354_5249_4e47 } else { 0x4841_5348 };
+    let h = (meaning(policy) ^ representation).wrapping_mul(0x0100_0000_01b3);
     #[allow(clippy::cast_possible_truncation)] // folding 64 bits into 32 on purpose
     let folded = (h ^ (h >> 32)) as u32;
     folded
 }
 
-/// The key of the hash holding every tier's state of `key` under `policy`:
-/// `{prefix}{{policy}|{key}}:{fingerprint}`. Everything that identifies the limit is inside the
-/// hash tag, so a policy's tiers (and sliding-log sets) share one Redis Cluster slot.
-pub(crate) fn state_key(prefix: &str, policy: &Policy, key: &Key) -> String {
+/// The parts of a policy's state keys around the key itself:
+/// `{prefix}{{policy}|` and `}:{fingerprint}`. Everything that identifies the limit is inside
+/// the hash tag, so a policy's tiers (and sliding-log sets) share one Redis Cluster slot.
+pub(crate) fn key_parts(prefix: &str, policy: &Policy) -> (String, String) {
+    (format!("{prefix}{{{}|", escape(policy.name())), format!("}}:{:08x}", fingerprint(policy)))
+}
+
+/// The key of the hash holding every tier's state of `key`, between the parts of
+/// [`key_parts`].
+pub(crate) fn state_key(parts: &(String, String), key: &Key) -> String {
     let key = key.to_string();
-    format!("{prefix}{{{}|{}}}:{:08x}", escape(policy.name()), escape(&key), fingerprint(policy))
+    let key = escape(&key);
+    let mut out = String::with_capacity(parts.0.len() + key.len() + parts.1.len());
+    out.push_str(&parts.0);
+    out.push_str(&key);
+    out.push_str(&parts.1);
+    out
 }
 
 /// The sorted set of tier `i` (1-based) of a sliding-log policy.
@@ -118,53 +152,78 @@ fn log_key(state_key: &str, i: usize) -> String {
     format!("{state_key}:z{i}")
 }
 
-/// A prepared script call: the script, and `KEYS` and `ARGV` as it documents them.
-pub(crate) struct Call {
-    pub(crate) keys: Vec<String>,
-    pub(crate) args: Vec<Vec<u8>>,
+/// What a bound policy's calls send every time, rendered when it is bound: which script, the
+/// policy's part of `ARGV`, and how many sliding-log sets follow the state key.
+#[derive(Debug)]
+pub(crate) struct Prepared {
     fast: bool,
+    /// `ttl_grace_ms, ntiers, (T, tau)*` for the fast path;
+    /// `algorithm, ttl_grace_ms, ntiers, (count, period, burst)*` for the general script.
+    args: Vec<Vec<u8>>,
+    log_sets: usize,
 }
 
-impl Call {
-    /// Starts a call: the state key (and the sliding-log sets), then
-    /// `op, clock, now_sec, now_nsec, algorithm, ttl_grace_ms, ntiers, (count, period, burst)*`.
-    fn new(op: &str, state_key: String, policy: &Policy, now: Now, grace_ms: u64) -> Self {
+impl Prepared {
+    pub(crate) fn new(policy: &Policy, grace_ms: u64) -> Self {
         let ntiers = policy.tiers().len();
+        let mut args = Vec::new();
+        let mut arg = |v: u64| v.write_redis_args(&mut args);
+        let fast = whole_gcra(policy);
+        if fast {
+            arg(grace_ms);
+            arg(ntiers as u64);
+            for t in policy.tiers() {
+                let interval = t.rate.period / t.rate.count;
+                arg(interval);
+                arg(interval * t.rate.burst);
+            }
+        } else {
+            args.push(policy.algorithm().name().as_bytes().to_vec());
+            let mut arg = |v: u64| v.write_redis_args(&mut args);
+            arg(grace_ms);
+            arg(ntiers as u64);
+            for t in policy.tiers() {
+                arg(t.rate.count);
+                arg(t.rate.period);
+                arg(t.rate.burst);
+            }
+        }
+        let log_sets = if policy.algorithm() == Algorithm::SlidingLog { ntiers } else { 0 };
+        Self { fast, args, log_sets }
+    }
+}
+
+/// A script call: `KEYS` and `ARGV` as the script documents them.
+pub(crate) struct Call<'a> {
+    pub(crate) keys: Vec<String>,
+    prepared: &'a Prepared,
+    /// `op, clock, now_sec, now_nsec`.
+    head: Vec<Vec<u8>>,
+    /// The request's own arguments, after the policy's.
+    tail: Vec<Vec<u8>>,
+}
+
+impl<'a> Call<'a> {
+    /// Starts a call: the state key (and the sliding-log sets), then `op, clock, now_sec,
+    /// now_nsec` and the policy's arguments.
+    fn new(op: &str, state_key: String, prepared: &'a Prepared, now: Now) -> Self {
         let (flag, secs, nanos) = match now {
             Now::Server => ("S", 0, 0),
             Now::At(t) => ("C", t / NANOS_PER_SEC, t % NANOS_PER_SEC),
         };
-        // The fast path (`gcra.lua`) for whole-nanosecond GCRA tiers.
-        if policy.whole_gcra {
-            // op, clock, now_sec, now_nsec, ttl_grace_ms, ntiers, (T, tau)*
-            let mut call = Self {
-                keys: vec![state_key],
-                args: Vec::with_capacity(10 + 2 * ntiers),
-                fast: true,
-            };
-            call.arg(op).arg(flag).arg(secs).arg(nanos).arg(grace_ms).arg(ntiers);
-            for t in policy.tiers() {
-                let interval = t.rate.period / t.rate.count;
-                call.arg(interval).arg(interval * t.rate.burst);
-            }
-            return call;
-        }
-        let mut keys = Vec::with_capacity(1 + ntiers);
-        if policy.algorithm() == Algorithm::SlidingLog {
-            keys.extend((1..=ntiers).map(|i| log_key(&state_key, i)));
-        }
+        let mut keys = Vec::with_capacity(1 + prepared.log_sets);
+        keys.extend((1..=prepared.log_sets).map(|i| log_key(&state_key, i)));
         keys.insert(0, state_key);
-        let mut call = Self { keys, args: Vec::with_capacity(10 + 3 * ntiers), fast: false };
-        call.arg(op).arg(flag).arg(secs).arg(nanos).arg(policy.algorithm().name());
-        call.arg(grace_ms).arg(ntiers);
-        for t in policy.tiers() {
-            call.arg(t.rate.count).arg(t.rate.period).arg(t.rate.burst);
-        }
-        call
+        let mut head = Vec::with_capacity(4);
+        head.push(op.as_bytes().to_vec());
+        head.push(flag.as_bytes().to_vec());
+        secs.write_redis_args(&mut head);
+        nanos.write_redis_args(&mut head);
+        Self { keys, prepared, head, tail: Vec::with_capacity(2 + 3 * prepared.log_sets) }
     }
 
     fn arg(&mut self, v: impl redis::ToRedisArgs) -> &mut Self {
-        v.write_redis_args(&mut self.args);
+        v.write_redis_args(&mut self.tail);
         self
     }
 
@@ -172,13 +231,12 @@ impl Call {
     /// [`MAX_HORIZON_NANOS`]).
     pub(crate) fn check(
         state_key: String,
-        policy: &Policy,
+        prepared: &'a Prepared,
         now: Now,
-        grace_ms: u64,
         cost: u64,
         max_delay: Option<Duration>,
     ) -> Self {
-        let mut call = Self::new("check", state_key, policy, now, grace_ms);
+        let mut call = Self::new("check", state_key, prepared, now);
         let max_delay = max_delay.map_or(-1, |d| {
             i64::try_from(duration_to_nanos(d).min(MAX_HORIZON_NANOS)).unwrap_or(-1)
         });
@@ -186,23 +244,25 @@ impl Call {
         call
     }
 
-    /// Settles `ticket` at `cost` units: `old_cost, new_cost, (at_sec, at_nsec, id)*`.
+    /// Settles a charge of `charged` units (`charges` per tier) at `cost` units:
+    /// `old_cost, new_cost, (at_sec, at_nsec, id)*`.
     pub(crate) fn settle(
         state_key: String,
-        ticket: &Ticket,
+        prepared: &'a Prepared,
         now: Now,
-        grace_ms: u64,
+        charged: u64,
+        charges: &Charges,
         cost: u64,
     ) -> Self {
-        let mut call = Self::new("settle", state_key, &ticket.inner.policy, now, grace_ms);
-        call.arg(ticket.inner.cost).arg(cost);
-        if call.fast {
+        let mut call = Self::new("settle", state_key, prepared, now);
+        call.arg(charged).arg(cost);
+        if prepared.fast {
             // Every tier was charged at the same instant.
-            let at = ticket.inner.charges.first().map_or(0, |c| c.at);
+            let at = charges.first().map_or(0, |c| c.at);
             call.arg(at / NANOS_PER_SEC).arg(at % NANOS_PER_SEC);
             return call;
         }
-        for c in &ticket.inner.charges {
+        for c in charges {
             call.arg(c.at / NANOS_PER_SEC).arg(c.at % NANOS_PER_SEC).arg(c.id);
         }
         call
@@ -210,15 +270,26 @@ impl Call {
 
     /// The script invocation.
     pub(crate) fn invocation(&self) -> ScriptInvocation<'static> {
-        let script = if self.fast { &*super::FAST } else { &*super::SCRIPT };
+        let script = if self.prepared.fast { &*super::FAST } else { &*super::SCRIPT };
         let mut inv = script.prepare_invoke();
         for k in &self.keys {
             inv.key(k.as_str());
         }
-        for a in &self.args {
+        for a in self.head.iter().chain(&self.prepared.args).chain(&self.tail) {
             inv.arg(a.as_slice());
         }
         inv
+    }
+
+    /// `ARGV` as sent (tests).
+    #[cfg(test)]
+    fn args(&self) -> Vec<String> {
+        self.head
+            .iter()
+            .chain(&self.prepared.args)
+            .chain(&self.tail)
+            .map(|a| String::from_utf8(a.clone()).unwrap())
+            .collect()
     }
 }
 
@@ -229,7 +300,7 @@ const HEAD: usize = 5;
 const PER_TIER: usize = 7;
 
 fn bad_reply(what: &str) -> StoreError {
-    StoreError::Backend(format!("unexpected reply from the tollgate script: {what}"))
+    StoreError::backend(format!("unexpected reply from the tollgate script: {what}"))
 }
 
 fn nanos(v: i64) -> Result<u64, StoreError> {
@@ -291,15 +362,15 @@ mod tests {
     #[test]
     fn keys_keep_the_hash_tag_whole_and_unambiguous() {
         let p = policy("api", Algorithm::Gcra);
-        let k = state_key("tollgate:", &p, &Key::text("a}b{c|d%"));
+        let k = state_key(&key_parts("tollgate:", &p), &Key::text("a}b{c|d%"));
         let fp = format!("{:08x}", fingerprint(&p));
         assert_eq!(k, format!("tollgate:{{api|s8:a%7Db%7Bc%7Cd%25}}:{fp}"));
         // The hash tag is everything between the first `{` and the first `}` after it.
         let tag = &k[k.find('{').unwrap() + 1..k.find('}').unwrap()];
         assert_eq!(tag, "api|s8:a%7Db%7Bc%7Cd%25");
         // `|` in a policy name cannot be confused with the separator.
-        let a = state_key("", &policy("a|b", Algorithm::Gcra), &Key::text("c"));
-        let b = state_key("", &policy("a", Algorithm::Gcra), &Key::text("b|s1:c"));
+        let a = state_key(&key_parts("", &policy("a|b", Algorithm::Gcra)), &Key::text("c"));
+        let b = state_key(&key_parts("", &policy("a", Algorithm::Gcra)), &Key::text("b|s1:c"));
         assert_ne!(a.split(':').next(), b.split(':').next());
     }
 
@@ -312,21 +383,21 @@ mod tests {
             .tier("b", Quota::per_hour(100))
             .build()
             .unwrap();
-        let keys: Vec<_> = [&a, &b, &c].iter().map(|p| state_key("", p, &Key::Global)).collect();
+        let key = |p: &Policy| state_key(&key_parts("", p), &Key::Global);
+        let keys: Vec<_> = [&a, &b, &c].into_iter().map(key).collect();
         assert_ne!(keys[0], keys[1]);
         assert_ne!(keys[0], keys[2]);
-        assert_eq!(state_key("", &a, &Key::Global), keys[0], "stable");
+        assert_eq!(key(&a), keys[0], "stable");
     }
 
     #[test]
     fn sliding_log_calls_carry_one_set_per_tier_after_the_hash() {
         let p = policy("api", Algorithm::SlidingLog);
-        let call = Call::check("h".into(), &p, Now::At(1_500_000_000), 0, 2, None);
+        let prepared = Prepared::new(&p, 0);
+        let call = Call::check("h".into(), &prepared, Now::At(1_500_000_000), 2, None);
         assert_eq!(call.keys, ["h", "h:z1", "h:z2"]);
-        let args: Vec<String> =
-            call.args.iter().map(|a| String::from_utf8(a.clone()).unwrap()).collect();
         assert_eq!(
-            args,
+            call.args(),
             [
                 "check",
                 "C",
@@ -350,9 +421,9 @@ mod tests {
     #[test]
     fn policies_beyond_the_horizon_are_refused() {
         let long = Policy::single("p", Quota::new(1, Duration::from_secs(30 * 86_400))).unwrap();
-        assert!(matches!(validate(&long), Err(ConfigError::UnsupportedByStore(_))));
+        assert!(matches!(validate(&long), Err(ConfigError::UnsupportedByStore { .. })));
         let wide = Policy::single("p", Quota::per_day(1).with_burst(14)).unwrap();
-        assert!(matches!(validate(&wide), Err(ConfigError::UnsupportedByStore(_))));
+        assert!(matches!(validate(&wide), Err(ConfigError::UnsupportedByStore { .. })));
         let fine = Policy::single("p", Quota::per_day(1).with_burst(13)).unwrap();
         assert_eq!(validate(&fine), Ok(()));
         let tiny = Policy::builder("p")
@@ -360,7 +431,7 @@ mod tests {
             .tier("t", Quota::new(1, Duration::from_micros(100)))
             .build()
             .unwrap();
-        assert!(matches!(validate(&tiny), Err(ConfigError::UnsupportedByStore(_))));
+        assert!(matches!(validate(&tiny), Err(ConfigError::UnsupportedByStore { .. })));
     }
 
     #[test]

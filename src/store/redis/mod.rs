@@ -4,7 +4,6 @@ mod breaker;
 mod call;
 
 use std::fmt;
-use std::future::Future;
 use std::sync::{Arc, LazyLock, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -15,10 +14,12 @@ use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Script, Value};
 
 pub use breaker::BreakerState;
 use breaker::{Admit, Breaker};
-use call::{Call, Now};
+use call::{Call, Now, Prepared};
 
-use super::{Check, MemoryStore, Store, Ticket, Verdict};
-use crate::clock::{Clock, duration_to_nanos};
+use super::memory::{MemoryPolicy, MemoryTicket};
+use super::{Check, MemoryStore, Store, Verdict};
+use crate::algorithm::Charges;
+use crate::clock::{AnyClock, Clock, duration_to_nanos};
 use crate::decision::Source;
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
@@ -32,23 +33,10 @@ static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lim
 /// keeping every tier's TAT in one string: one `GET`, one `SET`.
 static FAST: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("gcra.lua")));
 
-/// Default prefix of every key the store writes: `"tollgate:"`.
-pub const DEFAULT_PREFIX: &str = "tollgate:";
-
-/// Default per-call timeout: 100 ms. A call that takes longer counts as failed.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(100);
-
-/// Default number of consecutive failed calls that opens the circuit breaker: 5.
-pub const DEFAULT_FAILURE_THRESHOLD: u32 = 5;
-
-/// Default time the circuit breaker stays open before it probes Redis again: 500 ms.
-pub const DEFAULT_OPEN_FOR: Duration = Duration::from_millis(500);
-
-/// The longest span a tier may cover on Redis: 2^50 ns, about 13 days. This bounds the
-/// period, `burst x period / count` (the GCRA tolerance), and the shaping delay (longer delays
-/// are clamped to it). The script computes in Lua's doubles, exact below 2^53, so the store
-/// refuses (with [`ConfigError::UnsupportedByStore`]) tiers it could not decide exactly.
-pub const MAX_HORIZON: Duration = Duration::from_nanos(call::MAX_HORIZON_NANOS);
+const DEFAULT_PREFIX: &str = "tollgate:";
+const DEFAULT_TIMEOUT: Duration = Duration::from_millis(100);
+const DEFAULT_FAILURE_THRESHOLD: u32 = 5;
+const DEFAULT_OPEN_FOR: Duration = Duration::from_millis(500);
 
 /// A [`Store`] in Redis: every instance of a service that uses the same Redis shares one limit.
 ///
@@ -88,7 +76,8 @@ pub const MAX_HORIZON: Duration = Duration::from_nanos(call::MAX_HORIZON_NANOS);
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use tollgate::{MemoryStore, Policy, Quota, RateLimitLayer, RedisStore};
+/// use tollgate::store::{MemoryStore, RedisStore};
+/// use tollgate::{Policy, Quota, RateLimitLayer};
 ///
 /// # fn main() -> Result<(), tollgate::ConfigError> {
 /// let store = RedisStore::builder("redis://127.0.0.1:6380/")
@@ -122,7 +111,7 @@ struct Inner {
     connecting: tokio::sync::Mutex<()>,
     prefix: Box<str>,
     /// `None`: the server's `TIME`.
-    clock: Option<Arc<dyn Clock>>,
+    clock: Option<AnyClock>,
     timeout: Duration,
     grace_ms: u64,
     breaker: Breaker,
@@ -215,7 +204,7 @@ impl RedisStore {
             FAST.load_async(&mut conn).await.map(drop)
         };
         match tokio::time::timeout(inner.timeout, attempt).await {
-            Ok(result) => result.map_err(|e| StoreError::Backend(e.to_string())),
+            Ok(result) => result.map_err(StoreError::backend),
             Err(_) => Err(StoreError::Timeout(inner.timeout)),
         }
     }
@@ -225,13 +214,58 @@ impl RedisStore {
     pub fn breaker_state(&self) -> BreakerState {
         self.inner.breaker.state()
     }
+}
 
-    /// The Redis key of the hash holding `key`'s state under `policy` (for inspection: `TTL`,
-    /// `HGETALL`). Sliding-log policies also use `{this}:z1`, `{this}:z2`, ... per tier.
-    #[must_use]
-    pub fn state_key(&self, policy: &Policy, key: &Key) -> String {
-        call::state_key(&self.inner.prefix, policy, key)
+/// A policy bound to a [`RedisStore`] ([`Store::bind`]): validated for the scripts, with its key
+/// prefix and its part of every script call rendered, and bound to the local fallback store.
+pub struct RedisPolicy {
+    policy: Policy,
+    /// The state key's parts around the key: `{prefix}{{policy}|` and `}:{fingerprint}`.
+    key_parts: (String, String),
+    prepared: Prepared,
+    local: Option<MemoryPolicy>,
+}
+
+impl fmt::Debug for RedisPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisPolicy")
+            .field("policy", &self.policy.name())
+            .field("key_prefix", &self.key_parts.0)
+            .finish_non_exhaustive()
     }
+}
+
+impl RedisPolicy {
+    /// The policy.
+    #[must_use]
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// The Redis key of the state of `key` (for inspection: `TTL`, `GET`, `HGETALL`).
+    /// Sliding-log policies also use `{this}:z1`, `{this}:z2`, ... per tier.
+    #[must_use]
+    pub fn state_key(&self, key: &Key) -> String {
+        call::state_key(&self.key_parts, key)
+    }
+}
+
+/// What an admitted request was charged through a [`RedisStore`] (see [`Store::Ticket`]): in
+/// Redis, or in the local fallback when Redis could not decide.
+#[derive(Debug)]
+pub struct RedisTicket(Charged);
+
+#[derive(Debug)]
+enum Charged {
+    Remote(Box<Remote>),
+    Local(MemoryTicket),
+}
+
+#[derive(Debug)]
+struct Remote {
+    state_key: String,
+    cost: u64,
+    charges: Charges,
 }
 
 impl Inner {
@@ -275,7 +309,7 @@ impl Inner {
     }
 
     /// Runs one script call through the circuit breaker, within the timeout.
-    async fn eval(&self, call: &Call) -> Result<Vec<i64>, StoreError> {
+    async fn eval(&self, call: &Call<'_>) -> Result<Vec<i64>, StoreError> {
         let probe = match self.breaker.admit() {
             Admit::Call => None,
             Admit::Probe(probe) => Some(probe),
@@ -296,7 +330,7 @@ impl Inner {
         };
         let result = match tokio::time::timeout(self.timeout, attempt).await {
             Ok(Ok(reply)) => Ok(reply),
-            Ok(Err(e)) => Err(StoreError::Backend(e.to_string())),
+            Ok(Err(e)) => Err(StoreError::backend(e)),
             Err(_) => Err(StoreError::Timeout(self.timeout)),
         };
         match (probe, result.is_ok()) {
@@ -312,72 +346,95 @@ impl Inner {
     }
 
     /// Decides on the local fallback after `error`, or returns `error` without one.
-    fn fall_back(&self, error: StoreError, check: Check<'_>) -> Result<Verdict, StoreError> {
-        let Some(local) = &self.fallback else { return Err(error) };
-        tracing::debug!(%error, policy = check.policy.name(), "tollgate: redis unavailable; decided by the local fallback");
-        let mut verdict = local.check_now(check)?;
-        verdict.decision.source = Source::Fallback;
-        if let Some(ticket) = &mut verdict.ticket {
-            ticket.inner.fallback = true;
-        }
-        Ok(verdict)
+    fn fall_back(
+        &self,
+        error: StoreError,
+        bound: &RedisPolicy,
+        check: Check<'_>,
+    ) -> Result<Verdict<RedisTicket>, StoreError> {
+        let (Some(local), Some(local_bound)) = (&self.fallback, &bound.local) else {
+            return Err(error);
+        };
+        tracing::debug!(%error, policy = bound.policy.name(), "tollgate: redis unavailable; decided by the local fallback");
+        let verdict = local.check_now(local_bound, check);
+        let mut decision = verdict.decision;
+        decision.source = Source::Fallback;
+        Ok(Verdict { decision, ticket: verdict.ticket.map(|t| RedisTicket(Charged::Local(t))) })
     }
 }
 
 impl Store for RedisStore {
-    fn validate(&self, policy: &Policy) -> Result<(), ConfigError> {
-        call::validate(policy)
+    type Bound = RedisPolicy;
+    type Ticket = RedisTicket;
+
+    fn bind(&self, policy: &Policy) -> Result<RedisPolicy, ConfigError> {
+        call::validate(policy)?;
+        let inner = &self.inner;
+        Ok(RedisPolicy {
+            policy: policy.clone(),
+            key_parts: call::key_parts(&inner.prefix, policy),
+            prepared: Prepared::new(policy, inner.grace_ms),
+            local: inner.fallback.as_ref().map(|local| local.bind_policy(policy)),
+        })
     }
 
-    fn check(
+    async fn check(
         &self,
+        bound: &RedisPolicy,
         check: Check<'_>,
-    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send + 'static {
-        let inner = Arc::clone(&self.inner);
-        let Check { policy, key, cost, max_delay, reserve } = check;
-        let call = call::validate(policy).map(|()| {
-            let state_key = call::state_key(&inner.prefix, policy, key);
-            Call::check(state_key, policy, inner.now(), inner.grace_ms, cost, max_delay)
-        });
-        let (policy, key) = (policy.clone(), key.clone());
-        async move {
-            let call = call?;
-            let decided =
-                inner.eval(&call).await.and_then(|reply| call::decode(&policy, cost, &reply));
-            match decided {
-                Ok((decision, charges)) => {
-                    let ticket = charges
-                        .filter(|_| cost > 0 && reserve)
-                        .map(|charges| Ticket::charged(policy, key, cost, charges, false));
-                    Ok(Verdict { decision, ticket })
-                }
-                Err(error) => inner.fall_back(
-                    error,
-                    Check { policy: &policy, key: &key, cost, max_delay, reserve },
-                ),
+    ) -> Result<Verdict<RedisTicket>, StoreError> {
+        let inner = &*self.inner;
+        let state_key = bound.state_key(check.key);
+        let call =
+            Call::check(state_key, &bound.prepared, inner.now(), check.cost, check.max_delay);
+        let decided = inner
+            .eval(&call)
+            .await
+            .and_then(|reply| call::decode(&bound.policy, check.cost, &reply));
+        match decided {
+            Ok((decision, charges)) => {
+                let ticket = charges.filter(|_| check.cost > 0 && check.ticket).map(|charges| {
+                    let state_key = call.keys.into_iter().next().unwrap_or_default();
+                    RedisTicket(Charged::Remote(Box::new(Remote {
+                        state_key,
+                        cost: check.cost,
+                        charges,
+                    })))
+                });
+                Ok(Verdict { decision, ticket })
             }
+            Err(error) => inner.fall_back(error, bound, check),
         }
     }
 
-    fn settle(
+    async fn settle(
         &self,
-        ticket: Ticket,
+        bound: &RedisPolicy,
+        ticket: RedisTicket,
         cost: u64,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'static {
-        let inner = Arc::clone(&self.inner);
-        async move {
-            if cost == ticket.inner.cost {
-                return Ok(());
-            }
-            if ticket.inner.fallback {
-                if let Some(local) = &inner.fallback {
-                    local.settle_now(&ticket, cost);
+    ) -> Result<(), StoreError> {
+        let inner = &*self.inner;
+        match ticket.0 {
+            Charged::Local(ticket) => {
+                if let (Some(local), Some(local_bound)) = (&inner.fallback, &bound.local) {
+                    local.settle_now(local_bound, &ticket, cost);
                 }
-                return Ok(());
+                Ok(())
             }
-            let state_key = call::state_key(&inner.prefix, &ticket.inner.policy, &ticket.inner.key);
-            let call = Call::settle(state_key, &ticket, inner.now(), inner.grace_ms, cost);
-            inner.eval(&call).await.map(drop)
+            Charged::Remote(remote) => {
+                if cost == remote.cost {
+                    return Ok(());
+                }
+                let call = Call::settle(
+                    remote.state_key,
+                    &bound.prepared,
+                    inner.now(),
+                    remote.cost,
+                    &remote.charges,
+                    cost,
+                );
+                inner.eval(&call).await.map(drop)
+            }
         }
     }
 }
@@ -388,7 +445,7 @@ pub struct RedisStoreBuilder {
     nodes: Vec<String>,
     cluster: bool,
     prefix: String,
-    clock: Option<Arc<dyn Clock>>,
+    clock: Option<AnyClock>,
     timeout: Duration,
     ttl_grace: Duration,
     threshold: u32,
@@ -421,8 +478,8 @@ impl RedisStoreBuilder {
         }
     }
 
-    /// Prefix of every key (default [`DEFAULT_PREFIX`]). Must not contain `{` or `}` (they
-    /// would break the hash tag).
+    /// Prefix of every key (default `"tollgate:"`). Must not contain `{` or `}` (they would
+    /// break the hash tag).
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
@@ -433,13 +490,13 @@ impl RedisStoreBuilder {
     /// [`FakeClock`](crate::clock::FakeClock). Keys still expire on Redis's clock, so give a
     /// [`ttl_grace`](Self::ttl_grace) that covers the drift between the two.
     pub fn clock(mut self, clock: impl Clock) -> Self {
-        self.clock = Some(Arc::new(clock));
+        self.clock = Some(AnyClock::new(clock));
         self
     }
 
-    /// Per-call timeout, including connecting (default [`DEFAULT_TIMEOUT`]). At least 1 ms.
+    /// Per-call timeout, including connecting (default 100 ms); at least 1 ms.
     pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout.max(Duration::from_millis(1));
+        self.timeout = timeout;
         self
     }
 
@@ -450,9 +507,9 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Opens the circuit breaker after `failure_threshold` consecutive failed calls (at least
-    /// 1; default [`DEFAULT_FAILURE_THRESHOLD`]) and keeps it open for `open_for` (default
-    /// [`DEFAULT_OPEN_FOR`]) before probing Redis with one call.
+    /// Opens the circuit breaker after `failure_threshold` consecutive failed calls (default 5;
+    /// at least 1) and keeps it open for `open_for` (default 500 ms; at least 1 ms) before
+    /// probing Redis with one call.
     pub fn circuit_breaker(mut self, failure_threshold: u32, open_for: Duration) -> Self {
         self.threshold = failure_threshold;
         self.open_for = open_for;
@@ -471,21 +528,32 @@ impl RedisStoreBuilder {
     /// Builds the store. Connects nothing yet.
     ///
     /// # Errors
-    /// [`ConfigError::Invalid`] for a URL the `redis` crate cannot parse, no URL, or a prefix
-    /// with `{` or `}`.
+    /// [`ConfigError::Invalid`] naming the setting: `url` (none, several for a standalone
+    /// server, or one the `redis` crate cannot parse), `prefix` (with `{` or `}`), `timeout`
+    /// (under 1 ms), `circuit_breaker` (a threshold of 0 or an open period under 1 ms).
     pub fn build(self) -> Result<RedisStore, ConfigError> {
+        let invalid = |setting, reason: String| ConfigError::Invalid { setting, reason };
         if self.prefix.contains(['{', '}']) {
-            return Err(ConfigError::Invalid(format!(
-                "redis key prefix {:?} must not contain `{{` or `}}`",
-                self.prefix
-            )));
+            return Err(invalid(
+                "prefix",
+                format!("{:?} must not contain `{{` or `}}` (they end the hash tag)", self.prefix),
+            ));
         }
-        let bad = |e: redis::RedisError| ConfigError::Invalid(format!("redis url: {e}"));
+        if self.timeout < Duration::from_millis(1) {
+            return Err(invalid("timeout", "must be at least 1 ms".into()));
+        }
+        if self.threshold == 0 || self.open_for < Duration::from_millis(1) {
+            return Err(invalid(
+                "circuit_breaker",
+                "the threshold must be at least 1 and the open period at least 1 ms".into(),
+            ));
+        }
+        let bad = |e: redis::RedisError| invalid("url", e.to_string());
         let target = match (self.cluster, self.nodes.as_slice()) {
-            (_, []) => return Err(ConfigError::Invalid("no redis url given".into())),
+            (_, []) => return Err(invalid("url", "no redis url given".into())),
             (false, [url]) => Target::Single(redis::Client::open(url.as_str()).map_err(bad)?),
             (false, _) => {
-                return Err(ConfigError::Invalid("one url for a standalone redis".into()));
+                return Err(invalid("url", "a standalone redis takes one url".into()));
             }
             // The client's own retries (MOVED/ASK redirects, TRYAGAIN, reconnects) must fit in
             // one call: its defaults (16 retries, each after at least 1.28 s) keep requests that

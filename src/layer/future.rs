@@ -2,59 +2,59 @@
 
 use std::fmt;
 use std::future::Future;
-use std::marker::PhantomData;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use axum::body::Body;
-use bytes::Bytes;
 use http::Response;
 use pin_project_lite::pin_project;
 
-use crate::response::{Prepared, insert};
-
-pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use super::body::ResponseBody;
+use crate::headers::{Prepared, insert};
 
 /// A boxed response future, for the paths that wait (store I/O, shaping, tarpit, settlement).
-pub(crate) type Slow<E> = Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>;
+pub(crate) type Slow<B, E> =
+    Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
 
 pin_project! {
     /// The response future of [`RateLimit`](crate::RateLimit): `F` is the inner service's future,
     /// `B` its response body, `E` its error.
     ///
     /// A request the store decides at once and admits is the inner future plus its prepared
-    /// headers (no allocation); a rejection decided at once is a ready response; everything that
+    /// headers (no allocation); a refusal decided at once is a ready response; everything that
     /// waits (a remote store, shaping, a tarpit, a settlement) runs on a boxed future.
+    ///
+    /// # Panics
+    /// When polled again after it completed (the `Future` contract).
     pub struct ResponseFuture<F, B, E> {
         #[pin]
-        state: State<F, E>,
-        _body: PhantomData<fn() -> B>,
+        state: State<F, B, E>,
     }
 }
 
 pin_project! {
     #[project = StateProj]
-    enum State<F, E> {
+    enum State<F, B, E> {
         Inner { #[pin] future: F, headers: Prepared },
-        Ready { response: Option<Response<Body>> },
-        Slow { future: Slow<E> },
+        Ready { response: Option<Response<ResponseBody<B>>> },
+        Slow { future: Slow<B, E> },
+        Done,
     }
 }
 
 impl<F, B, E> ResponseFuture<F, B, E> {
     /// The inner service's response, with `headers` added.
     pub(crate) fn inner(future: F, headers: Prepared) -> Self {
-        Self { state: State::Inner { future, headers }, _body: PhantomData }
+        Self { state: State::Inner { future, headers } }
     }
 
     /// A response made without the inner service.
-    pub(crate) fn ready(response: Response<Body>) -> Self {
-        Self { state: State::Ready { response: Some(response) }, _body: PhantomData }
+    pub(crate) fn ready(response: Response<ResponseBody<B>>) -> Self {
+        Self { state: State::Ready { response: Some(response) } }
     }
 
     /// The general path.
-    pub(crate) fn slow(future: Slow<E>) -> Self {
-        Self { state: State::Slow { future }, _body: PhantomData }
+    pub(crate) fn slow(future: Slow<B, E>) -> Self {
+        Self { state: State::Slow { future } }
     }
 }
 
@@ -64,6 +64,7 @@ impl<F, B, E> fmt::Debug for ResponseFuture<F, B, E> {
             State::Inner { .. } => "inner",
             State::Ready { .. } => "ready",
             State::Slow { .. } => "slow",
+            State::Done => "done",
         };
         f.debug_struct("ResponseFuture").field("state", &state).finish()
     }
@@ -72,24 +73,25 @@ impl<F, B, E> fmt::Debug for ResponseFuture<F, B, E> {
 impl<F, B, E> Future for ResponseFuture<F, B, E>
 where
     F: Future<Output = Result<Response<B>, E>>,
-    B: http_body::Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
 {
-    type Output = Result<Response<Body>, E>;
+    type Output = Result<Response<ResponseBody<B>>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().state.project() {
+        let mut state = self.project().state;
+        let output = match state.as_mut().project() {
             StateProj::Inner { future, headers } => {
                 let (mut head, body) = ready!(future.poll(cx))?.into_parts();
                 insert(&mut head.headers, std::mem::take(headers));
-                Poll::Ready(Ok(Response::from_parts(head, Body::new(body))))
+                Ok(Response::from_parts(head, ResponseBody::inner(body)))
             }
-            // Polled again after completing (a contract breach): an empty response rather than
-            // a panic.
-            StateProj::Ready { response } => {
-                Poll::Ready(Ok(response.take().unwrap_or_else(|| Response::new(Body::empty()))))
-            }
-            StateProj::Slow { future } => future.as_mut().poll(cx),
-        }
+            StateProj::Ready { response } => match response.take() {
+                Some(response) => Ok(response),
+                None => panic!("ResponseFuture polled after completion"),
+            },
+            StateProj::Slow { future } => ready!(future.as_mut().poll(cx)),
+            StateProj::Done => panic!("ResponseFuture polled after completion"),
+        };
+        state.set(State::Done);
+        Poll::Ready(output)
     }
 }

@@ -1,0 +1,385 @@
+//! [`RateLimitLayer`], its builder and settings; [`RateLimit`], the service; its future and body.
+
+mod body;
+mod future;
+mod service;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{Response, StatusCode};
+use tokio::sync::Semaphore;
+use tower_layer::Layer;
+
+pub use body::ResponseBody;
+pub use future::ResponseFuture;
+pub use service::RateLimit;
+
+use crate::error::ConfigError;
+use crate::headers::HeaderStyle;
+use crate::key::{KeyExtractor, PeerIp};
+use crate::limiter::Limiter;
+use crate::quota::Policy;
+use crate::rejection::RateLimited;
+use crate::store::{MemoryStore, Store};
+
+/// What to do with a request whose key cannot be read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MissingKey {
+    /// Answer with this status and a problem+json body (default: 400 Bad Request).
+    Reject(StatusCode),
+    /// Pass it on unlimited.
+    Allow,
+    /// Limit all such requests together, under one shared key.
+    Shared,
+}
+
+impl Default for MissingKey {
+    fn default() -> Self {
+        Self::Reject(StatusCode::BAD_REQUEST)
+    }
+}
+
+/// What to do when the store cannot decide. A store with a local fallback (Redis) falls back
+/// before this applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum OnStoreError {
+    /// Pass the request on unlimited (default: availability over strictness).
+    #[default]
+    FailOpen,
+    /// Answer 503 Service Unavailable with `Retry-After: 1` and a problem+json body.
+    FailClosed,
+}
+
+type CostFn = Arc<dyn Fn(&Parts) -> u64 + Send + Sync>;
+type RefundFn = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
+type SettleFn = Arc<dyn Fn(&http::response::Parts) -> Option<u64> + Send + Sync>;
+type RejectFn = Arc<dyn Fn(&RateLimited) -> Response<Bytes> + Send + Sync>;
+
+/// What a request costs.
+#[derive(Clone)]
+enum Cost {
+    Fixed(u64),
+    PerRequest(CostFn),
+}
+
+/// Everything a service needs, shared by every clone of the layer and its services.
+pub(crate) struct Config<K, St: Store> {
+    limiter: Limiter<St>,
+    key: K,
+    waiters: Option<Arc<Semaphore>>,
+    settings: Settings,
+}
+
+/// The settings that do not change the layer's type.
+#[derive(Clone)]
+struct Settings {
+    cost: Cost,
+    max_delay: Option<Duration>,
+    max_waiters: usize,
+    headers: HeaderStyle,
+    missing_key: MissingKey,
+    on_store_error: OnStoreError,
+    tarpit: Option<Duration>,
+    refund_if: Option<RefundFn>,
+    settle_cost: Option<SettleFn>,
+    rejection: Option<RejectFn>,
+    dry_run: bool,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            cost: Cost::Fixed(1),
+            max_delay: None,
+            max_waiters: 1024,
+            headers: HeaderStyle::default(),
+            missing_key: MissingKey::default(),
+            on_store_error: OnStoreError::default(),
+            tarpit: None,
+            refund_if: None,
+            settle_cost: None,
+            rejection: None,
+            dry_run: false,
+        }
+    }
+}
+
+/// A Tower layer that rate-limits requests by key under one [`Policy`].
+///
+/// Police (default) answers 429 at once; [`shape`](RateLimitLayerBuilder::shape) holds a
+/// request until its reserved slot. Clones share state: add the same layer to several routes
+/// and they share one budget; build separate layers for separate budgets.
+///
+/// ```
+/// use http::{Request, StatusCode};
+/// use http_body_util::Full;
+/// use bytes::Bytes;
+/// use tollgate::{Policy, Quota, RateLimitLayer, key::GlobalKey};
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_minute(1)).unwrap())
+///     .key(GlobalKey)
+///     .build()
+///     .unwrap();
+/// let svc = layer.layer(service_fn(|_req: Request<Full<Bytes>>| async {
+///     Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(Bytes::from("hi"))))
+/// }));
+/// let first = svc.clone().oneshot(Request::new(Full::default())).await.unwrap();
+/// assert_eq!(first.status(), StatusCode::OK);
+/// assert_eq!(first.headers()["ratelimit"], r#""api";r=0;t=60"#);
+/// let second = svc.oneshot(Request::new(Full::default())).await.unwrap();
+/// assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+/// assert_eq!(second.headers()["retry-after"], "60");
+/// # }
+/// ```
+pub struct RateLimitLayer<K = PeerIp, St: Store = MemoryStore> {
+    config: Arc<Config<K, St>>,
+}
+
+impl<K, St: Store> Clone for RateLimitLayer<K, St> {
+    fn clone(&self) -> Self {
+        Self { config: Arc::clone(&self.config) }
+    }
+}
+
+impl<K, St: Store> fmt::Debug for RateLimitLayer<K, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitLayer")
+            .field("policy", &self.config.limiter.policy().name())
+            .field("max_delay", &self.config.settings.max_delay)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RateLimitLayer {
+    /// Starts a layer for `policy`, keyed by [`PeerIp`], in a new [`MemoryStore`].
+    pub fn builder(policy: Policy) -> RateLimitLayerBuilder {
+        RateLimitLayerBuilder {
+            source: Source::Policy(policy, MemoryStore::new()),
+            key: PeerIp::new(),
+            settings: Settings::default(),
+        }
+    }
+}
+
+impl<St: Store> RateLimitLayer<PeerIp, St> {
+    /// Starts a layer that decides through `limiter` (sharing its policy, store and state with
+    /// code that calls it directly), keyed by [`PeerIp`].
+    pub fn with_limiter(limiter: Limiter<St>) -> RateLimitLayerBuilder<PeerIp, St> {
+        RateLimitLayerBuilder {
+            source: Source::Limiter(limiter),
+            key: PeerIp::new(),
+            settings: Settings::default(),
+        }
+    }
+}
+
+impl<K, St: Store> RateLimitLayer<K, St> {
+    /// The limiter the layer decides through.
+    #[must_use]
+    pub fn limiter(&self) -> &Limiter<St> {
+        &self.config.limiter
+    }
+}
+
+impl<S, K, St: Store> Layer<S> for RateLimitLayer<K, St> {
+    type Service = RateLimit<S, K, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RateLimit::new(inner, Arc::clone(&self.config))
+    }
+}
+
+enum Source<St: Store> {
+    Policy(Policy, St),
+    Limiter(Limiter<St>),
+}
+
+/// Builds a [`RateLimitLayer`]; see [`RateLimitLayer::builder`]. Setters only collect values;
+/// [`build`](Self::build) checks them all.
+#[must_use]
+pub struct RateLimitLayerBuilder<K = PeerIp, St: Store = MemoryStore> {
+    source: Source<St>,
+    key: K,
+    settings: Settings,
+}
+
+impl<K, St: Store> fmt::Debug for RateLimitLayerBuilder<K, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let policy = match &self.source {
+            Source::Policy(p, _) => p.name(),
+            Source::Limiter(l) => l.policy().name(),
+        };
+        f.debug_struct("RateLimitLayerBuilder").field("policy", &policy).finish_non_exhaustive()
+    }
+}
+
+impl<K, St: Store> RateLimitLayerBuilder<K, St> {
+    /// Sets the key extractor (default [`PeerIp`]).
+    pub fn key<K2: KeyExtractor>(self, key: K2) -> RateLimitLayerBuilder<K2, St> {
+        RateLimitLayerBuilder { source: self.source, key, settings: self.settings }
+    }
+
+    /// Sets the store (default: a new [`MemoryStore`]). Pass a clone of one store to several
+    /// layers to keep their states in one place (each layer keeps its own budget); a layer made
+    /// [`with_limiter`](RateLimitLayer::with_limiter) keeps its limiter's store.
+    pub fn store<St2: Store>(self, store: St2) -> RateLimitLayerBuilder<K, St2> {
+        let source = match self.source {
+            Source::Policy(policy, _) => Source::Policy(policy, store),
+            Source::Limiter(limiter) => Source::Policy(limiter.policy().clone(), store),
+        };
+        RateLimitLayerBuilder { source, key: self.key, settings: self.settings }
+    }
+
+    /// Every request costs `units` (default 1). [`build`](Self::build) refuses a cost above a
+    /// tier's capacity, which no request could ever pay.
+    pub fn cost(mut self, units: u64) -> Self {
+        self.settings.cost = Cost::Fixed(units);
+        self
+    }
+
+    /// Computes each request's cost in units from its head, e.g. from `Content-Length`.
+    pub fn cost_fn(mut self, f: impl Fn(&Parts) -> u64 + Send + Sync + 'static) -> Self {
+        self.settings.cost = Cost::PerRequest(Arc::new(f));
+        self
+    }
+
+    /// Shapes instead of policing: a request that would conform within `max_delay` reserves
+    /// its slot and waits for it; one that would wait longer is rejected as when policing
+    /// (nginx `limit_req burst=N delay=M`). A request dropped while waiting gives its slot back.
+    pub fn shape(mut self, max_delay: Duration) -> Self {
+        self.settings.max_delay = Some(max_delay);
+        self
+    }
+
+    /// Bounds how many requests may wait at once, for their shaped slot or in the
+    /// [`tarpit`](Self::tarpit) (default 1,024; at least 1 when either is on). When all places
+    /// are taken, further requests are policed, and rejections are answered without the tarpit
+    /// delay: a flood cannot pile up sleeping requests.
+    pub fn max_waiters(mut self, n: usize) -> Self {
+        self.settings.max_waiters = n;
+        self
+    }
+
+    /// Which rate-limit headers responses carry (default [`HeaderStyle::Ietf`]).
+    pub fn headers(mut self, style: HeaderStyle) -> Self {
+        self.settings.headers = style;
+        self
+    }
+
+    /// What to do with requests without a key (default: 400).
+    pub fn missing_key(mut self, missing: MissingKey) -> Self {
+        self.settings.missing_key = missing;
+        self
+    }
+
+    /// What to do when the store fails (default [`OnStoreError::FailOpen`]).
+    pub fn on_store_error(mut self, on_error: OnStoreError) -> Self {
+        self.settings.on_store_error = on_error;
+        self
+    }
+
+    /// Delays every rejection by `delay` before answering, to slow down clients that retry in a
+    /// tight loop. Each delayed rejection holds a place of the waiting room
+    /// ([`max_waiters`](Self::max_waiters)); when it is full, rejections are answered at once.
+    pub fn tarpit(mut self, delay: Duration) -> Self {
+        self.settings.tarpit = Some(delay);
+        self
+    }
+
+    /// Gives the charge back when the inner service answers with a status for which `f` is
+    /// true, e.g. `|s| s.is_server_error()`.
+    pub fn refund_if(mut self, f: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
+        self.settings.refund_if = Some(Arc::new(f));
+        self
+    }
+
+    /// Settles the cost from the response head: `Some(units)` replaces what was charged (more
+    /// is charged unconditionally, less is refunded), `None` keeps it. For LLM-style token
+    /// counts reported by the handler in a header or extension.
+    pub fn settle_cost(
+        mut self,
+        f: impl Fn(&http::response::Parts) -> Option<u64> + Send + Sync + 'static,
+    ) -> Self {
+        self.settings.settle_cost = Some(Arc::new(f));
+        self
+    }
+
+    /// Replaces the 429 response: `f` gets the [`RateLimited`] refusal and returns the
+    /// response to send. The layer adds `Retry-After` (unless `f` set one) and the rate-limit
+    /// headers of [`headers`](Self::headers).
+    ///
+    /// ```
+    /// use http::Response;
+    /// use tollgate::{Policy, Quota, RateLimitLayer};
+    ///
+    /// let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(5)).unwrap())
+    ///     .rejection(|limited| {
+    ///         let wait = limited.retry_after_secs().unwrap_or(60);
+    ///         Response::builder()
+    ///             .status(limited.status())
+    ///             .body(format!("slow down: try again in {wait} s"))
+    ///             .unwrap()
+    ///     })
+    ///     .build()
+    ///     .unwrap();
+    /// ```
+    pub fn rejection<T: Into<Bytes>>(
+        mut self,
+        f: impl Fn(&RateLimited) -> Response<T> + Send + Sync + 'static,
+    ) -> Self {
+        self.settings.rejection = Some(Arc::new(move |l| f(l).map(Into::into)));
+        self
+    }
+
+    /// Dry run (shadow mode): decide, charge and report headers, but never reject or delay.
+    pub fn dry_run(mut self, on: bool) -> Self {
+        self.settings.dry_run = on;
+        self
+    }
+
+    /// Binds the policy to the store and builds the layer.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming `max_waiters` when it is 0 while shaping or with a
+    /// tarpit; [`ConfigError::CostExceedsCapacity`] when a fixed [`cost`](Self::cost) exceeds a
+    /// tier's capacity; what the store refuses when binding ([`Store::bind`]).
+    pub fn build(self) -> Result<RateLimitLayer<K, St>, ConfigError> {
+        let settings = self.settings;
+        let waits = settings.max_delay.is_some() || settings.tarpit.is_some();
+        if waits && settings.max_waiters == 0 {
+            return Err(ConfigError::Invalid {
+                setting: "max_waiters",
+                reason: "must be at least 1 when shaping or with a tarpit".into(),
+            });
+        }
+        let policy = match &self.source {
+            Source::Policy(p, _) => p,
+            Source::Limiter(l) => l.policy(),
+        };
+        if let Cost::Fixed(cost) = settings.cost {
+            if let Some(tier) = policy.tiers().iter().find(|t| cost > t.capacity()) {
+                return Err(ConfigError::CostExceedsCapacity {
+                    cost,
+                    tier: tier.name().to_owned(),
+                    capacity: tier.capacity(),
+                });
+            }
+        }
+        let limiter = match self.source {
+            Source::Policy(policy, store) => Limiter::with_store(policy, store)?,
+            Source::Limiter(limiter) => limiter,
+        };
+        let waiters = waits.then(|| Arc::new(Semaphore::new(settings.max_waiters)));
+        Ok(RateLimitLayer {
+            config: Arc::new(Config { limiter, key: self.key, waiters, settings }),
+        })
+    }
+}

@@ -1,0 +1,299 @@
+//! [`RateLimit`], the service: a thin adapter from HTTP requests to a
+//! [`Limiter`](crate::Limiter) and its [`Reservation`](crate::Reservation).
+
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::request::Parts;
+use http::{Request, Response, header};
+use http_body_util::Full;
+use tower_service::Service;
+
+use super::body::ResponseBody;
+use super::future::ResponseFuture;
+use super::{Config, Cost, MissingKey, OnStoreError};
+use crate::decision::Decision;
+use crate::error::StoreError;
+use crate::key::{Key, KeyExtractor};
+use crate::limiter::Reservation;
+use crate::rejection::Rejection;
+use crate::store::{Check, Store, Verdict};
+
+/// The rate-limiting service made by [`RateLimitLayer`](crate::RateLimitLayer).
+///
+/// Decides in `call`, never in `poll_ready` (which is delegated to the inner service), so no
+/// capacity is taken for a request that never comes. Limits become responses; the inner
+/// service's error passes through unchanged.
+pub struct RateLimit<S, K, St: Store> {
+    inner: S,
+    config: Arc<Config<K, St>>,
+}
+
+impl<S: Clone, K, St: Store> Clone for RateLimit<S, K, St> {
+    fn clone(&self) -> Self {
+        Self { inner: self.inner.clone(), config: Arc::clone(&self.config) }
+    }
+}
+
+impl<S: fmt::Debug, K, St: Store> fmt::Debug for RateLimit<S, K, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimit")
+            .field("inner", &self.inner)
+            .field("policy", &self.config.limiter.policy().name())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, K, St: Store> RateLimit<S, K, St> {
+    pub(crate) fn new(inner: S, config: Arc<Config<K, St>>) -> Self {
+        Self { inner, config }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Consumes the limiter, returning the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, K, St, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, K, St>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Send + 'static,
+    K: KeyExtractor,
+    St: Store,
+    ReqB: Send + 'static,
+    ResB: Send + 'static,
+{
+    type Response = Response<ResponseBody<ResB>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, ResB, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        let config = &*self.config;
+        let (parts, body) = req.into_parts();
+        let key = config.key.extract(&parts);
+        // The common case, decided here and now: policing, a key, and a store that answers
+        // without I/O. Whatever has to wait goes to `run`, with the decision already made.
+        let mut decided = None;
+        if let (Some(key), true) = (&key, config.polices_at_once()) {
+            let check =
+                Check { ticket: config.needs_ticket(), ..Check::new(key, config.cost(&parts)) };
+            match config.limiter.check_sync(check) {
+                Some(Ok(Verdict { decision, ticket: None })) if decision.is_allowed() => {
+                    let headers = config
+                        .limiter
+                        .surface()
+                        .headers
+                        .prepare(config.settings.headers, &decision);
+                    // Called here and now: the service that was polled ready, no clone.
+                    let future = self.inner.call(Request::from_parts(parts, body));
+                    return ResponseFuture::inner(future, headers);
+                }
+                Some(Ok(verdict))
+                    if !verdict.decision.is_allowed() && config.settings.tarpit.is_none() =>
+                {
+                    return ResponseFuture::ready(config.reject(verdict.decision, None));
+                }
+                Some(result) => decided = Some(result),
+                None => {}
+            }
+        }
+        // Called later: take the service that was polled ready, leave a fresh clone in its place.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let config = Arc::clone(&self.config);
+        ResponseFuture::slow(Box::pin(run(config, inner, parts, body, key, decided)))
+    }
+}
+
+impl<K, St: Store> Config<K, St> {
+    /// Policing, not in dry run: a decision made at once can be answered at once.
+    fn polices_at_once(&self) -> bool {
+        self.settings.max_delay.is_none() && !self.settings.dry_run
+    }
+
+    /// Whether the charge may be given back after the response: then checks ask for a ticket.
+    fn needs_ticket(&self) -> bool {
+        self.settings.refund_if.is_some() || self.settings.settle_cost.is_some()
+    }
+
+    /// The request's cost in units.
+    fn cost(&self, parts: &Parts) -> u64 {
+        match &self.settings.cost {
+            Cost::Fixed(units) => *units,
+            Cost::PerRequest(f) => f(parts),
+        }
+    }
+
+    /// The response to a refused request; `budget` is the shaping budget it exceeded.
+    fn reject<B>(
+        &self,
+        decision: Decision,
+        budget: Option<std::time::Duration>,
+    ) -> Response<ResponseBody<B>> {
+        tracing::debug!(
+            policy = self.limiter.policy().name(),
+            outcome = ?decision.outcome(),
+            "tollgate: limited"
+        );
+        let limited = self.limiter.rate_limited(decision, budget);
+        let style = self.settings.headers;
+        match &self.settings.rejection {
+            None => limited.response(style).map(ResponseBody::own),
+            Some(f) => {
+                let mut res = f(&limited).map(|b| ResponseBody::own(Full::new(b)));
+                // The callback's own `Retry-After` wins.
+                let own = res.headers().get(header::RETRY_AFTER).cloned();
+                limited.add_headers(style, &mut res);
+                if let Some(value) = own {
+                    res.headers_mut().insert(header::RETRY_AFTER, value);
+                }
+                res
+            }
+        }
+    }
+
+    /// A refusal other than a 429.
+    fn refuse<B>(&self, rejection: &Rejection) -> Response<ResponseBody<B>> {
+        rejection.response(self.settings.headers).map(ResponseBody::own)
+    }
+}
+
+/// Passes a request on unlimited.
+async fn pass<S, ReqB, ResB>(
+    mut inner: S,
+    parts: Parts,
+    body: ReqB,
+) -> Result<Response<ResponseBody<ResB>>, S::Error>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>>,
+{
+    let res = inner.call(Request::from_parts(parts, body)).await?;
+    Ok(res.map(ResponseBody::inner))
+}
+
+/// Every path that waits: a store doing I/O, shaping, a tarpit, a settlement, a missing key, a
+/// store error. `decided` is the store's answer when `call` already asked it.
+async fn run<S, K, St, ReqB, ResB>(
+    config: Arc<Config<K, St>>,
+    mut inner: S,
+    parts: Parts,
+    body: ReqB,
+    key: Option<Key>,
+    decided: Option<Result<Verdict<St::Ticket>, StoreError>>,
+) -> Result<Response<ResponseBody<ResB>>, S::Error>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>>,
+    K: KeyExtractor,
+    St: Store,
+{
+    let settings = &config.settings;
+    let key = match key {
+        Some(key) => key,
+        None => match settings.missing_key {
+            MissingKey::Reject(status) => {
+                tracing::debug!(
+                    policy = config.limiter.policy().name(),
+                    "tollgate: request without a key"
+                );
+                return Ok(config.refuse(&Rejection::MissingKey(status)));
+            }
+            MissingKey::Allow => return pass(inner, parts, body).await,
+            MissingKey::Shared => Key::Missing,
+        },
+    };
+
+    // A place in the waiting room, taken before deciding so that a full room polices instead
+    // of reserving slots it cannot wait for.
+    let mut permit = None;
+    let mut budget = None;
+    let verdict = match decided {
+        Some(verdict) => verdict,
+        None => {
+            if let (Some(room), Some(_), false) =
+                (&config.waiters, settings.max_delay, settings.dry_run)
+            {
+                permit = Arc::clone(room).try_acquire_owned().ok();
+            }
+            budget = permit.as_ref().and(settings.max_delay);
+            let mut check = Check::new(&key, config.cost(&parts));
+            check.max_delay = budget;
+            check.ticket = budget.is_some() || config.needs_ticket();
+            config.limiter.decide(check).await
+        }
+    };
+    let verdict = match verdict {
+        Ok(verdict) => verdict,
+        Err(error) => {
+            drop(permit);
+            return match settings.on_store_error {
+                OnStoreError::FailOpen => {
+                    tracing::warn!(%error, policy = config.limiter.policy().name(), "tollgate: store failed; failing open");
+                    pass(inner, parts, body).await
+                }
+                OnStoreError::FailClosed => {
+                    tracing::warn!(%error, policy = config.limiter.policy().name(), "tollgate: store failed; failing closed");
+                    Ok(config.refuse(&Rejection::Unavailable(error)))
+                }
+            };
+        }
+    };
+
+    if !verdict.decision.is_allowed() && !settings.dry_run {
+        drop(permit);
+        if let Some(delay) = settings.tarpit {
+            // Only with a place in the waiting room: a flood is answered at once, not held.
+            if let Some(_place) = config.waiters.as_ref().and_then(|w| w.try_acquire().ok()) {
+                tokio::time::sleep(delay).await;
+            }
+        }
+        return Ok(config.reject(verdict.decision, budget));
+    }
+
+    // Admitted (or dry run): wait for the reserved slot; a request dropped meanwhile gives it
+    // back.
+    let reservation = config.limiter.reservation(verdict).wait().await;
+    drop(permit);
+
+    // From here the request is served: dropping it (a client disconnect) keeps the charge.
+    let res = inner.call(Request::from_parts(parts, body)).await?;
+    let (mut head, body) = res.into_parts();
+    config.limiter.surface().headers.write(
+        settings.headers,
+        &mut head.headers,
+        reservation.decision(),
+    );
+    settle(&config, reservation, &head).await;
+    Ok(Response::from_parts(head, ResponseBody::inner(body)))
+}
+
+/// Applies the refund predicate and the response-settled cost; otherwise commits.
+async fn settle<K, St: Store>(
+    config: &Config<K, St>,
+    reservation: Reservation<St>,
+    head: &http::response::Parts,
+) {
+    let settings = &config.settings;
+    let refund = settings.refund_if.as_ref().is_some_and(|f| f(head.status));
+    let cost = if refund { Some(0) } else { settings.settle_cost.as_ref().and_then(|f| f(head)) };
+    let Some(cost) = cost else { return reservation.commit() };
+    if let Err(error) = reservation.settle(cost).await {
+        tracing::warn!(%error, "tollgate: could not settle a charge");
+    }
+}

@@ -1,0 +1,898 @@
+//! The in-memory store: sharded tables behind read-write locks, bounded in keys, with idle keys
+//! evicted by a background sweeper that stops when the store is dropped.
+
+mod table;
+
+use std::fmt;
+use std::hash::{BuildHasher, Hasher, RandomState};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
+use std::time::Duration;
+
+use table::{Core, Shard, Table};
+
+use super::{Check, Store, Verdict};
+use crate::algorithm::{
+    Charge, Charges, GcraStep, Mode, TierState, WholeGcra, budget, decide, decide_whole,
+    whole_decision,
+};
+use crate::clock::{AnyClock, Clock, duration_to_nanos};
+use crate::error::{ConfigError, StoreError};
+use crate::key::Key;
+use crate::quota::{Algorithm, Policy};
+
+/// How often a full shard may be scanned for idle keys to make room for a new key, in
+/// nanoseconds of the store's clock (100 ms). Between scans, new keys of a full shard go to the
+/// overflow bucket at once: scanning on every new key would let a flood of new keys make every
+/// request cost a walk over the whole shard.
+const FULL_RESCAN_NANOS: u64 = 100_000_000;
+
+/// The default store: all state in this process.
+///
+/// - Safe for any number of tasks and threads: keys are spread over shards, each behind a
+///   `std::sync::RwLock` held only for one decision (never across an `.await`).
+/// - Keys are held as 64-bit fingerprints (aHash, designed against hash flooding, with random
+///   keys per store): a key's size does not matter, and a client cannot choose collisions. Two
+///   keys share a bucket only if their fingerprints collide (about one chance in 2^25 that any
+///   pair does among a million keys).
+/// - State is kept per **bound policy** ([`Store::bind`]): two layers sharing one store keep
+///   apart, whatever their policies are named.
+/// - The common case, one GCRA tier whose emission interval (`period / count`) is a whole
+///   number of nanoseconds, keeps **8 bytes of state per key** (the TAT) and decides without
+///   taking the shard's write lock, by compare-and-swap, as governor does. Every other policy
+///   keeps each tier's state and decides under the shard's write lock. Either way all tiers of a
+///   request are decided together: all-or-nothing.
+/// - Idle keys (whose state equals a fresh one) are removed by a sweeper task that runs every
+///   [`MemoryStoreBuilder::sweep_interval`] on the tokio runtime of the first check that stores
+///   a key, holds only a weak reference, and ends when the store and its bound policies are
+///   dropped. Eviction is lossless: only keys that would decide exactly like new ones go.
+/// - At most [`MemoryStoreBuilder::max_keys`] keys are held. When full, a new key first makes
+///   room by evicting idle keys of its shard (a shard is scanned at most every 100 ms, so a
+///   flood of new keys cannot make every request walk it); if none are idle it is decided by
+///   **one overflow bucket per bound policy**, shared by all keys that did not fit. Established
+///   keys keep their own state, and an IP flood can neither grow memory nor obtain a fresh
+///   bucket per request.
+///
+/// Clones share the same state.
+///
+/// ```
+/// use tollgate::key::Key;
+/// use tollgate::store::{Check, MemoryStore};
+/// use tollgate::{Policy, Quota};
+///
+/// let store = MemoryStore::new();
+/// let bound = store.bind_policy(&Policy::single("api", Quota::per_second(1)).unwrap());
+/// assert!(store.check_now(&bound, Check::new(&Key::Global, 1)).decision.is_allowed());
+/// assert!(!store.check_now(&bound, Check::new(&Key::Global, 1)).decision.is_allowed());
+/// assert_eq!(store.len(), 1);
+/// ```
+#[derive(Clone)]
+pub struct MemoryStore {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("keys", &self.len())
+            .field("max_keys", &self.inner.max_keys)
+            .field("clock", &self.inner.clock)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    shards: Box<[RwLock<Shard>]>,
+    /// Fingerprints keys (aHash with random keys).
+    hasher: ahash::RandomState,
+    clock: AnyClock,
+    len: AtomicUsize,
+    max_keys: usize,
+    sweep_interval: Duration,
+    sweeper: AtomicBool,
+    registry: Mutex<Registry>,
+}
+
+/// Which table slots are in use, free, or held by a binding that was dropped (whose tables are
+/// cleared before the slot is used again).
+#[derive(Default)]
+struct Registry {
+    next: usize,
+    free: Vec<usize>,
+    retired: Vec<usize>,
+}
+
+/// A policy bound to a [`MemoryStore`] ([`Store::bind`]): its own table in every shard, the
+/// compact GCRA form when it applies, and its overflow bucket. Dropping it frees its keys.
+///
+/// It always decides in the store that bound it.
+pub struct MemoryPolicy {
+    id: usize,
+    core: Arc<Core>,
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for MemoryPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryPolicy")
+            .field("policy", &self.core.policy.name())
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for MemoryPolicy {
+    fn drop(&mut self) {
+        lock(&self.inner.registry).retired.push(self.id);
+    }
+}
+
+impl MemoryPolicy {
+    /// The policy.
+    #[must_use]
+    pub fn policy(&self) -> &Policy {
+        &self.core.policy
+    }
+}
+
+/// What an admitted request was charged in a [`MemoryStore`] (see [`Store::Ticket`]).
+#[derive(Debug, Clone)]
+pub struct MemoryTicket(Box<Charged>);
+
+#[derive(Debug, Clone)]
+struct Charged {
+    /// The key's fingerprint.
+    fp: u64,
+    cost: u64,
+    charges: Charges,
+    /// Charged to the overflow bucket of a full store.
+    overflow: bool,
+}
+
+impl MemoryTicket {
+    /// Units charged.
+    #[must_use]
+    pub fn cost(&self) -> u64 {
+        self.0.cost
+    }
+}
+
+/// Configures a [`MemoryStore`]; see [`MemoryStore::builder`].
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct MemoryStoreBuilder {
+    clock: AnyClock,
+    max_keys: usize,
+    sweep_interval: Duration,
+    shards: usize,
+}
+
+impl MemoryStoreBuilder {
+    /// The clock (default [`MonotonicClock`](crate::clock::MonotonicClock)). Tests inject a
+    /// [`FakeClock`](crate::clock::FakeClock), or a [`TokioClock`](crate::clock::TokioClock)
+    /// to follow `tokio::time::pause()`.
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = AnyClock::new(clock);
+        self
+    }
+
+    /// Hard cap on keys held (default 1,000,000); at least 1.
+    pub fn max_keys(mut self, max_keys: usize) -> Self {
+        self.max_keys = max_keys;
+        self
+    }
+
+    /// How often the sweeper removes idle keys (default 10 s); at least 1 ms.
+    pub fn sweep_interval(mut self, every: Duration) -> Self {
+        self.sweep_interval = every;
+        self
+    }
+
+    /// Number of shards, rounded up to a power of two (default: 4 per available core); 1 to
+    /// 65,536.
+    pub fn shards(mut self, shards: usize) -> Self {
+        self.shards = shards;
+        self
+    }
+
+    /// Builds the store.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming `max_keys` (0), `sweep_interval` (under 1 ms) or
+    /// `shards` (0 or more than 65,536).
+    pub fn build(self) -> Result<MemoryStore, ConfigError> {
+        let invalid = |setting, reason: &str| {
+            Err(ConfigError::Invalid { setting, reason: reason.to_owned() })
+        };
+        if self.max_keys == 0 {
+            return invalid("max_keys", "must be at least 1");
+        }
+        if self.sweep_interval < Duration::from_millis(1) {
+            return invalid("sweep_interval", "must be at least 1 ms");
+        }
+        if !(1..=1 << 16).contains(&self.shards) {
+            return invalid("shards", "must be between 1 and 65,536");
+        }
+        Ok(self.assemble())
+    }
+
+    /// The store these settings describe (already validated).
+    fn assemble(self) -> MemoryStore {
+        let shards = self.shards.clamp(1, 1 << 16).next_power_of_two();
+        MemoryStore {
+            inner: Arc::new(Inner {
+                shards: (0..shards).map(|_| RwLock::new(Shard::default())).collect(),
+                hasher: random_hasher(),
+                clock: self.clock,
+                len: AtomicUsize::new(0),
+                max_keys: self.max_keys.max(1),
+                sweep_interval: self.sweep_interval,
+                sweeper: AtomicBool::new(false),
+                registry: Mutex::new(Registry::default()),
+            }),
+        }
+    }
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// aHash keyed with four random words from the standard library's per-process randomness (the
+/// keys of its `HashMap`s), so no other source of randomness is needed.
+fn random_hasher() -> ahash::RandomState {
+    let std = RandomState::new();
+    let [k0, k1, k2, k3] = [0u8, 1, 2, 3].map(|i| std.hash_one(i));
+    ahash::RandomState::with_seeds(k0, k1, k2, k3)
+}
+
+/// Locks, recovering from poisoning: a panicking thread cannot leave the maps half-written (each
+/// update is a single assignment or compare-and-swap after the decision).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl MemoryStore {
+    /// A store with the default clock and limits.
+    #[must_use]
+    pub fn new() -> Self {
+        // The defaults are valid.
+        Self::builder().assemble()
+    }
+
+    /// Starts configuring a store.
+    pub fn builder() -> MemoryStoreBuilder {
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+        MemoryStoreBuilder {
+            clock: AnyClock::default(),
+            max_keys: 1_000_000,
+            sweep_interval: Duration::from_secs(10),
+            shards: (cores * 4).min(1 << 16),
+        }
+    }
+
+    /// Binds `policy` to this store (the [`Store::bind`] of a store that never refuses one).
+    #[must_use]
+    pub fn bind_policy(&self, policy: &Policy) -> MemoryPolicy {
+        let whole = match policy.tiers() {
+            [tier] if policy.algorithm() == Algorithm::Gcra => WholeGcra::of(tier.rate),
+            _ => None,
+        };
+        let core = Arc::new(Core { policy: policy.clone(), whole, overflow: Mutex::new(None) });
+        let id = self.inner.allocate();
+        MemoryPolicy { id, core, inner: Arc::clone(&self.inner) }
+    }
+
+    /// Keys currently held (not counting the overflow buckets).
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.inner.len.load(Ordering::Relaxed)
+    }
+
+    /// Whether no key is held.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Removes every idle key now, and the keys of dropped bindings; returns how many keys
+    /// were removed. The sweeper calls this.
+    pub fn sweep(&self) -> usize {
+        self.inner.sweep()
+    }
+
+    /// Decides at once: what [`Store::check`] answers, without a future. `bound` decides in the
+    /// store that bound it.
+    #[inline]
+    #[must_use]
+    pub fn check_now(&self, bound: &MemoryPolicy, check: Check<'_>) -> Verdict<MemoryTicket> {
+        let inner = &*bound.inner;
+        let fp = inner.fingerprint(check.key);
+        let now = inner.clock.now();
+        // The common case, kept small enough to inline: a known key of a whole-nanosecond GCRA
+        // policy, decided under the shard's read lock.
+        if let Some(w) = &bound.core.whole {
+            let shard = inner.shard(fp).read().unwrap_or_else(PoisonError::into_inner);
+            if let Some(Table::Whole(map)) = shard.table(bound.id) {
+                if let Some(tat) = map.get(&fp) {
+                    return check_whole(w, tat, &check, fp, now);
+                }
+            }
+        }
+        Self::check_slow(bound, &check, fp, now)
+    }
+
+    /// Everything but the common case, under the shard's write lock.
+    #[inline(never)]
+    fn check_slow(
+        bound: &MemoryPolicy,
+        check: &Check<'_>,
+        fp: u64,
+        now: u64,
+    ) -> Verdict<MemoryTicket> {
+        let mut stored = false;
+        let verdict = bound.inner.check(bound, check, fp, now, &mut stored);
+        if stored {
+            Inner::start_sweeper(&bound.inner);
+        }
+        verdict
+    }
+
+    /// Settles at once; see [`Store::settle`].
+    pub fn settle_now(&self, bound: &MemoryPolicy, ticket: &MemoryTicket, cost: u64) {
+        bound.inner.settle(bound, &ticket.0, cost);
+    }
+}
+
+fn mode(max_delay: Option<Duration>) -> Mode {
+    max_delay.map_or(Mode::Police, |d| Mode::Shape(duration_to_nanos(d)))
+}
+
+/// A ticket, when the caller asked to be able to settle.
+#[inline]
+fn ticket(
+    check: &Check<'_>,
+    fp: u64,
+    charges: impl FnOnce() -> Charges,
+    overflow: bool,
+) -> Option<MemoryTicket> {
+    (check.ticket && check.cost > 0).then(|| {
+        MemoryTicket(Box::new(Charged { fp, cost: check.cost, charges: charges(), overflow }))
+    })
+}
+
+/// The one charge of a single-tier request.
+fn one(at: u64, cost: u64) -> impl FnOnce() -> Charges {
+    move || Charges::from_elem(Charge { at, cost, id: 0 }, 1)
+}
+
+/// Decides on a whole-nanosecond GCRA TAT by compare-and-swap. The loop does only the GCRA
+/// comparison, so that a retry under contention is short; the decision is built after it.
+#[inline(always)]
+fn check_whole(
+    w: &WholeGcra,
+    tat: &AtomicU64,
+    check: &Check<'_>,
+    fp: u64,
+    now: u64,
+) -> Verdict<MemoryTicket> {
+    let budget = budget(mode(check.max_delay));
+    let mut current = tat.load(Ordering::Acquire);
+    let step = loop {
+        let step = w.decide(current, now, check.cost, budget);
+        let GcraStep::Admit { tat: new, .. } = step else { break step };
+        match tat.compare_exchange_weak(current, new, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => break step,
+            Err(actual) => current = actual,
+        }
+    };
+    let decision = whole_decision(w, current, now, step, budget);
+    let ticket = match step {
+        GcraStep::Admit { at, .. } => ticket(check, fp, one(at, check.cost), false),
+        _ => None,
+    };
+    Verdict { decision, ticket }
+}
+
+/// Applies `f` to a TAT by compare-and-swap.
+fn update(tat: &AtomicU64, f: impl Fn(u64) -> u64) {
+    let _ = tat.fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| Some(f(t)));
+}
+
+impl Inner {
+    fn fingerprint(&self, key: &Key) -> u64 {
+        let mut h = self.hasher.build_hasher();
+        key.feed(&mut h);
+        h.finish()
+    }
+
+    /// The shard of a fingerprint: bits 40..56, apart from the low bits that index buckets
+    /// inside a table and the top seven that tag them.
+    fn shard(&self, fp: u64) -> &RwLock<Shard> {
+        let i = usize::try_from(fp >> 40).unwrap_or(0) & (self.shards.len() - 1);
+        &self.shards[i]
+    }
+
+    /// A table slot for a new binding, after clearing the tables of dropped ones.
+    fn allocate(&self) -> usize {
+        let mut registry = lock(&self.registry);
+        self.clear_retired(&mut registry);
+        registry.free.pop().unwrap_or_else(|| {
+            registry.next += 1;
+            registry.next - 1
+        })
+    }
+
+    /// Drops the tables of bindings that were dropped, and frees their slots.
+    fn clear_retired(&self, registry: &mut Registry) {
+        if registry.retired.is_empty() {
+            return;
+        }
+        let mut removed = 0;
+        for shard in &self.shards {
+            let mut shard = shard.write().unwrap_or_else(PoisonError::into_inner);
+            for &id in &registry.retired {
+                removed += shard.drop_table(id);
+            }
+        }
+        self.len.fetch_sub(removed, Ordering::Relaxed);
+        let retired = std::mem::take(&mut registry.retired);
+        registry.free.extend(retired);
+    }
+
+    /// Decides under the shard's write lock; sets `stored` when a new key was stored.
+    fn check(
+        &self,
+        bound: &MemoryPolicy,
+        check: &Check<'_>,
+        fp: u64,
+        now: u64,
+        stored: &mut bool,
+    ) -> Verdict<MemoryTicket> {
+        let core = &bound.core;
+        let mut shard = self.shard(fp).write().unwrap_or_else(PoisonError::into_inner);
+        // Room is only needed for a new key (and checked before the table is borrowed).
+        let known = shard.table(bound.id).is_some_and(|t| t.contains(fp));
+        let room = known
+            || self.len.load(Ordering::Relaxed) < self.max_keys
+            || self.make_room(&mut shard, now);
+        let mode = mode(check.max_delay);
+        match (shard.table_mut(bound.id, core), &core.whole) {
+            (Table::Whole(map), Some(w)) => {
+                if let Some(tat) = map.get(&fp) {
+                    return check_whole(w, tat, check, fp, now);
+                }
+                let (decision, step) = decide_whole(w, 0, now, check.cost, mode);
+                let GcraStep::Admit { tat, at, .. } = step else {
+                    // A rejected request on a new key leaves no state.
+                    return Verdict { decision, ticket: None };
+                };
+                if !room {
+                    drop(shard);
+                    return Self::check_overflow(core, check, fp, now);
+                }
+                map.insert(fp, AtomicU64::new(tat));
+                self.len.fetch_add(1, Ordering::Relaxed);
+                *stored = true;
+                Verdict { decision, ticket: ticket(check, fp, one(at, check.cost), false) }
+            }
+            (Table::General(_, map), _) => {
+                let (decision, charges) = match map.get_mut(&fp) {
+                    Some(states) => decide(&core.policy, states, now, check.cost, mode),
+                    None => {
+                        let mut states = core.fresh(now);
+                        let out = decide(&core.policy, &mut states, now, check.cost, mode);
+                        if out.1.is_some() {
+                            if !room {
+                                drop(shard);
+                                return Self::check_overflow(core, check, fp, now);
+                            }
+                            map.insert(fp, states);
+                            self.len.fetch_add(1, Ordering::Relaxed);
+                            *stored = true;
+                        }
+                        out
+                    }
+                };
+                let ticket = charges.and_then(|c| ticket(check, fp, || c, false));
+                Verdict { decision, ticket }
+            }
+            // A whole table always belongs to a binding with the compact form.
+            (Table::Whole(_), None) => Self::check_overflow(core, check, fp, now),
+        }
+    }
+
+    /// Whether a full shard could make room for a new key, evicting its idle keys (at most once
+    /// per [`FULL_RESCAN_NANOS`]).
+    fn make_room(&self, shard: &mut Shard, now: u64) -> bool {
+        if now < shard.next_scan {
+            return false;
+        }
+        shard.next_scan = now.saturating_add(FULL_RESCAN_NANOS);
+        let removed = shard.evict_idle(now);
+        self.len.fetch_sub(removed, Ordering::Relaxed);
+        removed > 0
+    }
+
+    fn check_overflow(core: &Core, check: &Check<'_>, fp: u64, now: u64) -> Verdict<MemoryTicket> {
+        tracing::debug!(
+            policy = core.policy.name(),
+            "tollgate: key cap reached, using the overflow bucket"
+        );
+        let mut overflow = lock(&core.overflow);
+        let states = overflow.get_or_insert_with(|| core.fresh(now));
+        let (decision, charges) =
+            decide(&core.policy, states, now, check.cost, mode(check.max_delay));
+        let ticket = charges.and_then(|c| ticket(check, fp, || c, true));
+        Verdict { decision, ticket }
+    }
+
+    fn settle(&self, bound: &MemoryPolicy, ticket: &Charged, cost: u64) {
+        if cost == ticket.cost {
+            return;
+        }
+        let core = &bound.core;
+        let now = self.clock.now();
+        let policy = &core.policy;
+        let extra = cost > ticket.cost;
+        let apply = |states: &mut [TierState]| {
+            let alg = policy.algorithm();
+            for ((state, tier), charge) in
+                states.iter_mut().zip(policy.tiers()).zip(&ticket.charges)
+            {
+                if extra {
+                    state.charge(alg, tier.rate, now, charge.at.max(now), cost - ticket.cost);
+                } else {
+                    state.refund(alg, tier.rate, *charge, ticket.cost - cost);
+                }
+            }
+        };
+        if ticket.overflow {
+            if let Some(states) = lock(&core.overflow).as_mut() {
+                apply(states);
+            }
+            return;
+        }
+        let fp = ticket.fp;
+        let at = ticket.charges.first().map_or(now, |c| c.at).max(now);
+        let whole = |w: &WholeGcra, tat: &AtomicU64| {
+            if extra {
+                update(tat, |t| w.charge(t, at, cost - ticket.cost));
+            } else {
+                update(tat, |t| w.refund(t, ticket.cost - cost));
+            }
+        };
+        if let Some(w) = &core.whole {
+            let shard = self.shard(fp).read().unwrap_or_else(PoisonError::into_inner);
+            if let Some(Table::Whole(map)) = shard.table(bound.id) {
+                if let Some(tat) = map.get(&fp) {
+                    whole(w, tat);
+                    return;
+                }
+            }
+        }
+        let mut shard = self.shard(fp).write().unwrap_or_else(PoisonError::into_inner);
+        let inserted = match (shard.table_mut(bound.id, core), &core.whole) {
+            (Table::Whole(map), Some(w)) => match map.get(&fp) {
+                Some(tat) => {
+                    whole(w, tat);
+                    false
+                }
+                // Evicted since: the extra is charged to a fresh state; a refund has nothing
+                // left to give back.
+                None if extra => {
+                    map.insert(fp, AtomicU64::new(w.charge(0, at, cost - ticket.cost)));
+                    true
+                }
+                None => false,
+            },
+            (Table::General(_, map), _) => match map.get_mut(&fp) {
+                Some(states) => {
+                    apply(states);
+                    false
+                }
+                None if extra => {
+                    let mut states = core.fresh(now);
+                    apply(&mut states);
+                    map.insert(fp, states);
+                    true
+                }
+                None => false,
+            },
+            (Table::Whole(_), None) => false,
+        };
+        if inserted {
+            self.len.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn sweep(&self) -> usize {
+        {
+            let mut registry = lock(&self.registry);
+            self.clear_retired(&mut registry);
+        }
+        let now = self.clock.now();
+        let mut removed = 0;
+        for shard in &self.shards {
+            removed += shard.write().unwrap_or_else(PoisonError::into_inner).evict_idle(now);
+        }
+        self.len.fetch_sub(removed, Ordering::Relaxed);
+        removed
+    }
+
+    /// Starts the sweeper on the current tokio runtime, once. Called when a key is stored: with
+    /// no keys there is nothing to sweep, and the check's fast path stays free of it.
+    fn start_sweeper(inner: &Arc<Self>) {
+        if inner.sweeper.load(Ordering::Relaxed) {
+            return;
+        }
+        let Ok(handle) = tokio::runtime::Handle::try_current() else { return };
+        if inner.sweeper.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let weak: Weak<Self> = Arc::downgrade(inner);
+        let every = inner.sweep_interval;
+        handle.spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let Some(inner) = weak.upgrade() else { break };
+                let removed = inner.sweep();
+                tracing::trace!(removed, "tollgate: swept idle keys");
+            }
+        });
+    }
+}
+
+impl Store for MemoryStore {
+    type Bound = MemoryPolicy;
+    type Ticket = MemoryTicket;
+
+    fn bind(&self, policy: &Policy) -> Result<MemoryPolicy, ConfigError> {
+        Ok(self.bind_policy(policy))
+    }
+
+    #[inline]
+    fn check_sync(
+        &self,
+        bound: &MemoryPolicy,
+        check: Check<'_>,
+    ) -> Option<Result<Verdict<MemoryTicket>, StoreError>> {
+        Some(Ok(self.check_now(bound, check)))
+    }
+
+    fn check(
+        &self,
+        bound: &MemoryPolicy,
+        check: Check<'_>,
+    ) -> impl Future<Output = Result<Verdict<MemoryTicket>, StoreError>> + Send {
+        std::future::ready(Ok(self.check_now(bound, check)))
+    }
+
+    fn settle(
+        &self,
+        bound: &MemoryPolicy,
+        ticket: MemoryTicket,
+        cost: u64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        self.settle_now(bound, &ticket, cost);
+        std::future::ready(Ok(()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, Ipv4Addr};
+
+    use super::*;
+    use crate::clock::FakeClock;
+    use crate::decision::Outcome;
+    use crate::quota::Quota;
+
+    fn ip(i: u32) -> Key {
+        Key::Ip(IpAddr::V4(Ipv4Addr::from(i)))
+    }
+
+    fn store(clock: &FakeClock, max_keys: usize, shards: usize) -> MemoryStore {
+        MemoryStore::builder()
+            .clock(clock.clone())
+            .max_keys(max_keys)
+            .shards(shards)
+            .build()
+            .unwrap()
+    }
+
+    fn allowed(store: &MemoryStore, bound: &MemoryPolicy, key: &Key) -> bool {
+        store.check_now(bound, Check::new(key, 1)).decision.is_allowed()
+    }
+
+    #[test]
+    fn full_store_keeps_established_keys_and_shares_one_overflow_bucket() {
+        let clock = FakeClock::new();
+        let store = store(&clock, 10, 4);
+        let bound = store.bind_policy(&Policy::single("p", Quota::per_hour(2)).unwrap());
+        for i in 0..10 {
+            assert!(allowed(&store, &bound, &ip(i)));
+        }
+        assert_eq!(store.len(), 10);
+        // 100 new keys: none is held; together they get the overflow bucket's 2 units.
+        let admitted = (100..200).filter(|i| allowed(&store, &bound, &ip(*i))).count();
+        assert_eq!(admitted, 2);
+        assert_eq!(store.len(), 10);
+        // Established keys keep their own state: one unit left each.
+        assert!(allowed(&store, &bound, &ip(3)));
+        assert!(!allowed(&store, &bound, &ip(3)));
+    }
+
+    #[test]
+    fn a_full_shard_is_scanned_for_room_at_most_every_100_ms() {
+        let clock = FakeClock::new();
+        let store = store(&clock, 10, 1);
+        let bound = store
+            .bind_policy(&Policy::single("p", Quota::new(1, Duration::from_millis(20))).unwrap());
+        for i in 0..10 {
+            assert!(allowed(&store, &bound, &ip(i)));
+        }
+        // Full and nothing idle: scanned, then key 100 goes to the overflow bucket.
+        assert!(allowed(&store, &bound, &ip(100)));
+        assert_eq!(store.len(), 10);
+        // 50 ms later every key is idle, but the shard was scanned 50 ms ago: overflow again
+        // (the overflow bucket is idle too, so key 101 is admitted there, not stored).
+        clock.advance(Duration::from_millis(50));
+        assert!(allowed(&store, &bound, &ip(101)));
+        assert_eq!(store.len(), 10);
+        // 100 ms after the last scan, the next new key scans, evicts the ten idle keys and is
+        // stored.
+        clock.advance(Duration::from_millis(50));
+        assert!(allowed(&store, &bound, &ip(102)));
+        assert_eq!(store.len(), 1);
+    }
+
+    #[test]
+    fn sweep_removes_only_idle_keys() {
+        let clock = FakeClock::new();
+        let store = store(&clock, 100, 4);
+        let fast = store.bind_policy(&Policy::single("fast", Quota::per_second(1)).unwrap());
+        let slow = store.bind_policy(&Policy::single("slow", Quota::per_hour(1)).unwrap());
+        assert!(allowed(&store, &fast, &ip(1)));
+        assert!(allowed(&store, &slow, &ip(1)));
+        assert_eq!(store.sweep(), 0);
+        clock.advance(Duration::from_secs(1));
+        assert_eq!(store.sweep(), 1, "the 1/s key is back to full, the 1/h key is not");
+        assert_eq!(store.len(), 1);
+        assert!(!allowed(&store, &slow, &ip(1)));
+    }
+
+    #[test]
+    fn bindings_keep_apart_whatever_their_names() {
+        // Two layers on one store with the same policy name and other quotas: each keeps its
+        // own state, exactly (the old per-name table made them wipe each other).
+        let store = MemoryStore::builder().clock(FakeClock::new()).build().unwrap();
+        let a = store.bind_policy(&Policy::single("api", Quota::per_hour(3)).unwrap());
+        let b = store.bind_policy(&Policy::single("api", Quota::per_hour(5)).unwrap());
+        let mut admitted = (0, 0);
+        for _ in 0..10 {
+            admitted.0 += usize::from(allowed(&store, &a, &Key::Global));
+            admitted.1 += usize::from(allowed(&store, &b, &Key::Global));
+        }
+        assert_eq!(admitted, (3, 5));
+    }
+
+    #[test]
+    fn a_dropped_binding_frees_its_keys_and_its_slot() {
+        let clock = FakeClock::new();
+        let store = store(&clock, 100, 4);
+        let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
+        let first = store.bind_policy(&policy);
+        for i in 0..5 {
+            assert!(allowed(&store, &first, &ip(i)));
+        }
+        assert_eq!(store.len(), 5);
+        drop(first);
+        // The next binding reuses the slot, after clearing it: its keys start fresh.
+        let second = store.bind_policy(&policy);
+        assert_eq!(second.id, 0);
+        assert_eq!(store.len(), 0);
+        assert!(allowed(&store, &second, &ip(0)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sweeper_runs_on_its_interval_and_stops_with_the_store() {
+        let store = MemoryStore::builder()
+            .clock(crate::clock::TokioClock::new())
+            .sweep_interval(Duration::from_secs(5))
+            .build()
+            .unwrap();
+        let bound = store.bind_policy(&Policy::single("p", Quota::per_second(1)).unwrap());
+        assert!(allowed(&store, &bound, &ip(1)));
+        assert_eq!(store.len(), 1);
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        assert_eq!(store.len(), 0);
+        let weak = Arc::downgrade(&store.inner);
+        drop((store, bound));
+        tokio::time::sleep(Duration::from_secs(11)).await;
+        assert!(weak.upgrade().is_none(), "the sweeper holds no strong reference");
+    }
+
+    #[test]
+    fn threads_never_over_admit() {
+        let store = MemoryStore::new();
+        let bound = store.bind_policy(&Policy::single("p", Quota::per_hour(1000)).unwrap());
+        let admitted = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..1000 {
+                        if allowed(&store, &bound, &Key::Global) {
+                            admitted.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(admitted.load(Ordering::Relaxed), 1000);
+    }
+
+    #[test]
+    fn settle_refunds_and_charges_extra() {
+        let store = store(&FakeClock::new(), 100, 4);
+        let bound = store.bind_policy(&Policy::single("p", Quota::per_hour(10)).unwrap());
+        let key = ip(7);
+        let c = Check::new(&key, 4).with_ticket();
+        let ticket = store.check_now(&bound, c).ticket.unwrap();
+        store.settle_now(&bound, &ticket, 9);
+        let d = store.check_now(&bound, Check::new(&key, 1)).decision;
+        assert_eq!(d.tiers()[0].remaining(), 0);
+        let query = store.check_now(&bound, Check::new(&key, 0).with_ticket());
+        assert!(query.ticket.is_none(), "cost 0 charges nothing");
+        let d = store.check_now(&bound, Check::new(&key, 1)).decision;
+        assert_eq!(d.outcome(), Outcome::Limited);
+    }
+
+    #[test]
+    fn a_stale_ticket_cannot_cancel_an_entry_of_the_keys_next_life() {
+        // Sliding-log entry ids restart when an idle key is evicted; a ticket from before must
+        // not give back the entry that reuses its id.
+        let clock = FakeClock::new();
+        let store = store(&clock, 100, 4);
+        let policy = Policy::builder("log")
+            .algorithm(Algorithm::SlidingLog)
+            .tier("t", Quota::per_second(1))
+            .build()
+            .unwrap();
+        let bound = store.bind_policy(&policy);
+        let key = Key::Global;
+        let reserve = Check::new(&key, 1).with_ticket();
+        let stale = store.check_now(&bound, reserve).ticket.unwrap();
+        clock.advance(Duration::from_secs(1));
+        assert_eq!(store.sweep(), 1, "idle: evicted, ids start over");
+        assert!(store.check_now(&bound, reserve).decision.is_allowed());
+        store.settle_now(&bound, &stale, 0);
+        assert!(!store.check_now(&bound, reserve).decision.is_allowed(), "the new entry counts");
+    }
+
+    #[test]
+    fn cost_above_capacity_on_a_new_key_leaves_no_state() {
+        let store = MemoryStore::new();
+        let bound = store.bind_policy(&Policy::single("p", Quota::per_second(2)).unwrap());
+        let v = store.check_now(&bound, Check::new(&Key::Global, 3));
+        assert_eq!(v.decision.outcome(), Outcome::CostExceedsCapacity);
+        assert!(store.is_empty());
+    }
+
+    #[test]
+    fn builder_refuses_out_of_range_settings_by_name() {
+        let err = |b: MemoryStoreBuilder| match b.build() {
+            Err(ConfigError::Invalid { setting, .. }) => setting,
+            other => panic!("expected an error, got {other:?}"),
+        };
+        assert_eq!(err(MemoryStore::builder().max_keys(0)), "max_keys");
+        assert_eq!(err(MemoryStore::builder().sweep_interval(Duration::ZERO)), "sweep_interval");
+        assert_eq!(err(MemoryStore::builder().shards(0)), "shards");
+        assert_eq!(err(MemoryStore::builder().shards((1 << 16) + 1)), "shards");
+    }
+}
