@@ -5,11 +5,12 @@
 //!   tollgate's `MemoryStore` and governor's keyed `RateLimiter` (DashMap) — for 1 hot key,
 //!   10,000 and 1,000,000 IPv4 keys, on 1 and 2 threads. Time per check (wall time of all
 //!   threads / checks).
-//! - `layer/<stack>/<path>`: one request through an axum `Router` with a trivial handler, driven
+//! - `layer/<stack>/<case>`: one request through an axum `Router` with a trivial handler, driven
 //!   in-process with `tower::ServiceExt::oneshot`: bare, with tollgate's layer, with
-//!   tower_governor's; rate-limit headers on in both; the allowed path and the 429 path. Routers
-//!   are made ready with `with_state(())`, as `axum::serve` does, so that no request pays for
-//!   turning handlers into routes.
+//!   tower_governor's; the allowed path with rate-limit headers (`allowed`) and without
+//!   (`allowed_no_headers`), and the 429 path with headers (`limited`). Routers are made ready
+//!   with `with_state(())`, as `axum::serve` does, so that no request pays for turning handlers
+//!   into routes.
 //!
 //! `cargo bench --bench compare`; `bash benches/compare.sh` runs it and prints the ratios.
 
@@ -28,7 +29,7 @@ use governor::{Quota as GQuota, RateLimiter};
 use http::{Request, StatusCode};
 use tollgate::key::Key;
 use tollgate::store::MemoryStore;
-use tollgate::{Limiter, Policy, Quota, RateLimitLayer};
+use tollgate::{HeaderStyle, Limiter, Policy, Quota, RateLimitLayer};
 use tower::ServiceExt;
 use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
@@ -124,37 +125,50 @@ fn layer(c: &mut Criterion) {
     let route = || Router::new().route("/", get(|| async { "ok" }));
     // As `axum::serve` runs a router: its handlers turned into routes once, not per request.
     let ready = |app: Router| app.with_state::<()>(());
-    let bare = || ready(route());
+    let bare = ready(route());
     let mut g = c.benchmark_group("layer");
-    for (path, status) in [("allowed", StatusCode::OK), ("limited", StatusCode::TOO_MANY_REQUESTS)]
-    {
-        let allowed = path == "allowed";
+    // (case, quota for us, governor's per-ns / per-s setting, headers on?, expected status)
+    let cases = [
+        ("allowed", true, true, StatusCode::OK),
+        ("allowed_no_headers", true, false, StatusCode::OK),
+        ("limited", false, true, StatusCode::TOO_MANY_REQUESTS),
+    ];
+    g.bench_function(BenchmarkId::new("bare", "allowed"), |b| {
+        b.iter_custom(|iters| drive(&rt, &bare, iters, StatusCode::OK));
+    });
+    for (case, allowed, headers, status) in cases {
         let quota = if allowed { Quota::per_second(u64::from(RATE)) } else { Quota::per_hour(1) };
-        let ours = ready(route().layer(
-            RateLimitLayer::builder(Policy::single("bench", quota).unwrap()).build().unwrap(),
-        ));
+        let style = if headers { HeaderStyle::Ietf } else { HeaderStyle::None };
+        let ours = ready(
+            route().layer(
+                RateLimitLayer::builder(Policy::single("bench", quota).unwrap())
+                    .headers(style)
+                    .build()
+                    .unwrap(),
+            ),
+        );
         let mut config = GovernorConfigBuilder::default();
         if allowed {
             config.per_nanosecond(1).burst_size(u32::MAX);
         } else {
             config.per_second(3600).burst_size(1);
         }
-        let config = Arc::new(config.use_headers().finish().unwrap());
-        let theirs = ready(route().layer(GovernorLayer::new(config)));
+        let theirs = if headers {
+            ready(
+                route().layer(GovernorLayer::new(Arc::new(config.use_headers().finish().unwrap()))),
+            )
+        } else {
+            ready(route().layer(GovernorLayer::new(Arc::new(config.finish().unwrap()))))
+        };
         if !allowed {
             // Spend the single unit of each.
             drive(&rt, &ours, 1, StatusCode::OK);
             drive(&rt, &theirs, 1, StatusCode::OK);
         }
-        if allowed {
-            g.bench_function(BenchmarkId::new("bare", path), |b| {
-                b.iter_custom(|iters| drive(&rt, &bare(), iters, StatusCode::OK));
-            });
-        }
-        g.bench_function(BenchmarkId::new("tollgate", path), |b| {
+        g.bench_function(BenchmarkId::new("tollgate", case), |b| {
             b.iter_custom(|iters| drive(&rt, &ours, iters, status));
         });
-        g.bench_function(BenchmarkId::new("tower_governor", path), |b| {
+        g.bench_function(BenchmarkId::new("tower_governor", case), |b| {
             b.iter_custom(|iters| drive(&rt, &theirs, iters, status));
         });
     }

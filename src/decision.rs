@@ -58,6 +58,7 @@ pub struct TierDecision {
 impl TierDecision {
     /// A tier's part: capacity and remaining units, nanoseconds until full, and for a tier that
     /// rejected the request the nanoseconds until it alone would admit it.
+    #[inline]
     pub(crate) fn new(
         limit: u64,
         remaining: u64,
@@ -138,6 +139,7 @@ pub struct Decision {
 }
 
 impl Decision {
+    #[inline]
     pub(crate) fn new(
         outcome: Outcome,
         delay: u64,

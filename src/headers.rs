@@ -3,6 +3,7 @@
 //! (RFC 9110 §10.2.3).
 
 use std::fmt::Write as _;
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -57,6 +58,23 @@ fn value(s: String) -> HeaderValue {
     HeaderValue::from_maybe_shared(Bytes::from(s)).unwrap_or_else(|_| HeaderValue::from_static(""))
 }
 
+/// A header value that lives as long as the process: copying it (into every response) takes no
+/// reference count, so threads answering at once do not contend on one. Equal values are
+/// stored once, so rebuilding a policy does not grow memory.
+fn interned(s: String) -> &'static HeaderValue {
+    static VALUES: Mutex<Vec<&'static HeaderValue>> = Mutex::new(Vec::new());
+    let mut values = VALUES.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(v) = values.iter().find(|v| v.as_bytes() == s.as_bytes()) {
+        return v;
+    }
+    let text: &'static str = Box::leak(s.into_boxed_str());
+    let value = HeaderValue::from_maybe_shared(Bytes::from_static(text.as_bytes()))
+        .unwrap_or_else(|_| HeaderValue::from_static(""));
+    let value: &'static HeaderValue = Box::leak(Box::new(value));
+    values.push(value);
+    value
+}
+
 // Header names as constants: `HeaderName::from_static` validates its argument, which in a
 // `const` happens once, at compile time, instead of on every response.
 pub(crate) const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -65,9 +83,33 @@ const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit
 const X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
 const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 
-/// The rate-limit headers of one response, computed when it was decided and inserted when the
-/// response is ready (inline for the two IETF headers).
-pub(crate) type Prepared = SmallVec<[(HeaderName, HeaderValue); 2]>;
+/// The rate-limit headers of one response, rendered when it was decided and inserted when the
+/// response is ready. Small, because the response future carries it.
+#[derive(Debug, Default)]
+pub(crate) struct Prepared {
+    /// `RateLimit-Policy` and `RateLimit`.
+    ietf: Option<(&'static HeaderValue, HeaderValue)>,
+    /// `X-RateLimit-Limit`, `-Remaining`, `-Reset`.
+    legacy: Option<Box<[HeaderValue; 3]>>,
+}
+
+impl Prepared {
+    /// Inserts the headers into `headers`.
+    #[inline]
+    pub(crate) fn insert(self, headers: &mut HeaderMap) {
+        if let Some((policy, state)) = self.ietf {
+            headers.reserve(2);
+            headers.insert(RATELIMIT_POLICY, policy.clone());
+            headers.insert(RATELIMIT, state);
+        }
+        if let Some(legacy) = self.legacy {
+            let [limit, remaining, reset] = *legacy;
+            headers.insert(X_RATELIMIT_LIMIT, limit);
+            headers.insert(X_RATELIMIT_REMAINING, remaining);
+            headers.insert(X_RATELIMIT_RESET, reset);
+        }
+    }
+}
 
 /// The window `w` of a tier in whole seconds (at least 1): the time to refill its capacity from
 /// empty, `capacity x period / count`; a window algorithm's period.
@@ -88,9 +130,9 @@ fn window_secs(policy: &Policy, tier: &Tier) -> u64 {
 #[derive(Debug, Clone)]
 pub(crate) struct Headers {
     /// The `RateLimit-Policy` value (constant for the policy).
-    policy: HeaderValue,
+    policy: &'static HeaderValue,
     /// Per tier, the start of its `RateLimit` item: `"name";r=`.
-    items: Box<[String]>,
+    items: Box<[Box<str>]>,
     /// Per tier, its capacity (`q`, and the legacy `X-RateLimit-Limit`).
     capacities: Box<[u64]>,
 }
@@ -108,74 +150,53 @@ impl Headers {
             let mut item = String::new();
             sf_string(&mut item, t.name());
             item.push_str(";r=");
-            items.push(item);
+            items.push(item.into_boxed_str());
         }
         let capacities = policy.tiers().iter().map(Tier::capacity).collect();
-        Self { policy: value(rendered), items: items.into(), capacities }
+        Self { policy: interned(rendered), items: items.into(), capacities }
     }
 
     /// The headers of `style` for `decision`.
+    #[inline]
     pub(crate) fn prepare(&self, style: HeaderStyle, decision: &Decision) -> Prepared {
-        let mut out = Prepared::new();
-        if decision.tiers.is_empty() {
+        let mut out = Prepared::default();
+        if decision.tiers.is_empty() || style == HeaderStyle::None {
             return out;
         }
         if matches!(style, HeaderStyle::Ietf | HeaderStyle::Both) {
-            out.push((RATELIMIT_POLICY, self.policy.clone()));
-            out.push((RATELIMIT, self.state(decision)));
+            out.ietf = Some((self.policy, self.state(decision)));
         }
         if matches!(style, HeaderStyle::Legacy | HeaderStyle::Both) {
             let tiers = decision.tiers.iter().zip(self.capacities.iter());
             if let Some((t, capacity)) = tiers.min_by_key(|(t, _)| t.remaining) {
-                out.push((X_RATELIMIT_LIMIT, (*capacity).into()));
-                out.push((X_RATELIMIT_REMAINING, t.remaining.into()));
-                out.push((X_RATELIMIT_RESET, ceil_secs(t.reset_after()).into()));
+                let reset = ceil_secs(t.reset_after());
+                out.legacy = Some(Box::new([(*capacity).into(), t.remaining.into(), reset.into()]));
             }
         }
         out
     }
 
-    /// The `RateLimit` value for `decision`: `"name";r=R;t=T` per tier.
+    /// The `RateLimit` value for `decision`: `"name";r=R;t=T` per tier, written into a buffer
+    /// on the stack and copied once into the value.
     fn state(&self, decision: &Decision) -> HeaderValue {
-        // The numbers first, so the value is allocated at exactly its length: a `Bytes` made
-        // from a `String` with spare capacity would allocate a second time.
-        let mut buffers: SmallVec<[(itoa::Buffer, itoa::Buffer); 2]> = SmallVec::new();
-        buffers.resize_with(decision.tiers.len(), || (itoa::Buffer::new(), itoa::Buffer::new()));
-        let numbers: SmallVec<[(&str, &str); 2]> = buffers
-            .iter_mut()
-            .zip(decision.tiers.iter())
-            .map(|((r, t), d)| (r.format(d.remaining), t.format(ceil_secs(d.reset_after()))))
-            .collect();
-        let len: usize = self
-            .items
-            .iter()
-            .zip(&numbers)
-            .map(|(item, (r, t))| item.len() + r.len() + 3 + t.len())
-            .sum::<usize>()
-            + 2 * numbers.len().saturating_sub(1);
-        let mut state = String::with_capacity(len);
-        for (i, (item, (r, t))) in self.items.iter().zip(&numbers).enumerate() {
+        let mut out: SmallVec<[u8; 128]> = SmallVec::new();
+        let mut numbers = itoa::Buffer::new();
+        for (i, (item, d)) in self.items.iter().zip(decision.tiers.iter()).enumerate() {
             if i > 0 {
-                state.push_str(", ");
+                out.extend_from_slice(b", ");
             }
-            state.push_str(item);
-            state.push_str(r);
-            state.push_str(";t=");
-            state.push_str(t);
+            out.extend_from_slice(item.as_bytes());
+            out.extend_from_slice(numbers.format(d.remaining).as_bytes());
+            out.extend_from_slice(b";t=");
+            out.extend_from_slice(numbers.format(ceil_secs(d.reset_after())).as_bytes());
         }
-        value(state)
+        HeaderValue::from_maybe_shared(Bytes::copy_from_slice(&out))
+            .unwrap_or_else(|_| HeaderValue::from_static(""))
     }
 
     /// Writes the headers of `style` for `decision`.
     pub(crate) fn write(&self, style: HeaderStyle, headers: &mut HeaderMap, decision: &Decision) {
-        insert(headers, self.prepare(style, decision));
-    }
-}
-
-/// Inserts prepared headers.
-pub(crate) fn insert(headers: &mut HeaderMap, prepared: Prepared) {
-    for (name, value) in prepared {
-        headers.insert(name, value);
+        self.prepare(style, decision).insert(headers);
     }
 }
 
@@ -217,6 +238,8 @@ mod tests {
             .build()
             .unwrap();
         assert_eq!(Headers::new(&policy).policy, r#""a";q=20;w=2, "b";q=1;w=1"#);
+        // Interned: another binding of the same policy shares the value.
+        assert!(std::ptr::eq(Headers::new(&policy).policy, Headers::new(&policy).policy));
         let windows = Policy::builder("p")
             .algorithm(Algorithm::FixedWindow)
             .tier("m", Quota::per_minute(100))

@@ -78,7 +78,7 @@ fn ok_service()
     })
 }
 
-fn by_header(parts: &http::request::Parts) -> Option<Key> {
+fn by_header(parts: &tollgate::key::RequestHead<'_>) -> Option<Key> {
     parts.headers.get("x-key").and_then(|v| v.to_str().ok()).map(Key::text)
 }
 

@@ -8,7 +8,6 @@
 
 use std::net::SocketAddr;
 
-use axum::extract::ConnectInfo;
 use libfuzzer_sys::fuzz_target;
 use tollgate::key::{ClientIp, ForwardedHeader, Key, KeyExtractor};
 
@@ -27,7 +26,7 @@ fuzz_target!(|data: &[u8]| {
     let (mut parts, ()) = req.into_parts();
     for (peer, trusted) in [("10.1.2.3:1", true), ("[2001:db8::5]:1", false), ("198.51.100.2:1", false)] {
         let peer: SocketAddr = peer.parse().unwrap();
-        parts.extensions.insert(ConnectInfo(peer));
+        parts.extensions.insert(peer);
         for header in [ForwardedHeader::XForwardedFor, ForwardedHeader::Forwarded, ForwardedHeader::XRealIp] {
             let ex = ClientIp::from_cidrs(["10.0.0.0/8", "fd00::/8"]).unwrap().header(header).ipv6_prefix(128);
             let key = ex.extract(&parts);

@@ -12,8 +12,8 @@ use std::time::Duration;
 use libfuzzer_sys::fuzz_target;
 use tollgate::clock::FakeClock;
 use tollgate::key::Key;
-use tollgate::store::Check;
-use tollgate::{Algorithm, MemoryStore, Outcome, Policy, Quota};
+use tollgate::store::{Check, MemoryStore};
+use tollgate::{Algorithm, Outcome, Policy, Quota};
 
 struct Input<'a>(&'a [u8]);
 
@@ -48,16 +48,20 @@ fuzz_target!(|data: &[u8]| {
     }
     let Ok(policy) = builder.build() else { return };
     let clock = FakeClock::new();
-    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let Ok(store) = MemoryStore::builder().clock(clock.clone()).build() else { return };
+    let bound = store.bind_policy(&policy);
     let key = Key::Global;
     while let (Some(op), Some(arg)) = (input.byte(), input.u64()) {
         match op % 3 {
             0 => clock.advance(Duration::from_nanos(arg % 10_000_000_000)),
             op => {
                 let cost = arg % 64;
-                let max_delay = (op == 2).then(|| Duration::from_nanos(arg >> 8));
-                let before = store.check_now(Check { policy: &policy, key: &key, cost: 0, max_delay: None, reserve: false }).unwrap();
-                let v = store.check_now(Check { policy: &policy, key: &key, cost, max_delay, reserve: false }).unwrap();
+                let mut check = Check::new(&key, cost);
+                if op == 2 {
+                    check = check.shape(Duration::from_nanos(arg >> 8));
+                }
+                let before = store.check_now(&bound, Check::new(&key, 0));
+                let v = store.check_now(&bound, check);
                 let d = v.decision;
                 match d.outcome() {
                     Outcome::Allowed => {
@@ -65,7 +69,7 @@ fuzz_target!(|data: &[u8]| {
                     }
                     Outcome::Limited => {
                         assert!(d.retry_after().is_some_and(|r| !r.is_zero()));
-                        let after = store.check_now(Check { policy: &policy, key: &key, cost: 0, max_delay: None, reserve: false }).unwrap();
+                        let after = store.check_now(&bound, Check::new(&key, 0));
                         assert_eq!(before.decision.tiers(), after.decision.tiers(), "a rejection charged");
                     }
                     Outcome::CostExceedsCapacity => {

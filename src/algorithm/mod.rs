@@ -242,6 +242,7 @@ pub(crate) fn decide(
 }
 
 /// The shaping budget of a mode, in nanoseconds (0 polices).
+#[inline]
 pub(crate) fn budget(mode: Mode) -> u64 {
     match mode {
         Mode::Police => 0,
@@ -253,6 +254,7 @@ pub(crate) fn budget(mode: Mode) -> u64 {
 /// whole number of nanoseconds (see [`WholeGcra`]): the same decision [`decide`] makes, and what to
 /// store.
 #[inline]
+#[cfg(test)]
 pub(crate) fn decide_whole(
     w: &WholeGcra,
     tat: u64,

@@ -2,10 +2,9 @@
 
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
-use http::request::Parts;
 use ipnet::IpNet;
 
-use super::{Key, KeyExtractor};
+use super::{Key, KeyExtractor, RequestHead};
 
 /// Default IPv6 grouping: one bucket per /64, the smallest block a typical subscriber holds.
 pub const DEFAULT_IPV6_PREFIX: u8 = 64;
@@ -37,7 +36,7 @@ pub fn group_ip(ip: IpAddr, v6_prefix: u8) -> IpAddr {
 /// The TCP peer's address from the request extensions: axum's `ConnectInfo<SocketAddr>` or
 /// its test double `MockConnectInfo<SocketAddr>` (with the `axum` feature), or a plain
 /// `SocketAddr` that a hyper server (or any layer) inserted.
-pub(crate) fn peer(parts: &Parts) -> Option<IpAddr> {
+pub(crate) fn peer(parts: &RequestHead<'_>) -> Option<IpAddr> {
     #[cfg(feature = "axum")]
     {
         use axum::extract::ConnectInfo;
@@ -91,7 +90,7 @@ impl Default for PeerIp {
 }
 
 impl KeyExtractor for PeerIp {
-    fn extract(&self, parts: &Parts) -> Option<Key> {
+    fn extract(&self, parts: &RequestHead<'_>) -> Option<Key> {
         peer(parts).map(|ip| Key::Ip(group_ip(ip, self.v6_prefix)))
     }
 }
@@ -122,15 +121,14 @@ pub enum ForwardedHeader {
 ///
 /// ```
 /// use std::net::SocketAddr;
-/// use tollgate::key::{ClientIp, Key, KeyExtractor};
+/// use tollgate::key::{ClientIp, Key, KeyExtractor, RequestHead};
 ///
 /// let ex = ClientIp::new(["10.0.0.0/8".parse().unwrap()]);
 /// let mut req = http::Request::get("/")
 ///     .header("x-forwarded-for", "6.6.6.6, 203.0.113.7, 10.0.0.2")
 ///     .body(()).unwrap();
 /// req.extensions_mut().insert("10.0.0.1:5000".parse::<SocketAddr>().unwrap());
-/// let (parts, ()) = req.into_parts();
-/// assert_eq!(ex.extract(&parts), Some(Key::Ip("203.0.113.7".parse().unwrap())));
+/// assert_eq!(ex.extract(&RequestHead::from(&req)), Some(Key::Ip("203.0.113.7".parse().unwrap())));
 /// ```
 #[derive(Debug, Clone)]
 pub struct ClientIp {
@@ -190,7 +188,7 @@ impl ClientIp {
     }
 
     /// The client address for a request from `peer`.
-    fn client(&self, parts: &Parts, peer: IpAddr) -> IpAddr {
+    fn client(&self, parts: &RequestHead<'_>, peer: IpAddr) -> IpAddr {
         if !self.is_trusted(peer) {
             return peer;
         }
@@ -228,7 +226,7 @@ impl ClientIp {
 }
 
 impl KeyExtractor for ClientIp {
-    fn extract(&self, parts: &Parts) -> Option<Key> {
+    fn extract(&self, parts: &RequestHead<'_>) -> Option<Key> {
         let peer = peer(parts)?;
         Some(Key::Ip(group_ip(self.client(parts, peer), self.v6_prefix)))
     }
@@ -281,7 +279,7 @@ fn valid_port(p: &str) -> bool {
 mod tests {
     use super::*;
 
-    fn parts(peer: &str, headers: &[(&str, &[u8])]) -> Parts {
+    fn parts(peer: &str, headers: &[(&str, &[u8])]) -> http::request::Parts {
         let mut b = http::Request::get("/");
         for (n, v) in headers {
             b = b.header(*n, http::HeaderValue::from_bytes(v).unwrap());
@@ -291,8 +289,8 @@ mod tests {
         req.into_parts().0
     }
 
-    fn key(ex: &ClientIp, p: &Parts) -> String {
-        match ex.extract(p) {
+    fn key(ex: &ClientIp, p: &http::request::Parts) -> String {
+        match ex.extract(&RequestHead::from(p)) {
             Some(Key::Ip(ip)) => ip.to_string(),
             other => panic!("{other:?}"),
         }
@@ -372,14 +370,14 @@ mod tests {
     fn ipv4_mapped_and_prefix_grouping() {
         let ex = PeerIp::new();
         let p = parts("[::ffff:192.0.2.1]:1", &[]);
-        assert_eq!(ex.extract(&p), Some(Key::Ip("192.0.2.1".parse().unwrap())));
+        assert_eq!(ex.extract(&RequestHead::from(&p)), Some(Key::Ip("192.0.2.1".parse().unwrap())));
         let p = parts("[2001:db8:1:2:3:4:5:6]:1", &[]);
         assert_eq!(
-            PeerIp::new().ipv6_prefix(48).extract(&p),
+            PeerIp::new().ipv6_prefix(48).extract(&RequestHead::from(&p)),
             Some(Key::Ip("2001:db8:1::".parse().unwrap()))
         );
         assert_eq!(
-            PeerIp::new().ipv6_prefix(200).extract(&p),
+            PeerIp::new().ipv6_prefix(200).extract(&RequestHead::from(&p)),
             Some(Key::Ip("2001:db8:1:2:3:4:5:6".parse().unwrap()))
         );
     }

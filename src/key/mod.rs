@@ -4,7 +4,7 @@
 //! ([`PeerIp`]), the client address behind trusted proxies ([`ClientIp`]), a header or API key
 //! ([`HeaderKey`]), an authenticated user in the request extensions ([`ExtensionKey`]), the
 //! route (`RouteKey`, with the `axum` feature), the method ([`MethodKey`]), one global bucket ([`GlobalKey`]), tuples
-//! of these, and any closure `Fn(&Parts) -> Option<Key>`.
+//! of these, and any closure `Fn(&RequestHead) -> Option<Key>`.
 
 mod ip;
 
@@ -14,6 +14,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use http::request::Parts;
+use http::{Extensions, HeaderMap, Method, Request, Uri, Version};
 
 pub use ip::{ClientIp, DEFAULT_IPV6_PREFIX, ForwardedHeader, PeerIp, group_ip};
 
@@ -52,6 +53,7 @@ impl Key {
     /// Feeds a compact, injective encoding of the key to `h` (a store's fingerprint): one write
     /// for an address, where the derived `Hash` makes several. Every variant starts with its own
     /// tag and is self-delimiting, so distinct keys feed distinct byte streams.
+    #[inline]
     pub(crate) fn feed(&self, h: &mut impl std::hash::Hasher) {
         match self {
             Self::Global => h.write_u8(0),
@@ -117,32 +119,85 @@ impl fmt::Display for Key {
     }
 }
 
+/// A request's head, borrowed: what key extractors and cost functions read. Made from a
+/// `&Request<B>` without touching the body or copying anything, or from `&Parts`. Its fields
+/// are named like [`Parts`]'s.
+///
+/// ```
+/// use tollgate::key::RequestHead;
+///
+/// let req = http::Request::get("/acme/items").header("x-api-key", "k1").body(()).unwrap();
+/// let head = RequestHead::from(&req);
+/// assert_eq!(head.uri.path(), "/acme/items");
+/// assert_eq!(head.headers["x-api-key"], "k1");
+/// ```
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct RequestHead<'a> {
+    /// The method.
+    pub method: &'a Method,
+    /// The URI.
+    pub uri: &'a Uri,
+    /// The HTTP version.
+    pub version: Version,
+    /// The headers.
+    pub headers: &'a HeaderMap,
+    /// The extensions (the peer address, an authenticated user, axum's matched path ...).
+    pub extensions: &'a Extensions,
+}
+
+impl<'a, B> From<&'a Request<B>> for RequestHead<'a> {
+    #[inline]
+    fn from(req: &'a Request<B>) -> Self {
+        Self {
+            method: req.method(),
+            uri: req.uri(),
+            version: req.version(),
+            headers: req.headers(),
+            extensions: req.extensions(),
+        }
+    }
+}
+
+impl<'a> From<&'a Parts> for RequestHead<'a> {
+    #[inline]
+    fn from(parts: &'a Parts) -> Self {
+        Self {
+            method: &parts.method,
+            uri: &parts.uri,
+            version: parts.version,
+            headers: &parts.headers,
+            extensions: &parts.extensions,
+        }
+    }
+}
+
 /// Reads the key of a request from its head. `None` means the request has no key; the layer
 /// then applies its missing-key setting.
 ///
-/// Implemented for closures `Fn(&Parts) -> Option<Key>` and for tuples of extractors (whose
-/// key is the tuple of their keys, missing if any part is missing).
+/// Implemented for closures `Fn(&RequestHead) -> Option<Key>` and for tuples of extractors
+/// (whose key is the tuple of their keys, missing if any part is missing).
 ///
 /// ```
-/// use tollgate::key::{Key, KeyExtractor};
+/// use tollgate::key::{Key, KeyExtractor, RequestHead};
 ///
-/// let by_tenant = |parts: &http::request::Parts| {
-///     parts.uri.path().split('/').nth(1).map(|t| Key::text(t))
+/// let by_tenant = |head: &RequestHead<'_>| {
+///     head.uri.path().split('/').nth(1).map(|t| Key::text(t))
 /// };
-/// let (parts, ()) = http::Request::get("/acme/items").body(()).unwrap().into_parts();
-/// assert_eq!(by_tenant.extract(&parts), Some(Key::text("acme")));
+/// let req = http::Request::get("/acme/items").body(()).unwrap();
+/// assert_eq!(by_tenant.extract(&RequestHead::from(&req)), Some(Key::text("acme")));
 /// ```
 pub trait KeyExtractor: Send + Sync + 'static {
     /// The key of this request, or `None`.
-    fn extract(&self, parts: &Parts) -> Option<Key>;
+    fn extract(&self, head: &RequestHead<'_>) -> Option<Key>;
 }
 
 impl<F> KeyExtractor for F
 where
-    F: Fn(&Parts) -> Option<Key> + Send + Sync + 'static,
+    F: Fn(&RequestHead<'_>) -> Option<Key> + Send + Sync + 'static,
 {
-    fn extract(&self, parts: &Parts) -> Option<Key> {
-        self(parts)
+    fn extract(&self, head: &RequestHead<'_>) -> Option<Key> {
+        self(head)
     }
 }
 
@@ -150,7 +205,7 @@ macro_rules! tuple_extractor {
     ($($name:ident)+) => {
         impl<$($name: KeyExtractor),+> KeyExtractor for ($($name,)+) {
             #[allow(non_snake_case)]
-            fn extract(&self, parts: &Parts) -> Option<Key> {
+            fn extract(&self, parts: &RequestHead<'_>) -> Option<Key> {
                 let ($($name,)+) = self;
                 Some(Key::Tuple(Arc::new([$($name.extract(parts)?),+])))
             }
@@ -166,7 +221,7 @@ tuple_extractor!(A B C D);
 pub struct GlobalKey;
 
 impl KeyExtractor for GlobalKey {
-    fn extract(&self, _: &Parts) -> Option<Key> {
+    fn extract(&self, _: &RequestHead<'_>) -> Option<Key> {
         Some(Key::Global)
     }
 }
@@ -188,7 +243,7 @@ impl HeaderKey {
 }
 
 impl KeyExtractor for HeaderKey {
-    fn extract(&self, parts: &Parts) -> Option<Key> {
+    fn extract(&self, parts: &RequestHead<'_>) -> Option<Key> {
         let v = parts.headers.get(&self.name)?.as_bytes();
         if v.is_empty() || v.len() > MAX_KEY_BYTES {
             return None;
@@ -230,7 +285,7 @@ impl<T> fmt::Debug for ExtensionKey<T> {
 }
 
 impl<T: fmt::Display + Send + Sync + 'static> KeyExtractor for ExtensionKey<T> {
-    fn extract(&self, parts: &Parts) -> Option<Key> {
+    fn extract(&self, parts: &RequestHead<'_>) -> Option<Key> {
         parts.extensions.get::<T>().map(|v| Key::Text(v.to_string().into()))
     }
 }
@@ -244,7 +299,7 @@ pub struct RouteKey;
 
 #[cfg(feature = "axum")]
 impl KeyExtractor for RouteKey {
-    fn extract(&self, parts: &Parts) -> Option<Key> {
+    fn extract(&self, parts: &RequestHead<'_>) -> Option<Key> {
         parts.extensions.get::<axum::extract::MatchedPath>().map(|p| Key::text(p.as_str()))
     }
 }
@@ -254,7 +309,7 @@ impl KeyExtractor for RouteKey {
 pub struct MethodKey;
 
 impl KeyExtractor for MethodKey {
-    fn extract(&self, parts: &Parts) -> Option<Key> {
+    fn extract(&self, parts: &RequestHead<'_>) -> Option<Key> {
         Some(Key::text(parts.method.as_str()))
     }
 }
@@ -283,9 +338,12 @@ mod tests {
                 .into_parts()
                 .0
         };
-        assert_eq!(ex.extract(&parts(b"k1")), Some(Key::text("k1")));
-        assert_eq!(ex.extract(&parts(b"")), None);
-        assert_eq!(ex.extract(&parts(&[b'a'; 257])), None);
-        assert_eq!(ex.extract(&parts(&[0xff, b'a'])), Some(Key::text("\u{fffd}a")));
+        assert_eq!(ex.extract(&RequestHead::from(&parts(b"k1"))), Some(Key::text("k1")));
+        assert_eq!(ex.extract(&RequestHead::from(&parts(b""))), None);
+        assert_eq!(ex.extract(&RequestHead::from(&parts(&[b'a'; 257]))), None);
+        assert_eq!(
+            ex.extract(&RequestHead::from(&parts(&[0xff, b'a']))),
+            Some(Key::text("\u{fffd}a"))
+        );
     }
 }

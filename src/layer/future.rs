@@ -9,7 +9,7 @@ use http::Response;
 use pin_project_lite::pin_project;
 
 use super::body::ResponseBody;
-use crate::headers::{Prepared, insert};
+use crate::headers::Prepared;
 
 /// A boxed response future, for the paths that wait (store I/O, shaping, tarpit, settlement).
 pub(crate) type Slow<B, E> =
@@ -80,9 +80,9 @@ where
         let mut state = self.project().state;
         let output = match state.as_mut().project() {
             StateProj::Inner { future, headers } => {
-                let (mut head, body) = ready!(future.poll(cx))?.into_parts();
-                insert(&mut head.headers, std::mem::take(headers));
-                Ok(Response::from_parts(head, ResponseBody::inner(body)))
+                let mut res = ready!(future.poll(cx))?;
+                std::mem::take(headers).insert(res.headers_mut());
+                Ok(res.map(ResponseBody::inner))
             }
             StateProj::Ready { response } => match response.take() {
                 Some(response) => Ok(response),

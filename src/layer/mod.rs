@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::request::Parts;
 use http::{Response, StatusCode};
 use tokio::sync::Semaphore;
 use tower_layer::Layer;
@@ -20,7 +19,7 @@ pub use service::RateLimit;
 
 use crate::error::ConfigError;
 use crate::headers::HeaderStyle;
-use crate::key::{KeyExtractor, PeerIp};
+use crate::key::{KeyExtractor, PeerIp, RequestHead};
 use crate::limiter::Limiter;
 use crate::quota::Policy;
 use crate::rejection::RateLimited;
@@ -56,7 +55,7 @@ pub enum OnStoreError {
     FailClosed,
 }
 
-type CostFn = Arc<dyn Fn(&Parts) -> u64 + Send + Sync>;
+type CostFn = Arc<dyn Fn(&RequestHead<'_>) -> u64 + Send + Sync>;
 type RefundFn = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 type SettleFn = Arc<dyn Fn(&http::response::Parts) -> Option<u64> + Send + Sync>;
 type RejectFn = Arc<dyn Fn(&RateLimited) -> Response<Bytes> + Send + Sync>;
@@ -246,7 +245,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     }
 
     /// Computes each request's cost in units from its head, e.g. from `Content-Length`.
-    pub fn cost_fn(mut self, f: impl Fn(&Parts) -> u64 + Send + Sync + 'static) -> Self {
+    pub fn cost_fn(mut self, f: impl Fn(&RequestHead<'_>) -> u64 + Send + Sync + 'static) -> Self {
         self.settings.cost = Cost::PerRequest(Arc::new(f));
         self
     }

@@ -5,7 +5,6 @@ use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use http::request::Parts;
 use http::{Request, Response, header};
 use http_body_util::Full;
 use tower_service::Service;
@@ -15,7 +14,7 @@ use super::future::ResponseFuture;
 use super::{Config, Cost, MissingKey, OnStoreError};
 use crate::decision::Decision;
 use crate::error::StoreError;
-use crate::key::{Key, KeyExtractor};
+use crate::key::{Key, KeyExtractor, RequestHead};
 use crate::limiter::Reservation;
 use crate::rejection::Rejection;
 use crate::store::{Check, Store, Verdict};
@@ -86,14 +85,14 @@ where
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
         let config = &*self.config;
-        let (parts, body) = req.into_parts();
-        let key = config.key.extract(&parts);
+        let head = RequestHead::from(&req);
+        let key = config.key.extract(&head);
         // The common case, decided here and now: policing, a key, and a store that answers
         // without I/O. Whatever has to wait goes to `run`, with the decision already made.
         let mut decided = None;
         if let (Some(key), true) = (&key, config.polices_at_once()) {
-            let check =
-                Check { ticket: config.needs_ticket(), ..Check::new(key, config.cost(&parts)) };
+            let mut check = Check::new(key, config.cost(&head));
+            check.ticket = config.needs_ticket();
             match config.limiter.check_sync(check) {
                 Some(Ok(Verdict { decision, ticket: None })) if decision.is_allowed() => {
                     let headers = config
@@ -102,7 +101,7 @@ where
                         .headers
                         .prepare(config.settings.headers, &decision);
                     // Called here and now: the service that was polled ready, no clone.
-                    let future = self.inner.call(Request::from_parts(parts, body));
+                    let future = self.inner.call(req);
                     return ResponseFuture::inner(future, headers);
                 }
                 Some(Ok(verdict))
@@ -118,7 +117,7 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let config = Arc::clone(&self.config);
-        ResponseFuture::slow(Box::pin(run(config, inner, parts, body, key, decided)))
+        ResponseFuture::slow(Box::pin(run(config, inner, req, key, decided)))
     }
 }
 
@@ -134,10 +133,11 @@ impl<K, St: Store> Config<K, St> {
     }
 
     /// The request's cost in units.
-    fn cost(&self, parts: &Parts) -> u64 {
+    #[inline]
+    fn cost(&self, head: &RequestHead<'_>) -> u64 {
         match &self.settings.cost {
             Cost::Fixed(units) => *units,
-            Cost::PerRequest(f) => f(parts),
+            Cost::PerRequest(f) => f(head),
         }
     }
 
@@ -178,13 +178,12 @@ impl<K, St: Store> Config<K, St> {
 /// Passes a request on unlimited.
 async fn pass<S, ReqB, ResB>(
     mut inner: S,
-    parts: Parts,
-    body: ReqB,
+    req: Request<ReqB>,
 ) -> Result<Response<ResponseBody<ResB>>, S::Error>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
 {
-    let res = inner.call(Request::from_parts(parts, body)).await?;
+    let res = inner.call(req).await?;
     Ok(res.map(ResponseBody::inner))
 }
 
@@ -193,8 +192,7 @@ where
 async fn run<S, K, St, ReqB, ResB>(
     config: Arc<Config<K, St>>,
     mut inner: S,
-    parts: Parts,
-    body: ReqB,
+    req: Request<ReqB>,
     key: Option<Key>,
     decided: Option<Result<Verdict<St::Ticket>, StoreError>>,
 ) -> Result<Response<ResponseBody<ResB>>, S::Error>
@@ -214,7 +212,7 @@ where
                 );
                 return Ok(config.refuse(&Rejection::MissingKey(status)));
             }
-            MissingKey::Allow => return pass(inner, parts, body).await,
+            MissingKey::Allow => return pass(inner, req).await,
             MissingKey::Shared => Key::Missing,
         },
     };
@@ -232,7 +230,7 @@ where
                 permit = Arc::clone(room).try_acquire_owned().ok();
             }
             budget = permit.as_ref().and(settings.max_delay);
-            let mut check = Check::new(&key, config.cost(&parts));
+            let mut check = Check::new(&key, config.cost(&RequestHead::from(&req)));
             check.max_delay = budget;
             check.ticket = budget.is_some() || config.needs_ticket();
             config.limiter.decide(check).await
@@ -245,7 +243,7 @@ where
             return match settings.on_store_error {
                 OnStoreError::FailOpen => {
                     tracing::warn!(%error, policy = config.limiter.policy().name(), "tollgate: store failed; failing open");
-                    pass(inner, parts, body).await
+                    pass(inner, req).await
                 }
                 OnStoreError::FailClosed => {
                     tracing::warn!(%error, policy = config.limiter.policy().name(), "tollgate: store failed; failing closed");
@@ -272,7 +270,7 @@ where
     drop(permit);
 
     // From here the request is served: dropping it (a client disconnect) keeps the charge.
-    let res = inner.call(Request::from_parts(parts, body)).await?;
+    let res = inner.call(req).await?;
     let (mut head, body) = res.into_parts();
     config.limiter.surface().headers.write(
         settings.headers,

@@ -1,20 +1,20 @@
 //! The in-memory store: sharded tables behind read-write locks, bounded in keys, with idle keys
 //! evicted by a background sweeper that stops when the store is dropped.
 
+mod compact;
 mod table;
 
 use std::fmt;
 use std::hash::{BuildHasher, Hasher, RandomState};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use table::{Core, Shard, Table};
+use table::{Core, Shard, general_mut, lock};
 
 use super::{Check, Store, Verdict};
 use crate::algorithm::{
-    Charge, Charges, GcraStep, Mode, TierState, WholeGcra, budget, decide, decide_whole,
-    whole_decision,
+    Charge, Charges, GcraStep, Mode, TierState, WholeGcra, budget, decide, whole_decision,
 };
 use crate::clock::{AnyClock, Clock, duration_to_nanos};
 use crate::error::{ConfigError, StoreError};
@@ -30,7 +30,7 @@ const FULL_RESCAN_NANOS: u64 = 100_000_000;
 /// The default store: all state in this process.
 ///
 /// - Safe for any number of tasks and threads: keys are spread over shards, each behind a
-///   `std::sync::RwLock` held only for one decision (never across an `.await`).
+///   lock held only for one decision (never across an `.await`).
 /// - Keys are held as 64-bit fingerprints (aHash, designed against hash flooding, with random
 ///   keys per store): a key's size does not matter, and a client cannot choose collisions. Two
 ///   keys share a bucket only if their fingerprints collide (about one chance in 2^25 that any
@@ -82,7 +82,7 @@ impl fmt::Debug for MemoryStore {
 }
 
 struct Inner {
-    shards: Box<[RwLock<Shard>]>,
+    shards: Box<[Shard]>,
     /// Fingerprints keys (aHash with random keys).
     hasher: ahash::RandomState,
     clock: AnyClock,
@@ -221,7 +221,7 @@ impl MemoryStoreBuilder {
         let shards = self.shards.clamp(1, 1 << 16).next_power_of_two();
         MemoryStore {
             inner: Arc::new(Inner {
-                shards: (0..shards).map(|_| RwLock::new(Shard::default())).collect(),
+                shards: (0..shards).map(|_| Shard::default()).collect(),
                 hasher: random_hasher(),
                 clock: self.clock,
                 len: AtomicUsize::new(0),
@@ -246,12 +246,6 @@ fn random_hasher() -> ahash::RandomState {
     let std = RandomState::new();
     let [k0, k1, k2, k3] = [0u8, 1, 2, 3].map(|i| std.hash_one(i));
     ahash::RandomState::with_seeds(k0, k1, k2, k3)
-}
-
-/// Locks, recovering from poisoning: a panicking thread cannot leave the maps half-written (each
-/// update is a single assignment or compare-and-swap after the decision).
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl MemoryStore {
@@ -308,36 +302,13 @@ impl MemoryStore {
     #[inline]
     #[must_use]
     pub fn check_now(&self, bound: &MemoryPolicy, check: Check<'_>) -> Verdict<MemoryTicket> {
-        let inner = &*bound.inner;
+        let inner = &bound.inner;
         let fp = inner.fingerprint(check.key);
         let now = inner.clock.now();
-        // The common case, kept small enough to inline: a known key of a whole-nanosecond GCRA
-        // policy, decided under the shard's read lock.
-        if let Some(w) = &bound.core.whole {
-            let shard = inner.shard(fp).read().unwrap_or_else(PoisonError::into_inner);
-            if let Some(Table::Whole(map)) = shard.table(bound.id) {
-                if let Some(tat) = map.get(&fp) {
-                    return check_whole(w, tat, &check, fp, now);
-                }
-            }
+        match &bound.core.whole {
+            Some(w) => inner.check_compact(bound, w, &check, fp, now, true),
+            None => inner.check_general(bound, &check, fp, now, true),
         }
-        Self::check_slow(bound, &check, fp, now)
-    }
-
-    /// Everything but the common case, under the shard's write lock.
-    #[inline(never)]
-    fn check_slow(
-        bound: &MemoryPolicy,
-        check: &Check<'_>,
-        fp: u64,
-        now: u64,
-    ) -> Verdict<MemoryTicket> {
-        let mut stored = false;
-        let verdict = bound.inner.check(bound, check, fp, now, &mut stored);
-        if stored {
-            Inner::start_sweeper(&bound.inner);
-        }
-        verdict
     }
 
     /// Settles at once; see [`Store::settle`].
@@ -346,6 +317,7 @@ impl MemoryStore {
     }
 }
 
+#[inline]
 fn mode(max_delay: Option<Duration>) -> Mode {
     max_delay.map_or(Mode::Police, |d| Mode::Shape(duration_to_nanos(d)))
 }
@@ -368,40 +340,8 @@ fn one(at: u64, cost: u64) -> impl FnOnce() -> Charges {
     move || Charges::from_elem(Charge { at, cost, id: 0 }, 1)
 }
 
-/// Decides on a whole-nanosecond GCRA TAT by compare-and-swap. The loop does only the GCRA
-/// comparison, so that a retry under contention is short; the decision is built after it.
-#[inline(always)]
-fn check_whole(
-    w: &WholeGcra,
-    tat: &AtomicU64,
-    check: &Check<'_>,
-    fp: u64,
-    now: u64,
-) -> Verdict<MemoryTicket> {
-    let budget = budget(mode(check.max_delay));
-    let mut current = tat.load(Ordering::Acquire);
-    let step = loop {
-        let step = w.decide(current, now, check.cost, budget);
-        let GcraStep::Admit { tat: new, .. } = step else { break step };
-        match tat.compare_exchange_weak(current, new, Ordering::AcqRel, Ordering::Acquire) {
-            Ok(_) => break step,
-            Err(actual) => current = actual,
-        }
-    };
-    let decision = whole_decision(w, current, now, step, budget);
-    let ticket = match step {
-        GcraStep::Admit { at, .. } => ticket(check, fp, one(at, check.cost), false),
-        _ => None,
-    };
-    Verdict { decision, ticket }
-}
-
-/// Applies `f` to a TAT by compare-and-swap.
-fn update(tat: &AtomicU64, f: impl Fn(u64) -> u64) {
-    let _ = tat.fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| Some(f(t)));
-}
-
 impl Inner {
+    #[inline]
     fn fingerprint(&self, key: &Key) -> u64 {
         let mut h = self.hasher.build_hasher();
         key.feed(&mut h);
@@ -410,112 +350,125 @@ impl Inner {
 
     /// The shard of a fingerprint: bits 40..56, apart from the low bits that index buckets
     /// inside a table and the top seven that tag them.
-    fn shard(&self, fp: u64) -> &RwLock<Shard> {
+    #[inline]
+    fn shard(&self, fp: u64) -> &Shard {
         let i = usize::try_from(fp >> 40).unwrap_or(0) & (self.shards.len() - 1);
         &self.shards[i]
     }
 
-    /// A table slot for a new binding, after clearing the tables of dropped ones.
-    fn allocate(&self) -> usize {
-        let mut registry = lock(&self.registry);
-        self.clear_retired(&mut registry);
-        registry.free.pop().unwrap_or_else(|| {
-            registry.next += 1;
-            registry.next - 1
-        })
-    }
-
-    /// Drops the tables of bindings that were dropped, and frees their slots.
-    fn clear_retired(&self, registry: &mut Registry) {
-        if registry.retired.is_empty() {
-            return;
+    /// Whether there is room for one more key: below the cap, or (at most every
+    /// [`FULL_RESCAN_NANOS`] per shard, and only when `may_scan`) after evicting the idle keys of
+    /// `shard`. Takes the shard's locks itself: call it holding none.
+    fn room(&self, shard: &Shard, now: u64, may_scan: bool) -> bool {
+        if self.len.load(Ordering::Relaxed) < self.max_keys {
+            return true;
         }
-        let mut removed = 0;
-        for shard in &self.shards {
-            let mut shard = shard.write().unwrap_or_else(PoisonError::into_inner);
-            for &id in &registry.retired {
-                removed += shard.drop_table(id);
-            }
-        }
-        self.len.fetch_sub(removed, Ordering::Relaxed);
-        let retired = std::mem::take(&mut registry.retired);
-        registry.free.extend(retired);
-    }
-
-    /// Decides under the shard's write lock; sets `stored` when a new key was stored.
-    fn check(
-        &self,
-        bound: &MemoryPolicy,
-        check: &Check<'_>,
-        fp: u64,
-        now: u64,
-        stored: &mut bool,
-    ) -> Verdict<MemoryTicket> {
-        let core = &bound.core;
-        let mut shard = self.shard(fp).write().unwrap_or_else(PoisonError::into_inner);
-        // Room is only needed for a new key (and checked before the table is borrowed).
-        let known = shard.table(bound.id).is_some_and(|t| t.contains(fp));
-        let room = known
-            || self.len.load(Ordering::Relaxed) < self.max_keys
-            || self.make_room(&mut shard, now);
-        let mode = mode(check.max_delay);
-        match (shard.table_mut(bound.id, core), &core.whole) {
-            (Table::Whole(map), Some(w)) => {
-                if let Some(tat) = map.get(&fp) {
-                    return check_whole(w, tat, check, fp, now);
-                }
-                let (decision, step) = decide_whole(w, 0, now, check.cost, mode);
-                let GcraStep::Admit { tat, at, .. } = step else {
-                    // A rejected request on a new key leaves no state.
-                    return Verdict { decision, ticket: None };
-                };
-                if !room {
-                    drop(shard);
-                    return Self::check_overflow(core, check, fp, now);
-                }
-                map.insert(fp, AtomicU64::new(tat));
-                self.len.fetch_add(1, Ordering::Relaxed);
-                *stored = true;
-                Verdict { decision, ticket: ticket(check, fp, one(at, check.cost), false) }
-            }
-            (Table::General(_, map), _) => {
-                let (decision, charges) = match map.get_mut(&fp) {
-                    Some(states) => decide(&core.policy, states, now, check.cost, mode),
-                    None => {
-                        let mut states = core.fresh(now);
-                        let out = decide(&core.policy, &mut states, now, check.cost, mode);
-                        if out.1.is_some() {
-                            if !room {
-                                drop(shard);
-                                return Self::check_overflow(core, check, fp, now);
-                            }
-                            map.insert(fp, states);
-                            self.len.fetch_add(1, Ordering::Relaxed);
-                            *stored = true;
-                        }
-                        out
-                    }
-                };
-                let ticket = charges.and_then(|c| ticket(check, fp, || c, false));
-                Verdict { decision, ticket }
-            }
-            // A whole table always belongs to a binding with the compact form.
-            (Table::Whole(_), None) => Self::check_overflow(core, check, fp, now),
-        }
-    }
-
-    /// Whether a full shard could make room for a new key, evicting its idle keys (at most once
-    /// per [`FULL_RESCAN_NANOS`]).
-    fn make_room(&self, shard: &mut Shard, now: u64) -> bool {
-        if now < shard.next_scan {
+        if !may_scan || now < shard.next_scan.load(Ordering::Relaxed) {
             return false;
         }
-        shard.next_scan = now.saturating_add(FULL_RESCAN_NANOS);
+        shard.next_scan.store(now.saturating_add(FULL_RESCAN_NANOS), Ordering::Relaxed);
         let removed = shard.evict_idle(now);
         self.len.fetch_sub(removed, Ordering::Relaxed);
         removed > 0
     }
 
+    /// Decides on a compact (whole-nanosecond GCRA) table. Under the spin lock only the GCRA
+    /// step and the TAT's update; the decision is built after.
+    #[inline]
+    fn check_compact(
+        self: &Arc<Self>,
+        bound: &MemoryPolicy,
+        w: &WholeGcra,
+        check: &Check<'_>,
+        fp: u64,
+        now: u64,
+        may_scan: bool,
+    ) -> Verdict<MemoryTicket> {
+        let budget = budget(mode(check.max_delay));
+        let shard = self.shard(fp);
+        let mut tables = shard.compact.lock();
+        let (before, step) = match tables.tat_mut(bound.id, fp) {
+            Some(tat) => {
+                let before = *tat;
+                let step = w.decide(before, now, check.cost, budget);
+                if let GcraStep::Admit { tat: new, .. } = step {
+                    *tat = new;
+                }
+                (before, step)
+            }
+            None => {
+                let step = w.decide(0, now, check.cost, budget);
+                // Only an admitted request stores a new key; a rejected one leaves no state.
+                if let GcraStep::Admit { tat: new, .. } = step {
+                    if self.len.load(Ordering::Relaxed) < self.max_keys {
+                        tables.insert(bound.id, fp, new);
+                        drop(tables);
+                        self.len.fetch_add(1, Ordering::Relaxed);
+                        self.start_sweeper();
+                    } else {
+                        drop(tables);
+                        return if self.room(shard, now, may_scan) {
+                            self.check_compact(bound, w, check, fp, now, false)
+                        } else {
+                            Self::check_overflow(&bound.core, check, fp, now)
+                        };
+                    }
+                }
+                (0, step)
+            }
+        };
+        let decision = whole_decision(w, before, now, step, budget);
+        let ticket = match step {
+            GcraStep::Admit { at, .. } => ticket(check, fp, one(at, check.cost), false),
+            _ => None,
+        };
+        Verdict { decision, ticket }
+    }
+
+    /// Decides on a general table, under the shard's mutex.
+    #[inline(never)]
+    fn check_general(
+        self: &Arc<Self>,
+        bound: &MemoryPolicy,
+        check: &Check<'_>,
+        fp: u64,
+        now: u64,
+        may_scan: bool,
+    ) -> Verdict<MemoryTicket> {
+        let core = &bound.core;
+        let mode = mode(check.max_delay);
+        let shard = self.shard(fp);
+        let mut tables = lock(&shard.general);
+        let table = general_mut(&mut tables, bound.id, core);
+        let (decision, charges) = match table.map.get_mut(&fp) {
+            Some(states) => decide(&core.policy, states, now, check.cost, mode),
+            None => {
+                let mut states = core.fresh(now);
+                let out = decide(&core.policy, &mut states, now, check.cost, mode);
+                // Only an admitted request stores a new key; a rejected one leaves no state.
+                if out.1.is_some() {
+                    if self.len.load(Ordering::Relaxed) < self.max_keys {
+                        table.map.insert(fp, states);
+                        drop(tables);
+                        self.len.fetch_add(1, Ordering::Relaxed);
+                        self.start_sweeper();
+                    } else {
+                        drop(tables);
+                        return if self.room(shard, now, may_scan) {
+                            self.check_general(bound, check, fp, now, false)
+                        } else {
+                            Self::check_overflow(core, check, fp, now)
+                        };
+                    }
+                }
+                out
+            }
+        };
+        let ticket = charges.and_then(|c| ticket(check, fp, || c, false));
+        Verdict { decision, ticket }
+    }
+
+    #[cold]
     fn check_overflow(core: &Core, check: &Check<'_>, fp: u64, now: u64) -> Verdict<MemoryTicket> {
         tracing::debug!(
             policy = core.policy.name(),
@@ -556,39 +509,31 @@ impl Inner {
             return;
         }
         let fp = ticket.fp;
-        let at = ticket.charges.first().map_or(now, |c| c.at).max(now);
-        let whole = |w: &WholeGcra, tat: &AtomicU64| {
-            if extra {
-                update(tat, |t| w.charge(t, at, cost - ticket.cost));
-            } else {
-                update(tat, |t| w.refund(t, ticket.cost - cost));
-            }
-        };
-        if let Some(w) = &core.whole {
-            let shard = self.shard(fp).read().unwrap_or_else(PoisonError::into_inner);
-            if let Some(Table::Whole(map)) = shard.table(bound.id) {
-                if let Some(tat) = map.get(&fp) {
-                    whole(w, tat);
-                    return;
-                }
-            }
-        }
-        let mut shard = self.shard(fp).write().unwrap_or_else(PoisonError::into_inner);
-        let inserted = match (shard.table_mut(bound.id, core), &core.whole) {
-            (Table::Whole(map), Some(w)) => match map.get(&fp) {
+        let shard = self.shard(fp);
+        let inserted = if let Some(w) = &core.whole {
+            let at = ticket.charges.first().map_or(now, |c| c.at).max(now);
+            let mut tables = shard.compact.lock();
+            match tables.tat_mut(bound.id, fp) {
                 Some(tat) => {
-                    whole(w, tat);
+                    *tat = if extra {
+                        w.charge(*tat, at, cost - ticket.cost)
+                    } else {
+                        w.refund(*tat, ticket.cost - cost)
+                    };
                     false
                 }
                 // Evicted since: the extra is charged to a fresh state; a refund has nothing
                 // left to give back.
                 None if extra => {
-                    map.insert(fp, AtomicU64::new(w.charge(0, at, cost - ticket.cost)));
+                    tables.insert(bound.id, fp, w.charge(0, at, cost - ticket.cost));
                     true
                 }
                 None => false,
-            },
-            (Table::General(_, map), _) => match map.get_mut(&fp) {
+            }
+        } else {
+            let mut tables = lock(&shard.general);
+            let table = general_mut(&mut tables, bound.id, core);
+            match table.map.get_mut(&fp) {
                 Some(states) => {
                     apply(states);
                     false
@@ -596,16 +541,41 @@ impl Inner {
                 None if extra => {
                     let mut states = core.fresh(now);
                     apply(&mut states);
-                    map.insert(fp, states);
+                    table.map.insert(fp, states);
                     true
                 }
                 None => false,
-            },
-            (Table::Whole(_), None) => false,
+            }
         };
         if inserted {
             self.len.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// A table slot for a new binding, after clearing the tables of dropped ones.
+    fn allocate(&self) -> usize {
+        let mut registry = lock(&self.registry);
+        self.clear_retired(&mut registry);
+        registry.free.pop().unwrap_or_else(|| {
+            registry.next += 1;
+            registry.next - 1
+        })
+    }
+
+    /// Drops the tables of bindings that were dropped, and frees their slots.
+    fn clear_retired(&self, registry: &mut Registry) {
+        if registry.retired.is_empty() {
+            return;
+        }
+        let mut removed = 0;
+        for shard in &self.shards {
+            for &id in &registry.retired {
+                removed += shard.drop_tables(id);
+            }
+        }
+        self.len.fetch_sub(removed, Ordering::Relaxed);
+        let retired = std::mem::take(&mut registry.retired);
+        registry.free.extend(retired);
     }
 
     fn sweep(&self) -> usize {
@@ -614,26 +584,28 @@ impl Inner {
             self.clear_retired(&mut registry);
         }
         let now = self.clock.now();
-        let mut removed = 0;
-        for shard in &self.shards {
-            removed += shard.write().unwrap_or_else(PoisonError::into_inner).evict_idle(now);
-        }
+        let removed = self.shards.iter().map(|shard| shard.evict_idle(now)).sum();
         self.len.fetch_sub(removed, Ordering::Relaxed);
         removed
     }
 
     /// Starts the sweeper on the current tokio runtime, once. Called when a key is stored: with
     /// no keys there is nothing to sweep, and the check's fast path stays free of it.
-    fn start_sweeper(inner: &Arc<Self>) {
-        if inner.sweeper.load(Ordering::Relaxed) {
-            return;
+    #[inline]
+    fn start_sweeper(self: &Arc<Self>) {
+        if !self.sweeper.load(Ordering::Relaxed) {
+            self.spawn_sweeper();
         }
+    }
+
+    #[cold]
+    fn spawn_sweeper(self: &Arc<Self>) {
         let Ok(handle) = tokio::runtime::Handle::try_current() else { return };
-        if inner.sweeper.swap(true, Ordering::AcqRel) {
+        if self.sweeper.swap(true, Ordering::AcqRel) {
             return;
         }
-        let weak: Weak<Self> = Arc::downgrade(inner);
-        let every = inner.sweep_interval;
+        let weak: Weak<Self> = Arc::downgrade(self);
+        let every = self.sweep_interval;
         handle.spawn(async move {
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

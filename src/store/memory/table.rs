@@ -1,10 +1,22 @@
 //! The tables of one shard: per bound policy, the state of each key, by fingerprint.
+//!
+//! Two kinds, each behind its own lock:
+//! - **compact** tables ([`Compact`]), for one GCRA tier whose emission interval is a whole
+//!   number of nanoseconds: 8 bytes of state per key (the TAT), under a spin lock held for a
+//!   handful of instructions. Taking it is the decision's only atomic read-modify-write: the unlock is a
+//!   plain store and the TAT is read and written under the lock, where a read-write lock plus a
+//!   compare-and-swap (governor's keyed state) costs three.
+//! - **general** tables, for everything else: every tier's state, under a mutex.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use spinning_top::Spinlock;
+use spinning_top::guard::SpinlockGuard;
+
+use super::compact::Compact;
 use crate::algorithm::{TierState, WholeGcra};
 use crate::quota::Policy;
 
@@ -32,7 +44,7 @@ impl Hasher for Identity {
 pub(super) type ByFingerprint<V> = HashMap<u64, V, BuildHasherDefault<Identity>>;
 
 /// What a bound policy needs to decide, shared by its [`MemoryPolicy`](super::MemoryPolicy) and
-/// its tables (which evict with it).
+/// its general tables (which evict with it).
 pub(super) struct Core {
     pub(super) policy: Policy,
     /// One GCRA tier whose emission interval is a whole number of nanoseconds: the compact
@@ -54,76 +66,113 @@ impl Core {
     }
 }
 
-/// The keys of one bound policy in one shard.
-pub(super) enum Table {
-    /// One GCRA tier with a whole-nanosecond interval: the TAT (0 for a fresh key), updated by
-    /// compare-and-swap under the shard's read lock.
-    Whole(ByFingerprint<AtomicU64>),
-    /// Anything else: every tier's state, updated under the shard's write lock.
-    General(Arc<Core>, ByFingerprint<Box<[TierState]>>),
+/// A general table: every tier's state per key.
+pub(super) struct General {
+    pub(super) core: Arc<Core>,
+    pub(super) map: ByFingerprint<Box<[TierState]>>,
 }
 
-impl Table {
-    pub(super) fn new(core: &Arc<Core>) -> Self {
-        match core.whole {
-            Some(_) => Self::Whole(ByFingerprint::default()),
-            None => Self::General(Arc::clone(core), ByFingerprint::default()),
-        }
+/// The general tables of a shard, by binding id.
+pub(super) type Generals = Vec<Option<General>>;
+
+/// A spin lock for critical sections of a few instructions: test-and-test-and-set, and after
+/// a bounded spin a yield to the scheduler, so that a holder preempted mid-section does not
+/// leave the others burning their time slices.
+pub(super) struct SpinLock<T>(Spinlock<T>);
+
+/// Spins before yielding: a few hundred nanoseconds, far more than a decision holds the lock.
+const SPINS: u32 = 128;
+
+impl<T> SpinLock<T> {
+    fn new(value: T) -> Self {
+        Self(Spinlock::new(value))
     }
 
-    pub(super) fn len(&self) -> usize {
-        match self {
-            Self::Whole(m) => m.len(),
-            Self::General(_, m) => m.len(),
+    #[inline]
+    pub(super) fn lock(&self) -> SpinlockGuard<'_, T> {
+        if let Some(guard) = self.0.try_lock() {
+            return guard;
         }
+        self.lock_contended()
     }
 
-    pub(super) fn contains(&self, fp: u64) -> bool {
-        match self {
-            Self::Whole(m) => m.contains_key(&fp),
-            Self::General(_, m) => m.contains_key(&fp),
+    #[cold]
+    fn lock_contended(&self) -> SpinlockGuard<'_, T> {
+        let mut spins = 0;
+        loop {
+            while self.0.is_locked() {
+                if spins < SPINS {
+                    spins += 1;
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+            if let Some(guard) = self.0.try_lock() {
+                return guard;
+            }
         }
-    }
-
-    /// Removes the idle keys (whose state decides exactly like a fresh one); returns how many.
-    pub(super) fn evict_idle(&mut self, now: u64) -> usize {
-        let before = self.len();
-        match self {
-            Self::Whole(m) => m.retain(|_, tat| *tat.get_mut() > now),
-            Self::General(core, m) => m.retain(|_, states| !core.is_idle(states, now)),
-        }
-        before - self.len()
     }
 }
 
-/// One shard: a table per bound policy (indexed by the binding's id), and when the shard may
-/// next be scanned for room.
-#[derive(Default)]
+/// Locks, recovering from poisoning: a panicking thread cannot leave the maps half-written (each
+/// update is a single assignment after the decision).
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One shard: its compact and general tables, and when it may next be scanned for room. Aligned
+/// to two cache lines, so that threads working on neighbouring shards do not share a line.
+#[repr(align(128))]
 pub(super) struct Shard {
-    pub(super) tables: Vec<Option<Table>>,
-    pub(super) next_scan: u64,
+    pub(super) compact: SpinLock<Compact>,
+    pub(super) general: Mutex<Generals>,
+    /// When the shard may next be scanned for idle keys to make room (nanoseconds).
+    pub(super) next_scan: AtomicU64,
+}
+
+impl Default for Shard {
+    fn default() -> Self {
+        Self {
+            compact: SpinLock::new(Compact::default()),
+            general: Mutex::new(Vec::new()),
+            next_scan: AtomicU64::new(0),
+        }
+    }
+}
+
+/// Binding `id`'s general table, created when needed.
+pub(super) fn general_mut<'a>(
+    tables: &'a mut Generals,
+    id: usize,
+    core: &Arc<Core>,
+) -> &'a mut General {
+    if tables.len() <= id {
+        tables.resize_with(id + 1, || None);
+    }
+    tables[id]
+        .get_or_insert_with(|| General { core: Arc::clone(core), map: ByFingerprint::default() })
 }
 
 impl Shard {
-    pub(super) fn table(&self, id: usize) -> Option<&Table> {
-        self.tables.get(id).and_then(Option::as_ref)
+    /// Drops binding `id`'s tables; returns how many keys they held.
+    pub(super) fn drop_tables(&self, id: usize) -> usize {
+        let compact = self.compact.lock().drop_table(id);
+        let general =
+            lock(&self.general).get_mut(id).and_then(Option::take).map_or(0, |g| g.map.len());
+        compact + general
     }
 
-    /// The table of binding `id`, created when needed.
-    pub(super) fn table_mut(&mut self, id: usize, core: &Arc<Core>) -> &mut Table {
-        if self.tables.len() <= id {
-            self.tables.resize_with(id + 1, || None);
+    /// Evicts the idle keys (whose state decides exactly like a fresh one) of every table;
+    /// returns how many.
+    pub(super) fn evict_idle(&self, now: u64) -> usize {
+        let mut removed = self.compact.lock().evict_idle(now);
+        for table in lock(&self.general).iter_mut().flatten() {
+            let before = table.map.len();
+            let core = &table.core;
+            table.map.retain(|_, states| !core.is_idle(states, now));
+            removed += before - table.map.len();
         }
-        self.tables[id].get_or_insert_with(|| Table::new(core))
-    }
-
-    /// Drops binding `id`'s table; returns how many keys it held.
-    pub(super) fn drop_table(&mut self, id: usize) -> usize {
-        self.tables.get_mut(id).and_then(Option::take).map_or(0, |t| t.len())
-    }
-
-    /// Evicts idle keys of every table; returns how many.
-    pub(super) fn evict_idle(&mut self, now: u64) -> usize {
-        self.tables.iter_mut().flatten().map(|t| t.evict_idle(now)).sum()
+        removed
     }
 }
