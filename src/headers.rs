@@ -52,12 +52,6 @@ fn sf_string(out: &mut String, s: &str) {
     out.push('"');
 }
 
-/// A header value from text built of printable ASCII (cannot fail; an empty value is the
-/// documented fallback rather than a panic). The string's buffer becomes the value: no copy.
-fn value(s: String) -> HeaderValue {
-    HeaderValue::from_maybe_shared(Bytes::from(s)).unwrap_or_else(|_| HeaderValue::from_static(""))
-}
-
 /// A header value that lives as long as the process: copying it (into every response) takes no
 /// reference count, so threads answering at once do not contend on one. Equal values are
 /// stored once, so rebuilding a policy does not grow memory.
