@@ -68,8 +68,14 @@ fn main() {
         return;
     }
     let exe = std::env::current_exe().expect("own path");
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/criterion/memory");
-    std::fs::create_dir_all(&dir).expect("create target/criterion/memory");
+    // Beside criterion's results: `$CRITERION_HOME` (which `benches/compare.sh` sets from the
+    // target directory), else `target/criterion`.
+    let home = std::env::var_os("CRITERION_HOME").map_or_else(
+        || std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/criterion"),
+        std::path::PathBuf::from,
+    );
+    let dir = home.join("memory");
+    std::fs::create_dir_all(&dir).expect("create the results directory");
     println!("memory per idle key, {KEYS} IPv4 keys (median of 3 fresh processes):");
     for peer in ["tollgate", "governor"] {
         let mut runs: Vec<u64> = (0..3)
@@ -82,7 +88,7 @@ fn main() {
         runs.sort_unstable();
         let per_key = runs[1] as f64 / f64::from(KEYS);
         println!("memory/{peer:<9} {per_key:6.1} bytes per key   (runs: {runs:?} bytes)");
-        let json = format!("{{\"bytes_per_key\":{per_key:.2},\"runs\":{runs:?}}}");
+        let json = format!("{{\"keys\":{KEYS},\"bytes_per_key\":{per_key:.2},\"runs\":{runs:?}}}");
         std::fs::write(dir.join(format!("{peer}.json")), json).expect("write result");
     }
 }

@@ -1,16 +1,18 @@
-//! Prints the side-by-side benchmark results as ratios, tollgate / peer, against the targets of
-//! BENCHMARKS.md. Reads criterion's saved baselines `run1`, `run2`, ... under
-//! `target/criterion/` (each the median of its samples) and takes the median over the runs;
-//! memory per key comes from `target/criterion/memory/`.
+//! Prints the side-by-side benchmark results of BENCHMARKS.md as ratios, tollgate / peer: per
+//! case the median and the range of the ratios of each run (criterion baselines `run1`,
+//! `run2`, ..., each run measuring both sides back to back), against the targets.
 //!
-//! `bash benches/compare.sh` runs the benchmarks and then this.
+//! Reads `$CRITERION_HOME` (set by `benches/compare.sh` to `<target dir>/criterion`), else
+//! `target/criterion`. `bash benches/compare.sh` runs the benchmarks and then this.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// Median time (ns) per benchmark id (`group/function/parameter`), over all saved runs.
-fn medians(root: &Path) -> BTreeMap<String, f64> {
-    let mut runs: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+/// Criterion's median estimate (ns) per benchmark id (`group/function/parameter`) and run.
+type Runs = BTreeMap<String, BTreeMap<String, f64>>;
+
+fn load(root: &Path) -> Runs {
+    let mut runs: Runs = BTreeMap::new();
     let mut stack = vec![root.to_path_buf()];
     while let Some(dir) = stack.pop() {
         let Ok(entries) = std::fs::read_dir(&dir) else { continue };
@@ -24,19 +26,14 @@ fn medians(root: &Path) -> BTreeMap<String, f64> {
             if name.starts_with("run") && estimates.is_file() {
                 let id = dir.strip_prefix(root).unwrap_or(&dir).to_string_lossy().into_owned();
                 if let Some(ns) = median_of(&estimates) {
-                    runs.entry(id).or_default().push(ns);
+                    runs.entry(id).or_default().insert(name, ns);
                 }
             } else {
                 stack.push(path);
             }
         }
     }
-    runs.into_iter()
-        .map(|(id, mut v)| {
-            v.sort_by(f64::total_cmp);
-            (id, v[v.len() / 2])
-        })
-        .collect()
+    runs
 }
 
 fn median_of(estimates: &PathBuf) -> Option<f64> {
@@ -45,78 +42,107 @@ fn median_of(estimates: &PathBuf) -> Option<f64> {
     json["median"]["point_estimate"].as_f64()
 }
 
-fn row(what: &str, ours: f64, theirs: f64, unit: &str, target: &str, met: bool) {
-    let ratio = ours / theirs;
-    let verdict = if met { "met" } else { "MISSED" };
-    println!(
-        "{what:<44} {ours:>10.1} {theirs:>10.1} {unit:<6} {ratio:>6.2}x  {target:<8} {verdict}"
-    );
+/// Median, minimum and maximum.
+fn spread(mut v: Vec<f64>) -> Option<(f64, f64, f64)> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    Some((v[v.len() / 2], v[0], v[v.len() - 1]))
+}
+
+/// Per run, `f` of the runs' medians of `ids` (runs missing any id are skipped).
+fn per_run(runs: &Runs, ids: &[&str], f: impl Fn(&[f64]) -> f64) -> Vec<f64> {
+    let Some(first) = runs.get(ids[0]) else { return Vec::new() };
+    first
+        .keys()
+        .filter_map(|run| {
+            let values: Option<Vec<f64>> =
+                ids.iter().map(|id| runs.get(*id).and_then(|r| r.get(run)).copied()).collect();
+            values.map(|v| f(&v))
+        })
+        .collect()
+}
+
+/// Prints a row: `ratios` per run; the target is met when the median is on the right side of
+/// `limit` (`at_most`: the ratio must not exceed it).
+fn row(what: &str, ratios: Vec<f64>, limit: f64, at_most: bool) {
+    let n = ratios.len();
+    let Some((median, lo, hi)) = spread(ratios) else { return };
+    let met = if at_most { median <= limit } else { median >= limit };
+    let target = format!("{}{limit}x", if at_most { "<= " } else { ">= " });
+    let verdict = if met { "met" } else { "NOT MET" };
+    println!("{what:<58} {median:>6.2}x  [{lo:.2}-{hi:.2}]  n={n}  {target:<9} {verdict}");
 }
 
 fn main() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/criterion");
-    let m = medians(&root);
-    let get = |id: &str| m.get(id).copied();
-    println!(
-        "{:<44} {:>10} {:>10} {:<6} {:>7}  {:<8}",
-        "case", "tollgate", "peer", "unit", "ratio", "target"
+    let root = std::env::var_os("CRITERION_HOME").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("target/criterion"),
+        PathBuf::from,
     );
+    let runs = load(&root);
+    println!("{:<58} {:>7}  {:<13}", "case (ratio tollgate / peer per run)", "median", "[range]");
 
     for keys in ["1", "10000", "1000000"] {
         for threads in ["1", "2"] {
-            let id = format!("{keys}_{threads}");
-            if let (Some(a), Some(b)) =
-                (get(&format!("store/tollgate/{id}")), get(&format!("store/governor/{id}")))
-            {
-                let what = format!("store check, {keys} keys, {threads} thread(s) / governor");
-                row(&what, a, b, "ns", "<= 1.0x", a <= b);
-            }
+            let ours = format!("store/tollgate/{keys}_{threads}");
+            let theirs = format!("store/governor/{keys}_{threads}");
+            let what = format!("store check, {keys} keys, {threads} thread(s) / governor");
+            row(&what, per_run(&runs, &[&ours, &theirs], |v| v[0] / v[1]), 0.9, true);
         }
     }
 
-    let memory = |peer: &str| -> Option<f64> {
+    let memory = |peer: &str| -> Option<Vec<f64>> {
         let text = std::fs::read_to_string(root.join(format!("memory/{peer}.json"))).ok()?;
-        serde_json::from_str::<serde_json::Value>(&text).ok()?["bytes_per_key"].as_f64()
+        let json = serde_json::from_str::<serde_json::Value>(&text).ok()?;
+        let keys = json["keys"].as_f64().unwrap_or(1_000_000.0);
+        json["runs"]
+            .as_array()
+            .map(|r| r.iter().filter_map(|b| b.as_f64()).map(|b| b / keys).collect())
     };
-    if let (Some(a), Some(b)) = (memory("tollgate"), memory("governor")) {
-        row("memory per idle IP key (1M keys) / governor", a, b, "B", "<= 40 B", a <= 40.0);
+    if let (Some(ours), Some(theirs)) = (memory("tollgate"), memory("governor")) {
+        let (m, lo, hi) = spread(ours.clone()).unwrap_or_default();
+        let met = if m <= 36.0 { "met" } else { "NOT MET" };
+        println!(
+            "{:<58} {m:>6.1} B  [{lo:.1}-{hi:.1}]  n={}  <= 36 B    {met}",
+            "memory per idle IPv4 key, 1,000,000 keys",
+            ours.len()
+        );
+        let ratios = ours.iter().zip(&theirs).map(|(a, b)| a / b).collect();
+        row("memory per idle IPv4 key / governor (informative)", ratios, 1.0, true);
     }
 
-    if let Some(bare) = get("layer/bare/allowed") {
-        for path in ["allowed", "limited"] {
-            if let (Some(a), Some(b)) = (
-                get(&format!("layer/tollgate/{path}")),
-                get(&format!("layer/tower_governor/{path}")),
-            ) {
-                let (target, limit) =
-                    if path == "allowed" { ("<= 0.6x", 0.6) } else { ("<= 0.2x", 0.2) };
-                let what = format!("layer overhead over bare axum, {path} / tower_governor");
-                row(&what, a - bare, b - bare, "ns", target, (a - bare) <= limit * (b - bare));
-            }
-        }
-    }
+    let overhead = |case: &str| {
+        let ours = format!("layer_overhead/tollgate/{case}");
+        let theirs = format!("layer_overhead/tower_governor/{case}");
+        per_run(&runs, &[&ours, &theirs], |v| v[0] / v[1])
+    };
+    row(
+        "layer overhead over bare axum, allowed, headers / tower_governor",
+        overhead("allowed"),
+        0.6,
+        true,
+    );
+    row(
+        "layer overhead over bare axum, allowed, no headers / tower_governor",
+        overhead("allowed_no_headers"),
+        1.0,
+        true,
+    );
+    row("layer overhead over bare axum, 429 / tower_governor", overhead("limited"), 0.1, true);
 
-    // Redis: time per request, so throughput ratio = their time / our time.
-    if let Some(incr) = get("redis/incr") {
-        for mode in ["server_time", "client_clock"] {
-            if let Some(one) = get(&format!("redis/gcra_1_tier/{mode}")) {
-                let what = format!("redis 1-tier GCRA ({mode}), throughput / INCR");
-                row(&what, 1e9 / one, 1e9 / incr, "req/s", ">= 0.6x", incr / one >= 0.6);
-                if let Some(two) = get(&format!("redis/gcra_2_tier/{mode}")) {
-                    let what = format!("redis 2 tiers ({mode}), throughput / 1 tier");
-                    row(&what, 1e9 / two, 1e9 / one, "req/s", ">= 0.8x", one / two >= 0.8);
-                }
-            }
-        }
-        for ceiling in ["evalsha_trivial", "evalsha_get_set"] {
-            if let Some(c) = get(&format!("redis/{ceiling}")) {
-                println!(
-                    "{:<44} {:>10.1} req/s ({:.2}x INCR)",
-                    format!("  ceiling: {ceiling}"),
-                    1e9 / c,
-                    incr / c
-                );
-            }
-        }
+    // Redis: time per check, so a throughput ratio is the peer's time over ours.
+    let throughput = |ours: &str, theirs: &str| per_run(&runs, &[ours, theirs], |v| v[1] / v[0]);
+    for (id, what, limit) in [
+        ("redis/tollgate/1_tier", "redis 1 tier, throughput / INCR", 0.65),
+        ("redis/lua_gcra", "redis plain Lua GCRA script, throughput / INCR (informative)", 0.0),
+    ] {
+        row(what, throughput(id, "redis/incr"), limit, false);
     }
+    row(
+        "redis 2 tiers, throughput / 1 tier",
+        throughput("redis/tollgate/2_tiers", "redis/tollgate/1_tier"),
+        0.8,
+        false,
+    );
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderValue, Response, StatusCode, header};
+use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
 use http_body_util::Full;
 
 use crate::decision::{Decision, Outcome};
@@ -52,6 +52,7 @@ impl Surface {
     }
 
     /// The 429 body for `decision`.
+    #[inline]
     fn body(&self, decision: &Decision) -> Bytes {
         let over = decision.outcome() == Outcome::CostExceedsCapacity;
         let n = decision.tiers().len();
@@ -127,10 +128,63 @@ fn problem_body(policy: &Policy, over: bool, violated: impl Fn(usize) -> bool) -
 fn respond(status: StatusCode, body: Bytes) -> Response<Full<Bytes>> {
     let mut res = Response::new(Full::new(body));
     *res.status_mut() = status;
-    let headers = res.headers_mut();
+    // Room for these two, `Retry-After` and the rate-limit headers, without growing.
+    let mut headers = HeaderMap::with_capacity(8);
     headers.insert(header::CONTENT_TYPE, PROBLEM_JSON);
     headers.insert(header::CACHE_CONTROL, NO_STORE);
+    *res.headers_mut() = headers;
     res
+}
+
+/// `Retry-After` values up to this many seconds are rendered once.
+const RENDERED_RETRY_AFTER: u64 = 3600;
+
+/// A `Retry-After` value of `secs` seconds: for the first hour a value rendered once (copying
+/// it allocates nothing), beyond that one rendered now.
+fn retry_after_value(secs: u64) -> HeaderValue {
+    static VALUES: std::sync::LazyLock<Box<[HeaderValue]>> = std::sync::LazyLock::new(|| {
+        (0..=RENDERED_RETRY_AFTER)
+            .map(|n| {
+                let text: &'static str = Box::leak(n.to_string().into_boxed_str());
+                HeaderValue::from_static(text)
+            })
+            .collect()
+    });
+    usize::try_from(secs).ok().and_then(|i| VALUES.get(i)).cloned().unwrap_or_else(|| secs.into())
+}
+
+/// The default 429 for `decision` under `surface`'s policy: the problem body rendered when the
+/// policy was bound, `Retry-After`, and the rate-limit headers of `style`.
+pub(crate) fn too_many_requests(
+    surface: &Surface,
+    decision: &Decision,
+    style: HeaderStyle,
+) -> Response<Full<Bytes>> {
+    let mut res = respond(StatusCode::TOO_MANY_REQUESTS, surface.body(decision));
+    add_headers(surface, decision, style, &mut res);
+    res
+}
+
+/// Adds `Retry-After` (when the request would fit later) and the rate-limit headers of `style`.
+fn add_headers<B>(
+    surface: &Surface,
+    decision: &Decision,
+    style: HeaderStyle,
+    res: &mut Response<B>,
+) {
+    let headers = res.headers_mut();
+    if let Some(secs) = retry_after_secs(decision) {
+        headers.insert(header::RETRY_AFTER, retry_after_value(secs));
+    }
+    surface.headers.write(style, headers, decision);
+}
+
+/// The `Retry-After` of a refusal, in whole seconds rounded up and at least 1.
+fn retry_after_secs(decision: &Decision) -> Option<u64> {
+    match decision.outcome() {
+        Outcome::Limited => decision.retry_after().map(|d| ceil_secs(d).max(1)),
+        _ => None,
+    }
 }
 
 /// A request refused because it does not fit its policy: HTTP 429.
@@ -227,10 +281,7 @@ impl RateLimited {
     /// refused again).
     #[must_use]
     pub fn retry_after_secs(&self) -> Option<u64> {
-        match self.decision.outcome() {
-            Outcome::Limited => self.retry_after().map(|d| ceil_secs(d).max(1)),
-            _ => None,
-        }
+        retry_after_secs(&self.decision)
     }
 
     /// For a request the layer shaped: the wait budget it would have exceeded
@@ -257,18 +308,12 @@ impl RateLimited {
 
     /// The default response with the headers of `style`.
     pub(crate) fn response(&self, style: HeaderStyle) -> Response<Full<Bytes>> {
-        let mut res = respond(StatusCode::TOO_MANY_REQUESTS, self.body());
-        self.add_headers(style, &mut res);
-        res
+        too_many_requests(&self.surface, &self.decision, style)
     }
 
     /// Adds `Retry-After` and the rate-limit headers of `style` to `res`.
     pub(crate) fn add_headers<B>(&self, style: HeaderStyle, res: &mut Response<B>) {
-        let headers = res.headers_mut();
-        if let Some(secs) = self.retry_after_secs() {
-            headers.insert(header::RETRY_AFTER, secs.into());
-        }
-        self.surface.headers.write(style, headers, &self.decision);
+        add_headers(&self.surface, &self.decision, style, res);
     }
 }
 

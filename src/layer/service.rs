@@ -16,7 +16,7 @@ use crate::decision::Decision;
 use crate::error::StoreError;
 use crate::key::{Key, KeyExtractor, RequestHead};
 use crate::limiter::Reservation;
-use crate::rejection::Rejection;
+use crate::rejection::{Rejection, too_many_requests};
 use crate::store::{Check, Store, Verdict};
 
 /// The rate-limiting service made by [`RateLimitLayer`](crate::RateLimitLayer).
@@ -152,11 +152,13 @@ impl<K, St: Store> Config<K, St> {
             outcome = ?decision.outcome(),
             "tollgate: limited"
         );
-        let limited = self.limiter.rate_limited(decision, budget);
         let style = self.settings.headers;
         match &self.settings.rejection {
-            None => limited.response(style).map(ResponseBody::own),
+            None => {
+                too_many_requests(self.limiter.surface(), &decision, style).map(ResponseBody::own)
+            }
             Some(f) => {
+                let limited = self.limiter.rate_limited(decision, budget);
                 let mut res = f(&limited).map(|b| ResponseBody::own(Full::new(b)));
                 // The callback's own `Retry-After` wins.
                 let own = res.headers().get(header::RETRY_AFTER).cloned();

@@ -111,8 +111,10 @@ impl TatTable {
     }
 }
 
-/// The key kept beside the lock, and which key was seen last.
+/// The key kept beside the lock, and which key was seen last. `repr(C)`, first in
+/// [`Compact`], so that the hot key shares the lock's cache line.
 #[derive(Default)]
+#[repr(C)]
 struct Hot {
     /// `(binding id, fingerprint, TAT)`: while present, the TAT here is the key's, and its
     /// table's entry is stale.
@@ -123,6 +125,7 @@ struct Hot {
 
 /// A shard's compact tables, by binding id, and its hot key.
 #[derive(Default)]
+#[repr(C)]
 pub(super) struct Compact {
     hot: Hot,
     tables: Vec<Option<TatTable>>,

@@ -123,7 +123,7 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// One shard: its compact and general tables, and when it may next be scanned for room. Aligned
 /// to two cache lines, so that threads working on neighbouring shards do not share a line.
-#[repr(align(128))]
+#[repr(C, align(128))]
 pub(super) struct Shard {
     pub(super) compact: SpinLock<Compact>,
     pub(super) general: Mutex<Generals>,
