@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue};
-use smallvec::SmallVec;
 
 use crate::decision::Decision;
 use crate::quota::{Algorithm, Policy, Tier};
@@ -171,21 +170,45 @@ impl Headers {
     }
 
     /// The `RateLimit` value for `decision`: `"name";r=R;t=T` per tier, written into a buffer
-    /// on the stack and copied once into the value.
+    /// on the stack and copied once into the value (on the heap only for very long names).
     fn state(&self, decision: &Decision) -> HeaderValue {
-        let mut out: SmallVec<[u8; 128]> = SmallVec::new();
+        let mut buf = [0u8; 160];
+        let mut len = 0;
         let mut numbers = itoa::Buffer::new();
+        let mut fits = true;
+        let mut push = |buf: &mut [u8; 160], bytes: &[u8]| match buf.get_mut(len..len + bytes.len())
+        {
+            Some(dst) => {
+                dst.copy_from_slice(bytes);
+                len += bytes.len();
+            }
+            None => fits = false,
+        };
         for (i, (item, d)) in self.items.iter().zip(decision.tiers.iter()).enumerate() {
             if i > 0 {
-                out.extend_from_slice(b", ");
+                push(&mut buf, b", ");
             }
-            out.extend_from_slice(item.as_bytes());
-            out.extend_from_slice(numbers.format(d.remaining).as_bytes());
-            out.extend_from_slice(b";t=");
-            out.extend_from_slice(numbers.format(ceil_secs(d.reset_after())).as_bytes());
+            push(&mut buf, item.as_bytes());
+            push(&mut buf, numbers.format(d.remaining).as_bytes());
+            push(&mut buf, b";t=");
+            push(&mut buf, numbers.format(ceil_secs(d.reset_after())).as_bytes());
         }
-        HeaderValue::from_maybe_shared(Bytes::copy_from_slice(&out))
-            .unwrap_or_else(|_| HeaderValue::from_static(""))
+        let bytes =
+            if fits { Bytes::copy_from_slice(&buf[..len]) } else { self.state_long(decision) };
+        HeaderValue::from_maybe_shared(bytes).unwrap_or_else(|_| HeaderValue::from_static(""))
+    }
+
+    /// [`state`](Self::state) for values that do not fit the stack buffer.
+    #[cold]
+    fn state_long(&self, decision: &Decision) -> Bytes {
+        let mut out = String::new();
+        for (i, (item, d)) in self.items.iter().zip(decision.tiers.iter()).enumerate() {
+            if i > 0 {
+                out.push_str(", ");
+            }
+            let _ = write!(out, "{item}{};t={}", d.remaining, ceil_secs(d.reset_after()));
+        }
+        Bytes::from(out)
     }
 
     /// Writes the headers of `style` for `decision`.
@@ -220,6 +243,19 @@ mod tests {
         assert_eq!(map["x-ratelimit-reset"], "1");
         let state = map["ratelimit"].as_bytes();
         assert_eq!(state.len(), r#""burst";r=7;t=1, "daily \"q\"";r=12342;t=21"#.len());
+    }
+
+    #[tokio::test]
+    async fn long_names_render_the_same_through_the_heap() {
+        let long = "n".repeat(200);
+        let policy = Policy::builder("p")
+            .tier(long.clone(), Quota::per_second(3))
+            .tier("b", Quota::per_hour(7))
+            .build()
+            .unwrap();
+        let decision = Limiter::new(policy.clone()).check(&Key::Global, 1).await.unwrap();
+        let value = Headers::new(&policy).state(&decision);
+        assert_eq!(value, format!("\"{long}\";r=2;t=1, \"b\";r=6;t=515"));
     }
 
     #[test]
