@@ -138,7 +138,27 @@ pub struct Decision {
     pub(crate) tiers: Tiers,
 }
 
+/// A duration of `d` units from the unit `at`, as nanoseconds from the instant `now` (which falls
+/// in unit `at`): to the start of the unit it ends in. `NONE` stays `NONE`, 0 stays 0.
+fn rescaled(d: u64, at: u64, unit: u64, now: u64) -> u64 {
+    if d == NONE || d == 0 {
+        return d;
+    }
+    at.saturating_add(d).saturating_mul(unit).saturating_sub(now).min(NONE - 1)
+}
+
 impl Decision {
+    /// Converts a decision made in units of `unit` nanoseconds at the unit `at` into one in
+    /// nanoseconds from the instant `now`.
+    pub(crate) fn rescale(&mut self, at: u64, unit: u64, now: u64) {
+        self.delay = rescaled(self.delay, at, unit, now);
+        self.retry_after = rescaled(self.retry_after, at, unit, now);
+        for t in &mut self.tiers {
+            t.reset_after = rescaled(t.reset_after, at, unit, now);
+            t.retry_after = rescaled(t.retry_after, at, unit, now);
+        }
+    }
+
     #[inline]
     pub(crate) fn new(
         outcome: Outcome,

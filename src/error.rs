@@ -38,6 +38,15 @@ pub enum ConfigError {
         /// The largest accepted value.
         max: u64,
     },
+    /// A tier's span (its period, or `burst x period / count`) exceeds
+    /// [`MAX_SPAN`](crate::MAX_SPAN).
+    #[error("tier `{tier}`: its period or burst spans more than the longest supported, {max:?}")]
+    SpanTooLong {
+        /// The tier's name.
+        tier: String,
+        /// The longest span.
+        max: Duration,
+    },
     /// A window algorithm was given a `burst` different from `count`; windows admit exactly
     /// `count` per window and have no separate burst.
     #[error(

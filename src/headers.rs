@@ -108,12 +108,10 @@ impl Prepared {
 /// empty, `capacity x period / count`; a window algorithm's period.
 fn window_secs(policy: &Policy, tier: &Tier) -> u64 {
     let q = tier.quota();
+    let period = u128::from(tier.rate.period) * u128::from(policy.unit());
     let nanos = match policy.algorithm() {
-        Algorithm::FixedWindow | Algorithm::SlidingLog | Algorithm::SlidingCounter => {
-            u128::from(tier.rate.period)
-        }
-        _ => (u128::from(tier.capacity()) * u128::from(tier.rate.period))
-            .div_ceil(u128::from(q.count())),
+        Algorithm::FixedWindow | Algorithm::SlidingLog | Algorithm::SlidingCounter => period,
+        _ => (u128::from(tier.capacity()) * period).div_ceil(u128::from(q.count())),
     };
     u64::try_from(nanos.div_ceil(1_000_000_000)).unwrap_or(u64::MAX).max(1)
 }

@@ -58,5 +58,7 @@ pub use layer::{
     ResponseFuture,
 };
 pub use limiter::{Limiter, Reservation};
-pub use quota::{Algorithm, MAX_COUNT, MAX_SLIDING_LOG, Policy, PolicyBuilder, Quota, Tier};
+pub use quota::{
+    Algorithm, MAX_COUNT, MAX_SLIDING_LOG, MAX_SPAN, Policy, PolicyBuilder, Quota, Tier,
+};
 pub use rejection::{QUOTA_EXCEEDED_TYPE, RateLimited, Rejection};

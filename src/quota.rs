@@ -16,6 +16,14 @@ pub const MAX_COUNT: u64 = u32::MAX as u64;
 /// memory per key is O(limit): a limit of 1,000,000 per minute would cost megabytes per key.
 pub const MAX_SLIDING_LOG: u64 = 10_000;
 
+/// The longest span a tier may cover: its period, and the time its burst takes to refill
+/// (`burst x period / count`): 2^50 microseconds, about 35.7 years.
+pub const MAX_SPAN: Duration = Duration::from_micros(1 << 50);
+
+/// Spans up to 2^50 ns (about 13 days) are decided to the nanosecond; a policy with a longer
+/// span is decided in microseconds (so that every store represents it exactly).
+const NANOSECOND_SPAN: u128 = 1 << 50;
+
 /// A quota: `count` units per `period`, with a `burst` capacity.
 ///
 /// `count / period` is the sustained rate; `burst` is how many units may be spent at once after
@@ -180,12 +188,13 @@ pub struct Tier {
     pub(crate) rate: Rate,
 }
 
-/// A quota in the algorithms' units: counts and nanoseconds.
+/// A quota in the algorithms' units: counts, and time in the policy's unit (nanoseconds, or
+/// microseconds for a policy with a long span; see [`Policy::unit`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Rate {
     /// Units per period.
     pub(crate) count: u64,
-    /// Period in nanoseconds (>= 1).
+    /// Period in time units (>= 1).
     pub(crate) period: u64,
     /// Capacity in units.
     pub(crate) burst: u64,
@@ -236,6 +245,8 @@ pub struct Policy {
     name: Arc<str>,
     algorithm: Algorithm,
     tiers: Arc<[Tier]>,
+    /// Nanoseconds per time unit of the tiers' rates: 1, or 1,000 for a long span.
+    unit: u64,
 }
 
 impl Policy {
@@ -271,6 +282,30 @@ impl Policy {
     pub fn tiers(&self) -> &[Tier] {
         &self.tiers
     }
+
+    /// The precision of every decision under this policy: 1 ns, or 1 µs when a tier's span (its
+    /// period, or the time its burst takes to refill) exceeds 2^50 ns (about 13 days), so that
+    /// monthly and yearly quotas are represented exactly in every store. Periods of such
+    /// policies are rounded up to whole microseconds.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Policy, Quota};
+    ///
+    /// let daily = Policy::single("daily", Quota::per_day(1000)).unwrap();
+    /// assert_eq!(daily.precision(), Duration::from_nanos(1));
+    /// let yearly = Policy::single("yearly", Quota::new(10_000_000, Duration::from_secs(365 * 86_400))).unwrap();
+    /// assert_eq!(yearly.precision(), Duration::from_micros(1));
+    /// ```
+    #[must_use]
+    pub fn precision(&self) -> Duration {
+        Duration::from_nanos(self.unit)
+    }
+
+    /// Nanoseconds per time unit of the rates.
+    pub(crate) fn unit(&self) -> u64 {
+        self.unit
+    }
 }
 
 /// Builds a [`Policy`]; see [`Policy::builder`].
@@ -299,9 +334,9 @@ impl PolicyBuilder {
     ///
     /// # Errors
     /// [`ConfigError`] naming the tier when a count, period or burst is zero or too large, when
-    /// a window algorithm gets a burst other than its count, when a sliding log exceeds
-    /// [`MAX_SLIDING_LOG`], when tier names repeat, when there are no tiers, or when a name is
-    /// empty or not printable ASCII.
+    /// a span exceeds [`MAX_SPAN`], when a window algorithm gets a burst other than its count,
+    /// when a sliding log exceeds [`MAX_SLIDING_LOG`], when tier names repeat, when there are no
+    /// tiers, or when a name is empty or not printable ASCII.
     pub fn build(self) -> Result<Policy, ConfigError> {
         check_name(&self.name)?;
         if self.tiers.is_empty() {
@@ -316,8 +351,21 @@ impl PolicyBuilder {
             let rate = validate(&name, quota, self.algorithm)?;
             tiers.push(Tier { name: name.into(), quota, rate });
         }
-        Ok(Policy { name: self.name.into(), algorithm: self.algorithm, tiers: tiers.into() })
+        let unit = if tiers.iter().all(|t| span(t.rate) <= NANOSECOND_SPAN) { 1 } else { 1000 };
+        for t in &mut tiers {
+            t.rate.period = t.rate.period.div_ceil(unit);
+            if span(t.rate) > NANOSECOND_SPAN {
+                return Err(ConfigError::SpanTooLong { tier: t.name.to_string(), max: MAX_SPAN });
+            }
+        }
+        Ok(Policy { name: self.name.into(), algorithm: self.algorithm, tiers: tiers.into(), unit })
     }
+}
+
+/// A rate's longest span in its time unit: the period, or the time its burst takes to refill.
+fn span(r: Rate) -> u128 {
+    let refill = (u128::from(r.burst) * u128::from(r.period)).div_ceil(u128::from(r.count));
+    refill.max(u128::from(r.period))
 }
 
 fn check_name(name: &str) -> Result<(), ConfigError> {

@@ -98,7 +98,7 @@ fn store(builder: tollgate::store::RedisStoreBuilder, configured: Configured) ->
     let builder = builder.timeout(TIMEOUT).circuit_breaker(3, Duration::from_millis(300));
     match configured {
         Configured::Fallback => builder.fallback(MemoryStore::new()),
-        _ => builder,
+        _ => builder.no_fallback(),
     }
     .build()
     .unwrap()

@@ -73,6 +73,11 @@ fn tier(algorithm: Algorithm, grid: bool) -> impl Strategy<Value = (u64, u64, u6
     let round = (1u64..=100).prop_map(|k| k * 10_000_000);
     let period =
         if grid { round.boxed() } else { prop_oneof![1_000_000u64..=5_000_000_000, round].boxed() };
+    // Now and then a long horizon, a day to 400 days: such policies decide in microseconds.
+    let period = prop_oneof![
+        8 => period,
+        1 => (1u64..=400 * 86_400_000).prop_map(|ms| ms * 1_000_000),
+    ];
     // Half the time a whole-nanosecond emission interval (period = count x T): GCRA policies
     // made only of such tiers run on the Redis store's fast path (`gcra.lua`).
     let whole = prop::bool::weighted(0.5);
@@ -83,7 +88,7 @@ fn tier(algorithm: Algorithm, grid: bool) -> impl Strategy<Value = (u64, u64, u6
                 Algorithm::FixedWindow | Algorithm::SlidingLog | Algorithm::SlidingCounter
             );
             let burst = if window { c } else { 1 + extra % (2 * c + 2) };
-            let p = if whole && !window { c * t } else { p };
+            let p = if whole && !window && p < 86_400_000_000_000 { c * t } else { p };
             (c, p, burst)
         },
     )
@@ -102,6 +107,7 @@ fn step(grid: bool) -> impl Strategy<Value = Step> {
             2 => 0u64..=300_000_000,
             1 => 0u64..=6_000_000_000,
             2 => round,
+            1 => 0u64..=40 * 86_400_000_000_000,
         ]
         .boxed()
     };
@@ -440,11 +446,14 @@ async fn a_flushed_script_is_reloaded_transparently() {
 }
 
 #[test]
-fn policies_beyond_the_redis_horizon_are_refused_when_the_layer_is_built() {
+fn settings_and_policies_the_store_cannot_run_are_refused_when_built() {
     let store = RedisStore::builder("redis://127.0.0.1:1/").build().unwrap();
-    let monthly =
-        Policy::single("monthly", Quota::new(1000, Duration::from_secs(30 * 86_400))).unwrap();
-    let err = tollgate::RateLimitLayer::builder(monthly).store(store).build().unwrap_err();
+    let tiny = Policy::builder("tiny")
+        .algorithm(Algorithm::FixedWindow)
+        .tier("t", Quota::new(1, Duration::from_micros(100)))
+        .build()
+        .unwrap();
+    let err = tollgate::RateLimitLayer::builder(tiny).store(store).build().unwrap_err();
     assert!(matches!(err, tollgate::ConfigError::UnsupportedByStore { .. }), "{err}");
     let bad = RedisStore::builder("not a url").build().unwrap_err();
     assert!(matches!(bad, tollgate::ConfigError::Invalid { setting: "url", .. }), "{bad}");
@@ -458,6 +467,48 @@ fn policies_beyond_the_redis_horizon_are_refused_when_the_layer_is_built() {
     assert!(matches!(err, tollgate::ConfigError::Invalid { setting: "circuit_breaker", .. }));
     let err = RedisStore::cluster_builder(Vec::<String>::new()).build().unwrap_err();
     assert!(matches!(err, tollgate::ConfigError::Invalid { setting: "url", .. }), "{err}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Long horizons: monthly and yearly quotas, at microsecond precision, as in memory.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn yearly_and_monthly_quotas_decide_exactly_like_memory() {
+    let Some(server) = Server::start("redis-server") else { return };
+    const DAY: u64 = 86_400_000_000_000;
+    for algorithm in Algorithm::ALL {
+        let (year, month) = if algorithm == Algorithm::SlidingLog {
+            (10_000, 1_000)
+        } else {
+            (10_000_000, 1_000_000)
+        };
+        let policy = Policy::builder(format!("plan-{}", algorithm.name()))
+            .algorithm(algorithm)
+            .tier("year", Quota::new(year, Duration::from_secs(365 * 86_400)))
+            .tier("month", Quota::new(month, Duration::from_secs(30 * 86_400)))
+            .build()
+            .unwrap();
+        assert_eq!(policy.precision(), Duration::from_micros(1));
+        let clock = FakeClock::new();
+        clock.set(1_700_000_000_123_456_789);
+        let redis =
+            fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "long:".into());
+        let redis = Limiter::with_store(policy.clone(), redis).unwrap();
+        let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        let memory = Limiter::with_store(policy, memory).unwrap();
+        // Spend most of the month at once (one unit at a time for the log), then probe past the
+        // month's end and across the year.
+        let big = if algorithm == Algorithm::SlidingLog { 1 } else { month - 3 };
+        let steps: &[(u64, u64)] =
+            &[(0, big), (0, 2), (0, 5), (DAY, 1), (29 * DAY, 3), (2 * DAY, 4), (200 * DAY, 7)];
+        for (i, &(advance, cost)) in steps.iter().enumerate() {
+            clock.advance(Duration::from_nanos(advance));
+            let m = memory.check(&Key::Global, cost).await.unwrap();
+            let r = redis.check(&Key::Global, cost).await.unwrap();
+            assert_eq!(m, r, "{algorithm:?} step {i}");
+            assert_eq!(r.source(), Source::Store);
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -536,6 +587,7 @@ async fn without_a_fallback_the_layer_fails_closed_or_open_as_configured() {
     let store = RedisStore::builder(server.url())
         .timeout(Duration::from_millis(300))
         .circuit_breaker(1, Duration::from_secs(600))
+        .no_fallback()
         .build()
         .unwrap();
     let policy = Policy::single("outage", Quota::per_hour(5)).unwrap();

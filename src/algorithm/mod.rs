@@ -163,9 +163,43 @@ pub(crate) enum Mode {
     Shape(u64),
 }
 
-/// Decides one request of `cost` over all tiers of `policy` at `now`, charging every tier when
-/// admitted and none otherwise. Returns the decision and, when admitted, the charges per tier.
+/// The instant `now` (nanoseconds) in `policy`'s time unit (see [`Policy::precision`]): the unit
+/// it falls in.
+#[inline]
+pub(crate) fn in_units(policy: &Policy, now: u64) -> u64 {
+    now / policy.unit()
+}
+
+/// Decides one request of `cost` over all tiers of `policy` at `now` (nanoseconds), charging
+/// every tier when admitted and none otherwise. Returns the decision (in nanoseconds) and, when
+/// admitted, the charges per tier (instants in the policy's unit).
+///
+/// A policy whose unit is a microsecond decides at the microsecond `now` falls in, and reports
+/// every wait as the nanoseconds from `now` to the start of the microsecond it ends in: a retry
+/// at `now + retry_after` is admitted, one a nanosecond earlier is not.
 pub(crate) fn decide(
+    policy: &Policy,
+    states: &mut [TierState],
+    now: u64,
+    cost: u64,
+    mode: Mode,
+) -> (Decision, Option<Charges>) {
+    let unit = policy.unit();
+    if unit == 1 {
+        return decide_in_units(policy, states, now, cost, mode);
+    }
+    let at = now / unit;
+    let mode = match mode {
+        Mode::Police => Mode::Police,
+        Mode::Shape(budget) => Mode::Shape(budget / unit),
+    };
+    let (mut decision, charges) = decide_in_units(policy, states, at, cost, mode);
+    decision.rescale(at, unit, now);
+    (decision, charges)
+}
+
+/// [`decide`] with `now` and the mode's budget in the policy's unit.
+fn decide_in_units(
     policy: &Policy,
     states: &mut [TierState],
     now: u64,

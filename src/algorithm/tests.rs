@@ -299,16 +299,58 @@ fn stacked_leaky_shaping_keeps_every_tier_smooth() {
 
 #[test]
 fn an_unlimited_shaping_budget_behind_a_huge_queue_does_not_overflow() {
-    // Found by tests/config.rs: 26 units queued in a bucket draining one unit per 22 years, then
-    // a request willing to wait forever. The departure instant saturates instead of wrapping.
-    let q = Quota::new(1, Duration::from_secs_f64(709_490_156.553_312_5)).with_burst(10_000);
+    // Found by tests/config.rs: units queued in a bucket that drains one unit per 20 years, then
+    // a request willing to wait forever, ten years before the clock's last instant. The
+    // departure instant saturates instead of wrapping.
+    const YEAR: u64 = 365 * 86_400 * S;
+    let q = Quota::new(1, Duration::from_secs(20 * 365 * 86_400)).with_burst(1);
     let mut r = Run::one(Algorithm::LeakyBucket, q);
-    assert!(allowed(&r.at(3_323_426_122, 26)));
-    let d = r.shape(3_323_426_122, 1, u64::MAX);
+    let now = u64::MAX - 10 * YEAR;
+    assert!(allowed(&r.at(now, 1)));
+    let d = r.shape(now, 1, u64::MAX);
     assert!(allowed(&d));
-    // It leaves after the 26 units ahead of it drain, one per period: 26 periods, an instant
-    // past u64::MAX nanoseconds (the charge is recorded at u64::MAX).
-    let period = u64::try_from(q.period().as_nanos()).unwrap();
-    assert_eq!(d.delay(), Duration::from_nanos(26 * period));
-    assert!(3_323_426_122_u64.checked_add(26 * period).is_none());
+    // It leaves after the unit ahead of it drains, 20 years on: past u64::MAX nanoseconds.
+    assert_eq!(d.delay(), Duration::from_nanos(u64::MAX - now));
+}
+
+#[test]
+fn long_policies_decide_in_microseconds_and_retries_stay_exact() {
+    const DAY: u64 = 86_400 * S;
+    for alg in Algorithm::ALL {
+        let mut r = Run::one(alg, Quota::new(3, Duration::from_secs(30 * 86_400)));
+        assert_eq!(r.policy.precision(), Duration::from_micros(1), "{alg:?}");
+        // Not on a microsecond boundary.
+        let t0 = 5 * DAY + 123_456_789;
+        for _ in 0..3 {
+            assert!(allowed(&r.at(t0, 1)), "{alg:?}");
+        }
+        let d = r.at(t0, 1);
+        assert_eq!(d.outcome(), Outcome::Limited, "{alg:?}");
+        let wait = retry(&d);
+        assert!(!allowed(&r.at(t0 + wait - 1, 1)), "{alg:?}: a nanosecond early");
+        assert!(allowed(&r.at(t0 + wait, 1)), "{alg:?}: at the retry instant");
+        // Every reported instant ends on a microsecond boundary.
+        assert_eq!((t0 + wait) % 1000, 0, "{alg:?}");
+    }
+}
+
+#[test]
+fn yearly_and_monthly_tiers_stack() {
+    let policy = Policy::builder("plan")
+        .tier("year", Quota::new(10_000_000, Duration::from_secs(365 * 86_400)))
+        .tier("month", Quota::new(1_000_000, Duration::from_secs(30 * 86_400)))
+        .build()
+        .unwrap();
+    let mut states: Vec<TierState> =
+        policy.tiers().iter().map(|t| TierState::fresh(policy.algorithm(), t.rate, 0)).collect();
+    let (d, _) = decide(&policy, &mut states, 7 * S, 999_999, Mode::Police);
+    assert!(allowed(&d));
+    assert_eq!((d.tiers()[0].remaining(), d.tiers()[1].remaining()), (9_000_001, 1));
+    let (d, _) = decide(&policy, &mut states, 7 * S, 2, Mode::Police);
+    assert_eq!(d.outcome(), Outcome::Limited);
+    // The month refills one unit every 2.592 s: two units need 2 x 2.592 s after the first one
+    // left at 0 s ... measured from 7 s, as the model computes it.
+    let wait = retry(&d);
+    let (d, _) = decide(&policy, &mut states, 7 * S + wait, 2, Mode::Police);
+    assert!(allowed(&d), "{wait}");
 }

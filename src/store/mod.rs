@@ -34,7 +34,9 @@ use std::time::Duration;
 
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
-pub use self::redis::{BreakerState, RedisPolicy, RedisStore, RedisStoreBuilder, RedisTicket};
+pub use self::redis::{
+    BreakerState, RedisPolicy, RedisStore, RedisStoreBuilder, RedisTicket, ServerInfo, ServerKind,
+};
 pub use memory::{MemoryPolicy, MemoryStore, MemoryStoreBuilder, MemoryTicket};
 
 use crate::decision::Decision;

@@ -14,7 +14,7 @@ use table::{Core, Shard, general_mut, lock};
 
 use super::{Check, Store, Verdict};
 use crate::algorithm::{
-    Charge, Charges, GcraStep, Mode, TierState, WholeGcra, budget, decide, whole_decision,
+    Charge, Charges, GcraStep, Mode, TierState, WholeGcra, budget, decide, in_units, whole_decision,
 };
 use crate::clock::{AnyClock, Clock, duration_to_nanos};
 use crate::error::{ConfigError, StoreError};
@@ -176,6 +176,17 @@ impl MemoryStoreBuilder {
         self
     }
 
+    /// The clock, already recognised.
+    pub(crate) fn any_clock(mut self, clock: AnyClock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The store of the default settings and this builder's clock (never invalid).
+    pub(crate) fn assembled(self) -> MemoryStore {
+        self.assemble()
+    }
+
     /// Hard cap on keys held (default 1,000,000); at least 1.
     pub fn max_keys(mut self, max_keys: usize) -> Self {
         self.max_keys = max_keys;
@@ -271,7 +282,9 @@ impl MemoryStore {
     #[must_use]
     pub fn bind_policy(&self, policy: &Policy) -> MemoryPolicy {
         let whole = match policy.tiers() {
-            [tier] if policy.algorithm() == Algorithm::Gcra => WholeGcra::of(tier.rate),
+            [tier] if policy.algorithm() == Algorithm::Gcra && policy.unit() == 1 => {
+                WholeGcra::of(tier.rate)
+            }
             _ => None,
         };
         let core = Arc::new(Core { policy: policy.clone(), whole, overflow: Mutex::new(None) });
@@ -489,6 +502,7 @@ impl Inner {
         let core = &bound.core;
         let now = self.clock.now();
         let policy = &core.policy;
+        let now_units = in_units(policy, now);
         let extra = cost > ticket.cost;
         let apply = |states: &mut [TierState]| {
             let alg = policy.algorithm();
@@ -496,7 +510,8 @@ impl Inner {
                 states.iter_mut().zip(policy.tiers()).zip(&ticket.charges)
             {
                 if extra {
-                    state.charge(alg, tier.rate, now, charge.at.max(now), cost - ticket.cost);
+                    let at = charge.at.max(now_units);
+                    state.charge(alg, tier.rate, now_units, at, cost - ticket.cost);
                 } else {
                     state.refund(alg, tier.rate, *charge, ticket.cost - cost);
                 }

@@ -17,7 +17,7 @@ use spinning_top::Spinlock;
 use spinning_top::guard::SpinlockGuard;
 
 use super::compact::Compact;
-use crate::algorithm::{TierState, WholeGcra};
+use crate::algorithm::{TierState, WholeGcra, in_units};
 use crate::quota::Policy;
 
 /// Hashes a fingerprint (already uniformly random) by using it as is.
@@ -55,13 +55,17 @@ pub(super) struct Core {
 }
 
 impl Core {
+    /// The state of a key never seen, at `now` (nanoseconds).
     pub(super) fn fresh(&self, now: u64) -> Box<[TierState]> {
         let alg = self.policy.algorithm();
+        let now = in_units(&self.policy, now);
         self.policy.tiers().iter().map(|t| TierState::fresh(alg, t.rate, now)).collect()
     }
 
+    /// Whether `states` decide like a fresh key's at `now` (nanoseconds).
     pub(super) fn is_idle(&self, states: &[TierState], now: u64) -> bool {
         let alg = self.policy.algorithm();
+        let now = in_units(&self.policy, now);
         states.iter().zip(self.policy.tiers()).all(|(s, t)| s.is_idle(alg, t.rate, now))
     }
 }

@@ -31,6 +31,8 @@ pub enum BreakerState {
 }
 
 pub(crate) struct Breaker {
+    /// The node's address, for the log.
+    node: std::sync::Arc<str>,
     threshold: u32,
     open_for: u64,
     origin: Instant,
@@ -54,8 +56,9 @@ pub(crate) enum Admit<'a> {
 }
 
 impl Breaker {
-    pub(crate) fn new(threshold: u32, open_for: Duration) -> Self {
+    pub(crate) fn new(node: std::sync::Arc<str>, threshold: u32, open_for: Duration) -> Self {
         Self {
+            node,
             threshold: threshold.max(1),
             open_for: duration_to_nanos(open_for),
             origin: Instant::now(),
@@ -110,6 +113,7 @@ impl Breaker {
                 .is_ok()
             {
                 tracing::warn!(
+                    node = %self.node,
                     failures = n,
                     open_for = ?Duration::from_nanos(self.open_for),
                     "tollgate: redis circuit breaker opened; calls are not attempted"
@@ -132,7 +136,7 @@ impl Probe<'_> {
         b.failures.store(0, Ordering::Release);
         b.open_until.store(0, Ordering::Release);
         b.probing.store(false, Ordering::Release);
-        tracing::info!("tollgate: redis answered the probe; circuit breaker closed");
+        tracing::info!(node = %b.node, "tollgate: redis answered the probe; circuit breaker closed");
     }
 
     pub(crate) fn failure(mut self) {
@@ -144,7 +148,7 @@ impl Probe<'_> {
         let b = self.breaker;
         b.open_until.store(b.now().saturating_add(b.open_for), Ordering::Release);
         b.probing.store(false, Ordering::Release);
-        tracing::debug!("tollgate: redis probe failed; circuit breaker stays open");
+        tracing::debug!(node = %b.node, "tollgate: redis probe failed; circuit breaker stays open");
     }
 }
 
@@ -168,7 +172,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn opens_after_threshold_consecutive_failures_only() {
-        let b = Breaker::new(3, OPEN_FOR);
+        let b = Breaker::new("test".into(), 3, OPEN_FOR);
         b.failure();
         b.failure();
         b.success(); // resets the run
@@ -183,7 +187,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn half_open_lets_exactly_one_probe_through() {
-        let b = Breaker::new(1, OPEN_FOR);
+        let b = Breaker::new("test".into(), 1, OPEN_FOR);
         b.failure();
         tokio::time::advance(OPEN_FOR - Duration::from_nanos(1)).await;
         assert!(matches!(b.admit(), Admit::Reject), "still open 1 ns before the end");
@@ -198,7 +202,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_failed_or_abandoned_probe_reopens_for_a_full_period() {
-        let b = Breaker::new(1, OPEN_FOR);
+        let b = Breaker::new("test".into(), 1, OPEN_FOR);
         b.failure();
         tokio::time::advance(OPEN_FOR).await;
         let Admit::Probe(probe) = b.admit() else { panic!("expected the probe") };
@@ -214,7 +218,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn late_failures_do_not_extend_the_open_period() {
-        let b = Breaker::new(1, OPEN_FOR);
+        let b = Breaker::new("test".into(), 1, OPEN_FOR);
         b.failure();
         tokio::time::advance(OPEN_FOR / 2).await;
         b.failure(); // a call that was in flight when the breaker opened

@@ -1,20 +1,23 @@
-//! [`RedisStore`]: limits shared by a fleet through Redis, Redis Cluster or Valkey (SPEC §8).
+//! [`RedisStore`]: limits shared by a fleet through Redis, Redis Cluster or Valkey.
 
 mod breaker;
-mod call;
+mod cluster;
+mod node;
+mod script;
 
+use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, LazyLock, PoisonError, RwLock};
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::cluster::ClusterClient;
-use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Script, Value};
+use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo};
+use tokio::sync::oneshot;
 
 pub use breaker::BreakerState;
-use breaker::{Admit, Breaker};
-use call::{Call, Now, Prepared};
+use cluster::SlotMap;
+use node::{Item, Node, Settings};
+pub use node::{ServerInfo, ServerKind};
+use script::Prepared;
 
 use super::memory::{MemoryPolicy, MemoryTicket};
 use super::{Check, MemoryStore, Store, Verdict};
@@ -25,194 +28,102 @@ use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
 use crate::quota::Policy;
 
-/// The script: every algorithm, all tiers of one request, one atomic call. Sent with `EVALSHA`;
-/// `redis::Script` loads it (`SCRIPT LOAD`) and retries when the server answers `NOSCRIPT`.
-static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("limit.lua")));
-
-/// The fast path for the common case — GCRA tiers with whole-nanosecond emission intervals —
-/// keeping every tier's TAT in one string: one `GET`, one `SET`.
-static FAST: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("gcra.lua")));
-
-const DEFAULT_PREFIX: &str = "tollgate:";
-const DEFAULT_TIMEOUT: Duration = Duration::from_millis(100);
-const DEFAULT_FAILURE_THRESHOLD: u32 = 5;
-const DEFAULT_OPEN_FOR: Duration = Duration::from_millis(500);
-
 /// A [`Store`] in Redis: every instance of a service that uses the same Redis shares one limit.
 ///
-/// - **One round trip, atomic.** Each request runs one Lua script (`EVALSHA`) that decides
-///   every tier of the policy, with any of the six algorithms, and charges them all or none.
-///   It makes the same decisions as [`MemoryStore`] (a differential test replays random traces
-///   through both), including shaping reservations and [`settle`](Store::settle) /
-///   cancel.
-/// - **Server time.** By default the script reads the Redis server's `TIME`, so clock skew
+/// - **Atomic, batched.** Checks are decided by Lua scripts (one per algorithm family, sent
+///   with `EVALSHA` and reloaded on `NOSCRIPT`) that decide every tier of a request together
+///   and charge all or none. Concurrent checks waiting on one connection are sent as one script
+///   call that decides them in order (per Redis Cluster slot), so the script's fixed cost is
+///   paid once per batch; each key's state is read and written once per call. Decisions are
+///   those of [`MemoryStore`]: a differential test replays random traces through both.
+/// - **Bounded cost.** Every check costs Redis a bounded amount of work whatever the quota:
+///   GCRA and the buckets O(1), windows O(1), the sliding log O(log n) in the log's size (plus,
+///   for an admitted request of cost c, O(c)); no script reads a whole log.
+/// - **Long horizons.** State is packed binary, instants as (seconds, units), so periods up to
+///   [`MAX_SPAN`](crate::MAX_SPAN) work (yearly quotas), at the policy's
+///   [`precision`](Policy::precision).
+/// - **Server time.** By default the scripts read the Redis server's `TIME`, so clock skew
 ///   between app servers cannot loosen a limit. [`RedisStoreBuilder::clock`] uses an injected
 ///   [`Clock`] instead (deterministic tests).
-/// - **Keys.** `{prefix}{{policy}|{key}}:{fingerprint}` — a hash holding every tier's state
-///   (plus one sorted set per tier for the sliding log, `...:z1`, `...:z2`). Everything that
-///   identifies the limit is inside the hash tag, so one key's tiers share a Redis Cluster
+/// - **Keys.** `{prefix}{{policy}|{key}}:{fingerprint}`: a string holding every tier's state,
+///   packed (plus one sorted set per tier for the sliding log, `...:z1`, `...:z2`). Everything
+///   that identifies the limit is inside the hash tag, so one key's tiers share a Redis Cluster
 ///   slot; `{`, `}`, `|` and `%` in names are percent-escaped. The fingerprint changes when the
 ///   policy's algorithm or quotas change, so reconfigured policies start afresh. Every key gets
 ///   a TTL equal to the time until its state is back to full (plus
 ///   [`ttl_grace`](RedisStoreBuilder::ttl_grace)), so idle keys vanish by themselves.
-/// - **Connections.** One multiplexed connection (redis-rs `ConnectionManager`, reconnecting on
-///   its own) or the async Redis Cluster client; concurrent requests are pipelined on it, with
-///   no connection per request and no lock. The connection is opened on first use, so a
-///   service starts even while Redis is down ([`connect`](Self::connect) opens it eagerly).
-/// - **Failures** (SPEC §8). Each call has a [`timeout`](RedisStoreBuilder::timeout). A failed
-///   call either falls back to a local [`MemoryStore`]
-///   ([`fallback`](RedisStoreBuilder::fallback); the decision's [`source`] is then
-///   [`Source::Fallback`]) or returns a [`StoreError`], which the layer turns into fail-open or
-///   fail-closed ([`OnStoreError`](crate::OnStoreError)). After
-///   [`failure_threshold`](RedisStoreBuilder::circuit_breaker) consecutive failures a circuit
-///   breaker stops calling Redis for `open_for` (requests no longer pay the timeout), then
-///   probes it with one call and closes again when it answers. Transitions are logged with
-///   `tracing`; [`breaker_state`](Self::breaker_state) reports the current one.
+/// - **Connections.** One multiplexed connection per server (per master on Redis Cluster, whose
+///   slots are read with `CLUSTER SLOTS`), opened on first use; no connection per request.
+/// - **Failures, per node.** Each call has a [`timeout`](RedisStoreBuilder::timeout); time a
+///   check spends queued behind others is not counted, so load the store puts on itself never
+///   turns into a failure. Each server (each Cluster master) has its own circuit breaker: after
+///   [`failure_threshold`](RedisStoreBuilder::circuit_breaker) consecutive failed calls it stops
+///   calling that server for `open_for`, then probes it with one call. A rejection is a decision,
+///   never a failure. While a server fails, its keys are decided by the **local fallback** (a
+///   [`MemoryStore`] in this process, on by default; decisions then report
+///   [`Source::Fallback`]); keys on other masters stay on Redis. Without a fallback
+///   ([`RedisStoreBuilder::no_fallback`]) the check returns a [`StoreError`], and the layer
+///   fails closed or, by explicit choice, open ([`OnStoreError`](crate::OnStoreError)).
 ///
-/// Works with Redis 6.2+, Valkey 7.2+ and Redis Cluster; the tests run against redis-server
-/// 7.0, a three-master Redis Cluster and valkey-server 8.0.
+/// Works with Redis 6.2+, Valkey 7.2+ and Redis Cluster; the server's kind and version are
+/// logged when a connection opens. The tests run against redis-server 7.0, a three-master
+/// Redis Cluster and valkey-server 8.0.
 ///
-/// Clones share the connection, the breaker and the fallback.
+/// Clones share the connections, the breakers and the fallback.
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use tollgate::store::{MemoryStore, RedisStore};
+/// use tollgate::store::RedisStore;
 /// use tollgate::{Policy, Quota, RateLimitLayer};
 ///
 /// # fn main() -> Result<(), tollgate::ConfigError> {
 /// let store = RedisStore::builder("redis://127.0.0.1:6380/")
 ///     .timeout(Duration::from_millis(50))
-///     .fallback(MemoryStore::new()) // decide locally while Redis is unreachable
 ///     .build()?;
 /// let policy = Policy::builder("api")
 ///     .tier("burst", Quota::per_second(10))
-///     .tier("daily", Quota::per_day(10_000))
+///     .tier("monthly", Quota::new(1_000_000, Duration::from_secs(30 * 86_400)))
 ///     .build()?;
 /// let layer = RateLimitLayer::builder(policy).store(store).build()?;
 /// # let _ = layer; Ok(()) }
 /// ```
-///
-/// [`source`]: crate::Decision::source
 #[derive(Clone)]
 pub struct RedisStore {
     inner: Arc<Inner>,
 }
 
 struct Inner {
-    target: Target,
-    /// The connection, opened on first use. A failed attempt leaves it empty so that the next
-    /// call tries again, and a failed breaker probe empties it, so that the next probe starts
-    /// from a new client rather than one stuck recovering (redis-rs's cluster client can stay
-    /// broken after a node restart under load; a new one works at once).
-    /// Read (and the handle cloned) by every call, so readers never wait for each other; written
-    /// only to replace the connection.
-    conn: RwLock<Option<Connection>>,
-    /// Held while opening a connection, so concurrent calls wait for one attempt.
-    connecting: tokio::sync::Mutex<()>,
+    topology: Topology,
+    settings: Arc<Settings>,
     prefix: Box<str>,
-    /// `None`: the server's `TIME`.
-    clock: Option<AnyClock>,
-    timeout: Duration,
     grace_ms: u64,
-    breaker: Breaker,
     fallback: Option<MemoryStore>,
 }
 
-enum Target {
-    Single(redis::Client),
-    Cluster(ClusterClient),
+enum Topology {
+    Single(Arc<Node>),
+    Cluster(Cluster),
 }
 
-/// A standalone (or Valkey) connection or a cluster connection; both multiplexed and cheap to
-/// clone.
-#[derive(Clone)]
-enum Connection {
-    Single(ConnectionManager),
-    Cluster(ClusterConnection),
-}
-
-impl ConnectionLike for Connection {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        match self {
-            Self::Single(c) => c.req_packed_command(cmd),
-            Self::Cluster(c) => c.req_packed_command(cmd),
-        }
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        cmd: &'a Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> RedisFuture<'a, Vec<Value>> {
-        match self {
-            Self::Single(c) => c.req_packed_commands(cmd, offset, count),
-            Self::Cluster(c) => c.req_packed_commands(cmd, offset, count),
-        }
-    }
-
-    fn get_db(&self) -> i64 {
-        match self {
-            Self::Single(c) => c.get_db(),
-            Self::Cluster(c) => c.get_db(),
-        }
-    }
+/// A Redis Cluster's masters, found from its seed nodes.
+struct Cluster {
+    seeds: Vec<ConnectionInfo>,
+    /// The slot map, read on first use and again after a redirection.
+    map: RwLock<Option<Arc<SlotMap>>>,
+    nodes: RwLock<HashMap<String, Arc<Node>>>,
+    refreshing: tokio::sync::Mutex<()>,
 }
 
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let i = &self.inner;
         f.debug_struct("RedisStore")
-            .field("cluster", &matches!(i.target, Target::Cluster(_)))
+            .field("cluster", &matches!(i.topology, Topology::Cluster(_)))
             .field("prefix", &i.prefix)
-            .field("server_time", &i.clock.is_none())
-            .field("timeout", &i.timeout)
-            .field("breaker", &i.breaker.state())
+            .field("server_time", &i.settings.clock.is_none())
+            .field("timeout", &i.settings.timeout)
             .field("fallback", &i.fallback.is_some())
             .finish_non_exhaustive()
-    }
-}
-
-impl RedisStore {
-    /// Starts configuring a store on one Redis (or Valkey) server, e.g.
-    /// `"redis://127.0.0.1:6380/"` or `"rediss://user:pass@host/0"` (the URL forms of the
-    /// `redis` crate). Nothing is connected until the first call or [`connect`](Self::connect).
-    pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
-        RedisStoreBuilder::new(vec![url.into()], false)
-    }
-
-    /// Starts configuring a store on a Redis Cluster, given one or more of its nodes' URLs (the
-    /// rest of the cluster is discovered from them).
-    pub fn cluster_builder<I>(nodes: I) -> RedisStoreBuilder
-    where
-        I: IntoIterator,
-        I::Item: Into<String>,
-    {
-        RedisStoreBuilder::new(nodes.into_iter().map(Into::into).collect(), true)
-    }
-
-    /// Opens the connection now (and loads the script), instead of on the first request.
-    ///
-    /// # Errors
-    /// [`StoreError::Backend`] when Redis refuses, [`StoreError::Timeout`] when it does not
-    /// answer within the store's timeout.
-    pub async fn connect(&self) -> Result<(), StoreError> {
-        let inner = &self.inner;
-        let attempt = async {
-            let mut conn = inner.connection().await?;
-            SCRIPT.load_async(&mut conn).await?;
-            FAST.load_async(&mut conn).await.map(drop)
-        };
-        match tokio::time::timeout(inner.timeout, attempt).await {
-            Ok(result) => result.map_err(StoreError::backend),
-            Err(_) => Err(StoreError::Timeout(inner.timeout)),
-        }
-    }
-
-    /// The circuit breaker's state now.
-    #[must_use]
-    pub fn breaker_state(&self) -> BreakerState {
-        self.inner.breaker.state()
     }
 }
 
@@ -242,11 +153,11 @@ impl RedisPolicy {
         &self.policy
     }
 
-    /// The Redis key of the state of `key` (for inspection: `TTL`, `GET`, `HGETALL`).
-    /// Sliding-log policies also use `{this}:z1`, `{this}:z2`, ... per tier.
+    /// The Redis key of the state of `key` (for inspection: `TTL`, `EXISTS`). Sliding-log
+    /// policies also use `{this}:z1`, `{this}:z2`, ... per tier.
     #[must_use]
     pub fn state_key(&self, key: &Key) -> String {
-        call::state_key(&self.key_parts, key)
+        script::state_key(&self.key_parts, key)
     }
 }
 
@@ -268,81 +179,223 @@ struct Remote {
     charges: Charges,
 }
 
-impl Inner {
-    fn now(&self) -> Now {
-        self.clock.as_ref().map_or(Now::Server, |c| Now::At(c.now()))
+impl RedisStore {
+    /// Starts configuring a store on one Redis (or Valkey) server, e.g.
+    /// `"redis://127.0.0.1:6380/"` or `"rediss://user:pass@host/0"` (the URL forms of the
+    /// `redis` crate). Nothing is connected until the first call or [`connect`](Self::connect).
+    pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
+        RedisStoreBuilder::new(vec![url.into()], false)
     }
 
-    fn current(&self) -> Option<Connection> {
-        self.conn.read().unwrap_or_else(PoisonError::into_inner).clone()
+    /// Starts configuring a store on a Redis Cluster, given one or more of its nodes' URLs (the
+    /// masters are discovered from them with `CLUSTER SLOTS`).
+    pub fn cluster_builder<I>(nodes: I) -> RedisStoreBuilder
+    where
+        I: IntoIterator,
+        I::Item: Into<String>,
+    {
+        RedisStoreBuilder::new(nodes.into_iter().map(Into::into).collect(), true)
     }
 
-    async fn connection(&self) -> RedisResult<Connection> {
-        if let Some(conn) = self.current() {
-            return Ok(conn);
-        }
-        let _connecting = self.connecting.lock().await;
-        if let Some(conn) = self.current() {
-            return Ok(conn);
-        }
-        let conn = match &self.target {
-            Target::Single(client) => {
-                // No retries inside the manager: each failed attempt returns at once and the
-                // next call (or breaker probe) starts a new one, so recovery is not held back
-                // by the manager's own backoff (seconds to minutes).
-                let config = ConnectionManagerConfig::new()
-                    .set_number_of_retries(0)
-                    .set_connection_timeout(self.timeout);
-                Connection::Single(
-                    ConnectionManager::new_with_config(client.clone(), config).await?,
-                )
+    /// Opens the connections now (and loads the scripts), instead of on the first request, and
+    /// logs each server's kind and version.
+    ///
+    /// # Errors
+    /// [`StoreError::Backend`] when a server refuses, [`StoreError::Timeout`] when one does not
+    /// answer within the store's timeout.
+    pub async fn connect(&self) -> Result<(), StoreError> {
+        let inner = &self.inner;
+        let nodes = match &inner.topology {
+            Topology::Single(node) => vec![Arc::clone(node)],
+            Topology::Cluster(cluster) => {
+                let map = inner.slot_map(cluster).await?;
+                map.nodes()
+                    .map(|addr| inner.cluster_node(cluster, addr))
+                    .collect::<Result<_, _>>()?
             }
-            Target::Cluster(client) => Connection::Cluster(client.get_async_connection().await?),
         };
-        *self.conn.write().unwrap_or_else(PoisonError::into_inner) = Some(conn.clone());
-        Ok(conn)
-    }
-
-    /// Forgets the connection: the next call opens a new one.
-    fn discard_connection(&self) {
-        self.conn.write().unwrap_or_else(PoisonError::into_inner).take();
-    }
-
-    /// Runs one script call through the circuit breaker, within the timeout.
-    async fn eval(&self, call: &Call<'_>) -> Result<Vec<i64>, StoreError> {
-        let probe = match self.breaker.admit() {
-            Admit::Call => None,
-            Admit::Probe(probe) => Some(probe),
-            Admit::Reject => return Err(StoreError::CircuitOpen),
-        };
-        let attempt = async {
-            let mut conn = self.connection().await?;
-            match call.invocation().invoke_async::<Vec<i64>>(&mut conn).await {
-                // The connection's last (re)connect was refused, so nothing was sent; that
-                // refusal has started a new attempt: wait for it rather than fail, so that one
-                // probe suffices once Redis is back. Only refusals: a call that may have
-                // reached the server is never sent twice.
-                Err(e) if e.is_connection_refusal() => {
-                    call.invocation().invoke_async::<Vec<i64>>(&mut conn).await
+        for node in nodes {
+            let attempt = async {
+                let mut conn = node.connection().await?;
+                for family in script::Family::ALL {
+                    family.script().load_async(&mut conn).await?;
                 }
-                result => result,
+                Ok::<_, redis::RedisError>(())
+            };
+            match tokio::time::timeout(inner.settings.timeout, attempt).await {
+                Ok(result) => result.map_err(StoreError::backend)?,
+                Err(_) => return Err(StoreError::Timeout(inner.settings.timeout)),
             }
-        };
-        let result = match tokio::time::timeout(self.timeout, attempt).await {
-            Ok(Ok(reply)) => Ok(reply),
-            Ok(Err(e)) => Err(StoreError::backend(e)),
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
-        };
-        match (probe, result.is_ok()) {
-            (Some(probe), true) => probe.success(),
-            (Some(probe), false) => {
-                self.discard_connection();
-                probe.failure();
-            }
-            (None, true) => self.breaker.success(),
-            (None, false) => self.breaker.failure(),
         }
-        result
+        Ok(())
+    }
+
+    /// The circuit breaker's state now: of the server, or on Redis Cluster the most open of the
+    /// masters' breakers (see [`breaker_states`](Self::breaker_states)).
+    #[must_use]
+    pub fn breaker_state(&self) -> BreakerState {
+        let states = self.breaker_states();
+        if states.iter().any(|(_, s)| *s == BreakerState::Open) {
+            BreakerState::Open
+        } else if states.iter().any(|(_, s)| *s == BreakerState::HalfOpen) {
+            BreakerState::HalfOpen
+        } else {
+            BreakerState::Closed
+        }
+    }
+
+    /// What each server said of itself (kind and version) when its connection opened; the
+    /// servers not connected to yet are missing.
+    #[must_use]
+    pub fn servers(&self) -> Vec<ServerInfo> {
+        let mut out: Vec<ServerInfo> = match &self.inner.topology {
+            Topology::Single(node) => node.info().into_iter().collect(),
+            Topology::Cluster(cluster) => cluster
+                .nodes
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .values()
+                .filter_map(|n| n.info())
+                .collect(),
+        };
+        out.sort_by(|a, b| a.addr.cmp(&b.addr));
+        out
+    }
+
+    /// Each server's circuit breaker (`host:port`, state): one for a standalone server, one per
+    /// master known so far on Redis Cluster.
+    #[must_use]
+    pub fn breaker_states(&self) -> Vec<(String, BreakerState)> {
+        match &self.inner.topology {
+            Topology::Single(node) => vec![(node.addr.to_string(), node.breaker_state())],
+            Topology::Cluster(cluster) => {
+                let nodes = cluster.nodes.read().unwrap_or_else(PoisonError::into_inner);
+                let mut states: Vec<_> =
+                    nodes.values().map(|n| (n.addr.to_string(), n.breaker_state())).collect();
+                states.sort_by(|a, b| a.0.cmp(&b.0));
+                states
+            }
+        }
+    }
+}
+
+/// `host:port` of a connection's address.
+fn addr_of(info: &ConnectionInfo) -> String {
+    match &info.addr {
+        ConnectionAddr::Tcp(host, port) | ConnectionAddr::TcpTls { host, port, .. } => {
+            format!("{host}:{port}")
+        }
+        other => other.to_string(),
+    }
+}
+
+impl Inner {
+    /// The cluster's slot map, read with `CLUSTER SLOTS` from the first node that answers.
+    async fn slot_map(&self, cluster: &Cluster) -> Result<Arc<SlotMap>, StoreError> {
+        if let Some(map) = cluster.map.read().unwrap_or_else(PoisonError::into_inner).clone() {
+            return Ok(map);
+        }
+        let _refreshing = cluster.refreshing.lock().await;
+        if let Some(map) = cluster.map.read().unwrap_or_else(PoisonError::into_inner).clone() {
+            return Ok(map);
+        }
+        let known: Vec<Arc<Node>> = cluster
+            .nodes
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .filter(|n| n.breaker_state() == BreakerState::Closed)
+            .cloned()
+            .collect();
+        let mut last = StoreError::backend("no Redis Cluster node answered CLUSTER SLOTS");
+        let seeds = cluster.seeds.iter().map(|info| self.node_for(info.clone()));
+        for node in known.into_iter().chain(seeds) {
+            let ask = async {
+                let mut conn = node.connection().await?;
+                redis::cmd("CLUSTER").arg("SLOTS").query_async::<redis::Value>(&mut conn).await
+            };
+            match tokio::time::timeout(self.settings.timeout, ask).await {
+                Ok(Ok(reply)) => {
+                    if let Some(map) = SlotMap::parse(&reply) {
+                        let map = Arc::new(map);
+                        *cluster.map.write().unwrap_or_else(PoisonError::into_inner) =
+                            Some(Arc::clone(&map));
+                        return Ok(map);
+                    }
+                    last = StoreError::backend("unexpected CLUSTER SLOTS reply");
+                }
+                Ok(Err(e)) => last = StoreError::backend(e),
+                Err(_) => last = StoreError::Timeout(self.settings.timeout),
+            }
+        }
+        Err(last)
+    }
+
+    /// A node for a connection (not registered).
+    fn node_for(&self, info: ConnectionInfo) -> Arc<Node> {
+        let addr: Arc<str> = addr_of(&info).into();
+        let client = redis::Client::open(info).unwrap_or_else(|_| unreachable_client());
+        Arc::new(Node::new(addr, client, Arc::clone(&self.settings)))
+    }
+
+    /// The registered node of master `addr` (`host:port`), made from the first seed's settings.
+    fn cluster_node(&self, cluster: &Cluster, addr: &str) -> Result<Arc<Node>, StoreError> {
+        if let Some(node) = cluster.nodes.read().unwrap_or_else(PoisonError::into_inner).get(addr) {
+            return Ok(Arc::clone(node));
+        }
+        let mut nodes = cluster.nodes.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some(node) = nodes.get(addr) {
+            return Ok(Arc::clone(node));
+        }
+        let (host, port) = addr
+            .rsplit_once(':')
+            .and_then(|(h, p)| Some((h.to_owned(), p.parse::<u16>().ok()?)))
+            .ok_or_else(|| StoreError::backend(format!("bad node address {addr:?}")))?;
+        let mut info =
+            cluster.seeds.first().cloned().ok_or_else(|| StoreError::backend("no seed"))?;
+        info.addr = match info.addr {
+            ConnectionAddr::TcpTls { insecure, tls_params, .. } => {
+                ConnectionAddr::TcpTls { host, port, insecure, tls_params }
+            }
+            _ => ConnectionAddr::Tcp(host, port),
+        };
+        let node = self.node_for(info);
+        nodes.insert(addr.to_owned(), Arc::clone(&node));
+        Ok(node)
+    }
+
+    /// Sends `blob` (a check or settlement on `keys`) to the node of its key and awaits its
+    /// part of the reply and the instant decided at.
+    async fn submit(
+        &self,
+        prepared: &Prepared,
+        keys: Vec<String>,
+        blob: Vec<u8>,
+        reply_len: usize,
+    ) -> Result<(Vec<i64>, u64), StoreError> {
+        let (node, slot) = match &self.topology {
+            Topology::Single(node) => (Arc::clone(node), 0),
+            Topology::Cluster(cluster) => {
+                let slot = cluster::slot(&keys[0]);
+                let map = self.slot_map(cluster).await?;
+                let addr = map
+                    .node_of(slot)
+                    .ok_or_else(|| StoreError::backend(format!("slot {slot} is not served")))?;
+                (self.cluster_node(cluster, addr)?, slot)
+            }
+        };
+        let (tx, rx) = oneshot::channel();
+        node.submit(Item { family: prepared.family, slot, keys, blob, reply_len, answer: tx });
+        let answer = rx.await.unwrap_or_else(|_| Err(StoreError::backend("redis call abandoned")));
+        if let (Err(StoreError::Backend(e)), Topology::Cluster(cluster)) = (&answer, &self.topology)
+        {
+            // A redirection: the slots moved. Read them again for the next call.
+            let text = e.to_string();
+            if text.contains("MOVED") || text.contains("ASK") || text.contains("CLUSTERDOWN") {
+                cluster.map.write().unwrap_or_else(PoisonError::into_inner).take();
+            }
+        }
+        answer
     }
 
     /// Decides on the local fallback after `error`, or returns `error` without one.
@@ -363,16 +416,23 @@ impl Inner {
     }
 }
 
+/// `redis::Client::open` cannot fail for a `ConnectionInfo` (it only parses URLs); this
+/// client, on a closed port of loopback, is never made.
+#[cold]
+fn unreachable_client() -> redis::Client {
+    redis::Client::open(("127.0.0.1", 1)).unwrap_or_else(|_| unreachable_client())
+}
+
 impl Store for RedisStore {
     type Bound = RedisPolicy;
     type Ticket = RedisTicket;
 
     fn bind(&self, policy: &Policy) -> Result<RedisPolicy, ConfigError> {
-        call::validate(policy)?;
+        script::validate(policy)?;
         let inner = &self.inner;
         Ok(RedisPolicy {
             policy: policy.clone(),
-            key_parts: call::key_parts(&inner.prefix, policy),
+            key_parts: script::key_parts(&inner.prefix, policy),
             prepared: Prepared::new(policy, inner.grace_ms),
             local: inner.fallback.as_ref().map(|local| local.bind_policy(policy)),
         })
@@ -384,17 +444,17 @@ impl Store for RedisStore {
         check: Check<'_>,
     ) -> Result<Verdict<RedisTicket>, StoreError> {
         let inner = &*self.inner;
+        let prepared = &bound.prepared;
         let state_key = bound.state_key(check.key);
-        let call =
-            Call::check(state_key, &bound.prepared, inner.now(), check.cost, check.max_delay);
-        let decided = inner
-            .eval(&call)
-            .await
-            .and_then(|reply| call::decode(&bound.policy, check.cost, &reply));
+        let ticket_key = (check.ticket && check.cost > 0).then(|| state_key.clone());
+        let keys = prepared.keys(state_key);
+        let blob = prepared.check(check.cost, check.max_delay);
+        let answered = inner.submit(prepared, keys, blob, prepared.check_reply_len()).await;
+        let decided =
+            answered.and_then(|(reply, at)| script::decode(&bound.policy, check.cost, at, &reply));
         match decided {
             Ok((decision, charges)) => {
-                let ticket = charges.filter(|_| check.cost > 0 && check.ticket).map(|charges| {
-                    let state_key = call.keys.into_iter().next().unwrap_or_default();
+                let ticket = charges.zip(ticket_key).map(|(charges, state_key)| {
                     RedisTicket(Charged::Remote(Box::new(Remote {
                         state_key,
                         cost: check.cost,
@@ -425,21 +485,17 @@ impl Store for RedisStore {
                 if cost == remote.cost {
                     return Ok(());
                 }
-                let call = Call::settle(
-                    remote.state_key,
-                    &bound.prepared,
-                    inner.now(),
-                    remote.cost,
-                    &remote.charges,
-                    cost,
-                );
-                inner.eval(&call).await.map(drop)
+                let prepared = &bound.prepared;
+                let blob = prepared.settle(remote.cost, &remote.charges, cost);
+                let keys = prepared.keys(remote.state_key);
+                inner.submit(prepared, keys, blob, 0).await.map(drop)
             }
         }
     }
 }
 
 /// Configures a [`RedisStore`]; see [`RedisStore::builder`] and [`RedisStore::cluster_builder`].
+/// Setters only collect values; [`build`](Self::build) checks them.
 #[must_use]
 pub struct RedisStoreBuilder {
     nodes: Vec<String>,
@@ -468,18 +524,18 @@ impl RedisStoreBuilder {
         Self {
             nodes,
             cluster,
-            prefix: DEFAULT_PREFIX.to_owned(),
+            prefix: "tollgate:".to_owned(),
             clock: None,
-            timeout: DEFAULT_TIMEOUT,
+            timeout: Duration::from_millis(100),
             ttl_grace: Duration::ZERO,
-            threshold: DEFAULT_FAILURE_THRESHOLD,
-            open_for: DEFAULT_OPEN_FOR,
-            fallback: None,
+            threshold: 5,
+            open_for: Duration::from_millis(500),
+            fallback: Some(MemoryStore::new()),
         }
     }
 
     /// Prefix of every key (default `"tollgate:"`). Must not contain `{` or `}` (they would
-    /// break the hash tag).
+    /// end the hash tag).
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
@@ -488,13 +544,19 @@ impl RedisStoreBuilder {
     /// Decide at this clock's instants instead of the Redis server's `TIME` (default). Every
     /// instance must then share one time base: meant for deterministic tests with a
     /// [`FakeClock`](crate::clock::FakeClock). Keys still expire on Redis's clock, so give a
-    /// [`ttl_grace`](Self::ttl_grace) that covers the drift between the two.
+    /// [`ttl_grace`](Self::ttl_grace) that covers the drift between the two. The default
+    /// fallback store decides on this clock too.
     pub fn clock(mut self, clock: impl Clock) -> Self {
-        self.clock = Some(AnyClock::new(clock));
+        let clock = AnyClock::new(clock);
+        if self.fallback.is_some() {
+            self.fallback = Some(MemoryStore::builder().any_clock(clock.clone()).assembled());
+        }
+        self.clock = Some(clock);
         self
     }
 
-    /// Per-call timeout, including connecting (default 100 ms); at least 1 ms.
+    /// Per-call timeout, including connecting (default 100 ms; at least 1 ms). Time a check
+    /// waits in the queue for its call is not counted.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -507,21 +569,29 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Opens the circuit breaker after `failure_threshold` consecutive failed calls (default 5;
-    /// at least 1) and keeps it open for `open_for` (default 500 ms; at least 1 ms) before
-    /// probing Redis with one call.
+    /// Opens a server's circuit breaker after `failure_threshold` consecutive failed calls
+    /// (default 5; at least 1) and keeps it open for `open_for` (default 500 ms; at least 1 ms)
+    /// before probing the server with one call.
     pub fn circuit_breaker(mut self, failure_threshold: u32, open_for: Duration) -> Self {
         self.threshold = failure_threshold;
         self.open_for = open_for;
         self
     }
 
-    /// Decides on this local store while Redis fails or the breaker is open, instead of
-    /// returning an error. Each instance then enforces the policy on its own: a fleet of `n`
+    /// Decides on this local store while a server fails or its breaker is open (the default is
+    /// a new [`MemoryStore`]). Each instance then enforces the policy on its own: a fleet of `n`
     /// admits up to `n` times the limit until Redis answers again. Charges made locally are
     /// settled locally.
     pub fn fallback(mut self, local: MemoryStore) -> Self {
         self.fallback = Some(local);
+        self
+    }
+
+    /// No local fallback: a check Redis cannot decide returns a [`StoreError`], which the
+    /// layer turns into 503 or, by explicit choice, lets through
+    /// ([`OnStoreError`](crate::OnStoreError)).
+    pub fn no_fallback(mut self) -> Self {
+        self.fallback = None;
         self
     }
 
@@ -548,42 +618,44 @@ impl RedisStoreBuilder {
                 "the threshold must be at least 1 and the open period at least 1 ms".into(),
             ));
         }
-        let bad = |e: redis::RedisError| invalid("url", e.to_string());
-        let target = match (self.cluster, self.nodes.as_slice()) {
+        let infos = self
+            .nodes
+            .iter()
+            .map(|url| {
+                url.as_str().into_connection_info().map_err(|e| invalid("url", e.to_string()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let settings = Arc::new(Settings {
+            timeout: self.timeout,
+            clock: self.clock,
+            threshold: self.threshold,
+            open_for: self.open_for,
+        });
+        let topology = match (self.cluster, infos.as_slice()) {
             (_, []) => return Err(invalid("url", "no redis url given".into())),
-            (false, [url]) => Target::Single(redis::Client::open(url.as_str()).map_err(bad)?),
-            (false, _) => {
-                return Err(invalid("url", "a standalone redis takes one url".into()));
+            (false, [info]) => {
+                let client =
+                    redis::Client::open(info.clone()).map_err(|e| invalid("url", e.to_string()))?;
+                Topology::Single(Arc::new(Node::new(
+                    addr_of(info).into(),
+                    client,
+                    Arc::clone(&settings),
+                )))
             }
-            // The client's own retries (MOVED/ASK redirects, TRYAGAIN, reconnects) must fit in
-            // one call: its defaults (16 retries, each after at least 1.28 s) keep requests that
-            // callers gave up on retrying for minutes, and each failure sends the connection
-            // back to refreshing slots, during which it serves nothing.
-            (true, nodes) => Target::Cluster(
-                ClusterClient::builder(nodes.iter().map(String::as_str))
-                    .connection_timeout(self.timeout)
-                    .response_timeout(self.timeout)
-                    .retries(2)
-                    .min_retry_wait(1)
-                    .max_retry_wait(
-                        u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX).max(2),
-                    )
-                    .retry_wait_formula(5, 2)
-                    .build()
-                    .map_err(bad)?,
-            ),
+            (false, _) => return Err(invalid("url", "a standalone redis takes one url".into())),
+            (true, _) => Topology::Cluster(Cluster {
+                seeds: infos,
+                map: RwLock::new(None),
+                nodes: RwLock::new(HashMap::new()),
+                refreshing: tokio::sync::Mutex::new(()),
+            }),
         };
-        let grace_ms = duration_to_nanos(self.ttl_grace).div_ceil(1_000_000);
         Ok(RedisStore {
             inner: Arc::new(Inner {
-                target,
-                conn: RwLock::new(None),
-                connecting: tokio::sync::Mutex::new(()),
+                topology,
+                settings,
                 prefix: self.prefix.into(),
-                clock: self.clock,
-                timeout: self.timeout,
-                grace_ms,
-                breaker: Breaker::new(self.threshold, self.open_for),
+                grace_ms: duration_to_nanos(self.ttl_grace).div_ceil(1_000_000),
                 fallback: self.fallback,
             }),
         })

@@ -1,0 +1,410 @@
+//! One Redis server (a standalone server, or a Redis Cluster master): its connection, its
+//! circuit breaker, and the queue through which concurrent checks are coalesced.
+//!
+//! Checks waiting for the node are taken together, grouped by script family and Cluster slot,
+//! and each group is sent as one script call that decides its checks in order (so the script's
+//! fixed cost is paid once per group). A few groups are in flight at once; what arrives
+//! meanwhile forms the next batch, so batches grow with the load. Time spent waiting in the
+//! queue is not a failure: the timeout and the breaker measure the calls, so load the store
+//! puts on itself never turns into fallback decisions.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use tokio::sync::{Semaphore, mpsc, oneshot};
+
+use super::breaker::{Admit, Breaker, BreakerState};
+use super::script::{self, Family, Now};
+use crate::clock::AnyClock;
+use crate::error::StoreError;
+
+/// Checks in one script call, at most.
+const MAX_BATCH: usize = 256;
+
+/// Script calls in flight on one node at once.
+const IN_FLIGHT: usize = 4;
+
+/// A batch's answer to one check: its numbers of the reply, and the instant decided at
+/// (nanoseconds).
+pub(crate) type Answer = Result<(Vec<i64>, u64), StoreError>;
+
+/// One check (or settlement) waiting to be sent.
+pub(crate) struct Item {
+    pub(crate) family: Family,
+    /// The Cluster slot of its keys (0 on a standalone server).
+    pub(crate) slot: u16,
+    /// The state key first, then any sliding-log sets.
+    pub(crate) keys: Vec<String>,
+    /// The packed check (`script::Prepared::check` / `settle`).
+    pub(crate) blob: Vec<u8>,
+    /// How many numbers it adds to the reply.
+    pub(crate) reply_len: usize,
+    pub(crate) answer: oneshot::Sender<Answer>,
+}
+
+/// What every node shares with its store.
+pub(crate) struct Settings {
+    pub(crate) timeout: Duration,
+    pub(crate) clock: Option<AnyClock>,
+    pub(crate) threshold: u32,
+    pub(crate) open_for: Duration,
+}
+
+pub(crate) struct Node {
+    pub(crate) addr: Arc<str>,
+    client: redis::Client,
+    /// The connection, opened on first use. A failed breaker probe empties it, so that the
+    /// next probe starts from a new connection. Read (and cloned) by every call; written only
+    /// to replace it.
+    conn: RwLock<Option<ConnectionManager>>,
+    /// Held while opening a connection, so concurrent calls wait for one attempt.
+    connecting: tokio::sync::Mutex<()>,
+    pub(crate) breaker: Breaker,
+    settings: Arc<Settings>,
+    /// The queue's sending end, once its dispatcher runs.
+    queue: RwLock<Option<mpsc::UnboundedSender<Item>>>,
+    /// What the server said of itself when the connection opened.
+    info: RwLock<Option<ServerInfo>>,
+}
+
+/// What a Redis server said of itself (`INFO server`) when a connection to it opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ServerInfo {
+    /// `host:port`.
+    pub addr: String,
+    /// Redis or Valkey.
+    pub kind: ServerKind,
+    /// Its version, as it reports it (`7.0.15`, `8.0.1`).
+    pub version: String,
+}
+
+/// The kind of server a [`RedisStore`](super::RedisStore) talks to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ServerKind {
+    /// Redis (6.2 and later are supported).
+    Redis,
+    /// Valkey (7.2 and later are supported).
+    Valkey,
+}
+
+impl ServerInfo {
+    /// Reads an `INFO server` reply.
+    fn parse(addr: &str, info: &str) -> Option<Self> {
+        let field = |name: &str| {
+            info.lines().find_map(|l| l.strip_prefix(name)).map(|v| v.trim().to_owned())
+        };
+        let (kind, version) = match field("valkey_version:") {
+            Some(v) => (ServerKind::Valkey, v),
+            None => (ServerKind::Redis, field("redis_version:")?),
+        };
+        Some(Self { addr: addr.to_owned(), kind, version })
+    }
+
+    /// Whether the version is one the scripts are tested against or newer.
+    fn supported(&self) -> bool {
+        let mut parts = self.version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+        let version = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+        version
+            >= match self.kind {
+                ServerKind::Redis => (6, 2),
+                ServerKind::Valkey => (7, 2),
+            }
+    }
+}
+
+impl Node {
+    pub(crate) fn new(addr: Arc<str>, client: redis::Client, settings: Arc<Settings>) -> Self {
+        let breaker = Breaker::new(Arc::clone(&addr), settings.threshold, settings.open_for);
+        Self {
+            addr,
+            client,
+            conn: RwLock::new(None),
+            connecting: tokio::sync::Mutex::new(()),
+            breaker,
+            settings,
+            queue: RwLock::new(None),
+            info: RwLock::new(None),
+        }
+    }
+
+    /// What the server said of itself, once a connection opened.
+    pub(crate) fn info(&self) -> Option<ServerInfo> {
+        self.info.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    pub(crate) fn breaker_state(&self) -> BreakerState {
+        self.breaker.state()
+    }
+
+    /// Queues `item`; its answer arrives on its channel. Starts the dispatcher on the current
+    /// tokio runtime when none runs (the first use, or its runtime ended).
+    pub(crate) fn submit(self: &Arc<Self>, item: Item) {
+        let queued = {
+            let queue = self.queue.read().unwrap_or_else(PoisonError::into_inner);
+            match queue.as_ref() {
+                Some(tx) => tx.send(item).map_err(|e| e.0),
+                None => Err(item),
+            }
+        };
+        let Err(item) = queued else { return };
+        let mut queue = self.queue.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some(tx) = queue.as_ref() {
+            if let Err(e) = tx.send(item) {
+                // The dispatcher's runtime is gone: start a new one below.
+                *queue = None;
+                return self.start(&mut queue, e.0);
+            }
+            return;
+        }
+        self.start(&mut queue, item);
+    }
+
+    fn start(self: &Arc<Self>, queue: &mut Option<mpsc::UnboundedSender<Item>>, item: Item) {
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            let _ =
+                item.answer.send(Err(StoreError::backend("no tokio runtime to call Redis from")));
+            return;
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        let _ = tx.send(item);
+        *queue = Some(tx);
+        handle.spawn(Arc::clone(self).dispatch(rx));
+    }
+
+    /// Takes what waits, groups it, sends each group as one call; at most [`IN_FLIGHT`]
+    /// rounds of calls at once.
+    async fn dispatch(self: Arc<Self>, mut rx: mpsc::UnboundedReceiver<Item>) {
+        let in_flight = Arc::new(Semaphore::new(IN_FLIGHT));
+        loop {
+            let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { return };
+            let Some(first) = rx.recv().await else { return };
+            let mut items = vec![first];
+            while items.len() < MAX_BATCH {
+                match rx.try_recv() {
+                    Ok(item) => items.push(item),
+                    Err(_) => break,
+                }
+            }
+            let mut groups: BTreeMap<(Family, u16), Vec<Item>> = BTreeMap::new();
+            for item in items {
+                groups.entry((item.family, item.slot)).or_default().push(item);
+            }
+            let node = Arc::clone(&self);
+            tokio::spawn(async move {
+                let calls: Vec<_> = groups
+                    .into_iter()
+                    .map(|((family, _), group)| {
+                        let node = Arc::clone(&node);
+                        tokio::spawn(async move { node.call(family, group).await })
+                    })
+                    .collect();
+                for call in calls {
+                    let _ = call.await;
+                }
+                drop(permit);
+            });
+        }
+    }
+
+    /// Sends `items` (one family, one slot) as one script call and answers each.
+    async fn call(&self, family: Family, mut items: Vec<Item>) {
+        let mut keys = Vec::new();
+        let mut args = Vec::with_capacity(1 + items.len());
+        let now = self.settings.clock.as_ref().map_or(Now::Server, |c| Now::At(c.now()));
+        args.push(script::header(now));
+        for item in &mut items {
+            script::set_key_index(&mut item.blob, keys.len() + 1);
+            keys.append(&mut item.keys);
+            args.push(std::mem::take(&mut item.blob));
+        }
+        let result = self.eval(family, &keys, &args).await;
+        let at = result.and_then(|reply| Ok((script::decided_at(&reply)?, reply)));
+        let (at, reply) = match at {
+            Ok(ok) => ok,
+            Err(error) => {
+                let shared = Shared::from(error);
+                for item in items {
+                    let _ = item.answer.send(Err(shared.to_error()));
+                }
+                return;
+            }
+        };
+        let body = &reply[..reply.len() - 2];
+        if body.len() != items.iter().map(|i| i.reply_len).sum::<usize>() {
+            for item in items {
+                let _ = item.answer.send(Err(StoreError::backend("unexpected reply length")));
+            }
+            return;
+        }
+        let mut from = 0;
+        for item in items {
+            let part = body[from..from + item.reply_len].to_vec();
+            from += item.reply_len;
+            let _ = item.answer.send(Ok((part, at)));
+        }
+    }
+
+    fn current(&self) -> Option<ConnectionManager> {
+        self.conn.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    pub(crate) async fn connection(&self) -> redis::RedisResult<ConnectionManager> {
+        if let Some(conn) = self.current() {
+            return Ok(conn);
+        }
+        let _connecting = self.connecting.lock().await;
+        if let Some(conn) = self.current() {
+            return Ok(conn);
+        }
+        // No retries inside the manager: each failed attempt returns at once and the next call
+        // (or breaker probe) starts a new one, so recovery is not held back by the manager's
+        // own backoff (seconds to minutes).
+        let config = ConnectionManagerConfig::new()
+            .set_number_of_retries(0)
+            .set_connection_timeout(self.settings.timeout);
+        let mut conn = ConnectionManager::new_with_config(self.client.clone(), config).await?;
+        if self.info().is_none() {
+            let reply: String = redis::cmd("INFO").arg("server").query_async(&mut conn).await?;
+            if let Some(info) = ServerInfo::parse(&self.addr, &reply) {
+                if info.supported() {
+                    tracing::info!(node = %self.addr, kind = ?info.kind, version = %info.version, "tollgate: connected to redis");
+                } else {
+                    tracing::warn!(node = %self.addr, kind = ?info.kind, version = %info.version, "tollgate: connected to a server older than Redis 6.2 / Valkey 7.2, which tollgate does not test");
+                }
+                *self.info.write().unwrap_or_else(PoisonError::into_inner) = Some(info);
+            }
+        }
+        *self.conn.write().unwrap_or_else(PoisonError::into_inner) = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// Forgets the connection: the next call opens a new one.
+    fn discard_connection(&self) {
+        self.conn.write().unwrap_or_else(PoisonError::into_inner).take();
+    }
+
+    /// One script call through the breaker, within the timeout.
+    async fn eval(
+        &self,
+        family: Family,
+        keys: &[String],
+        args: &[Vec<u8>],
+    ) -> Result<Vec<i64>, StoreError> {
+        let probe = match self.breaker.admit() {
+            Admit::Call => None,
+            Admit::Probe(probe) => Some(probe),
+            Admit::Reject => return Err(StoreError::CircuitOpen),
+        };
+        let invocation = || {
+            let mut inv = family.script().prepare_invoke();
+            for k in keys {
+                inv.key(k.as_str());
+            }
+            for a in args {
+                inv.arg(a.as_slice());
+            }
+            inv
+        };
+        let attempt = async {
+            let mut conn = self.connection().await?;
+            match invocation().invoke_async::<Vec<i64>>(&mut conn).await {
+                // The connection's last (re)connect was refused, so nothing was sent; that
+                // refusal has started a new attempt: wait for it rather than fail, so that one
+                // probe suffices once Redis is back. Only refusals: a call that may have
+                // reached the server is never sent twice.
+                Err(e) if e.is_connection_refusal() => {
+                    invocation().invoke_async::<Vec<i64>>(&mut conn).await
+                }
+                result => result,
+            }
+        };
+        let timeout = self.settings.timeout;
+        let result = match tokio::time::timeout(timeout, attempt).await {
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(e)) => Err(StoreError::backend(e)),
+            Err(_) => Err(StoreError::Timeout(timeout)),
+        };
+        match (probe, result.is_ok()) {
+            (Some(probe), true) => probe.success(),
+            (Some(probe), false) => {
+                self.discard_connection();
+                probe.failure();
+            }
+            (None, true) => self.breaker.success(),
+            (None, false) => self.breaker.failure(),
+        }
+        result
+    }
+}
+
+/// A call's error, given to every check of the call: each gets a [`StoreError`] of the same
+/// kind, whose source is the one backend error.
+enum Shared {
+    Timeout(Duration),
+    CircuitOpen,
+    Backend(Arc<dyn std::error::Error + Send + Sync>),
+}
+
+impl From<StoreError> for Shared {
+    fn from(error: StoreError) -> Self {
+        match error {
+            StoreError::Timeout(d) => Self::Timeout(d),
+            StoreError::CircuitOpen => Self::CircuitOpen,
+            StoreError::Backend(source) => Self::Backend(Arc::from(source)),
+        }
+    }
+}
+
+impl Shared {
+    fn to_error(&self) -> StoreError {
+        match self {
+            Self::Timeout(d) => StoreError::Timeout(*d),
+            Self::CircuitOpen => StoreError::CircuitOpen,
+            Self::Backend(source) => {
+                StoreError::Backend(Box::new(SharedSource(Arc::clone(source))))
+            }
+        }
+    }
+}
+
+/// One backend error shared by several [`StoreError`]s.
+#[derive(Debug)]
+struct SharedSource(Arc<dyn std::error::Error + Send + Sync>);
+
+impl std::fmt::Display for SharedSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for SharedSource {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_server_kind_and_version_come_from_info() {
+        let redis = "# Server\r\nredis_version:7.0.15\r\nredis_mode:standalone\r\n";
+        let info = ServerInfo::parse("h:1", redis).unwrap();
+        assert_eq!(
+            (info.kind, info.version.as_str(), info.supported()),
+            (ServerKind::Redis, "7.0.15", true)
+        );
+        let valkey =
+            "# Server\r\nredis_version:7.2.4\r\nserver_name:valkey\r\nvalkey_version:8.0.1\r\n";
+        let info = ServerInfo::parse("h:1", valkey).unwrap();
+        assert_eq!((info.kind, info.version.as_str()), (ServerKind::Valkey, "8.0.1"));
+        let old = ServerInfo::parse("h:1", "redis_version:6.0.9\r\n").unwrap();
+        assert!(!old.supported());
+        assert!(ServerInfo::parse("h:1", "nothing").is_none());
+    }
+}

@@ -1,0 +1,473 @@
+//! The scripts (`lua/`) and what a call sends and receives: one script per algorithm family,
+//! each a shared prelude and the family's arithmetic assembled at compile time; every check of
+//! a batch packed as little-endian doubles; the reply turned back into decisions.
+
+use std::borrow::Cow;
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use redis::Script;
+
+use crate::algorithm::{Charge, Charges};
+use crate::clock::duration_to_nanos;
+use crate::decision::{Decision, Outcome, TierDecision, Tiers};
+use crate::error::{ConfigError, StoreError};
+use crate::key::Key;
+use crate::quota::{Algorithm, Policy};
+
+/// The longest span (period, burst x period / count, shaping budget) a script represents, in
+/// the policy's unit: 2^50. Scripts compute in Lua's doubles, exact below 2^53, relative to now.
+/// Policies keep to it by construction (see `Policy::precision`); shaping budgets are clamped.
+const MAX_SPAN_UNITS: u64 = 1 << 50;
+
+/// The shortest window period on Redis: windows are indexed by `unix time / period`, which must
+/// stay below 2^53.
+const MIN_WINDOW_PERIOD_NANOS: u64 = 1_000_000;
+
+const NANOS_PER_SEC: u64 = 1_000_000_000;
+
+/// The scripts' families: a batch holds checks of one family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) enum Family {
+    /// GCRA with whole-unit emission intervals: `lua/gcra.lua`.
+    Gcra,
+    /// GCRA, token bucket, leaky bucket: `lua/rate.lua`.
+    Rate,
+    /// Fixed window, sliding window counter: `lua/window.lua`.
+    Window,
+    /// Sliding window log: `lua/log.lua`.
+    Log,
+}
+
+static GCRA: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(include_str!("lua/prelude.lua"), include_str!("lua/gcra.lua")))
+});
+static RATE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("lua/prelude.lua"),
+        include_str!("lua/rate.lua"),
+        include_str!("lua/main.lua")
+    ))
+});
+static WINDOW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("lua/prelude.lua"),
+        include_str!("lua/window.lua"),
+        include_str!("lua/main.lua")
+    ))
+});
+static LOG: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("lua/prelude.lua"),
+        include_str!("lua/log.lua"),
+        include_str!("lua/main.lua")
+    ))
+});
+
+impl Family {
+    pub(crate) const ALL: [Self; 4] = [Self::Gcra, Self::Rate, Self::Window, Self::Log];
+
+    pub(crate) fn script(self) -> &'static Script {
+        match self {
+            Self::Gcra => &GCRA,
+            Self::Rate => &RATE,
+            Self::Window => &WINDOW,
+            Self::Log => &LOG,
+        }
+    }
+}
+
+/// Which instant the script decides at.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Now {
+    /// The Redis server's `TIME`.
+    Server,
+    /// This instant of the store's injected clock, in nanoseconds.
+    At(u64),
+}
+
+/// The header of a batch: `ARGV[1]`.
+pub(crate) fn header(now: Now) -> Vec<u8> {
+    let (flag, t) = match now {
+        Now::Server => (0.0, 0),
+        Now::At(t) => (1.0, t),
+    };
+    doubles(&[flag, (t / NANOS_PER_SEC) as f64, (t % NANOS_PER_SEC) as f64])
+}
+
+fn doubles(values: &[f64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(8 * values.len());
+    for v in values {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
+/// An integer below 2^53 as a double (exact); larger values never reach here.
+#[allow(clippy::cast_precision_loss)] // every value sent is below 2^53
+fn f(v: u64) -> f64 {
+    v as f64
+}
+
+/// Checks that the scripts can represent every tier of `policy` exactly.
+pub(crate) fn validate(policy: &Policy) -> Result<(), ConfigError> {
+    let window = matches!(
+        policy.algorithm(),
+        Algorithm::FixedWindow | Algorithm::SlidingCounter | Algorithm::SlidingLog
+    );
+    for tier in policy.tiers() {
+        let period_nanos = u128::from(tier.rate.period) * u128::from(policy.unit());
+        if window && period_nanos < u128::from(MIN_WINDOW_PERIOD_NANOS) {
+            return Err(ConfigError::UnsupportedByStore {
+                store: "RedisStore",
+                tier: tier.name().to_owned(),
+                reason: "window algorithms need a period of at least 1 ms on Redis".to_owned(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Escapes the characters that would end a Redis Cluster hash tag early (`{`, `}`) or make the
+/// `policy|key` split ambiguous (`|`), and the escape character itself.
+fn escape(s: &str) -> Cow<'_, str> {
+    if !s.bytes().any(|b| matches!(b, b'{' | b'}' | b'|' | b'%')) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        match c {
+            '{' => out.push_str("%7B"),
+            '}' => out.push_str("%7D"),
+            '|' => out.push_str("%7C"),
+            '%' => out.push_str("%25"),
+            c => out.push(c),
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// FNV-1a over the algorithm's name, the unit and every tier's count, period and burst: what a
+/// stored state means.
+fn meaning(policy: &Policy) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut feed = |bytes: &[u8]| {
+        for b in bytes {
+            h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    feed(policy.algorithm().name().as_bytes());
+    feed(&policy.unit().to_le_bytes());
+    for t in policy.tiers() {
+        for v in [t.rate.count, t.rate.period, t.rate.burst] {
+            feed(&v.to_le_bytes());
+        }
+    }
+    h
+}
+
+/// The family of `policy`'s scripts.
+pub(crate) fn family(policy: &Policy) -> Family {
+    match policy.algorithm() {
+        Algorithm::Gcra if policy.tiers().iter().all(|t| t.rate.period % t.rate.count == 0) => {
+            Family::Gcra
+        }
+        Algorithm::Gcra | Algorithm::TokenBucket | Algorithm::LeakyBucket => Family::Rate,
+        Algorithm::FixedWindow | Algorithm::SlidingCounter => Family::Window,
+        Algorithm::SlidingLog => Family::Log,
+    }
+}
+
+/// A stable 32-bit fingerprint of what the stored state means and of how it is stored (the
+/// family and the layout version). A reconfigured policy gets new keys, so state written under
+/// the old one is never read under the new one; the old keys expire on their TTL.
+fn fingerprint(policy: &Policy) -> u32 {
+    let layout: u64 = 0x7632_0000 | family(policy) as u64; // "v2" and the family
+    let h = (meaning(policy) ^ layout).wrapping_mul(0x0100_0000_01b3);
+    #[allow(clippy::cast_possible_truncation)] // folding 64 bits into 32 on purpose
+    let folded = (h ^ (h >> 32)) as u32;
+    folded
+}
+
+/// The parts of a policy's state keys around the key itself:
+/// `{prefix}{{policy}|` and `}:{fingerprint}`. Everything that identifies the limit is inside
+/// the hash tag, so a policy's tiers (and sliding-log sets) share one Redis Cluster slot.
+pub(crate) fn key_parts(prefix: &str, policy: &Policy) -> (String, String) {
+    (format!("{prefix}{{{}|", escape(policy.name())), format!("}}:{:08x}", fingerprint(policy)))
+}
+
+/// The key of the string holding every tier's state of `key`, between the parts of
+/// [`key_parts`].
+pub(crate) fn state_key(parts: &(String, String), key: &Key) -> String {
+    let key = key.to_string();
+    let key = escape(&key);
+    let mut out = String::with_capacity(parts.0.len() + key.len() + parts.1.len());
+    out.push_str(&parts.0);
+    out.push_str(&key);
+    out.push_str(&parts.1);
+    out
+}
+
+/// The hash tag of a state key: what its Redis Cluster slot is computed from.
+pub(crate) fn hash_tag(state_key: &str) -> &str {
+    let Some(open) = state_key.find('{') else { return state_key };
+    match state_key[open + 1..].find('}') {
+        Some(len) if len > 0 => &state_key[open + 1..open + 1 + len],
+        _ => state_key,
+    }
+}
+
+/// What a bound policy's checks send every time, rendered when it is bound.
+#[derive(Debug)]
+pub(crate) struct Prepared {
+    pub(crate) family: Family,
+    /// The policy's part of a check: `unit, grace, algorithm, tiers` and each tier's
+    /// parameters, after the op and the key index.
+    policy: Vec<f64>,
+    /// Sliding-log sets after the state key (one per tier).
+    log_sets: usize,
+    /// Tiers.
+    ntiers: usize,
+    /// Nanoseconds per unit.
+    pub(crate) unit: u64,
+}
+
+impl Prepared {
+    pub(crate) fn new(policy: &Policy, grace_ms: u64) -> Self {
+        let family = family(policy);
+        let ntiers = policy.tiers().len();
+        let alg = match policy.algorithm() {
+            Algorithm::Gcra => 0,
+            Algorithm::TokenBucket => 1,
+            Algorithm::LeakyBucket => 2,
+            Algorithm::FixedWindow => 3,
+            Algorithm::SlidingCounter => 4,
+            Algorithm::SlidingLog => 5,
+        };
+        let mut v = vec![f(policy.unit()), f(grace_ms), f(alg), f(ntiers as u64)];
+        for t in policy.tiers() {
+            let r = t.rate;
+            if family == Family::Gcra {
+                let interval = r.period / r.count;
+                v.extend([f(interval), f(interval * r.burst)]);
+            } else {
+                v.extend([f(r.count), f(r.period), f(r.burst)]);
+            }
+        }
+        let log_sets = if family == Family::Log { ntiers } else { 0 };
+        Self { family, policy: v, log_sets, ntiers, unit: policy.unit() }
+    }
+
+    /// The keys of a check on `state_key`: it, then the sliding-log sets.
+    pub(crate) fn keys(&self, state_key: String) -> Vec<String> {
+        let mut keys = Vec::with_capacity(1 + self.log_sets);
+        keys.extend((1..=self.log_sets).map(|i| format!("{state_key}:z{i}")));
+        keys.insert(0, state_key);
+        keys
+    }
+
+    fn blob(&self, op: f64, rest: &[f64]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(8 * (2 + self.policy.len() + rest.len()));
+        // The key index (the second double) is set when the batch is assembled.
+        for v in [op, 0.0].iter().chain(&self.policy).chain(rest) {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out
+    }
+
+    /// A check of `cost` units; `max_delay` `None` polices, `Some` shapes (clamped to the
+    /// longest span).
+    pub(crate) fn check(&self, cost: u64, max_delay: Option<Duration>) -> Vec<u8> {
+        let budget =
+            max_delay.map_or(-1.0, |d| f((duration_to_nanos(d) / self.unit).min(MAX_SPAN_UNITS)));
+        self.blob(1.0, &[f(cost), budget])
+    }
+
+    /// Settles a charge of `charged` units (`charges` per tier, instants in units) at `cost`.
+    pub(crate) fn settle(&self, charged: u64, charges: &Charges, cost: u64) -> Vec<u8> {
+        let per_sec = NANOS_PER_SEC / self.unit;
+        let mut rest = vec![f(charged), f(cost)];
+        if self.family == Family::Gcra {
+            // Every tier was charged at the same instant.
+            let at = charges.first().map_or(0, |c| c.at);
+            rest.extend([f(at / per_sec), f(at % per_sec)]);
+        } else {
+            for c in charges {
+                rest.extend([f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
+            }
+        }
+        self.blob(2.0, &rest)
+    }
+
+    /// The numbers a check adds to the reply.
+    pub(crate) fn check_reply_len(&self) -> usize {
+        HEAD + PER_TIER * self.ntiers
+    }
+}
+
+/// Sets the key index of a check (1-based, into the batch's `KEYS`).
+pub(crate) fn set_key_index(blob: &mut [u8], index: usize) {
+    blob[8..16].copy_from_slice(&f(index as u64).to_le_bytes());
+}
+
+/// Reply layout per check: `outcome (1 allowed, 0 limited, 2 cost above capacity), delay,
+/// retry`, then per tier `remaining, reset, own retry (-1 none), violated, entry id`; durations
+/// in units from the unit `now` falls in.
+const HEAD: usize = 3;
+const PER_TIER: usize = 5;
+
+fn bad_reply(what: &str) -> StoreError {
+    StoreError::backend(format!("unexpected reply from the tollgate script: {what}"))
+}
+
+fn units(v: i64) -> Result<u64, StoreError> {
+    u64::try_from(v).map_err(|_| bad_reply("negative duration"))
+}
+
+fn optional(v: i64) -> Result<Option<u64>, StoreError> {
+    if v < 0 { Ok(None) } else { units(v).map(Some) }
+}
+
+/// The decision of a check (its part of the reply) made at `now` (nanoseconds), and for an
+/// admitted request what each tier was charged.
+pub(crate) fn decode(
+    policy: &Policy,
+    cost: u64,
+    now: u64,
+    reply: &[i64],
+) -> Result<(Decision, Option<Charges>), StoreError> {
+    let tiers = policy.tiers();
+    if reply.len() != HEAD + PER_TIER * tiers.len() {
+        return Err(bad_reply("wrong length"));
+    }
+    let outcome = match reply[0] {
+        1 => Outcome::Allowed,
+        0 => Outcome::Limited,
+        2 => Outcome::CostExceedsCapacity,
+        _ => return Err(bad_reply("unknown outcome")),
+    };
+    let unit = policy.unit();
+    let at = now / unit;
+    let delay = units(reply[1])?;
+    let mut decided = Tiers::with_capacity(tiers.len());
+    let mut charges = Charges::with_capacity(tiers.len());
+    for (tier, r) in tiers.iter().zip(reply[HEAD..].chunks_exact(PER_TIER)) {
+        decided.push(TierDecision::new(
+            tier.capacity(),
+            units(r[0])?,
+            units(r[1])?,
+            optional(r[2])?,
+            r[3] != 0,
+        ));
+        charges.push(Charge { at: at.saturating_add(delay), cost, id: units(r[4])? });
+    }
+    let mut decision = Decision::new(outcome, delay, optional(reply[2])?, decided);
+    if unit > 1 {
+        decision.rescale(at, unit, now);
+    }
+    let charges = (outcome == Outcome::Allowed).then_some(charges);
+    Ok((decision, charges))
+}
+
+/// The instant a batch was decided at, from the last two numbers of its reply.
+pub(crate) fn decided_at(reply: &[i64]) -> Result<u64, StoreError> {
+    match reply {
+        [.., s, ns] => {
+            let (s, ns) = (units(*s)?, units(*ns)?);
+            Ok(s.saturating_mul(NANOS_PER_SEC).saturating_add(ns))
+        }
+        _ => Err(bad_reply("no instant")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quota::Quota;
+
+    fn policy(name: &str, alg: Algorithm) -> Policy {
+        Policy::builder(name)
+            .algorithm(alg)
+            .tier("a", Quota::per_second(10))
+            .tier("b", Quota::per_hour(100))
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn keys_keep_the_hash_tag_whole_and_unambiguous() {
+        let p = policy("api", Algorithm::Gcra);
+        let k = state_key(&key_parts("tollgate:", &p), &Key::text("a}b{c|d%"));
+        let fp = format!("{:08x}", fingerprint(&p));
+        assert_eq!(k, format!("tollgate:{{api|s8:a%7Db%7Bc%7Cd%25}}:{fp}"));
+        assert_eq!(hash_tag(&k), "api|s8:a%7Db%7Bc%7Cd%25");
+        // `|` in a policy name cannot be confused with the separator.
+        let a = state_key(&key_parts("", &policy("a|b", Algorithm::Gcra)), &Key::text("c"));
+        let b = state_key(&key_parts("", &policy("a", Algorithm::Gcra)), &Key::text("b|s1:c"));
+        assert_ne!(hash_tag(&a), hash_tag(&b));
+    }
+
+    #[test]
+    fn reconfigured_policies_get_new_keys() {
+        let a = policy("api", Algorithm::Gcra);
+        let b = policy("api", Algorithm::TokenBucket);
+        let c = Policy::builder("api")
+            .tier("a", Quota::per_second(10).with_burst(11))
+            .tier("b", Quota::per_hour(100))
+            .build()
+            .unwrap();
+        let key = |p: &Policy| state_key(&key_parts("", p), &Key::Global);
+        let keys: Vec<_> = [&a, &b, &c].into_iter().map(key).collect();
+        assert_ne!(keys[0], keys[1]);
+        assert_ne!(keys[0], keys[2]);
+        assert_eq!(key(&a), keys[0], "stable");
+    }
+
+    #[test]
+    fn checks_pack_the_policy_and_the_request_as_doubles() {
+        let p = policy("api", Algorithm::SlidingLog);
+        let prepared = Prepared::new(&p, 7);
+        assert_eq!(prepared.keys("h".into()), ["h", "h:z1", "h:z2"]);
+        let mut blob = prepared.check(2, None);
+        set_key_index(&mut blob, 4);
+        let values: Vec<f64> =
+            blob.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect();
+        assert_eq!(
+            values,
+            [1.0, 4.0, 1.0, 7.0, 5.0, 2.0, 10.0, 1e9, 10.0, 100.0, 3.6e12, 100.0, 2.0, -1.0]
+        );
+        assert_eq!(prepared.check_reply_len(), 13);
+    }
+
+    #[test]
+    fn windows_below_a_millisecond_are_refused() {
+        let tiny = Policy::builder("p")
+            .algorithm(Algorithm::FixedWindow)
+            .tier("t", Quota::new(1, Duration::from_micros(100)))
+            .build()
+            .unwrap();
+        assert!(matches!(validate(&tiny), Err(ConfigError::UnsupportedByStore { .. })));
+        let monthly =
+            Policy::single("m", Quota::new(1000, Duration::from_secs(30 * 86_400))).unwrap();
+        assert_eq!(validate(&monthly), Ok(()));
+    }
+
+    #[test]
+    fn decode_rebuilds_the_decision_and_the_charges() {
+        let p = policy("api", Algorithm::Gcra);
+        let reply = [1, 5, -1, 9, 100, -1, 0, 0, 99, 36_000_000_000, -1, 0, 0];
+        let (d, charges) = decode(&p, 1, 7_000_000_009, &reply).unwrap();
+        assert_eq!(d.outcome(), Outcome::Allowed);
+        assert_eq!(d.delay(), Duration::from_nanos(5));
+        assert_eq!(d.tiers()[1].remaining(), 99);
+        assert_eq!(d.tiers()[1].reset_after(), Duration::from_secs(36));
+        assert_eq!(charges.unwrap()[0], Charge { at: 7_000_000_014, cost: 1, id: 0 });
+        let limited = [0, 0, 50, 0, 100, 50, 1, 0, 99, 1, -1, 0, 0];
+        let (d, charges) = decode(&p, 1, 0, &limited).unwrap();
+        assert_eq!(d.retry_after(), Some(Duration::from_nanos(50)));
+        assert_eq!(d.violated_names(&p).collect::<Vec<_>>(), ["a"]);
+        assert!(charges.is_none());
+        assert!(decode(&p, 1, 0, &reply[..10]).is_err());
+        assert!(decode(&p, 1, 0, &[3; 13]).is_err());
+    }
+}
