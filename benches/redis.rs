@@ -1,9 +1,12 @@
 #![allow(missing_docs)] // criterion_group! generates undocumented items.
 //! `RedisStore` throughput against a throw-away local `redis-server` (BENCHMARKS.md): 64 tasks
-//! keep requests in flight on one multiplexed connection, over 1,000 keys. Beside it, on the same
-//! server and connection setup: plain `INCR` (the target's yardstick), a trivial `EVALSHA` (the
-//! ceiling of any script) and a script that only `GET`s and `SET`s one key (the ceiling of any
-//! script that keeps state). Time per request; criterion also reports requests/s.
+//! keep checks in flight on one multiplexed connection, over 100,000 keys (quota: 10,000 per hour
+//! with a large burst, so that keys keep their state between visits). Beside it, on the
+//! same server and connection setup: plain `INCR` (the yardstick) and a plain Lua GCRA script
+//! (one `EVALSHA` per check: `GET` the TAT, decide, `SET` it with a TTL, as most Redis rate
+//! limiters do). Time per check; criterion also reports checks/s. After the timed runs, the
+//! Redis server's CPU per check (`INFO cpu`) is measured for each case and written to
+//! `$CRITERION_HOME/redis/cpu.json` (else `target/criterion/redis/cpu.json`).
 //!
 //! `cargo bench --bench redis --features redis` (needs `redis-server` on `PATH`).
 
@@ -16,30 +19,42 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use tollgate::clock::MonotonicClock;
 use tollgate::key::Key;
 use tollgate::store::RedisStore;
 use tollgate::{Limiter, Policy, Quota};
 
 const TASKS: u64 = 64;
-const KEYS: u64 = 1_000;
+const KEYS: u64 = 100_000;
+
+/// The plain Lua GCRA: microsecond TAT in a string, server time.
+const LUA_GCRA: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local T, tau = tonumber(ARGV[1]), tonumber(ARGV[2])
+local tat = tonumber(redis.call('GET', KEYS[1])) or now
+if tat < now then tat = now end
+local new = tat + T
+if new - tau > now then return 0 end
+redis.call('SET', KEYS[1], new, 'PX', math.ceil((new - now) / 1000))
+return 1
+";
+
+/// One check of key `i` (modulo the key count).
+type Op = Arc<
+    dyn Fn(u64) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send + Sync,
+>;
 
 /// Runs `iters` calls of `op(i)` from `TASKS` tasks; returns the wall time.
-fn concurrently<F, Fut>(rt: &tokio::runtime::Runtime, iters: u64, op: F) -> Duration
-where
-    F: Fn(u64) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = ()> + Send,
-{
-    let op = Arc::new(op);
+fn concurrently(rt: &tokio::runtime::Runtime, iters: u64, op: &Op) -> Duration {
     let per = iters.div_ceil(TASKS);
     rt.block_on(async {
         let start = Instant::now();
         let tasks: Vec<_> = (0..TASKS)
             .map(|t| {
-                let op = Arc::clone(&op);
+                let op = Arc::clone(op);
                 tokio::spawn(async move {
                     for i in 0..per {
-                        op(t * 7_919 + i).await;
+                        op(t * 7_919 + i * 64).await;
                     }
                 })
             })
@@ -51,14 +66,32 @@ where
     })
 }
 
+/// 10,000 per hour with a burst no run exhausts (the admitting path): every key keeps live
+/// state between its visits (a TTL of hours), as the keys of active clients do, rather than
+/// expiring in between and being created again.
 fn policy(tiers: usize) -> Policy {
     let mut b = Policy::builder(format!("bench{tiers}"));
-    // Rates no benchmark exhausts: the allowed path, as in the memory benchmarks.
-    b = b.tier("second", Quota::per_second(1_000_000_000));
+    b = b.tier("hour", Quota::per_hour(10_000).with_burst(1_000_000));
     if tiers > 1 {
-        b = b.tier("hour", Quota::per_hour(4_000_000_000));
+        b = b.tier("day", Quota::per_day(240_000).with_burst(24_000_000));
     }
     b.build().expect("valid")
+}
+
+/// The plain Lua GCRA's parameters for the same quota: T and tau in microseconds.
+const LUA_T: u64 = 360_000;
+const LUA_TAU: u64 = 360_000 * 1_000_000;
+
+/// `used_cpu_user + used_cpu_sys` of the server, in seconds.
+fn server_cpu(conn: &mut redis::Connection) -> f64 {
+    let info: String = redis::cmd("INFO").arg("cpu").query(conn).expect("INFO cpu");
+    ["used_cpu_user:", "used_cpu_sys:"]
+        .iter()
+        .map(|f| {
+            info.lines().find_map(|l| l.strip_prefix(f)).and_then(|v| v.trim().parse::<f64>().ok())
+        })
+        .map(Option::unwrap_or_default)
+        .sum()
 }
 
 fn bench(c: &mut Criterion) {
@@ -66,92 +99,102 @@ fn bench(c: &mut Criterion) {
     let rt =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let keys: Arc<Vec<Key>> = Arc::new((0..KEYS).map(|i| Key::text(format!("user-{i}"))).collect());
-    let mut g = c.benchmark_group("redis");
-    g.throughput(Throughput::Elements(1));
-    g.sample_size(20).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
-
-    // The yardsticks, on a connection set up like RedisStore's.
+    let names: Arc<Vec<String>> = Arc::new((0..KEYS).map(|i| format!("k:{i}")).collect());
     let conn = rt.block_on(async {
         let client = redis::Client::open(server.url()).unwrap();
         let config = ConnectionManagerConfig::new().set_number_of_retries(0);
         ConnectionManager::new_with_config(client, config).await.unwrap()
     });
-    g.bench_function("incr", |b| {
-        b.iter_custom(|iters| {
-            let conn = conn.clone();
-            concurrently(&rt, iters, move |i| {
-                let mut conn = conn.clone();
-                async move {
+    let script = Arc::new(redis::Script::new(LUA_GCRA));
+
+    let mut cases: Vec<(String, Op)> = Vec::new();
+    {
+        let (conn, names) = (conn.clone(), Arc::clone(&names));
+        cases.push((
+            "incr".into(),
+            Arc::new(move |i| {
+                let (mut conn, names) = (conn.clone(), Arc::clone(&names));
+                Box::pin(async move {
                     let _: i64 = redis::cmd("INCR")
-                        .arg(format!("incr:{}", i % KEYS))
+                        .arg(&names[(i % KEYS) as usize])
                         .query_async(&mut conn)
                         .await
                         .unwrap();
-                }
-            })
-        });
-    });
-    let trivial = Arc::new(redis::Script::new("return 1"));
-    g.bench_function("evalsha_trivial", |b| {
-        b.iter_custom(|iters| {
-            let (conn, script) = (conn.clone(), Arc::clone(&trivial));
-            concurrently(&rt, iters, move |i| {
-                let (mut conn, script) = (conn.clone(), Arc::clone(&script));
-                async move {
-                    let _: i64 = script
-                        .key(format!("trivial:{}", i % KEYS))
+                })
+            }),
+        ));
+    }
+    {
+        let (conn, names, script) = (conn.clone(), Arc::clone(&names), Arc::clone(&script));
+        cases.push((
+            "lua_gcra".into(),
+            Arc::new(move |i| {
+                let (mut conn, names, script) =
+                    (conn.clone(), Arc::clone(&names), Arc::clone(&script));
+                Box::pin(async move {
+                    let admitted: i64 = script
+                        .key(&names[(i % KEYS) as usize])
+                        .arg(LUA_T)
+                        .arg(LUA_TAU)
                         .invoke_async(&mut conn)
                         .await
                         .unwrap();
-                }
-            })
-        });
-    });
+                    assert_eq!(admitted, 1);
+                })
+            }),
+        ));
+    }
+    let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(10)).build().unwrap();
+    rt.block_on(store.connect()).unwrap();
+    for (id, tiers) in [("tollgate_1_tier", 1), ("tollgate_2_tiers", 2)] {
+        let limiter = Limiter::with_store(policy(tiers), store.clone()).unwrap();
+        let keys = Arc::clone(&keys);
+        cases.push((
+            id.into(),
+            Arc::new(move |i| {
+                let (limiter, keys) = (limiter.clone(), Arc::clone(&keys));
+                Box::pin(async move {
+                    let d = limiter.check(&keys[(i % KEYS) as usize], 1).await.unwrap();
+                    assert!(d.is_allowed());
+                    assert_eq!(d.source(), tollgate::Source::Store);
+                })
+            }),
+        ));
+    }
 
-    // The ceiling of any script that reads and writes a key: GET, then SET with a TTL.
-    let getset = Arc::new(redis::Script::new(
-        "redis.call('GET', KEYS[1]); redis.call('SET', KEYS[1], '1:2', 'PX', 1000); return 1",
-    ));
-    g.bench_function("evalsha_get_set", |b| {
-        b.iter_custom(|iters| {
-            let (conn, script) = (conn.clone(), Arc::clone(&getset));
-            concurrently(&rt, iters, move |i| {
-                let (mut conn, script) = (conn.clone(), Arc::clone(&script));
-                async move {
-                    let _: i64 = script
-                        .key(format!("getset:{}", i % KEYS))
-                        .invoke_async(&mut conn)
-                        .await
-                        .unwrap();
-                }
-            })
+    let mut g = c.benchmark_group("redis");
+    g.throughput(Throughput::Elements(1));
+    g.sample_size(20).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
+    for (id, op) in &cases {
+        g.bench_function(BenchmarkId::from_parameter(id), |b| {
+            b.iter_custom(|iters| concurrently(&rt, iters, op));
         });
-    });
-
-    for (name, clock) in [("server_time", false), ("client_clock", true)] {
-        let mut builder = RedisStore::builder(server.url()).timeout(Duration::from_secs(10));
-        if clock {
-            builder = builder.clock(MonotonicClock::new());
-        }
-        let store = builder.build().unwrap();
-        rt.block_on(store.connect()).unwrap();
-        for tiers in [1, 2] {
-            let limiter = Limiter::with_store(policy(tiers), store.clone()).unwrap();
-            g.bench_function(BenchmarkId::new(format!("gcra_{tiers}_tier"), name), |b| {
-                b.iter_custom(|iters| {
-                    let (limiter, keys) = (limiter.clone(), Arc::clone(&keys));
-                    concurrently(&rt, iters, move |i| {
-                        let (limiter, keys) = (limiter.clone(), Arc::clone(&keys));
-                        async move {
-                            let key = &keys[(i % KEYS) as usize];
-                            assert!(limiter.check(key, 1).await.unwrap().is_allowed());
-                        }
-                    })
-                });
-            });
-        }
     }
     g.finish();
+
+    // The server's CPU per check, per case.
+    let mut inspect = server.conn();
+    let mut cpu = Vec::new();
+    for (id, op) in &cases {
+        const N: u64 = 200_000;
+        let before = server_cpu(&mut inspect);
+        concurrently(&rt, N, op);
+        let per = (server_cpu(&mut inspect) - before) / N as f64 * 1e6;
+        println!("redis/{id:<18} server CPU {per:6.2} µs per check");
+        cpu.push(format!("\"{id}\":{per:.3}"));
+    }
+    let home = std::env::var_os("CRITERION_HOME").map_or_else(
+        || std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/criterion"),
+        std::path::PathBuf::from,
+    );
+    let dir = home.join("redis");
+    std::fs::create_dir_all(&dir).expect("results directory");
+    let run = std::env::args()
+        .skip_while(|a| a != "--save-baseline")
+        .nth(1)
+        .unwrap_or_else(|| "latest".into());
+    std::fs::write(dir.join(format!("cpu-{run}.json")), format!("{{{}}}", cpu.join(",")))
+        .expect("write");
     drop(server);
 }
 

@@ -2,7 +2,9 @@
 //! own temp dir, killed (and the dir removed) on drop. Never port 6379, never off loopback.
 //!
 //! When the server binary is missing the test is skipped with a note on stderr, except under
-//! `CI=true`, where that is a failure (`.ci/run` installs it).
+//! `CI=true`, where that is a failure (`.ci/run` installs it) — for `valkey-server` only when
+//! `.ci/run` could install it (else it sets `TOLLGATE_VALKEY_OPTIONAL=1` and the Valkey tests
+//! report that they were skipped, and why).
 
 use std::io::Write as _;
 use std::net::TcpListener;
@@ -24,8 +26,11 @@ pub fn available(bin: &str) -> bool {
     if found {
         return true;
     }
+    // Valkey may be optional in CI: `.ci/run` says so when this system offers no package.
+    let optional =
+        bin == "valkey-server" && std::env::var("TOLLGATE_VALKEY_OPTIONAL").is_ok_and(|v| v == "1");
     assert!(
-        std::env::var("CI").map_or(true, |v| v != "true"),
+        optional || std::env::var("CI").map_or(true, |v| v != "true"),
         "`{bin}` is not installed, and CI=true requires the Redis tests to run \
          (.ci/run installs it with apt-get)"
     );

@@ -177,12 +177,14 @@ impl MemoryStoreBuilder {
     }
 
     /// The clock, already recognised.
+    #[cfg(feature = "redis")]
     pub(crate) fn any_clock(mut self, clock: AnyClock) -> Self {
         self.clock = clock;
         self
     }
 
     /// The store of the default settings and this builder's clock (never invalid).
+    #[cfg(feature = "redis")]
     pub(crate) fn assembled(self) -> MemoryStore {
         self.assemble()
     }

@@ -370,7 +370,7 @@ impl Inner {
         &self,
         prepared: &Prepared,
         keys: Vec<String>,
-        blob: Vec<u8>,
+        record: Vec<f64>,
         reply_len: usize,
     ) -> Result<(Vec<i64>, u64), StoreError> {
         let (node, slot) = match &self.topology {
@@ -385,7 +385,16 @@ impl Inner {
             }
         };
         let (tx, rx) = oneshot::channel();
-        node.submit(Item { family: prepared.family, slot, keys, blob, reply_len, answer: tx });
+        let policy = Arc::clone(&prepared.policy);
+        node.submit(Item {
+            family: prepared.family,
+            slot,
+            keys,
+            policy,
+            record,
+            reply_len,
+            answer: tx,
+        });
         let answer = rx.await.unwrap_or_else(|_| Err(StoreError::backend("redis call abandoned")));
         if let (Err(StoreError::Backend(e)), Topology::Cluster(cluster)) = (&answer, &self.topology)
         {
@@ -448,8 +457,8 @@ impl Store for RedisStore {
         let state_key = bound.state_key(check.key);
         let ticket_key = (check.ticket && check.cost > 0).then(|| state_key.clone());
         let keys = prepared.keys(state_key);
-        let blob = prepared.check(check.cost, check.max_delay);
-        let answered = inner.submit(prepared, keys, blob, prepared.check_reply_len()).await;
+        let record = prepared.check(check.cost, check.max_delay);
+        let answered = inner.submit(prepared, keys, record, prepared.check_reply_len()).await;
         let decided =
             answered.and_then(|(reply, at)| script::decode(&bound.policy, check.cost, at, &reply));
         match decided {
@@ -486,9 +495,9 @@ impl Store for RedisStore {
                     return Ok(());
                 }
                 let prepared = &bound.prepared;
-                let blob = prepared.settle(remote.cost, &remote.charges, cost);
+                let record = prepared.settle(remote.cost, &remote.charges, cost);
                 let keys = prepared.keys(remote.state_key);
-                inner.submit(prepared, keys, blob, 0).await.map(drop)
+                inner.submit(prepared, keys, record, 0).await.map(drop)
             }
         }
     }

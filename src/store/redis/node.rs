@@ -16,15 +16,19 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use super::breaker::{Admit, Breaker, BreakerState};
-use super::script::{self, Family, Now};
+use super::script::{self, Family, Now, PolicyArgs};
 use crate::clock::AnyClock;
 use crate::error::StoreError;
 
 /// Checks in one script call, at most.
 const MAX_BATCH: usize = 256;
 
+/// Numbers of the checks in one script call, at most: the script unpacks them at once, and Lua
+/// returns at most a few thousand values from one call.
+const MAX_NUMBERS: usize = 4000;
+
 /// Script calls in flight on one node at once.
-const IN_FLIGHT: usize = 4;
+const IN_FLIGHT: usize = 2;
 
 /// A batch's answer to one check: its numbers of the reply, and the instant decided at
 /// (nanoseconds).
@@ -37,8 +41,9 @@ pub(crate) struct Item {
     pub(crate) slot: u16,
     /// The state key first, then any sliding-log sets.
     pub(crate) keys: Vec<String>,
-    /// The packed check (`script::Prepared::check` / `settle`).
-    pub(crate) blob: Vec<u8>,
+    pub(crate) policy: Arc<PolicyArgs>,
+    /// The check (`script::Prepared::check` / `settle`).
+    pub(crate) record: Vec<f64>,
     /// How many numbers it adds to the reply.
     pub(crate) reply_len: usize,
     pub(crate) answer: oneshot::Sender<Answer>,
@@ -182,10 +187,14 @@ impl Node {
         loop {
             let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { return };
             let Some(first) = rx.recv().await else { return };
+            let mut numbers = first.record.len();
             let mut items = vec![first];
-            while items.len() < MAX_BATCH {
+            while items.len() < MAX_BATCH && numbers < MAX_NUMBERS {
                 match rx.try_recv() {
-                    Ok(item) => items.push(item),
+                    Ok(item) => {
+                        numbers += item.record.len();
+                        items.push(item);
+                    }
                     Err(_) => break,
                 }
             }
@@ -213,14 +222,16 @@ impl Node {
     /// Sends `items` (one family, one slot) as one script call and answers each.
     async fn call(&self, family: Family, mut items: Vec<Item>) {
         let mut keys = Vec::new();
-        let mut args = Vec::with_capacity(1 + items.len());
-        let now = self.settings.clock.as_ref().map_or(Now::Server, |c| Now::At(c.now()));
-        args.push(script::header(now));
+        let mut first_keys = Vec::with_capacity(items.len());
         for item in &mut items {
-            script::set_key_index(&mut item.blob, keys.len() + 1);
+            first_keys.push(keys.len() + 1);
             keys.append(&mut item.keys);
-            args.push(std::mem::take(&mut item.blob));
         }
+        let (policies, records) = script::batch(
+            items.iter().zip(&first_keys).map(|(i, k)| (*k, &*i.policy, i.record.as_slice())),
+        );
+        let now = self.settings.clock.as_ref().map_or(Now::Server, |c| Now::At(c.now()));
+        let args = [script::header(now), policies, records];
         let result = self.eval(family, &keys, &args).await;
         let at = result.and_then(|reply| Ok((script::decided_at(&reply)?, reply)));
         let (at, reply) = match at {
@@ -311,20 +322,20 @@ impl Node {
         };
         let attempt = async {
             let mut conn = self.connection().await?;
-            match invocation().invoke_async::<Vec<i64>>(&mut conn).await {
+            match invocation().invoke_async::<Vec<u8>>(&mut conn).await {
                 // The connection's last (re)connect was refused, so nothing was sent; that
                 // refusal has started a new attempt: wait for it rather than fail, so that one
                 // probe suffices once Redis is back. Only refusals: a call that may have
                 // reached the server is never sent twice.
                 Err(e) if e.is_connection_refusal() => {
-                    invocation().invoke_async::<Vec<i64>>(&mut conn).await
+                    invocation().invoke_async::<Vec<u8>>(&mut conn).await
                 }
                 result => result,
             }
         };
         let timeout = self.settings.timeout;
         let result = match tokio::time::timeout(timeout, attempt).await {
-            Ok(Ok(reply)) => Ok(reply),
+            Ok(Ok(reply)) => script::numbers(&reply),
             Ok(Err(e)) => Err(StoreError::backend(e)),
             Err(_) => Err(StoreError::Timeout(timeout)),
         };

@@ -3,7 +3,8 @@
 //! a batch packed as little-endian doubles; the reply turned back into decisions.
 
 use std::borrow::Cow;
-use std::sync::LazyLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use redis::Script;
@@ -217,13 +218,20 @@ pub(crate) fn hash_tag(state_key: &str) -> &str {
     }
 }
 
-/// What a bound policy's checks send every time, rendered when it is bound.
+/// A policy's part of a batch (`ARGV[2]`): `unit, grace, algorithm, tiers` and each tier's
+/// parameters, sent once per batch however many of its checks the batch holds.
+#[derive(Debug)]
+pub(crate) struct PolicyArgs {
+    /// Unique per binding: a batch sends each policy once.
+    pub(crate) id: u64,
+    pub(crate) args: Vec<f64>,
+}
+
+/// What a bound policy's checks send, rendered when it is bound.
 #[derive(Debug)]
 pub(crate) struct Prepared {
     pub(crate) family: Family,
-    /// The policy's part of a check: `unit, grace, algorithm, tiers` and each tier's
-    /// parameters, after the op and the key index.
-    policy: Vec<f64>,
+    pub(crate) policy: Arc<PolicyArgs>,
     /// Sliding-log sets after the state key (one per tier).
     log_sets: usize,
     /// Tiers.
@@ -234,6 +242,7 @@ pub(crate) struct Prepared {
 
 impl Prepared {
     pub(crate) fn new(policy: &Policy, grace_ms: u64) -> Self {
+        static IDS: AtomicU64 = AtomicU64::new(1);
         let family = family(policy);
         let ntiers = policy.tiers().len();
         let alg = match policy.algorithm() {
@@ -244,18 +253,25 @@ impl Prepared {
             Algorithm::SlidingCounter => 4,
             Algorithm::SlidingLog => 5,
         };
-        let mut v = vec![f(policy.unit()), f(grace_ms), f(alg), f(ntiers as u64)];
+        let mut args = vec![f(policy.unit()), f(grace_ms), f(alg), f(ntiers as u64)];
         for t in policy.tiers() {
             let r = t.rate;
             if family == Family::Gcra {
                 let interval = r.period / r.count;
-                v.extend([f(interval), f(interval * r.burst)]);
+                args.extend([f(interval), f(interval * r.burst)]);
             } else {
-                v.extend([f(r.count), f(r.period), f(r.burst)]);
+                args.extend([f(r.count), f(r.period), f(r.burst)]);
             }
         }
+        let id = IDS.fetch_add(1, Ordering::Relaxed);
         let log_sets = if family == Family::Log { ntiers } else { 0 };
-        Self { family, policy: v, log_sets, ntiers, unit: policy.unit() }
+        Self {
+            family,
+            policy: Arc::new(PolicyArgs { id, args }),
+            log_sets,
+            ntiers,
+            unit: policy.unit(),
+        }
     }
 
     /// The keys of a check on `state_key`: it, then the sliding-log sets.
@@ -266,37 +282,23 @@ impl Prepared {
         keys
     }
 
-    fn blob(&self, op: f64, rest: &[f64]) -> Vec<u8> {
-        let mut out = Vec::with_capacity(8 * (2 + self.policy.len() + rest.len()));
-        // The key index (the second double) is set when the batch is assembled.
-        for v in [op, 0.0].iter().chain(&self.policy).chain(rest) {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
-        out
-    }
-
     /// A check of `cost` units; `max_delay` `None` polices, `Some` shapes (clamped to the
-    /// longest span).
-    pub(crate) fn check(&self, cost: u64, max_delay: Option<Duration>) -> Vec<u8> {
+    /// longest span). The key and policy indices (the second and third numbers) are set when
+    /// the batch is assembled.
+    pub(crate) fn check(&self, cost: u64, max_delay: Option<Duration>) -> Vec<f64> {
         let budget =
             max_delay.map_or(-1.0, |d| f((duration_to_nanos(d) / self.unit).min(MAX_SPAN_UNITS)));
-        self.blob(1.0, &[f(cost), budget])
+        vec![1.0, 0.0, 0.0, f(cost), budget]
     }
 
     /// Settles a charge of `charged` units (`charges` per tier, instants in units) at `cost`.
-    pub(crate) fn settle(&self, charged: u64, charges: &Charges, cost: u64) -> Vec<u8> {
+    pub(crate) fn settle(&self, charged: u64, charges: &Charges, cost: u64) -> Vec<f64> {
         let per_sec = NANOS_PER_SEC / self.unit;
-        let mut rest = vec![f(charged), f(cost)];
-        if self.family == Family::Gcra {
-            // Every tier was charged at the same instant.
-            let at = charges.first().map_or(0, |c| c.at);
-            rest.extend([f(at / per_sec), f(at % per_sec)]);
-        } else {
-            for c in charges {
-                rest.extend([f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
-            }
+        let mut record = vec![2.0, 0.0, 0.0, f(charged), f(cost)];
+        for c in charges {
+            record.extend([f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
         }
-        self.blob(2.0, &rest)
+        record
     }
 
     /// The numbers a check adds to the reply.
@@ -305,9 +307,52 @@ impl Prepared {
     }
 }
 
-/// Sets the key index of a check (1-based, into the batch's `KEYS`).
-pub(crate) fn set_key_index(blob: &mut [u8], index: usize) {
-    blob[8..16].copy_from_slice(&f(index as u64).to_le_bytes());
+/// The batch's `ARGV[2]` (its policies) and `ARGV[3]` (its checks), given each check's key
+/// index (1-based, into `KEYS`), policy and record.
+pub(crate) fn batch<'a>(
+    checks: impl Iterator<Item = (usize, &'a PolicyArgs, &'a [f64])>,
+) -> (Vec<u8>, Vec<u8>) {
+    let mut ids: Vec<u64> = Vec::new();
+    let mut policies = Vec::new();
+    let mut records = Vec::new();
+    for (key, policy, record) in checks {
+        let index = match ids.iter().position(|id| *id == policy.id) {
+            Some(i) => i + 1,
+            None => {
+                ids.push(policy.id);
+                for v in &policy.args {
+                    policies.extend_from_slice(&v.to_le_bytes());
+                }
+                ids.len()
+            }
+        };
+        for (i, v) in record.iter().enumerate() {
+            let v = match i {
+                1 => f(key as u64),
+                2 => f(index as u64),
+                _ => *v,
+            };
+            records.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    (policies, records)
+}
+
+/// The numbers of a packed reply (integers below 2^53, as doubles).
+pub(crate) fn numbers(reply: &[u8]) -> Result<Vec<i64>, StoreError> {
+    if reply.len() % 8 != 0 {
+        return Err(bad_reply("not packed doubles"));
+    }
+    #[allow(clippy::cast_possible_truncation)] // integers below 2^53
+    let numbers = reply
+        .chunks_exact(8)
+        .map(|c| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(c);
+            f64::from_le_bytes(b) as i64
+        })
+        .collect();
+    Ok(numbers)
 }
 
 /// Reply layout per check: `outcome (1 allowed, 0 limited, 2 cost above capacity), delay,
@@ -424,18 +469,18 @@ mod tests {
     }
 
     #[test]
-    fn checks_pack_the_policy_and_the_request_as_doubles() {
+    fn a_batch_sends_each_policy_once_and_every_check_as_doubles() {
+        let doubles = |b: &[u8]| -> Vec<f64> {
+            b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()
+        };
         let p = policy("api", Algorithm::SlidingLog);
         let prepared = Prepared::new(&p, 7);
         assert_eq!(prepared.keys("h".into()), ["h", "h:z1", "h:z2"]);
-        let mut blob = prepared.check(2, None);
-        set_key_index(&mut blob, 4);
-        let values: Vec<f64> =
-            blob.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect();
-        assert_eq!(
-            values,
-            [1.0, 4.0, 1.0, 7.0, 5.0, 2.0, 10.0, 1e9, 10.0, 100.0, 3.6e12, 100.0, 2.0, -1.0]
-        );
+        let (a, b) = (prepared.check(2, None), prepared.check(0, Some(Duration::from_nanos(5))));
+        let checks = [(1, a.as_slice()), (4, b.as_slice())];
+        let (policies, records) = batch(checks.iter().map(|(k, r)| (*k, &*prepared.policy, *r)));
+        assert_eq!(doubles(&policies), [1.0, 7.0, 5.0, 2.0, 10.0, 1e9, 10.0, 100.0, 3.6e12, 100.0]);
+        assert_eq!(doubles(&records), [1.0, 1.0, 1.0, 2.0, -1.0, 1.0, 4.0, 1.0, 0.0, 5.0]);
         assert_eq!(prepared.check_reply_len(), 13);
     }
 

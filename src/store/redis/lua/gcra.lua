@@ -1,58 +1,62 @@
 -- GCRA whose emission intervals are whole units (the common case): one string per key holding
 -- every tier's TAT, read once and written once per batch, and no mixed-radix arithmetic. Makes
 -- the decisions of rate.lua and src/algorithm/gcra.rs (`WholeGcra`).
--- A check: op, key index, unit, grace, algorithm (0), tiers, then T and tau (= T x burst) per
--- tier, then cost and the shaping budget (-1 polices), or for 'settle' the old and new cost
--- and the charge instant (seconds, units).
+-- A policy's tier parameters: T and tau (= T x burst), in units. Written for speed: the
+-- per-check work allocates nothing but the key's state, once per key.
 
-local cache, order = {}, {}
+local POL = policies(2)
+local C = doubles(ARGV[3])
+local STORED = stored(C, POL)
+-- Per key (by name): its TATs relative to now (0 for a fresh key: GCRA only compares them
+-- with now), its policy, and whether it changed.
+local TAT, KPOL, DIRTY, order = {}, {}, {}, {}
+local nc = #C
 
-for a = 2, #ARGV do
-  local f = doubles(ARGV[a])
-  local op, k, unit, grace, n = f[1], f[2], f[3], f[4], f[6]
-  local c = clock_of(unit)
-  -- One state per key, however many checks of the batch name it (each by its own index).
-  local st = cache[KEYS[k]]
-  if not st then
-    -- TATs relative to now (0 for a fresh key: GCRA only compares them with now).
-    st = { k = k, unit = unit, grace = grace, n = n, c = c, tat = {} }
-    local packed = call('GET', KEYS[k])
+local i = 1
+while i <= nc do
+  local op, pol = C[i], POL[C[i + 2]]
+  local n, tiers = pol.n, pol.tiers
+  local name = KEYS[C[i + 1]]
+  local tat = TAT[name]
+  if not tat then
+    tat = {}
+    local packed = STORED[name]
+    local c = clock_of(pol.unit)
     if packed then
       local raw = doubles(packed)
-      for i = 1, n do st.tat[i] = rel(c, raw[2 * i - 1], raw[2 * i]) end
+      for t = 1, n do tat[t] = (raw[2 * t - 1] - c.s) * c.per + (raw[2 * t] - c.u) end
     else
-      for i = 1, n do st.tat[i] = 0 end
+      for t = 1, n do tat[t] = 0 end
     end
-    cache[KEYS[k]] = st
-    order[#order + 1] = st
+    TAT[name], KPOL[name] = tat, pol
+    order[#order + 1] = name
   end
-  local tat = st.tat
-  local rest = 7 + 2 * n
   if op == 2 then
-    local old, new = f[rest], f[rest + 1]
-    local at = max(rel(c, f[rest + 2], f[rest + 3]), 0)
-    for i = 1, n do
-      local T = f[5 + 2 * i]
+    local old, new = C[i + 3], C[i + 4]
+    -- Every tier was charged at the same instant.
+    local c = clock_of(pol.unit)
+    local at = (C[i + 5] - c.s) * c.per + (C[i + 6] - c.u)
+    if at < 0 then at = 0 end
+    for t = 1, n do
+      local T = tiers[t].T
       if new < old then
-        tat[i] = tat[i] - (old - new) * T
+        tat[t] = tat[t] - (old - new) * T
       else
-        tat[i] = max(tat[i], at) + (new - old) * T
+        tat[t] = max(tat[t], at) + (new - old) * T
       end
     end
-    st.dirty = true
+    DIRTY[name] = true
+    i = i + 5 + 3 * n
   else
-    local cost, max_delay = f[rest], f[rest + 1]
-    local budget = max(max_delay, 0)
+    local cost, budget = C[i + 3], C[i + 4]
+    if budget < 0 then budget = 0 end
     local over, wait = false, 0
-    local own = {}
-    for i = 1, n do
-      local T, tau = f[5 + 2 * i], f[6 + 2 * i]
-      if tat[i] < 0 then tat[i] = 0 end
-      local o = tat[i] + cost * T - tau
-      if o < 0 then o = 0 end
-      own[i] = o
-      if cost * T > tau then over = true end
+    for t = 1, n do
+      local tier = tiers[t]
+      if tat[t] < 0 then tat[t] = 0 end
+      local o = tat[t] + cost * tier.T - tier.tau
       if o > wait then wait = o end
+      if cost * tier.T > tier.tau then over = true end
     end
     local outcome, delay, retry = 1, 0, -1
     if over then
@@ -62,47 +66,62 @@ for a = 2, #ARGV do
         outcome, retry = 0, wait - budget
       else
         delay = wait
-        for i = 1, n do
-          tat[i] = max(tat[i], wait) + cost * f[5 + 2 * i]
+        for t = 1, n do
+          local b = tat[t]
+          if b < wait then b = wait end
+          tat[t] = b + cost * tiers[t].T
         end
-        st.dirty = true
+        DIRTY[name] = true
       end
     end
-    out(outcome); out(delay); out(retry)
-    for i = 1, n do
-      local T, tau = f[5 + 2 * i], f[6 + 2 * i]
-      local b = tat[i]
-      local q = floor((tau - b) / T)
-      if q * T > tau - b then q = q - 1 elseif (q + 1) * T <= tau - b then q = q + 1 end
+    local r = nreply
+    reply[r + 1], reply[r + 2], reply[r + 3] = outcome, delay, retry
+    r = r + 3
+    for t = 1, n do
+      local tier = tiers[t]
+      local T, tau = tier.T, tier.tau
+      local b = tat[t]
+      local room = tau - b
+      local q = floor(room / T)
+      if q * T > room then q = q - 1 elseif (q + 1) * T <= room then q = q + 1 end
       if q < 0 then q = 0 end
-      out(q); out(b)
+      local own, violated = -1, 0
       if cost * T > tau then
-        out(-1); out(1)
-      elseif outcome == 0 and own[i] > 0 then
-        out(own[i]); out(1)
-      else
-        out(-1); out(0)
+        violated = 1
+      elseif outcome == 0 then
+        -- The tier's own wait, on the state before this check (unchanged: it was refused).
+        local o = b + cost * T - tau
+        if o > 0 then own, violated = o, 1 end
       end
-      out(0)
+      reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4], reply[r + 5] = q, b, own, violated, 0
+      r = r + 5
     end
+    nreply = r
+    i = i + 5
   end
 end
 
-for _, st in ipairs(order) do
-  if st.dirty then
+for j = 1, #order do
+  local name = order[j]
+  if DIRTY[name] then
+    local pol, tat = KPOL[name], TAT[name]
+    local c = clock_of(pol.unit)
     local ttl, v = 0, {}
-    for i = 1, st.n do
-      local r = st.tat[i]
-      if r > ttl then ttl = r end
-      v[2 * i - 1], v[2 * i] = abs(st.c, r)
+    for t = 1, pol.n do
+      local rt = tat[t]
+      if rt > ttl then ttl = rt end
+      local u = c.u + rt
+      local s = floor(u / c.per)
+      if s * c.per > u then s = s - 1 elseif (s + 1) * c.per <= u then s = s + 1 end
+      v[2 * t - 1], v[2 * t] = c.s + s, u - s * c.per
     end
     if ttl > 0 then
-      call('SET', KEYS[st.k], pack(v), 'PX', num(ttl_ms(st.unit, ttl, st.grace)))
+      -- Milliseconds below 1e14: Lua writes them exactly.
+      call('SET', name, pack(v), 'PX', ceil(ttl * pol.unit / 1e6) + pol.grace)
     else
-      call('DEL', KEYS[st.k])
+      call('DEL', name)
     end
   end
 end
 
-out(now_s); out(now_ns)
-return reply
+return finish()

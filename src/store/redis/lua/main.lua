@@ -2,22 +2,27 @@
 -- request charges none), each key's state loaded once and written once. Mirrors
 -- `decide` in src/algorithm/mod.rs.
 
+local POL = policies(3)
+local C = doubles(ARGV[3])
+local STORED = stored(C, POL)
 local cache, order = {}, {}
 local CLOCK_GUARD = F.window or F.log
 
-for a = 2, #ARGV do
-  local f = doubles(ARGV[a])
-  local op, k, unit, grace, alg, n = f[1], f[2], f[3], f[4], f[5], f[6]
-  -- One state per key, however many checks of the batch name it (each by its own index).
-  local st = cache[KEYS[k]]
+local i = 1
+while i <= #C do
+  local op, k, pol = C[i], C[i + 1], POL[C[i + 2]]
+  local n = pol.n
+  local name = KEYS[k]
+  -- One state per key, however many checks of the batch name it.
+  local st = cache[name]
   if not st then
-    local c = clock_of(unit)
-    st = { k = k, unit = unit, grace = grace, alg = alg, n = n, tiers = {}, c = c }
-    for i = 1, n do
-      local j = 7 + (i - 1) * 3
-      st.tiers[i] = { c = f[j], p = f[j + 1], b = f[j + 2] }
+    local c = clock_of(pol.unit)
+    st = { k = k, name = name, unit = pol.unit, grace = pol.grace, alg = pol.alg, n = n, tiers = {}, c = c }
+    for t = 1, n do
+      local p = pol.tiers[t]
+      st.tiers[t] = { c = p.c, p = p.p, b = p.b }
     end
-    local packed = call('GET', KEYS[k])
+    local packed = STORED[name]
     local raw = nil
     if packed then
       raw = doubles(packed)
@@ -32,99 +37,98 @@ for a = 2, #ARGV do
       table.remove(raw, 1)
     end
     F.load(st, raw)
-    cache[KEYS[k]] = st
+    cache[name] = st
     order[#order + 1] = st
   end
   local tiers = st.tiers
-  local rest = 7 + n * 3
   if op == 2 then
-    local old, new = f[rest], f[rest + 1]
-    for i = 1, n do
-      local j = rest + 2 + (i - 1) * 3
-      local at = rel(st.c, f[j], f[j + 1])
+    local old, new = C[i + 3], C[i + 4]
+    for t = 1, n do
+      local j = i + 5 + (t - 1) * 3
+      local at = rel(st.c, C[j], C[j + 1])
       if new < old then
-        F.refund(st, tiers[i], at, f[j + 2], old, old - new)
+        F.refund(st, tiers[t], at, C[j + 2], old, old - new)
       elseif new > old then
-        F.charge(st, tiers[i], max(at, 0), new - old)
+        F.charge(st, tiers[t], max(at, 0), new - old)
       end
     end
   else
-    local cost, max_delay = f[rest], f[rest + 1]
+    local cost, max_delay = C[i + 3], C[i + 4]
     local per = {}
     local over = false
-    for i = 1, n do
-      if cost > F.capacity(tiers[i]) then over = true end
+    for t = 1, n do
+      if cost > F.capacity(tiers[t]) then over = true end
     end
     local head
     if cost == 0 then
       -- A query: always admitted, charges nothing.
-      for i = 1, n do per[i] = { -1, 0, 0 } end
+      for t = 1, n do per[t] = { -1, 0, 0 } end
       head = { 1, 0, -1 }
     elseif over then
-      for i = 1, n do
+      for t = 1, n do
         local v = 0
-        if cost > F.capacity(tiers[i]) then v = 1 end
-        per[i] = { -1, v, 0 }
+        if cost > F.capacity(tiers[t]) then v = 1 end
+        per[t] = { -1, v, 0 }
       end
       head = { 2, 0, -1 }
     else
       -- The earliest instant every tier admits the request together.
-      local t = 0
+      local at = 0
       for _ = 1, 64 do
-        local nxt = t
-        for i = 1, n do nxt = max(nxt, F.earliest(st, tiers[i], t, cost)) end
-        if nxt == t then break end
-        t = nxt
+        local nxt = at
+        for t = 1, n do nxt = max(nxt, F.earliest(st, tiers[t], at, cost)) end
+        if nxt == at then break end
+        at = nxt
       end
       local queue = 0
       if max_delay >= 0 then
-        for i = 1, n do queue = max(queue, F.queue_wait(st, tiers[i], t)) end
+        for t = 1, n do queue = max(queue, F.queue_wait(st, tiers[t], at)) end
       end
-      local wait = t + queue
+      local wait = at + queue
       local budget = max(max_delay, 0)
       if wait > budget then
-        for i = 1, n do
-          local own = F.earliest(st, tiers[i], 0, cost)
-          if own > 0 then per[i] = { own, 1, 0 } else per[i] = { -1, 0, 0 } end
+        for t = 1, n do
+          local own = F.earliest(st, tiers[t], 0, cost)
+          if own > 0 then per[t] = { own, 1, 0 } else per[t] = { -1, 0, 0 } end
         end
         head = { 0, 0, wait - budget }
       else
         -- Charged at the instant the request leaves (after a leaky bucket's queue).
-        for i = 1, n do per[i] = { -1, 0, F.charge(st, tiers[i], wait, cost) } end
+        for t = 1, n do per[t] = { -1, 0, F.charge(st, tiers[t], wait, cost) } end
         head = { 1, wait, -1 }
       end
     end
     out(head[1]); out(head[2]); out(head[3])
-    for i = 1, n do
-      local remaining, reset = F.status(st, tiers[i])
-      local p = per[i]
+    for t = 1, n do
+      local remaining, reset = F.status(st, tiers[t])
+      local p = per[t]
       out(remaining); out(reset); out(p[1]); out(p[2]); out(p[3])
     end
   end
+  i = next_check(C, i, POL)
 end
 
 -- Write every changed state back, with a TTL equal to what it needs.
 for _, st in ipairs(order) do
   if st.dirty then
     local ttl = 0
-    for i = 1, st.n do
-      local _, reset = F.status(st, st.tiers[i])
+    for t = 1, st.n do
+      local _, reset = F.status(st, st.tiers[t])
       if reset > ttl then ttl = reset end
     end
-    local key = KEYS[st.k]
     if ttl <= 0 then
-      call('DEL', key)
+      call('DEL', st.name)
       if F.drop then F.drop(st) end
     else
       local v = F.save(st)
       table.insert(v, 1, st.c.u)
       table.insert(v, 1, st.c.s)
+      -- Milliseconds below 1e14: Lua writes them exactly.
       local ms = ttl_ms(st.unit, ttl, st.grace)
-      call('SET', key, pack(v), 'PX', num(ms))
+      call('SET', st.name, pack(v), 'PX', ms)
       if F.expire then F.expire(st, ms) end
     end
   end
 end
 
-out(now_s); out(now_ns)
-return reply
+return finish()

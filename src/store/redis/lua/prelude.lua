@@ -10,12 +10,15 @@
 --
 -- KEYS    the keys of the checks (each check says where its own start)
 -- ARGV[1] struct '<ddd': clock (0 = the server's TIME, 1 = given), seconds, nanoseconds
--- ARGV[n] one check each, struct '<d...': op (1 check, 2 settle), key index, unit (ns),
---         ttl grace (ms), algorithm, tiers, the tiers' parameters, then the op's arguments
--- reply   per check: for 'check' outcome (1 allowed, 0 limited, 2 cost above capacity), delay,
---         retry (-1 none), then per tier remaining, reset, own retry (-1 none), violated, entry
---         id; nothing for 'settle'. Durations in units from the unit `now` falls in; then,
---         last, the instant decided at: seconds, nanoseconds.
+-- ARGV[2] the policies of the batch, doubles: unit (ns), ttl grace (ms), algorithm, tiers, then
+--         each tier's parameters
+-- ARGV[3] the checks, doubles: op (1 check, 2 settle), key index, policy index, then for a
+--         check its cost and shaping budget (-1 polices), for a settlement the old and new
+--         cost and per tier the charge's instant (seconds, units) and entry id
+-- reply   packed doubles: per check, outcome (1 allowed, 0 limited, 2 cost above capacity),
+--         delay, retry (-1 none), then per tier remaining, reset, own retry (-1 none),
+--         violated, entry id (nothing per settlement); durations in units from the unit `now`
+--         falls in; last, the instant decided at (seconds, nanoseconds).
 
 local call, tonumber, floor, ceil, max, min = redis.call, tonumber, math.floor, math.ceil, math.max, math.min
 local sunpack, spack, srep, sformat = struct.unpack, struct.pack, string.rep, string.format
@@ -54,8 +57,37 @@ local function doubles(s)
   return t
 end
 
-local function pack(t)
-  return spack(fmt(#t), unpack(t))
+-- Packs the numbers of `t` (in chunks: unpack() returns at most a few thousand values).
+local function pack(t, n)
+  n = n or #t
+  if n <= 4000 then return spack(fmt(n), unpack(t, 1, n)) end
+  local parts = {}
+  for i = 1, n, 4000 do
+    local j = min(i + 3999, n)
+    parts[#parts + 1] = spack(fmt(j - i + 1), unpack(t, i, j))
+  end
+  return table.concat(parts)
+end
+
+-- The batch's policies: `width` parameters per tier.
+local function policies(width)
+  local P = doubles(ARGV[2])
+  local out, i = {}, 1
+  while i <= #P do
+    local n = P[i + 3]
+    local tiers = {}
+    for t = 1, n do
+      local j = i + 4 + (t - 1) * width
+      if width == 2 then
+        tiers[t] = { T = P[j], tau = P[j + 1] }
+      else
+        tiers[t] = { c = P[j], p = P[j + 1], b = P[j + 2] }
+      end
+    end
+    out[#out + 1] = { unit = P[i], grace = P[i + 1], alg = P[i + 2], n = n, tiers = tiers }
+    i = i + 4 + n * width
+  end
+  return out
 end
 
 local B = 16777216 -- 2^24
@@ -130,7 +162,38 @@ local function ttl_ms(unit, units, grace)
   return ceil(units * unit / 1e6) + grace
 end
 
-local reply = {}
+local reply, nreply = {}, 0
 local function out(v)
-  reply[#reply + 1] = v
+  nreply = nreply + 1
+  reply[nreply] = v
+end
+
+-- The reply: every number out() gave, then the instant decided at.
+local function finish()
+  out(now_s)
+  out(now_ns)
+  return pack(reply, nreply)
+end
+
+-- The index of the check after the one at `i` in the checks `C`.
+local function next_check(C, i, POL)
+  if C[i] == 2 then return i + 5 + 3 * POL[C[i + 2]].n end
+  return i + 5
+end
+
+-- Every key the checks name, once, with its stored value (one MGET): name -> value or false.
+local function stored(C, POL)
+  local names, seen, i = {}, {}, 1
+  while i <= #C do
+    local name = KEYS[C[i + 1]]
+    if not seen[name] then
+      seen[name] = true
+      names[#names + 1] = name
+    end
+    i = next_check(C, i, POL)
+  end
+  local values = call('MGET', unpack(names))
+  local out = {}
+  for j = 1, #names do out[names[j]] = values[j] end
+  return out
 end
