@@ -160,6 +160,71 @@ impl<St: Store> Limiter<St> {
         Ok(self.reservation(verdict))
     }
 
+    /// Waits until `cost` units for `key` fit and takes them, like governor's
+    /// `until_key_ready`: the earliest slot within `max_wait` is reserved at once (so concurrent
+    /// waiters queue up rather than stampede) and slept through. Returns the decision when the
+    /// slot comes; if the returned future is dropped before, the slot is given back.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::store::MemoryStore;
+    /// use tollgate::{Limiter, Policy, Quota, clock::TokioClock, key::Key};
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// let store = MemoryStore::builder().clock(TokioClock::new()).build().unwrap();
+    /// let limiter = Limiter::with_store(Policy::single("jobs", Quota::per_second(2)).unwrap(), store).unwrap();
+    /// let start = tokio::time::Instant::now();
+    /// for _ in 0..4 {
+    ///     limiter.until_ready(&Key::Global, 1, Duration::from_secs(5)).await.unwrap();
+    /// }
+    /// // Two at once (the burst), then one every 500 ms.
+    /// assert_eq!(start.elapsed(), Duration::from_secs(1));
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`Rejection::Limited`] when the units would not fit within `max_wait` (or never fit: a
+    /// cost above a tier's capacity); [`Rejection::Unavailable`] when the store cannot decide.
+    pub async fn until_ready(
+        &self,
+        key: &Key,
+        cost: u64,
+        max_wait: Duration,
+    ) -> Result<Decision, Rejection> {
+        self.until_ready_with_jitter(key, cost, max_wait, Duration::ZERO).await
+    }
+
+    /// [`until_ready`](Self::until_ready), then a further random wait of up to `jitter`
+    /// (uniform), so that callers released together do not act in lockstep (governor's
+    /// `Jitter`). The slot stays reserved (and is given back if the future is dropped) until the
+    /// jittered instant.
+    ///
+    /// # Errors
+    /// As [`until_ready`](Self::until_ready).
+    pub async fn until_ready_with_jitter(
+        &self,
+        key: &Key,
+        cost: u64,
+        max_wait: Duration,
+        jitter: Duration,
+    ) -> Result<Decision, Rejection> {
+        let reservation =
+            self.reserve_within(key, cost, max_wait).await.map_err(Rejection::Unavailable)?;
+        if !reservation.decision().is_allowed() {
+            let decision = reservation.decision().clone();
+            return Err(Rejection::Limited(self.rate_limited(decision, Some(max_wait))));
+        }
+        let mut reservation = reservation.cancel_on_drop().wait().await;
+        if !jitter.is_zero() {
+            let nanos = u64::try_from(jitter.as_nanos()).unwrap_or(u64::MAX);
+            tokio::time::sleep(Duration::from_nanos(fastrand::u64(0..=nanos))).await;
+        }
+        reservation.cancel_on_drop = false;
+        let decision = reservation.decision().clone();
+        reservation.commit();
+        Ok(decision)
+    }
+
     /// Decides at once when the store can.
     #[inline]
     pub(crate) fn check_sync(
