@@ -46,6 +46,11 @@ mod headers;
 pub mod key;
 mod layer;
 mod limiter;
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+pub mod metrics;
+#[cfg(not(feature = "metrics"))]
+mod metrics;
 mod quota;
 mod rejection;
 pub mod store;

@@ -632,6 +632,7 @@ impl Inner {
                 let Some(inner) = weak.upgrade() else { break };
                 let removed = inner.sweep();
                 tracing::trace!(removed, "tollgate: swept idle keys");
+                crate::metrics::memory_keys(inner.len.load(Ordering::Relaxed));
             }
         });
     }

@@ -18,6 +18,7 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 use super::breaker::{Admit, Breaker, BreakerState};
 use super::script::{self, Family, Now, PolicyArgs};
 use crate::clock::AnyClock;
+use crate::metrics::NodeMetrics;
 use crate::error::StoreError;
 
 /// Checks in one script call, at most.
@@ -72,6 +73,7 @@ pub(crate) struct Node {
     queue: RwLock<Option<mpsc::UnboundedSender<Item>>>,
     /// What the server said of itself when the connection opened.
     info: RwLock<Option<ServerInfo>>,
+    metrics: NodeMetrics,
 }
 
 /// What a Redis server said of itself (`INFO server`) when a connection to it opened.
@@ -124,6 +126,7 @@ impl ServerInfo {
 impl Node {
     pub(crate) fn new(addr: Arc<str>, client: redis::Client, settings: Arc<Settings>) -> Self {
         let breaker = Breaker::new(Arc::clone(&addr), settings.threshold, settings.open_for);
+        let metrics = NodeMetrics::new(&addr);
         Self {
             addr,
             client,
@@ -133,6 +136,7 @@ impl Node {
             settings,
             queue: RwLock::new(None),
             info: RwLock::new(None),
+            metrics,
         }
     }
 
@@ -334,6 +338,7 @@ impl Node {
             }
         };
         let timeout = self.settings.timeout;
+        let started = std::time::Instant::now();
         let result = match tokio::time::timeout(timeout, attempt).await {
             Ok(Ok(reply)) => script::numbers(&reply),
             Ok(Err(e)) => Err(StoreError::backend(e)),
@@ -348,6 +353,12 @@ impl Node {
             (None, true) => self.breaker.success(),
             (None, false) => self.breaker.failure(),
         }
+        self.metrics.call(started.elapsed());
+        self.metrics.breaker(match self.breaker.state() {
+            BreakerState::Closed => 0,
+            BreakerState::HalfOpen => 1,
+            BreakerState::Open => 2,
+        });
         result
     }
 }

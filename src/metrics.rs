@@ -1,0 +1,72 @@
+//! Metrics through the [`metrics`](https://docs.rs/metrics) facade (cargo feature `metrics`):
+//! install a recorder (for example `metrics-exporter-prometheus`) **before** building layers
+//! and stores, whose handles are registered when they are built. Labels are policy and tier
+//! names and Redis server addresses, never keys, so the number of series stays bounded.
+//!
+//! | metric | kind | labels | what |
+//! |---|---|---|---|
+//! | `tollgate_decisions_total` | counter | `policy`, `tier`, `outcome` | per request and tier: `admitted`, `limited` (this tier refused it), `shaped` (admitted after a wait), `dry_run_limited` (would have been refused) |
+//! | `tollgate_store_failures_total` | counter | `policy`, `outcome` | requests the store could not decide: `fail_open`, `fail_closed`, `fallback` (decided locally) |
+//! | `tollgate_shaping_delay_seconds` | histogram | `policy` | how long shaped requests were held |
+//! | `tollgate_store_call_seconds` | histogram | `node` | Redis script calls, each deciding a batch |
+//! | `tollgate_breaker_state` | gauge | `node` | a Redis server's circuit breaker: 0 closed, 1 half-open, 2 open |
+//! | `tollgate_memory_keys` | gauge | | keys a `MemoryStore` holds (updated by its sweeper) |
+
+/// Names of the metrics.
+#[allow(dead_code)] // the layer's metrics come with its per-policy handles
+pub(crate) mod names {
+    pub(crate) const DECISIONS: &str = "tollgate_decisions_total";
+    pub(crate) const STORE_FAILURES: &str = "tollgate_store_failures_total";
+    pub(crate) const SHAPING_DELAY: &str = "tollgate_shaping_delay_seconds";
+    pub(crate) const STORE_CALL: &str = "tollgate_store_call_seconds";
+    pub(crate) const BREAKER_STATE: &str = "tollgate_breaker_state";
+    pub(crate) const MEMORY_KEYS: &str = "tollgate_memory_keys";
+}
+
+/// A Redis node's metrics.
+#[derive(Clone)]
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+pub(crate) struct NodeMetrics {
+    #[cfg(feature = "metrics")]
+    call: metrics::Histogram,
+    #[cfg(feature = "metrics")]
+    breaker: metrics::Gauge,
+}
+
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+impl NodeMetrics {
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn new(node: &str) -> Self {
+        Self {
+            #[cfg(feature = "metrics")]
+            call: metrics::histogram!(names::STORE_CALL, "node" => node.to_owned()),
+            #[cfg(feature = "metrics")]
+            breaker: metrics::gauge!(names::BREAKER_STATE, "node" => node.to_owned()),
+        }
+    }
+
+    /// A script call took `took`.
+    #[inline]
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn call(&self, took: std::time::Duration) {
+        #[cfg(feature = "metrics")]
+        self.call.record(took.as_secs_f64());
+    }
+
+    /// The breaker is now 0 closed, 1 half-open or 2 open.
+    #[inline]
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn breaker(&self, state: u8) {
+        #[cfg(feature = "metrics")]
+        self.breaker.set(f64::from(state));
+    }
+}
+
+/// A memory store's key count.
+#[inline]
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn memory_keys(keys: usize) {
+    #[cfg(feature = "metrics")]
+    #[allow(clippy::cast_precision_loss)] // a key count is far below 2^53
+    metrics::gauge!(names::MEMORY_KEYS).set(keys as f64);
+}
