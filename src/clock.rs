@@ -3,7 +3,9 @@
 //! Every algorithm is a pure state transition over an instant read from a [`Clock`], so tests
 //! drive it with a [`FakeClock`] (or a [`TokioClock`] under `tokio::time::pause()`) and the Redis
 //! scripts can be checked against the Rust version on the same trace. Instants are
-//! **nanoseconds** since a clock-specific epoch, as `u64` (about 584 years).
+//! **nanoseconds** as `u64` (about 584 years); the built-in clocks count from the Unix epoch,
+//! so that windows line up with Redis's (which uses the server's `TIME`) and with the
+//! calendar.
 //!
 //! Stores read their clock on every decision, so the built-in clocks are dispatched without a
 //! dynamic call; any other [`Clock`] works too, behind one pointer.
@@ -39,7 +41,9 @@ pub trait Clock: Send + Sync + 'static {
 /// The default clock: monotonic, read from the CPU's time-stamp counter where it is reliable
 /// (an invariant TSC), calibrated against the OS clock, and from the OS's monotonic clock
 /// otherwise (the [`quanta`](https://docs.rs/quanta) crate, which governor uses too).
-/// Nanoseconds since the clock was created.
+/// Nanoseconds since the Unix epoch: the system clock is read once, when the clock is made, and
+/// the monotonic clock counts from there (so a later step of the system clock does not move
+/// it).
 ///
 /// A reading costs a few nanoseconds where `std::time::Instant::now()` costs tens. It does not
 /// follow `tokio::time::pause()`; tests on a paused tokio clock use [`TokioClock`].
@@ -51,15 +55,22 @@ pub struct MonotonicClock {
     /// The raw counter at creation: instants are scaled deltas from it, with no `Duration` in
     /// between.
     origin: u64,
+    /// Nanoseconds since the Unix epoch at creation.
+    unix: u64,
+}
+
+/// Nanoseconds since the Unix epoch now, by the system clock (0 before 1970).
+fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, duration_to_nanos)
 }
 
 impl MonotonicClock {
-    /// A clock whose epoch is the moment of this call.
+    /// A clock reading the system clock once, now.
     #[must_use]
     pub fn new() -> Self {
         let clock = quanta::Clock::new();
         let origin = clock.raw();
-        Self { clock, origin }
+        Self { clock, origin, unix: unix_now() }
     }
 }
 
@@ -72,11 +83,12 @@ impl Default for MonotonicClock {
 impl Clock for MonotonicClock {
     #[inline]
     fn now(&self) -> u64 {
-        self.clock.delta_as_nanos(self.origin, self.clock.raw())
+        self.unix.saturating_add(self.clock.delta_as_nanos(self.origin, self.clock.raw()))
     }
 }
 
-/// tokio's clock ([`tokio::time::Instant`]), as nanoseconds since the clock was created.
+/// tokio's clock ([`tokio::time::Instant`]), as nanoseconds since the Unix epoch (the system
+/// clock is read once, when the clock is made, and tokio's clock counts from there).
 ///
 /// Because it reads tokio's clock, a test that calls `tokio::time::pause()` (or uses
 /// `#[tokio::test(start_paused = true)]`) controls it together with every `tokio::time::sleep`
@@ -88,20 +100,23 @@ impl Clock for MonotonicClock {
 ///
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
 /// let clock = TokioClock::new();
+/// let start = clock.now();
 /// tokio::time::sleep(Duration::from_secs(3)).await; // paused: returns at once
-/// assert_eq!(clock.now(), 3_000_000_000);
+/// assert_eq!(clock.now() - start, 3_000_000_000);
 /// # }
 /// ```
 #[derive(Debug, Clone, Copy)]
 pub struct TokioClock {
     origin: tokio::time::Instant,
+    /// Nanoseconds since the Unix epoch at creation.
+    unix: u64,
 }
 
 impl TokioClock {
-    /// A clock whose epoch is the moment of this call.
+    /// A clock reading the system clock once, now.
     #[must_use]
     pub fn new() -> Self {
-        Self { origin: tokio::time::Instant::now() }
+        Self { origin: tokio::time::Instant::now(), unix: unix_now() }
     }
 }
 
@@ -113,11 +128,13 @@ impl Default for TokioClock {
 
 impl Clock for TokioClock {
     fn now(&self) -> u64 {
-        duration_to_nanos(tokio::time::Instant::now().saturating_duration_since(self.origin))
+        let elapsed = tokio::time::Instant::now().saturating_duration_since(self.origin);
+        self.unix.saturating_add(duration_to_nanos(elapsed))
     }
 }
 
-/// A clock that only moves when told to: for deterministic tests.
+/// A clock that only moves when told to: for deterministic tests. It starts at 0 (the Unix
+/// epoch) unless [`set`](Self::set).
 ///
 /// Clones share the same instant.
 ///

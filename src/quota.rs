@@ -130,7 +130,7 @@ pub enum Algorithm {
     /// Leaky bucket ("funnel") draining at `count / period`, holding at most `burst`. When
     /// shaping, requests leave at the leak rate: a smooth output without bursts.
     LeakyBucket,
-    /// Fixed window counter: `count` per window aligned to the clock's epoch. Cheapest; admits
+    /// Fixed window counter: `count` per window aligned to the Unix epoch. Cheapest; admits
     /// up to **2 x count** across a window boundary.
     FixedWindow,
     /// Sliding window log: exact over any window of `period`, one entry per admitted request,

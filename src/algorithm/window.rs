@@ -1,6 +1,7 @@
 //! Fixed window counter and sliding window counter.
 //!
-//! Windows are `period` long and aligned to the clock's epoch: window `k` is
+//! Windows are `period` long and aligned to the clock's epoch (the Unix epoch for the built-in
+//! clocks, as on Redis): window `k` is
 //! `[k * period, (k + 1) * period)`. The state is a short ascending list of `(k, used)`, which
 //! usually holds one or two windows; shaping may reserve units in later windows too.
 
