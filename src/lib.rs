@@ -35,13 +35,16 @@
 //!
 //! Cargo features: `axum` (default) adds axum's `ConnectInfo` / `MatchedPath` to the key
 //! extractors and `IntoResponse` to the rejections; without it the crate depends on `http` and
-//! Tower only. `redis` adds `RedisStore`.
+//! Tower only. `redis` adds `RedisStore`. `tonic` makes [`PeerIp`](key::PeerIp) and
+//! [`ClientIp`](key::ClientIp) read tonic's `TcpConnectInfo`; gRPC calls are refused in gRPC
+//! form with or without it ([`grpc`]).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod algorithm;
 pub mod clock;
 mod decision;
 mod error;
+pub mod grpc;
 mod headers;
 pub mod key;
 mod layer;
@@ -60,7 +63,7 @@ pub use error::{ConfigError, StoreError};
 pub use headers::HeaderStyle;
 pub use layer::{
     MissingKey, OnStoreError, RateLimit, RateLimitLayer, RateLimitLayerBuilder, ResponseBody,
-    ResponseFuture,
+    ResponseFuture, Unselected,
 };
 pub use limiter::{Limiter, Reservation};
 pub use quota::{

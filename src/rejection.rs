@@ -1,7 +1,8 @@
 //! Rejections as values: [`RateLimited`] (429) and [`Rejection`] (every refusal the layer or
 //! [`Limiter::enforce`](crate::Limiter::enforce) makes), with their HTTP responses: status,
 //! `Retry-After` (RFC 9110 §10.2.3), the rate-limit headers and an `application/problem+json`
-//! body (RFC 9457) that is rendered once per policy.
+//! body (RFC 9457) that is rendered once per policy; and their gRPC responses (trailers-only,
+//! `grpc-status`, `grpc-retry-pushback-ms` of gRFC A6), see [`crate::grpc`].
 
 use std::fmt::{self, Write as _};
 use std::sync::Arc;
@@ -13,6 +14,7 @@ use http_body_util::Full;
 
 use crate::decision::{Decision, Outcome};
 use crate::error::StoreError;
+use crate::grpc::{self, code};
 use crate::headers::{HeaderStyle, Headers, ceil_secs};
 use crate::quota::{Policy, Tier};
 
@@ -33,6 +35,8 @@ pub(crate) struct Surface {
     /// tiers: index `2^n * kind + mask`, `kind` 0 for limited and 1 for a cost above capacity,
     /// bit `i` of `mask` for tier `i`.
     bodies: Box<[Bytes]>,
+    /// The `grpc-message` of a refusal: `[limited, cost above capacity]`.
+    grpc_messages: [HeaderValue; 2],
 }
 
 /// Policies with more tiers render their 429 bodies per response.
@@ -48,7 +52,14 @@ impl Surface {
         } else {
             Box::default()
         };
-        Self { policy: policy.clone(), headers: Headers::new(policy), bodies }
+        let name = policy.name();
+        let grpc_messages = [
+            grpc::message(&format!("rate limited by policy `{name}`: quota exceeded")),
+            grpc::message(&format!(
+                "rate limited by policy `{name}`: the request costs more than the capacity of the violated policies; it can never be admitted"
+            )),
+        ];
+        Self { policy: policy.clone(), headers: Headers::new(policy), bodies, grpc_messages }
     }
 
     /// The 429 body for `decision`.
@@ -187,6 +198,59 @@ fn retry_after_secs(decision: &Decision) -> Option<u64> {
     }
 }
 
+/// The `grpc-retry-pushback-ms` of a refusal, in whole milliseconds rounded up and at least 1.
+fn retry_after_ms(decision: &Decision) -> Option<u64> {
+    match decision.outcome() {
+        Outcome::Limited => decision
+            .retry_after()
+            .map(|d| u64::try_from(d.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX).max(1)),
+        _ => None,
+    }
+}
+
+/// A gRPC trailers-only response: HTTP 200, `content-type: application/grpc`, `grpc-status`
+/// and `grpc-message`, and an empty body (so the server ends the stream with the headers).
+fn grpc_respond(code: u8, message: HeaderValue) -> Response<Full<Bytes>> {
+    let mut res = Response::new(Full::new(Bytes::new()));
+    // Room for these three, the pushback and the rate-limit headers, without growing.
+    let mut headers = HeaderMap::with_capacity(8);
+    headers.insert(header::CONTENT_TYPE, grpc::APPLICATION_GRPC);
+    headers.insert(grpc::GRPC_STATUS, grpc::status_value(code));
+    headers.insert(grpc::GRPC_MESSAGE, message);
+    *res.headers_mut() = headers;
+    res
+}
+
+/// The gRPC refusal for `decision` under `surface`'s policy: `RESOURCE_EXHAUSTED`, the
+/// message rendered when the policy was bound, `grpc-retry-pushback-ms` (when the request
+/// would fit later) and the rate-limit headers of `style`.
+pub(crate) fn grpc_resource_exhausted(
+    surface: &Surface,
+    decision: &Decision,
+    style: HeaderStyle,
+) -> Response<Full<Bytes>> {
+    let over = usize::from(decision.outcome() == Outcome::CostExceedsCapacity);
+    let message = surface.grpc_messages[over].clone();
+    let mut res = grpc_respond(code::RESOURCE_EXHAUSTED, message);
+    let headers = res.headers_mut();
+    if let Some(ms) = retry_after_ms(decision) {
+        headers.insert(grpc::GRPC_RETRY_PUSHBACK_MS, HeaderValue::from(ms));
+    }
+    surface.headers.write(style, headers, decision);
+    res
+}
+
+/// The gRPC status for a refusal the operator gave the HTTP status of: 401 is
+/// `UNAUTHENTICATED`, 403 `PERMISSION_DENIED`, anything else `INVALID_ARGUMENT` (the request
+/// lacks what the limiter needs; retrying it unchanged cannot help).
+fn grpc_code_for(status: StatusCode) -> u8 {
+    match status {
+        StatusCode::UNAUTHORIZED => code::UNAUTHENTICATED,
+        StatusCode::FORBIDDEN => code::PERMISSION_DENIED,
+        _ => code::INVALID_ARGUMENT,
+    }
+}
+
 /// A request refused because it does not fit its policy: HTTP 429.
 ///
 /// A value, not a response: match on it, read why, and turn it into the default response
@@ -284,6 +348,14 @@ impl RateLimited {
         retry_after_secs(&self.decision)
     }
 
+    /// The `grpc-retry-pushback-ms` value sent to gRPC clients (gRFC A6):
+    /// [`retry_after`](Self::retry_after) in whole milliseconds, rounded up and at least 1;
+    /// `None` when the cost can never fit (then the header is absent).
+    #[must_use]
+    pub fn retry_after_ms(&self) -> Option<u64> {
+        retry_after_ms(&self.decision)
+    }
+
     /// For a request the layer shaped: the wait budget it would have exceeded
     /// ([`shape`](crate::RateLimitLayerBuilder::shape)); `None` when policing.
     #[must_use]
@@ -311,6 +383,42 @@ impl RateLimited {
         too_many_requests(&self.surface, &self.decision, style)
     }
 
+    /// The response to a gRPC call ([`crate::grpc`]): a trailers-only response with HTTP
+    /// status 200, `content-type: application/grpc`, `grpc-status: 8` (`RESOURCE_EXHAUSTED`),
+    /// a `grpc-message` naming the policy (percent-encoded, as the gRPC over HTTP/2 protocol
+    /// requires), `grpc-retry-pushback-ms` with [`retry_after_ms`](Self::retry_after_ms)
+    /// (gRFC A6; absent when the cost can never fit), the IETF `RateLimit-Policy` /
+    /// `RateLimit` headers, and an empty body. No `Retry-After`: gRPC clients read the
+    /// pushback.
+    ///
+    /// ```
+    /// use tollgate::{Limiter, Policy, Quota, Rejection};
+    /// use tollgate::key::Key;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let limiter = Limiter::new(Policy::single("calls", Quota::per_minute(1)).unwrap());
+    /// limiter.enforce(&Key::Global, 1).await.unwrap();
+    /// let Err(Rejection::Limited(limited)) = limiter.enforce(&Key::Global, 1).await else {
+    ///     panic!("expected a refusal");
+    /// };
+    /// let res = limited.to_grpc_response();
+    /// assert_eq!(res.status(), 200);
+    /// assert_eq!(res.headers()["content-type"], "application/grpc");
+    /// assert_eq!(res.headers()["grpc-status"], "8");
+    /// assert_eq!(res.headers()["grpc-message"], "rate limited by policy `calls`: quota exceeded");
+    /// assert_eq!(res.headers()["grpc-retry-pushback-ms"], "60000");
+    /// # }
+    /// ```
+    #[must_use]
+    pub fn to_grpc_response(&self) -> Response<Full<Bytes>> {
+        self.grpc_response(HeaderStyle::Ietf)
+    }
+
+    /// The gRPC response with the headers of `style`.
+    pub(crate) fn grpc_response(&self, style: HeaderStyle) -> Response<Full<Bytes>> {
+        grpc_resource_exhausted(&self.surface, &self.decision, style)
+    }
+
     /// Adds `Retry-After` and the rate-limit headers of `style` to `res`.
     pub(crate) fn add_headers<B>(&self, style: HeaderStyle, res: &mut Response<B>) {
         add_headers(&self.surface, &self.decision, style, res);
@@ -335,6 +443,9 @@ pub enum Rejection {
     /// No key could be read from the request (the layer's
     /// [`MissingKey::Reject`](crate::MissingKey::Reject)): 400 by default.
     MissingKey(StatusCode),
+    /// The layer's selector chose no policy for the request and such requests are refused
+    /// ([`Unselected::Reject`](crate::Unselected::Reject)).
+    Unselected(StatusCode),
 }
 
 impl fmt::Display for Rejection {
@@ -342,7 +453,8 @@ impl fmt::Display for Rejection {
         match self {
             Self::Limited(l) => l.fmt(f),
             Self::Unavailable(e) => write!(f, "the rate limiter cannot decide: {e}"),
-            Self::MissingKey(_) => f.write_str("no rate-limit key could be read from the request"),
+            Self::MissingKey(_) => f.write_str(MISSING_KEY),
+            Self::Unselected(_) => f.write_str(UNSELECTED),
         }
     }
 }
@@ -357,13 +469,29 @@ impl std::error::Error for Rejection {
 }
 
 impl Rejection {
-    /// The status of the response: 429, 503, or the missing-key status.
+    /// The status of the response: 429, 503, or the configured missing-key or unselected
+    /// status.
     #[must_use]
     pub fn status(&self) -> StatusCode {
         match self {
             Self::Limited(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            Self::MissingKey(status) => *status,
+            Self::MissingKey(status) | Self::Unselected(status) => *status,
+        }
+    }
+
+    /// The `grpc-status` of the gRPC response ([`to_grpc_response`](Self::to_grpc_response)):
+    /// 8 (`RESOURCE_EXHAUSTED`) when limited; 14 (`UNAVAILABLE`) when the store cannot
+    /// decide; for a missing key or an unselected request, from the configured HTTP status:
+    /// 16 (`UNAUTHENTICATED`) for 401, 7 (`PERMISSION_DENIED`) for 403, and 3
+    /// (`INVALID_ARGUMENT`) for any other (the default 400 included): the call lacks what the
+    /// limiter needs, and retrying it unchanged cannot help.
+    #[must_use]
+    pub fn grpc_status(&self) -> u8 {
+        match self {
+            Self::Limited(_) => code::RESOURCE_EXHAUSTED,
+            Self::Unavailable(_) => code::UNAVAILABLE,
+            Self::MissingKey(status) | Self::Unselected(status) => grpc_code_for(*status),
         }
     }
 
@@ -382,10 +510,42 @@ impl Rejection {
                 res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
                 res
             }
-            Self::MissingKey(status) => respond(*status, missing_key_body(*status)),
+            Self::MissingKey(status) => respond(*status, refusal_body(*status, MISSING_KEY)),
+            Self::Unselected(status) => respond(*status, refusal_body(*status, UNSELECTED)),
+        }
+    }
+
+    /// The response to a gRPC call ([`crate::grpc`]): trailers-only (HTTP 200,
+    /// `content-type: application/grpc`, empty body) with `grpc-status` of
+    /// [`grpc_status`](Self::grpc_status) and a percent-encoded `grpc-message`. Limited: see
+    /// [`RateLimited::to_grpc_response`]. Store failure (`UNAVAILABLE`): with
+    /// `grpc-retry-pushback-ms: 1000`, as the HTTP 503 carries `Retry-After: 1`.
+    #[must_use]
+    pub fn to_grpc_response(&self) -> Response<Full<Bytes>> {
+        self.grpc_response(HeaderStyle::Ietf)
+    }
+
+    pub(crate) fn grpc_response(&self, style: HeaderStyle) -> Response<Full<Bytes>> {
+        let code = self.grpc_status();
+        match self {
+            Self::Limited(l) => l.grpc_response(style),
+            Self::Unavailable(_) => {
+                let mut res = grpc_respond(code, HeaderValue::from_static(UNAVAILABLE));
+                res.headers_mut()
+                    .insert(grpc::GRPC_RETRY_PUSHBACK_MS, HeaderValue::from_static("1000"));
+                res
+            }
+            Self::MissingKey(_) => grpc_respond(code, HeaderValue::from_static(MISSING_KEY)),
+            Self::Unselected(_) => grpc_respond(code, HeaderValue::from_static(UNSELECTED)),
         }
     }
 }
+
+// Messages of the refusals other than a 429, in plain printable ASCII without `%`: valid
+// `grpc-message` values as they are.
+const UNAVAILABLE: &str = "the rate limiter cannot decide right now";
+const MISSING_KEY: &str = "no rate-limit key could be read from the request";
+const UNSELECTED: &str = "no rate-limit policy applies to the request";
 
 impl From<Rejection> for Response<Full<Bytes>> {
     fn from(rejection: Rejection) -> Self {
@@ -399,21 +559,15 @@ fn unavailable_body() -> Bytes {
             StatusCode::SERVICE_UNAVAILABLE,
             "about:blank",
             "Service Unavailable",
-            "the rate limiter cannot decide right now",
+            UNAVAILABLE,
             &[],
         )
     });
     BODY.clone()
 }
 
-fn missing_key_body(status: StatusCode) -> Bytes {
-    problem(
-        status,
-        "about:blank",
-        status.canonical_reason().unwrap_or("Bad Request"),
-        "no rate-limit key could be read from the request",
-        &[],
-    )
+fn refusal_body(status: StatusCode, detail: &str) -> Bytes {
+    problem(status, "about:blank", status.canonical_reason().unwrap_or("Bad Request"), detail, &[])
 }
 
 #[cfg(feature = "axum")]
@@ -456,5 +610,60 @@ mod tests {
         let over: serde_json::Value = serde_json::from_slice(&surface.bodies[4 + 0b10]).unwrap();
         assert_eq!(over["violated-policies"], serde_json::json!(["b"]));
         assert!(over["detail"].as_str().unwrap().contains("never"));
+    }
+
+    #[tokio::test]
+    async fn grpc_refusals_are_trailers_only() {
+        let limiter =
+            crate::Limiter::new(Policy::single("100% api", Quota::per_second(4)).unwrap());
+        let key = crate::key::Key::Global;
+        for _ in 0..4 {
+            limiter.enforce(&key, 1).await.unwrap();
+        }
+        let Err(Rejection::Limited(limited)) = limiter.enforce(&key, 1).await else {
+            panic!("expected a refusal")
+        };
+        assert_eq!(limited.retry_after_ms(), Some(250));
+        let res = Rejection::Limited(limited).to_grpc_response();
+        assert_eq!(res.status(), StatusCode::OK);
+        let h = res.headers();
+        assert_eq!(h["content-type"], "application/grpc");
+        assert_eq!(h["grpc-status"], "8");
+        assert_eq!(h["grpc-message"], "rate limited by policy `100%25 api`: quota exceeded");
+        assert_eq!(h["grpc-retry-pushback-ms"], "250");
+        assert_eq!(h["ratelimit"], r#""100% api";r=0;t=1"#);
+        assert!(!h.contains_key("retry-after"));
+        assert!(http_body::Body::is_end_stream(res.body()), "the headers end the stream");
+
+        let over = limiter.check(&key, 5).await.unwrap();
+        let res = limiter.rate_limited(over, None).to_grpc_response();
+        assert_eq!(res.headers()["grpc-status"], "8");
+        assert!(!res.headers().contains_key("grpc-retry-pushback-ms"));
+    }
+
+    #[test]
+    fn grpc_status_of_every_refusal() {
+        let unavailable = Rejection::Unavailable(StoreError::backend("down"));
+        let res = unavailable.to_grpc_response();
+        assert_eq!(unavailable.grpc_status(), 14);
+        assert_eq!(res.headers()["grpc-status"], "14");
+        assert_eq!(res.headers()["grpc-retry-pushback-ms"], "1000");
+        assert_eq!(res.headers()["grpc-message"], "the rate limiter cannot decide right now");
+        for (status, code) in [
+            (StatusCode::BAD_REQUEST, "3"),
+            (StatusCode::UNAUTHORIZED, "16"),
+            (StatusCode::FORBIDDEN, "7"),
+            (StatusCode::UNPROCESSABLE_ENTITY, "3"),
+        ] {
+            for rejection in [Rejection::MissingKey(status), Rejection::Unselected(status)] {
+                let res = rejection.to_grpc_response();
+                assert_eq!(res.status(), StatusCode::OK);
+                assert_eq!(res.headers()["grpc-status"], code, "{status}");
+                assert_eq!(rejection.grpc_status().to_string(), code);
+                assert!(!res.headers().contains_key("grpc-retry-pushback-ms"));
+            }
+        }
+        let res = Rejection::Unselected(StatusCode::FORBIDDEN).to_response();
+        assert_eq!(res.status(), StatusCode::FORBIDDEN);
     }
 }

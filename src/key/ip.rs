@@ -34,8 +34,9 @@ pub fn group_ip(ip: IpAddr, v6_prefix: u8) -> IpAddr {
 }
 
 /// The TCP peer's address from the request extensions: axum's `ConnectInfo<SocketAddr>` or
-/// its test double `MockConnectInfo<SocketAddr>` (with the `axum` feature), or a plain
-/// `SocketAddr` that a hyper server (or any layer) inserted.
+/// its test double `MockConnectInfo<SocketAddr>` (with the `axum` feature), tonic's
+/// `TcpConnectInfo` (with the `tonic` feature), or a plain `SocketAddr` that a hyper server (or
+/// any layer) inserted.
 pub(crate) fn peer(parts: &RequestHead<'_>) -> Option<IpAddr> {
     #[cfg(feature = "axum")]
     {
@@ -48,6 +49,14 @@ pub(crate) fn peer(parts: &RequestHead<'_>) -> Option<IpAddr> {
             return Some(addr.ip());
         }
     }
+    #[cfg(feature = "tonic")]
+    {
+        use tonic::transport::server::TcpConnectInfo;
+        let info = parts.extensions.get::<TcpConnectInfo>();
+        if let Some(addr) = info.and_then(TcpConnectInfo::remote_addr) {
+            return Some(addr.ip());
+        }
+    }
     parts.extensions.get::<SocketAddr>().map(SocketAddr::ip)
 }
 
@@ -56,6 +65,9 @@ pub(crate) fn peer(parts: &RequestHead<'_>) -> Option<IpAddr> {
 /// - axum (feature `axum`): `ConnectInfo<SocketAddr>`, present when the app is served with
 ///   `into_make_service_with_connect_info::<SocketAddr>()`, or `MockConnectInfo<SocketAddr>`
 ///   in tests;
+/// - tonic (feature `tonic`): `TcpConnectInfo`, which tonic's server inserts for plain TCP
+///   connections (`Server::builder().layer(..)` sees it). Behind tonic's TLS it is wrapped in
+///   `TlsConnectInfo<TcpConnectInfo>`: key those with a closure that reads it;
 /// - hyper or any other server: a plain `SocketAddr` extension, inserted per connection
 ///   (`req.extensions_mut().insert(remote_addr)` in the service that hyper calls).
 ///
@@ -110,6 +122,9 @@ pub enum ForwardedHeader {
 }
 
 /// The client address behind trusted proxies.
+///
+/// The TCP peer is read as [`PeerIp`] reads it: axum's `ConnectInfo`, tonic's
+/// `TcpConnectInfo` (feature `tonic`), or a `SocketAddr` extension.
 ///
 /// When the TCP peer is **not** in the trusted list, the key is the peer itself, whatever the
 /// request's headers say (they are client-written, hence spoofable). When it is trusted, the

@@ -2,9 +2,10 @@
 //!
 //! A [`KeyExtractor`] reads a [`Key`] from the request head. Built-ins cover the peer address
 //! ([`PeerIp`]), the client address behind trusted proxies ([`ClientIp`]), a header or API key
-//! ([`HeaderKey`]), an authenticated user in the request extensions ([`ExtensionKey`]), the
-//! route (`RouteKey`, with the `axum` feature), the method ([`MethodKey`]), one global bucket ([`GlobalKey`]), tuples
-//! of these, and any closure `Fn(&RequestHead) -> Option<Key>`.
+//! ([`HeaderKey`], also gRPC metadata), an authenticated user in the request extensions
+//! ([`ExtensionKey`]), the route (`RouteKey`, with the `axum` feature), the method
+//! ([`MethodKey`]), the gRPC method or service ([`GrpcMethod`]), one global bucket
+//! ([`GlobalKey`]), tuples of these, and any closure `Fn(&RequestHead) -> Option<Key>`.
 
 mod ip;
 
@@ -229,6 +230,25 @@ impl KeyExtractor for GlobalKey {
 /// The value of a request header, e.g. an API key. Missing, empty, or longer than
 /// [`MAX_KEY_BYTES`] counts as no key; bytes that are not UTF-8 are kept (replaced by U+FFFD).
 /// When the header repeats, the first line is used.
+///
+/// Also the extractor for gRPC metadata: ASCII metadata travel as HTTP/2 headers of the same
+/// (lowercase) name, so `HeaderKey::new(HeaderName::from_static("x-api-key"))` keys a tonic
+/// service by the `x-api-key` metadata a client set with
+/// `request.metadata_mut().insert("x-api-key", ..)`. Binary metadata (names ending in `-bin`)
+/// travel base64-encoded, and the key is that text: still one key per value.
+///
+/// ```
+/// use http::HeaderName;
+/// use tollgate::key::{HeaderKey, Key, KeyExtractor, RequestHead};
+///
+/// let req = http::Request::post("/shop.Cart/Add")
+///     .header("content-type", "application/grpc")
+///     .header("x-api-key", "k1")
+///     .body(())
+///     .unwrap();
+/// let key = HeaderKey::new(HeaderName::from_static("x-api-key"));
+/// assert_eq!(key.extract(&RequestHead::from(&req)), Some(Key::text("k1")));
+/// ```
 #[derive(Debug, Clone)]
 pub struct HeaderKey {
     name: http::HeaderName,
@@ -314,9 +334,83 @@ impl KeyExtractor for MethodKey {
     }
 }
 
+/// The gRPC method of a call, from its path `/{package.Service}/{Method}` (gRPC over HTTP/2
+/// protocol, "Path"): one bucket per method with [`GrpcMethod::new`], per service with
+/// [`GrpcMethod::service`]. A path of another shape, or longer than [`MAX_KEY_BYTES`], has no
+/// key.
+///
+/// It reads the path only, so gRPC-Web calls (same paths) are keyed alike. Combine it with a
+/// client key for a budget per client and method, `(PeerIp::new(), GrpcMethod::new())`; to give
+/// methods different *policies*, choose the policy from the path with the layer's
+/// [`select`](crate::RateLimitLayerBuilder::select) (or build one layer per method with a
+/// [`filter`](crate::RateLimitLayerBuilder::filter)).
+///
+/// ```
+/// use tollgate::key::{GrpcMethod, Key, KeyExtractor, RequestHead};
+///
+/// let req = http::Request::post("/grpc.health.v1.Health/Check").body(()).unwrap();
+/// let head = RequestHead::from(&req);
+/// assert_eq!(GrpcMethod::new().extract(&head), Some(Key::text("/grpc.health.v1.Health/Check")));
+/// assert_eq!(GrpcMethod::service().extract(&head), Some(Key::text("grpc.health.v1.Health")));
+/// let req = http::Request::get("/index.html").body(()).unwrap();
+/// assert_eq!(GrpcMethod::new().extract(&RequestHead::from(&req)), None);
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GrpcMethod {
+    service_only: bool,
+}
+
+impl GrpcMethod {
+    /// Keys by the whole method path, `/package.Service/Method`.
+    #[must_use]
+    pub const fn new() -> Self {
+        Self { service_only: false }
+    }
+
+    /// Keys by the service, `package.Service`: all its methods share a bucket.
+    #[must_use]
+    pub const fn service() -> Self {
+        Self { service_only: true }
+    }
+
+    /// The service and method of a gRPC path, `None` for any other shape.
+    #[must_use]
+    pub fn split(path: &str) -> Option<(&str, &str)> {
+        let (service, method) = path.strip_prefix('/')?.split_once('/')?;
+        let valid = !service.is_empty() && !method.is_empty() && !method.contains('/');
+        valid.then_some((service, method))
+    }
+}
+
+impl KeyExtractor for GrpcMethod {
+    fn extract(&self, parts: &RequestHead<'_>) -> Option<Key> {
+        let path = parts.uri.path();
+        if path.len() > MAX_KEY_BYTES {
+            return None;
+        }
+        let (service, _) = Self::split(path)?;
+        Some(Key::text(if self.service_only { service } else { path }))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grpc_method_needs_service_and_method() {
+        let key = |ex: GrpcMethod, path: &str| {
+            let req = http::Request::post(path).body(()).unwrap();
+            ex.extract(&RequestHead::from(&req))
+        };
+        assert_eq!(key(GrpcMethod::new(), "/a.B/C"), Some(Key::text("/a.B/C")));
+        assert_eq!(key(GrpcMethod::service(), "/a.B/C"), Some(Key::text("a.B")));
+        for path in ["/", "/a.B", "/a.B/", "//C", "/a.B/C/D"] {
+            assert_eq!(key(GrpcMethod::new(), path), None, "{path}");
+        }
+        let long = format!("/a.B/{}", "m".repeat(MAX_KEY_BYTES));
+        assert_eq!(key(GrpcMethod::new(), &long), None);
+    }
 
     #[test]
     fn display_is_unambiguous() {

@@ -2,6 +2,7 @@
 
 mod body;
 mod future;
+mod scope;
 mod service;
 
 use std::fmt;
@@ -9,17 +10,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Response, StatusCode};
+use http::{Method, Response, StatusCode};
 use tokio::sync::Semaphore;
 use tower_layer::Layer;
 
 pub use body::ResponseBody;
 pub use future::ResponseFuture;
+pub use scope::Unselected;
 pub use service::RateLimit;
+
+use scope::{Condition, Scope, ScopeBuilder};
 
 use crate::error::ConfigError;
 use crate::headers::HeaderStyle;
-use crate::key::{KeyExtractor, PeerIp, RequestHead};
+use crate::key::{Key, KeyExtractor, PeerIp, RequestHead};
 use crate::limiter::Limiter;
 use crate::quota::Policy;
 use crate::rejection::RateLimited;
@@ -69,10 +73,14 @@ enum Cost {
 
 /// Everything a service needs, shared by every clone of the layer and its services.
 pub(crate) struct Config<K, St: Store> {
+    /// The first policy: the only one without a selector.
     limiter: Limiter<St>,
     key: K,
     waiters: Option<Arc<Semaphore>>,
     settings: Settings,
+    /// Filters, allow-lists and the selector with its other policies; `None` when none is
+    /// set, so that a layer without them checks one pointer per request and nothing else.
+    scope: Option<Box<Scope<St>>>,
 }
 
 /// The settings that do not change the layer's type.
@@ -109,11 +117,16 @@ impl Default for Settings {
     }
 }
 
-/// A Tower layer that rate-limits requests by key under one [`Policy`].
+/// A Tower layer that rate-limits requests by key under one [`Policy`] (or one of several,
+/// chosen per request by a [selector](RateLimitLayerBuilder::select)).
 ///
 /// Police (default) answers 429 at once; [`shape`](RateLimitLayerBuilder::shape) holds a
 /// request until its reserved slot. Clones share state: add the same layer to several routes
 /// and they share one budget; build separate layers for separate budgets.
+///
+/// gRPC calls (`content-type: application/grpc...`, see [`crate::grpc`]) are refused in gRPC
+/// form: `grpc-status: 8` (`RESOURCE_EXHAUSTED`) with `grpc-retry-pushback-ms`, instead of a
+/// 429 their clients could not read.
 ///
 /// ```
 /// use http::{Request, StatusCode};
@@ -164,6 +177,7 @@ impl RateLimitLayer {
             source: Source::Policy(policy, MemoryStore::new()),
             key: PeerIp::new(),
             settings: Settings::default(),
+            scope: ScopeBuilder::default(),
         }
     }
 }
@@ -176,15 +190,23 @@ impl<St: Store> RateLimitLayer<PeerIp, St> {
             source: Source::Limiter(limiter),
             key: PeerIp::new(),
             settings: Settings::default(),
+            scope: ScopeBuilder::default(),
         }
     }
 }
 
 impl<K, St: Store> RateLimitLayer<K, St> {
-    /// The limiter the layer decides through.
+    /// The limiter the layer decides through: that of the policy the builder started with.
     #[must_use]
     pub fn limiter(&self) -> &Limiter<St> {
         &self.config.limiter
+    }
+
+    /// The limiter of the policy named `name`: the first policy or one added with
+    /// [`policy`](RateLimitLayerBuilder::policy); `None` when no policy has that name.
+    #[must_use]
+    pub fn limiter_for(&self, name: &str) -> Option<&Limiter<St>> {
+        self.config.position(name).map(|i| self.config.limiter_at(i))
     }
 }
 
@@ -208,6 +230,7 @@ pub struct RateLimitLayerBuilder<K = PeerIp, St: Store = MemoryStore> {
     source: Source<St>,
     key: K,
     settings: Settings,
+    scope: ScopeBuilder,
 }
 
 impl<K, St: Store> fmt::Debug for RateLimitLayerBuilder<K, St> {
@@ -223,7 +246,12 @@ impl<K, St: Store> fmt::Debug for RateLimitLayerBuilder<K, St> {
 impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// Sets the key extractor (default [`PeerIp`]).
     pub fn key<K2: KeyExtractor>(self, key: K2) -> RateLimitLayerBuilder<K2, St> {
-        RateLimitLayerBuilder { source: self.source, key, settings: self.settings }
+        RateLimitLayerBuilder {
+            source: self.source,
+            key,
+            settings: self.settings,
+            scope: self.scope,
+        }
     }
 
     /// Sets the store (default: a new [`MemoryStore`]). Pass a clone of one store to several
@@ -234,7 +262,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
             Source::Policy(policy, _) => Source::Policy(policy, store),
             Source::Limiter(limiter) => Source::Policy(limiter.policy().clone(), store),
         };
-        RateLimitLayerBuilder { source, key: self.key, settings: self.settings }
+        RateLimitLayerBuilder { source, key: self.key, settings: self.settings, scope: self.scope }
     }
 
     /// Every request costs `units` (default 1). [`build`](Self::build) refuses a cost above a
@@ -315,6 +343,11 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// response to send. The layer adds `Retry-After` (unless `f` set one) and the rate-limit
     /// headers of [`headers`](Self::headers).
     ///
+    /// Only for HTTP requests: a gRPC call ([`crate::grpc::is_grpc`]) is always refused with
+    /// [`RateLimited::to_grpc_response`] (with the headers of [`headers`](Self::headers)),
+    /// because a gRPC client reads nothing but `grpc-status` and length-prefixed messages;
+    /// an HTML page or JSON made for browsers would reach it as a protocol error.
+    ///
     /// ```
     /// use http::Response;
     /// use tollgate::{Policy, Quota, RateLimitLayer};
@@ -344,12 +377,127 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         self
     }
 
-    /// Binds the policy to the store and builds the layer.
+    /// Limits only the requests for which `f` is true; the others pass through untouched: no
+    /// key is read, nothing is charged, no rate-limit header is added. Several filters (and
+    /// [`only_methods`](Self::only_methods) / [`skip_methods`](Self::skip_methods)) combine:
+    /// a request is limited only when every one of them says so.
+    ///
+    /// ```
+    /// use tollgate::{Policy, Quota, RateLimitLayer};
+    ///
+    /// // Only the API is limited; static assets are not.
+    /// let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(5)).unwrap())
+    ///     .filter(|head| head.uri.path().starts_with("/api/"))
+    ///     .build()
+    ///     .unwrap();
+    /// ```
+    pub fn filter(mut self, f: impl Fn(&RequestHead<'_>) -> bool + Send + Sync + 'static) -> Self {
+        self.scope.conditions.push(Condition::Predicate(Box::new(f)));
+        self
+    }
+
+    /// Limits only requests with one of these methods (e.g. `POST` and `PUT`); others pass
+    /// through untouched, as with [`filter`](Self::filter).
+    ///
+    /// [`build`](Self::build) refuses an empty list ([`ConfigError::Invalid`] naming
+    /// `only_methods`), which would limit nothing.
+    pub fn only_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.scope.conditions.push(Condition::Only(methods.into_iter().collect()));
+        self
+    }
+
+    /// Never limits requests with these methods (e.g. `OPTIONS`, the CORS preflight a
+    /// browser sends before the real request): they pass through untouched, as with
+    /// [`filter`](Self::filter).
+    pub fn skip_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.scope.conditions.push(Condition::Skip(methods.into_iter().collect()));
+        self
+    }
+
+    /// Never limits these keys (e.g. an internal service's API key): their requests pass
+    /// through untouched. A composite key (a tuple extractor) is allowed when it equals one
+    /// of these or one of its parts does. Adds to earlier calls.
+    pub fn allow_keys(mut self, keys: impl IntoIterator<Item = impl Into<Key>>) -> Self {
+        self.scope.allow_keys.extend(keys.into_iter().map(Into::into));
+        self
+    }
+
+    /// Never limits address keys ([`Key::Ip`], alone or as a part of a composite key) in these
+    /// networks, given as CIDR (`"10.0.0.0/8"`, `"2001:db8::/48"`) or single addresses
+    /// (`"192.0.2.7"`): e.g. your office or your health checkers. Adds to earlier calls.
+    ///
+    /// Address keys hold IPv6 addresses grouped by prefix ([`PeerIp::ipv6_prefix`], /64 by
+    /// default), so list IPv6 networks of that prefix or shorter: `2001:db8::1/128` cannot
+    /// match a key that is the /64 `2001:db8::`.
+    ///
+    /// [`build`](Self::build) refuses an entry that is neither ([`ConfigError::Invalid`]
+    /// naming `allow_cidrs`).
+    pub fn allow_cidrs(mut self, cidrs: impl IntoIterator<Item = impl AsRef<str>>) -> Self {
+        self.scope.allow_cidrs.extend(cidrs.into_iter().map(|c| c.as_ref().to_owned()));
+        self
+    }
+
+    /// Adds a policy that the [selector](Self::select) may choose (the policy the builder
+    /// started with is one too). Each is bound to the layer's store once, when the layer is
+    /// built, and keeps its own state: a key spends the budget of the policy chosen for
+    /// each request.
+    ///
+    /// [`build`](Self::build) refuses two policies with one name, and added policies without
+    /// a selector ([`ConfigError::Invalid`] naming `policy`).
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.scope.policies.push(policy);
+        self
+    }
+
+    /// Chooses the policy of each request by [name](Policy::name), from its head: e.g. the
+    /// caller's plan in a header, or in an extension that an authentication layer set.
+    /// The candidates are the builder's policy and those added with
+    /// [`policy`](Self::policy). A request for which `f` returns `None`, or a name no policy
+    /// has, is handled as [`unselected`](Self::unselected) says (default: passed on
+    /// unlimited).
+    ///
+    /// ```
+    /// use tollgate::{Policy, Quota, RateLimitLayer, Unselected};
+    /// use tollgate::key::HeaderKey;
+    ///
+    /// let free = Policy::single("free", Quota::per_second(10)).unwrap();
+    /// let pro = Policy::single("pro", Quota::per_second(100)).unwrap();
+    /// let layer = RateLimitLayer::builder(free)
+    ///     .policy(pro)
+    ///     .key(HeaderKey::new(http::HeaderName::from_static("x-api-key")))
+    ///     .select(|head| head.headers.get("x-plan").and_then(|v| v.to_str().ok()))
+    ///     .unselected(Unselected::Reject(http::StatusCode::FORBIDDEN))
+    ///     .build()
+    ///     .unwrap();
+    /// assert_eq!(layer.limiter_for("pro").unwrap().policy().name(), "pro");
+    /// ```
+    pub fn select(
+        mut self,
+        f: impl for<'a> Fn(&RequestHead<'a>) -> Option<&'a str> + Send + Sync + 'static,
+    ) -> Self {
+        self.scope.select = Some(Box::new(f));
+        self
+    }
+
+    /// What to do with a request the [selector](Self::select) chose no policy for (default
+    /// [`Unselected::Pass`]).
+    ///
+    /// [`build`](Self::build) refuses it without a selector ([`ConfigError::Invalid`] naming
+    /// `unselected`).
+    pub fn unselected(mut self, unselected: Unselected) -> Self {
+        self.scope.unselected = Some(unselected);
+        self
+    }
+
+    /// Binds the policies to the store and builds the layer.
     ///
     /// # Errors
     /// [`ConfigError::Invalid`] naming `max_waiters` when it is 0 while shaping or with a
-    /// tarpit; [`ConfigError::CostExceedsCapacity`] when a fixed [`cost`](Self::cost) exceeds a
-    /// tier's capacity; what the store refuses when binding ([`Store::bind`]).
+    /// tarpit, and naming the setting for the refusals of [`only_methods`](Self::only_methods),
+    /// [`allow_cidrs`](Self::allow_cidrs), [`policy`](Self::policy) and
+    /// [`unselected`](Self::unselected); [`ConfigError::CostExceedsCapacity`] when a fixed
+    /// [`cost`](Self::cost) exceeds a tier's capacity in any policy; what the store refuses
+    /// when binding ([`Store::bind`]).
     pub fn build(self) -> Result<RateLimitLayer<K, St>, ConfigError> {
         let settings = self.settings;
         let waits = settings.max_delay.is_some() || settings.tarpit.is_some();
@@ -363,8 +511,11 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
             Source::Policy(p, _) => p,
             Source::Limiter(l) => l.policy(),
         };
+        self.scope.validate(policy)?;
         if let Cost::Fixed(cost) = settings.cost {
-            if let Some(tier) = policy.tiers().iter().find(|t| cost > t.capacity()) {
+            let mut tiers =
+                std::iter::once(policy).chain(&self.scope.policies).flat_map(|p| p.tiers().iter());
+            if let Some(tier) = tiers.find(|t| cost > t.capacity()) {
                 return Err(ConfigError::CostExceedsCapacity {
                     cost,
                     tier: tier.name().to_owned(),
@@ -376,9 +527,10 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
             Source::Policy(policy, store) => Limiter::with_store(policy, store)?,
             Source::Limiter(limiter) => limiter,
         };
+        let scope = self.scope.build(limiter.store())?;
         let waiters = waits.then(|| Arc::new(Semaphore::new(settings.max_waiters)));
         Ok(RateLimitLayer {
-            config: Arc::new(Config { limiter, key: self.key, waiters, settings }),
+            config: Arc::new(Config { limiter, key: self.key, waiters, settings, scope }),
         })
     }
 }

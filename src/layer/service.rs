@@ -11,12 +11,15 @@ use tower_service::Service;
 
 use super::body::ResponseBody;
 use super::future::ResponseFuture;
+use super::scope::Route;
 use super::{Config, Cost, MissingKey, OnStoreError};
 use crate::decision::Decision;
 use crate::error::StoreError;
+use crate::grpc::is_grpc;
+use crate::headers::Prepared;
 use crate::key::{Key, KeyExtractor, RequestHead};
-use crate::limiter::Reservation;
-use crate::rejection::{Rejection, too_many_requests};
+use crate::limiter::{Limiter, Reservation};
+use crate::rejection::{Rejection, grpc_resource_exhausted, too_many_requests};
 use crate::store::{Check, Store, Verdict};
 
 /// The rate-limiting service made by [`RateLimitLayer`](crate::RateLimitLayer).
@@ -86,20 +89,40 @@ where
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
         let config = &*self.config;
         let head = RequestHead::from(&req);
+        // Filters, allow-lists and the selector, only when one is set.
+        let mut policy = 0;
+        if let Some(scope) = &config.scope {
+            match scope.route(&head, |name| config.position(name)) {
+                Route::Limit(i) => policy = i,
+                // Called here and now: the service that was polled ready, no clone.
+                Route::Pass => {
+                    return ResponseFuture::inner(self.inner.call(req), Prepared::default());
+                }
+                Route::Refuse(status) => {
+                    let grpc = is_grpc(req.headers());
+                    return ResponseFuture::ready(
+                        config.refuse(&Rejection::Unselected(status), grpc),
+                    );
+                }
+            }
+        }
         let key = config.key.extract(&head);
+        if let (Some(scope), Some(key)) = (&config.scope, &key) {
+            if scope.allows(key) {
+                return ResponseFuture::inner(self.inner.call(req), Prepared::default());
+            }
+        }
+        let limiter = config.limiter_at(policy);
         // The common case, decided here and now: policing, a key, and a store that answers
         // without I/O. Whatever has to wait goes to `run`, with the decision already made.
         let mut decided = None;
         if let (Some(key), true) = (&key, config.polices_at_once()) {
             let mut check = Check::new(key, config.cost(&head));
             check.ticket = config.needs_ticket();
-            match config.limiter.check_sync(check) {
+            match limiter.check_sync(check) {
                 Some(Ok(Verdict { decision, ticket: None })) if decision.is_allowed() => {
-                    let headers = config
-                        .limiter
-                        .surface()
-                        .headers
-                        .prepare(config.settings.headers, &decision);
+                    let headers =
+                        limiter.surface().headers.prepare(config.settings.headers, &decision);
                     // Called here and now: the service that was polled ready, no clone.
                     let future = self.inner.call(req);
                     return ResponseFuture::inner(future, headers);
@@ -107,7 +130,13 @@ where
                 Some(Ok(verdict))
                     if !verdict.decision.is_allowed() && config.settings.tarpit.is_none() =>
                 {
-                    return ResponseFuture::ready(config.reject(verdict.decision, None));
+                    let grpc = is_grpc(req.headers());
+                    return ResponseFuture::ready(config.reject(
+                        limiter,
+                        verdict.decision,
+                        None,
+                        grpc,
+                    ));
                 }
                 Some(result) => decided = Some(result),
                 None => {}
@@ -117,11 +146,30 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let config = Arc::clone(&self.config);
-        ResponseFuture::slow(Box::pin(run(config, inner, req, key, decided)))
+        ResponseFuture::slow(Box::pin(run(config, policy, inner, req, key, decided)))
     }
 }
 
 impl<K, St: Store> Config<K, St> {
+    /// The limiter of the policy at `index`: 0 is the builder's own, then those added with
+    /// `policy` in order.
+    #[inline]
+    pub(super) fn limiter_at(&self, index: usize) -> &Limiter<St> {
+        match (index, &self.scope) {
+            (0, _) | (_, None) => &self.limiter,
+            (i, Some(scope)) => scope.others.get(i - 1).unwrap_or(&self.limiter),
+        }
+    }
+
+    /// The index of the policy named `name`.
+    pub(super) fn position(&self, name: &str) -> Option<usize> {
+        if self.limiter.policy().name() == name {
+            return Some(0);
+        }
+        let others = self.scope.as_ref().map_or(&[][..], |s| &s.others[..]);
+        others.iter().position(|l| l.policy().name() == name).map(|i| i + 1)
+    }
+
     /// Policing, not in dry run: a decision made at once can be answered at once.
     fn polices_at_once(&self) -> bool {
         self.settings.max_delay.is_none() && !self.settings.dry_run
@@ -141,24 +189,31 @@ impl<K, St: Store> Config<K, St> {
         }
     }
 
-    /// The response to a refused request; `budget` is the shaping budget it exceeded.
+    /// The response to a request `limiter` refused; `budget` is the shaping budget it
+    /// exceeded; `grpc` whether the request is a gRPC call, answered in gRPC form (never
+    /// through the custom rejection: a gRPC client could not read it).
     fn reject<B>(
         &self,
+        limiter: &Limiter<St>,
         decision: Decision,
         budget: Option<std::time::Duration>,
+        grpc: bool,
     ) -> Response<ResponseBody<B>> {
         tracing::debug!(
-            policy = self.limiter.policy().name(),
+            policy = limiter.policy().name(),
             outcome = ?decision.outcome(),
+            grpc,
             "tollgate: limited"
         );
         let style = self.settings.headers;
+        if grpc {
+            return grpc_resource_exhausted(limiter.surface(), &decision, style)
+                .map(ResponseBody::own);
+        }
         match &self.settings.rejection {
-            None => {
-                too_many_requests(self.limiter.surface(), &decision, style).map(ResponseBody::own)
-            }
+            None => too_many_requests(limiter.surface(), &decision, style).map(ResponseBody::own),
             Some(f) => {
-                let limited = self.limiter.rate_limited(decision, budget);
+                let limited = limiter.rate_limited(decision, budget);
                 let mut res = f(&limited).map(|b| ResponseBody::own(Full::new(b)));
                 // The callback's own `Retry-After` wins.
                 let own = res.headers().get(header::RETRY_AFTER).cloned();
@@ -171,9 +226,11 @@ impl<K, St: Store> Config<K, St> {
         }
     }
 
-    /// A refusal other than a 429.
-    fn refuse<B>(&self, rejection: &Rejection) -> Response<ResponseBody<B>> {
-        rejection.response(self.settings.headers).map(ResponseBody::own)
+    /// A refusal other than a 429, in gRPC form for a gRPC call.
+    fn refuse<B>(&self, rejection: &Rejection, grpc: bool) -> Response<ResponseBody<B>> {
+        let style = self.settings.headers;
+        let res = if grpc { rejection.grpc_response(style) } else { rejection.response(style) };
+        res.map(ResponseBody::own)
     }
 }
 
@@ -190,9 +247,11 @@ where
 }
 
 /// Every path that waits: a store doing I/O, shaping, a tarpit, a settlement, a missing key, a
-/// store error. `decided` is the store's answer when `call` already asked it.
+/// store error. `policy` is the index of the chosen policy ([`Config::limiter_at`]); `decided`
+/// is the store's answer when `call` already asked it.
 async fn run<S, K, St, ReqB, ResB>(
     config: Arc<Config<K, St>>,
+    policy: usize,
     mut inner: S,
     req: Request<ReqB>,
     key: Option<Key>,
@@ -204,15 +263,17 @@ where
     St: Store,
 {
     let settings = &config.settings;
+    let limiter = config.limiter_at(policy);
     let key = match key {
         Some(key) => key,
         None => match settings.missing_key {
             MissingKey::Reject(status) => {
                 tracing::debug!(
-                    policy = config.limiter.policy().name(),
+                    policy = limiter.policy().name(),
                     "tollgate: request without a key"
                 );
-                return Ok(config.refuse(&Rejection::MissingKey(status)));
+                let grpc = is_grpc(req.headers());
+                return Ok(config.refuse(&Rejection::MissingKey(status), grpc));
             }
             MissingKey::Allow => return pass(inner, req).await,
             MissingKey::Shared => Key::Missing,
@@ -235,7 +296,7 @@ where
             let mut check = Check::new(&key, config.cost(&RequestHead::from(&req)));
             check.max_delay = budget;
             check.ticket = budget.is_some() || config.needs_ticket();
-            config.limiter.decide(check).await
+            limiter.decide(check).await
         }
     };
     let verdict = match verdict {
@@ -244,12 +305,13 @@ where
             drop(permit);
             return match settings.on_store_error {
                 OnStoreError::FailOpen => {
-                    tracing::warn!(%error, policy = config.limiter.policy().name(), "tollgate: store failed; failing open");
+                    tracing::warn!(%error, policy = limiter.policy().name(), "tollgate: store failed; failing open");
                     pass(inner, req).await
                 }
                 OnStoreError::FailClosed => {
-                    tracing::warn!(%error, policy = config.limiter.policy().name(), "tollgate: store failed; failing closed");
-                    Ok(config.refuse(&Rejection::Unavailable(error)))
+                    tracing::warn!(%error, policy = limiter.policy().name(), "tollgate: store failed; failing closed");
+                    let grpc = is_grpc(req.headers());
+                    Ok(config.refuse(&Rejection::Unavailable(error), grpc))
                 }
             };
         }
@@ -263,22 +325,19 @@ where
                 tokio::time::sleep(delay).await;
             }
         }
-        return Ok(config.reject(verdict.decision, budget));
+        let grpc = is_grpc(req.headers());
+        return Ok(config.reject(limiter, verdict.decision, budget, grpc));
     }
 
     // Admitted (or dry run): wait for the reserved slot; a request dropped meanwhile gives it
     // back.
-    let reservation = config.limiter.reservation(verdict).wait().await;
+    let reservation = limiter.reservation(verdict).wait().await;
     drop(permit);
 
     // From here the request is served: dropping it (a client disconnect) keeps the charge.
     let res = inner.call(req).await?;
     let (mut head, body) = res.into_parts();
-    config.limiter.surface().headers.write(
-        settings.headers,
-        &mut head.headers,
-        reservation.decision(),
-    );
+    limiter.surface().headers.write(settings.headers, &mut head.headers, reservation.decision());
     settle(&config, reservation, &head).await;
     Ok(Response::from_parts(head, ResponseBody::inner(body)))
 }

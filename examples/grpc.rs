@@ -1,0 +1,75 @@
+//! A tonic gRPC service with a per-method limit, and a client that calls it until refused.
+//!
+//! The service is tonic-health's `grpc.health.v1.Health`; only its unary `Check` is limited
+//! (3 per minute per client address), its streaming `Watch` is not. Refused calls end with
+//! `RESOURCE_EXHAUSTED` and the `grpc-retry-pushback-ms` of gRFC A6.
+//!
+//! ```sh
+//! cargo run --example grpc --features tonic
+//! ```
+
+use std::error::Error;
+use std::net::SocketAddr;
+
+use tollgate::{Policy, Quota, RateLimitLayer};
+use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Channel, Endpoint, Server};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_client::HealthClient;
+
+const CHECK: &str = "/grpc.health.v1.Health/Check";
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn Error>> {
+    // Server: 3 `Check` calls per minute per client address (tonic's `TcpConnectInfo`).
+    let limit = RateLimitLayer::builder(Policy::single("health-check", Quota::per_minute(3))?)
+        .filter(|head| head.uri.path() == CHECK)
+        .build()?;
+    let (_reporter, health) = tonic_health::server::health_reporter();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(
+        Server::builder().layer(limit).add_service(health).serve_with_incoming_shutdown(
+            TcpIncoming::from(listener),
+            async {
+                let _ = stopped.await;
+            },
+        ),
+    );
+    println!("serving grpc.health.v1.Health on {addr}");
+
+    // Client: calls `Check` until it is refused.
+    let mut client = HealthClient::new(channel(addr).await?);
+    for call in 1.. {
+        match client.check(HealthCheckRequest { service: String::new() }).await {
+            Ok(res) => {
+                let limit = res.metadata().get("ratelimit").map(|v| v.to_str()).transpose()?;
+                println!(
+                    "call {call}: {:?} (ratelimit: {})",
+                    res.get_ref().status(),
+                    limit.unwrap_or("-")
+                );
+            }
+            Err(status) => {
+                let pushback = status.metadata().get("grpc-retry-pushback-ms");
+                let pushback = pushback.map(|v| v.to_str()).transpose()?.unwrap_or("none");
+                println!(
+                    "call {call}: refused: {:?} \"{}\"; retry in {pushback} ms",
+                    status.code(),
+                    status.message()
+                );
+                break;
+            }
+        }
+    }
+
+    let _ = stop.send(());
+    server.await??;
+    Ok(())
+}
+
+/// The channel the client calls through: client-side Tower layers wrap it here.
+async fn channel(addr: SocketAddr) -> Result<Channel, tonic::transport::Error> {
+    Endpoint::from_shared(format!("http://{addr}"))?.connect().await
+}

@@ -1,0 +1,385 @@
+//! gRPC end to end: a tonic server (the `grpc.health.v1.Health` service of tonic-health, a
+//! unary `Check` and a server-streaming `Watch`) behind the layer, called by tonic's client
+//! over real HTTP/2 on 127.0.0.1. Refusals reach the client as `RESOURCE_EXHAUSTED` with the
+//! gRFC A6 pushback; gRPC-Web and plain HTTP requests to the same server keep the HTTP 429.
+#![cfg(feature = "tonic")]
+
+mod support;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, Method, Request, StatusCode};
+use http_body_util::Full;
+use tokio::net::TcpListener;
+use tollgate::clock::FakeClock;
+use tollgate::key::{GrpcMethod, HeaderKey, Key, KeyExtractor, PeerIp};
+use tollgate::store::{Check, MemoryStore, Store, Verdict};
+use tollgate::{ConfigError, OnStoreError, Policy, Quota, RateLimitLayer, StoreError, Unselected};
+use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Channel, Server};
+use tonic::{Code, Status};
+use tonic_health::ServingStatus;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus as Reported;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::server::HealthReporter;
+
+const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
+const CHECK: &str = "/grpc.health.v1.Health/Check";
+const WATCH: &str = "/grpc.health.v1.Health/Watch";
+
+/// A tonic server on a free loopback port, stopped when this is dropped.
+struct GrpcServer {
+    addr: SocketAddr,
+    reporter: HealthReporter,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Drop for GrpcServer {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+impl GrpcServer {
+    async fn client(&self) -> HealthClient<Channel> {
+        let channel = Channel::from_shared(format!("http://{}", self.addr))
+            .expect("endpoint")
+            .connect()
+            .await
+            .expect("connect");
+        HealthClient::new(channel)
+    }
+}
+
+/// Serves the health service behind `layer`, accepting HTTP/1.1 too (for the gRPC-Web and
+/// plain HTTP requests).
+async fn serve<K: KeyExtractor, St: Store>(layer: RateLimitLayer<K, St>) -> GrpcServer {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
+    let addr = listener.local_addr().expect("local addr");
+    let (reporter, health) = tonic_health::server::health_reporter();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        Server::builder()
+            .accept_http1(true)
+            .layer(layer)
+            .add_service(health)
+            .serve_with_incoming_shutdown(TcpIncoming::from(listener), async {
+                let _ = stopped.await;
+            })
+            .await
+            .expect("serve");
+    });
+    GrpcServer { addr, reporter, stop: Some(stop) }
+}
+
+fn store(clock: &FakeClock) -> MemoryStore {
+    MemoryStore::builder().clock(clock.clone()).build().unwrap()
+}
+
+async fn check(client: &mut HealthClient<Channel>) -> Result<Reported, Status> {
+    let res = client.check(HealthCheckRequest { service: String::new() }).await?;
+    Ok(res.into_inner().status())
+}
+
+/// A metadata entry of a status, as text.
+fn meta<'a>(status: &'a Status, name: &str) -> Option<&'a str> {
+    status.metadata().get(name).map(|v| v.to_str().expect("ascii metadata"))
+}
+
+#[tokio::test]
+async fn unary_calls_past_the_limit_get_resource_exhausted_with_the_exact_pushback() {
+    let clock = FakeClock::new();
+    let layer = RateLimitLayer::builder(Policy::single("check", Quota::per_minute(2)).unwrap())
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let limiter = layer.limiter().clone();
+    let server = serve(layer).await;
+    let mut client = server.client().await;
+
+    assert_eq!(check(&mut client).await.unwrap(), Reported::Serving);
+    assert_eq!(check(&mut client).await.unwrap(), Reported::Serving);
+    let refused = check(&mut client).await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert_eq!(refused.message(), "rate limited by policy `check`: quota exceeded");
+    // 2 per minute: the next unit is back 30 s after the first two.
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("30000"));
+    assert_eq!(meta(&refused, "ratelimit-policy"), Some(r#""check";q=2;w=60"#));
+    assert_eq!(meta(&refused, "ratelimit"), Some(r#""check";r=0;t=60"#));
+    assert_eq!(meta(&refused, "retry-after"), None);
+    // The key was the peer address, read from tonic's `TcpConnectInfo`.
+    let state = limiter.check(&Key::Ip(LOOPBACK), 0).await.unwrap();
+    assert_eq!(state.tiers()[0].remaining(), 0);
+
+    // A millisecond short of the pushback it is still refused, and says so; then admitted.
+    clock.advance(Duration::from_millis(29_999));
+    let refused = check(&mut client).await.unwrap_err();
+    assert_eq!(
+        (refused.code(), meta(&refused, "grpc-retry-pushback-ms")),
+        (Code::ResourceExhausted, Some("1"))
+    );
+    clock.advance(Duration::from_millis(1));
+    assert_eq!(check(&mut client).await.unwrap(), Reported::Serving);
+}
+
+#[tokio::test]
+async fn a_streaming_watch_is_limited_when_it_opens_and_then_streams_freely() {
+    let clock = FakeClock::new();
+    let layer = RateLimitLayer::builder(Policy::single("watch", Quota::per_minute(1)).unwrap())
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let server = serve(layer).await;
+    let mut client = server.client().await;
+    let request = || HealthCheckRequest { service: String::new() };
+
+    let mut stream = client.watch(request()).await.expect("the first watch opens").into_inner();
+    let first = stream.message().await.unwrap().expect("a first status");
+    assert_eq!(first.status(), Reported::Serving);
+
+    let refused = client.watch(request()).await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted);
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("60000"));
+
+    // The open stream is not charged per message: its updates keep coming.
+    for status in [ServingStatus::NotServing, ServingStatus::Serving] {
+        server.reporter.set_service_status("", status).await;
+        let update = stream.message().await.unwrap().expect("an update");
+        let expected =
+            if status == ServingStatus::Serving { Reported::Serving } else { Reported::NotServing };
+        assert_eq!(update.status(), expected);
+    }
+}
+
+#[tokio::test]
+async fn two_methods_with_different_policies_are_independent() {
+    let clock = FakeClock::new();
+    let layer = RateLimitLayer::builder(Policy::single("check", Quota::per_minute(2)).unwrap())
+        .policy(Policy::single("watch", Quota::per_hour(1)).unwrap())
+        .store(store(&clock))
+        .select(|head| match GrpcMethod::split(head.uri.path())?.1 {
+            "Check" => Some("check"),
+            "Watch" => Some("watch"),
+            _ => None,
+        })
+        .unselected(Unselected::Reject(StatusCode::FORBIDDEN))
+        .build()
+        .unwrap();
+    let server = serve(layer).await;
+    let mut client = server.client().await;
+    let request = || HealthCheckRequest { service: String::new() };
+
+    check(&mut client).await.unwrap();
+    check(&mut client).await.unwrap();
+    let refused = check(&mut client).await.unwrap_err();
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("30000"));
+
+    // Check's budget is spent; Watch has its own.
+    let watch = client.watch(request()).await.expect("watch has its own budget");
+    assert_eq!(watch.metadata().get("ratelimit").unwrap(), r#""watch";r=0;t=3600"#);
+    let refused = client.watch(request()).await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted);
+    assert_eq!(refused.message(), "rate limited by policy `watch`: quota exceeded");
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("3600000"));
+
+    // Check's state was not touched by Watch: it comes back on its own schedule.
+    clock.advance(Duration::from_secs(30));
+    assert_eq!(check(&mut client).await.unwrap(), Reported::Serving);
+    assert_eq!(client.watch(request()).await.unwrap_err().code(), Code::ResourceExhausted);
+}
+
+#[tokio::test]
+async fn a_method_key_gives_each_method_its_own_bucket_under_one_policy() {
+    let layer = RateLimitLayer::builder(Policy::single("per-method", Quota::per_hour(1)).unwrap())
+        .key((PeerIp::new(), GrpcMethod::new()))
+        .build()
+        .unwrap();
+    let limiter = layer.limiter().clone();
+    let server = serve(layer).await;
+    let mut client = server.client().await;
+    let request = || HealthCheckRequest { service: String::new() };
+
+    check(&mut client).await.unwrap();
+    let _watch = client.watch(request()).await.expect("another method, another bucket");
+    assert_eq!(check(&mut client).await.unwrap_err().code(), Code::ResourceExhausted);
+    assert_eq!(client.watch(request()).await.unwrap_err().code(), Code::ResourceExhausted);
+    for method in [CHECK, WATCH] {
+        let key = Key::Tuple([Key::Ip(LOOPBACK), Key::text(method)].into());
+        assert_eq!(limiter.check(&key, 0).await.unwrap().tiers()[0].remaining(), 0);
+    }
+}
+
+#[tokio::test]
+async fn grpc_web_and_plain_http_on_the_same_server_keep_the_http_429() {
+    let clock = FakeClock::new();
+    let layer = RateLimitLayer::builder(Policy::single("check", Quota::per_minute(2)).unwrap())
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let server = serve(layer).await;
+    let mut client = server.client().await;
+    check(&mut client).await.unwrap();
+    check(&mut client).await.unwrap();
+    assert_eq!(check(&mut client).await.unwrap_err().code(), Code::ResourceExhausted);
+
+    // The same peer over HTTP/1.1, to the same method path.
+    let http = support::client();
+    let url = format!("http://{}{CHECK}", server.addr);
+    let post = |content_type: &str| {
+        Request::builder()
+            .method(Method::POST)
+            .uri(&url)
+            .header("content-type", content_type)
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    };
+    for content_type in
+        ["application/grpc-web+proto", "application/grpc-web-text", "application/json"]
+    {
+        let reply = support::send(&http, post(content_type)).await;
+        assert_eq!(reply.status, StatusCode::TOO_MANY_REQUESTS, "{content_type}");
+        assert_eq!(reply.header("content-type"), Some("application/problem+json"));
+        assert_eq!(reply.header("retry-after"), Some("30"));
+        assert_eq!(reply.header("grpc-status"), None);
+        assert_eq!(reply.json()["status"], 429);
+        assert_eq!(reply.json()["violated-policies"], serde_json::json!(["check"]));
+    }
+    // gRPC is told by its content type, whatever the HTTP version: a trailers-only answer.
+    let reply = support::send(&http, post("application/grpc")).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.header("content-type"), Some("application/grpc"));
+    assert_eq!(reply.header("grpc-status"), Some("8"));
+    assert_eq!(
+        reply.header("grpc-message"),
+        Some("rate limited by policy `check`: quota exceeded")
+    );
+    assert_eq!(reply.header("grpc-retry-pushback-ms"), Some("30000"));
+    assert_eq!(reply.header("ratelimit"), Some(r#""check";r=0;t=60"#));
+    assert!(reply.body.is_empty());
+}
+
+#[tokio::test]
+async fn a_cost_that_can_never_fit_has_no_pushback() {
+    let layer = RateLimitLayer::builder(Policy::single("small", Quota::per_minute(2)).unwrap())
+        .cost_fn(|_| 3)
+        .build()
+        .unwrap();
+    let server = serve(layer).await;
+    let refused = check(&mut server.client().await).await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted);
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), None);
+    assert_eq!(
+        refused.message(),
+        "rate limited by policy `small`: the request costs more than the capacity of the \
+         violated policies; it can never be admitted"
+    );
+}
+
+#[tokio::test]
+async fn metadata_keys_and_a_missing_key() {
+    let layer = RateLimitLayer::builder(Policy::single("tenant", Quota::per_hour(1)).unwrap())
+        .key(HeaderKey::new(HeaderName::from_static("x-api-key")))
+        .build()
+        .unwrap();
+    let server = serve(layer).await;
+    let mut client = server.client().await;
+    let as_tenant = |key: &'static str| {
+        let mut req = tonic::Request::new(HealthCheckRequest { service: String::new() });
+        req.metadata_mut().insert("x-api-key", key.parse().unwrap());
+        req
+    };
+    let mut codes = Vec::new();
+    for key in ["acme", "acme", "globex"] {
+        codes.push(client.check(as_tenant(key)).await.map(|_| ()).map_err(|s| s.code()));
+    }
+    assert_eq!(codes, [Ok(()), Err(Code::ResourceExhausted), Ok(())]);
+
+    let missing = check(&mut client).await.unwrap_err();
+    assert_eq!(missing.code(), Code::InvalidArgument);
+    assert_eq!(missing.message(), "no rate-limit key could be read from the request");
+}
+
+#[tokio::test]
+async fn unselected_calls_get_the_status_of_the_configured_refusal() {
+    let layer = RateLimitLayer::builder(Policy::single("check", Quota::per_hour(5)).unwrap())
+        .select(|head| (head.uri.path() == CHECK).then_some("check"))
+        .unselected(Unselected::Reject(StatusCode::FORBIDDEN))
+        .build()
+        .unwrap();
+    let server = serve(layer).await;
+    let mut client = server.client().await;
+    assert_eq!(check(&mut client).await.unwrap(), Reported::Serving);
+    let refused = client.watch(HealthCheckRequest { service: String::new() }).await.unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied);
+    assert_eq!(refused.message(), "no rate-limit policy applies to the request");
+}
+
+/// A store that always fails.
+#[derive(Clone)]
+struct Down;
+
+impl Store for Down {
+    type Bound = ();
+    type Ticket = ();
+
+    fn bind(&self, _: &Policy) -> Result<(), ConfigError> {
+        Ok(())
+    }
+
+    async fn check(&self, _: &(), _: Check<'_>) -> Result<Verdict<()>, StoreError> {
+        Err(StoreError::backend("connection refused"))
+    }
+
+    async fn settle(&self, _: &(), _: (), _: u64) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_store_failure_that_fails_closed_is_unavailable() {
+    let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(5)).unwrap())
+        .store(Down)
+        .on_store_error(OnStoreError::FailClosed)
+        .build()
+        .unwrap();
+    let server = serve(layer).await;
+    let refused = check(&mut server.client().await).await.unwrap_err();
+    assert_eq!(refused.code(), Code::Unavailable);
+    assert_eq!(refused.message(), "the rate limiter cannot decide right now");
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("1000"));
+}
+
+#[tokio::test]
+async fn shaping_holds_grpc_calls_then_refuses_over_budget() {
+    // 10/s, burst 1, wait at most 250 ms, on a clock that stands still: the slots are 0, 100
+    // and 200 ms away; a fourth call would wait 300 ms and is refused.
+    let clock = FakeClock::new();
+    let policy =
+        Policy::builder("s").tier("s", Quota::per_second(10).with_burst(1)).build().unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .store(store(&clock))
+        .shape(Duration::from_millis(250))
+        .build()
+        .unwrap();
+    let server = serve(layer).await;
+    let mut client = server.client().await;
+    let mut took = Vec::new();
+    for _ in 0..3 {
+        let start = std::time::Instant::now();
+        assert_eq!(check(&mut client).await.unwrap(), Reported::Serving);
+        took.push(start.elapsed());
+    }
+    // Wall-clock lower bounds only: each call waited at least for its slot.
+    assert!(took[1] >= Duration::from_millis(95), "{took:?}");
+    assert!(took[2] >= Duration::from_millis(195), "{took:?}");
+    let refused = check(&mut client).await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted);
+    // On the frozen clock the fourth slot is 300 ms away: retried 50 ms from now, it would
+    // fit the 250 ms budget.
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("50"));
+}
