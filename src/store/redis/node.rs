@@ -18,8 +18,8 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 use super::breaker::{Admit, Breaker, BreakerState};
 use super::script::{self, Family, Now, PolicyArgs};
 use crate::clock::AnyClock;
-use crate::metrics::NodeMetrics;
 use crate::error::StoreError;
+use crate::metrics::NodeMetrics;
 
 /// Checks in one script call, at most.
 const MAX_BATCH: usize = 256;
