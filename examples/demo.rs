@@ -5,6 +5,10 @@
 //! - `/shape`: 5 requests/s per client IP, burst 1, held up to 300 ms for a free slot.
 //! - `/upload`: stacked tiers (20 units/s and 60 units per 3 s) with a cost in units from the
 //!   `Content-Length` (one unit per KiB, rounded up).
+//! - `/beta`: a stricter limit (3 requests/s) tried in dry run: nothing is refused, every
+//!   would-be refusal is logged and counted.
+//! - `/metrics`: the layer's metrics in the Prometheus text format
+//!   (`metrics-exporter-prometheus`); the demo scrapes it at the end.
 //!
 //! Run: `cargo run --example demo`.
 
@@ -91,6 +95,8 @@ async fn get_req(
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // Before any layer is built: layers register their metrics when they are built.
+    let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
     let police =
         Policy::builder("per-ip").tier("per-ip", Quota::per_second(10).with_burst(5)).build()?;
     let shape =
@@ -100,6 +106,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .tier("3s", Quota::new(60, Duration::from_secs(3)))
         .algorithm(Algorithm::SlidingCounter)
         .build()?;
+    let beta = Policy::single("beta", Quota::per_second(3))?;
 
     let app =
         Router::new()
@@ -120,7 +127,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                         })
                         .build()?,
                 ),
-            );
+            )
+            .merge(
+                Router::new()
+                    .route("/beta", get(|| async { "ok" }))
+                    .route_layer(RateLimitLayer::builder(beta).dry_run(true).build()?),
+            )
+            .route("/metrics", get(move || std::future::ready(prometheus.render())));
 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
@@ -162,21 +175,47 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
 
+    // /beta: 10 requests at once against a dry-run 3/s: all served, 7 would-be refusals.
+    let mut beta_tally = Tally::default();
+    let batch: Vec<_> = (0..10).map(|_| get_req(&client, format!("{base}/beta"))).collect();
+    for (res, took) in futures_join(batch).await {
+        beta_tally.record(res, took).await;
+    }
+
     police_tally.print("/police (police, 10/s burst 5, per IP)", Duration::from_millis(50));
     shape_tally.print("/shape (shape, 5/s burst 1, max delay 300 ms)", Duration::from_millis(50));
     upload_tally
         .print("/upload (stacked tiers 20/s + 60/3s, cost = KiB)", Duration::from_millis(50));
+    beta_tally.print("/beta (dry run, 3/s)", Duration::from_millis(50));
 
-    let ok = police_tally.allowed > 0
+    let (scrape, _) = get_req(&client, format!("{base}/metrics")).await;
+    let scrape = scrape.into_body().collect().await?.to_bytes();
+    let scrape = String::from_utf8_lossy(&scrape);
+    let decisions: Vec<_> = scrape
+        .lines()
+        .filter(|l| l.starts_with("tollgate_decisions_total{") && !l.ends_with(" 0"))
+        .collect();
+    println!("== GET /metrics (tollgate_decisions_total, non-zero series)");
+    for line in &decisions {
+        println!("   {line}");
+    }
+
+    let counted = |needle: &str| decisions.iter().any(|l| l.contains(needle));
+    let ok = counted("outcome=\"limited\"")
+        && counted("outcome=\"dry_run_limited\"")
+        && beta_tally.limited == 0
+        && police_tally.allowed > 0
         && police_tally.limited > 0
         && shape_tally.delays.iter().any(|d| *d >= Duration::from_millis(100))
         && upload_tally.limited > 0
         && upload_tally.allowed > 0;
     server.abort();
     if !ok {
-        return Err("the demo did not show policing, shaping and stacked tiers".into());
+        return Err(
+            "the demo did not show policing, shaping, stacked tiers, dry run and metrics".into()
+        );
     }
-    println!("demo finished: policing, shaping and stacked tiers all observed");
+    println!("demo finished: policing, shaping, stacked tiers, dry run and metrics all observed");
     Ok(())
 }
 

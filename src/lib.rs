@@ -62,8 +62,8 @@ pub use decision::{Decision, Outcome, Source, TierDecision};
 pub use error::{ConfigError, StoreError};
 pub use headers::HeaderStyle;
 pub use layer::{
-    MissingKey, OnStoreError, RateLimit, RateLimitLayer, RateLimitLayerBuilder, ResponseBody,
-    ResponseFuture, Unselected,
+    DecisionEvent, LogKeys, MissingKey, Observed, OnStoreError, RateLimit, RateLimitLayer,
+    RateLimitLayerBuilder, ResponseBody, ResponseFuture, Unselected,
 };
 pub use limiter::{Limiter, Reservation};
 pub use quota::{

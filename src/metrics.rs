@@ -13,7 +13,7 @@
 //! | `tollgate_memory_keys` | gauge | | keys a `MemoryStore` holds (updated by its sweeper) |
 
 /// Names of the metrics.
-#[allow(dead_code)] // the layer's metrics come with its per-policy handles
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
 pub(crate) mod names {
     pub(crate) const DECISIONS: &str = "tollgate_decisions_total";
     pub(crate) const STORE_FAILURES: &str = "tollgate_store_failures_total";
@@ -69,4 +69,98 @@ pub(crate) fn memory_keys(keys: usize) {
     #[cfg(feature = "metrics")]
     #[allow(clippy::cast_precision_loss)] // a key count is far below 2^53
     metrics::gauge!(names::MEMORY_KEYS).set(keys as f64);
+}
+
+/// A policy's decision metrics, registered when its layer is built.
+pub(crate) struct PolicyMetrics {
+    /// Per tier: admitted, limited, shaped, dry-run limited.
+    #[cfg(feature = "metrics")]
+    tiers: Box<[[metrics::Counter; 4]]>,
+    /// Fail open, fail closed, fallback.
+    #[cfg(feature = "metrics")]
+    failures: [metrics::Counter; 3],
+    #[cfg(feature = "metrics")]
+    delay: metrics::Histogram,
+}
+
+/// What a decision counted as, for [`PolicyMetrics`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Counted {
+    Admitted,
+    Limited,
+    Shaped,
+    DryRunLimited,
+}
+
+/// A request the store could not decide, for [`PolicyMetrics`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub(crate) enum Failed {
+    Open,
+    Closed,
+    Fallback,
+}
+
+impl PolicyMetrics {
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn new(policy: &crate::Policy) -> Self {
+        #[cfg(feature = "metrics")]
+        {
+            let name = policy.name().to_owned();
+            let counter = |tier: &str, outcome: &'static str| metrics::counter!(names::DECISIONS, "policy" => name.clone(), "tier" => tier.to_owned(), "outcome" => outcome);
+            let tiers = policy
+                .tiers()
+                .iter()
+                .map(|t| {
+                    [
+                        counter(t.name(), "admitted"),
+                        counter(t.name(), "limited"),
+                        counter(t.name(), "shaped"),
+                        counter(t.name(), "dry_run_limited"),
+                    ]
+                })
+                .collect();
+            let failure = |outcome: &'static str| metrics::counter!(names::STORE_FAILURES, "policy" => name.clone(), "outcome" => outcome);
+            Self {
+                tiers,
+                failures: [failure("fail_open"), failure("fail_closed"), failure("fallback")],
+                delay: metrics::histogram!(names::SHAPING_DELAY, "policy" => name.clone()),
+            }
+        }
+        #[cfg(not(feature = "metrics"))]
+        Self {}
+    }
+
+    /// Counts `decision`: every tier for an admission, the violated tiers for a refusal.
+    #[inline]
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn decided(&self, counted: Counted, decision: &crate::Decision) {
+        #[cfg(feature = "metrics")]
+        {
+            let column = counted as usize;
+            for (tier, counters) in decision.tiers().iter().zip(self.tiers.iter()) {
+                let counts = match counted {
+                    Counted::Admitted | Counted::Shaped => true,
+                    Counted::Limited | Counted::DryRunLimited => tier.is_violated(),
+                };
+                if counts {
+                    counters[column].increment(1);
+                }
+            }
+            if counted == Counted::Shaped {
+                self.delay.record(decision.delay().as_secs_f64());
+            }
+            if decision.source() == crate::Source::Fallback {
+                self.failures[Failed::Fallback as usize].increment(1);
+            }
+        }
+    }
+
+    /// Counts a request the store could not decide.
+    #[inline]
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn failed(&self, failed: Failed) {
+        #[cfg(feature = "metrics")]
+        self.failures[failed as usize].increment(1);
+    }
 }

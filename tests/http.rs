@@ -303,10 +303,18 @@ async fn dry_run_reports_but_never_blocks() {
     let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
     let server = serve(app(RateLimitLayer::builder(policy).dry_run(true).build().unwrap())).await;
     let c = client();
-    for _ in 0..3 {
+    // The first request is admitted and told the truth: nothing remains.
+    let r = get(&c, &server.url("/"), &[]).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(sf_list(r.header("ratelimit").unwrap())[0].1[0], ("r".to_owned(), 0));
+    // Those the limit would refuse get the handler's response untouched: no `RateLimit`
+    // header that would tell a well-behaved client to stop, no `Retry-After`, nothing added.
+    for _ in 0..2 {
         let r = get(&c, &server.url("/"), &[]).await;
         assert_eq!(r.status, StatusCode::OK);
-        assert_eq!(sf_list(r.header("ratelimit").unwrap())[0].1[0], ("r".to_owned(), 0));
+        assert_eq!(r.header("ratelimit"), None);
+        assert_eq!(r.header("retry-after"), None);
+        assert_eq!(r.header("ratelimit-policy"), None);
     }
 }
 

@@ -200,16 +200,17 @@ impl Store for Broken {
 async fn store_failure_fails_open_or_closed_as_configured() {
     let policy = Policy::single("p", Quota::per_second(1)).unwrap();
     let store = Broken::default();
-    let open = RateLimitLayer::builder(policy.clone()).store(store.clone()).build().unwrap();
+    let open = RateLimitLayer::builder(policy.clone())
+        .store(store.clone())
+        .on_store_error(OnStoreError::FailOpen)
+        .build()
+        .unwrap();
     let res = open.layer(ok_service()).oneshot(request()).await.unwrap();
     assert_eq!(res.status(), StatusCode::OK);
     assert!(res.headers().get("ratelimit").is_none());
 
-    let closed = RateLimitLayer::builder(policy)
-        .store(store.clone())
-        .on_store_error(OnStoreError::FailClosed)
-        .build()
-        .unwrap();
+    // Failing closed is the default: a limiter that cannot decide does not stop limiting.
+    let closed = RateLimitLayer::builder(policy).store(store.clone()).build().unwrap();
     let res = closed.layer(ok_service()).oneshot(request()).await.unwrap();
     assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(res.headers()["retry-after"], "1");

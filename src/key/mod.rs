@@ -120,6 +120,32 @@ impl fmt::Display for Key {
     }
 }
 
+/// A key as logs should show it: a keyed hash of it (64 bits, hexadecimal, behind `#`), the
+/// same for the same key within this process and unrelated across processes, so that log
+/// lines can be correlated without API keys and user ids landing in log files.
+///
+/// ```
+/// use tollgate::key::{Key, Redacted};
+///
+/// let key = Key::text("sk_live_secret");
+/// let shown = Redacted(&key).to_string();
+/// assert!(shown.starts_with('#') && !shown.contains("secret"));
+/// assert_eq!(shown, Redacted(&Key::text("sk_live_secret")).to_string());
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct Redacted<'a>(pub &'a Key);
+
+impl fmt::Display for Redacted<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use std::hash::{BuildHasher, Hasher};
+        static SECRET: std::sync::LazyLock<std::collections::hash_map::RandomState> =
+            std::sync::LazyLock::new(std::collections::hash_map::RandomState::new);
+        let mut h = SECRET.build_hasher();
+        self.0.feed(&mut h);
+        write!(f, "#{:016x}", h.finish())
+    }
+}
+
 /// A request's head, borrowed: what key extractors and cost functions read. Made from a
 /// `&Request<B>` without touching the body or copying anything, or from `&Parts`. Its fields
 /// are named like [`Parts`]'s.

@@ -2,6 +2,7 @@
 
 mod body;
 mod future;
+mod observe;
 mod scope;
 mod service;
 
@@ -16,9 +17,11 @@ use tower_layer::Layer;
 
 pub use body::ResponseBody;
 pub use future::ResponseFuture;
+pub use observe::{DecisionEvent, LogKeys, Observed};
 pub use scope::Unselected;
 pub use service::RateLimit;
 
+use observe::{Failing, HookFn, Observer};
 use scope::{Condition, Scope, ScopeBuilder};
 
 use crate::error::ConfigError;
@@ -47,16 +50,20 @@ impl Default for MissingKey {
     }
 }
 
-/// What to do when the store cannot decide. A store with a local fallback (Redis) falls back
-/// before this applies.
+/// What to do when the store cannot decide. A store with a local fallback
+/// ([`RedisStore`](crate::store::RedisStore), by default) falls back before this applies. Either
+/// way the failure is logged once when it starts and once when it ends, and counted
+/// (`tollgate_store_failures_total`, feature `metrics`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum OnStoreError {
-    /// Pass the request on unlimited (default: availability over strictness).
+    /// Answer 503 Service Unavailable with `Retry-After: 1` and a problem+json body (a gRPC
+    /// call: `UNAVAILABLE`). The default: a limiter that cannot decide does not silently stop
+    /// limiting.
     #[default]
-    FailOpen,
-    /// Answer 503 Service Unavailable with `Retry-After: 1` and a problem+json body.
     FailClosed,
+    /// Pass the request on unlimited: availability over strictness, by explicit choice.
+    FailOpen,
 }
 
 type CostFn = Arc<dyn Fn(&RequestHead<'_>) -> u64 + Send + Sync>;
@@ -81,6 +88,10 @@ pub(crate) struct Config<K, St: Store> {
     /// Filters, allow-lists and the selector with its other policies; `None` when none is
     /// set, so that a layer without them checks one pointer per request and nothing else.
     scope: Option<Box<Scope<St>>>,
+    /// Metrics, the decision hook, the log's key format.
+    observer: Observer,
+    /// Whether the store is failing (logged once per change).
+    failing: Failing,
 }
 
 /// The settings that do not change the layer's type.
@@ -97,6 +108,8 @@ struct Settings {
     settle_cost: Option<SettleFn>,
     rejection: Option<RejectFn>,
     dry_run: bool,
+    hook: Option<HookFn>,
+    log_keys: LogKeys,
 }
 
 impl Default for Settings {
@@ -113,6 +126,8 @@ impl Default for Settings {
             settle_cost: None,
             rejection: None,
             dry_run: false,
+            hook: None,
+            log_keys: LogKeys::default(),
         }
     }
 }
@@ -307,7 +322,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         self
     }
 
-    /// What to do when the store fails (default [`OnStoreError::FailOpen`]).
+    /// What to do when the store fails (default [`OnStoreError::FailClosed`]).
     pub fn on_store_error(mut self, on_error: OnStoreError) -> Self {
         self.settings.on_store_error = on_error;
         self
@@ -371,9 +386,50 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         self
     }
 
-    /// Dry run (shadow mode): decide, charge and report headers, but never reject or delay.
+    /// Dry run (shadow mode): decide and charge admitted requests, but never refuse or delay
+    /// one. A request that would have been refused passes uncharged, and is reported: a
+    /// tracing event (`info`, "tollgate: dry run: would have limited", with the policy, the
+    /// redacted key and the violated tiers), the `dry_run_limited` outcome of the
+    /// `tollgate_decisions_total` metric (feature `metrics`) and of the
+    /// [decision hook](Self::on_decision). Its response is the handler's, without rate-limit
+    /// headers: an `r=0` would tell clients that pace themselves to stop while nothing is
+    /// enforced. Admitted responses carry the true remaining quota.
     pub fn dry_run(mut self, on: bool) -> Self {
         self.settings.dry_run = on;
+        self
+    }
+
+    /// Calls `f` with every decision the layer makes (admitted, shaped, limited, dry-run
+    /// limited, store failures), for audit logs and custom telemetry. It runs on the request's
+    /// task: keep it short.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::sync::atomic::{AtomicUsize, Ordering};
+    /// use tollgate::{Observed, Policy, Quota, RateLimitLayer};
+    ///
+    /// let refused = Arc::new(AtomicUsize::new(0));
+    /// let counter = Arc::clone(&refused);
+    /// let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(5)).unwrap())
+    ///     .on_decision(move |event| {
+    ///         if event.outcome == Observed::Limited {
+    ///             counter.fetch_add(1, Ordering::Relaxed);
+    ///         }
+    ///     })
+    ///     .build()
+    ///     .unwrap();
+    /// ```
+    pub fn on_decision(
+        mut self,
+        f: impl for<'a> Fn(&DecisionEvent<'a>) + Send + Sync + 'static,
+    ) -> Self {
+        self.settings.hook = Some(Arc::new(f));
+        self
+    }
+
+    /// How keys appear in the layer's log events (default [`LogKeys::Redacted`]).
+    pub fn log_keys(mut self, keys: LogKeys) -> Self {
+        self.settings.log_keys = keys;
         self
     }
 
@@ -529,8 +585,19 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         };
         let scope = self.scope.build(limiter.store())?;
         let waiters = waits.then(|| Arc::new(Semaphore::new(settings.max_waiters)));
+        let others = scope.as_ref().map_or(&[][..], |s| &s.others[..]);
+        let policies = std::iter::once(limiter.policy()).chain(others.iter().map(Limiter::policy));
+        let observer = Observer::new(policies, settings.hook.clone(), settings.log_keys);
         Ok(RateLimitLayer {
-            config: Arc::new(Config { limiter, key: self.key, waiters, settings, scope }),
+            config: Arc::new(Config {
+                limiter,
+                key: self.key,
+                waiters,
+                settings,
+                scope,
+                observer,
+                failing: Failing::default(),
+            }),
         })
     }
 }

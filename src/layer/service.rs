@@ -12,7 +12,7 @@ use tower_service::Service;
 use super::body::ResponseBody;
 use super::future::ResponseFuture;
 use super::scope::Route;
-use super::{Config, Cost, MissingKey, OnStoreError};
+use super::{Config, Cost, MissingKey, Observed, OnStoreError};
 use crate::decision::Decision;
 use crate::error::StoreError;
 use crate::grpc::is_grpc;
@@ -121,6 +121,9 @@ where
             check.ticket = config.needs_ticket();
             match limiter.check_sync(check) {
                 Some(Ok(Verdict { decision, ticket: None })) if decision.is_allowed() => {
+                    if config.observer.active() {
+                        config.observe(policy, key, &head, Some(&decision), Observed::Admitted);
+                    }
                     let headers =
                         limiter.surface().headers.prepare(config.settings.headers, &decision);
                     // Called here and now: the service that was polled ready, no clone.
@@ -130,9 +133,14 @@ where
                 Some(Ok(verdict))
                     if !verdict.decision.is_allowed() && config.settings.tarpit.is_none() =>
                 {
+                    if config.observer.active() {
+                        let d = Some(&verdict.decision);
+                        config.observe(policy, key, &head, d, Observed::Limited);
+                    }
                     let grpc = is_grpc(req.headers());
                     return ResponseFuture::ready(config.reject(
                         limiter,
+                        key,
                         verdict.decision,
                         None,
                         grpc,
@@ -170,6 +178,20 @@ impl<K, St: Store> Config<K, St> {
         others.iter().position(|l| l.policy().name() == name).map(|i| i + 1)
     }
 
+    /// Reports a decision of the policy at `index`.
+    #[inline(never)]
+    fn observe(
+        &self,
+        index: usize,
+        key: &Key,
+        head: &RequestHead<'_>,
+        decision: Option<&Decision>,
+        outcome: Observed,
+    ) {
+        let policy = self.limiter_at(index).policy();
+        self.observer.decided(index, policy, key, head, decision, outcome);
+    }
+
     /// Policing, not in dry run: a decision made at once can be answered at once.
     fn polices_at_once(&self) -> bool {
         self.settings.max_delay.is_none() && !self.settings.dry_run
@@ -195,12 +217,14 @@ impl<K, St: Store> Config<K, St> {
     fn reject<B>(
         &self,
         limiter: &Limiter<St>,
+        key: &Key,
         decision: Decision,
         budget: Option<std::time::Duration>,
         grpc: bool,
     ) -> Response<ResponseBody<B>> {
         tracing::debug!(
             policy = limiter.policy().name(),
+            key = %self.observer.show(key),
             outcome = ?decision.outcome(),
             grpc,
             "tollgate: limited"
@@ -300,16 +324,22 @@ where
         }
     };
     let verdict = match verdict {
-        Ok(verdict) => verdict,
+        Ok(verdict) => {
+            config.failing.recovered(limiter.policy().name());
+            verdict
+        }
         Err(error) => {
             drop(permit);
+            let head = RequestHead::from(&req);
             return match settings.on_store_error {
                 OnStoreError::FailOpen => {
-                    tracing::warn!(%error, policy = limiter.policy().name(), "tollgate: store failed; failing open");
+                    config.failing.failed(limiter.policy().name(), &error, "failing open");
+                    config.observe(policy, &key, &head, None, Observed::FailedOpen);
                     pass(inner, req).await
                 }
                 OnStoreError::FailClosed => {
-                    tracing::warn!(%error, policy = limiter.policy().name(), "tollgate: store failed; failing closed");
+                    config.failing.failed(limiter.policy().name(), &error, "failing closed");
+                    config.observe(policy, &key, &head, None, Observed::FailedClosed);
                     let grpc = is_grpc(req.headers());
                     Ok(config.refuse(&Rejection::Unavailable(error), grpc))
                 }
@@ -317,7 +347,18 @@ where
         }
     };
 
-    if !verdict.decision.is_allowed() && !settings.dry_run {
+    let decision = &verdict.decision;
+    let outcome = match (decision.is_allowed(), settings.dry_run) {
+        (false, false) => Observed::Limited,
+        (false, true) => Observed::DryRunLimited,
+        (true, _) if !decision.delay().is_zero() => Observed::Shaped(decision.delay()),
+        (true, _) => Observed::Admitted,
+    };
+    if config.observer.active() || outcome == Observed::DryRunLimited {
+        config.observe(policy, &key, &RequestHead::from(&req), Some(decision), outcome);
+    }
+
+    if outcome == Observed::Limited {
         drop(permit);
         if let Some(delay) = settings.tarpit {
             // Only with a place in the waiting room: a flood is answered at once, not held.
@@ -326,7 +367,7 @@ where
             }
         }
         let grpc = is_grpc(req.headers());
-        return Ok(config.reject(limiter, verdict.decision, budget, grpc));
+        return Ok(config.reject(limiter, &key, verdict.decision, budget, grpc));
     }
 
     // Admitted (or dry run): wait for the reserved slot; a request dropped meanwhile gives it
@@ -337,7 +378,13 @@ where
     // From here the request is served: dropping it (a client disconnect) keeps the charge.
     let res = inner.call(req).await?;
     let (mut head, body) = res.into_parts();
-    limiter.surface().headers.write(settings.headers, &mut head.headers, reservation.decision());
+    if outcome != Observed::DryRunLimited {
+        limiter.surface().headers.write(
+            settings.headers,
+            &mut head.headers,
+            reservation.decision(),
+        );
+    }
     settle(&config, reservation, &head).await;
     Ok(Response::from_parts(head, ResponseBody::inner(body)))
 }

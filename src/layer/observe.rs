@@ -1,0 +1,177 @@
+//! What the layer reports of each decision: metrics, the decision hook, and log events whose
+//! keys are redacted unless asked otherwise.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::decision::Decision;
+use crate::key::{Key, RequestHead};
+use crate::metrics::{Counted, Failed, PolicyMetrics};
+use crate::quota::Policy;
+
+/// What happened to a request, as the layer reports it to the
+/// [decision hook](super::RateLimitLayerBuilder::on_decision) and to metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Observed {
+    /// Admitted at once.
+    Admitted,
+    /// Admitted after being held this long (shaping).
+    Shaped(Duration),
+    /// Refused.
+    Limited,
+    /// Would have been refused, and was let through: the layer runs in dry run.
+    DryRunLimited,
+    /// The store could not decide; the request was let through (fail open).
+    FailedOpen,
+    /// The store could not decide; the request was refused (fail closed).
+    FailedClosed,
+}
+
+/// One decision the layer made, as the [decision hook](super::RateLimitLayerBuilder::on_decision)
+/// sees it.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct DecisionEvent<'a> {
+    /// The policy that decided.
+    pub policy: &'a Policy,
+    /// The key decided for (raw: the hook is code, not a log; redact it yourself before logging
+    /// it, e.g. with [`key::Redacted`](crate::key::Redacted)).
+    pub key: &'a Key,
+    /// The request's head.
+    pub head: &'a RequestHead<'a>,
+    /// The store's decision; `None` when the store could not decide.
+    pub decision: Option<&'a Decision>,
+    /// What the layer did.
+    pub outcome: Observed,
+}
+
+/// How keys appear in the layer's log events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum LogKeys {
+    /// A keyed hash of the key, stable within the process ([`key::Redacted`](crate::key::Redacted)):
+    /// API keys and user ids do not end up in log files (default).
+    #[default]
+    Redacted,
+    /// The key itself, for debugging.
+    Raw,
+}
+
+pub(super) type HookFn = Arc<dyn for<'a> Fn(&DecisionEvent<'a>) + Send + Sync>;
+
+/// The layer's observers: per policy its metric handles, the hook, the key format.
+pub(super) struct Observer {
+    metrics: Box<[PolicyMetrics]>,
+    hook: Option<HookFn>,
+    pub(super) keys: LogKeys,
+}
+
+impl Observer {
+    pub(super) fn new<'a>(
+        policies: impl Iterator<Item = &'a Policy>,
+        hook: Option<HookFn>,
+        keys: LogKeys,
+    ) -> Self {
+        Self { metrics: policies.map(PolicyMetrics::new).collect(), hook, keys }
+    }
+
+    /// Whether a decision must be reported (metrics are always on with the `metrics` feature;
+    /// handles without a recorder cost nothing).
+    #[inline]
+    pub(super) fn active(&self) -> bool {
+        cfg!(feature = "metrics") || self.hook.is_some()
+    }
+
+    /// Reports a decision of the policy at `index`.
+    pub(super) fn decided(
+        &self,
+        index: usize,
+        policy: &Policy,
+        key: &Key,
+        head: &RequestHead<'_>,
+        decision: Option<&Decision>,
+        outcome: Observed,
+    ) {
+        if let Some(metrics) = self.metrics.get(index) {
+            match (outcome, decision) {
+                (Observed::Admitted, Some(d)) => metrics.decided(Counted::Admitted, d),
+                (Observed::Shaped(_), Some(d)) => metrics.decided(Counted::Shaped, d),
+                (Observed::Limited, Some(d)) => metrics.decided(Counted::Limited, d),
+                (Observed::DryRunLimited, Some(d)) => metrics.decided(Counted::DryRunLimited, d),
+                (Observed::FailedOpen, _) => metrics.failed(Failed::Open),
+                (Observed::FailedClosed, _) => metrics.failed(Failed::Closed),
+                _ => {}
+            }
+        }
+        if outcome == Observed::DryRunLimited {
+            tracing::info!(
+                policy = policy.name(),
+                key = %self.show(key),
+                violated = %Violated(policy, decision),
+                "tollgate: dry run: would have limited"
+            );
+        }
+        if let Some(hook) = &self.hook {
+            hook(&DecisionEvent { policy, key, head, decision, outcome });
+        }
+    }
+
+    /// `key` as log events show it.
+    pub(super) fn show<'a>(&self, key: &'a Key) -> Shown<'a> {
+        Shown { key, raw: self.keys == LogKeys::Raw }
+    }
+}
+
+/// A key for a log event: redacted or raw.
+pub(super) struct Shown<'a> {
+    key: &'a Key,
+    raw: bool,
+}
+
+impl fmt::Display for Shown<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.raw { self.key.fmt(f) } else { crate::key::Redacted(self.key).fmt(f) }
+    }
+}
+
+/// The names of the tiers a decision violated, comma-separated.
+struct Violated<'a>(&'a Policy, Option<&'a Decision>);
+
+impl fmt::Display for Violated<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Some(decision) = self.1 else { return Ok(()) };
+        for (i, name) in decision.violated_names(self.0).enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            f.write_str(name)?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether the store is failing, so that a failure is logged once when it starts (a `warn`),
+/// and once when it ends (an `info`), not on every request.
+#[derive(Default)]
+pub(super) struct Failing(std::sync::atomic::AtomicBool);
+
+impl Failing {
+    pub(super) fn failed(&self, policy: &str, error: &crate::StoreError, what: &'static str) {
+        use std::sync::atomic::Ordering;
+        if self.0.swap(true, Ordering::Relaxed) {
+            tracing::debug!(%error, policy, "tollgate: store failed; {what}");
+        } else {
+            tracing::warn!(%error, policy, "tollgate: store failed; {what} until it answers");
+        }
+    }
+
+    #[inline]
+    pub(super) fn recovered(&self, policy: &str) {
+        use std::sync::atomic::Ordering;
+        if self.0.load(Ordering::Relaxed) && self.0.swap(false, Ordering::Relaxed) {
+            tracing::info!(policy, "tollgate: store answers again");
+        }
+    }
+}
