@@ -35,10 +35,14 @@
 //!
 //! Cargo features: `axum` (default) adds axum's `ConnectInfo` / `MatchedPath` to the key
 //! extractors and `IntoResponse` to the rejections; without it the crate depends on `http` and
-//! Tower only. `redis` adds `RedisStore`.
+//! Tower only. `redis` adds `RedisStore`. `client` adds the [client] side: a retry policy and
+//! a layer that paces requests by the servers' rate-limit headers.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod algorithm;
+#[cfg(feature = "client")]
+#[cfg_attr(docsrs, doc(cfg(feature = "client")))]
+pub mod client;
 pub mod clock;
 mod decision;
 mod error;
