@@ -37,10 +37,15 @@
 //! extractors and `IntoResponse` to the rejections; without it the crate depends on `http` and
 //! Tower only. `redis` adds `RedisStore`. `tonic` makes [`PeerIp`](key::PeerIp) and
 //! [`ClientIp`](key::ClientIp) read tonic's `TcpConnectInfo`; gRPC calls are refused in gRPC
-//! form with or without it ([`grpc`]).
+//! form with or without it ([`grpc`]). `metrics` (default) reports decisions through the
+//! `metrics` facade ([`metrics`](mod@metrics)). `client` adds the [client] side: a retry policy
+//! and a layer that paces requests by the servers' rate-limit headers.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod algorithm;
+#[cfg(feature = "client")]
+#[cfg_attr(docsrs, doc(cfg(feature = "client")))]
+pub mod client;
 pub mod clock;
 mod decision;
 mod error;
