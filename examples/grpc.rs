@@ -1,16 +1,21 @@
-//! A tonic gRPC service with a per-method limit, and a client that calls it until refused.
+//! A tonic gRPC service with a per-method limit; a client that paces itself by the server's
+//! `RateLimit` headers and is never refused, then one that calls it until refused.
 //!
 //! The service is tonic-health's `grpc.health.v1.Health`; only its unary `Check` is limited
-//! (3 per minute per client address), its streaming `Watch` is not. Refused calls end with
+//! (5 per second per client address), its streaming `Watch` is not. Refused calls end with
 //! `RESOURCE_EXHAUSTED` and the `grpc-retry-pushback-ms` of gRFC A6.
 //!
 //! ```sh
-//! cargo run --example grpc --features tonic
+//! cargo run --example grpc --features tonic,client
 //! ```
 
 use std::error::Error;
 use std::net::SocketAddr;
 
+use std::time::Instant;
+
+use tollgate::client::PacingLayer;
+use tollgate::key::GlobalKey;
 use tollgate::{Policy, Quota, RateLimitLayer};
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Endpoint, Server};
@@ -21,8 +26,8 @@ const CHECK: &str = "/grpc.health.v1.Health/Check";
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn Error>> {
-    // Server: 3 `Check` calls per minute per client address (tonic's `TcpConnectInfo`).
-    let limit = RateLimitLayer::builder(Policy::single("health-check", Quota::per_minute(3))?)
+    // Server: 5 `Check` calls per second per client address (tonic's `TcpConnectInfo`).
+    let limit = RateLimitLayer::builder(Policy::single("health-check", Quota::per_second(5))?)
         .filter(|head| head.uri.path() == CHECK)
         .build()?;
     let (_reporter, health) = tonic_health::server::health_reporter();
@@ -39,7 +44,26 @@ async fn main() -> Result<(), Box<dyn Error>> {
     );
     println!("serving grpc.health.v1.Health on {addr}");
 
-    // Client: calls `Check` until it is refused.
+    // A paced client: the pacing layer reads each response's `RateLimit` header and holds the
+    // next call until the server would accept it. One partition: this client has one server
+    // (tonic's requests carry no authority above the channel).
+    let paced = tower::ServiceBuilder::new()
+        .layer(PacingLayer::with_partition(GlobalKey))
+        .service(channel(addr).await?);
+    let mut client = HealthClient::new(paced);
+    let start = Instant::now();
+    let mut refused = 0;
+    for _ in 0..12 {
+        if client.check(HealthCheckRequest { service: String::new() }).await.is_err() {
+            refused += 1;
+        }
+    }
+    println!(
+        "paced client: 12 calls, {refused} refused, in {:.1?} (5/s, burst 5)",
+        start.elapsed()
+    );
+
+    // An unpaced client: calls `Check` until it is refused.
     let mut client = HealthClient::new(channel(addr).await?);
     for call in 1.. {
         match client.check(HealthCheckRequest { service: String::new() }).await {
