@@ -16,6 +16,7 @@ use crate::decision::{Decision, Outcome};
 use crate::error::StoreError;
 use crate::grpc::{self, code};
 use crate::headers::{HeaderStyle, Headers, ceil_secs};
+use crate::key::KeyMissing;
 use crate::quota::{Policy, Tier};
 
 /// The problem type of a 429 (IANA HTTP problem types registry, from the IETF httpapi
@@ -442,7 +443,15 @@ pub enum Rejection {
     Unavailable(StoreError),
     /// No key could be read from the request (the layer's
     /// [`MissingKey::Reject`](crate::MissingKey::Reject)): 400 by default.
-    MissingKey(StatusCode),
+    MissingKey {
+        /// The configured status.
+        status: StatusCode,
+        /// Why, when the layer explains missing keys in responses
+        /// ([`explain_missing_key`](crate::RateLimitLayerBuilder::explain_missing_key)): the
+        /// response's `detail` (gRPC: `grpc-message`) then names the extractor, what it
+        /// looked for, and the usual fix.
+        explained: Option<KeyMissing>,
+    },
     /// The layer's selector chose no policy for the request and such requests are refused
     /// ([`Unselected::Reject`](crate::Unselected::Reject)).
     Unselected(StatusCode),
@@ -453,7 +462,8 @@ impl fmt::Display for Rejection {
         match self {
             Self::Limited(l) => l.fmt(f),
             Self::Unavailable(e) => write!(f, "the rate limiter cannot decide: {e}"),
-            Self::MissingKey(_) => f.write_str(MISSING_KEY),
+            Self::MissingKey { explained: None, .. } => f.write_str(MISSING_KEY),
+            Self::MissingKey { explained: Some(why), .. } => write!(f, "{MISSING_KEY}: {why}"),
             Self::Unselected(_) => f.write_str(UNSELECTED),
         }
     }
@@ -476,7 +486,7 @@ impl Rejection {
         match self {
             Self::Limited(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            Self::MissingKey(status) | Self::Unselected(status) => *status,
+            Self::MissingKey { status, .. } | Self::Unselected(status) => *status,
         }
     }
 
@@ -491,7 +501,7 @@ impl Rejection {
         match self {
             Self::Limited(_) => code::RESOURCE_EXHAUSTED,
             Self::Unavailable(_) => code::UNAVAILABLE,
-            Self::MissingKey(status) | Self::Unselected(status) => grpc_code_for(*status),
+            Self::MissingKey { status, .. } | Self::Unselected(status) => grpc_code_for(*status),
         }
     }
 
@@ -510,7 +520,12 @@ impl Rejection {
                 res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
                 res
             }
-            Self::MissingKey(status) => respond(*status, refusal_body(*status, MISSING_KEY)),
+            Self::MissingKey { status, explained: None } => {
+                respond(*status, refusal_body(*status, MISSING_KEY))
+            }
+            Self::MissingKey { status, explained: Some(_) } => {
+                respond(*status, refusal_body(*status, &self.to_string()))
+            }
             Self::Unselected(status) => respond(*status, refusal_body(*status, UNSELECTED)),
         }
     }
@@ -535,7 +550,12 @@ impl Rejection {
                     .insert(grpc::GRPC_RETRY_PUSHBACK_MS, HeaderValue::from_static("1000"));
                 res
             }
-            Self::MissingKey(_) => grpc_respond(code, HeaderValue::from_static(MISSING_KEY)),
+            Self::MissingKey { explained: None, .. } => {
+                grpc_respond(code, HeaderValue::from_static(MISSING_KEY))
+            }
+            Self::MissingKey { explained: Some(_), .. } => {
+                grpc_respond(code, grpc::message(&self.to_string()))
+            }
             Self::Unselected(_) => grpc_respond(code, HeaderValue::from_static(UNSELECTED)),
         }
     }
@@ -655,7 +675,8 @@ mod tests {
             (StatusCode::FORBIDDEN, "7"),
             (StatusCode::UNPROCESSABLE_ENTITY, "3"),
         ] {
-            for rejection in [Rejection::MissingKey(status), Rejection::Unselected(status)] {
+            let missing = Rejection::MissingKey { status, explained: None };
+            for rejection in [missing, Rejection::Unselected(status)] {
                 let res = rejection.to_grpc_response();
                 assert_eq!(res.status(), StatusCode::OK);
                 assert_eq!(res.headers()["grpc-status"], code, "{status}");

@@ -18,6 +18,11 @@ use tower::{Layer, ServiceBuilder, service_fn};
 
 /// Serves `layer` over hyper on 127.0.0.1, handing each request its peer as a `SocketAddr`.
 async fn serve(layer: RateLimitLayer) -> SocketAddr {
+    serve_with(layer, true).await
+}
+
+/// Serves `layer` over hyper on 127.0.0.1; `with_peer`: hand each request its peer.
+async fn serve_with(layer: RateLimitLayer, with_peer: bool) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
@@ -28,7 +33,9 @@ async fn serve(layer: RateLimitLayer) -> SocketAddr {
             });
             let svc = ServiceBuilder::new()
                 .map_request(move |mut req: Request<Incoming>| {
-                    req.extensions_mut().insert(peer);
+                    if with_peer {
+                        req.extensions_mut().insert(peer);
+                    }
                     req
                 })
                 .service(layer.layer(handler));
@@ -63,4 +70,24 @@ async fn a_hyper_server_is_limited_per_peer_without_axum() {
         }
     }
     assert_eq!(statuses, [StatusCode::OK, StatusCode::OK, StatusCode::TOO_MANY_REQUESTS]);
+}
+
+#[tokio::test]
+async fn a_hyper_server_that_forgets_the_peer_is_told_how_to_hand_it_over() {
+    let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_minute(2)).unwrap())
+        .explain_missing_key(true)
+        .build()
+        .unwrap();
+    let addr = serve_with(layer, false).await;
+    let reply = support::get(&support::client(), &format!("http://{addr}/"), &[]).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    let detail = reply.json()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("PeerIp found no key"), "{detail}");
+    assert!(
+        detail.contains(
+            "hyper: `req.extensions_mut().insert(remote_addr)` in the service you give hyper \
+             for each connection"
+        ),
+        "{detail}"
+    );
 }

@@ -6,7 +6,6 @@ mod support;
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -18,6 +17,8 @@ use tollgate::key::{HeaderKey, Key, Redacted};
 use tollgate::store::{Check, MemoryStore, Store, Verdict};
 use tollgate::{ConfigError, LogKeys, Observed, Policy, Quota, RateLimitLayer, StoreError};
 use tower::{Layer, ServiceExt, service_fn};
+
+use support::logs::Captured;
 
 fn request(api_key: &str) -> Request<Body> {
     Request::get("/").header("x-api-key", api_key).body(Body::empty()).unwrap()
@@ -111,38 +112,6 @@ async fn the_hook_sees_how_long_shaped_requests_were_held() {
             Observed::Shaped(Duration::from_millis(200))
         ]
     );
-}
-
-/// Log lines captured from `tracing` on this thread (the tests run on a current-thread
-/// runtime, so every event of the request lands here).
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Captured {
-    fn text(&self) -> String {
-        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
-    }
-
-    fn subscriber(&self, level: tracing::Level) -> impl tracing::Subscriber + Send + Sync {
-        let sink = self.clone();
-        tracing_subscriber::fmt()
-            .with_max_level(level)
-            .with_ansi(false)
-            .without_time()
-            .with_writer(move || sink.clone())
-            .finish()
-    }
-}
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
 }
 
 #[tokio::test]

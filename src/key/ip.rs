@@ -4,7 +4,7 @@ use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
 use ipnet::IpNet;
 
-use super::{Key, KeyExtractor, RequestHead};
+use super::{Key, KeyExtractor, KeyMissing, RequestHead};
 
 /// Default IPv6 grouping: one bucket per /64, the smallest block a typical subscriber holds.
 pub const DEFAULT_IPV6_PREFIX: u8 = 64;
@@ -105,6 +105,25 @@ impl KeyExtractor for PeerIp {
     fn extract(&self, parts: &RequestHead<'_>) -> Option<Key> {
         peer(parts).map(|ip| Key::Ip(group_ip(ip, self.v6_prefix)))
     }
+
+    fn explain_missing(&self, _: &RequestHead<'_>) -> KeyMissing {
+        no_peer("PeerIp")
+    }
+}
+
+/// Why [`PeerIp`] and [`ClientIp`] found no peer address: the server did not record it.
+fn no_peer(extractor: &'static str) -> KeyMissing {
+    KeyMissing::new(
+        extractor,
+        "the peer's address in the request extensions (axum's `ConnectInfo<SocketAddr>` or \
+         `MockConnectInfo<SocketAddr>`, tonic's `TcpConnectInfo`, or a `SocketAddr`), which the \
+         server did not record",
+        "axum: serve with `app.into_make_service_with_connect_info::<SocketAddr>()`; axum \
+         tests: add `.layer(MockConnectInfo(addr))` after (outside) the rate-limit layer; hyper: \
+         `req.extensions_mut().insert(remote_addr)` in the service you give hyper for each \
+         connection; tonic: serve with `Server::builder()`, which records `TcpConnectInfo` \
+         (enable tollgate's `tonic` feature)",
+    )
 }
 
 /// Which header a trusted proxy writes the client address to.
@@ -244,6 +263,10 @@ impl KeyExtractor for ClientIp {
     fn extract(&self, parts: &RequestHead<'_>) -> Option<Key> {
         let peer = peer(parts)?;
         Some(Key::Ip(group_ip(self.client(parts, peer), self.v6_prefix)))
+    }
+
+    fn explain_missing(&self, _: &RequestHead<'_>) -> KeyMissing {
+        no_peer("ClientIp")
     }
 }
 

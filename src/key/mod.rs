@@ -9,6 +9,7 @@
 
 mod ip;
 
+use std::borrow::Cow;
 use std::fmt;
 use std::marker::PhantomData;
 use std::net::IpAddr;
@@ -217,6 +218,20 @@ impl<'a> From<&'a Parts> for RequestHead<'a> {
 pub trait KeyExtractor: Send + Sync + 'static {
     /// The key of this request, or `None`.
     fn extract(&self, head: &RequestHead<'_>) -> Option<Key>;
+
+    /// Why [`extract`](Self::extract) found no key in `head`: which extractor, what it looked
+    /// for, and the usual fix. Called only for requests without a key, to explain the refusal
+    /// in the log and, when the layer is asked to, in the response
+    /// ([`RateLimitLayerBuilder::explain_missing_key`](crate::RateLimitLayerBuilder::explain_missing_key)).
+    /// The built-in extractors say precisely what was missing; the default names the type.
+    fn explain_missing(&self, head: &RequestHead<'_>) -> KeyMissing {
+        let _ = head;
+        KeyMissing::new(
+            std::any::type_name::<Self>(),
+            "a key",
+            "make requests carry what this extractor reads, or choose another `MissingKey`",
+        )
+    }
 }
 
 impl<F> KeyExtractor for F
@@ -228,6 +243,64 @@ where
     }
 }
 
+/// Why a [`KeyExtractor`] found no key: which extractor, what it looked for, and the usual
+/// fix. Its `Display` form is one sentence for logs and responses:
+///
+/// ```
+/// use tollgate::key::{HeaderKey, KeyExtractor, RequestHead};
+///
+/// let req = http::Request::get("/").body(()).unwrap();
+/// let why = HeaderKey::new(http::HeaderName::from_static("x-api-key"))
+///     .explain_missing(&RequestHead::from(&req));
+/// assert_eq!(why.looked_for(), "the `x-api-key` header, which the request does not have");
+/// assert!(why.to_string().starts_with("HeaderKey found no key: it looked for the `x-api-key` header"));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyMissing {
+    extractor: Cow<'static, str>,
+    looked_for: Cow<'static, str>,
+    fix: Cow<'static, str>,
+}
+
+impl KeyMissing {
+    /// `extractor` (its name) looked for `looked_for`; `fix` says what usually helps.
+    pub fn new(
+        extractor: impl Into<Cow<'static, str>>,
+        looked_for: impl Into<Cow<'static, str>>,
+        fix: impl Into<Cow<'static, str>>,
+    ) -> Self {
+        Self { extractor: extractor.into(), looked_for: looked_for.into(), fix: fix.into() }
+    }
+
+    /// The extractor's name, e.g. `PeerIp`.
+    #[must_use]
+    pub fn extractor(&self) -> &str {
+        &self.extractor
+    }
+
+    /// What it looked for and did not find.
+    #[must_use]
+    pub fn looked_for(&self) -> &str {
+        &self.looked_for
+    }
+
+    /// The usual fix.
+    #[must_use]
+    pub fn fix(&self) -> &str {
+        &self.fix
+    }
+}
+
+impl fmt::Display for KeyMissing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} found no key: it looked for {}. Fix: {}",
+            self.extractor, self.looked_for, self.fix
+        )
+    }
+}
+
 macro_rules! tuple_extractor {
     ($($name:ident)+) => {
         impl<$($name: KeyExtractor),+> KeyExtractor for ($($name,)+) {
@@ -235,6 +308,18 @@ macro_rules! tuple_extractor {
             fn extract(&self, parts: &RequestHead<'_>) -> Option<Key> {
                 let ($($name,)+) = self;
                 Some(Key::Tuple(Arc::new([$($name.extract(parts)?),+])))
+            }
+
+            /// The first part without a key explains.
+            #[allow(non_snake_case)]
+            fn explain_missing(&self, parts: &RequestHead<'_>) -> KeyMissing {
+                let ($($name,)+) = self;
+                $(
+                    if $name.extract(parts).is_none() {
+                        return $name.explain_missing(parts);
+                    }
+                )+
+                KeyMissing::new(std::any::type_name::<Self>(), "a key in each part", "none")
             }
         }
     };
@@ -296,6 +381,24 @@ impl KeyExtractor for HeaderKey {
         }
         Some(Key::Text(String::from_utf8_lossy(v).into()))
     }
+
+    fn explain_missing(&self, parts: &RequestHead<'_>) -> KeyMissing {
+        let name = &self.name;
+        let what = match parts.headers.get(name).map(|v| v.len()) {
+            None => "which the request does not have",
+            Some(0) => "which the request sent empty",
+            Some(_) => "whose value is longer than MAX_KEY_BYTES (256 bytes)",
+        };
+        KeyMissing::new(
+            "HeaderKey",
+            format!("the `{name}` header, {what}"),
+            format!(
+                "send `{name}` (gRPC: as metadata); to limit requests without it, choose \
+                 `MissingKey::Shared` (one shared budget) or `MissingKey::Allow`, or exempt them \
+                 with the layer's `filter`"
+            ),
+        )
+    }
 }
 
 /// A value that an earlier layer (authentication) put in the request extensions, keyed by its
@@ -334,6 +437,17 @@ impl<T: fmt::Display + Send + Sync + 'static> KeyExtractor for ExtensionKey<T> {
     fn extract(&self, parts: &RequestHead<'_>) -> Option<Key> {
         parts.extensions.get::<T>().map(|v| Key::Text(v.to_string().into()))
     }
+
+    fn explain_missing(&self, _: &RequestHead<'_>) -> KeyMissing {
+        let ty = std::any::type_name::<T>();
+        KeyMissing::new(
+            format!("ExtensionKey<{ty}>"),
+            format!("a `{ty}` in the request extensions"),
+            "the layer that inserts it (authentication) must run before the rate limit: in \
+             axum, add it with a later `.layer()` call (later calls wrap earlier ones); in a \
+             `ServiceBuilder`, put it first",
+        )
+    }
 }
 
 /// The route template axum matched (`/users/{id}`, from `MatchedPath`): one bucket per route,
@@ -347,6 +461,16 @@ pub struct RouteKey;
 impl KeyExtractor for RouteKey {
     fn extract(&self, parts: &RequestHead<'_>) -> Option<Key> {
         parts.extensions.get::<axum::extract::MatchedPath>().map(|p| Key::text(p.as_str()))
+    }
+
+    fn explain_missing(&self, _: &RequestHead<'_>) -> KeyMissing {
+        KeyMissing::new(
+            "RouteKey",
+            "axum's `MatchedPath`, which axum sets once a route matched",
+            "add the layer with `Router::route_layer` (or `Router::layer`), which run after \
+             routing; a layer around the whole app (around `into_make_service`, or on a \
+             fallback) runs before any route matched",
+        )
     }
 }
 
@@ -416,6 +540,21 @@ impl KeyExtractor for GrpcMethod {
         }
         let (service, _) = Self::split(path)?;
         Some(Key::text(if self.service_only { service } else { path }))
+    }
+
+    fn explain_missing(&self, parts: &RequestHead<'_>) -> KeyMissing {
+        let path = parts.uri.path();
+        let what = if path.len() > MAX_KEY_BYTES {
+            "a path of at most MAX_KEY_BYTES (256 bytes)".to_owned()
+        } else {
+            format!("a gRPC path `/package.Service/Method`, and the request's is `{path}`")
+        };
+        KeyMissing::new(
+            "GrpcMethod",
+            what,
+            "limit only gRPC calls with this extractor: exempt other requests with the \
+             layer's `filter` (e.g. `tollgate::grpc::is_grpc`)",
+        )
     }
 }
 

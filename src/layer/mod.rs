@@ -21,7 +21,7 @@ pub use observe::{DecisionEvent, LogKeys, Observed};
 pub use scope::Unselected;
 pub use service::RateLimit;
 
-use observe::{Failing, HookFn, Observer};
+use observe::{Failing, HookFn, MissingKeys, Observer};
 use scope::{Condition, Scope, ScopeBuilder};
 
 use crate::error::ConfigError;
@@ -92,6 +92,8 @@ pub(crate) struct Config<K, St: Store> {
     observer: Observer,
     /// Whether the store is failing (logged once per change).
     failing: Failing,
+    /// Whether a request without a key was refused yet (the first is logged as a warning).
+    missing: MissingKeys,
 }
 
 /// The settings that do not change the layer's type.
@@ -110,6 +112,7 @@ struct Settings {
     dry_run: bool,
     hook: Option<HookFn>,
     log_keys: LogKeys,
+    explain_missing: bool,
 }
 
 impl Default for Settings {
@@ -128,6 +131,7 @@ impl Default for Settings {
             dry_run: false,
             hook: None,
             log_keys: LogKeys::default(),
+            explain_missing: cfg!(debug_assertions),
         }
     }
 }
@@ -316,9 +320,24 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         self
     }
 
-    /// What to do with requests without a key (default: 400).
+    /// What to do with requests without a key (default: refuse with 400): refuse with a
+    /// status, pass them on unlimited, or limit them all under one shared key. See also
+    /// [`explain_missing_key`](Self::explain_missing_key).
     pub fn missing_key(mut self, missing: MissingKey) -> Self {
         self.settings.missing_key = missing;
+        self
+    }
+
+    /// Whether a refusal for a missing key explains itself in the response: its problem+json
+    /// `detail` (gRPC: `grpc-message`) then names the key extractor, what it looked for and
+    /// the usual fix ([`KeyExtractor::explain_missing`]), e.g. "PeerIp found no key: it
+    /// looked for the peer's address in the request extensions ... Fix: axum: serve with
+    /// `app.into_make_service_with_connect_info::<SocketAddr>()` ...". Default: on in debug
+    /// builds (`debug_assertions`), off in release builds, where the response says only that
+    /// no key could be read. The log explains either way: the first such refusal of a layer
+    /// is a `warn` event with the explanation, later ones are `debug` events.
+    pub fn explain_missing_key(mut self, on: bool) -> Self {
+        self.settings.explain_missing = on;
         self
     }
 
@@ -597,6 +616,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
                 scope,
                 observer,
                 failing: Failing::default(),
+                missing: MissingKeys::default(),
             }),
         })
     }

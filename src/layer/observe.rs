@@ -175,3 +175,23 @@ impl Failing {
         }
     }
 }
+
+/// Whether a request without a key was refused yet: the first is logged as a `warn` with the
+/// extractor's explanation (a setup mistake shows at once), later ones at `debug`.
+#[derive(Default)]
+pub(super) struct MissingKeys(std::sync::atomic::AtomicBool);
+
+impl MissingKeys {
+    pub(super) fn refused(&self, policy: &str, why: &crate::key::KeyMissing) {
+        use std::sync::atomic::Ordering;
+        if self.0.load(Ordering::Relaxed) || self.0.swap(true, Ordering::Relaxed) {
+            tracing::debug!(policy, %why, "tollgate: refused a request without a key");
+        } else {
+            tracing::warn!(
+                policy,
+                %why,
+                "tollgate: refused a request without a key (logged once; later ones at debug)"
+            );
+        }
+    }
+}

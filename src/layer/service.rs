@@ -292,12 +292,11 @@ where
         Some(key) => key,
         None => match settings.missing_key {
             MissingKey::Reject(status) => {
-                tracing::debug!(
-                    policy = limiter.policy().name(),
-                    "tollgate: request without a key"
-                );
+                let why = config.key.explain_missing(&RequestHead::from(&req));
+                config.missing.refused(limiter.policy().name(), &why);
+                let explained = settings.explain_missing.then_some(why);
                 let grpc = is_grpc(req.headers());
-                return Ok(config.refuse(&Rejection::MissingKey(status), grpc));
+                return Ok(config.refuse(&Rejection::MissingKey { status, explained }, grpc));
             }
             MissingKey::Allow => return pass(inner, req).await,
             MissingKey::Shared => Key::Missing,

@@ -1,6 +1,7 @@
 //! Test harness: serve an axum app on an ephemeral loopback port and talk to it over real HTTP.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod logs;
 #[cfg(feature = "redis")]
 pub mod redis;
 
