@@ -33,6 +33,43 @@ pub enum HeaderStyle {
     None,
 }
 
+/// Which revision of the IETF httpapi ratelimit-headers draft the `RateLimit*` fields follow
+/// (with [`HeaderStyle::Ietf`] or [`HeaderStyle::Both`]). Clients written against an older
+/// revision read an older shape; express-rate-limit's `standardHeaders` offers the same
+/// choice. Every value is an RFC 9651 structured field.
+///
+/// | format | `RateLimit-Policy` | state |
+/// |---|---|---|
+/// | [`Draft10`](Self::Draft10) | `"burst";q=10;w=1, "daily";q=1000;w=86400` | `RateLimit: "burst";r=7;t=1, "daily";r=997;t=260` |
+/// | [`Draft7`](Self::Draft7) | `10;w=1, 1000;w=86400` | `RateLimit: limit=10, remaining=7, reset=1` |
+/// | [`Draft6`](Self::Draft6) | `10;w=1, 1000;w=86400` | `RateLimit-Limit: 10`, `RateLimit-Remaining: 7`, `RateLimit-Reset: 1` |
+///
+/// Draft 7 and draft 6 describe one limit in the state fields: the tier with the fewest units
+/// remaining (the first of equals), as `X-RateLimit-*` do. In every format `q`/`limit` is the
+/// tier's capacity, the remaining count never exceeds it, and `w`/`reset` are whole seconds
+/// rounded up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum HeaderFormat {
+    /// draft-ietf-httpapi-ratelimit-headers-10 (the current revision, default): one named item
+    /// per tier in `RateLimit-Policy` (`q`, `w`) and `RateLimit` (`r`, `t`).
+    #[default]
+    Draft10,
+    /// draft-ietf-httpapi-ratelimit-headers-07: `RateLimit` is a dictionary (`limit`,
+    /// `remaining`, `reset`); `RateLimit-Policy` lists each tier's capacity with `w`.
+    Draft7,
+    /// draft-ietf-httpapi-ratelimit-headers-06: `RateLimit-Limit`, `RateLimit-Remaining`,
+    /// `RateLimit-Reset` as integers; `RateLimit-Policy` as in draft 7.
+    Draft6,
+}
+
+/// Which header fields a layer writes: the families and the draft revision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Fields {
+    pub(crate) style: HeaderStyle,
+    pub(crate) format: HeaderFormat,
+}
+
 /// Whole seconds, rounded up.
 pub(crate) fn ceil_secs(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
@@ -72,6 +109,9 @@ fn interned(s: String) -> &'static HeaderValue {
 // `const` happens once, at compile time, instead of on every response.
 pub(crate) const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 pub(crate) const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+const RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("ratelimit-limit");
+const RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("ratelimit-remaining");
+const RATELIMIT_RESET: HeaderName = HeaderName::from_static("ratelimit-reset");
 const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
 const X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
 const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
@@ -80,8 +120,10 @@ const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset
 /// response is ready. Small, because the response future carries it.
 #[derive(Debug, Default)]
 pub(crate) struct Prepared {
-    /// `RateLimit-Policy` and `RateLimit`.
-    ietf: Option<(&'static HeaderValue, HeaderValue)>,
+    /// `RateLimit-Policy`, and `RateLimit` (none in draft 6).
+    ietf: Option<(&'static HeaderValue, Option<HeaderValue>)>,
+    /// Draft 6's `RateLimit-Limit`, `-Remaining`, `-Reset`.
+    draft6: Option<Box<[HeaderValue; 3]>>,
     /// `X-RateLimit-Limit`, `-Remaining`, `-Reset`.
     legacy: Option<Box<[HeaderValue; 3]>>,
 }
@@ -93,7 +135,15 @@ impl Prepared {
         if let Some((policy, state)) = self.ietf {
             headers.reserve(2);
             headers.insert(RATELIMIT_POLICY, policy.clone());
-            headers.insert(RATELIMIT, state);
+            if let Some(state) = state {
+                headers.insert(RATELIMIT, state);
+            }
+        }
+        if let Some(draft6) = self.draft6 {
+            let [limit, remaining, reset] = *draft6;
+            headers.insert(RATELIMIT_LIMIT, limit);
+            headers.insert(RATELIMIT_REMAINING, remaining);
+            headers.insert(RATELIMIT_RESET, reset);
         }
         if let Some(legacy) = self.legacy {
             let [limit, remaining, reset] = *legacy;
@@ -122,6 +172,8 @@ fn window_secs(policy: &Policy, tier: &Tier) -> u64 {
 pub(crate) struct Headers {
     /// The `RateLimit-Policy` value (constant for the policy).
     policy: &'static HeaderValue,
+    /// The `RateLimit-Policy` value of drafts 7 and 6: `q;w=W` per tier.
+    unnamed_policy: &'static HeaderValue,
     /// Per tier, the start of its `RateLimit` item: `"name";r=`.
     items: Box<[Box<str>]>,
     /// Per tier, its capacity (`q`, and the legacy `X-RateLimit-Limit`).
@@ -131,40 +183,68 @@ pub(crate) struct Headers {
 impl Headers {
     pub(crate) fn new(policy: &Policy) -> Self {
         let mut rendered = String::new();
+        let mut unnamed = String::new();
         let mut items = Vec::with_capacity(policy.tiers().len());
         for (i, t) in policy.tiers().iter().enumerate() {
             if i > 0 {
                 rendered.push_str(", ");
+                unnamed.push_str(", ");
             }
             sf_string(&mut rendered, t.name());
             let _ = write!(rendered, ";q={};w={}", t.capacity(), window_secs(policy, t));
+            let _ = write!(unnamed, "{};w={}", t.capacity(), window_secs(policy, t));
             let mut item = String::new();
             sf_string(&mut item, t.name());
             item.push_str(";r=");
             items.push(item.into_boxed_str());
         }
         let capacities = policy.tiers().iter().map(Tier::capacity).collect();
-        Self { policy: interned(rendered), items: items.into(), capacities }
+        Self {
+            policy: interned(rendered),
+            unnamed_policy: interned(unnamed),
+            items: items.into(),
+            capacities,
+        }
     }
 
-    /// The headers of `style` for `decision`.
+    /// The header fields of `fields` for `decision`.
     #[inline]
-    pub(crate) fn prepare(&self, style: HeaderStyle, decision: &Decision) -> Prepared {
+    pub(crate) fn prepare(&self, fields: Fields, decision: &Decision) -> Prepared {
         let mut out = Prepared::default();
+        let style = fields.style;
         if decision.tiers.is_empty() || style == HeaderStyle::None {
             return out;
         }
         if matches!(style, HeaderStyle::Ietf | HeaderStyle::Both) {
-            out.ietf = Some((self.policy, self.state(decision)));
-        }
-        if matches!(style, HeaderStyle::Legacy | HeaderStyle::Both) {
-            let tiers = decision.tiers.iter().zip(self.capacities.iter());
-            if let Some((t, capacity)) = tiers.min_by_key(|(t, _)| t.remaining) {
-                let reset = ceil_secs(t.reset_after());
-                out.legacy = Some(Box::new([(*capacity).into(), t.remaining.into(), reset.into()]));
+            match fields.format {
+                HeaderFormat::Draft10 => out.ietf = Some((self.policy, Some(self.state(decision)))),
+                HeaderFormat::Draft7 => {
+                    let state = self.tightest(decision).map(|[limit, remaining, reset]| {
+                        let text = format!("limit={limit}, remaining={remaining}, reset={reset}");
+                        HeaderValue::from_str(&text)
+                            .unwrap_or_else(|_| HeaderValue::from_static(""))
+                    });
+                    out.ietf = Some((self.unnamed_policy, state));
+                }
+                HeaderFormat::Draft6 => {
+                    out.ietf = Some((self.unnamed_policy, None));
+                    out.draft6 =
+                        self.tightest(decision).map(|t| Box::new(t.map(HeaderValue::from)));
+                }
             }
         }
+        if matches!(style, HeaderStyle::Legacy | HeaderStyle::Both) {
+            out.legacy = self.tightest(decision).map(|t| Box::new(t.map(HeaderValue::from)));
+        }
         out
+    }
+
+    /// The capacity, remaining units and seconds until full (rounded up) of the tier with the
+    /// fewest units remaining (the first of equals).
+    fn tightest(&self, decision: &Decision) -> Option<[u64; 3]> {
+        let tiers = decision.tiers.iter().zip(self.capacities.iter());
+        let (t, capacity) = tiers.min_by_key(|(t, _)| t.remaining)?;
+        Some([*capacity, t.remaining, ceil_secs(t.reset_after())])
     }
 
     /// The `RateLimit` value for `decision`: `"name";r=R;t=T` per tier, written into a buffer
@@ -209,9 +289,9 @@ impl Headers {
         Bytes::from(out)
     }
 
-    /// Writes the headers of `style` for `decision`.
-    pub(crate) fn write(&self, style: HeaderStyle, headers: &mut HeaderMap, decision: &Decision) {
-        self.prepare(style, decision).insert(headers);
+    /// Writes the header fields of `fields` for `decision`.
+    pub(crate) fn write(&self, fields: Fields, headers: &mut HeaderMap, decision: &Decision) {
+        self.prepare(fields, decision).insert(headers);
     }
 }
 
@@ -233,7 +313,11 @@ mod tests {
         let decision = limiter.check(&Key::Global, 3).await.unwrap();
         let headers = Headers::new(&policy);
         let mut map = HeaderMap::new();
-        headers.write(HeaderStyle::Both, &mut map, &decision);
+        headers.write(
+            Fields { style: HeaderStyle::Both, ..Fields::default() },
+            &mut map,
+            &decision,
+        );
         assert_eq!(map["ratelimit-policy"], r#""burst";q=10;w=1, "daily \"q\"";q=12345;w=86400"#);
         assert_eq!(map["ratelimit"], r#""burst";r=7;t=1, "daily \"q\"";r=12342;t=21"#);
         assert_eq!(map["x-ratelimit-limit"], "10");

@@ -65,7 +65,7 @@ pub mod store;
 
 pub use decision::{Decision, Outcome, Source, TierDecision};
 pub use error::{ConfigError, StoreError};
-pub use headers::HeaderStyle;
+pub use headers::{HeaderFormat, HeaderStyle};
 pub use layer::{
     DecisionEvent, LogKeys, MissingKey, Observed, OnStoreError, RateLimit, RateLimitLayer,
     RateLimitLayerBuilder, ResponseBody, ResponseFuture, Unselected,

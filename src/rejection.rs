@@ -15,7 +15,7 @@ use http_body_util::Full;
 use crate::decision::{Decision, Outcome};
 use crate::error::StoreError;
 use crate::grpc::{self, code};
-use crate::headers::{HeaderStyle, Headers, ceil_secs};
+use crate::headers::{Fields, Headers, ceil_secs};
 use crate::key::KeyMissing;
 use crate::quota::{Policy, Tier};
 
@@ -170,7 +170,7 @@ fn retry_after_value(secs: u64) -> HeaderValue {
 pub(crate) fn too_many_requests(
     surface: &Surface,
     decision: &Decision,
-    style: HeaderStyle,
+    style: Fields,
 ) -> Response<Full<Bytes>> {
     let mut res = respond(StatusCode::TOO_MANY_REQUESTS, surface.body(decision));
     add_headers(surface, decision, style, &mut res);
@@ -178,12 +178,7 @@ pub(crate) fn too_many_requests(
 }
 
 /// Adds `Retry-After` (when the request would fit later) and the rate-limit headers of `style`.
-fn add_headers<B>(
-    surface: &Surface,
-    decision: &Decision,
-    style: HeaderStyle,
-    res: &mut Response<B>,
-) {
+fn add_headers<B>(surface: &Surface, decision: &Decision, style: Fields, res: &mut Response<B>) {
     let headers = res.headers_mut();
     if let Some(secs) = retry_after_secs(decision) {
         headers.insert(header::RETRY_AFTER, retry_after_value(secs));
@@ -228,7 +223,7 @@ fn grpc_respond(code: u8, message: HeaderValue) -> Response<Full<Bytes>> {
 pub(crate) fn grpc_resource_exhausted(
     surface: &Surface,
     decision: &Decision,
-    style: HeaderStyle,
+    style: Fields,
 ) -> Response<Full<Bytes>> {
     let over = usize::from(decision.outcome() == Outcome::CostExceedsCapacity);
     let message = surface.grpc_messages[over].clone();
@@ -376,11 +371,11 @@ impl RateLimited {
     /// `RateLimit-Policy` / `RateLimit` headers and the problem+json [`body`](Self::body).
     #[must_use]
     pub fn to_response(&self) -> Response<Full<Bytes>> {
-        self.response(HeaderStyle::Ietf)
+        self.response(Fields::default())
     }
 
     /// The default response with the headers of `style`.
-    pub(crate) fn response(&self, style: HeaderStyle) -> Response<Full<Bytes>> {
+    pub(crate) fn response(&self, style: Fields) -> Response<Full<Bytes>> {
         too_many_requests(&self.surface, &self.decision, style)
     }
 
@@ -412,16 +407,16 @@ impl RateLimited {
     /// ```
     #[must_use]
     pub fn to_grpc_response(&self) -> Response<Full<Bytes>> {
-        self.grpc_response(HeaderStyle::Ietf)
+        self.grpc_response(Fields::default())
     }
 
     /// The gRPC response with the headers of `style`.
-    pub(crate) fn grpc_response(&self, style: HeaderStyle) -> Response<Full<Bytes>> {
+    pub(crate) fn grpc_response(&self, style: Fields) -> Response<Full<Bytes>> {
         grpc_resource_exhausted(&self.surface, &self.decision, style)
     }
 
     /// Adds `Retry-After` and the rate-limit headers of `style` to `res`.
-    pub(crate) fn add_headers<B>(&self, style: HeaderStyle, res: &mut Response<B>) {
+    pub(crate) fn add_headers<B>(&self, style: Fields, res: &mut Response<B>) {
         add_headers(&self.surface, &self.decision, style, res);
     }
 }
@@ -509,10 +504,10 @@ impl Rejection {
     /// `Retry-After: 1`.
     #[must_use]
     pub fn to_response(&self) -> Response<Full<Bytes>> {
-        self.response(HeaderStyle::Ietf)
+        self.response(Fields::default())
     }
 
-    pub(crate) fn response(&self, style: HeaderStyle) -> Response<Full<Bytes>> {
+    pub(crate) fn response(&self, style: Fields) -> Response<Full<Bytes>> {
         match self {
             Self::Limited(l) => l.response(style),
             Self::Unavailable(_) => {
@@ -537,10 +532,10 @@ impl Rejection {
     /// `grpc-retry-pushback-ms: 1000`, as the HTTP 503 carries `Retry-After: 1`.
     #[must_use]
     pub fn to_grpc_response(&self) -> Response<Full<Bytes>> {
-        self.grpc_response(HeaderStyle::Ietf)
+        self.grpc_response(Fields::default())
     }
 
-    pub(crate) fn grpc_response(&self, style: HeaderStyle) -> Response<Full<Bytes>> {
+    pub(crate) fn grpc_response(&self, style: Fields) -> Response<Full<Bytes>> {
         let code = self.grpc_status();
         match self {
             Self::Limited(l) => l.grpc_response(style),

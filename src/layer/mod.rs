@@ -25,7 +25,7 @@ use observe::{Failing, HookFn, MissingKeys, Observer};
 use scope::{Condition, Scope, ScopeBuilder};
 
 use crate::error::ConfigError;
-use crate::headers::HeaderStyle;
+use crate::headers::{Fields, HeaderFormat, HeaderStyle};
 use crate::key::{Key, KeyExtractor, PeerIp, RequestHead};
 use crate::limiter::Limiter;
 use crate::quota::Policy;
@@ -102,7 +102,7 @@ struct Settings {
     cost: Cost,
     max_delay: Option<Duration>,
     max_waiters: usize,
-    headers: HeaderStyle,
+    headers: Fields,
     missing_key: MissingKey,
     on_store_error: OnStoreError,
     tarpit: Option<Duration>,
@@ -121,7 +121,7 @@ impl Default for Settings {
             cost: Cost::Fixed(1),
             max_delay: None,
             max_waiters: 1024,
-            headers: HeaderStyle::default(),
+            headers: Fields::default(),
             missing_key: MissingKey::default(),
             on_store_error: OnStoreError::default(),
             tarpit: None,
@@ -316,7 +316,14 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
 
     /// Which rate-limit headers responses carry (default [`HeaderStyle::Ietf`]).
     pub fn headers(mut self, style: HeaderStyle) -> Self {
-        self.settings.headers = style;
+        self.settings.headers.style = style;
+        self
+    }
+
+    /// Which revision of the IETF draft the `RateLimit*` fields follow (default
+    /// [`HeaderFormat::Draft10`], the current one), for clients written against an older one.
+    pub fn header_format(mut self, format: HeaderFormat) -> Self {
+        self.settings.headers.format = format;
         self
     }
 
