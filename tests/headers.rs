@@ -69,8 +69,11 @@ fn sf_integer(value: &str) -> Result<i64, String> {
     item.bare_item.as_integer().map(i64::from).ok_or_else(|| format!("{value:?} is no integer"))
 }
 
+/// A list item: its bare item (as text) and integer parameters.
+type ListItem = (String, Vec<(String, i64)>);
+
 /// An RFC 9651 list: per item, its bare item (as text) and integer parameters.
-fn sf_list(value: &str) -> Result<Vec<(String, Vec<(String, i64)>)>, String> {
+fn sf_list(value: &str) -> Result<Vec<ListItem>, String> {
     let list: sfv::List = sfv::Parser::new(value).parse().map_err(|e| format!("{value:?}: {e}"))?;
     list.into_iter()
         .map(|entry| match entry {
