@@ -26,6 +26,9 @@
 //! # Ok(()) }
 //! ```
 //!
+//! The [recipes] show the usual setups: per-route limits in axum, hyper, tonic, behind a load
+//! balancer, per-plan limits, testing with a fake clock, calling a rate-limited API, Redis.
+//!
 //! Algorithms: GCRA (default), token bucket, leaky bucket, fixed window, sliding window log,
 //! sliding window counter; see [`Algorithm`].
 //!
@@ -60,6 +63,7 @@ pub mod metrics;
 #[cfg(not(feature = "metrics"))]
 mod metrics;
 mod quota;
+pub mod recipes;
 mod rejection;
 pub mod store;
 
