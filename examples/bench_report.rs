@@ -134,14 +134,14 @@ fn main() {
     // Redis: time per check, so a throughput ratio is the peer's time over ours.
     let throughput = |ours: &str, theirs: &str| per_run(&runs, &[ours, theirs], |v| v[1] / v[0]);
     for (id, what, limit) in [
-        ("redis/tollgate/1_tier", "redis 1 tier, throughput / INCR", 0.65),
+        ("redis/tollgate_1_tier", "redis 1 tier, throughput / INCR", 0.65),
         ("redis/lua_gcra", "redis plain Lua GCRA script, throughput / INCR (informative)", 0.0),
     ] {
         row(what, throughput(id, "redis/incr"), limit, false);
     }
     row(
         "redis 2 tiers, throughput / 1 tier",
-        throughput("redis/tollgate/2_tiers", "redis/tollgate/1_tier"),
+        throughput("redis/tollgate_2_tiers", "redis/tollgate_1_tier"),
         0.8,
         false,
     );

@@ -9,6 +9,26 @@
 //!
 //! Stores read their clock on every decision, so the built-in clocks are dispatched without a
 //! dynamic call; any other [`Clock`] works too, behind one pointer.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tollgate::clock::FakeClock;
+//! use tollgate::key::Key;
+//! use tollgate::store::MemoryStore;
+//! use tollgate::{Limiter, Policy, Quota};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let clock = FakeClock::new();
+//! let store = MemoryStore::builder().clock(clock.clone()).build()?;
+//! let limiter = Limiter::with_store(Policy::single("p", Quota::per_second(1))?, store)?;
+//! let key = Key::text("k");
+//! assert!(limiter.check(&key, 1).await?.is_allowed());
+//! assert!(!limiter.check(&key, 1).await?.is_allowed());
+//! clock.advance(Duration::from_secs(1)); // time moves only when the test says so
+//! assert!(limiter.check(&key, 1).await?.is_allowed());
+//! # Ok(()) }
+//! ```
 
 use std::any::Any;
 use std::sync::Arc;

@@ -11,6 +11,25 @@
 //! | `tollgate_store_call_seconds` | histogram | `node` | Redis script calls, each deciding a batch |
 //! | `tollgate_breaker_state` | gauge | `node` | a Redis server's circuit breaker: 0 closed, 1 half-open, 2 open |
 //! | `tollgate_memory_keys` | gauge | | keys a `MemoryStore` holds (updated by its sweeper) |
+//!
+//! ```
+//! use metrics_exporter_prometheus::PrometheusBuilder;
+//! use tollgate::{Policy, Quota, RateLimitLayer};
+//!
+//! # #[cfg(feature = "metrics")]
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let recorder = PrometheusBuilder::new().build_recorder();
+//! let prometheus = recorder.handle(); // serve `prometheus.render()` on /metrics
+//! metrics::set_global_recorder(recorder)?; // first, then build the layers
+//! let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(5))?).build()?;
+//! assert!(prometheus.render().contains(
+//!     r#"tollgate_decisions_total{policy="api",tier="api",outcome="limited"} 0"#
+//! ));
+//! # let _ = layer;
+//! # Ok(()) }
+//! # #[cfg(not(feature = "metrics"))]
+//! # fn main() {}
+//! ```
 
 /// Names of the metrics.
 #[cfg_attr(not(feature = "metrics"), allow(dead_code))]

@@ -6,6 +6,23 @@
 //! ([`ExtensionKey`]), the route (`RouteKey`, with the `axum` feature), the method
 //! ([`MethodKey`]), the gRPC method or service ([`GrpcMethod`]), one global bucket
 //! ([`GlobalKey`]), tuples of these, and any closure `Fn(&RequestHead) -> Option<Key>`.
+//!
+//! ```
+//! use std::net::SocketAddr;
+//! use http::HeaderName;
+//! use tollgate::key::{HeaderKey, Key, KeyExtractor, PeerIp, RequestHead};
+//!
+//! // One budget per client address and API key.
+//! let key = (PeerIp::new(), HeaderKey::new(HeaderName::from_static("x-api-key")));
+//! let mut req = http::Request::get("/").header("x-api-key", "k1").body(()).unwrap();
+//! req.extensions_mut().insert("203.0.113.7:4000".parse::<SocketAddr>().unwrap());
+//! let found = key.extract(&RequestHead::from(&req)).unwrap();
+//! assert_eq!(found.to_string(), "t2(ip:203.0.113.7,s2:k1)");
+//! ```
+//!
+//! A request without a key is handled as the layer's
+//! [`missing_key`](crate::RateLimitLayerBuilder::missing_key) says; each extractor
+//! [explains](KeyExtractor::explain_missing) what it looked for.
 
 mod ip;
 
