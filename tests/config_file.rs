@@ -263,6 +263,9 @@ fn values_the_builders_refuse_point_at_their_field() {
         e.to_string(),
         "tollgate.toml:4:12: policies.p.tiers[1].name: duplicate tier name `t`"
     );
+    // The first error in the file is the one reported, whatever the policies' names.
+    let e = error("[policies.zz]\ntiers = []\n[policies.aa]\ntiers = []\n");
+    assert_eq!(e.field(), Some("policies.zz.tiers"));
     // No tiers.
     let e = error("[policies.p]\ntiers = []\n");
     assert_eq!(e.to_string(), "tollgate.toml:2:9: policies.p.tiers: policy `p` has no tiers");
@@ -707,4 +710,42 @@ async fn rules_apply_to_their_methods_only() {
     let req = Request::post(server.url("/items")).body(http_body_util::Full::default()).unwrap();
     let reply = support::send(&c, req).await;
     assert_eq!(reply.header("ratelimit"), Some(r#""free";r=99;t=1"#));
+}
+
+/// One rule shaping global requests under `p`, `count` a second, held up to 5 s.
+fn shaping(count: u64) -> String {
+    format!(
+        "[policies.p]\ntiers = [{{ name = \"p\", count = {count}, period = \"1s\" }}]\n\
+         [[rules]]\nname = \"p\"\nkey = \"global\"\npolicy = \"p\"\nmax_delay = \"5s\"\n"
+    )
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_in_progress_finishes_under_the_configuration_it_started_with() {
+    let store = MemoryStore::builder().clock(TokioClock::new()).build().unwrap();
+    let config = LimitsConfig::from_toml(&shaping(1), "v1.toml").unwrap();
+    let layer = LimitsLayer::with_store(config, store).unwrap();
+    let handle = layer.handle();
+    let svc = layer.layer(service_fn(|_req: Request<Body>| async {
+        Ok::<_, std::convert::Infallible>(http::Response::new(Body::from("ok")))
+    }));
+    let request = || Request::get("/").body(Body::empty()).unwrap();
+    let first = svc.clone().oneshot(request()).await.unwrap();
+    assert_eq!(header(&first, "ratelimit-policy").unwrap(), r#""p";q=1;w=1"#);
+    // The second is held for its slot, 1 s away ...
+    let start = tokio::time::Instant::now();
+    let held = tokio::spawn(svc.clone().oneshot(request()));
+    tokio::task::yield_now().await;
+    assert!(!held.is_finished());
+    // ... while the configuration changes under it.
+    let report = handle.reload(LimitsConfig::from_toml(&shaping(100), "v2.toml").unwrap()).unwrap();
+    assert_eq!(report.changed(), ["p"]);
+    let after = svc.clone().oneshot(request()).await.unwrap();
+    assert_eq!(header(&after, "ratelimit-policy").unwrap(), r#""p";q=100;w=1"#);
+    assert_eq!(start.elapsed(), Duration::ZERO, "the new configuration has a full budget");
+    // It finishes under the old one: its slot, its headers.
+    let held = held.await.unwrap().unwrap();
+    assert_eq!(held.status(), StatusCode::OK);
+    assert_eq!(start.elapsed(), Duration::from_secs(1));
+    assert_eq!(header(&held, "ratelimit-policy").unwrap(), r#""p";q=1;w=1"#);
 }

@@ -109,12 +109,13 @@ pub(super) fn check(
     raw: RawFile,
     src: Source<'_>,
 ) -> Result<(Vec<PolicyDef>, Vec<RuleDef>), ConfigFileError> {
-    let mut policies = raw
-        .policies
+    // In file order, so that the first error in the file is the one reported.
+    let mut raw_policies: Vec<_> = raw.policies.into_iter().collect();
+    raw_policies.sort_by_key(|(_, p)| p.span().start);
+    let policies = raw_policies
         .into_iter()
         .map(|(name, raw)| policy(name, raw, src))
         .collect::<Result<Vec<_>, _>>()?;
-    policies.sort_by_key(|p| p.places.span.start);
     let names: HashSet<&str> = policies.iter().map(|p| p.policy.name()).collect();
     let mut rules: Vec<RuleDef> = Vec::with_capacity(raw.rules.len());
     for (i, raw) in raw.rules.into_iter().enumerate() {
