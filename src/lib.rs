@@ -42,7 +42,8 @@
 //! [`ClientIp`](key::ClientIp) read tonic's `TcpConnectInfo`; gRPC calls are refused in gRPC
 //! form with or without it ([`grpc`]). `metrics` (default) reports decisions through the
 //! `metrics` facade ([`metrics`](mod@metrics)). `client` adds the [client] side: a retry policy
-//! and a layer that paces requests by the servers' rate-limit headers.
+//! and a layer that paces requests by the servers' rate-limit headers. `config` reads policies
+//! and rules from a TOML file and reloads them while serving ([`config`](mod@config)).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod algorithm;
@@ -50,6 +51,9 @@ mod algorithm;
 #[cfg_attr(docsrs, doc(cfg(feature = "client")))]
 pub mod client;
 pub mod clock;
+#[cfg(feature = "config")]
+#[cfg_attr(docsrs, doc(cfg(feature = "config")))]
+pub mod config;
 mod decision;
 mod error;
 pub mod grpc;

@@ -22,7 +22,7 @@ pub use scope::Unselected;
 pub use service::RateLimit;
 
 use observe::{Failing, HookFn, MissingKeys, Observer};
-use scope::{Condition, Scope, ScopeBuilder};
+use scope::{Added, Condition, Scope, ScopeBuilder};
 
 use crate::error::ConfigError;
 use crate::headers::{Fields, HeaderFormat, HeaderStyle};
@@ -249,7 +249,7 @@ pub struct RateLimitLayerBuilder<K = PeerIp, St: Store = MemoryStore> {
     source: Source<St>,
     key: K,
     settings: Settings,
-    scope: ScopeBuilder,
+    scope: ScopeBuilder<St>,
 }
 
 impl<K, St: Store> fmt::Debug for RateLimitLayerBuilder<K, St> {
@@ -281,7 +281,8 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
             Source::Policy(policy, _) => Source::Policy(policy, store),
             Source::Limiter(limiter) => Source::Policy(limiter.policy().clone(), store),
         };
-        RateLimitLayerBuilder { source, key: self.key, settings: self.settings, scope: self.scope }
+        let scope = self.scope.restore();
+        RateLimitLayerBuilder { source, key: self.key, settings: self.settings, scope }
     }
 
     /// Every request costs `units` (default 1). [`build`](Self::build) refuses a cost above a
@@ -527,7 +528,33 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// [`build`](Self::build) refuses two policies with one name, and added policies without
     /// a selector ([`ConfigError::Invalid`] naming `policy`).
     pub fn policy(mut self, policy: Policy) -> Self {
-        self.scope.policies.push(policy);
+        self.scope.policies.push(Added::Policy(policy));
+        self
+    }
+
+    /// Like [`policy`](Self::policy), for a policy already bound: the selector may choose
+    /// `limiter`'s policy, and the layer decides it through `limiter`, sharing its state with
+    /// every clone of it (another layer, code that calls it directly). What
+    /// [`with_limiter`](RateLimitLayer::with_limiter) is to the builder's own policy.
+    ///
+    /// A later [`store`](Self::store) replaces it with its policy, bound afresh to that store.
+    /// [`build`](Self::build) refuses it as it refuses [`policy`](Self::policy).
+    ///
+    /// ```
+    /// use tollgate::{Limiter, Policy, Quota, RateLimitLayer};
+    ///
+    /// let pro = Limiter::new(Policy::single("pro", Quota::per_second(100)).unwrap());
+    /// let layer = RateLimitLayer::builder(Policy::single("free", Quota::per_second(10)).unwrap())
+    ///     .store(pro.store().clone())
+    ///     .policy_limiter(pro.clone())
+    ///     .select(|head| head.headers.get("x-plan").and_then(|v| v.to_str().ok()))
+    ///     .build()
+    ///     .unwrap();
+    /// // One budget: the layer's "pro" is the limiter's.
+    /// assert_eq!(layer.limiter_for("pro").unwrap().policy(), pro.policy());
+    /// ```
+    pub fn policy_limiter(mut self, limiter: Limiter<St>) -> Self {
+        self.scope.policies.push(Added::Limiter(limiter));
         self
     }
 
@@ -595,8 +622,8 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         };
         self.scope.validate(policy)?;
         if let Cost::Fixed(cost) = settings.cost {
-            let mut tiers =
-                std::iter::once(policy).chain(&self.scope.policies).flat_map(|p| p.tiers().iter());
+            let added = self.scope.policies.iter().map(Added::policy);
+            let mut tiers = std::iter::once(policy).chain(added).flat_map(|p| p.tiers().iter());
             if let Some(tier) = tiers.find(|t| cost > t.capacity()) {
                 return Err(ConfigError::CostExceedsCapacity {
                     cost,

@@ -48,23 +48,70 @@ impl Condition {
     }
 }
 
+/// A policy added for the selector: to be bound when the layer is built, or already bound.
+pub(super) enum Added<St: Store> {
+    Policy(Policy),
+    Limiter(Limiter<St>),
+}
+
+impl<St: Store> Added<St> {
+    pub(super) fn policy(&self) -> &Policy {
+        match self {
+            Self::Policy(p) => p,
+            Self::Limiter(l) => l.policy(),
+        }
+    }
+
+    /// The policy to bind to another store (a limiter is bound to its own).
+    pub(super) fn unbound<St2: Store>(self) -> Added<St2> {
+        match self {
+            Self::Policy(p) => Added::Policy(p),
+            Self::Limiter(l) => Added::Policy(l.policy().clone()),
+        }
+    }
+}
+
 /// What the builder collected; checked by [`validate`](Self::validate) and turned into a
 /// [`Scope`] by [`build`](Self::build).
-#[derive(Default)]
-pub(super) struct ScopeBuilder {
+pub(super) struct ScopeBuilder<St: Store> {
     pub(super) conditions: Vec<Condition>,
     pub(super) allow_keys: Vec<Key>,
     pub(super) allow_cidrs: Vec<String>,
-    pub(super) policies: Vec<Policy>,
+    pub(super) policies: Vec<Added<St>>,
     pub(super) select: Option<SelectFn>,
     pub(super) unselected: Option<Unselected>,
+}
+
+impl<St: Store> Default for ScopeBuilder<St> {
+    fn default() -> Self {
+        Self {
+            conditions: Vec::new(),
+            allow_keys: Vec::new(),
+            allow_cidrs: Vec::new(),
+            policies: Vec::new(),
+            select: None,
+            unselected: None,
+        }
+    }
 }
 
 fn invalid(setting: &'static str, reason: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { setting, reason: reason.into() }
 }
 
-impl ScopeBuilder {
+impl<St: Store> ScopeBuilder<St> {
+    /// The same settings for a layer over another store.
+    pub(super) fn restore<St2: Store>(self) -> ScopeBuilder<St2> {
+        ScopeBuilder {
+            conditions: self.conditions,
+            allow_keys: self.allow_keys,
+            allow_cidrs: self.allow_cidrs,
+            policies: self.policies.into_iter().map(Added::unbound).collect(),
+            select: self.select,
+            unselected: self.unselected,
+        }
+    }
+
     /// Checks the settings; `first` is the policy the builder started with.
     pub(super) fn validate(&self, first: &Policy) -> Result<(), ConfigError> {
         if self.conditions.iter().any(|c| matches!(c, Condition::Only(m) if m.is_empty())) {
@@ -82,7 +129,7 @@ impl ScopeBuilder {
             }
         }
         let mut names = HashSet::new();
-        for policy in std::iter::once(first).chain(&self.policies) {
+        for policy in std::iter::once(first).chain(self.policies.iter().map(Added::policy)) {
             if !names.insert(policy.name()) {
                 return Err(invalid(
                     "policy",
@@ -97,10 +144,7 @@ impl ScopeBuilder {
     }
 
     /// The scope, with the added policies bound to `store`; `None` when nothing is set.
-    pub(super) fn build<St: Store>(
-        self,
-        store: &St,
-    ) -> Result<Option<Box<Scope<St>>>, ConfigError> {
+    pub(super) fn build(self, store: &St) -> Result<Option<Box<Scope<St>>>, ConfigError> {
         let nets = self
             .allow_cidrs
             .iter()
@@ -124,7 +168,10 @@ impl ScopeBuilder {
         let others = self
             .policies
             .into_iter()
-            .map(|p| Limiter::with_store(p, store.clone()))
+            .map(|added| match added {
+                Added::Policy(p) => Limiter::with_store(p, store.clone()),
+                Added::Limiter(l) => Ok(l),
+            })
             .collect::<Result<Box<[_]>, _>>()?;
         Ok(Some(Box::new(Scope {
             conditions: self.conditions.into(),
@@ -202,7 +249,7 @@ mod tests {
     use crate::quota::Quota;
     use crate::store::MemoryStore;
 
-    fn scope(b: ScopeBuilder) -> Scope<MemoryStore> {
+    fn scope(b: ScopeBuilder<MemoryStore>) -> Scope<MemoryStore> {
         *b.build(&MemoryStore::new()).unwrap().unwrap()
     }
 
@@ -228,13 +275,14 @@ mod tests {
 
     #[test]
     fn nothing_set_builds_no_scope() {
-        assert!(ScopeBuilder::default().build(&MemoryStore::new()).unwrap().is_none());
+        let b = ScopeBuilder::<MemoryStore>::default();
+        assert!(b.build(&MemoryStore::new()).unwrap().is_none());
     }
 
     #[test]
     fn bad_settings_are_named() {
         let first = Policy::single("a", Quota::per_second(1)).unwrap();
-        let setting = |b: ScopeBuilder| match b.validate(&first) {
+        let setting = |b: ScopeBuilder<MemoryStore>| match b.validate(&first) {
             Err(ConfigError::Invalid { setting, .. }) => setting,
             other => panic!("{other:?}"),
         };
@@ -242,14 +290,14 @@ mod tests {
             ScopeBuilder { conditions: vec![Condition::Only(Box::new([]))], ..Default::default() };
         assert_eq!(setting(b), "only_methods");
         let b = ScopeBuilder {
-            policies: vec![Policy::single("b", Quota::per_second(1)).unwrap()],
+            policies: vec![Added::Policy(Policy::single("b", Quota::per_second(1)).unwrap())],
             ..Default::default()
         };
         assert_eq!(setting(b), "policy");
         let b = ScopeBuilder { unselected: Some(Unselected::Pass), ..Default::default() };
         assert_eq!(setting(b), "unselected");
         let b = ScopeBuilder {
-            policies: vec![Policy::single("a", Quota::per_second(9)).unwrap()],
+            policies: vec![Added::Policy(Policy::single("a", Quota::per_second(9)).unwrap())],
             select: Some(Box::new(|_| None)),
             ..Default::default()
         };

@@ -1,0 +1,323 @@
+//! Policies and rules from a TOML file, reloaded without a restart (cargo feature `config`).
+//!
+//! A [`LimitsConfig`] is a checked file: its policies, and rules that say which requests each
+//! policy limits and how. A [`LimitsLayer`] serves it as a Tower layer, over a
+//! [`MemoryStore`] or any other [`Store`](crate::store::Store); its
+//! [`ReloadHandle`] swaps in a new configuration while requests are being served, from a
+//! [`LimitsConfig`], by re-reading the file, or by [watching](ReloadHandle::watch) it.
+//!
+//! ```no_run
+//! use std::net::SocketAddr;
+//! use std::time::Duration;
+//! use axum::{Router, routing::get};
+//! use tollgate::config::{LimitsConfig, LimitsLayer};
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let layer = LimitsLayer::new(LimitsConfig::load("tollgate.toml")?)?;
+//! // Reload when the file changes, checking every 5 s; a bad file is logged and ignored.
+//! tokio::spawn(layer.handle().watch("tollgate.toml", Duration::from_secs(5)));
+//! let app = Router::new().route("/api/items", get(|| async { "items" })).layer(layer);
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//! axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # The file
+//!
+//! ```toml
+//! # A policy: a name, an algorithm, one or more tiers on the same key (every tier must admit).
+//! [policies.per-ip]
+//! algorithm = "gcra"            # gcra (default), token_bucket, leaky_bucket, fixed_window,
+//!                               # sliding_log, sliding_counter
+//! [[policies.per-ip.tiers]]
+//! name = "burst"                # shown in the RateLimit headers
+//! count = 20                    # units per period
+//! period = "1s"                 # "500ms", "1m", "1h 30m", "1day" (humantime's form)
+//! burst = 40                    # optional, default: count
+//! [[policies.per-ip.tiers]]
+//! name = "hourly"
+//! count = 5000
+//! period = "1h"
+//!
+//! [policies.free]
+//! tiers = [{ name = "free", count = 100, period = "1m" }]
+//! [policies.pro]
+//! tiers = [{ name = "pro", count = 1000, period = "1m" }]
+//!
+//! # A rule: which requests, keyed how, limited by which policy. Every rule whose paths and
+//! # methods match a request applies to it, in file order.
+//! [[rules]]
+//! name = "per-ip"
+//! skip_paths = ["/healthz"]     # "/exact", "/prefix/*", "*"; default: no path is skipped
+//! skip_methods = ["OPTIONS"]
+//! key = "client_ip"             # peer_ip (default), client_ip, header:<name>, route, method,
+//!                               # global, grpc_method, grpc_service, or a list (a tuple key)
+//! trusted_proxies = ["10.0.0.0/8"]
+//! allow_cidrs = ["172.16.0.0/12"]
+//! policy = "per-ip"
+//!
+//! [[rules]]
+//! name = "plans"
+//! paths = ["/api/*"]            # default: every path
+//! key = "header:x-api-key"
+//! missing_key = "reject:401"    # reject (400), reject:<status>, allow, shared
+//! plan = { header = "x-plan", policies = ["free", "pro"], otherwise = "policy:free" }
+//! ```
+//!
+//! Policies: `[policies.NAME]` with `algorithm` (optional) and `tiers`, each with `name`,
+//! `count`, `period` and an optional `burst` ([`Policy`], [`Quota`](crate::Quota)).
+//!
+//! Rules (`[[rules]]`), each mapped onto a [`RateLimitLayerBuilder`](crate::RateLimitLayerBuilder):
+//!
+//! | field | meaning | builder |
+//! |---|---|---|
+//! | `name` | required, unique: shown in errors | |
+//! | `paths`, `skip_paths` | `"/login"` exactly, `"/api/*"` everything under `/api/`, `"*"` all; `paths` left out: every path | |
+//! | `methods`, `skip_methods` | only these methods; never these (case-sensitive, RFC 9110 §9.1) | |
+//! | `key` | the key extractor, or a list of them (a tuple key) | [`key`](crate::RateLimitLayerBuilder::key) |
+//! | `trusted_proxies`, `forwarded_header`, `ipv6_prefix` | for `client_ip` (required with it; `"x-forwarded-for"`, `"forwarded"`, `"x-real-ip"`) and `peer_ip` | [`ClientIp`](crate::key::ClientIp), [`PeerIp`](crate::key::PeerIp) |
+//! | `missing_key` | `"reject"` (400), `"reject:<status>"`, `"allow"`, `"shared"` | [`missing_key`](crate::RateLimitLayerBuilder::missing_key) |
+//! | `policy` | the policy | [`with_limiter`](crate::RateLimitLayer::with_limiter) |
+//! | `plan` | `header` whose value names one of `policies`; `otherwise`: `"policy:<name>"` (one of them), `"pass"`, `"reject"` (403) or `"reject:<status>"` | [`select`](crate::RateLimitLayerBuilder::select), [`unselected`](crate::RateLimitLayerBuilder::unselected) |
+//! | `cost` | units per request (default 1) | [`cost`](crate::RateLimitLayerBuilder::cost) |
+//! | `allow_keys`, `allow_cidrs` | never limited | [`allow_keys`](crate::RateLimitLayerBuilder::allow_keys), [`allow_cidrs`](crate::RateLimitLayerBuilder::allow_cidrs) |
+//! | `dry_run` | decide and report, never refuse | [`dry_run`](crate::RateLimitLayerBuilder::dry_run) |
+//! | `max_delay`, `max_waiters` | shape (hold up to this long) instead of police | [`shape`](crate::RateLimitLayerBuilder::shape), [`max_waiters`](crate::RateLimitLayerBuilder::max_waiters) |
+//! | `tarpit` | delay every refusal | [`tarpit`](crate::RateLimitLayerBuilder::tarpit) |
+//! | `headers` | `"ietf"` (default), `"legacy"`, `"both"`, `"none"` | [`headers`](crate::RateLimitLayerBuilder::headers) |
+//! | `on_store_error` | `"fail_closed"` (default) or `"fail_open"` | [`on_store_error`](crate::RateLimitLayerBuilder::on_store_error) |
+//! | `log_keys` | `"redacted"` (default) or `"raw"` | [`log_keys`](crate::RateLimitLayerBuilder::log_keys) |
+//!
+//! Durations (`period`, `max_delay`, `tarpit`) are written in humantime's form: `"250ms"`,
+//! `"1m"`, `"1h 30m"`.
+//!
+//! # Several rules, one policy
+//!
+//! Every rule that matches a request applies, in file order, as if their layers were stacked
+//! with the first rule outermost: a request refused by a later rule has been charged by the
+//! earlier ones (a client over its plan still spends its per-address budget). The response's
+//! `RateLimit-Policy` and `RateLimit` headers list the tiers of every rule that applied, first
+//! rule first; the legacy `X-RateLimit-*` headers are those of the tier with the fewest units
+//! left.
+//!
+//! Each policy has one [`Limiter`](crate::Limiter): rules that apply the same policy share its
+//! budget (for the same key). Define two policies for two budgets. A policy that no rule
+//! applies is still bound, for code: [`ReloadHandle::limiter`].
+//!
+//! # Errors
+//!
+//! A file that cannot be read, is not TOML, has a field this schema does not know, or has a
+//! value the policy and layer builders refuse is refused whole, with a [`ConfigFileError`]
+//! naming the file, line, column and field: `tollgate.toml:14:9:
+//! policies.free.tiers[0].period: invalid duration "1 fortnight": ...`.
+//!
+//! # Reloading
+//!
+//! [`ReloadHandle::reload`] builds the new configuration beside the running one and swaps it
+//! in atomically: a request uses the configuration that was current when it arrived from start
+//! to end, and none waits or fails because of a reload. What happens to the state:
+//!
+//! - a policy whose definition did not change (same name, algorithm and tiers, quotas
+//!   included) keeps its limiter, and every key keeps its count;
+//! - a changed policy is bound afresh: its keys start with full quotas;
+//! - a removed policy's state is dropped with the last request still using it.
+//!
+//! A refused file changes nothing: the running configuration stays.
+
+mod build;
+mod error;
+mod key;
+mod layer;
+mod schema;
+mod service;
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+pub use error::ConfigFileError;
+pub use layer::{LimitsLayer, ReloadHandle, Reloaded};
+pub use service::{Limits, LimitsBody, LimitsFuture};
+
+use build::{PolicyDef, RuleDef};
+use error::{Source, toml_key};
+use schema::RawFile;
+
+use crate::quota::Policy;
+use crate::store::MemoryStore;
+
+/// A checked configuration file: policies, and the rules that apply them.
+///
+/// Everything the policy and layer builders check is checked when the file is read, so a
+/// `LimitsConfig` that exists can be served: only a store that refuses a policy (say, a span
+/// [`RedisStore`](crate::store) cannot represent) can still refuse it, in
+/// [`LimitsLayer::with_store`] or [`ReloadHandle::reload`].
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::config::LimitsConfig;
+///
+/// let config = LimitsConfig::from_toml(
+///     r#"
+///     [policies.api]
+///     tiers = [{ name = "api", count = 100, period = "1m" }]
+///
+///     [[rules]]
+///     name = "api"
+///     paths = ["/api/*"]
+///     policy = "api"
+///     "#,
+///     "inline.toml",
+/// )
+/// .unwrap();
+/// let api = config.policy("api").unwrap();
+/// assert_eq!(api.tiers()[0].quota().period(), Duration::from_secs(60));
+/// assert_eq!(config.rule_names().collect::<Vec<_>>(), ["api"]);
+/// ```
+#[derive(Clone)]
+pub struct LimitsConfig {
+    file: String,
+    path: Option<PathBuf>,
+    text: Arc<str>,
+    policies: Vec<PolicyDef>,
+    rules: Vec<RuleDef>,
+}
+
+impl fmt::Debug for LimitsConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LimitsConfig")
+            .field("file", &self.file)
+            .field("policies", &self.policies().map(Policy::name).collect::<Vec<_>>())
+            .field("rules", &self.rule_names().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl LimitsConfig {
+    /// Reads a configuration from TOML text. `file` names it in errors (a path, or
+    /// `"inline.toml"`).
+    ///
+    /// # Errors
+    /// [`ConfigFileError`] with the line, column and field of the first problem: a TOML syntax
+    /// error, a field the schema does not know, a value of the wrong type or form (a duration,
+    /// an algorithm, a key extractor, a CIDR, a header name, a method, a status), a reference
+    /// to a policy the file does not define, a duplicate rule name, or a value the builders
+    /// refuse (a zero count, period or burst, a cost above a tier's capacity, ...).
+    pub fn from_toml(text: &str, file: impl Into<String>) -> Result<Self, ConfigFileError> {
+        Self::parse(text.into(), file.into(), None)
+    }
+
+    /// Reads the configuration file at `path` (named by it in errors).
+    ///
+    /// # Errors
+    /// [`ConfigFileError`] without a line when the file cannot be read (its
+    /// [`source`](std::error::Error::source) is the [`std::io::Error`]), or is not UTF-8 (with
+    /// the line of the first bad byte); else as [`from_toml`](Self::from_toml).
+    pub fn load(path: impl AsRef<Path>) -> Result<Self, ConfigFileError> {
+        let path = path.as_ref();
+        let file = path.display().to_string();
+        let bytes = std::fs::read(path).map_err(|e| {
+            ConfigFileError::unlocated(&file, format!("cannot read: {e}"), Some(Box::new(e)))
+        })?;
+        Self::from_bytes(bytes, file, Some(path.to_owned()))
+    }
+
+    /// Reads a file's bytes.
+    fn from_bytes(
+        bytes: Vec<u8>,
+        file: String,
+        path: Option<PathBuf>,
+    ) -> Result<Self, ConfigFileError> {
+        let text = match String::from_utf8(bytes) {
+            Ok(text) => text,
+            Err(e) => {
+                let at = e.utf8_error().valid_up_to();
+                let text = String::from_utf8_lossy(e.as_bytes());
+                let src = Source { file: &file, text: &text };
+                return Err(src.error(Some(&(at..at)), None, "not UTF-8"));
+            }
+        };
+        Self::parse(text.into(), file, path)
+    }
+
+    fn parse(text: Arc<str>, file: String, path: Option<PathBuf>) -> Result<Self, ConfigFileError> {
+        let src = Source { file: &file, text: &text };
+        let de = toml::Deserializer::parse(&text)
+            .map_err(|e| src.error(e.span().as_ref(), None, e.message()))?;
+        let raw: RawFile = serde_path_to_error::deserialize(de).map_err(|e| {
+            let field = field_path(e.path());
+            let e = e.into_inner();
+            src.error(e.span().as_ref(), Some(field), e.message())
+        })?;
+        let (policies, rules) = build::check(raw, src)?;
+        let config = Self { file, path, text, policies, rules };
+        // What the layer builder refuses is refused now rather than when the configuration is
+        // served: build it once over a store that refuses no policy.
+        build::assemble(&config, &MemoryStore::new(), None)?;
+        Ok(config)
+    }
+
+    /// The file's name in errors: the path it was [loaded](Self::load) from, or the name given
+    /// to [`from_toml`](Self::from_toml).
+    #[must_use]
+    pub fn file(&self) -> &str {
+        &self.file
+    }
+
+    /// The path it was [loaded](Self::load) from; `None` when it was read
+    /// [from text](Self::from_toml).
+    #[must_use]
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// The TOML text it was read from.
+    #[must_use]
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// The policies, in the order the file defines them.
+    pub fn policies(&self) -> impl ExactSizeIterator<Item = &Policy> {
+        self.policies.iter().map(|p| &p.policy)
+    }
+
+    /// The policy named `name`.
+    #[must_use]
+    pub fn policy(&self, name: &str) -> Option<&Policy> {
+        self.policies().find(|p| p.name() == name)
+    }
+
+    /// The rules' names, in file order (the order in which they apply).
+    pub fn rule_names(&self) -> impl ExactSizeIterator<Item = &str> {
+        self.rules.iter().map(|r| r.name.as_str())
+    }
+
+    fn source(&self) -> Source<'_> {
+        Source { file: &self.file, text: &self.text }
+    }
+}
+
+/// A field's path as `serde_path_to_error` tracked it, without the segments of
+/// `toml::Spanned`'s private fields: `policies.free.tiers[0].period`.
+fn field_path(path: &serde_path_to_error::Path) -> String {
+    use serde_path_to_error::Segment;
+    let mut out = String::new();
+    for segment in path.iter() {
+        let name = match segment {
+            Segment::Seq { index } => {
+                out.push_str(&format!("[{index}]"));
+                continue;
+            }
+            Segment::Map { key } if key.starts_with("$__serde_spanned_private") => continue,
+            Segment::Map { key } => toml_key(key),
+            Segment::Enum { variant } => toml_key(variant),
+            Segment::Unknown => "?".to_owned(),
+        };
+        if !out.is_empty() {
+            out.push('.');
+        }
+        out.push_str(&name);
+    }
+    out
+}

@@ -1,0 +1,518 @@
+//! The document as written: serde types that keep the spans of the values checked after
+//! parsing, and the small string grammars (`header:x-api-key`, `reject:401`, `/api/*`) that
+//! are checked while parsing, so that their errors carry the value's place.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::marker::PhantomData;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use http::{HeaderName, Method, StatusCode};
+use ipnet::IpNet;
+use serde::Deserialize;
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use toml::Spanned;
+
+use crate::quota::Algorithm;
+
+/// The whole file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawFile {
+    #[serde(default)]
+    pub(super) policies: BTreeMap<String, Spanned<RawPolicy>>,
+    #[serde(default)]
+    pub(super) rules: Vec<Spanned<RawRule>>,
+}
+
+/// `[policies.NAME]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPolicy {
+    #[serde(default)]
+    pub(super) algorithm: Option<AlgorithmName>,
+    pub(super) tiers: Spanned<Vec<RawTier>>,
+}
+
+/// `[[policies.NAME.tiers]]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTier {
+    pub(super) name: Spanned<String>,
+    pub(super) count: Spanned<u64>,
+    pub(super) period: Spanned<HumanDuration>,
+    #[serde(default)]
+    pub(super) burst: Option<Spanned<u64>>,
+}
+
+/// `[[rules]]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRule {
+    pub(super) name: Spanned<String>,
+    #[serde(default)]
+    pub(super) paths: Option<Spanned<Vec<PathPattern>>>,
+    #[serde(default)]
+    pub(super) skip_paths: Vec<PathPattern>,
+    #[serde(default)]
+    pub(super) methods: Option<Spanned<Vec<MethodName>>>,
+    #[serde(default)]
+    pub(super) skip_methods: Vec<MethodName>,
+    #[serde(default)]
+    pub(super) key: Option<Spanned<KeyField>>,
+    #[serde(default)]
+    pub(super) trusted_proxies: Option<Spanned<Vec<Cidr>>>,
+    #[serde(default)]
+    pub(super) forwarded_header: Option<Spanned<ForwardedName>>,
+    #[serde(default)]
+    pub(super) ipv6_prefix: Option<Spanned<u8>>,
+    #[serde(default)]
+    pub(super) missing_key: Option<MissingKeyName>,
+    #[serde(default)]
+    pub(super) policy: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) plan: Option<Spanned<RawPlan>>,
+    #[serde(default)]
+    pub(super) cost: Option<Spanned<u64>>,
+    #[serde(default)]
+    pub(super) allow_keys: Vec<String>,
+    #[serde(default)]
+    pub(super) allow_cidrs: Option<Spanned<Vec<Cidr>>>,
+    #[serde(default)]
+    pub(super) dry_run: bool,
+    #[serde(default)]
+    pub(super) max_delay: Option<HumanDuration>,
+    #[serde(default)]
+    pub(super) max_waiters: Option<Spanned<usize>>,
+    #[serde(default)]
+    pub(super) tarpit: Option<HumanDuration>,
+    #[serde(default)]
+    pub(super) headers: Option<HeaderStyleName>,
+    #[serde(default)]
+    pub(super) on_store_error: Option<OnStoreErrorName>,
+    #[serde(default)]
+    pub(super) log_keys: Option<LogKeysName>,
+}
+
+/// `plan = { header = "x-plan", policies = ["free", "pro"], otherwise = "policy:free" }`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPlan {
+    pub(super) header: HeaderNameValue,
+    pub(super) policies: Spanned<Vec<Spanned<String>>>,
+    pub(super) otherwise: Spanned<Otherwise>,
+}
+
+/// Implements `Deserialize` for a type read from a string by a `TryFrom<String>` whose error
+/// is the message. The string is converted in the visitor, inside the value's deserialization,
+/// so that the error gets the value's span (an array element's own, not the array's).
+macro_rules! from_string {
+    ($($t:ty),+ $(,)?) => {$(
+        impl<'de> Deserialize<'de> for $t {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                struct Text;
+                impl<'de> Visitor<'de> for Text {
+                    type Value = $t;
+
+                    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                        f.write_str("a string")
+                    }
+
+                    fn visit_str<E: de::Error>(self, v: &str) -> Result<$t, E> {
+                        <$t>::try_from(v.to_owned()).map_err(E::custom)
+                    }
+                }
+                d.deserialize_str(Text)
+            }
+        }
+    )+};
+}
+
+from_string!(
+    HumanDuration,
+    AlgorithmName,
+    KeyPart,
+    PathPattern,
+    MethodName,
+    Cidr,
+    HeaderNameValue,
+    Otherwise,
+    MissingKeyName
+);
+
+/// A duration in humantime's form: `"500ms"`, `"1m"`, `"1h 30m"`, `"2days"`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct HumanDuration(pub(super) Duration);
+
+impl TryFrom<String> for HumanDuration {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        humantime::parse_duration(&s).map(Self).map_err(|e| format!("invalid duration {s:?}: {e}"))
+    }
+}
+
+/// An [`Algorithm`] by its [name](Algorithm::name).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct AlgorithmName(pub(super) Algorithm);
+
+impl TryFrom<String> for AlgorithmName {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        match Algorithm::ALL.iter().find(|a| a.name() == s) {
+            Some(a) => Ok(Self(*a)),
+            None => {
+                let names: Vec<_> = Algorithm::ALL.iter().map(|a| a.name()).collect();
+                Err(format!("unknown algorithm {s:?}; expected one of {}", names.join(", ")))
+            }
+        }
+    }
+}
+
+/// One key extractor by name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum KeyPart {
+    PeerIp,
+    ClientIp,
+    Header(HeaderName),
+    #[cfg(feature = "axum")]
+    Route,
+    Method,
+    Global,
+    GrpcMethod,
+    GrpcService,
+}
+
+/// The names of the key extractors, for messages.
+pub(super) const KEY_NAMES: &str =
+    "peer_ip, client_ip, header:<name>, route, method, global, grpc_method, grpc_service";
+
+impl TryFrom<String> for KeyPart {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        Ok(match s.as_str() {
+            "peer_ip" => Self::PeerIp,
+            "client_ip" => Self::ClientIp,
+            #[cfg(feature = "axum")]
+            "route" => Self::Route,
+            #[cfg(not(feature = "axum"))]
+            "route" => return Err("the `route` key needs tollgate's `axum` feature".into()),
+            "method" => Self::Method,
+            "global" => Self::Global,
+            "grpc_method" => Self::GrpcMethod,
+            "grpc_service" => Self::GrpcService,
+            _ => match s.strip_prefix("header:") {
+                Some(name) => Self::Header(
+                    HeaderName::from_bytes(name.trim().as_bytes())
+                        .map_err(|_| format!("{name:?} is not a header name"))?,
+                ),
+                None => return Err(format!("unknown key extractor {s:?}; expected {KEY_NAMES}")),
+            },
+        })
+    }
+}
+
+/// `key = "peer_ip"` or `key = ["client_ip", "method"]` (a composite key).
+#[derive(Debug)]
+pub(super) struct KeyField(pub(super) Vec<Spanned<KeyPart>>);
+
+impl<'de> Deserialize<'de> for KeyField {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct OneOrMany(PhantomData<KeyField>);
+        impl<'de> Visitor<'de> for OneOrMany {
+            type Value = KeyField;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a key extractor's name or a list of them")
+            }
+
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<KeyField, E> {
+                // The span is the field's, kept by the caller's `Spanned<KeyField>`.
+                Ok(KeyField(vec![Spanned::new(
+                    0..0,
+                    KeyPart::try_from(v.to_owned()).map_err(E::custom)?,
+                )]))
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<KeyField, A::Error> {
+                let mut parts = Vec::new();
+                while let Some(part) = seq.next_element::<Spanned<KeyPart>>()? {
+                    parts.push(part);
+                }
+                Ok(KeyField(parts))
+            }
+        }
+        d.deserialize_any(OneOrMany(PhantomData))
+    }
+}
+
+/// Which request paths a rule applies to: `"/login"` exactly, `"/api/*"` everything under
+/// `/api/`, `"*"` everything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum PathPattern {
+    Exact(Box<str>),
+    Prefix(Box<str>),
+}
+
+impl PathPattern {
+    #[inline]
+    pub(super) fn matches(&self, path: &str) -> bool {
+        match self {
+            Self::Exact(p) => path == &**p,
+            Self::Prefix(p) => path.starts_with(&**p),
+        }
+    }
+}
+
+impl TryFrom<String> for PathPattern {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        let (body, prefix) = match s.strip_suffix('*') {
+            Some(body) => (body, true),
+            None => (s.as_str(), false),
+        };
+        let shaped = (body.starts_with('/') || (prefix && body.is_empty())) && !body.contains('*');
+        if !shaped {
+            return Err(format!(
+                "{s:?} is not a path pattern: \"/exact\", \"/prefix/*\" or \"*\" (a `*` only at the end)"
+            ));
+        }
+        Ok(if prefix { Self::Prefix(body.into()) } else { Self::Exact(body.into()) })
+    }
+}
+
+/// An HTTP method, case-sensitive (RFC 9110 §9.1).
+#[derive(Debug, Clone)]
+pub(super) struct MethodName(pub(super) Method);
+
+impl TryFrom<String> for MethodName {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        let method =
+            Method::from_bytes(s.as_bytes()).map_err(|_| format!("{s:?} is not a method"))?;
+        let upper = s.to_ascii_uppercase();
+        let standard =
+            ["GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"];
+        if upper != s && standard.contains(&upper.as_str()) {
+            return Err(format!(
+                "methods are case-sensitive (RFC 9110 §9.1): {s:?} is not {upper:?}"
+            ));
+        }
+        Ok(Self(method))
+    }
+}
+
+/// A network: a CIDR (`10.0.0.0/8`, `2001:db8::/32`) or a single address.
+#[derive(Debug, Clone)]
+pub(super) struct Cidr {
+    pub(super) net: IpNet,
+    pub(super) text: String,
+}
+
+impl TryFrom<String> for Cidr {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        let t = s.trim();
+        let net = t
+            .parse::<IpNet>()
+            .or_else(|_| t.parse::<IpAddr>().map(IpNet::from))
+            .map_err(|_| format!("{s:?} is not a CIDR (\"10.0.0.0/8\") or an address"))?;
+        Ok(Self { net: net.trunc(), text: t.to_owned() })
+    }
+}
+
+/// A header name (lowercased).
+#[derive(Debug, Clone)]
+pub(super) struct HeaderNameValue(pub(super) HeaderName);
+
+impl TryFrom<String> for HeaderNameValue {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        HeaderName::from_bytes(s.trim().as_bytes())
+            .map(Self)
+            .map_err(|_| format!("{s:?} is not a header name"))
+    }
+}
+
+/// `reject`, `reject:<status>` (400 to 599).
+fn reject_status(s: &str, default: StatusCode) -> Option<Result<StatusCode, String>> {
+    if s == "reject" {
+        return Some(Ok(default));
+    }
+    let code = s.strip_prefix("reject:")?;
+    Some(
+        code.trim()
+            .parse::<u16>()
+            .ok()
+            .and_then(|c| StatusCode::from_u16(c).ok())
+            .filter(|c| c.is_client_error() || c.is_server_error())
+            .ok_or_else(|| format!("{code:?} is not a status from 400 to 599")),
+    )
+}
+
+/// What a plan does with a request whose header names none of its policies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Otherwise {
+    /// `policy:<name>`: that policy.
+    Policy(String),
+    /// `pass`: unlimited.
+    Pass,
+    /// `reject` (403) or `reject:<status>`.
+    Reject(StatusCode),
+}
+
+impl TryFrom<String> for Otherwise {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        if s == "pass" {
+            return Ok(Self::Pass);
+        }
+        if let Some(status) = reject_status(&s, StatusCode::FORBIDDEN) {
+            return status.map(Self::Reject);
+        }
+        match s.strip_prefix("policy:") {
+            Some(name) if !name.is_empty() => Ok(Self::Policy(name.to_owned())),
+            _ => Err(format!(
+                "{s:?} is not \"policy:<name>\", \"pass\", \"reject\" or \"reject:<status>\""
+            )),
+        }
+    }
+}
+
+/// `missing_key`: `reject` (400), `reject:<status>`, `allow`, `shared`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct MissingKeyName(pub(super) crate::MissingKey);
+
+impl TryFrom<String> for MissingKeyName {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        use crate::MissingKey;
+        match s.as_str() {
+            "allow" => Ok(Self(MissingKey::Allow)),
+            "shared" => Ok(Self(MissingKey::Shared)),
+            _ => match reject_status(&s, StatusCode::BAD_REQUEST) {
+                Some(status) => status.map(|s| Self(MissingKey::Reject(s))),
+                None => Err(format!(
+                    "{s:?} is not \"reject\", \"reject:<status>\", \"allow\" or \"shared\""
+                )),
+            },
+        }
+    }
+}
+
+/// [`HeaderStyle`](crate::HeaderStyle) by name.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum HeaderStyleName {
+    Ietf,
+    Legacy,
+    Both,
+    None,
+}
+
+/// [`OnStoreError`](crate::OnStoreError) by name.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum OnStoreErrorName {
+    FailOpen,
+    FailClosed,
+}
+
+/// [`LogKeys`](crate::LogKeys) by name.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum LogKeysName {
+    Redacted,
+    Raw,
+}
+
+/// [`ForwardedHeader`](crate::key::ForwardedHeader) by the header's name.
+#[derive(Debug, Clone, Copy, Deserialize)]
+pub(super) enum ForwardedName {
+    #[serde(rename = "x-forwarded-for")]
+    XForwardedFor,
+    #[serde(rename = "forwarded")]
+    Forwarded,
+    #[serde(rename = "x-real-ip")]
+    XRealIp,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn path(s: &str) -> Result<PathPattern, String> {
+        PathPattern::try_from(s.to_owned())
+    }
+
+    #[test]
+    fn path_patterns_are_exact_or_prefixes() {
+        assert_eq!(path("/login"), Ok(PathPattern::Exact("/login".into())));
+        assert_eq!(path("/api/*"), Ok(PathPattern::Prefix("/api/".into())));
+        assert_eq!(path("*"), Ok(PathPattern::Prefix("".into())));
+        assert!(path("/api/*").unwrap().matches("/api/items"));
+        assert!(!path("/api/*").unwrap().matches("/api"));
+        assert!(!path("/login").unwrap().matches("/login/x"));
+        for bad in ["api/*", "", "/a*/b", "/a/**"] {
+            assert!(path(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn small_grammars() {
+        let part = |s: &str| KeyPart::try_from(s.to_owned());
+        assert_eq!(
+            part("header:X-Api-Key"),
+            Ok(KeyPart::Header(HeaderName::from_static("x-api-key")))
+        );
+        assert_eq!(part("grpc_service"), Ok(KeyPart::GrpcService));
+        assert_eq!(
+            part("ip").unwrap_err(),
+            format!("unknown key extractor \"ip\"; expected {KEY_NAMES}")
+        );
+        assert_eq!(part("header:a b").unwrap_err(), "\"a b\" is not a header name");
+
+        let otherwise = |s: &str| Otherwise::try_from(s.to_owned());
+        assert_eq!(otherwise("pass"), Ok(Otherwise::Pass));
+        assert_eq!(otherwise("reject"), Ok(Otherwise::Reject(StatusCode::FORBIDDEN)));
+        assert_eq!(otherwise("reject:429"), Ok(Otherwise::Reject(StatusCode::TOO_MANY_REQUESTS)));
+        assert_eq!(otherwise("policy:free"), Ok(Otherwise::Policy("free".into())));
+        assert_eq!(otherwise("reject:200").unwrap_err(), "\"200\" is not a status from 400 to 599");
+        assert!(otherwise("free").is_err());
+
+        let missing = |s: &str| MissingKeyName::try_from(s.to_owned()).map(|m| m.0);
+        assert_eq!(missing("reject"), Ok(crate::MissingKey::Reject(StatusCode::BAD_REQUEST)));
+        assert_eq!(missing("reject:401"), Ok(crate::MissingKey::Reject(StatusCode::UNAUTHORIZED)));
+        assert_eq!(missing("shared"), Ok(crate::MissingKey::Shared));
+        assert!(missing("deny").is_err());
+
+        let method = |s: &str| MethodName::try_from(s.to_owned()).map(|m| m.0);
+        assert_eq!(method("POST"), Ok(Method::POST));
+        assert_eq!(method("PURGE"), Ok(Method::from_bytes(b"PURGE").unwrap()));
+        assert!(method("post").unwrap_err().contains("case-sensitive"));
+
+        let cidr = |s: &str| Cidr::try_from(s.to_owned()).map(|c| c.net.to_string());
+        assert_eq!(cidr("10.1.2.3/8"), Ok("10.0.0.0/8".into()));
+        assert_eq!(cidr("192.0.2.7"), Ok("192.0.2.7/32".into()));
+        assert!(cidr("10.0.0.0/33").is_err());
+
+        assert_eq!(
+            HumanDuration::try_from("1h 30m".to_owned()).unwrap().0,
+            Duration::from_secs(5400)
+        );
+        assert!(
+            HumanDuration::try_from("1 fortnight".to_owned())
+                .unwrap_err()
+                .starts_with("invalid duration \"1 fortnight\": ")
+        );
+    }
+}
