@@ -65,8 +65,9 @@ pub use layer::{
     MissingKey, OnStoreError, RateLimit, RateLimitLayer, RateLimitLayerBuilder, ResponseBody,
     ResponseFuture, Unselected,
 };
-pub use limiter::{Limiter, Reservation};
+pub use limiter::{Held, Limiter, Reservation};
 pub use quota::{
-    Algorithm, MAX_COUNT, MAX_SLIDING_LOG, MAX_SPAN, Policy, PolicyBuilder, Quota, Tier,
+    Algorithm, Calendar, CalendarPeriod, Concurrency, Costs, DEFAULT_LEASE, DEFAULT_TYPICAL_HOLD,
+    MAX_COUNT, MAX_SLIDING_LOG, MAX_SPAN, Policy, PolicyBuilder, Quota, Tier, TierKind, Unit,
 };
 pub use rejection::{QUOTA_EXCEEDED_TYPE, RateLimited, Rejection};

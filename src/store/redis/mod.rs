@@ -486,7 +486,7 @@ impl Store for RedisStore {
         match ticket.0 {
             Charged::Local(ticket) => {
                 if let (Some(local), Some(local_bound)) = (&inner.fallback, &bound.local) {
-                    local.settle_now(local_bound, &ticket, cost);
+                    local.settle_now(local_bound, ticket, cost);
                 }
                 Ok(())
             }
