@@ -350,9 +350,10 @@ impl CalendarPeriod {
 /// clocks count). A refused request's `Retry-After`, and the tier's `reset_after`, point to the
 /// start of the next window.
 ///
-/// When shaping, a request may be reserved a unit in the current window or one of the next
-/// seven (`8` windows in all: eight minutes for a per-minute tier); a budget reaching past
-/// them waits no further.
+/// When shaping, a request may be reserved units in the current window or one of the next
+/// seven (8 windows in all: eight minutes for a per-minute tier). A request that fits none of
+/// them is refused whatever the budget, with `retry_after` the end of the current window (when
+/// the eight windows move on).
 ///
 /// ```
 /// use tollgate::{Calendar, Policy};
@@ -941,7 +942,12 @@ fn concurrency(tier: &str, c: Concurrency) -> Result<(Quota, Rate, Kind), Config
         return Err(ConfigError::ZeroCount { tier: tier_s() });
     }
     if c.max > MAX_COUNT {
-        return Err(ConfigError::TooLarge { tier: tier_s(), what: "max", value: c.max, max: MAX_COUNT });
+        return Err(ConfigError::TooLarge {
+            tier: tier_s(),
+            what: "max",
+            value: c.max,
+            max: MAX_COUNT,
+        });
     }
     if c.lease < MIN_HOLD || c.lease > MAX_SPAN {
         return Err(ConfigError::LeaseOutOfRange {
@@ -1052,9 +1058,10 @@ mod tests {
             err(p().concurrency("c", Concurrency::new(2).with_lease(Duration::ZERO))),
             ConfigError::LeaseOutOfRange { tier, .. } if tier == "c"
         ));
-        assert_eq!(err(p().calendar("m", Calendar::per_month(0))), ConfigError::ZeroCount {
-            tier: "m".into()
-        });
+        assert_eq!(
+            err(p().calendar("m", Calendar::per_month(0))),
+            ConfigError::ZeroCount { tier: "m".into() }
+        );
         assert!(matches!(
             err(p().calendar("m", Calendar::per_month(5).in_time_zone("Nowhere/Atlantis"))),
             ConfigError::UnknownTimeZone { tier, zone, .. } if tier == "m" && zone == "Nowhere/Atlantis"

@@ -174,8 +174,8 @@ pub(crate) fn prune(counted: &mut Counted, unit: u64, now: u64) {
 }
 
 /// The earliest instant >= `from` (units; `from >= now`) at which `cost` units fit a window
-/// among the [`LOOKAHEAD`] windows from the one holding `now`; `Err(horizon)`, the end of the
-/// last of them, when none has room.
+/// among the [`LOOKAHEAD`] windows from the one holding `now`; when none has room,
+/// `Err(the end of the window holding now)`, when the lookahead moves on.
 pub(crate) fn earliest(
     counted: &Counted,
     spec: &CalendarSpec,
@@ -186,6 +186,7 @@ pub(crate) fn earliest(
 ) -> Result<u64, u64> {
     let count = spec.calendar.count();
     let mut w = window_of(spec, unit, now);
+    let current_end = to_units(w.1, unit);
     for i in 0..LOOKAHEAD {
         let (start, end) = (to_units(w.0, unit), to_units(w.1, unit));
         if end > from && used(counted, w.0).saturating_add(cost) <= count {
@@ -195,7 +196,7 @@ pub(crate) fn earliest(
             w = next(spec, w);
         }
     }
-    Err(to_units(w.1, unit))
+    Err(current_end)
 }
 
 /// Charges `cost` to the window holding `at` (units).
@@ -232,6 +233,7 @@ pub(crate) fn status(counted: &Counted, count: u64, unit: u64, now: u64) -> (u64
 /// at its own clock, which may differ from `now` by up to `margin` seconds: every window from
 /// the one holding `now - margin` to the `lookahead - 1`-th after the one holding
 /// `now + margin`, as their starts and the last one's end.
+#[cfg(feature = "redis")]
 pub(crate) fn bounds(spec: &CalendarSpec, now: u64, margin: u64, lookahead: usize) -> Vec<i64> {
     let first = window_at(spec, now.saturating_sub(margin * NANOS_PER_SEC));
     let last = window_at(spec, now.saturating_add(margin * NANOS_PER_SEC));
@@ -348,6 +350,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "redis")]
     fn bounds_cover_the_margin_and_the_lookahead() {
         let minutes = spec(Calendar::per_minute(1));
         let now = 1_000_000 * NANOS_PER_SEC + 30 * NANOS_PER_SEC; // 30 s into minute 16,667

@@ -332,8 +332,8 @@ pub(crate) fn decide_kinds(
     (decision, charges)
 }
 
-/// One tier's earliest instant >= `from` (units) for `cost`: `Err(horizon)` when a calendar
-/// tier has no room within its lookahead.
+/// One tier's earliest instant >= `from` (units) for `cost`: `Err(the end of its current
+/// window)` when a calendar tier has no room within its lookahead.
 fn earliest_kind(
     policy: &Policy,
     tier: &Tier,
@@ -376,7 +376,8 @@ fn decide_kinds_in_units(
     }
     let cost = |i: usize| costs.get(i).copied().unwrap_or(0);
     if (0..tiers.len()).all(|i| cost(i) == 0) {
-        let decision = report_kinds(policy, states, now, Outcome::Allowed, 0, None, |_| (false, None));
+        let decision =
+            report_kinds(policy, states, now, Outcome::Allowed, 0, None, |_| (false, None));
         return (decision, None);
     }
     if tiers.iter().enumerate().any(|(i, t)| cost(i) > t.capacity()) {
@@ -398,8 +399,8 @@ fn decide_kinds_in_units(
             }
             match earliest_kind(policy, tier, s, now, t, cost(i)) {
                 Ok(e) => next = next.max(e),
-                Err(horizon) => {
-                    beyond = Some(horizon);
+                Err(next) => {
+                    beyond = Some(next);
                     break 'joint;
                 }
             }
@@ -431,7 +432,8 @@ fn decide_kinds_in_units(
     let any_full = (0..tiers.len()).any(full);
     if beyond.is_some() || wait > budget || any_full {
         let retry = match beyond {
-            Some(horizon) => Some((horizon - now).saturating_sub(budget).max(1)),
+            // No window within the lookahead: try again when it moves on.
+            Some(next) => Some((next - now).max(1)),
             None => (wait > budget).then(|| wait - budget),
         };
         let per_tier = |i: usize| {

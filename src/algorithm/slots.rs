@@ -94,8 +94,7 @@ mod tests {
         let policy = Policy::builder("p")
             .concurrency(
                 "c",
-                crate::Concurrency::new(1)
-                    .with_typical_hold(std::time::Duration::from_millis(250)),
+                crate::Concurrency::new(1).with_typical_hold(std::time::Duration::from_millis(250)),
             )
             .build()
             .unwrap();

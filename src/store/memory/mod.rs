@@ -324,7 +324,11 @@ impl MemoryStore {
     #[must_use]
     pub fn bind_policy(&self, policy: &Policy) -> MemoryPolicy {
         let whole = match policy.tiers() {
-            [tier] if policy.algorithm() == Algorithm::Gcra && policy.unit() == 1 => {
+            [tier]
+                if policy.algorithm() == Algorithm::Gcra
+                    && policy.unit() == 1
+                    && policy.is_plain() =>
+            {
                 WholeGcra::of(tier.rate)
             }
             _ => None,
@@ -686,7 +690,9 @@ impl Inner {
             let at = ticket.charges.first().map_or(now, |c| c.at).max(now);
             let mut tables = self.shard(fp).compact.lock();
             match tables.tat_mut(id, fp) {
-                Some(tat) => *tat = if *more { w.charge(*tat, at, *units) } else { w.refund(*tat, *units) },
+                Some(tat) => {
+                    *tat = if *more { w.charge(*tat, at, *units) } else { w.refund(*tat, *units) }
+                }
                 // Evicted since: the extra is charged to a fresh state; a refund has nothing
                 // left to give back.
                 None if *more => {
