@@ -12,10 +12,12 @@ use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use support::redis::{Cluster, Server};
 use tollgate::clock::FakeClock;
 use tollgate::key::{GlobalKey, Key};
-use tollgate::store::{BreakerState, MemoryStore, RedisStore, Store};
+use tollgate::store::{
+    BreakerState, Check, MemoryStore, MemoryTicket, RedisStore, RedisTicket, Store,
+};
 use tollgate::{
-    Algorithm, Decision, Limiter, OnStoreError, Policy, Quota, RateLimitLayer, Reservation, Source,
-    StoreError,
+    Algorithm, Calendar, CalendarPeriod, Concurrency, Decision, Limiter, OnStoreError, Policy,
+    Quota, RateLimitLayer, Source, StoreError, TierKind, Unit,
 };
 
 /// One check of `cost` units for `key` under `policy`, through `store`.
@@ -31,16 +33,36 @@ fn state_key(store: &RedisStore, policy: &Policy, key: &Key) -> String {
 
 // ---------------------------------------------------------------------------------------------
 // Differential traces: the same random requests through MemoryStore and RedisStore on one
-// fake clock must give identical decisions.
+// fake clock must give identical decisions. Policies are request rates (any algorithm), and
+// now and then mix in tiers of other kinds: concurrency slots, calendar windows (UTC, Berlin,
+// New York; traces start near daylight-saving changes too), rates counting other units.
+// Checks then carry a cost per tier, and tickets are settled tier by tier and released.
 
 #[derive(Debug, Clone)]
 enum Step {
     /// Moves the clock forward by this many nanoseconds.
     Advance(u64),
-    /// A request of `cost` on key `key`; `shape` is the shaping budget in nanoseconds.
-    Check { key: u8, cost: u64, shape: Option<u64> },
+    /// A request of `cost` (and `costs` per tier) on key `key`; `shape` is the shaping budget
+    /// in nanoseconds.
+    Check { key: u8, cost: u64, costs: Vec<u64>, shape: Option<u64> },
     /// Settles the `which`-th ticket still held (modulo their number) at `cost`.
     Settle { which: usize, cost: u64 },
+    /// Settles tier `tier` (modulo the tiers) of the `which`-th ticket at `cost`, keeping it.
+    SettleTier { which: usize, tier: usize, cost: u64 },
+    /// Releases the `which`-th ticket's slots, keeping its charges.
+    Release { which: usize },
+}
+
+/// A tier of another kind than the trace's rates.
+#[derive(Debug, Clone)]
+enum Extra {
+    /// A concurrency tier of this many slots.
+    Slots(u64),
+    /// A calendar tier: count, period (minute, hour, day, month), zone (UTC, Berlin, New York).
+    Calendar(u64, usize, usize),
+    /// A rate (of the trace's algorithm) counting request bytes, response bytes or reported
+    /// units: count, period in ns, burst, unit.
+    Units(u64, u64, u64, usize),
 }
 
 #[derive(Debug, Clone)]
@@ -48,10 +70,15 @@ struct Trace {
     algorithm: Algorithm,
     /// `(count, period in ns, burst)` per tier.
     tiers: Vec<(u64, u64, u64)>,
+    /// Tiers of other kinds, after those.
+    extra: Vec<Extra>,
     /// The clock's first instant, in nanoseconds.
     start: u64,
     steps: Vec<Step>,
 }
+
+/// Long enough that no lease expires within a trace (in memory slots do not expire).
+const TRACE_LEASE: Duration = Duration::from_secs(20 * 365 * 86_400);
 
 impl Trace {
     fn policy(&self) -> Policy {
@@ -61,6 +88,27 @@ impl Trace {
                 format!("t{i}"),
                 Quota::new(*count, Duration::from_nanos(*period)).with_burst(*burst),
             );
+        }
+        for (i, extra) in self.extra.iter().enumerate() {
+            let name = format!("x{i}");
+            b = match *extra {
+                Extra::Slots(n) => b.concurrency(name, Concurrency::new(n).with_lease(TRACE_LEASE)),
+                Extra::Calendar(count, period, zone) => {
+                    let period = [
+                        CalendarPeriod::Minute,
+                        CalendarPeriod::Hour,
+                        CalendarPeriod::Day,
+                        CalendarPeriod::Month,
+                    ][period];
+                    let zone = ["UTC", "Europe/Berlin", "America/New_York"][zone];
+                    b.calendar(name, Calendar::new(count, period).in_time_zone(zone))
+                }
+                Extra::Units(count, period, burst, unit) => {
+                    let unit = [Unit::RequestBytes, Unit::ResponseBytes, Unit::Reported][unit];
+                    let q = Quota::new(count, Duration::from_nanos(period)).with_burst(burst);
+                    b.tier(name, q.counting(unit))
+                }
+            };
         }
         b.build().expect("generated policies are valid")
     }
@@ -94,6 +142,14 @@ fn tier(algorithm: Algorithm, grid: bool) -> impl Strategy<Value = (u64, u64, u6
     )
 }
 
+fn extra(algorithm: Algorithm, grid: bool) -> impl Strategy<Value = Extra> {
+    prop_oneof![
+        (1u64..=4).prop_map(Extra::Slots),
+        (1u64..=20, 0usize..4, 0usize..3).prop_map(|(c, p, z)| Extra::Calendar(c, p, z)),
+        (tier(algorithm, grid), 0usize..3).prop_map(|((c, p, b), u)| Extra::Units(c, p, b, u)),
+    ]
+}
+
 /// `grid`: every advance a multiple of 10 ms, like the periods, so that instants land exactly
 /// on window and expiry edges.
 fn step(grid: bool) -> impl Strategy<Value = Step> {
@@ -111,71 +167,101 @@ fn step(grid: bool) -> impl Strategy<Value = Step> {
         ]
         .boxed()
     };
+    let cost = || prop_oneof![6 => Just(1u64), 3 => 0u64..=4, 1 => 0u64..=12];
     prop_oneof![
         2 => advance.prop_map(Step::Advance),
         7 => (
             0u8..3,
-            prop_oneof![6 => Just(1u64), 3 => 0u64..=4, 1 => 0u64..=12],
+            cost(),
+            proptest::collection::vec(cost(), 5),
             proptest::option::weighted(0.4, 0u64..=3_000_000_000),
         )
-            .prop_map(|(key, cost, shape)| Step::Check { key, cost, shape }),
+            .prop_map(|(key, cost, costs, shape)| Step::Check { key, cost, costs, shape }),
         1 => (0usize..64, 0u64..=8).prop_map(|(which, cost)| Step::Settle { which, cost }),
+        1 => (0usize..64, 0usize..8, 0u64..=8)
+            .prop_map(|(which, tier, cost)| Step::SettleTier { which, tier, cost }),
+        1 => (0usize..64).prop_map(|which| Step::Release { which }),
     ]
+}
+
+/// Nanoseconds since the epoch of an RFC 3339 instant.
+fn instant(s: &str) -> u64 {
+    let ts: jiff::Timestamp = s.parse().unwrap();
+    u64::try_from(ts.as_nanosecond()).unwrap()
 }
 
 fn trace() -> impl Strategy<Value = Trace> {
     let grid = proptest::bool::weighted(0.35);
-    (proptest::sample::select(Algorithm::ALL.to_vec()), grid).prop_flat_map(|(algorithm, grid)| {
-        (
-            proptest::collection::vec(tier(algorithm, grid), 1..=3),
-            0u64..=1_000_000_000_000,
-            proptest::collection::vec(step(grid), 1..=60),
-        )
-            .prop_map(move |(tiers, start, steps)| Trace {
-                algorithm,
-                tiers,
-                start,
-                steps,
-            })
-    })
+    // Near the epoch, or within two hours of a daylight-saving change in Berlin and New York.
+    let start = prop_oneof![
+        4 => 0u64..=1_000_000_000_000,
+        1 => (0u64..=7_200_000_000_000).prop_map(|d| instant("2025-03-30T00:00:00Z") + d),
+        1 => (0u64..=7_200_000_000_000).prop_map(|d| instant("2025-10-26T00:00:00Z") + d),
+        1 => (0u64..=7_200_000_000_000).prop_map(|d| instant("2025-11-02T05:00:00Z") + d),
+    ];
+    (proptest::sample::select(Algorithm::ALL.to_vec()), grid).prop_flat_map(
+        move |(algorithm, grid)| {
+            (
+                proptest::collection::vec(tier(algorithm, grid), 1..=3),
+                prop_oneof![
+                    3 => Just(Vec::new()),
+                    2 => proptest::collection::vec(extra(algorithm, grid), 1..=2),
+                ],
+                start.clone(),
+                proptest::collection::vec(step(grid), 1..=60),
+            )
+                .prop_map(move |(tiers, extra, start, steps)| Trace {
+                    algorithm,
+                    tiers,
+                    extra,
+                    start,
+                    steps,
+                })
+        },
+    )
 }
 
 fn keys() -> [Key; 3] {
     [Key::text("alice"), Key::Ip("203.0.113.7".parse().unwrap()), Key::Global]
 }
 
-/// Replays `trace` through both stores; the first difference is the error.
+/// Replays `trace` through both stores, calling them directly (a store's own decisions, no
+/// waiting for slots); the first difference is the error.
 async fn replay(store: RedisStore, clock: FakeClock, trace: &Trace) -> Result<(), String> {
     let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     let policy = trace.policy();
+    let plain =
+        policy.tiers().iter().all(|t| t.kind() == TierKind::Rate && t.unit() == Unit::Requests);
     let memory = Limiter::with_store(policy.clone(), memory).unwrap();
-    let store = Limiter::with_store(policy, store).unwrap();
+    let store = Limiter::with_store(policy.clone(), store).unwrap();
+    let (m_store, m_bound) = (memory.store(), memory.bound());
+    let (r_store, r_bound) = (store.store(), store.bound());
     let keys = keys();
-    let mut tickets: Vec<(Reservation<MemoryStore>, Reservation<RedisStore>)> = Vec::new();
+    let mut tickets: Vec<(MemoryTicket, RedisTicket)> = Vec::new();
     for (i, step) in trace.steps.iter().enumerate() {
-        match *step {
-            Step::Advance(by) => clock.advance(Duration::from_nanos(by)),
-            Step::Check { key, cost, shape } => {
-                let key = &keys[usize::from(key)];
-                let (m, r) = match shape.map(Duration::from_nanos) {
-                    None => (memory.reserve(key, cost).await, store.reserve(key, cost).await),
-                    Some(max) => (
-                        memory.reserve_within(key, cost, max).await,
-                        store.reserve_within(key, cost, max).await,
-                    ),
-                };
-                let m = m.map_err(|e| e.to_string())?;
-                let r = r.map_err(|e| format!("step {i}: {e}"))?;
-                if m.decision() != r.decision() {
+        let redis_error = |e: StoreError| format!("step {i} ({step:?}): {e}");
+        match step {
+            Step::Advance(by) => clock.advance(Duration::from_nanos(*by)),
+            Step::Check { key, cost, costs, shape } => {
+                let key = &keys[usize::from(*key)];
+                let mut check = Check::new(key, *cost).with_costs(costs).with_ticket();
+                if let Some(max) = shape {
+                    check = check.shape(Duration::from_nanos(*max));
+                }
+                let m = m_store.check(m_bound, check).await.map_err(|e| e.to_string())?;
+                let r = r_store.check(r_bound, check).await.map_err(redis_error)?;
+                if m.decision != r.decision || m.ticket.is_some() != r.ticket.is_some() {
                     return Err(format!(
-                        "step {i} ({step:?}) at {} ns differs:\nmemory: {:?}\nredis:  {:?}",
+                        "step {i} ({step:?}) at {} ns differs:\nmemory: {:?} {:?}\nredis:  {:?} {:?}",
                         clock_now(&clock),
-                        m.decision(),
-                        r.decision()
+                        m.decision,
+                        m.ticket.is_some(),
+                        r.decision,
+                        r.ticket.is_some(),
                     ));
                 }
-                if m.decision().is_allowed() {
-                    tickets.push((m, r));
+                if let (Some(a), Some(b)) = (m.ticket, r.ticket) {
+                    tickets.push((a, b));
                 }
             }
             Step::Settle { which, cost } => {
@@ -183,9 +269,44 @@ async fn replay(store: RedisStore, clock: FakeClock, trace: &Trace) -> Result<()
                     continue;
                 }
                 let (a, b) = tickets.remove(which % tickets.len());
-                a.settle(cost).await.map_err(|e| e.to_string())?;
-                b.settle(cost).await.map_err(|e| format!("step {i}: {e}"))?;
+                m_store.settle(m_bound, a, *cost).await.map_err(|e| e.to_string())?;
+                r_store.settle(r_bound, b, *cost).await.map_err(redis_error)?;
             }
+            Step::SettleTier { which, tier, cost } => {
+                // A policy of request rates settles all its tiers together on Redis.
+                if tickets.is_empty() || plain {
+                    continue;
+                }
+                let n = tickets.len();
+                let (a, b) = &mut tickets[which % n];
+                let costs = [(tier % policy.tiers().len(), *cost)];
+                m_store.settle_tiers(m_bound, a, &costs).await.map_err(|e| e.to_string())?;
+                r_store.settle_tiers(r_bound, b, &costs).await.map_err(redis_error)?;
+            }
+            Step::Release { which } => {
+                if tickets.is_empty() {
+                    continue;
+                }
+                let (a, b) = tickets.remove(which % tickets.len());
+                m_store.release(m_bound, a).await.map_err(|e| e.to_string())?;
+                r_store.release(r_bound, b).await.map_err(redis_error)?;
+            }
+        }
+    }
+    // What is still held is released, and both agree after.
+    for (a, b) in tickets {
+        m_store.release(m_bound, a).await.map_err(|e| e.to_string())?;
+        r_store.release(r_bound, b).await.map_err(|e| e.to_string())?;
+    }
+    for key in &keys {
+        let check = Check::new(key, 0);
+        let m = m_store.check(m_bound, check).await.map_err(|e| e.to_string())?;
+        let r = r_store.check(r_bound, check).await.map_err(|e| e.to_string())?;
+        if m.decision != r.decision {
+            return Err(format!(
+                "after the releases, {key}:\nmemory: {:?}\nredis:  {:?}",
+                m.decision, r.decision
+            ));
         }
     }
     Ok(())

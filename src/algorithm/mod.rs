@@ -149,7 +149,9 @@ impl TierState {
             (Algorithm::FixedWindow | Algorithm::SlidingCounter, Self::Windows(w)) => {
                 window::refund(w, r, charge.at, cost);
             }
-            (Algorithm::SlidingLog, Self::Log(l)) => log::refund(l, charge.id, charge.at, cost),
+            (Algorithm::SlidingLog, Self::Log(l)) => {
+                log::refund(l, charge.id, charge.at, charge.cost, cost);
+            }
             _ => {}
         }
     }
