@@ -128,7 +128,15 @@ impl<St: Store> Limiter<St> {
     /// # Errors
     /// [`StoreError`] when the store cannot decide.
     pub async fn check(&self, key: &Key, cost: u64) -> Result<Decision, StoreError> {
-        Ok(self.decide(Check::new(key, cost)).await?.decision)
+        let verdict = self.decide(Check::new(key, cost)).await?;
+        if let Some(ticket) = verdict.ticket {
+            // Slots taken: given back before returning, so that the next check sees them free.
+            let shared = &self.inner;
+            if let Err(error) = shared.store.release(&shared.bound, ticket).await {
+                tracing::warn!(%error, "tollgate: could not release concurrency slots");
+            }
+        }
+        Ok(verdict.decision)
     }
 
     /// Like [`check`](Self::check), with a refusal as an error: `Ok` when admitted, else

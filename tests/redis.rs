@@ -900,3 +900,180 @@ async fn a_stale_ticket_cannot_cancel_a_later_entry() {
     let d = limiter.check(&Key::Global, 1).await.unwrap();
     assert!(!d.is_allowed(), "the later entry still counts");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Concurrency slots as leases.
+
+fn slots_policy(name: &str, max: u64, lease: Duration) -> Policy {
+    Policy::builder(name)
+        .concurrency("in-flight", Concurrency::new(max).with_lease(lease))
+        .build()
+        .unwrap()
+}
+
+/// 1,000 tasks on two threads each wait for one of 4 slots of one key (polling Redis), count
+/// themselves in while they hold it, and release it: never more than 4 inside, 4 at some moment,
+/// and every task gets its turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_holders_on_redis_never_exceed_four_in_flight() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let Some(server) = Server::start("redis-server") else { return };
+    let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(10)).build().unwrap();
+    let limiter =
+        Limiter::with_store(slots_policy("thousand", 4, Duration::from_secs(60)), store).unwrap();
+    let inside = std::sync::Arc::new(AtomicUsize::new(0));
+    let most = std::sync::Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..1000)
+        .map(|_| {
+            let (limiter, inside, most) = (limiter.clone(), inside.clone(), most.clone());
+            tokio::spawn(async move {
+                let slot = limiter
+                    .acquire(&Key::text("api-key"), 1, Duration::from_secs(300))
+                    .await
+                    .expect("a slot within five minutes");
+                let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(now, Ordering::SeqCst);
+                assert!(now <= 4, "{now} in flight");
+                for _ in 0..3 {
+                    tokio::task::yield_now().await;
+                }
+                inside.fetch_sub(1, Ordering::SeqCst);
+                slot.release().await.expect("released");
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(most.load(Ordering::SeqCst), 4);
+    let d = limiter.check(&Key::text("api-key"), 0).await.unwrap();
+    assert_eq!((d.tiers()[0].remaining(), d.source()), (4, Source::Store));
+    // Every lease is gone: so is the set.
+    let set = format!("{}:c1", limiter.bound().state_key(&Key::text("api-key")));
+    assert_eq!(pttl(&mut server.conn(), &set), -2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_slot_of_a_crashed_holder_frees_itself_when_its_lease_expires() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(instant("2025-06-02T10:00:00Z"));
+    let policy = slots_policy("crash", 1, Duration::from_secs(10));
+    // App server A takes the slot and crashes: it never releases nor refreshes.
+    {
+        let store =
+            fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "crash:".into());
+        let a = Limiter::with_store(policy.clone(), store).unwrap();
+        let held = a.reserve(&Key::Global, 1).await.unwrap();
+        assert!(held.decision().is_allowed());
+        assert_eq!(held.refresh_every(), Some(Duration::from_secs(10) / 3));
+        std::mem::forget(held);
+    }
+    let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "crash:".into());
+    let b = Limiter::with_store(policy, store).unwrap();
+    let d = b.check(&Key::Global, 1).await.unwrap();
+    assert_eq!(d.outcome(), tollgate::Outcome::Limited);
+    assert_eq!(d.retry_after(), Some(Duration::from_secs(1)), "the default typical hold");
+    // The lease set lives as long as its longest lease (plus the test's grace of an hour).
+    let set = format!("{}:c1", b.bound().state_key(&Key::Global));
+    let ttl = pttl(&mut server.conn(), &set);
+    assert!(ttl > 3_600_000 && ttl <= 3_610_000, "{ttl}");
+    clock.advance(Duration::from_millis(9_999));
+    assert!(!b.check(&Key::Global, 1).await.unwrap().is_allowed(), "leased for 10 s");
+    clock.advance(Duration::from_millis(1));
+    let d = b.check(&Key::Global, 1).await.unwrap();
+    assert!(d.is_allowed(), "expired after 10 s: {d:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refreshed_lease_lasts_and_an_expired_one_says_so() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(instant("2025-06-02T10:00:00Z"));
+    let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "fresh:".into());
+    let limiter =
+        Limiter::with_store(slots_policy("refresh", 1, Duration::from_secs(9)), store).unwrap();
+    let held = limiter.reserve(&Key::Global, 1).await.unwrap();
+    for _ in 0..3 {
+        clock.advance(Duration::from_secs(6));
+        assert!(held.refresh().await.unwrap(), "still leased");
+        assert!(!limiter.check(&Key::Global, 1).await.unwrap().is_allowed());
+    }
+    // 18 s after it was taken, the slot is still held; released, it is free at once, and the
+    // hold (18 s) becomes the typical hold.
+    held.release().await.unwrap();
+    let other = limiter.reserve(&Key::Global, 1).await.unwrap();
+    assert!(other.decision().is_allowed());
+    let d = limiter.check(&Key::Global, 1).await.unwrap();
+    assert_eq!(d.retry_after(), Some(Duration::from_secs(18)));
+    // Not refreshed for a whole lease: gone, and the refresh says so.
+    clock.advance(Duration::from_secs(9));
+    assert!(!other.refresh().await.unwrap());
+}
+
+/// On the server's clock: a held reservation keeps its short lease alive by itself, and its
+/// slot comes back when it is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_reservation_refreshes_its_lease_until_it_is_dropped() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(5)).build().unwrap();
+    let limiter =
+        Limiter::with_store(slots_policy("held", 1, Duration::from_millis(300)), store).unwrap();
+    let held = limiter.reserve(&Key::Global, 1).await.unwrap().hold();
+    // Four leases long.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert!(!limiter.check(&Key::Global, 1).await.unwrap().is_allowed(), "refreshed");
+    drop(held);
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while !limiter.check(&Key::Global, 1).await.unwrap().is_allowed() {
+        assert!(std::time::Instant::now() < deadline, "the dropped hold was not released");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Without a refresh (forgotten, as by a crash), the lease lapses on the server's clock.
+    let lost = limiter.reserve(&Key::Global, 1).await.unwrap();
+    std::mem::forget(lost);
+    assert!(!limiter.check(&Key::Global, 1).await.unwrap().is_allowed());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(limiter.check(&Key::Global, 1).await.unwrap().is_allowed());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Calendar windows and costs per tier on Redis, next to memory.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calendar_windows_across_daylight_saving_and_month_ends_decide_like_memory() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let policy = Policy::builder("cal")
+        .calendar("day", Calendar::per_day(3).in_time_zone("Europe/Berlin"))
+        .calendar("month", Calendar::per_month(5).in_time_zone("America/New_York"))
+        .tier("burst", Quota::per_second(10))
+        .build()
+        .unwrap();
+    let clock = FakeClock::new();
+    let redis = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "cal:".into());
+    let redis = Limiter::with_store(policy.clone(), redis).unwrap();
+    let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let memory = Limiter::with_store(policy, memory).unwrap();
+    let mut retries = Vec::new();
+    for (when, cost) in [
+        ("2025-03-29T22:59:59Z", 3), // the last second of Saturday in Berlin
+        ("2025-03-29T22:59:59.5Z", 1),
+        ("2025-03-29T23:00:00Z", 2), // Sunday (23 hours long); March's 5 are used up
+        ("2025-04-01T03:59:00Z", 1), // March 31st, 23:59 in New York
+        ("2025-04-01T04:00:00Z", 1), // April
+        ("2025-10-25T22:00:00Z", 3), // Sunday October 26th, 00:00 CEST
+        ("2025-10-26T22:59:00Z", 1), // 23:59 CET, 25 hours later: still Sunday
+        ("2025-10-26T23:00:00Z", 1),
+    ] {
+        clock.set(instant(when));
+        let m = memory.check(&Key::Global, cost).await.unwrap();
+        let r = redis.check(&Key::Global, cost).await.unwrap();
+        assert_eq!(m, r, "at {when}");
+        retries.push(r.retry_after().map(|d| d.as_millis()));
+    }
+    assert_eq!(
+        retries,
+        [None, Some(500), None, Some(60_000), None, None, Some(60_000), None],
+        "refused until the next window: Sunday in Berlin, April in New York"
+    );
+}
