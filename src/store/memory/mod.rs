@@ -603,7 +603,8 @@ impl Inner {
             return ticket(check, fp, || charges, overflow);
         }
         let slots = takes_slots(policy, &charges);
-        if !slots && !(check.ticket && charges.iter().any(|c| c.cost > 0)) {
+        let wanted = check.ticket && charges.iter().any(|c| c.cost > 0);
+        if !(slots || wanted) {
             return None;
         }
         let holding = slots.then(|| Home {
