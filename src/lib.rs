@@ -29,6 +29,13 @@
 //! Algorithms: GCRA (default), token bucket, leaky bucket, fixed window, sliding window log,
 //! sliding window counter; see [`Algorithm`].
 //!
+//! Beyond request rates, a policy's tiers can limit requests in flight per key
+//! ([`Concurrency`]), count calendar windows of a time zone ([`Calendar`]: "10,000 per month,
+//! from the 1st at 00:00 in the customer's time zone"), and count other [units](Unit) than
+//! requests (request or response bytes, tokens a handler reports): "5 requests/s **and**
+//! 1 MB/s per client". A request is admitted by every tier of its policy, and charged on every
+//! one, or refused and charged on none.
+//!
 //! Stores: [`MemoryStore`](store::MemoryStore) (default) keeps state in the process;
 //! `RedisStore` (cargo feature `redis`) shares it across a fleet through Redis, Redis Cluster or
 //! Valkey.

@@ -80,7 +80,7 @@ impl Limiter {
 
 impl Limiter<MemoryStore> {
     /// Decides `cost` units for `key` at once (a [`MemoryStore`] never waits), charging every
-    /// tier when admitted.
+    /// tier when admitted (concurrency slots are given back at once).
     #[inline]
     #[must_use]
     pub fn check_now(&self, key: &Key, cost: u64) -> Decision {
@@ -583,7 +583,7 @@ impl<St: Store> Reservation<St> {
         Held { state: HeldState::Task(Some(tx)) }
     }
 
-    /// Gives the charge back to every tier.
+    /// Gives the charge back to every tier, and releases the concurrency slots.
     ///
     /// # Errors
     /// [`StoreError`] when the store cannot be reached.
@@ -592,7 +592,9 @@ impl<St: Store> Reservation<St> {
     }
 
     /// Settles at `cost` units instead of what was reserved (see [`Store::settle`]): 0 gives
-    /// everything back, less refunds the difference, more charges the extra.
+    /// everything back, less refunds the difference, more charges the extra. Every rate and
+    /// calendar tier is settled at `cost` (see [`settle_tiers`](Self::settle_tiers) for one
+    /// tier at a time), and the concurrency slots are released.
     ///
     /// # Errors
     /// [`StoreError`] when the store cannot be reached.

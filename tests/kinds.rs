@@ -94,6 +94,46 @@ fn exactly_four_of_a_thousand_threads_get_a_slot() {
     assert!(store.check_now(&bound, Check::new(&Key::Global, 1)).decision.is_allowed());
 }
 
+/// Calendar and byte tiers under concurrency: of 1,000 requests from four threads, exactly the
+/// quota is admitted (the concurrency tier beside them never fills).
+#[test]
+fn calendar_and_byte_tiers_admit_exactly_their_quota_from_four_threads() {
+    let slots = || Concurrency::new(10_000);
+    for policy in [
+        Policy::builder("calendar")
+            .calendar("year", Calendar::per_year(100))
+            .concurrency("slots", slots())
+            .build()
+            .unwrap(),
+        Policy::builder("bytes")
+            .tier("bytes", Quota::per_day(100_000).counting(Unit::RequestBytes))
+            .concurrency("slots", slots())
+            .build()
+            .unwrap(),
+    ] {
+        let clock = FakeClock::new();
+        clock.set(at("2025-06-02T10:00:00Z"));
+        let store = MemoryStore::builder().clock(clock).build().unwrap();
+        let bound = store.bind_policy(&policy);
+        let costs = policy.costs(1, Some(1_000));
+        let held = std::sync::Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..250 {
+                        let check = Check::new(&Key::Global, 1).with_costs(&costs);
+                        let v = store.check_now(&bound, check);
+                        if v.decision.is_allowed() {
+                            held.lock().unwrap().push(v.ticket.expect("a slot was taken"));
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(held.lock().unwrap().len(), 100, "{}", policy.name());
+    }
+}
+
 #[tokio::test]
 async fn a_full_tier_refuses_with_the_typical_hold_and_learns_it_from_releases() {
     let clock = FakeClock::new();

@@ -458,6 +458,60 @@ async fn standalone_admits_exactly_100_of_1000_concurrent_on_one_connection() {
     assert!(info.contains("connected_clients:2\r\n"), "{info}");
 }
 
+/// Policies of the other kinds: a yearly calendar quota (a year boundary falls inside the
+/// test only on New Year's Eve at midnight), a rate counting bytes, both with a concurrency tier
+/// that never fills up, and a concurrency tier of 100 slots nobody releases.
+fn kinds_policies() -> Vec<Policy> {
+    let slots = || Concurrency::new(1000).with_lease(Duration::from_secs(600));
+    vec![
+        Policy::builder("conc-calendar")
+            .calendar("year", Calendar::per_year(100))
+            .concurrency("slots", slots())
+            .build()
+            .unwrap(),
+        Policy::builder("conc-bytes")
+            .tier("bytes", Quota::new(100, LONG).counting(Unit::RequestBytes))
+            .concurrency("slots", slots())
+            .build()
+            .unwrap(),
+        Policy::builder("conc-held")
+            .concurrency("slots", Concurrency::new(100).with_lease(Duration::from_secs(600)))
+            .build()
+            .unwrap(),
+    ]
+}
+
+/// Sends `n` reservations of one key at once and keeps the admitted ones; returns how many.
+async fn held_concurrently(store: &RedisStore, policy: &Policy, n: usize) -> usize {
+    let limiter = Limiter::with_store(policy.clone(), store.clone()).unwrap();
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(n));
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let (limiter, barrier) = (limiter.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let r = limiter.reserve(&Key::Global, 1).await.expect("redis answers");
+                assert_eq!(r.decision().source(), Source::Store);
+                r.decision().is_allowed().then_some(r)
+            })
+        })
+        .collect();
+    let mut held = Vec::new();
+    for t in tasks {
+        held.extend(t.await.unwrap());
+    }
+    held.len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_kind_admits_exactly_100_of_1000_concurrent_on_redis() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(10)).build().unwrap();
+    for policy in kinds_policies() {
+        assert_eq!(held_concurrently(&store, &policy, 1000).await, 100, "{}", policy.name());
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_admits_exactly_100_of_1000_concurrent() {
     let Some(cluster) = Cluster::start() else { return };
@@ -468,6 +522,9 @@ async fn cluster_admits_exactly_100_of_1000_concurrent() {
     for algorithm in [Algorithm::Gcra, Algorithm::SlidingLog, Algorithm::SlidingCounter] {
         let admitted = admitted_concurrently(&store, &long_policy(algorithm), 1000).await;
         assert_eq!(admitted, 100, "{algorithm:?}");
+    }
+    for policy in kinds_policies() {
+        assert_eq!(held_concurrently(&store, &policy, 1000).await, 100, "{}", policy.name());
     }
 }
 

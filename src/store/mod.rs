@@ -141,7 +141,8 @@ impl<T> Verdict<T> {
 /// Implementations must decide all tiers of one check atomically: a rejected request charges no
 /// tier, and concurrent checks on one key never both take the last unit.
 ///
-/// A store wrapping another one (to count calls, say) delegates each method:
+/// A store wrapping another one (to count calls, say) delegates each method (the provided ones
+/// too, or it loses what the inner store does better than the defaults):
 ///
 /// ```
 /// use std::sync::Arc;
@@ -173,6 +174,16 @@ impl<T> Verdict<T> {
 ///     async fn settle(&self, bound: &Self::Bound, ticket: Self::Ticket, cost: u64)
 ///         -> Result<(), StoreError> {
 ///         self.inner.settle(bound, ticket, cost).await
+///     }
+///
+///     async fn settle_tiers(&self, bound: &Self::Bound, ticket: &mut Self::Ticket,
+///         costs: &[(usize, u64)]) -> Result<(), StoreError> {
+///         self.inner.settle_tiers(bound, ticket, costs).await
+///     }
+///
+///     fn released(&self, bound: &Self::Bound, key: &Key)
+///         -> impl std::future::Future<Output = ()> + Send + 'static {
+///         self.inner.released(bound, key)
 ///     }
 /// }
 ///

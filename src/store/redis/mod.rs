@@ -170,7 +170,8 @@ impl RedisPolicy {
     }
 
     /// The Redis key of the state of `key` (for inspection: `TTL`, `EXISTS`). Sliding-log
-    /// policies also use `{this}:z1`, `{this}:z2`, ... per tier.
+    /// policies also use `{this}:z1`, `{this}:z2`, ... per rate tier, and concurrency tiers
+    /// `{this}:c1`, `{this}:c2`, ... (their leases).
     #[must_use]
     pub fn state_key(&self, key: &Key) -> String {
         script::state_key(&self.key_parts, key)
