@@ -60,7 +60,7 @@ pub struct MonotonicClock {
 }
 
 /// Nanoseconds since the Unix epoch now, by the system clock (0 before 1970).
-pub(crate) fn unix_now() -> u64 {
+fn unix_now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, duration_to_nanos)
 }
 

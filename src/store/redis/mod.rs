@@ -25,7 +25,7 @@ use super::memory::{MemoryPolicy, MemoryTicket};
 use super::{Check, MemoryStore, Store, Verdict};
 use crate::algorithm::Charges;
 use crate::algorithm::slots::{self, Holds};
-use crate::clock::{AnyClock, Clock, duration_to_nanos, unix_now};
+use crate::clock::{AnyClock, Clock, duration_to_nanos};
 use crate::decision::Source;
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
@@ -392,7 +392,12 @@ impl Inner {
     /// This process's idea of now: the injected clock's, or the system's (nanoseconds since
     /// the Unix epoch). Only calendar tiers need it, for the windows a check sends.
     fn app_now(&self) -> u64 {
-        self.settings.clock.as_ref().map_or_else(unix_now, AnyClock::now)
+        let system = || {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, duration_to_nanos)
+        };
+        self.settings.clock.as_ref().map_or_else(system, AnyClock::now)
     }
 
     /// The cluster's slot map, read with `CLUSTER SLOTS` from the first node that answers.
