@@ -9,7 +9,7 @@ use smallvec::SmallVec;
 use crate::quota::Policy;
 
 /// "No duration" in the nanosecond fields below.
-const NONE: u64 = u64::MAX;
+pub(crate) const NONE: u64 = u64::MAX;
 
 fn optional(nanos: u64) -> Option<Duration> {
     (nanos != NONE).then(|| Duration::from_nanos(nanos))

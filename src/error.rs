@@ -75,6 +75,30 @@ pub enum ConfigError {
         /// The ceiling.
         max: u64,
     },
+    /// A concurrency tier's lease is shorter than 1 ms or longer than
+    /// [`MAX_SPAN`](crate::MAX_SPAN).
+    #[error("tier `{tier}`: lease {lease:?} must be between {min:?} and {max:?}")]
+    LeaseOutOfRange {
+        /// The tier's name.
+        tier: String,
+        /// The lease given.
+        lease: Duration,
+        /// The shortest lease.
+        min: Duration,
+        /// The longest lease.
+        max: Duration,
+    },
+    /// A calendar tier names a time zone the IANA time zone database does not have (or no
+    /// database was found: see the `tzdb-bundled` cargo feature).
+    #[error("tier `{tier}`: unknown time zone {zone:?}: {reason}")]
+    UnknownTimeZone {
+        /// The tier's name.
+        tier: String,
+        /// The zone's name, as given.
+        zone: String,
+        /// Why it was not found.
+        reason: String,
+    },
     /// Two tiers of one policy share a name.
     #[error("duplicate tier name `{0}`")]
     DuplicateTier(String),

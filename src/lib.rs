@@ -32,6 +32,13 @@
 //! Algorithms: GCRA (default), token bucket, leaky bucket, fixed window, sliding window log,
 //! sliding window counter; see [`Algorithm`].
 //!
+//! Beyond request rates, a policy's tiers can limit requests in flight per key
+//! ([`Concurrency`]), count calendar windows of a time zone ([`Calendar`]: "10,000 per month,
+//! from the 1st at 00:00 in the customer's time zone"), and count other [units](Unit) than
+//! requests (request or response bytes, tokens a handler reports): "5 requests/s **and**
+//! 1 MB/s per client". A request is admitted by every tier of its policy, and charged on every
+//! one, or refused and charged on none.
+//!
 //! Stores: [`MemoryStore`](store::MemoryStore) (default) keeps state in the process;
 //! `RedisStore` (cargo feature `redis`) shares it across a fleet through Redis, Redis Cluster or
 //! Valkey.
@@ -78,8 +85,9 @@ pub use layer::{
     DecisionEvent, LogKeys, MissingKey, Observed, OnStoreError, RateLimit, RateLimitLayer,
     RateLimitLayerBuilder, ResponseBody, ResponseFuture, Unselected,
 };
-pub use limiter::{Limiter, Reservation};
+pub use limiter::{Held, Limiter, Reservation};
 pub use quota::{
-    Algorithm, MAX_COUNT, MAX_SLIDING_LOG, MAX_SPAN, Policy, PolicyBuilder, Quota, Tier,
+    Algorithm, Calendar, CalendarPeriod, Concurrency, Costs, DEFAULT_LEASE, DEFAULT_TYPICAL_HOLD,
+    MAX_COUNT, MAX_SLIDING_LOG, MAX_SPAN, Policy, PolicyBuilder, Quota, Tier, TierKind, Unit,
 };
 pub use rejection::{QUOTA_EXCEEDED_TYPE, RateLimited, Rejection};

@@ -2,15 +2,27 @@
 //! check a frequency cap while choosing candidates and count only what is actually served.
 
 use std::fmt;
+use std::future::Future;
+use std::pin::pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
-use crate::decision::Decision;
+use tokio::sync::oneshot;
+
+use crate::decision::{Decision, Outcome};
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
-use crate::quota::Policy;
+use crate::quota::{Policy, TierKind, Unit};
 use crate::rejection::{RateLimited, Rejection, Surface};
 use crate::store::{Check, MemoryStore, Store, Verdict};
+
+/// The first wait between two tries of a request waiting for a concurrency slot on a store
+/// that cannot say when one is released (it doubles up to [`MAX_POLL`]).
+const FIRST_POLL: Duration = Duration::from_millis(2);
+
+/// The longest wait between two such tries.
+const MAX_POLL: Duration = Duration::from_millis(100);
 
 /// A policy bound to a store: the one place where requests are decided, by the layer and by
 /// code that calls it directly.
@@ -68,7 +80,7 @@ impl Limiter {
 
 impl Limiter<MemoryStore> {
     /// Decides `cost` units for `key` at once (a [`MemoryStore`] never waits), charging every
-    /// tier when admitted.
+    /// tier when admitted (concurrency slots are given back at once).
     #[inline]
     #[must_use]
     pub fn check_now(&self, key: &Key, cost: u64) -> Decision {
@@ -110,12 +122,21 @@ impl<St: Store> Limiter<St> {
     }
 
     /// Decides `cost` units for `key` now, charging every tier when admitted. The decision
-    /// says whether it was ([`Decision::is_allowed`]).
+    /// says whether it was ([`Decision::is_allowed`]). Concurrency slots it takes are given
+    /// back at once: to hold them while the work runs, [`reserve`](Self::reserve).
     ///
     /// # Errors
     /// [`StoreError`] when the store cannot decide.
     pub async fn check(&self, key: &Key, cost: u64) -> Result<Decision, StoreError> {
-        Ok(self.decide(Check::new(key, cost)).await?.decision)
+        let verdict = self.decide(Check::new(key, cost)).await?;
+        if let Some(ticket) = verdict.ticket {
+            // Slots taken: given back before returning, so that the next check sees them free.
+            let shared = &self.inner;
+            if let Err(error) = shared.store.release(&shared.bound, ticket).await {
+                tracing::warn!(%error, "tollgate: could not release concurrency slots");
+            }
+        }
+        Ok(verdict.decision)
     }
 
     /// Like [`check`](Self::check), with a refusal as an error: `Ok` when admitted, else
@@ -140,13 +161,13 @@ impl<St: Store> Limiter<St> {
     /// # Errors
     /// [`StoreError`] when the store cannot decide.
     pub async fn reserve(&self, key: &Key, cost: u64) -> Result<Reservation<St>, StoreError> {
-        let verdict = self.decide(Check::new(key, cost).with_ticket()).await?;
-        Ok(self.reservation(verdict))
+        self.reserve_with(Check::new(key, cost)).await
     }
 
     /// Reserves the earliest slot within `max_delay` (shaping): the decision's
     /// [`delay`](Decision::delay) says how long to wait before acting, and
-    /// [`Reservation::wait`] waits for it.
+    /// [`Reservation::wait`] waits for it. A full concurrency tier is waited for here, up to
+    /// `max_delay` (see [`reserve_with`](Self::reserve_with)).
     ///
     /// # Errors
     /// [`StoreError`] when the store cannot decide.
@@ -156,14 +177,116 @@ impl<St: Store> Limiter<St> {
         cost: u64,
         max_delay: Duration,
     ) -> Result<Reservation<St>, StoreError> {
-        let verdict = self.decide(Check::new(key, cost).shape(max_delay).with_ticket()).await?;
-        Ok(self.reservation(verdict))
+        self.reserve_with(Check::new(key, cost).shape(max_delay)).await
+    }
+
+    /// Decides `check` (its costs per tier, its shaping budget) and keeps the charge revocable:
+    /// what the layer calls for each request. The reservation always has a ticket when
+    /// something was charged.
+    ///
+    /// When shaping (`check.max_delay` is set) and the policy has concurrency tiers, a request
+    /// refused only because a concurrency tier is full (its rate and calendar tiers would admit
+    /// it within what is left of the budget) waits for a slot and tries again, until the budget
+    /// runs out: woken by the release on a [`MemoryStore`], polling every 2 ms to 100 ms
+    /// (doubling) on a store that cannot tell ([`Store::released`]). The budget counts from the
+    /// call, on tokio's clock; a reservation that then comes with a shaping delay has that
+    /// much of the budget left at most. Without a slot by then, the last refusal is returned.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::store::{Check, MemoryStore};
+    /// use tollgate::{Concurrency, Limiter, Policy, clock::TokioClock, key::Key};
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// let policy = Policy::builder("reports").concurrency("slots", Concurrency::new(1)).build().unwrap();
+    /// let store = MemoryStore::builder().clock(TokioClock::new()).build().unwrap();
+    /// let limiter = Limiter::with_store(policy, store).unwrap();
+    /// let first = limiter.reserve(&Key::Global, 1).await.unwrap();
+    /// let second = limiter.clone();
+    /// let waiter = tokio::spawn(async move {
+    ///     let check = Check::new(&Key::Global, 1).shape(Duration::from_secs(5));
+    ///     let r = second.reserve_with(check).await.unwrap();
+    ///     (r.decision().is_allowed(), tokio::time::Instant::now())
+    /// });
+    /// tokio::time::sleep(Duration::from_millis(300)).await;
+    /// let released = tokio::time::Instant::now();
+    /// first.release().await.unwrap();
+    /// assert_eq!(waiter.await.unwrap(), (true, released));
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot decide.
+    pub async fn reserve_with(&self, check: Check<'_>) -> Result<Reservation<St>, StoreError> {
+        let check = check.with_ticket();
+        let (Some(max), true) = (check.max_delay, self.policy().has_concurrency()) else {
+            let verdict = self.decide(check).await?;
+            return Ok(self.reservation(verdict));
+        };
+        let start = tokio::time::Instant::now();
+        let mut poll = FIRST_POLL;
+        loop {
+            // Before deciding: a release between the decision and the wait is not missed.
+            let released = self.inner.store.released(&self.inner.bound, check.key);
+            let left = max.saturating_sub(start.elapsed());
+            let verdict = self.decide(Check { max_delay: Some(left), ..check }).await?;
+            if left.is_zero() || !self.waits_for_a_slot(&verdict.decision, left) {
+                return Ok(self.reservation(verdict));
+            }
+            let nap = poll.min(left);
+            first_of(released, tokio::time::sleep(nap)).await;
+            poll = (poll * 2).min(MAX_POLL);
+        }
+    }
+
+    /// Whether `decision` refused a request only for want of a concurrency slot: every other
+    /// tier it violated would admit it within `left`.
+    fn waits_for_a_slot(&self, decision: &Decision, left: Duration) -> bool {
+        if decision.outcome() != Outcome::Limited {
+            return false;
+        }
+        let tiers = self.policy().tiers();
+        let mut slot = false;
+        for i in decision.violated() {
+            if tiers[i].kind() == TierKind::Concurrency {
+                slot = true;
+            } else if decision.tiers()[i].retry_after().is_none_or(|r| r > left) {
+                return false;
+            }
+        }
+        slot
+    }
+
+    /// Waits until `cost` units for `key` fit within `max_wait` and takes them, like
+    /// [`until_ready`](Self::until_ready), but keeps the [`Reservation`]: for a policy with
+    /// concurrency tiers, the slot is held until the reservation is released (or dropped).
+    ///
+    /// # Errors
+    /// As [`until_ready`](Self::until_ready).
+    pub async fn acquire(
+        &self,
+        key: &Key,
+        cost: u64,
+        max_wait: Duration,
+    ) -> Result<Reservation<St>, Rejection> {
+        let reservation =
+            self.reserve_within(key, cost, max_wait).await.map_err(Rejection::Unavailable)?;
+        if !reservation.decision().is_allowed() {
+            let decision = reservation.decision().clone();
+            return Err(Rejection::Limited(self.rate_limited(decision, Some(max_wait))));
+        }
+        let keep = reservation.cancel_on_drop;
+        let mut reservation = reservation.cancel_on_drop().wait().await;
+        reservation.cancel_on_drop = keep;
+        Ok(reservation)
     }
 
     /// Waits until `cost` units for `key` fit and takes them, like governor's
     /// `until_key_ready`: the earliest slot within `max_wait` is reserved at once (so concurrent
     /// waiters queue up rather than stampede) and slept through. Returns the decision when the
-    /// slot comes; if the returned future is dropped before, the slot is given back.
+    /// slot comes; if the returned future is dropped before, the slot is given back. A full
+    /// concurrency tier is waited for too; its slot is given back when this returns (use
+    /// [`acquire`](Self::acquire) to hold it).
     ///
     /// ```
     /// use std::time::Duration;
@@ -249,6 +372,16 @@ impl<St: Store> Limiter<St> {
         }
     }
 
+    /// The indices of the tiers counting `unit` (concurrency tiers count no unit).
+    fn tiers_counting(&self, unit: Unit) -> impl Iterator<Item = usize> + '_ {
+        self.policy()
+            .tiers()
+            .iter()
+            .enumerate()
+            .filter(move |(_, t)| t.unit() == unit && t.kind() != TierKind::Concurrency)
+            .map(|(i, _)| i)
+    }
+
     /// The refusal of `decision`; `budget` is the shaping budget it exceeded, if shaping.
     pub(crate) fn rate_limited(&self, decision: Decision, budget: Option<Duration>) -> RateLimited {
         RateLimited::new(decision, Arc::clone(&self.inner.surface), budget)
@@ -263,11 +396,49 @@ impl<St: Store> Limiter<St> {
     }
 }
 
-/// A decided request whose charge can still be given back or settled at another cost.
+/// A decided request whose charge can still be given back or settled at another cost, and
+/// which holds the concurrency slots it took until it is released.
 ///
 /// Dropped without [`commit`](Self::commit) or [`cancel`](Self::cancel) it is committed,
 /// unless [`cancel_on_drop`](Self::cancel_on_drop) was set; then the charge is given back on
-/// a spawned task (so this needs a tokio runtime; without one the charge is kept).
+/// a spawned task (so this needs a tokio runtime; without one the charge is kept). Either way
+/// its concurrency slots are released.
+///
+/// For the life of a request (what the layer does):
+///
+/// 1. [`Limiter::reserve_with`] with the request's [costs](Policy::costs): a reservation
+///    (it waits for a concurrency slot when shaping);
+/// 2. [`wait`](Self::wait) for its shaping delay, then [`hold`](Self::hold) it while the
+///    response is produced and streamed: a [`Held`] keeps the leases of a shared store
+///    refreshed;
+/// 3. when the response body ends, is dropped, or the handler panics:
+///    [`Held::finish`] with what was counted (request and response bytes, reported tokens),
+///    or just drop the [`Held`]: the slots are released and the estimates kept.
+///
+/// ```
+/// use tollgate::store::Check;
+/// use tollgate::{Concurrency, Limiter, Policy, Quota, Unit, key::Key};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let policy = Policy::builder("llm")
+///     .tier("requests", Quota::per_minute(60))
+///     .tier("tokens", Quota::per_minute(10_000).counting(Unit::Reported))
+///     .concurrency("in-flight", Concurrency::new(2))
+///     .build()
+///     .unwrap();
+/// let limiter = Limiter::new(policy.clone());
+/// let key = Key::text("alice");
+/// let costs = policy.costs(1, None);
+/// let r = limiter.reserve_with(Check::new(&key, 1).with_costs(&costs)).await.unwrap();
+/// assert!(r.decision().is_allowed());
+/// assert_eq!(r.decision().tiers()[2].remaining(), 1, "one slot taken");
+/// // The handler reports 1,500 tokens; the response ends.
+/// r.hold().finish(&[(Unit::Reported, 1_500)]);
+/// let d = limiter.check(&key, 0).await.unwrap();
+/// assert_eq!(d.tiers()[1].remaining(), 8_500);
+/// assert_eq!(d.tiers()[2].remaining(), 2, "the slot is back");
+/// # }
+/// ```
 #[must_use = "a reservation is committed when dropped; call cancel() to give it back"]
 pub struct Reservation<St: Store = MemoryStore> {
     limiter: Limiter<St>,
@@ -310,12 +481,109 @@ impl<St: Store> Reservation<St> {
         self
     }
 
-    /// Keeps the charge.
+    /// Keeps the charge, and releases the concurrency slots (in memory at once; on Redis from a
+    /// spawned task, or by lease expiry without a runtime).
     pub fn commit(mut self) {
         self.ticket = None;
     }
 
-    /// Gives the charge back to every tier.
+    /// Whether this reservation may hold concurrency slots (admitted, with a ticket, under a
+    /// policy with concurrency tiers).
+    #[must_use]
+    pub fn holds_slots(&self) -> bool {
+        self.ticket.is_some() && self.limiter.policy().has_concurrency()
+    }
+
+    /// Releases the concurrency slots and keeps every other charge, waiting for the store;
+    /// the hold is recorded for the tiers' typical hold.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot be reached (on Redis the slots then come back when
+    /// their leases expire).
+    pub async fn release(mut self) -> Result<(), StoreError> {
+        match self.ticket.take() {
+            Some(ticket) => {
+                let shared = &self.limiter.inner;
+                shared.store.release(&shared.bound, ticket).await
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Settles single tiers, and keeps holding: each `(tier index, cost)` settles that rate or
+    /// calendar tier at `cost` (see [`Store::settle_tiers`]); the other tiers, and the
+    /// concurrency slots, are left as they are. Settling again counts from the last settled
+    /// cost.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot be reached (nothing is settled then).
+    pub async fn settle_tiers(&mut self, costs: &[(usize, u64)]) -> Result<(), StoreError> {
+        match self.ticket.as_mut() {
+            Some(ticket) => {
+                let shared = &self.limiter.inner;
+                shared.store.settle_tiers(&shared.bound, ticket, costs).await
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Settles every tier counting `unit` at `cost`: the bytes a body turned out to have, the
+    /// tokens a handler reports. Nothing happens when no tier counts `unit`.
+    ///
+    /// # Errors
+    /// As [`settle_tiers`](Self::settle_tiers).
+    pub async fn settle_unit(&mut self, unit: Unit, cost: u64) -> Result<(), StoreError> {
+        let costs: Vec<(usize, u64)> =
+            self.limiter.tiers_counting(unit).map(|i| (i, cost)).collect();
+        if costs.is_empty() {
+            return Ok(());
+        }
+        self.settle_tiers(&costs).await
+    }
+
+    /// Extends the leases of the concurrency slots (on a store whose slots expire: Redis);
+    /// `Ok(false)` when a lease had expired already. Call it every
+    /// [`refresh_every`](Self::refresh_every), or let [`hold`](Self::hold) do it.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot be reached.
+    pub async fn refresh(&self) -> Result<bool, StoreError> {
+        match self.ticket.as_ref() {
+            Some(ticket) if self.holds_slots() => {
+                let shared = &self.limiter.inner;
+                shared.store.refresh(&shared.bound, ticket).await
+            }
+            _ => Ok(true),
+        }
+    }
+
+    /// How often to [`refresh`](Self::refresh): a third of the shortest lease, when this
+    /// reservation holds slots on a store whose slots expire; `None` otherwise.
+    #[must_use]
+    pub fn refresh_every(&self) -> Option<Duration> {
+        if !self.holds_slots() {
+            return None;
+        }
+        let shared = &self.limiter.inner;
+        shared.store.refresh_every(&shared.bound)
+    }
+
+    /// Holds the reservation while the work runs, for code that cannot await (a response
+    /// body's `poll_frame`): the returned [`Held`] refreshes the leases every
+    /// [`refresh_every`](Self::refresh_every) on a spawned task (only when there are leases
+    /// to refresh), and settles and releases when finished or dropped.
+    pub fn hold(self) -> Held<St> {
+        let (Some(every), Ok(handle)) =
+            (self.refresh_every(), tokio::runtime::Handle::try_current())
+        else {
+            return Held { state: HeldState::Here(Some(self)) };
+        };
+        let (tx, rx) = oneshot::channel::<Vec<(Unit, u64)>>();
+        handle.spawn(keep(self, every, rx));
+        Held { state: HeldState::Task(Some(tx)) }
+    }
+
+    /// Gives the charge back to every tier, and releases the concurrency slots.
     ///
     /// # Errors
     /// [`StoreError`] when the store cannot be reached.
@@ -324,7 +592,9 @@ impl<St: Store> Reservation<St> {
     }
 
     /// Settles at `cost` units instead of what was reserved (see [`Store::settle`]): 0 gives
-    /// everything back, less refunds the difference, more charges the extra.
+    /// everything back, less refunds the difference, more charges the extra. Every rate and
+    /// calendar tier is settled at `cost` (see [`settle_tiers`](Self::settle_tiers) for one
+    /// tier at a time), and the concurrency slots are released.
     ///
     /// # Errors
     /// [`StoreError`] when the store cannot be reached.
@@ -354,4 +624,129 @@ impl<St: Store> Drop for Reservation<St> {
             }
         });
     }
+}
+
+/// A [`Reservation`] held while its request runs (see [`Reservation::hold`]): every method is
+/// synchronous, so a response body can drive it from `poll_frame` and `Drop`.
+///
+/// Dropped, it releases the concurrency slots and keeps every charge as it stands (the
+/// estimates of the tiers settled later).
+#[must_use = "dropping a Held releases its slots at once"]
+pub struct Held<St: Store = MemoryStore> {
+    state: HeldState<St>,
+}
+
+enum HeldState<St: Store> {
+    /// No leases to refresh: the reservation itself.
+    Here(Option<Reservation<St>>),
+    /// A task holds it, refreshing its leases, until told to finish (or until this is dropped).
+    Task(Option<oneshot::Sender<Vec<(Unit, u64)>>>),
+}
+
+impl<St: Store> fmt::Debug for Held<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let refreshing = matches!(self.state, HeldState::Task(_));
+        f.debug_struct("Held").field("refreshing", &refreshing).finish_non_exhaustive()
+    }
+}
+
+impl<St: Store> Held<St> {
+    /// Settles each tier counting one of the units at the cost given with it (request bytes
+    /// counted while the body streamed, response bytes sent, tokens the handler reported), then
+    /// releases the concurrency slots. With a store that answers at once ([`MemoryStore`]) this
+    /// happens before it returns; otherwise on a spawned task (without a tokio runtime, the
+    /// settlement is skipped and the slots come back when their leases expire).
+    pub fn finish(mut self, settled: &[(Unit, u64)]) {
+        match &mut self.state {
+            HeldState::Here(reservation) => {
+                let Some(mut reservation) = reservation.take() else { return };
+                let settled = settled.to_vec();
+                run_or_spawn(async move {
+                    settle_units(&mut reservation, &settled).await;
+                    if let Err(error) = reservation.release().await {
+                        tracing::warn!(%error, "tollgate: could not release concurrency slots");
+                    }
+                });
+            }
+            HeldState::Task(tx) => {
+                if let Some(tx) = tx.take() {
+                    let _ = tx.send(settled.to_vec());
+                }
+            }
+        }
+    }
+}
+
+impl<St: Store> Drop for Held<St> {
+    fn drop(&mut self) {
+        if let HeldState::Here(Some(reservation)) = &mut self.state {
+            reservation.cancel_on_drop = false;
+        }
+        // The reservation (or the task's channel) goes: the slots are released.
+    }
+}
+
+/// Settles `reservation` at what was counted, logging failures.
+async fn settle_units<St: Store>(reservation: &mut Reservation<St>, settled: &[(Unit, u64)]) {
+    for &(unit, cost) in settled {
+        if let Err(error) = reservation.settle_unit(unit, cost).await {
+            tracing::warn!(%error, unit = unit.name(), "tollgate: could not settle a charge");
+        }
+    }
+}
+
+/// Holds `reservation`, refreshing its leases every `every`, until `finish` says what to settle
+/// (or its sender is dropped); then releases.
+async fn keep<St: Store>(
+    mut reservation: Reservation<St>,
+    every: Duration,
+    mut finish: oneshot::Receiver<Vec<(Unit, u64)>>,
+) {
+    loop {
+        match tokio::time::timeout(every, &mut finish).await {
+            Err(_) => match reservation.refresh().await {
+                Ok(true) => {}
+                Ok(false) => tracing::warn!(
+                    policy = reservation.limiter.policy().name(),
+                    "tollgate: a concurrency lease expired before it was refreshed"
+                ),
+                Err(error) => tracing::warn!(%error, "tollgate: could not refresh a lease"),
+            },
+            Ok(settled) => {
+                if let Ok(settled) = settled {
+                    settle_units(&mut reservation, &settled).await;
+                }
+                if let Err(error) = reservation.release().await {
+                    tracing::warn!(%error, "tollgate: could not release concurrency slots");
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// Runs `work` to completion now if it needs no waiting (a [`MemoryStore`]'s work), else on a
+/// spawned task; dropped without a runtime.
+fn run_or_spawn(work: impl Future<Output = ()> + Send + 'static) {
+    let mut work = Box::pin(work);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    if work.as_mut().poll(&mut cx).is_ready() {
+        return;
+    }
+    if let Ok(handle) = tokio::runtime::Handle::try_current() {
+        handle.spawn(work);
+    }
+}
+
+/// Waits for whichever of `a` and `b` finishes first.
+async fn first_of(a: impl Future<Output = ()>, b: impl Future<Output = ()>) {
+    let (mut a, mut b) = (pin!(a), pin!(b));
+    std::future::poll_fn(|cx| {
+        if a.as_mut().poll(cx).is_ready() || b.as_mut().poll(cx).is_ready() {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    })
+    .await;
 }

@@ -1,8 +1,13 @@
 //! Quotas, tiers and policies: what is limited, how much, and by which algorithm.
 
+use std::hash::{Hash, Hasher};
+use std::ops::Deref;
 use std::sync::Arc;
 use std::time::Duration;
 
+use smallvec::SmallVec;
+
+use crate::algorithm::calendar::WindowCache;
 use crate::clock::duration_to_nanos;
 use crate::error::ConfigError;
 
@@ -27,7 +32,8 @@ const NANOSECOND_SPAN: u128 = 1 << 50;
 /// A quota: `count` units per `period`, with a `burst` capacity.
 ///
 /// `count / period` is the sustained rate; `burst` is how many units may be spent at once after
-/// an idle spell (default: `count`). Units are requests unless the layer sets a cost.
+/// an idle spell (default: `count`). Units are requests unless the layer sets a cost, or the
+/// quota [counts](Self::counting) something else (bytes, tokens).
 ///
 /// ```
 /// use std::time::Duration;
@@ -41,13 +47,14 @@ pub struct Quota {
     count: u64,
     period: Duration,
     burst: u64,
+    unit: Unit,
 }
 
 impl Quota {
     /// `count` units per `period`, burst `count`. Validated when the policy is built.
     #[must_use]
     pub const fn new(count: u64, period: Duration) -> Self {
-        Self { count, period, burst: count }
+        Self { count, period, burst: count, unit: Unit::Requests }
     }
 
     /// `count` per second.
@@ -95,7 +102,7 @@ impl Quota {
     /// ```
     #[must_use]
     pub const fn redis_cell(max_burst: u64, count: u64, period: Duration) -> Self {
-        Self { count, period, burst: max_burst.saturating_add(1) }
+        Self { count, period, burst: max_burst.saturating_add(1), unit: Unit::Requests }
     }
 
     /// Units per period.
@@ -115,6 +122,357 @@ impl Quota {
     pub const fn burst(&self) -> u64 {
         self.burst
     }
+
+    /// The same quota counting `unit` instead of requests: `5 per second` of
+    /// [`Unit::Requests`] next to `1,000,000 per second` of [`Unit::RequestBytes`] limits a
+    /// client to 5 requests/s **and** 1 MB/s. See [`Unit`] for how each unit is charged.
+    ///
+    /// ```
+    /// use tollgate::{Policy, Quota, Unit};
+    ///
+    /// let policy = Policy::builder("upload")
+    ///     .tier("requests", Quota::per_second(5))
+    ///     .tier("bytes", Quota::per_second(1_000_000).counting(Unit::RequestBytes))
+    ///     .build()
+    ///     .unwrap();
+    /// assert_eq!(policy.tiers()[1].unit(), Unit::RequestBytes);
+    /// ```
+    #[must_use]
+    pub const fn counting(mut self, unit: Unit) -> Self {
+        self.unit = unit;
+        self
+    }
+
+    /// What the quota counts (default [`Unit::Requests`]).
+    #[must_use]
+    pub const fn unit(&self) -> Unit {
+        self.unit
+    }
+}
+
+/// What a tier counts: its cost per request.
+///
+/// A check says what each tier costs ([`Check::costs`](crate::store::Check::costs), built with
+/// [`Policy::costs`]); a tier whose cost is only known later is charged an estimate when the
+/// request is admitted (one unit: the request needs at least one unit free) and **settled** at
+/// the real amount afterwards ([`Reservation::settle_unit`](crate::Reservation::settle_unit)).
+/// A settlement charges the difference unconditionally (the work was done), so a tier can run
+/// into debt, which later requests then wait out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Unit {
+    /// Requests (default): a request costs the check's `cost`, usually 1.
+    #[default]
+    Requests,
+    /// Bytes of the request body: its `Content-Length` when the request has one; otherwise one
+    /// unit at admission, settled at the bytes counted while the body streams.
+    RequestBytes,
+    /// Bytes of the response body: one unit at admission, settled at the bytes sent.
+    ResponseBytes,
+    /// A cost the handler reports (for example the tokens an LLM call used): one unit at
+    /// admission, settled at what the handler reports.
+    Reported,
+}
+
+impl Unit {
+    /// The unit's name (`"requests"`, `"request_bytes"`, `"response_bytes"`, `"reported"`).
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Requests => "requests",
+            Self::RequestBytes => "request_bytes",
+            Self::ResponseBytes => "response_bytes",
+            Self::Reported => "reported",
+        }
+    }
+}
+
+/// The default lease of a concurrency slot on a shared store: 30 s (see
+/// [`Concurrency::with_lease`]).
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+
+/// The default typical hold of a concurrency slot before any has been observed: 1 s (see
+/// [`Concurrency::with_typical_hold`]).
+pub const DEFAULT_TYPICAL_HOLD: Duration = Duration::from_secs(1);
+
+/// The shortest lease and typical hold: 1 ms.
+const MIN_HOLD: Duration = Duration::from_millis(1);
+
+/// A concurrency limit: at most `max` requests in flight per key.
+///
+/// A slot is taken when a request is admitted (together with every other tier of the policy:
+/// all or nothing) and given back when the holder releases it
+/// ([`Reservation::release`](crate::Reservation::release), or by dropping the reservation).
+///
+/// On a shared store (Redis) a slot is a **lease**: it expires [`lease`](Self::lease) after it
+/// was taken or last refreshed, so that slots held by an app server that crashed come back by
+/// themselves. Holders refresh every third of the lease
+/// ([`Reservation::refresh`](crate::Reservation::refresh), or
+/// [`Reservation::hold`](crate::Reservation::hold), which does it for them). In memory a slot
+/// lives exactly as long as its holder (the process cannot crash without it).
+///
+/// A refusal's `Retry-After` is the **typical hold**: the average time the tier's slots were
+/// held (an exponentially weighted average, weight 1/8, of the holds the binding observed),
+/// [`typical_hold`](Self::typical_hold) until the first release; never below 1 ms.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::{Concurrency, Policy, Quota};
+///
+/// let policy = Policy::builder("reports")
+///     .concurrency("in-flight", Concurrency::new(4).with_lease(Duration::from_secs(60)))
+///     .tier("hourly", Quota::per_hour(100))
+///     .build()
+///     .unwrap();
+/// let slots = policy.tiers()[0].concurrency().unwrap();
+/// assert_eq!((slots.max(), slots.refresh_every()), (4, Duration::from_secs(20)));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Concurrency {
+    max: u64,
+    lease: Duration,
+    typical_hold: Duration,
+}
+
+impl Concurrency {
+    /// At most `max` requests in flight per key (a request takes one slot), with the default
+    /// lease ([`DEFAULT_LEASE`]) and typical hold ([`DEFAULT_TYPICAL_HOLD`]).
+    #[must_use]
+    pub const fn new(max: u64) -> Self {
+        Self { max, lease: DEFAULT_LEASE, typical_hold: DEFAULT_TYPICAL_HOLD }
+    }
+
+    /// How long a slot on a shared store lasts without a refresh: at least 1 ms, at most
+    /// [`MAX_SPAN`] (checked when the policy is built; rounded up to milliseconds). Choose it
+    /// well above the time a refresh takes to arrive: holders refresh every third of it.
+    #[must_use]
+    pub const fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The hold reported as `Retry-After` until a slot of the tier has been released (then the
+    /// observed average takes over). At least 1 ms (a shorter one counts as 1 ms).
+    #[must_use]
+    pub const fn with_typical_hold(mut self, hold: Duration) -> Self {
+        self.typical_hold = hold;
+        self
+    }
+
+    /// Slots per key.
+    #[must_use]
+    pub const fn max(&self) -> u64 {
+        self.max
+    }
+
+    /// The lease of a slot on a shared store.
+    #[must_use]
+    pub const fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// The initial typical hold.
+    #[must_use]
+    pub const fn typical_hold(&self) -> Duration {
+        self.typical_hold
+    }
+
+    /// How often a holder refreshes its lease: a third of it.
+    #[must_use]
+    pub const fn refresh_every(&self) -> Duration {
+        Duration::from_nanos((self.lease.as_nanos() / 3) as u64)
+    }
+}
+
+/// The calendar unit of a [`Calendar`] tier's windows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum CalendarPeriod {
+    /// From second 0 of each minute of the zone's clock.
+    Minute,
+    /// From minute 0 of each hour of the zone's clock (a zone's offset change starts a new
+    /// window: the repeated hour of a change back from daylight-saving time is a window of its
+    /// own).
+    Hour,
+    /// From 00:00 of each day (a day is 23 or 25 hours long across a daylight-saving change;
+    /// where midnight is skipped, the day starts at the first instant after it).
+    Day,
+    /// From 00:00 on Monday (ISO 8601 weeks).
+    Week,
+    /// From 00:00 on the 1st.
+    Month,
+    /// From 00:00 on January 1st.
+    Year,
+}
+
+impl CalendarPeriod {
+    /// Every period, shortest first.
+    pub const ALL: [Self; 6] =
+        [Self::Minute, Self::Hour, Self::Day, Self::Week, Self::Month, Self::Year];
+
+    /// The period's name (`"minute"`, ..., `"year"`).
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Minute => "minute",
+            Self::Hour => "hour",
+            Self::Day => "day",
+            Self::Week => "week",
+            Self::Month => "month",
+            Self::Year => "year",
+        }
+    }
+
+    /// The longest a window of this period lasts (a day of 25 hours, a month of 31 days, a
+    /// year of 366 days), used where one length has to stand for all (the `w` parameter of
+    /// `RateLimit-Policy`).
+    #[must_use]
+    pub const fn longest(self) -> Duration {
+        const H: u64 = 3600;
+        Duration::from_secs(match self {
+            Self::Minute => 60,
+            Self::Hour => H,
+            Self::Day => 25 * H,
+            Self::Week => 7 * 24 * H + H,
+            Self::Month => 31 * 24 * H + H,
+            Self::Year => 366 * 24 * H + H,
+        })
+    }
+}
+
+/// A calendar quota: `count` units per calendar window (minute, hour, day, ISO week, month,
+/// year) of UTC or of a named IANA time zone, e.g. "10,000 per month, resetting on the 1st at
+/// 00:00 in the customer's time zone".
+///
+/// Windows follow the zone's clock, daylight-saving changes included (the time zone
+/// arithmetic is [jiff](https://docs.rs/jiff)'s, over the IANA time zone database). Instants of
+/// the store's clock are taken as nanoseconds since the Unix epoch, UTC (as the built-in
+/// clocks count). A refused request's `Retry-After`, and the tier's `reset_after`, point to the
+/// start of the next window.
+///
+/// When shaping, a request may be reserved units in the current window or one of the next
+/// seven (8 windows in all: eight minutes for a per-minute tier). A request that fits none of
+/// them is refused whatever the budget, with `retry_after` the end of the current window (when
+/// the eight windows move on).
+///
+/// ```
+/// use tollgate::{Calendar, Policy};
+///
+/// let policy = Policy::builder("plan")
+///     .calendar("monthly", Calendar::per_month(10_000).in_time_zone("America/New_York"))
+///     .build()
+///     .unwrap();
+/// assert_eq!(policy.tiers()[0].calendar().unwrap().time_zone(), "America/New_York");
+///
+/// let err = Policy::builder("plan")
+///     .calendar("monthly", Calendar::per_month(10).in_time_zone("Mars/Olympus_Mons"))
+///     .build()
+///     .unwrap_err();
+/// assert!(err.to_string().starts_with("tier `monthly`: unknown time zone \"Mars/Olympus_Mons\""));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Calendar {
+    count: u64,
+    period: CalendarPeriod,
+    /// `None`: UTC.
+    zone: Option<Arc<str>>,
+    unit: Unit,
+}
+
+impl Calendar {
+    /// `count` units per `period`, in UTC.
+    #[must_use]
+    pub const fn new(count: u64, period: CalendarPeriod) -> Self {
+        Self { count, period, zone: None, unit: Unit::Requests }
+    }
+
+    /// `count` per minute of the clock.
+    #[must_use]
+    pub const fn per_minute(count: u64) -> Self {
+        Self::new(count, CalendarPeriod::Minute)
+    }
+
+    /// `count` per hour of the clock.
+    #[must_use]
+    pub const fn per_hour(count: u64) -> Self {
+        Self::new(count, CalendarPeriod::Hour)
+    }
+
+    /// `count` per calendar day.
+    #[must_use]
+    pub const fn per_day(count: u64) -> Self {
+        Self::new(count, CalendarPeriod::Day)
+    }
+
+    /// `count` per ISO week (from Monday 00:00).
+    #[must_use]
+    pub const fn per_week(count: u64) -> Self {
+        Self::new(count, CalendarPeriod::Week)
+    }
+
+    /// `count` per calendar month.
+    #[must_use]
+    pub const fn per_month(count: u64) -> Self {
+        Self::new(count, CalendarPeriod::Month)
+    }
+
+    /// `count` per calendar year.
+    #[must_use]
+    pub const fn per_year(count: u64) -> Self {
+        Self::new(count, CalendarPeriod::Year)
+    }
+
+    /// Windows of the named IANA time zone (`"Europe/Berlin"`, `"America/New_York"`,
+    /// `"UTC"`). The name is looked up when the policy is built: an unknown one is a
+    /// [`ConfigError::UnknownTimeZone`].
+    #[must_use]
+    pub fn in_time_zone(mut self, zone: impl Into<String>) -> Self {
+        self.zone = Some(zone.into().into());
+        self
+    }
+
+    /// The same quota counting `unit` instead of requests (see [`Quota::counting`]).
+    #[must_use]
+    pub const fn counting(mut self, unit: Unit) -> Self {
+        self.unit = unit;
+        self
+    }
+
+    /// Units per window.
+    #[must_use]
+    pub const fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// The calendar unit of the windows.
+    #[must_use]
+    pub const fn period(&self) -> CalendarPeriod {
+        self.period
+    }
+
+    /// The time zone's name (`"UTC"` unless one was given).
+    #[must_use]
+    pub fn time_zone(&self) -> &str {
+        self.zone.as_deref().unwrap_or("UTC")
+    }
+
+    /// What the tier counts.
+    #[must_use]
+    pub const fn unit(&self) -> Unit {
+        self.unit
+    }
+}
+
+/// What kind of limit a [`Tier`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum TierKind {
+    /// A rate: a [`Quota`] run by the policy's [`Algorithm`].
+    Rate,
+    /// A [`Concurrency`] limit: requests in flight.
+    Concurrency,
+    /// A [`Calendar`] quota.
+    Calendar,
 }
 
 /// The algorithm a policy runs, the same in every store.
@@ -186,6 +544,54 @@ pub struct Tier {
     name: Arc<str>,
     quota: Quota,
     pub(crate) rate: Rate,
+    pub(crate) kind: Kind,
+}
+
+/// A tier's kind, with what deciding it needs.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum Kind {
+    /// A rate, run by the policy's algorithm over `Tier::rate`.
+    Rate,
+    /// Requests in flight.
+    Concurrency(Slots),
+    /// Calendar windows.
+    Calendar(Arc<CalendarSpec>),
+}
+
+/// A concurrency tier, validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Slots {
+    pub(crate) spec: Concurrency,
+    /// Slots per key.
+    pub(crate) max: u64,
+    /// The lease on shared stores, whole milliseconds.
+    pub(crate) lease_ms: u64,
+    /// The typical hold before any was observed, nanoseconds (at least 1 ms).
+    pub(crate) initial_hold: u64,
+}
+
+/// A calendar tier, validated: its zone looked up, and the window the clock was last in.
+#[derive(Debug)]
+pub(crate) struct CalendarSpec {
+    pub(crate) calendar: Calendar,
+    pub(crate) zone: jiff::tz::TimeZone,
+    pub(crate) cache: WindowCache,
+}
+
+// A calendar tier is what its `Calendar` says: the zone is looked up from its name, and the
+// cache is only a cache.
+impl PartialEq for CalendarSpec {
+    fn eq(&self, other: &Self) -> bool {
+        self.calendar == other.calendar
+    }
+}
+
+impl Eq for CalendarSpec {}
+
+impl Hash for CalendarSpec {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.calendar.hash(state);
+    }
 }
 
 /// A quota in the algorithms' units: counts, and time in the policy's unit (nanoseconds, or
@@ -214,10 +620,80 @@ impl Tier {
     }
 
     /// The most units one request can ever consume on this tier: `burst` for the buckets and
-    /// GCRA, `count` for the window algorithms.
+    /// GCRA, `count` for the window algorithms and calendar tiers, the slots of a concurrency
+    /// tier.
     #[must_use]
     pub fn capacity(&self) -> u64 {
         self.rate.burst
+    }
+
+    /// What kind of limit the tier is. For a concurrency tier, [`quota`](Self::quota) is
+    /// `max` per lease; for a calendar tier, `count` per the longest window
+    /// ([`CalendarPeriod::longest`]).
+    #[must_use]
+    pub fn kind(&self) -> TierKind {
+        match self.kind {
+            Kind::Rate => TierKind::Rate,
+            Kind::Concurrency(_) => TierKind::Concurrency,
+            Kind::Calendar(_) => TierKind::Calendar,
+        }
+    }
+
+    /// The concurrency limit, for a concurrency tier.
+    #[must_use]
+    pub fn concurrency(&self) -> Option<Concurrency> {
+        match &self.kind {
+            Kind::Concurrency(s) => Some(s.spec),
+            _ => None,
+        }
+    }
+
+    /// The calendar quota, for a calendar tier.
+    #[must_use]
+    pub fn calendar(&self) -> Option<&Calendar> {
+        match &self.kind {
+            Kind::Calendar(c) => Some(&c.calendar),
+            _ => None,
+        }
+    }
+
+    /// What the tier counts ([`Unit::Requests`] for a concurrency tier: requests in flight).
+    #[must_use]
+    pub fn unit(&self) -> Unit {
+        self.quota.unit
+    }
+
+    /// The cost of this tier for a check of `cost` that gives no per-tier costs: `cost` for a
+    /// tier counting requests; one unit (none for a query, `cost` 0) for a concurrency tier
+    /// (one slot) and for a tier counting anything else (a first unit, settled later).
+    #[must_use]
+    pub fn default_cost(&self, cost: u64) -> u64 {
+        match (&self.kind, self.quota.unit) {
+            (Kind::Concurrency(_), _) => cost.min(1),
+            (_, Unit::Requests) => cost,
+            _ => cost.min(1),
+        }
+    }
+}
+
+/// The cost of each tier of a policy for one request, in the policy's tier order: what
+/// [`Check::costs`](crate::store::Check::costs) takes. See [`Policy::costs`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Costs(SmallVec<[u64; 4]>);
+
+impl Costs {
+    /// Costs given tier by tier.
+    #[must_use]
+    pub fn from_slice(costs: &[u64]) -> Self {
+        Self(SmallVec::from_slice(costs))
+    }
+}
+
+impl Deref for Costs {
+    type Target = [u64];
+
+    fn deref(&self) -> &[u64] {
+        &self.0
     }
 }
 
@@ -247,6 +723,9 @@ pub struct Policy {
     tiers: Arc<[Tier]>,
     /// Nanoseconds per time unit of the tiers' rates: 1, or 1,000 for a long span.
     unit: u64,
+    /// Every tier a rate counting requests: the policies decided as before there were other
+    /// kinds, on the same paths (compact GCRA tables in memory, the rate scripts on Redis).
+    plain: bool,
 }
 
 impl Policy {
@@ -254,6 +733,64 @@ impl Policy {
     /// part of every store key).
     pub fn builder(name: impl Into<String>) -> PolicyBuilder {
         PolicyBuilder { name: name.into(), algorithm: Algorithm::default(), tiers: Vec::new() }
+    }
+
+    /// The cost of each tier for one request costing `requests` units (0 for a query, which
+    /// charges nothing) whose body is `request_bytes` long, if known (its `Content-Length`):
+    ///
+    /// - tiers counting [`Unit::Requests`]: `requests`;
+    /// - [`Unit::RequestBytes`]: `request_bytes`, or one unit when unknown (settled later);
+    /// - [`Unit::ResponseBytes`], [`Unit::Reported`]: one unit, settled later;
+    /// - concurrency tiers: one slot.
+    ///
+    /// ```
+    /// use tollgate::{Concurrency, Policy, Quota, Unit};
+    ///
+    /// let policy = Policy::builder("llm")
+    ///     .tier("requests", Quota::per_minute(60))
+    ///     .tier("upload", Quota::per_second(1_000_000).counting(Unit::RequestBytes))
+    ///     .tier("tokens", Quota::per_minute(100_000).counting(Unit::Reported))
+    ///     .concurrency("in-flight", Concurrency::new(4))
+    ///     .build()
+    ///     .unwrap();
+    /// assert_eq!(&*policy.costs(1, Some(2_048)), [1, 2_048, 1, 1]);
+    /// assert_eq!(&*policy.costs(1, None), [1, 1, 1, 1]);
+    /// assert_eq!(&*policy.costs(0, Some(2_048)), [0, 0, 0, 0]);
+    /// ```
+    #[must_use]
+    pub fn costs(&self, requests: u64, request_bytes: Option<u64>) -> Costs {
+        Costs(
+            self.tiers
+                .iter()
+                .map(|t| match (t.unit(), request_bytes) {
+                    (Unit::RequestBytes, Some(bytes)) if requests > 0 => bytes,
+                    _ => t.default_cost(requests),
+                })
+                .collect(),
+        )
+    }
+
+    /// Whether every tier is a rate counting requests.
+    pub(crate) fn is_plain(&self) -> bool {
+        self.plain
+    }
+
+    /// The cost of tier `i` for a check of `cost` with per-tier `costs`: a plain policy's tiers
+    /// all take `cost`; otherwise `costs[i]`, or the tier's default cost where `costs` is short.
+    #[inline]
+    pub(crate) fn tier_cost(&self, i: usize, cost: u64, costs: &[u64]) -> u64 {
+        if self.plain {
+            return cost;
+        }
+        match costs.get(i) {
+            Some(c) => *c,
+            None => self.tiers[i].default_cost(cost),
+        }
+    }
+
+    /// Whether some tier is a concurrency tier.
+    pub(crate) fn has_concurrency(&self) -> bool {
+        self.tiers.iter().any(|t| matches!(t.kind, Kind::Concurrency(_)))
     }
 
     /// A one-tier GCRA policy whose tier is named like the policy.
@@ -314,13 +851,34 @@ impl Policy {
 pub struct PolicyBuilder {
     name: String,
     algorithm: Algorithm,
-    tiers: Vec<(String, Quota)>,
+    tiers: Vec<(String, Spec)>,
+}
+
+/// A tier as given to the builder.
+#[derive(Debug, Clone)]
+enum Spec {
+    Rate(Quota),
+    Concurrency(Concurrency),
+    Calendar(Calendar),
 }
 
 impl PolicyBuilder {
-    /// Adds a tier named `name` (printable ASCII, unique within the policy).
+    /// Adds a rate tier named `name` (printable ASCII, unique within the policy), run by the
+    /// policy's [`algorithm`](Self::algorithm).
     pub fn tier(mut self, name: impl Into<String>, quota: Quota) -> Self {
-        self.tiers.push((name.into(), quota));
+        self.tiers.push((name.into(), Spec::Rate(quota)));
+        self
+    }
+
+    /// Adds a concurrency tier: at most [`Concurrency::max`] requests of a key in flight.
+    pub fn concurrency(mut self, name: impl Into<String>, limit: Concurrency) -> Self {
+        self.tiers.push((name.into(), Spec::Concurrency(limit)));
+        self
+    }
+
+    /// Adds a calendar tier: [`Calendar::count`] units per calendar window.
+    pub fn calendar(mut self, name: impl Into<String>, quota: Calendar) -> Self {
+        self.tiers.push((name.into(), Spec::Calendar(quota)));
         self
     }
 
@@ -335,31 +893,105 @@ impl PolicyBuilder {
     /// # Errors
     /// [`ConfigError`] naming the tier when a count, period or burst is zero or too large, when
     /// a span exceeds [`MAX_SPAN`], when a window algorithm gets a burst other than its count,
-    /// when a sliding log exceeds [`MAX_SLIDING_LOG`], when tier names repeat, when there are no
-    /// tiers, or when a name is empty or not printable ASCII.
+    /// when a sliding log exceeds [`MAX_SLIDING_LOG`], when a concurrency tier's lease is out of
+    /// range, when a calendar tier's time zone is unknown, when tier names repeat, when there
+    /// are no tiers, or when a name is empty or not printable ASCII.
     pub fn build(self) -> Result<Policy, ConfigError> {
         check_name(&self.name)?;
         if self.tiers.is_empty() {
             return Err(ConfigError::NoTiers(self.name));
         }
         let mut tiers = Vec::with_capacity(self.tiers.len());
-        for (name, quota) in self.tiers {
+        for (name, spec) in self.tiers {
             check_name(&name)?;
             if tiers.iter().any(|t: &Tier| *t.name == *name) {
                 return Err(ConfigError::DuplicateTier(name));
             }
-            let rate = validate(&name, quota, self.algorithm)?;
-            tiers.push(Tier { name: name.into(), quota, rate });
+            let (quota, rate, kind) = match spec {
+                Spec::Rate(quota) => (quota, validate(&name, quota, self.algorithm)?, Kind::Rate),
+                Spec::Concurrency(c) => concurrency(&name, c)?,
+                Spec::Calendar(c) => calendar(&name, c)?,
+            };
+            tiers.push(Tier { name: name.into(), quota, rate, kind });
         }
-        let unit = if tiers.iter().all(|t| span(t.rate) <= NANOSECOND_SPAN) { 1 } else { 1000 };
+        // Only rates set the policy's precision: concurrency and calendar tiers count whole
+        // slots and windows that start on whole seconds, exact in either unit.
+        let rates = || tiers.iter().filter(|t| t.kind == Kind::Rate);
+        let unit = if rates().all(|t| span(t.rate) <= NANOSECOND_SPAN) { 1 } else { 1000 };
         for t in &mut tiers {
             t.rate.period = t.rate.period.div_ceil(unit);
-            if span(t.rate) > NANOSECOND_SPAN {
+            if t.kind == Kind::Rate && span(t.rate) > NANOSECOND_SPAN {
                 return Err(ConfigError::SpanTooLong { tier: t.name.to_string(), max: MAX_SPAN });
             }
         }
-        Ok(Policy { name: self.name.into(), algorithm: self.algorithm, tiers: tiers.into(), unit })
+        let plain = tiers.iter().all(|t| t.kind == Kind::Rate && t.quota.unit == Unit::Requests);
+        Ok(Policy {
+            name: self.name.into(),
+            algorithm: self.algorithm,
+            tiers: tiers.into(),
+            unit,
+            plain,
+        })
     }
+}
+
+/// Validates a concurrency tier: its quota (`max` per lease), rate and kind.
+fn concurrency(tier: &str, c: Concurrency) -> Result<(Quota, Rate, Kind), ConfigError> {
+    let tier_s = || tier.to_owned();
+    if c.max == 0 {
+        return Err(ConfigError::ZeroCount { tier: tier_s() });
+    }
+    if c.max > MAX_COUNT {
+        return Err(ConfigError::TooLarge {
+            tier: tier_s(),
+            what: "max",
+            value: c.max,
+            max: MAX_COUNT,
+        });
+    }
+    if c.lease < MIN_HOLD || c.lease > MAX_SPAN {
+        return Err(ConfigError::LeaseOutOfRange {
+            tier: tier_s(),
+            lease: c.lease,
+            min: MIN_HOLD,
+            max: MAX_SPAN,
+        });
+    }
+    let lease_ms = duration_to_nanos(c.lease).div_ceil(1_000_000);
+    let initial_hold = duration_to_nanos(c.typical_hold.max(MIN_HOLD));
+    let quota = Quota::new(c.max, c.lease);
+    let rate = Rate { count: c.max, period: lease_ms * 1_000_000, burst: c.max };
+    let slots = Slots { spec: c, max: c.max, lease_ms, initial_hold };
+    Ok((quota, rate, Kind::Concurrency(slots)))
+}
+
+/// Validates a calendar tier and looks its time zone up.
+fn calendar(tier: &str, c: Calendar) -> Result<(Quota, Rate, Kind), ConfigError> {
+    let tier_s = || tier.to_owned();
+    if c.count == 0 {
+        return Err(ConfigError::ZeroCount { tier: tier_s() });
+    }
+    if c.count > MAX_COUNT {
+        return Err(ConfigError::TooLarge {
+            tier: tier_s(),
+            what: "count",
+            value: c.count,
+            max: MAX_COUNT,
+        });
+    }
+    let zone = match &c.zone {
+        None => jiff::tz::TimeZone::UTC,
+        Some(name) => jiff::tz::TimeZone::get(name).map_err(|e| ConfigError::UnknownTimeZone {
+            tier: tier_s(),
+            zone: name.to_string(),
+            reason: e.to_string(),
+        })?,
+    };
+    let longest = c.period.longest();
+    let quota = Quota::new(c.count, longest).counting(c.unit);
+    let rate = Rate { count: c.count, period: duration_to_nanos(longest), burst: c.count };
+    let spec = CalendarSpec { calendar: c, zone, cache: WindowCache::default() };
+    Ok((quota, rate, Kind::Calendar(Arc::new(spec))))
 }
 
 /// A rate's longest span in its time unit: the period, or the time its burst takes to refill.
@@ -408,4 +1040,55 @@ fn validate(tier: &str, q: Quota, algorithm: Algorithm) -> Result<Rate, ConfigEr
         });
     }
     Ok(Rate { count: q.count, period, burst: q.burst })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_are_validated_by_tier_name() {
+        let err = |b: PolicyBuilder| b.build().unwrap_err();
+        let p = || Policy::builder("p");
+        assert_eq!(
+            err(p().concurrency("c", Concurrency::new(0))),
+            ConfigError::ZeroCount { tier: "c".into() }
+        );
+        assert!(matches!(
+            err(p().concurrency("c", Concurrency::new(2).with_lease(Duration::ZERO))),
+            ConfigError::LeaseOutOfRange { tier, .. } if tier == "c"
+        ));
+        assert_eq!(
+            err(p().calendar("m", Calendar::per_month(0))),
+            ConfigError::ZeroCount { tier: "m".into() }
+        );
+        assert!(matches!(
+            err(p().calendar("m", Calendar::per_month(5).in_time_zone("Nowhere/Atlantis"))),
+            ConfigError::UnknownTimeZone { tier, zone, .. } if tier == "m" && zone == "Nowhere/Atlantis"
+        ));
+    }
+
+    #[test]
+    fn only_rates_count_requests_on_the_plain_paths() {
+        let plain = Policy::builder("p").tier("a", Quota::per_second(1)).build().unwrap();
+        assert!(plain.is_plain());
+        let bytes = Policy::builder("p")
+            .tier("a", Quota::per_second(1).counting(Unit::ResponseBytes))
+            .build()
+            .unwrap();
+        assert!(!bytes.is_plain());
+        // A yearly calendar tier does not move the rates to microseconds.
+        let mixed = Policy::builder("p")
+            .tier("a", Quota::per_second(10))
+            .calendar("y", Calendar::per_year(1000))
+            .concurrency("c", Concurrency::new(3).with_lease(Duration::from_secs(86_400 * 365)))
+            .build()
+            .unwrap();
+        assert_eq!(mixed.precision(), Duration::from_nanos(1));
+        assert_eq!(mixed.tiers()[2].capacity(), 3);
+        assert_eq!(mixed.tier_cost(0, 7, &[]), 7);
+        assert_eq!(mixed.tier_cost(2, 7, &[]), 1);
+        assert_eq!(mixed.tier_cost(1, 7, &[7, 2]), 2);
+        assert_eq!(plain.tier_cost(0, 7, &[1]), 7, "a plain policy takes `cost` on every tier");
+    }
 }

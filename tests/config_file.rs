@@ -8,13 +8,14 @@ mod support;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
 use axum::routing::{get as route_get, post as route_post};
 use http::{Request, StatusCode};
+use support::logs::Captured;
 use support::{client, get, serve};
 use tollgate::clock::TokioClock;
 use tollgate::config::{ConfigFileError, LimitsConfig, LimitsLayer, ReloadHandle};
@@ -575,32 +576,11 @@ async fn a_refused_file_leaves_the_running_configuration() {
     assert_eq!(handle.config().policy("changing").unwrap().tiers()[0].quota().count(), 2);
 }
 
-/// Log lines, captured.
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Logs {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-}
-
 /// Runs the watcher until `done` holds, on the paused clock (which does not jump while the
 /// watcher reads the file): at most 100 ticks.
 async fn watch_until(
     handle: &ReloadHandle,
-    logs: &Logs,
+    logs: &Captured,
     done: impl Fn(&ReloadHandle, &str) -> bool,
 ) {
     for _ in 0..100 {
@@ -614,14 +594,7 @@ async fn watch_until(
 
 #[tokio::test(start_paused = true)]
 async fn the_watcher_reloads_changes_and_logs_refused_files() {
-    let logs = Logs::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::INFO)
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let logs = Captured::start(tracing::Level::INFO);
 
     let dir = TempDir::new("watch");
     let path = dir.write("tollgate.toml", &two_policies(2));

@@ -31,8 +31,7 @@ fn detail(body: &[u8]) -> String {
 
 #[tokio::test]
 async fn served_without_connect_info_the_refusal_says_how_to_serve() {
-    let logs = Captured::default();
-    let _guard = tracing::subscriber::set_default(logs.subscriber(tracing::Level::INFO));
+    let logs = Captured::start(tracing::Level::INFO);
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(RateLimitLayer::builder(policy()).build().unwrap());

@@ -116,8 +116,7 @@ async fn the_hook_sees_how_long_shaped_requests_were_held() {
 
 #[tokio::test]
 async fn dry_run_reports_each_would_be_refusal_with_a_redacted_key() {
-    let logs = Captured::default();
-    let _guard = tracing::subscriber::set_default(logs.subscriber(tracing::Level::INFO));
+    let logs = Captured::start(tracing::Level::INFO);
     let policy = Policy::single("plan", Quota::per_hour(1)).unwrap();
     let (layer, seen) =
         recording_layer(RateLimitLayer::builder(policy.clone()).key(api_key()).dry_run(true));
@@ -142,8 +141,7 @@ async fn dry_run_reports_each_would_be_refusal_with_a_redacted_key() {
     assert!(!text.contains("secret"), "{text}");
 
     // Raw keys only on request.
-    let raw = Captured::default();
-    let _guard = tracing::subscriber::set_default(raw.subscriber(tracing::Level::INFO));
+    let raw = Captured::start(tracing::Level::INFO);
     let layer = RateLimitLayer::builder(policy)
         .key(api_key())
         .dry_run(true)
@@ -159,8 +157,7 @@ async fn dry_run_reports_each_would_be_refusal_with_a_redacted_key() {
 
 #[tokio::test]
 async fn refusals_are_logged_at_debug_with_a_redacted_key() {
-    let logs = Captured::default();
-    let _guard = tracing::subscriber::set_default(logs.subscriber(tracing::Level::DEBUG));
+    let logs = Captured::start(tracing::Level::DEBUG);
     let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
     let svc = RateLimitLayer::builder(policy).key(api_key()).build().unwrap().layer(service_fn(ok));
     for _ in 0..2 {
@@ -217,8 +214,7 @@ impl Store for Switch {
 
 #[tokio::test]
 async fn a_failing_store_is_logged_when_it_starts_and_when_it_ends_not_per_request() {
-    let logs = Captured::default();
-    let _guard = tracing::subscriber::set_default(logs.subscriber(tracing::Level::INFO));
+    let logs = Captured::start(tracing::Level::INFO);
     let store = Switch { inner: MemoryStore::new(), down: Arc::new(AtomicBool::new(true)) };
     let policy = Policy::single("p", Quota::per_hour(100)).unwrap();
     let seen: Seen = Arc::default();

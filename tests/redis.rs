@@ -12,10 +12,12 @@ use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use support::redis::{Cluster, Server};
 use tollgate::clock::FakeClock;
 use tollgate::key::{GlobalKey, Key};
-use tollgate::store::{BreakerState, MemoryStore, RedisStore, Store};
+use tollgate::store::{
+    BreakerState, Check, MemoryStore, MemoryTicket, RedisStore, RedisTicket, Store,
+};
 use tollgate::{
-    Algorithm, Decision, Limiter, OnStoreError, Policy, Quota, RateLimitLayer, Reservation, Source,
-    StoreError,
+    Algorithm, Calendar, CalendarPeriod, Concurrency, Decision, Limiter, OnStoreError, Policy,
+    Quota, RateLimitLayer, Source, StoreError, TierKind, Unit,
 };
 
 /// One check of `cost` units for `key` under `policy`, through `store`.
@@ -31,16 +33,36 @@ fn state_key(store: &RedisStore, policy: &Policy, key: &Key) -> String {
 
 // ---------------------------------------------------------------------------------------------
 // Differential traces: the same random requests through MemoryStore and RedisStore on one
-// fake clock must give identical decisions.
+// fake clock must give identical decisions. Policies are request rates (any algorithm), and
+// now and then mix in tiers of other kinds: concurrency slots, calendar windows (UTC, Berlin,
+// New York; traces start near daylight-saving changes too), rates counting other units.
+// Checks then carry a cost per tier, and tickets are settled tier by tier and released.
 
 #[derive(Debug, Clone)]
 enum Step {
     /// Moves the clock forward by this many nanoseconds.
     Advance(u64),
-    /// A request of `cost` on key `key`; `shape` is the shaping budget in nanoseconds.
-    Check { key: u8, cost: u64, shape: Option<u64> },
+    /// A request of `cost` (and `costs` per tier) on key `key`; `shape` is the shaping budget
+    /// in nanoseconds.
+    Check { key: u8, cost: u64, costs: Vec<u64>, shape: Option<u64> },
     /// Settles the `which`-th ticket still held (modulo their number) at `cost`.
     Settle { which: usize, cost: u64 },
+    /// Settles tier `tier` (modulo the tiers) of the `which`-th ticket at `cost`, keeping it.
+    SettleTier { which: usize, tier: usize, cost: u64 },
+    /// Releases the `which`-th ticket's slots, keeping its charges.
+    Release { which: usize },
+}
+
+/// A tier of another kind than the trace's rates.
+#[derive(Debug, Clone)]
+enum Extra {
+    /// A concurrency tier of this many slots.
+    Slots(u64),
+    /// A calendar tier: count, period (minute, hour, day, month), zone (UTC, Berlin, New York).
+    Calendar(u64, usize, usize),
+    /// A rate (of the trace's algorithm) counting request bytes, response bytes or reported
+    /// units: count, period in ns, burst, unit.
+    Units(u64, u64, u64, usize),
 }
 
 #[derive(Debug, Clone)]
@@ -48,10 +70,15 @@ struct Trace {
     algorithm: Algorithm,
     /// `(count, period in ns, burst)` per tier.
     tiers: Vec<(u64, u64, u64)>,
+    /// Tiers of other kinds, after those.
+    extra: Vec<Extra>,
     /// The clock's first instant, in nanoseconds.
     start: u64,
     steps: Vec<Step>,
 }
+
+/// Long enough that no lease expires within a trace (in memory slots do not expire).
+const TRACE_LEASE: Duration = Duration::from_secs(20 * 365 * 86_400);
 
 impl Trace {
     fn policy(&self) -> Policy {
@@ -61,6 +88,27 @@ impl Trace {
                 format!("t{i}"),
                 Quota::new(*count, Duration::from_nanos(*period)).with_burst(*burst),
             );
+        }
+        for (i, extra) in self.extra.iter().enumerate() {
+            let name = format!("x{i}");
+            b = match *extra {
+                Extra::Slots(n) => b.concurrency(name, Concurrency::new(n).with_lease(TRACE_LEASE)),
+                Extra::Calendar(count, period, zone) => {
+                    let period = [
+                        CalendarPeriod::Minute,
+                        CalendarPeriod::Hour,
+                        CalendarPeriod::Day,
+                        CalendarPeriod::Month,
+                    ][period];
+                    let zone = ["UTC", "Europe/Berlin", "America/New_York"][zone];
+                    b.calendar(name, Calendar::new(count, period).in_time_zone(zone))
+                }
+                Extra::Units(count, period, burst, unit) => {
+                    let unit = [Unit::RequestBytes, Unit::ResponseBytes, Unit::Reported][unit];
+                    let q = Quota::new(count, Duration::from_nanos(period)).with_burst(burst);
+                    b.tier(name, q.counting(unit))
+                }
+            };
         }
         b.build().expect("generated policies are valid")
     }
@@ -94,6 +142,14 @@ fn tier(algorithm: Algorithm, grid: bool) -> impl Strategy<Value = (u64, u64, u6
     )
 }
 
+fn extra(algorithm: Algorithm, grid: bool) -> impl Strategy<Value = Extra> {
+    prop_oneof![
+        (1u64..=4).prop_map(Extra::Slots),
+        (1u64..=20, 0usize..4, 0usize..3).prop_map(|(c, p, z)| Extra::Calendar(c, p, z)),
+        (tier(algorithm, grid), 0usize..3).prop_map(|((c, p, b), u)| Extra::Units(c, p, b, u)),
+    ]
+}
+
 /// `grid`: every advance a multiple of 10 ms, like the periods, so that instants land exactly
 /// on window and expiry edges.
 fn step(grid: bool) -> impl Strategy<Value = Step> {
@@ -111,71 +167,101 @@ fn step(grid: bool) -> impl Strategy<Value = Step> {
         ]
         .boxed()
     };
+    let cost = || prop_oneof![6 => Just(1u64), 3 => 0u64..=4, 1 => 0u64..=12];
     prop_oneof![
         2 => advance.prop_map(Step::Advance),
         7 => (
             0u8..3,
-            prop_oneof![6 => Just(1u64), 3 => 0u64..=4, 1 => 0u64..=12],
+            cost(),
+            proptest::collection::vec(cost(), 5),
             proptest::option::weighted(0.4, 0u64..=3_000_000_000),
         )
-            .prop_map(|(key, cost, shape)| Step::Check { key, cost, shape }),
+            .prop_map(|(key, cost, costs, shape)| Step::Check { key, cost, costs, shape }),
         1 => (0usize..64, 0u64..=8).prop_map(|(which, cost)| Step::Settle { which, cost }),
+        1 => (0usize..64, 0usize..8, 0u64..=8)
+            .prop_map(|(which, tier, cost)| Step::SettleTier { which, tier, cost }),
+        1 => (0usize..64).prop_map(|which| Step::Release { which }),
     ]
+}
+
+/// Nanoseconds since the epoch of an RFC 3339 instant.
+fn instant(s: &str) -> u64 {
+    let ts: jiff::Timestamp = s.parse().unwrap();
+    u64::try_from(ts.as_nanosecond()).unwrap()
 }
 
 fn trace() -> impl Strategy<Value = Trace> {
     let grid = proptest::bool::weighted(0.35);
-    (proptest::sample::select(Algorithm::ALL.to_vec()), grid).prop_flat_map(|(algorithm, grid)| {
-        (
-            proptest::collection::vec(tier(algorithm, grid), 1..=3),
-            0u64..=1_000_000_000_000,
-            proptest::collection::vec(step(grid), 1..=60),
-        )
-            .prop_map(move |(tiers, start, steps)| Trace {
-                algorithm,
-                tiers,
-                start,
-                steps,
-            })
-    })
+    // Near the epoch, or within two hours of a daylight-saving change in Berlin and New York.
+    let start = prop_oneof![
+        4 => 0u64..=1_000_000_000_000,
+        1 => (0u64..=7_200_000_000_000).prop_map(|d| instant("2025-03-30T00:00:00Z") + d),
+        1 => (0u64..=7_200_000_000_000).prop_map(|d| instant("2025-10-26T00:00:00Z") + d),
+        1 => (0u64..=7_200_000_000_000).prop_map(|d| instant("2025-11-02T05:00:00Z") + d),
+    ];
+    (proptest::sample::select(Algorithm::ALL.to_vec()), grid).prop_flat_map(
+        move |(algorithm, grid)| {
+            (
+                proptest::collection::vec(tier(algorithm, grid), 1..=3),
+                prop_oneof![
+                    3 => Just(Vec::new()),
+                    2 => proptest::collection::vec(extra(algorithm, grid), 1..=2),
+                ],
+                start.clone(),
+                proptest::collection::vec(step(grid), 1..=60),
+            )
+                .prop_map(move |(tiers, extra, start, steps)| Trace {
+                    algorithm,
+                    tiers,
+                    extra,
+                    start,
+                    steps,
+                })
+        },
+    )
 }
 
 fn keys() -> [Key; 3] {
     [Key::text("alice"), Key::Ip("203.0.113.7".parse().unwrap()), Key::Global]
 }
 
-/// Replays `trace` through both stores; the first difference is the error.
+/// Replays `trace` through both stores, calling them directly (a store's own decisions, no
+/// waiting for slots); the first difference is the error.
 async fn replay(store: RedisStore, clock: FakeClock, trace: &Trace) -> Result<(), String> {
     let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     let policy = trace.policy();
+    let plain =
+        policy.tiers().iter().all(|t| t.kind() == TierKind::Rate && t.unit() == Unit::Requests);
     let memory = Limiter::with_store(policy.clone(), memory).unwrap();
-    let store = Limiter::with_store(policy, store).unwrap();
+    let store = Limiter::with_store(policy.clone(), store).unwrap();
+    let (m_store, m_bound) = (memory.store(), memory.bound());
+    let (r_store, r_bound) = (store.store(), store.bound());
     let keys = keys();
-    let mut tickets: Vec<(Reservation<MemoryStore>, Reservation<RedisStore>)> = Vec::new();
+    let mut tickets: Vec<(MemoryTicket, RedisTicket)> = Vec::new();
     for (i, step) in trace.steps.iter().enumerate() {
-        match *step {
-            Step::Advance(by) => clock.advance(Duration::from_nanos(by)),
-            Step::Check { key, cost, shape } => {
-                let key = &keys[usize::from(key)];
-                let (m, r) = match shape.map(Duration::from_nanos) {
-                    None => (memory.reserve(key, cost).await, store.reserve(key, cost).await),
-                    Some(max) => (
-                        memory.reserve_within(key, cost, max).await,
-                        store.reserve_within(key, cost, max).await,
-                    ),
-                };
-                let m = m.map_err(|e| e.to_string())?;
-                let r = r.map_err(|e| format!("step {i}: {e}"))?;
-                if m.decision() != r.decision() {
+        let redis_error = |e: StoreError| format!("step {i} ({step:?}): {e}");
+        match step {
+            Step::Advance(by) => clock.advance(Duration::from_nanos(*by)),
+            Step::Check { key, cost, costs, shape } => {
+                let key = &keys[usize::from(*key)];
+                let mut check = Check::new(key, *cost).with_costs(costs).with_ticket();
+                if let Some(max) = shape {
+                    check = check.shape(Duration::from_nanos(*max));
+                }
+                let m = m_store.check(m_bound, check).await.map_err(|e| e.to_string())?;
+                let r = r_store.check(r_bound, check).await.map_err(redis_error)?;
+                if m.decision != r.decision || m.ticket.is_some() != r.ticket.is_some() {
                     return Err(format!(
-                        "step {i} ({step:?}) at {} ns differs:\nmemory: {:?}\nredis:  {:?}",
+                        "step {i} ({step:?}) at {} ns differs:\nmemory: {:?} {:?}\nredis:  {:?} {:?}",
                         clock_now(&clock),
-                        m.decision(),
-                        r.decision()
+                        m.decision,
+                        m.ticket.is_some(),
+                        r.decision,
+                        r.ticket.is_some(),
                     ));
                 }
-                if m.decision().is_allowed() {
-                    tickets.push((m, r));
+                if let (Some(a), Some(b)) = (m.ticket, r.ticket) {
+                    tickets.push((a, b));
                 }
             }
             Step::Settle { which, cost } => {
@@ -183,9 +269,44 @@ async fn replay(store: RedisStore, clock: FakeClock, trace: &Trace) -> Result<()
                     continue;
                 }
                 let (a, b) = tickets.remove(which % tickets.len());
-                a.settle(cost).await.map_err(|e| e.to_string())?;
-                b.settle(cost).await.map_err(|e| format!("step {i}: {e}"))?;
+                m_store.settle(m_bound, a, *cost).await.map_err(|e| e.to_string())?;
+                r_store.settle(r_bound, b, *cost).await.map_err(redis_error)?;
             }
+            Step::SettleTier { which, tier, cost } => {
+                // A policy of request rates settles all its tiers together on Redis.
+                if tickets.is_empty() || plain {
+                    continue;
+                }
+                let n = tickets.len();
+                let (a, b) = &mut tickets[which % n];
+                let costs = [(tier % policy.tiers().len(), *cost)];
+                m_store.settle_tiers(m_bound, a, &costs).await.map_err(|e| e.to_string())?;
+                r_store.settle_tiers(r_bound, b, &costs).await.map_err(redis_error)?;
+            }
+            Step::Release { which } => {
+                if tickets.is_empty() {
+                    continue;
+                }
+                let (a, b) = tickets.remove(which % tickets.len());
+                m_store.release(m_bound, a).await.map_err(|e| e.to_string())?;
+                r_store.release(r_bound, b).await.map_err(redis_error)?;
+            }
+        }
+    }
+    // What is still held is released, and both agree after.
+    for (a, b) in tickets {
+        m_store.release(m_bound, a).await.map_err(|e| e.to_string())?;
+        r_store.release(r_bound, b).await.map_err(|e| e.to_string())?;
+    }
+    for key in &keys {
+        let check = Check::new(key, 0);
+        let m = m_store.check(m_bound, check).await.map_err(|e| e.to_string())?;
+        let r = r_store.check(r_bound, check).await.map_err(|e| e.to_string())?;
+        if m.decision != r.decision {
+            return Err(format!(
+                "after the releases, {key}:\nmemory: {:?}\nredis:  {:?}",
+                m.decision, r.decision
+            ));
         }
     }
     Ok(())
@@ -337,6 +458,60 @@ async fn standalone_admits_exactly_100_of_1000_concurrent_on_one_connection() {
     assert!(info.contains("connected_clients:2\r\n"), "{info}");
 }
 
+/// Policies of the other kinds: a yearly calendar quota (a year boundary falls inside the
+/// test only on New Year's Eve at midnight), a rate counting bytes, both with a concurrency tier
+/// that never fills up, and a concurrency tier of 100 slots nobody releases.
+fn kinds_policies() -> Vec<Policy> {
+    let slots = || Concurrency::new(1000).with_lease(Duration::from_secs(600));
+    vec![
+        Policy::builder("conc-calendar")
+            .calendar("year", Calendar::per_year(100))
+            .concurrency("slots", slots())
+            .build()
+            .unwrap(),
+        Policy::builder("conc-bytes")
+            .tier("bytes", Quota::new(100, LONG).counting(Unit::RequestBytes))
+            .concurrency("slots", slots())
+            .build()
+            .unwrap(),
+        Policy::builder("conc-held")
+            .concurrency("slots", Concurrency::new(100).with_lease(Duration::from_secs(600)))
+            .build()
+            .unwrap(),
+    ]
+}
+
+/// Sends `n` reservations of one key at once and keeps the admitted ones; returns how many.
+async fn held_concurrently(store: &RedisStore, policy: &Policy, n: usize) -> usize {
+    let limiter = Limiter::with_store(policy.clone(), store.clone()).unwrap();
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(n));
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let (limiter, barrier) = (limiter.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let r = limiter.reserve(&Key::Global, 1).await.expect("redis answers");
+                assert_eq!(r.decision().source(), Source::Store);
+                r.decision().is_allowed().then_some(r)
+            })
+        })
+        .collect();
+    let mut held = Vec::new();
+    for t in tasks {
+        held.extend(t.await.unwrap());
+    }
+    held.len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_kind_admits_exactly_100_of_1000_concurrent_on_redis() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(10)).build().unwrap();
+    for policy in kinds_policies() {
+        assert_eq!(held_concurrently(&store, &policy, 1000).await, 100, "{}", policy.name());
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_admits_exactly_100_of_1000_concurrent() {
     let Some(cluster) = Cluster::start() else { return };
@@ -347,6 +522,9 @@ async fn cluster_admits_exactly_100_of_1000_concurrent() {
     for algorithm in [Algorithm::Gcra, Algorithm::SlidingLog, Algorithm::SlidingCounter] {
         let admitted = admitted_concurrently(&store, &long_policy(algorithm), 1000).await;
         assert_eq!(admitted, 100, "{algorithm:?}");
+    }
+    for policy in kinds_policies() {
+        assert_eq!(held_concurrently(&store, &policy, 1000).await, 100, "{}", policy.name());
     }
 }
 
@@ -778,4 +956,181 @@ async fn a_stale_ticket_cannot_cancel_a_later_entry() {
     stale.cancel().await.unwrap();
     let d = limiter.check(&Key::Global, 1).await.unwrap();
     assert!(!d.is_allowed(), "the later entry still counts");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Concurrency slots as leases.
+
+fn slots_policy(name: &str, max: u64, lease: Duration) -> Policy {
+    Policy::builder(name)
+        .concurrency("in-flight", Concurrency::new(max).with_lease(lease))
+        .build()
+        .unwrap()
+}
+
+/// 1,000 tasks on two threads each wait for one of 4 slots of one key (polling Redis), count
+/// themselves in while they hold it, and release it: never more than 4 inside, 4 at some moment,
+/// and every task gets its turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_holders_on_redis_never_exceed_four_in_flight() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let Some(server) = Server::start("redis-server") else { return };
+    let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(10)).build().unwrap();
+    let limiter =
+        Limiter::with_store(slots_policy("thousand", 4, Duration::from_secs(60)), store).unwrap();
+    let inside = std::sync::Arc::new(AtomicUsize::new(0));
+    let most = std::sync::Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..1000)
+        .map(|_| {
+            let (limiter, inside, most) = (limiter.clone(), inside.clone(), most.clone());
+            tokio::spawn(async move {
+                let slot = limiter
+                    .acquire(&Key::text("api-key"), 1, Duration::from_secs(300))
+                    .await
+                    .expect("a slot within five minutes");
+                let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(now, Ordering::SeqCst);
+                assert!(now <= 4, "{now} in flight");
+                for _ in 0..3 {
+                    tokio::task::yield_now().await;
+                }
+                inside.fetch_sub(1, Ordering::SeqCst);
+                slot.release().await.expect("released");
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(most.load(Ordering::SeqCst), 4);
+    let d = limiter.check(&Key::text("api-key"), 0).await.unwrap();
+    assert_eq!((d.tiers()[0].remaining(), d.source()), (4, Source::Store));
+    // Every lease is gone: so is the set.
+    let set = format!("{}:c1", limiter.bound().state_key(&Key::text("api-key")));
+    assert_eq!(pttl(&mut server.conn(), &set), -2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_slot_of_a_crashed_holder_frees_itself_when_its_lease_expires() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(instant("2025-06-02T10:00:00Z"));
+    let policy = slots_policy("crash", 1, Duration::from_secs(10));
+    // App server A takes the slot and crashes: it never releases nor refreshes.
+    {
+        let store =
+            fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "crash:".into());
+        let a = Limiter::with_store(policy.clone(), store).unwrap();
+        let held = a.reserve(&Key::Global, 1).await.unwrap();
+        assert!(held.decision().is_allowed());
+        assert_eq!(held.refresh_every(), Some(Duration::from_secs(10) / 3));
+        std::mem::forget(held);
+    }
+    let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "crash:".into());
+    let b = Limiter::with_store(policy, store).unwrap();
+    let d = b.check(&Key::Global, 1).await.unwrap();
+    assert_eq!(d.outcome(), tollgate::Outcome::Limited);
+    assert_eq!(d.retry_after(), Some(Duration::from_secs(1)), "the default typical hold");
+    // The lease set lives as long as its longest lease (plus the test's grace of an hour).
+    let set = format!("{}:c1", b.bound().state_key(&Key::Global));
+    let ttl = pttl(&mut server.conn(), &set);
+    assert!(ttl > 3_600_000 && ttl <= 3_610_000, "{ttl}");
+    clock.advance(Duration::from_millis(9_999));
+    assert!(!b.check(&Key::Global, 1).await.unwrap().is_allowed(), "leased for 10 s");
+    clock.advance(Duration::from_millis(1));
+    let d = b.check(&Key::Global, 1).await.unwrap();
+    assert!(d.is_allowed(), "expired after 10 s: {d:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refreshed_lease_lasts_and_an_expired_one_says_so() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(instant("2025-06-02T10:00:00Z"));
+    let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "fresh:".into());
+    let limiter =
+        Limiter::with_store(slots_policy("refresh", 1, Duration::from_secs(9)), store).unwrap();
+    let held = limiter.reserve(&Key::Global, 1).await.unwrap();
+    for _ in 0..3 {
+        clock.advance(Duration::from_secs(6));
+        assert!(held.refresh().await.unwrap(), "still leased");
+        assert!(!limiter.check(&Key::Global, 1).await.unwrap().is_allowed());
+    }
+    // 18 s after it was taken, the slot is still held; released, it is free at once, and the
+    // hold (18 s) becomes the typical hold.
+    held.release().await.unwrap();
+    let other = limiter.reserve(&Key::Global, 1).await.unwrap();
+    assert!(other.decision().is_allowed());
+    let d = limiter.check(&Key::Global, 1).await.unwrap();
+    assert_eq!(d.retry_after(), Some(Duration::from_secs(18)));
+    // Not refreshed for a whole lease: gone, and the refresh says so.
+    clock.advance(Duration::from_secs(9));
+    assert!(!other.refresh().await.unwrap());
+}
+
+/// On the server's clock: a held reservation keeps its short lease alive by itself, and its
+/// slot comes back when it is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_reservation_refreshes_its_lease_until_it_is_dropped() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(5)).build().unwrap();
+    let limiter =
+        Limiter::with_store(slots_policy("held", 1, Duration::from_millis(300)), store).unwrap();
+    let held = limiter.reserve(&Key::Global, 1).await.unwrap().hold();
+    // Four leases long.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert!(!limiter.check(&Key::Global, 1).await.unwrap().is_allowed(), "refreshed");
+    drop(held);
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while !limiter.check(&Key::Global, 1).await.unwrap().is_allowed() {
+        assert!(std::time::Instant::now() < deadline, "the dropped hold was not released");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Without a refresh (forgotten, as by a crash), the lease lapses on the server's clock.
+    let lost = limiter.reserve(&Key::Global, 1).await.unwrap();
+    std::mem::forget(lost);
+    assert!(!limiter.check(&Key::Global, 1).await.unwrap().is_allowed());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(limiter.check(&Key::Global, 1).await.unwrap().is_allowed());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Calendar windows and costs per tier on Redis, next to memory.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calendar_windows_across_daylight_saving_and_month_ends_decide_like_memory() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let policy = Policy::builder("cal")
+        .calendar("day", Calendar::per_day(3).in_time_zone("Europe/Berlin"))
+        .calendar("month", Calendar::per_month(5).in_time_zone("America/New_York"))
+        .tier("burst", Quota::per_second(10))
+        .build()
+        .unwrap();
+    let clock = FakeClock::new();
+    let redis = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "cal:".into());
+    let redis = Limiter::with_store(policy.clone(), redis).unwrap();
+    let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let memory = Limiter::with_store(policy, memory).unwrap();
+    let mut retries = Vec::new();
+    for (when, cost) in [
+        ("2025-03-29T22:59:59Z", 3), // the last second of Saturday in Berlin
+        ("2025-03-29T22:59:59.5Z", 1),
+        ("2025-03-29T23:00:00Z", 2), // Sunday (23 hours long); March's 5 are used up
+        ("2025-04-01T03:59:00Z", 1), // March 31st, 23:59 in New York
+        ("2025-04-01T04:00:00Z", 1), // April
+        ("2025-10-25T22:00:00Z", 3), // Sunday October 26th, 00:00 CEST
+        ("2025-10-26T22:59:00Z", 1), // 23:59 CET, 25 hours later: still Sunday
+        ("2025-10-26T23:00:00Z", 1),
+    ] {
+        clock.set(instant(when));
+        let m = memory.check(&Key::Global, cost).await.unwrap();
+        let r = redis.check(&Key::Global, cost).await.unwrap();
+        assert_eq!(m, r, "at {when}");
+        retries.push(r.retry_after().map(|d| d.as_millis()));
+    }
+    assert_eq!(
+        retries,
+        [None, Some(500), None, Some(60_000), None, None, Some(60_000), None],
+        "refused until the next window: Sunday in Berlin, April in New York"
+    );
 }

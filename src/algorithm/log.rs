@@ -65,11 +65,14 @@ pub(crate) fn charge(log: &mut Log, at: u64, cost: u64) -> u64 {
     id
 }
 
-/// Takes `cost` off the entry `id` recorded at `at` (removing it when nothing is left). Both
-/// must match: ids restart when a key's state is dropped, so a stale ticket's id alone could name
-/// an entry of the key's next life; its instant, always earlier than any of those, cannot.
-pub(crate) fn refund(log: &mut Log, id: u64, at: u64, cost: u64) {
-    if let Some(p) = log.entries.iter().position(|e| e.id == id && e.ts == at) {
+/// Takes `cost` off the entry `id` recorded at `at` with weight `charged` (removing it when
+/// nothing is left). All must match: ids restart when a key's state is dropped, so a stale
+/// ticket's id alone could name an entry of the key's next life; its instant, always earlier
+/// than any of those, cannot. (The weight is part of the entry's name on Redis; an entry whose
+/// ticket was since settled higher, the extra being an entry of its own, is not refunded.)
+pub(crate) fn refund(log: &mut Log, id: u64, at: u64, charged: u64, cost: u64) {
+    let named = |e: &Entry| e.id == id && e.ts == at && e.weight == charged;
+    if let Some(p) = log.entries.iter().position(named) {
         let e = &mut log.entries[p];
         e.weight = e.weight.saturating_sub(cost);
         if e.weight == 0 {

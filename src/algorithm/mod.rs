@@ -6,14 +6,16 @@
 //! every store and in tests.
 
 mod bucket;
+pub(crate) mod calendar;
 mod gcra;
 mod log;
+pub(crate) mod slots;
 mod window;
 
 use smallvec::SmallVec;
 
 use crate::decision::{Decision, Outcome, TierDecision, Tiers};
-use crate::quota::{Algorithm, Policy, Rate};
+use crate::quota::{Algorithm, Kind, Policy, Rate, Tier};
 
 pub(crate) use bucket::Level;
 pub(crate) use gcra::{Step as GcraStep, WholeGcra};
@@ -31,6 +33,10 @@ pub(crate) enum TierState {
     Windows(Vec<(u64, u64)>),
     /// Sliding window log.
     Log(Log),
+    /// A concurrency tier: slots held.
+    Slots(u64),
+    /// A calendar tier: the windows counted in.
+    Calendar(calendar::Counted),
 }
 
 /// What each tier was charged, inline for up to two tiers.
@@ -56,6 +62,28 @@ impl TierState {
             Algorithm::LeakyBucket => Self::Bucket(bucket::leaky::fresh(now)),
             Algorithm::FixedWindow | Algorithm::SlidingCounter => Self::Windows(Vec::new()),
             Algorithm::SlidingLog => Self::Log(Log::default()),
+        }
+    }
+
+    /// The state of `tier` for a key never seen (or idle past its horizon), any kind.
+    pub(crate) fn fresh_for(alg: Algorithm, tier: &Tier, now: u64) -> Self {
+        match tier.kind {
+            Kind::Rate => Self::fresh(alg, tier.rate, now),
+            Kind::Concurrency(_) => Self::Slots(0),
+            Kind::Calendar(_) => Self::Calendar(Vec::new()),
+        }
+    }
+
+    /// Whether the state of `tier`, any kind, decides like a fresh one at `now` (units of
+    /// `unit` nanoseconds).
+    pub(crate) fn is_idle_for(&self, alg: Algorithm, tier: &Tier, unit: u64, now: u64) -> bool {
+        match (&tier.kind, self) {
+            (Kind::Rate, _) => self.is_idle(alg, tier.rate, now),
+            (Kind::Concurrency(_), Self::Slots(held)) => *held == 0,
+            (Kind::Calendar(_), Self::Calendar(c)) => {
+                c.iter().all(|w| calendar::to_units(w.1, unit) <= now)
+            }
+            _ => true,
         }
     }
 
@@ -121,7 +149,9 @@ impl TierState {
             (Algorithm::FixedWindow | Algorithm::SlidingCounter, Self::Windows(w)) => {
                 window::refund(w, r, charge.at, cost);
             }
-            (Algorithm::SlidingLog, Self::Log(l)) => log::refund(l, charge.id, charge.at, cost),
+            (Algorithm::SlidingLog, Self::Log(l)) => {
+                log::refund(l, charge.id, charge.at, charge.cost, cost);
+            }
             _ => {}
         }
     }
@@ -273,6 +303,256 @@ fn decide_in_units(
         .collect();
     let decision = report(policy, states, now, Outcome::Allowed, wait, None, |_| (false, None));
     (decision, Some(charges))
+}
+
+/// Decides one request over every tier of a policy of any kinds (rates, concurrency, calendar)
+/// at `now` (nanoseconds), with `costs` per tier: all tiers are charged when admitted (a rate
+/// or calendar tier its cost, a concurrency tier its slots), none otherwise. A tier of cost 0
+/// neither constrains nor is charged. Concurrency tiers only admit at once (a full one refuses
+/// whatever the shaping budget); their `retry_after` and `reset_after` are left for
+/// [`slots::fill`], which knows the typical holds.
+///
+/// The policy's plain tiers decide exactly as in [`decide`].
+pub(crate) fn decide_kinds(
+    policy: &Policy,
+    states: &mut [TierState],
+    now: u64,
+    costs: &[u64],
+    mode: Mode,
+) -> (Decision, Option<Charges>) {
+    let unit = policy.unit();
+    if unit == 1 {
+        return decide_kinds_in_units(policy, states, now, costs, mode);
+    }
+    let at = now / unit;
+    let mode = match mode {
+        Mode::Police => Mode::Police,
+        Mode::Shape(budget) => Mode::Shape(budget / unit),
+    };
+    let (mut decision, charges) = decide_kinds_in_units(policy, states, at, costs, mode);
+    decision.rescale(at, unit, now);
+    (decision, charges)
+}
+
+/// One tier's earliest instant >= `from` (units) for `cost`: `Err(the end of its current
+/// window)` when a calendar tier has no room within its lookahead.
+fn earliest_kind(
+    policy: &Policy,
+    tier: &Tier,
+    state: &TierState,
+    now: u64,
+    from: u64,
+    cost: u64,
+) -> Result<u64, u64> {
+    match (&tier.kind, state) {
+        (Kind::Calendar(spec), TierState::Calendar(c)) => {
+            calendar::earliest(c, spec, policy.unit(), now, from, cost)
+        }
+        (Kind::Calendar(spec), _) => {
+            calendar::earliest(&Vec::new(), spec, policy.unit(), now, from, cost)
+        }
+        (Kind::Concurrency(_), _) => Ok(from),
+        (Kind::Rate, s) => Ok(s.earliest(policy.algorithm(), tier.rate, from, cost)),
+    }
+}
+
+/// [`decide_kinds`] with `now` and the mode's budget in the policy's unit.
+fn decide_kinds_in_units(
+    policy: &Policy,
+    states: &mut [TierState],
+    now: u64,
+    costs: &[u64],
+    mode: Mode,
+) -> (Decision, Option<Charges>) {
+    let alg = policy.algorithm();
+    let unit = policy.unit();
+    let tiers = policy.tiers();
+    for (s, t) in states.iter_mut().zip(tiers) {
+        match (&t.kind, &mut *s) {
+            (Kind::Rate, s) => s.prune(alg, t.rate, now),
+            (Kind::Calendar(_), TierState::Calendar(c)) => calendar::prune(c, unit, now),
+            (Kind::Calendar(_), s) => *s = TierState::Calendar(Vec::new()),
+            (Kind::Concurrency(_), TierState::Slots(_)) => {}
+            (Kind::Concurrency(_), s) => *s = TierState::Slots(0),
+        }
+    }
+    let cost = |i: usize| costs.get(i).copied().unwrap_or(0);
+    if (0..tiers.len()).all(|i| cost(i) == 0) {
+        let decision =
+            report_kinds(policy, states, now, Outcome::Allowed, 0, None, |_| (false, None));
+        return (decision, None);
+    }
+    if tiers.iter().enumerate().any(|(i, t)| cost(i) > t.capacity()) {
+        let over = |i: usize| (cost(i) > tiers[i].capacity(), None);
+        let decision =
+            report_kinds(policy, states, now, Outcome::CostExceedsCapacity, 0, None, over);
+        return (decision, None);
+    }
+
+    // The earliest instant every rate and calendar tier admits the request together (as in
+    // `decide_in_units`), unless a calendar tier has no room within its lookahead.
+    let mut t = now;
+    let mut beyond = None;
+    'joint: for _ in 0..64 {
+        let mut next = t;
+        for (i, (s, tier)) in states.iter().zip(tiers).enumerate() {
+            if cost(i) == 0 {
+                continue;
+            }
+            match earliest_kind(policy, tier, s, now, t, cost(i)) {
+                Ok(e) => next = next.max(e),
+                Err(next) => {
+                    beyond = Some(next);
+                    break 'joint;
+                }
+            }
+        }
+        if next == t {
+            break;
+        }
+        t = next;
+    }
+    let queue = match mode {
+        Mode::Police => 0,
+        Mode::Shape(_) => states
+            .iter()
+            .zip(tiers)
+            .enumerate()
+            .filter(|(i, (_, tier))| cost(*i) > 0 && tier.kind == Kind::Rate)
+            .map(|(_, (s, tier))| s.queue_wait(alg, tier.rate, t))
+            .max()
+            .unwrap_or(0),
+    };
+    let full = |i: usize| match (&tiers[i].kind, &states[i]) {
+        (Kind::Concurrency(slots), TierState::Slots(held)) => {
+            cost(i) > 0 && held.saturating_add(cost(i)) > slots.max
+        }
+        _ => false,
+    };
+    let wait = (t - now).saturating_add(queue);
+    let budget = budget(mode);
+    let any_full = (0..tiers.len()).any(full);
+    if beyond.is_some() || wait > budget || any_full {
+        let retry = match beyond {
+            // No window within the lookahead: try again when it moves on.
+            Some(next) => Some((next - now).max(1)),
+            None => (wait > budget).then(|| wait - budget),
+        };
+        let per_tier = |i: usize| {
+            if full(i) {
+                return (true, None);
+            }
+            if cost(i) == 0 || matches!(tiers[i].kind, Kind::Concurrency(_)) {
+                return (false, None);
+            }
+            let own = match earliest_kind(policy, &tiers[i], &states[i], now, now, cost(i)) {
+                Ok(e) | Err(e) => e - now,
+            };
+            (own > 0, (own > 0).then_some(own))
+        };
+        let decision = report_kinds(policy, states, now, Outcome::Limited, 0, retry, per_tier);
+        return (decision, None);
+    }
+    let at = t.saturating_add(queue);
+    let charges: Charges = states
+        .iter_mut()
+        .zip(tiers)
+        .enumerate()
+        .map(|(i, (s, tier))| {
+            let c = cost(i);
+            if c == 0 {
+                return Charge { at, cost: 0, id: 0 };
+            }
+            match (&tier.kind, &mut *s) {
+                (Kind::Rate, s) => s.charge(alg, tier.rate, now, at, c),
+                (Kind::Calendar(spec), TierState::Calendar(counted)) => {
+                    calendar::charge(counted, spec, unit, at, c);
+                    Charge { at, cost: c, id: 0 }
+                }
+                (Kind::Concurrency(_), TierState::Slots(held)) => {
+                    *held += c;
+                    // Held from the decision on (through any shaping delay).
+                    Charge { at: now, cost: c, id: 0 }
+                }
+                // Pruning gave every tier a state of its kind.
+                _ => Charge { at, cost: 0, id: 0 },
+            }
+        })
+        .collect();
+    let decision =
+        report_kinds(policy, states, now, Outcome::Allowed, wait, None, |_| (false, None));
+    (decision, Some(charges))
+}
+
+/// Gives back (or, with `extra`, charges more of) `cost` on tier `i`, of any kind, for the
+/// charge `charge`; `now` in units. Concurrency tiers are only released ([`release`]).
+pub(crate) fn settle_tier(
+    policy: &Policy,
+    i: usize,
+    state: &mut TierState,
+    charge: Charge,
+    now: u64,
+    cost: u64,
+    extra: bool,
+) {
+    let tier = &policy.tiers()[i];
+    let alg = policy.algorithm();
+    match (&tier.kind, &mut *state) {
+        (Kind::Rate, s) if extra => {
+            s.charge(alg, tier.rate, now, charge.at.max(now), cost);
+        }
+        (Kind::Rate, s) => s.refund(alg, tier.rate, charge, cost),
+        (Kind::Calendar(spec), TierState::Calendar(c)) if extra => {
+            calendar::charge(c, spec, policy.unit(), charge.at.max(now), cost);
+        }
+        (Kind::Calendar(_), TierState::Calendar(c)) => {
+            calendar::refund(c, policy.unit(), charge.at, cost);
+        }
+        _ => {}
+    }
+}
+
+/// Releases the slots `charge` took on concurrency tier `i`.
+pub(crate) fn release(state: &mut TierState, charge: Charge) {
+    if let TierState::Slots(held) = state {
+        *held = held.saturating_sub(charge.cost);
+    }
+}
+
+/// Builds the decision of a policy of any kinds from the states after any charge (durations
+/// in units; a concurrency tier's reset is left at 0 for [`slots::fill`]).
+fn report_kinds(
+    policy: &Policy,
+    states: &[TierState],
+    now: u64,
+    outcome: Outcome,
+    delay: u64,
+    retry_after: Option<u64>,
+    per_tier: impl Fn(usize) -> (bool, Option<u64>),
+) -> Decision {
+    let alg = policy.algorithm();
+    let unit = policy.unit();
+    let tiers: Tiers = policy
+        .tiers()
+        .iter()
+        .zip(states)
+        .enumerate()
+        .map(|(i, (tier, s))| {
+            let (remaining, reset) = match (&tier.kind, s) {
+                (Kind::Rate, s) => s.status(alg, tier.rate, now),
+                (Kind::Calendar(_), TierState::Calendar(c)) => {
+                    calendar::status(c, tier.capacity(), unit, now)
+                }
+                (Kind::Concurrency(_), TierState::Slots(held)) => {
+                    (tier.capacity().saturating_sub(*held), 0)
+                }
+                _ => (tier.capacity(), 0),
+            };
+            let (violated, retry_after) = per_tier(i);
+            TierDecision::new(tier.capacity(), remaining, reset, retry_after, violated)
+        })
+        .collect();
+    Decision::new(outcome, delay, retry_after, tiers)
 }
 
 /// The shaping budget of a mode, in nanoseconds (0 polices).

@@ -7,7 +7,12 @@
 //! A store first **binds** a [`Policy`] ([`Store::bind`]): it validates it and prepares
 //! everything a decision needs (tables, key prefixes, script arguments) once, when a
 //! [`Limiter`](crate::Limiter) or [`RateLimitLayer`](crate::RateLimitLayer) is built. Each
-//! request then passes the bound policy and a [`Check`] (key, cost, shaping budget).
+//! request then passes the bound policy and a [`Check`] (key, cost or costs per tier, shaping
+//! budget).
+//!
+//! An admitted request that took concurrency slots always comes with a ticket: dropping it, or
+//! [`Store::release`], gives the slots back; [`Store::settle`] and [`Store::settle_tiers`]
+//! settle its costs.
 //!
 //! ```
 //! use tollgate::key::Key;
@@ -55,6 +60,8 @@ use crate::quota::Policy;
 /// let key = Key::text("alice");
 /// let check = Check::new(&key, 3).shape(Duration::from_millis(250)).with_ticket();
 /// assert_eq!((check.cost, check.max_delay, check.ticket), (3, Some(Duration::from_millis(250)), true));
+/// let upload = Check::new(&key, 1).with_costs(&[1, 52_000]);
+/// assert_eq!(upload.costs, [1, 52_000]);
 /// ```
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
@@ -63,11 +70,20 @@ pub struct Check<'a> {
     pub key: &'a Key,
     /// Units this request consumes (0 consumes nothing and is always admitted: a query).
     pub cost: u64,
+    /// What the request costs on each tier, in the policy's tier order
+    /// ([`Policy::costs`](crate::Policy::costs) builds them): for policies whose tiers count
+    /// other units than requests, or hold concurrency slots. Tiers past the end of the slice
+    /// take their [default cost](crate::Tier::default_cost) for `cost`; a policy whose tiers are
+    /// all rates counting requests takes `cost` on every tier and ignores this. A tier of cost
+    /// 0 is neither checked nor charged; when every tier costs 0 the check is a query.
+    pub costs: &'a [u64],
     /// `None` to police (admit now or reject); `Some(d)` to shape: reserve the earliest
     /// conforming slot if it is at most `d` away.
     pub max_delay: Option<Duration>,
     /// Whether the caller may settle or cancel this request later: only then does an admitted
-    /// request come with a ticket. Plain checks skip building one.
+    /// request come with a ticket. Plain checks skip building one. (An admitted request that
+    /// took concurrency slots always comes with one: the slots are held until it is released
+    /// or dropped.)
     pub ticket: bool,
 }
 
@@ -75,7 +91,14 @@ impl<'a> Check<'a> {
     /// Polices `cost` units for `key`, without a ticket.
     #[must_use]
     pub const fn new(key: &'a Key, cost: u64) -> Self {
-        Self { key, cost, max_delay: None, ticket: false }
+        Self { key, cost, costs: &[], max_delay: None, ticket: false }
+    }
+
+    /// Gives the cost of each tier (see [`costs`](Self::costs)).
+    #[must_use]
+    pub const fn with_costs(mut self, costs: &'a [u64]) -> Self {
+        self.costs = costs;
+        self
     }
 
     /// Shapes instead: reserves the earliest conforming slot within `max_delay`.
@@ -94,7 +117,8 @@ impl<'a> Check<'a> {
 }
 
 /// A store's answer: the decision and, for an admitted request that asked for one
-/// ([`Check::ticket`]) and cost more than 0, a ticket to settle or cancel it.
+/// ([`Check::ticket`]) and cost more than 0, or that took concurrency slots, a ticket to settle,
+/// cancel or release it.
 #[derive(Debug)]
 #[non_exhaustive]
 pub struct Verdict<T> {
@@ -117,7 +141,8 @@ impl<T> Verdict<T> {
 /// Implementations must decide all tiers of one check atomically: a rejected request charges no
 /// tier, and concurrent checks on one key never both take the last unit.
 ///
-/// A store wrapping another one (to count calls, say) delegates each method:
+/// A store wrapping another one (to count calls, say) delegates each method (the provided ones
+/// too, or it loses what the inner store does better than the defaults):
 ///
 /// ```
 /// use std::sync::Arc;
@@ -150,6 +175,16 @@ impl<T> Verdict<T> {
 ///         -> Result<(), StoreError> {
 ///         self.inner.settle(bound, ticket, cost).await
 ///     }
+///
+///     async fn settle_tiers(&self, bound: &Self::Bound, ticket: &mut Self::Ticket,
+///         costs: &[(usize, u64)]) -> Result<(), StoreError> {
+///         self.inner.settle_tiers(bound, ticket, costs).await
+///     }
+///
+///     fn released(&self, bound: &Self::Bound, key: &Key)
+///         -> impl std::future::Future<Output = ()> + Send + 'static {
+///         self.inner.released(bound, key)
+///     }
 /// }
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -165,7 +200,9 @@ pub trait Store: Clone + Send + Sync + 'static {
     type Bound: Send + Sync + 'static;
 
     /// What an admitted request was charged, so that [`settle`](Self::settle) can give it back
-    /// or charge more. Dropping a ticket keeps the charge.
+    /// or charge more. Dropping a ticket keeps the charge, and gives back the concurrency slots
+    /// it holds (as soon as the store can: at once in memory; from a spawned task on Redis, or
+    /// when the leases expire).
     type Ticket: Send + Sync + 'static;
 
     /// Validates `policy` for this store and prepares it. Called once, when a
@@ -204,7 +241,8 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Settles an admitted request at `cost` units instead of what it was charged: 0 cancels it
     /// (gives every tier its charge back), less refunds the difference, more charges the extra
-    /// (unconditionally: it was already served).
+    /// (unconditionally: it was already served). Every tier is settled at `cost`, and the
+    /// concurrency slots the ticket holds are released.
     ///
     /// # Errors
     /// [`StoreError`] when the backend cannot be reached.
@@ -214,4 +252,75 @@ pub trait Store: Clone + Send + Sync + 'static {
         ticket: Self::Ticket,
         cost: u64,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Settles single tiers and keeps the ticket: for each `(tier index, cost)`, that rate or
+    /// calendar tier is settled at `cost` as [`settle`](Self::settle) would (0 gives its charge
+    /// back, more charges the extra unconditionally), and the ticket remembers the new cost, so
+    /// that a later settlement counts from it. Other tiers, and the concurrency slots, are left
+    /// alone; indices out of range and concurrency tiers are ignored.
+    ///
+    /// The default refuses: a store that supports policies of several units implements it.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the backend cannot be reached (the ticket is then unchanged).
+    fn settle_tiers(
+        &self,
+        bound: &Self::Bound,
+        ticket: &mut Self::Ticket,
+        costs: &[(usize, u64)],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = (bound, ticket, costs);
+        std::future::ready(Err(StoreError::backend("this store does not settle single tiers")))
+    }
+
+    /// Releases the concurrency slots the ticket holds and keeps every other charge. Dropping
+    /// the ticket does the same without waiting for it (the default).
+    ///
+    /// # Errors
+    /// [`StoreError`] when the backend cannot be reached (the slots then come back when their
+    /// leases expire).
+    fn release(
+        &self,
+        bound: &Self::Bound,
+        ticket: Self::Ticket,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = bound;
+        drop(ticket);
+        std::future::ready(Ok(()))
+    }
+
+    /// Extends the leases of the concurrency slots the ticket holds by their full length;
+    /// `Ok(false)` when a lease had expired already (its slot may have been taken by another
+    /// request since). Stores whose slots do not expire answer `Ok(true)` (the default).
+    ///
+    /// # Errors
+    /// [`StoreError`] when the backend cannot be reached.
+    fn refresh(
+        &self,
+        bound: &Self::Bound,
+        ticket: &Self::Ticket,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        let _ = (bound, ticket);
+        std::future::ready(Ok(true))
+    }
+
+    /// How often holders of concurrency slots under `bound` should [`refresh`](Self::refresh)
+    /// them: a third of the shortest lease, on stores whose slots expire; `None` (the
+    /// default) when they do not.
+    fn refresh_every(&self, bound: &Self::Bound) -> Option<Duration> {
+        let _ = bound;
+        None
+    }
+
+    /// Resolves when a concurrency slot of `key` may have been released since this was called,
+    /// so that a request waiting for one can try again. Stores that cannot tell never resolve
+    /// (the default): waiters then poll, with a bounded backoff.
+    fn released(
+        &self,
+        bound: &Self::Bound,
+        key: &Key,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        let _ = (bound, key);
+        std::future::pending()
+    }
 }

@@ -10,16 +10,20 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use table::{Core, Shard, general_mut, lock};
+use smallvec::SmallVec;
+use table::{Core, Shard, WAKERS, Waker, general_mut, lock};
 
 use super::{Check, Store, Verdict};
+use crate::algorithm::slots::{self, Holds};
 use crate::algorithm::{
-    Charge, Charges, GcraStep, Mode, TierState, WholeGcra, budget, decide, in_units, whole_decision,
+    Charge, Charges, GcraStep, Mode, TierState, WholeGcra, budget, decide, decide_kinds, in_units,
+    release as release_slots, settle_tier, whole_decision,
 };
 use crate::clock::{AnyClock, Clock, duration_to_nanos};
+use crate::decision::Decision;
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
-use crate::quota::{Algorithm, Policy};
+use crate::quota::{Algorithm, Kind, Policy};
 
 /// How often a full shard may be scanned for idle keys to make room for a new key, in
 /// nanoseconds of the store's clock (100 ms). Between scans, new keys of a full shard go to the
@@ -42,6 +46,10 @@ const FULL_RESCAN_NANOS: u64 = 100_000_000;
 ///   taking the shard's write lock, by compare-and-swap, as governor does. Every other policy
 ///   keeps each tier's state and decides under the shard's write lock. Either way all tiers of a
 ///   request are decided together: all-or-nothing.
+/// - Concurrency tiers count the slots each key holds; a slot is given back when its ticket is
+///   released or dropped (so it never outlives its holder, and never expires), and a request
+///   waiting for one ([`Limiter::reserve_within`](crate::Limiter::reserve_within)) is woken by
+///   the release. Calendar tiers compute their windows with jiff, caching the current one.
 /// - Idle keys (whose state equals a fresh one) are removed by a sweeper task that runs every
 ///   [`MemoryStoreBuilder::sweep_interval`] on the tokio runtime of the first check that stores
 ///   a key, holds only a weak reference, and ends when the store and its bound policies are
@@ -136,24 +144,56 @@ impl MemoryPolicy {
 }
 
 /// What an admitted request was charged in a [`MemoryStore`] (see [`Store::Ticket`]).
-#[derive(Debug, Clone)]
+///
+/// A ticket that holds concurrency slots gives them back when it is dropped.
+#[derive(Debug)]
 pub struct MemoryTicket(Box<Charged>);
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Charged {
     /// The key's fingerprint.
     fp: u64,
     cost: u64,
+    /// Per tier: the instant, the units (slots for a concurrency tier), the log entry.
     charges: Charges,
     /// Charged to the overflow bucket of a full store.
     overflow: bool,
+    /// Where the concurrency slots it still holds are, to give them back when dropped.
+    holding: Option<Home>,
+}
+
+/// The binding a ticket's slots were taken under.
+struct Home {
+    inner: Arc<Inner>,
+    core: Arc<Core>,
+    id: usize,
+}
+
+impl fmt::Debug for Home {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Home").field("id", &self.id).finish_non_exhaustive()
+    }
 }
 
 impl MemoryTicket {
-    /// Units charged.
+    /// Units charged (of the check's `cost`; per tier, the last settled cost of each).
     #[must_use]
     pub fn cost(&self) -> u64 {
         self.0.cost
+    }
+
+    /// Whether it still holds concurrency slots.
+    #[must_use]
+    pub fn holds_slots(&self) -> bool {
+        self.0.holding.is_some()
+    }
+}
+
+impl Drop for MemoryTicket {
+    fn drop(&mut self) {
+        if let Some(home) = self.0.holding.take() {
+            home.inner.settle(&home.core, home.id, &mut self.0, &|_| None, true);
+        }
     }
 }
 
@@ -284,12 +324,27 @@ impl MemoryStore {
     #[must_use]
     pub fn bind_policy(&self, policy: &Policy) -> MemoryPolicy {
         let whole = match policy.tiers() {
-            [tier] if policy.algorithm() == Algorithm::Gcra && policy.unit() == 1 => {
+            [tier]
+                if policy.algorithm() == Algorithm::Gcra
+                    && policy.unit() == 1
+                    && policy.is_plain() =>
+            {
                 WholeGcra::of(tier.rate)
             }
             _ => None,
         };
-        let core = Arc::new(Core { policy: policy.clone(), whole, overflow: Mutex::new(None) });
+        let wakers = if policy.has_concurrency() {
+            (0..WAKERS).map(|_| Waker::default()).collect()
+        } else {
+            Box::default()
+        };
+        let core = Arc::new(Core {
+            policy: policy.clone(),
+            whole,
+            overflow: Mutex::new(None),
+            holds: Holds::new(policy),
+            wakers,
+        });
         let id = self.inner.allocate();
         MemoryPolicy { id, core, inner: Arc::clone(&self.inner) }
     }
@@ -327,9 +382,44 @@ impl MemoryStore {
     }
 
     /// Settles at once; see [`Store::settle`].
-    pub fn settle_now(&self, bound: &MemoryPolicy, ticket: &MemoryTicket, cost: u64) {
-        bound.inner.settle(bound, &ticket.0, cost);
+    pub fn settle_now(&self, bound: &MemoryPolicy, mut ticket: MemoryTicket, cost: u64) {
+        let home = ticket.0.holding.take();
+        bound.inner.settle(&bound.core, bound.id, &mut ticket.0, &|_| Some(cost), home.is_some());
     }
+
+    /// Settles single tiers at once; see [`Store::settle_tiers`].
+    pub fn settle_tiers_now(
+        &self,
+        bound: &MemoryPolicy,
+        ticket: &mut MemoryTicket,
+        costs: &[(usize, u64)],
+    ) {
+        let target = |i: usize| costs.iter().rev().find(|(t, _)| *t == i).map(|(_, c)| *c);
+        bound.inner.settle(&bound.core, bound.id, &mut ticket.0, &target, false);
+    }
+}
+
+/// Decides `check` on `states` under `core`'s policy at `now` (nanoseconds): plain policies as
+/// they always were, others tier by tier.
+#[inline]
+fn decide_core(
+    core: &Core,
+    states: &mut [TierState],
+    now: u64,
+    check: &Check<'_>,
+) -> (Decision, Option<Charges>) {
+    let policy = &core.policy;
+    let mode = mode(check.max_delay);
+    if policy.is_plain() {
+        return decide(policy, states, now, check.cost, mode);
+    }
+    let costs: SmallVec<[u64; 4]> =
+        (0..policy.tiers().len()).map(|i| policy.tier_cost(i, check.cost, check.costs)).collect();
+    let (mut decision, charges) = decide_kinds(policy, states, now, &costs, mode);
+    if !core.wakers.is_empty() {
+        slots::fill(policy, &core.holds, &mut decision);
+    }
+    (decision, charges)
 }
 
 #[inline]
@@ -346,8 +436,23 @@ fn ticket(
     overflow: bool,
 ) -> Option<MemoryTicket> {
     (check.ticket && check.cost > 0).then(|| {
-        MemoryTicket(Box::new(Charged { fp, cost: check.cost, charges: charges(), overflow }))
+        MemoryTicket(Box::new(Charged {
+            fp,
+            cost: check.cost,
+            charges: charges(),
+            overflow,
+            holding: None,
+        }))
     })
+}
+
+/// Whether `charges` took concurrency slots under `policy`.
+fn takes_slots(policy: &Policy, charges: &Charges) -> bool {
+    policy
+        .tiers()
+        .iter()
+        .zip(charges)
+        .any(|(t, c)| matches!(t.kind, Kind::Concurrency(_)) && c.cost > 0)
 }
 
 /// The one charge of a single-tier request.
@@ -425,7 +530,7 @@ impl Inner {
                         return if self.room(shard, now, may_scan) {
                             self.check_compact(bound, w, check, fp, now, false)
                         } else {
-                            Self::check_overflow(&bound.core, check, fp, now)
+                            self.check_overflow(bound, check, fp, now)
                         };
                     }
                 }
@@ -451,15 +556,14 @@ impl Inner {
         may_scan: bool,
     ) -> Verdict<MemoryTicket> {
         let core = &bound.core;
-        let mode = mode(check.max_delay);
         let shard = self.shard(fp);
         let mut tables = lock(&shard.general);
         let table = general_mut(&mut tables, bound.id, core);
         let (decision, charges) = match table.map.get_mut(&fp) {
-            Some(states) => decide(&core.policy, states, now, check.cost, mode),
+            Some(states) => decide_core(core, states, now, check),
             None => {
                 let mut states = core.fresh(now);
-                let out = decide(&core.policy, &mut states, now, check.cost, mode);
+                let out = decide_core(core, &mut states, now, check);
                 // Only an admitted request stores a new key; a rejected one leaves no state.
                 if out.1.is_some() {
                     if self.len.load(Ordering::Relaxed) < self.max_keys {
@@ -472,100 +576,169 @@ impl Inner {
                         return if self.room(shard, now, may_scan) {
                             self.check_general(bound, check, fp, now, false)
                         } else {
-                            Self::check_overflow(core, check, fp, now)
+                            self.check_overflow(bound, check, fp, now)
                         };
                     }
                 }
                 out
             }
         };
-        let ticket = charges.and_then(|c| ticket(check, fp, || c, false));
+        let ticket = charges.and_then(|c| self.ticket_for(bound, check, fp, c, false));
         Verdict { decision, ticket }
     }
 
+    /// The ticket of an admitted request of a general table: as [`ticket`] for a plain policy;
+    /// otherwise when asked for and something was charged, and always when slots were taken.
+    #[inline]
+    fn ticket_for(
+        self: &Arc<Self>,
+        bound: &MemoryPolicy,
+        check: &Check<'_>,
+        fp: u64,
+        charges: Charges,
+        overflow: bool,
+    ) -> Option<MemoryTicket> {
+        let policy = &bound.core.policy;
+        if policy.is_plain() {
+            return ticket(check, fp, || charges, overflow);
+        }
+        let slots = takes_slots(policy, &charges);
+        let wanted = check.ticket && charges.iter().any(|c| c.cost > 0);
+        if !(slots || wanted) {
+            return None;
+        }
+        let holding = slots.then(|| Home {
+            inner: Arc::clone(self),
+            core: Arc::clone(&bound.core),
+            id: bound.id,
+        });
+        Some(MemoryTicket(Box::new(Charged { fp, cost: check.cost, charges, overflow, holding })))
+    }
+
     #[cold]
-    fn check_overflow(core: &Core, check: &Check<'_>, fp: u64, now: u64) -> Verdict<MemoryTicket> {
+    fn check_overflow(
+        self: &Arc<Self>,
+        bound: &MemoryPolicy,
+        check: &Check<'_>,
+        fp: u64,
+        now: u64,
+    ) -> Verdict<MemoryTicket> {
+        let core = &bound.core;
         tracing::debug!(
             policy = core.policy.name(),
             "tollgate: key cap reached, using the overflow bucket"
         );
-        let mut overflow = lock(&core.overflow);
-        let states = overflow.get_or_insert_with(|| core.fresh(now));
-        let (decision, charges) =
-            decide(&core.policy, states, now, check.cost, mode(check.max_delay));
-        let ticket = charges.and_then(|c| ticket(check, fp, || c, true));
+        let (decision, charges) = {
+            let mut overflow = lock(&core.overflow);
+            let states = overflow.get_or_insert_with(|| core.fresh(now));
+            decide_core(core, states, now, check)
+        };
+        let ticket = charges.and_then(|c| self.ticket_for(bound, check, fp, c, true));
         Verdict { decision, ticket }
     }
 
-    fn settle(&self, bound: &MemoryPolicy, ticket: &Charged, cost: u64) {
-        if cost == ticket.cost {
+    /// Settles `ticket` under binding `id` of `core`: each rate or calendar tier `i` for which
+    /// `target(i)` gives a new cost is settled at it (a refund when less, an extra charge when
+    /// more), and with `release` the concurrency slots are given back (and their holds
+    /// observed, and the waiters woken).
+    fn settle(
+        &self,
+        core: &Arc<Core>,
+        id: usize,
+        ticket: &mut Charged,
+        target: &dyn Fn(usize) -> Option<u64>,
+        release: bool,
+    ) {
+        let policy = &core.policy;
+        let tiers = policy.tiers();
+        // (tier, units, extra) per tier whose cost changes.
+        let changes: SmallVec<[(usize, u64, bool); 4]> = tiers
+            .iter()
+            .zip(&ticket.charges)
+            .enumerate()
+            .filter(|(_, (t, _))| !matches!(t.kind, Kind::Concurrency(_)))
+            .filter_map(|(i, (_, c))| {
+                let new = target(i)?;
+                (new != c.cost).then(|| (i, new.abs_diff(c.cost), new > c.cost))
+            })
+            .collect();
+        let slots = release && takes_slots(policy, &ticket.charges);
+        if changes.is_empty() && !slots {
             return;
         }
-        let core = &bound.core;
         let now = self.clock.now();
-        let policy = &core.policy;
         let now_units = in_units(policy, now);
-        let extra = cost > ticket.cost;
         let apply = |states: &mut [TierState]| {
-            let alg = policy.algorithm();
-            for ((state, tier), charge) in
-                states.iter_mut().zip(policy.tiers()).zip(&ticket.charges)
-            {
-                if extra {
-                    let at = charge.at.max(now_units);
-                    state.charge(alg, tier.rate, now_units, at, cost - ticket.cost);
-                } else {
-                    state.refund(alg, tier.rate, *charge, ticket.cost - cost);
+            for &(i, units, extra) in &changes {
+                settle_tier(policy, i, &mut states[i], ticket.charges[i], now_units, units, extra);
+            }
+            if slots {
+                for (i, t) in tiers.iter().enumerate() {
+                    if matches!(t.kind, Kind::Concurrency(_)) {
+                        release_slots(&mut states[i], ticket.charges[i]);
+                    }
                 }
             }
         };
+        let extra = changes.iter().any(|c| c.2);
+        let fp = ticket.fp;
+        let mut inserted = false;
         if ticket.overflow {
             if let Some(states) = lock(&core.overflow).as_mut() {
                 apply(states);
             }
-            return;
-        }
-        let fp = ticket.fp;
-        let shard = self.shard(fp);
-        let inserted = if let Some(w) = &core.whole {
+        } else if let (Some(w), [(_, units, more)]) = (&core.whole, changes.as_slice()) {
             let at = ticket.charges.first().map_or(now, |c| c.at).max(now);
-            let mut tables = shard.compact.lock();
-            match tables.tat_mut(bound.id, fp) {
+            let mut tables = self.shard(fp).compact.lock();
+            match tables.tat_mut(id, fp) {
                 Some(tat) => {
-                    *tat = if extra {
-                        w.charge(*tat, at, cost - ticket.cost)
-                    } else {
-                        w.refund(*tat, ticket.cost - cost)
-                    };
-                    false
+                    *tat = if *more { w.charge(*tat, at, *units) } else { w.refund(*tat, *units) }
                 }
                 // Evicted since: the extra is charged to a fresh state; a refund has nothing
                 // left to give back.
-                None if extra => {
-                    tables.insert(bound.id, fp, w.charge(0, at, cost - ticket.cost));
-                    true
+                None if *more => {
+                    tables.insert(id, fp, w.charge(0, at, *units));
+                    inserted = true;
                 }
-                None => false,
+                None => {}
             }
-        } else {
-            let mut tables = lock(&shard.general);
-            let table = general_mut(&mut tables, bound.id, core);
-            match table.map.get_mut(&fp) {
-                Some(states) => {
-                    apply(states);
-                    false
+        } else if core.whole.is_none() {
+            let mut tables = lock(&self.shard(fp).general);
+            let table = general_mut(&mut tables, id, core);
+            // A binding dropped since, whose slot another binding took: nothing of it is left.
+            if Arc::ptr_eq(&table.core, core) {
+                match table.map.get_mut(&fp) {
+                    Some(states) => apply(states),
+                    None if extra => {
+                        let mut states = core.fresh(now);
+                        apply(&mut states);
+                        table.map.insert(fp, states);
+                        inserted = true;
+                    }
+                    None => {}
                 }
-                None if extra => {
-                    let mut states = core.fresh(now);
-                    apply(&mut states);
-                    table.map.insert(fp, states);
-                    true
-                }
-                None => false,
             }
-        };
+        }
         if inserted {
             self.len.fetch_add(1, Ordering::Relaxed);
+        }
+        for &(i, _, _) in &changes {
+            if let Some(new) = target(i) {
+                ticket.charges[i].cost = new;
+            }
+        }
+        if let Some(new) = target(0).filter(|_| changes.len() == tiers.len()) {
+            ticket.cost = new;
+        }
+        if slots {
+            let unit = policy.unit();
+            for (i, (t, c)) in tiers.iter().zip(ticket.charges.iter_mut()).enumerate() {
+                if matches!(t.kind, Kind::Concurrency(_)) && c.cost > 0 {
+                    core.holds.observe(i, now.saturating_sub(c.at.saturating_mul(unit)));
+                    c.cost = 0;
+                }
+            }
+            core.wake(fp);
         }
     }
 
@@ -669,8 +842,44 @@ impl Store for MemoryStore {
         ticket: MemoryTicket,
         cost: u64,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        self.settle_now(bound, &ticket, cost);
+        self.settle_now(bound, ticket, cost);
         std::future::ready(Ok(()))
+    }
+
+    fn settle_tiers(
+        &self,
+        bound: &MemoryPolicy,
+        ticket: &mut MemoryTicket,
+        costs: &[(usize, u64)],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        self.settle_tiers_now(bound, ticket, costs);
+        std::future::ready(Ok(()))
+    }
+
+    fn released(
+        &self,
+        bound: &MemoryPolicy,
+        key: &Key,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        let core = Arc::clone(&bound.core);
+        let fp = bound.inner.fingerprint(key);
+        // The epoch is read now, before the caller decides: a release between this call and
+        // the first poll is not missed.
+        let seen = core.waker(fp).map(|w| w.epoch.load(Ordering::Acquire));
+        async move {
+            let (Some(waker), Some(seen)) = (core.waker(fp), seen) else {
+                return std::future::pending().await;
+            };
+            loop {
+                let notified = waker.notify.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                if waker.epoch.load(Ordering::Acquire) != seen {
+                    return;
+                }
+                notified.await;
+            }
+        }
     }
 }
 
@@ -834,7 +1043,7 @@ mod tests {
         let key = ip(7);
         let c = Check::new(&key, 4).with_ticket();
         let ticket = store.check_now(&bound, c).ticket.unwrap();
-        store.settle_now(&bound, &ticket, 9);
+        store.settle_now(&bound, ticket, 9);
         let d = store.check_now(&bound, Check::new(&key, 1)).decision;
         assert_eq!(d.tiers()[0].remaining(), 0);
         let query = store.check_now(&bound, Check::new(&key, 0).with_ticket());
@@ -861,7 +1070,7 @@ mod tests {
         clock.advance(Duration::from_secs(1));
         assert_eq!(store.sweep(), 1, "idle: evicted, ids start over");
         assert!(store.check_now(&bound, reserve).decision.is_allowed());
-        store.settle_now(&bound, &stale, 0);
+        store.settle_now(&bound, stale, 0);
         assert!(!store.check_now(&bound, reserve).decision.is_allowed(), "the new entry counts");
     }
 

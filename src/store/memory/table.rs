@@ -17,6 +17,7 @@ use spinning_top::Spinlock;
 use spinning_top::guard::SpinlockGuard;
 
 use super::compact::Compact;
+use crate::algorithm::slots::Holds;
 use crate::algorithm::{TierState, WholeGcra, in_units};
 use crate::quota::Policy;
 
@@ -52,21 +53,54 @@ pub(super) struct Core {
     pub(super) whole: Option<WholeGcra>,
     /// The shared state of keys that arrived while the store was full.
     pub(super) overflow: Mutex<Option<Box<[TierState]>>>,
+    /// The typical hold of each concurrency tier.
+    pub(super) holds: Holds,
+    /// Wakes requests waiting for a concurrency slot, by fingerprint (empty for a policy
+    /// without concurrency tiers).
+    pub(super) wakers: Box<[Waker]>,
 }
+
+/// Wakes the requests waiting for a slot of the keys whose fingerprints share it: a release
+/// bumps the epoch and notifies every waiter, each of which then tries again.
+#[derive(Default)]
+pub(super) struct Waker {
+    pub(super) epoch: AtomicU64,
+    pub(super) notify: tokio::sync::Notify,
+}
+
+/// Wakers per binding with concurrency tiers: releases of different keys rarely wake each
+/// other's waiters.
+pub(super) const WAKERS: usize = 64;
 
 impl Core {
     /// The state of a key never seen, at `now` (nanoseconds).
     pub(super) fn fresh(&self, now: u64) -> Box<[TierState]> {
         let alg = self.policy.algorithm();
         let now = in_units(&self.policy, now);
-        self.policy.tiers().iter().map(|t| TierState::fresh(alg, t.rate, now)).collect()
+        self.policy.tiers().iter().map(|t| TierState::fresh_for(alg, t, now)).collect()
     }
 
     /// Whether `states` decide like a fresh key's at `now` (nanoseconds).
     pub(super) fn is_idle(&self, states: &[TierState], now: u64) -> bool {
         let alg = self.policy.algorithm();
+        let unit = self.policy.unit();
         let now = in_units(&self.policy, now);
-        states.iter().zip(self.policy.tiers()).all(|(s, t)| s.is_idle(alg, t.rate, now))
+        states.iter().zip(self.policy.tiers()).all(|(s, t)| s.is_idle_for(alg, t, unit, now))
+    }
+
+    /// The waker of fingerprint `fp`, if the policy has concurrency tiers.
+    pub(super) fn waker(&self, fp: u64) -> Option<&Waker> {
+        #[allow(clippy::cast_possible_truncation)] // modulo the number of wakers
+        let i = (fp % WAKERS as u64) as usize;
+        self.wakers.get(i)
+    }
+
+    /// Wakes the requests waiting for a slot of `fp`.
+    pub(super) fn wake(&self, fp: u64) {
+        if let Some(w) = self.waker(fp) {
+            w.epoch.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            w.notify.notify_waiters();
+        }
     }
 }
 

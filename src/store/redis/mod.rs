@@ -19,14 +19,17 @@ use node::{Item, Node, Settings};
 pub use node::{ServerInfo, ServerKind};
 use script::Prepared;
 
+use smallvec::SmallVec;
+
 use super::memory::{MemoryPolicy, MemoryTicket};
 use super::{Check, MemoryStore, Store, Verdict};
 use crate::algorithm::Charges;
+use crate::algorithm::slots::{self, Holds};
 use crate::clock::{AnyClock, Clock, duration_to_nanos};
 use crate::decision::Source;
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
-use crate::quota::Policy;
+use crate::quota::{Kind, Policy};
 
 /// A [`Store`] in Redis: every instance of a service that uses the same Redis shares one limit.
 ///
@@ -39,6 +42,17 @@ use crate::quota::Policy;
 /// - **Bounded cost.** Every check costs Redis a bounded amount of work whatever the quota:
 ///   GCRA and the buckets O(1), windows O(1), the sliding log O(log n) in the log's size (plus,
 ///   for an admitted request of cost c, O(c)); no script reads a whole log.
+/// - **Tiers of several kinds.** Policies with concurrency or calendar tiers, or tiers counting
+///   other units than requests, run on their own scripts (`lua/kinds.lua` over the rate
+///   algorithm's): still one call, all tiers or none. A concurrency slot is a **lease**, one
+///   member of a sorted set per slot (`...:c1`, `...:c2` per tier) scored by its expiry; expired
+///   leases are dropped before counting, so slots of an app server that crashed come back
+///   after their [lease](crate::Concurrency::with_lease) (default 30 s). Holders refresh them
+///   every third of the lease ([`Reservation::hold`](crate::Reservation::hold) does). A request
+///   waiting for a slot polls, every 2 ms to 100 ms. Calendar windows are computed here (Lua has
+///   no time zone data) and sent with each check: those from 60 s before this process's clock
+///   to eight windows after 60 s past it. A server clock further off fails the call (and the
+///   local fallback decides).
 /// - **Long horizons.** State is packed binary, instants as (seconds, units), so periods up to
 ///   [`MAX_SPAN`](crate::MAX_SPAN) work (yearly quotas), at the policy's
 ///   [`precision`](Policy::precision).
@@ -133,7 +147,9 @@ pub struct RedisPolicy {
     policy: Policy,
     /// The state key's parts around the key: `{prefix}{{policy}|` and `}:{fingerprint}`.
     key_parts: (String, String),
-    prepared: Prepared,
+    prepared: Arc<Prepared>,
+    /// The typical hold of each concurrency tier, learnt from this binding's releases.
+    holds: Arc<Holds>,
     local: Option<MemoryPolicy>,
 }
 
@@ -154,7 +170,8 @@ impl RedisPolicy {
     }
 
     /// The Redis key of the state of `key` (for inspection: `TTL`, `EXISTS`). Sliding-log
-    /// policies also use `{this}:z1`, `{this}:z2`, ... per tier.
+    /// policies also use `{this}:z1`, `{this}:z2`, ... per rate tier, and concurrency tiers
+    /// `{this}:c1`, `{this}:c2`, ... (their leases).
     #[must_use]
     pub fn state_key(&self, key: &Key) -> String {
         script::state_key(&self.key_parts, key)
@@ -177,6 +194,88 @@ struct Remote {
     state_key: String,
     cost: u64,
     charges: Charges,
+    /// The concurrency slots it holds: released when it is dropped.
+    lease: Option<Lease>,
+}
+
+/// Leased concurrency slots, and what releasing them needs.
+struct Lease {
+    id: u64,
+    store: Arc<Inner>,
+    prepared: Arc<Prepared>,
+    policy: Policy,
+    holds: Arc<Holds>,
+}
+
+impl fmt::Debug for Lease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lease").field("id", &self.id).finish_non_exhaustive()
+    }
+}
+
+impl Drop for Remote {
+    fn drop(&mut self) {
+        let Some(lease) = self.lease.take() else { return };
+        let Ok(handle) = tokio::runtime::Handle::try_current() else { return };
+        let (state_key, charges) = (std::mem::take(&mut self.state_key), self.charges.clone());
+        handle.spawn(async move {
+            let new: Vec<u64> = charges.iter().map(|c| c.cost).collect();
+            if let Err(error) = lease.settle(state_key, &charges, &new, true).await {
+                tracing::warn!(%error, "tollgate: could not release concurrency slots; their leases will expire");
+            }
+        });
+    }
+}
+
+impl Lease {
+    /// Settles `charges` at `new` (per tier) in Redis, releasing the slots with `release`
+    /// (and recording their holds).
+    async fn settle(
+        &self,
+        state_key: String,
+        charges: &Charges,
+        new: &[u64],
+        release: bool,
+    ) -> Result<(), StoreError> {
+        settle_remote(
+            &self.store,
+            &self.prepared,
+            &self.policy,
+            &self.holds,
+            state_key,
+            charges,
+            new,
+            release,
+        )
+        .await
+    }
+}
+
+/// Settles `charges` of `state_key` at `new` per tier on a policy of several kinds, releasing
+/// its slots with `release` and recording how long they were held.
+#[allow(clippy::too_many_arguments)]
+async fn settle_remote(
+    inner: &Inner,
+    prepared: &Prepared,
+    policy: &Policy,
+    holds: &Holds,
+    state_key: String,
+    charges: &Charges,
+    new: &[u64],
+    release: bool,
+) -> Result<(), StoreError> {
+    let record = prepared.settle_kinds(charges, new, release, inner.app_now());
+    let keys = prepared.keys(state_key);
+    let (_, at) = inner.submit(prepared, keys, record, 0).await?;
+    if release {
+        let unit = policy.unit();
+        for (i, (t, c)) in policy.tiers().iter().zip(charges).enumerate() {
+            if matches!(t.kind, Kind::Concurrency(_)) && c.cost > 0 {
+                holds.observe(i, at.saturating_sub(c.at.saturating_mul(unit)));
+            }
+        }
+    }
+    Ok(())
 }
 
 impl RedisStore {
@@ -290,6 +389,17 @@ fn addr_of(info: &ConnectionInfo) -> String {
 }
 
 impl Inner {
+    /// This process's idea of now: the injected clock's, or the system's (nanoseconds since
+    /// the Unix epoch). Only calendar tiers need it, for the windows a check sends.
+    fn app_now(&self) -> u64 {
+        let system = || {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, duration_to_nanos)
+        };
+        self.settings.clock.as_ref().map_or_else(system, AnyClock::now)
+    }
+
     /// The cluster's slot map, read with `CLUSTER SLOTS` from the first node that answers.
     async fn slot_map(&self, cluster: &Cluster) -> Result<Arc<SlotMap>, StoreError> {
         if let Some(map) = cluster.map.read().unwrap_or_else(PoisonError::into_inner).clone() {
@@ -442,7 +552,8 @@ impl Store for RedisStore {
         Ok(RedisPolicy {
             policy: policy.clone(),
             key_parts: script::key_parts(&inner.prefix, policy),
-            prepared: Prepared::new(policy, inner.grace_ms),
+            prepared: Arc::new(Prepared::new(policy, inner.grace_ms)),
+            holds: Arc::new(Holds::new(policy)),
             local: inner.fallback.as_ref().map(|local| local.bind_policy(policy)),
         })
     }
@@ -454,6 +565,9 @@ impl Store for RedisStore {
     ) -> Result<Verdict<RedisTicket>, StoreError> {
         let inner = &*self.inner;
         let prepared = &bound.prepared;
+        if prepared.is_kinds() {
+            return self.check_kinds(bound, check).await;
+        }
         let state_key = bound.state_key(check.key);
         let ticket_key = (check.ticket && check.cost > 0).then(|| state_key.clone());
         let keys = prepared.keys(state_key);
@@ -468,6 +582,7 @@ impl Store for RedisStore {
                         state_key,
                         cost: check.cost,
                         charges,
+                        lease: None,
                     })))
                 });
                 Ok(Verdict { decision, ticket })
@@ -486,20 +601,203 @@ impl Store for RedisStore {
         match ticket.0 {
             Charged::Local(ticket) => {
                 if let (Some(local), Some(local_bound)) = (&inner.fallback, &bound.local) {
-                    local.settle_now(local_bound, &ticket, cost);
+                    local.settle_now(local_bound, ticket, cost);
                 }
                 Ok(())
             }
-            Charged::Remote(remote) => {
+            Charged::Remote(mut remote) => {
+                let prepared = &bound.prepared;
+                if prepared.is_kinds() {
+                    let lease = remote.lease.take();
+                    let new: Vec<u64> = bound
+                        .policy
+                        .tiers()
+                        .iter()
+                        .zip(&remote.charges)
+                        .map(|(t, c)| match t.kind {
+                            Kind::Concurrency(_) => c.cost,
+                            _ => cost,
+                        })
+                        .collect();
+                    let changed = remote.charges.iter().zip(&new).any(|(c, n)| c.cost != *n);
+                    if !changed && lease.is_none() {
+                        return Ok(());
+                    }
+                    let state_key = std::mem::take(&mut remote.state_key);
+                    return settle_remote(
+                        inner,
+                        prepared,
+                        &bound.policy,
+                        &bound.holds,
+                        state_key,
+                        &remote.charges,
+                        &new,
+                        lease.is_some(),
+                    )
+                    .await;
+                }
                 if cost == remote.cost {
                     return Ok(());
                 }
-                let prepared = &bound.prepared;
                 let record = prepared.settle(remote.cost, &remote.charges, cost);
-                let keys = prepared.keys(remote.state_key);
+                let keys = prepared.keys(std::mem::take(&mut remote.state_key));
                 inner.submit(prepared, keys, record, 0).await.map(drop)
             }
         }
+    }
+
+    /// Settles single tiers. A policy whose tiers all count requests is settled on its
+    /// scripts as a whole: settling only some of its tiers, or them at different costs, is a
+    /// [`StoreError`] (its tiers count the same requests).
+    async fn settle_tiers(
+        &self,
+        bound: &RedisPolicy,
+        ticket: &mut RedisTicket,
+        costs: &[(usize, u64)],
+    ) -> Result<(), StoreError> {
+        let inner = &*self.inner;
+        let remote = match &mut ticket.0 {
+            Charged::Local(ticket) => {
+                if let (Some(local), Some(local_bound)) = (&inner.fallback, &bound.local) {
+                    local.settle_tiers_now(local_bound, ticket, costs);
+                }
+                return Ok(());
+            }
+            Charged::Remote(remote) => remote,
+        };
+        let tiers = bound.policy.tiers();
+        let target = |i: usize| costs.iter().rev().find(|(t, _)| *t == i).map(|(_, c)| *c);
+        let new: Vec<u64> = tiers
+            .iter()
+            .zip(&remote.charges)
+            .enumerate()
+            .map(|(i, (t, c))| match t.kind {
+                Kind::Concurrency(_) => c.cost,
+                _ => target(i).unwrap_or(c.cost),
+            })
+            .collect();
+        if remote.charges.iter().zip(&new).all(|(c, n)| c.cost == *n) {
+            return Ok(());
+        }
+        let prepared = &bound.prepared;
+        if prepared.is_kinds() {
+            let (state_key, charges) = (remote.state_key.clone(), &remote.charges);
+            settle_remote(
+                inner,
+                prepared,
+                &bound.policy,
+                &bound.holds,
+                state_key,
+                charges,
+                &new,
+                false,
+            )
+            .await?;
+        } else {
+            let cost = new[0];
+            if new.iter().any(|n| *n != cost) {
+                return Err(StoreError::backend(
+                    "a policy whose tiers all count requests settles all of them at one cost",
+                ));
+            }
+            let record = prepared.settle(remote.cost, &remote.charges, cost);
+            let keys = prepared.keys(remote.state_key.clone());
+            inner.submit(prepared, keys, record, 0).await?;
+            remote.cost = cost;
+        }
+        for (c, n) in remote.charges.iter_mut().zip(&new) {
+            c.cost = *n;
+        }
+        Ok(())
+    }
+
+    async fn release(&self, bound: &RedisPolicy, ticket: RedisTicket) -> Result<(), StoreError> {
+        let Charged::Remote(mut remote) = ticket.0 else { return Ok(()) };
+        let Some(lease) = remote.lease.take() else { return Ok(()) };
+        let new: Vec<u64> = remote.charges.iter().map(|c| c.cost).collect();
+        let state_key = std::mem::take(&mut remote.state_key);
+        let prepared = &bound.prepared;
+        settle_remote(
+            &self.inner,
+            prepared,
+            &bound.policy,
+            &bound.holds,
+            state_key,
+            &remote.charges,
+            &new,
+            true,
+        )
+        .await?;
+        drop(lease);
+        Ok(())
+    }
+
+    async fn refresh(&self, bound: &RedisPolicy, ticket: &RedisTicket) -> Result<bool, StoreError> {
+        let Charged::Remote(remote) = &ticket.0 else { return Ok(true) };
+        let Some(lease) = &remote.lease else { return Ok(true) };
+        let prepared = &bound.prepared;
+        let record = prepared.refresh(&remote.charges, lease.id);
+        let keys = prepared.keys(remote.state_key.clone());
+        let (reply, _) =
+            self.inner.submit(prepared, keys, record, prepared.refresh_reply_len()).await?;
+        Ok(reply.iter().all(|held| *held == 1))
+    }
+
+    fn refresh_every(&self, bound: &RedisPolicy) -> Option<Duration> {
+        bound.policy.tiers().iter().filter_map(|t| t.concurrency()).map(|c| c.refresh_every()).min()
+    }
+}
+
+impl RedisStore {
+    /// [`Store::check`] for a policy of several kinds.
+    async fn check_kinds(
+        &self,
+        bound: &RedisPolicy,
+        check: Check<'_>,
+    ) -> Result<Verdict<RedisTicket>, StoreError> {
+        let inner = &*self.inner;
+        let prepared = &bound.prepared;
+        let policy = &bound.policy;
+        let tiers = policy.tiers();
+        let costs: SmallVec<[u64; 4]> =
+            (0..tiers.len()).map(|i| policy.tier_cost(i, check.cost, check.costs)).collect();
+        let takes_slots =
+            tiers.iter().zip(&costs).any(|(t, c)| matches!(t.kind, Kind::Concurrency(_)) && *c > 0);
+        // A lease id unique enough among the slots of one key (52 random bits: exact as a
+        // double in the script).
+        let lease = if takes_slots { fastrand::u64(1..1 << 52) } else { 0 };
+        let state_key = bound.state_key(check.key);
+        let keys = prepared.keys(state_key.clone());
+        let record = prepared.check_kinds(&costs, check.max_delay, lease, inner.app_now());
+        let answered = inner.submit(prepared, keys, record, prepared.check_reply_len()).await;
+        let decided = answered
+            .and_then(|(reply, at)| script::decode_costs(policy, &|i| costs[i], lease, at, &reply));
+        let (mut decision, charges) = match decided {
+            Ok(decided) => decided,
+            Err(error) => return inner.fall_back(error, bound, check),
+        };
+        if policy.has_concurrency() {
+            slots::fill(policy, &bound.holds, &mut decision);
+        }
+        let ticket = charges.and_then(|charges| {
+            let slots = takes_slots.then(|| Lease {
+                id: lease,
+                store: Arc::clone(&self.inner),
+                prepared: Arc::clone(prepared),
+                policy: policy.clone(),
+                holds: Arc::clone(&bound.holds),
+            });
+            let wanted = check.ticket && charges.iter().any(|c| c.cost > 0);
+            (slots.is_some() || wanted).then(|| {
+                RedisTicket(Charged::Remote(Box::new(Remote {
+                    state_key,
+                    cost: check.cost,
+                    charges,
+                    lease: slots,
+                })))
+            })
+        });
+        Ok(Verdict { decision, ticket })
     }
 }
 

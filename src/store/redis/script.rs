@@ -9,12 +9,13 @@ use std::time::Duration;
 
 use redis::Script;
 
+use crate::algorithm::calendar::{self, LOOKAHEAD};
 use crate::algorithm::{Charge, Charges};
 use crate::clock::duration_to_nanos;
 use crate::decision::{Decision, Outcome, TierDecision, Tiers};
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
-use crate::quota::{Algorithm, Policy};
+use crate::quota::{Algorithm, CalendarSpec, Kind, Policy};
 
 /// The longest span (period, burst x period / count, shaping budget) a script represents, in
 /// the policy's unit: 2^50. Scripts compute in Lua's doubles, exact below 2^53, relative to now.
@@ -27,6 +28,11 @@ const MIN_WINDOW_PERIOD_NANOS: u64 = 1_000_000;
 
 const NANOS_PER_SEC: u64 = 1_000_000_000;
 
+/// How far (seconds) the Redis server's clock may be from this process's for calendar tiers:
+/// each check sends the bounds of the calendar windows from `now - 60 s` to the lookahead
+/// after `now + 60 s`, and the script decides in the window its own clock falls in.
+const CALENDAR_MARGIN_SECS: u64 = 60;
+
 /// The scripts' families: a batch holds checks of one family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) enum Family {
@@ -38,6 +44,13 @@ pub(crate) enum Family {
     Window,
     /// Sliding window log: `lua/log.lua`.
     Log,
+    /// Policies of several kinds (concurrency, calendar, units) whose rates are GCRA or the
+    /// buckets: `lua/rate.lua` and `lua/kinds.lua`.
+    KindsRate,
+    /// ... whose rates are windows: `lua/window.lua` and `lua/kinds.lua`.
+    KindsWindow,
+    /// ... whose rates are sliding logs: `lua/log.lua` and `lua/kinds.lua`.
+    KindsLog,
 }
 
 static GCRA: LazyLock<Script> = LazyLock::new(|| {
@@ -65,8 +78,38 @@ static LOG: LazyLock<Script> = LazyLock::new(|| {
     ))
 });
 
+static KINDS_RATE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("lua/prelude.lua"),
+        include_str!("lua/rate.lua"),
+        include_str!("lua/kinds.lua")
+    ))
+});
+static KINDS_WINDOW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("lua/prelude.lua"),
+        include_str!("lua/window.lua"),
+        include_str!("lua/kinds.lua")
+    ))
+});
+static KINDS_LOG: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("lua/prelude.lua"),
+        include_str!("lua/log.lua"),
+        include_str!("lua/kinds.lua")
+    ))
+});
+
 impl Family {
-    pub(crate) const ALL: [Self; 4] = [Self::Gcra, Self::Rate, Self::Window, Self::Log];
+    pub(crate) const ALL: [Self; 7] = [
+        Self::Gcra,
+        Self::Rate,
+        Self::Window,
+        Self::Log,
+        Self::KindsRate,
+        Self::KindsWindow,
+        Self::KindsLog,
+    ];
 
     pub(crate) fn script(self) -> &'static Script {
         match self {
@@ -74,7 +117,14 @@ impl Family {
             Self::Rate => &RATE,
             Self::Window => &WINDOW,
             Self::Log => &LOG,
+            Self::KindsRate => &KINDS_RATE,
+            Self::KindsWindow => &KINDS_WINDOW,
+            Self::KindsLog => &KINDS_LOG,
         }
+    }
+
+    fn kinds(self) -> bool {
+        matches!(self, Self::KindsRate | Self::KindsWindow | Self::KindsLog)
     }
 }
 
@@ -116,7 +166,7 @@ pub(crate) fn validate(policy: &Policy) -> Result<(), ConfigError> {
         policy.algorithm(),
         Algorithm::FixedWindow | Algorithm::SlidingCounter | Algorithm::SlidingLog
     );
-    for tier in policy.tiers() {
+    for tier in policy.tiers().iter().filter(|t| t.kind == Kind::Rate) {
         let period_nanos = u128::from(tier.rate.period) * u128::from(policy.unit());
         if window && period_nanos < u128::from(MIN_WINDOW_PERIOD_NANOS) {
             return Err(ConfigError::UnsupportedByStore {
@@ -163,12 +213,29 @@ fn meaning(policy: &Policy) -> u64 {
         for v in [t.rate.count, t.rate.period, t.rate.burst] {
             feed(&v.to_le_bytes());
         }
+        // Other kinds (plain policies hash as they always did: their keys stay).
+        match &t.kind {
+            Kind::Rate => {}
+            Kind::Concurrency(_) => feed(b"concurrency"),
+            Kind::Calendar(spec) => {
+                feed(b"calendar");
+                feed(spec.calendar.period().name().as_bytes());
+                feed(spec.calendar.time_zone().as_bytes());
+            }
+        }
     }
     h
 }
 
 /// The family of `policy`'s scripts.
 pub(crate) fn family(policy: &Policy) -> Family {
+    if !policy.is_plain() {
+        return match policy.algorithm() {
+            Algorithm::Gcra | Algorithm::TokenBucket | Algorithm::LeakyBucket => Family::KindsRate,
+            Algorithm::FixedWindow | Algorithm::SlidingCounter => Family::KindsWindow,
+            Algorithm::SlidingLog => Family::KindsLog,
+        };
+    }
     match policy.algorithm() {
         Algorithm::Gcra if policy.tiers().iter().all(|t| t.rate.period % t.rate.count == 0) => {
             Family::Gcra
@@ -238,6 +305,20 @@ pub(crate) struct Prepared {
     ntiers: usize,
     /// Nanoseconds per unit.
     pub(crate) unit: u64,
+    /// For a policy of several kinds: the lease sets after the log sets (one per concurrency
+    /// tier), and the calendar tiers, whose window bounds each record carries.
+    kinds: Option<Kinds>,
+}
+
+/// What records of a policy of several kinds need.
+#[derive(Debug)]
+struct Kinds {
+    /// Concurrency tiers.
+    conc: usize,
+    /// The calendar tiers' windows, in tier order.
+    calendars: Vec<Arc<CalendarSpec>>,
+    /// The kind of each tier: 0 rate, 1 concurrency, 2 calendar.
+    tags: Vec<u8>,
 }
 
 impl Prepared {
@@ -254,9 +335,27 @@ impl Prepared {
             Algorithm::SlidingLog => 5,
         };
         let mut args = vec![f(policy.unit()), f(grace_ms), f(alg), f(ntiers as u64)];
+        let mut kinds = Kinds { conc: 0, calendars: Vec::new(), tags: Vec::new() };
         for t in policy.tiers() {
             let r = t.rate;
-            if family == Family::Gcra {
+            if family.kinds() {
+                match &t.kind {
+                    Kind::Rate => args.extend([0.0, f(r.count), f(r.period), f(r.burst)]),
+                    Kind::Concurrency(s) => {
+                        kinds.conc += 1;
+                        args.extend([1.0, f(s.max), f(s.lease_ms), 0.0]);
+                    }
+                    Kind::Calendar(spec) => {
+                        kinds.calendars.push(Arc::clone(spec));
+                        args.extend([2.0, f(r.count), 0.0, 0.0]);
+                    }
+                }
+                kinds.tags.push(match t.kind {
+                    Kind::Rate => 0,
+                    Kind::Concurrency(_) => 1,
+                    Kind::Calendar(_) => 2,
+                });
+            } else if family == Family::Gcra {
                 let interval = r.period / r.count;
                 args.extend([f(interval), f(interval * r.burst)]);
             } else {
@@ -264,22 +363,100 @@ impl Prepared {
             }
         }
         let id = IDS.fetch_add(1, Ordering::Relaxed);
-        let log_sets = if family == Family::Log { ntiers } else { 0 };
+        let rates = policy.tiers().iter().filter(|t| t.kind == Kind::Rate).count();
+        let log_sets = match family {
+            Family::Log => ntiers,
+            Family::KindsLog => rates,
+            _ => 0,
+        };
         Self {
             family,
             policy: Arc::new(PolicyArgs { id, args }),
             log_sets,
             ntiers,
             unit: policy.unit(),
+            kinds: family.kinds().then_some(kinds),
         }
     }
 
-    /// The keys of a check on `state_key`: it, then the sliding-log sets.
+    /// The keys of a check on `state_key`: it, then the sliding-log sets, then the lease sets.
     pub(crate) fn keys(&self, state_key: String) -> Vec<String> {
-        let mut keys = Vec::with_capacity(1 + self.log_sets);
+        let conc = self.kinds.as_ref().map_or(0, |k| k.conc);
+        let mut keys = Vec::with_capacity(1 + self.log_sets + conc);
         keys.extend((1..=self.log_sets).map(|i| format!("{state_key}:z{i}")));
+        keys.extend((1..=conc).map(|i| format!("{state_key}:c{i}")));
         keys.insert(0, state_key);
         keys
+    }
+
+    /// Whether the policy's records are of the several-kinds layout.
+    pub(crate) fn is_kinds(&self) -> bool {
+        self.kinds.is_some()
+    }
+
+    /// The calendar bounds of a record made at `now` (nanoseconds of this process's clock).
+    fn bounds(&self, record: &mut Vec<f64>, now: u64) {
+        let Some(kinds) = &self.kinds else { return };
+        for spec in &kinds.calendars {
+            let b = calendar::bounds(spec, now, CALENDAR_MARGIN_SECS, LOOKAHEAD);
+            record.push(f(b.len() as u64));
+            #[allow(clippy::cast_precision_loss)] // seconds since the epoch, below 2^53
+            record.extend(b.iter().map(|s| *s as f64));
+        }
+    }
+
+    /// A check of a policy of several kinds: `costs` per tier (resolved), `max_delay` as for
+    /// [`check`](Self::check), the lease id of its slots, and `now` (this process's clock, for
+    /// the calendar bounds).
+    pub(crate) fn check_kinds(
+        &self,
+        costs: &[u64],
+        max_delay: Option<Duration>,
+        lease: u64,
+        now: u64,
+    ) -> Vec<f64> {
+        let budget =
+            max_delay.map_or(-1.0, |d| f((duration_to_nanos(d) / self.unit).min(MAX_SPAN_UNITS)));
+        let mut record = vec![1.0, 0.0, 0.0, 0.0, budget, f(lease)];
+        record.extend(costs.iter().map(|c| f(*c)));
+        self.bounds(&mut record, now);
+        record[3] = f(record.len() as u64);
+        record
+    }
+
+    /// A settlement of a policy of several kinds: per tier the charge and the cost it is
+    /// settled at (`new`), the slots given back with `release`; `now` as for
+    /// [`check_kinds`](Self::check_kinds).
+    pub(crate) fn settle_kinds(
+        &self,
+        charges: &Charges,
+        new: &[u64],
+        release: bool,
+        now: u64,
+    ) -> Vec<f64> {
+        let per_sec = NANOS_PER_SEC / self.unit;
+        let mut record = vec![2.0, 0.0, 0.0, 0.0, f(u64::from(release))];
+        for (c, new) in charges.iter().zip(new) {
+            record.extend([f(c.cost), f(*new), f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
+        }
+        self.bounds(&mut record, now);
+        record[3] = f(record.len() as u64);
+        record
+    }
+
+    /// A refresh of the leases `lease` holds: the slots of each concurrency tier, from the
+    /// charges.
+    pub(crate) fn refresh(&self, charges: &Charges, lease: u64) -> Vec<f64> {
+        let tags = self.kinds.as_ref().map_or(&[][..], |k| &k.tags[..]);
+        let mut record = vec![4.0, 0.0, 0.0, 0.0, f(lease)];
+        record.extend(tags.iter().zip(charges).filter(|(t, _)| **t == 1).map(|(_, c)| f(c.cost)));
+        record[3] = f(record.len() as u64);
+        record
+    }
+
+    /// The numbers a refresh adds to the reply: one per concurrency tier.
+    pub(crate) fn refresh_reply_len(&self) -> usize {
+        self.kinds.as_ref().map_or(0, |k| k.conc)
     }
 
     /// A check of `cost` units; `max_delay` `None` polices, `Some` shapes (clamped to the
@@ -374,10 +551,22 @@ fn optional(v: i64) -> Result<Option<u64>, StoreError> {
 }
 
 /// The decision of a check (its part of the reply) made at `now` (nanoseconds), and for an
-/// admitted request what each tier was charged.
+/// admitted request what each tier was charged (`cost` on every tier).
 pub(crate) fn decode(
     policy: &Policy,
     cost: u64,
+    now: u64,
+    reply: &[i64],
+) -> Result<(Decision, Option<Charges>), StoreError> {
+    decode_costs(policy, &|_| cost, 0, now, reply)
+}
+
+/// [`decode`] with a cost per tier, and the lease id of the concurrency tiers' slots (charged
+/// at the decision's instant, not after its delay: they are held from then on).
+pub(crate) fn decode_costs(
+    policy: &Policy,
+    cost: &dyn Fn(usize) -> u64,
+    lease: u64,
     now: u64,
     reply: &[i64],
 ) -> Result<(Decision, Option<Charges>), StoreError> {
@@ -396,7 +585,7 @@ pub(crate) fn decode(
     let delay = units(reply[1])?;
     let mut decided = Tiers::with_capacity(tiers.len());
     let mut charges = Charges::with_capacity(tiers.len());
-    for (tier, r) in tiers.iter().zip(reply[HEAD..].chunks_exact(PER_TIER)) {
+    for (i, (tier, r)) in tiers.iter().zip(reply[HEAD..].chunks_exact(PER_TIER)).enumerate() {
         decided.push(TierDecision::new(
             tier.capacity(),
             units(r[0])?,
@@ -404,7 +593,10 @@ pub(crate) fn decode(
             optional(r[2])?,
             r[3] != 0,
         ));
-        charges.push(Charge { at: at.saturating_add(delay), cost, id: units(r[4])? });
+        charges.push(match tier.kind {
+            Kind::Concurrency(_) => Charge { at, cost: cost(i), id: lease },
+            _ => Charge { at: at.saturating_add(delay), cost: cost(i), id: units(r[4])? },
+        });
     }
     let mut decision = Decision::new(outcome, delay, optional(reply[2])?, decided);
     if unit > 1 {

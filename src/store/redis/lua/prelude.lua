@@ -182,7 +182,9 @@ local function next_check(C, i, POL)
 end
 
 -- Every key the checks name, once, with its stored value (one MGET): name -> value or false.
-local function stored(C, POL)
+-- `step` finds the next check (default `next_check`).
+local function stored(C, POL, step)
+  step = step or next_check
   local names, seen, i = {}, {}, 1
   while i <= #C do
     local name = KEYS[C[i + 1]]
@@ -190,7 +192,7 @@ local function stored(C, POL)
       seen[name] = true
       names[#names + 1] = name
     end
-    i = next_check(C, i, POL)
+    i = step(C, i, POL)
   end
   local values = call('MGET', unpack(names))
   local out = {}

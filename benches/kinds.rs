@@ -1,0 +1,134 @@
+#![allow(missing_docs)] // criterion_group! generates undocumented items.
+//! The cost of a concurrency tier and of a calendar tier next to a GCRA tier, per check:
+//!
+//! - `kinds/memory/*`: `MemoryStore`, 10,000 keys, one check at a time on a fake clock moving
+//!   1 ms per check (the admitting path). A concurrency slot is taken and released per check.
+//! - `kinds/redis/*` (with the `redis` feature and `redis-server` on `PATH`): `RedisStore`
+//!   against a throw-away local server, 64 tasks keeping checks in flight on one connection,
+//!   over 10,000 keys. A concurrency slot costs two calls: taken, then released.
+//!
+//! Cases: `gcra` (one GCRA tier: the compact path in memory, `gcra.lua` on Redis),
+//! `gcra+concurrency`, `gcra+calendar` (a daily quota in Europe/Berlin), `concurrency`,
+//! `calendar`.
+//!
+//! `cargo bench --bench kinds [--features redis]`
+
+#[cfg(feature = "redis")]
+#[path = "../tests/support/redis.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod redis_server;
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use tollgate::clock::FakeClock;
+use tollgate::key::Key;
+use tollgate::store::{Check, MemoryStore};
+use tollgate::{Calendar, Concurrency, Policy, Quota};
+
+const KEYS: u64 = 10_000;
+
+/// The policies compared, by name: each admits every check of the runs.
+fn policies() -> Vec<(&'static str, Policy)> {
+    let gcra = || Quota::per_second(1_000_000).with_burst(1_000_000);
+    let slots = || Concurrency::new(1_000);
+    let daily = || Calendar::per_day(4_000_000_000).in_time_zone("Europe/Berlin");
+    let build = |b: tollgate::PolicyBuilder| b.build().expect("valid policy");
+    vec![
+        ("gcra", build(Policy::builder("g").tier("rate", gcra()))),
+        (
+            "gcra+concurrency",
+            build(Policy::builder("gc").tier("rate", gcra()).concurrency("slots", slots())),
+        ),
+        (
+            "gcra+calendar",
+            build(Policy::builder("gd").tier("rate", gcra()).calendar("day", daily())),
+        ),
+        ("concurrency", build(Policy::builder("c").concurrency("slots", slots()))),
+        ("calendar", build(Policy::builder("d").calendar("day", daily()))),
+    ]
+}
+
+fn keys() -> Vec<Key> {
+    (0..KEYS).map(|i| Key::text(format!("user-{i}"))).collect()
+}
+
+fn memory(c: &mut Criterion) {
+    let ids = keys();
+    let mut g = c.benchmark_group("kinds/memory");
+    for (name, policy) in policies() {
+        let clock = FakeClock::new();
+        clock.set(1_750_000_000_000_000_000);
+        let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        let bound = store.bind_policy(&policy);
+        let mut n = 0usize;
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                clock.advance(Duration::from_millis(1));
+                n = (n + 1) % ids.len();
+                let verdict = store.check_now(&bound, Check::new(&ids[n], 1));
+                assert!(verdict.decision.is_allowed());
+                // A slot's ticket releases it when dropped: taken and given back.
+                black_box(verdict)
+            });
+        });
+    }
+    g.finish();
+}
+
+#[cfg(feature = "redis")]
+fn redis(c: &mut Criterion) {
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use tollgate::Limiter;
+    use tollgate::store::RedisStore;
+
+    const TASKS: u64 = 64;
+    let Some(server) = redis_server::Server::start("redis-server") else { return };
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let ids = Arc::new(keys());
+    let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(10)).build().unwrap();
+    rt.block_on(store.connect()).unwrap();
+    let mut g = c.benchmark_group("kinds/redis");
+    g.sample_size(20).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
+    for (name, policy) in policies() {
+        let limiter = Limiter::with_store(policy, store.clone()).unwrap();
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let per = iters.div_ceil(TASKS);
+                rt.block_on(async {
+                    let start = Instant::now();
+                    let tasks: Vec<_> = (0..TASKS)
+                        .map(|t| {
+                            let (limiter, ids) = (limiter.clone(), Arc::clone(&ids));
+                            tokio::spawn(async move {
+                                for i in 0..per {
+                                    let key = &ids[((t * 7_919 + i * 64) % KEYS) as usize];
+                                    // Takes a slot and gives it back before returning.
+                                    let d = limiter.check(key, 1).await.unwrap();
+                                    assert_eq!(d.source(), tollgate::Source::Store);
+                                    assert!(d.is_allowed());
+                                }
+                            })
+                        })
+                        .collect();
+                    for t in tasks {
+                        t.await.expect("task");
+                    }
+                    start.elapsed().mul_f64(iters as f64 / (per * TASKS) as f64)
+                })
+            });
+        });
+    }
+    g.finish();
+    drop(server);
+}
+
+#[cfg(not(feature = "redis"))]
+fn redis(_: &mut Criterion) {}
+
+criterion_group!(benches, memory, redis);
+criterion_main!(benches);

@@ -1,0 +1,456 @@
+-- The driver of policies of several kinds: rate tiers (run by the family's F, as in main.lua),
+-- calendar tiers and concurrency tiers, all or nothing in one check. Mirrors `decide_kinds`
+-- in src/algorithm/mod.rs and src/algorithm/calendar.rs.
+--
+-- ARGV[2] per policy: unit, grace, algorithm, tiers, then per tier 4 numbers: kind (0 rate,
+--         1 concurrency, 2 calendar) and its parameters: a rate's count, period, burst; a
+--         concurrency tier's slots and lease (ms); a calendar tier's count.
+-- ARGV[3] every record starts op, key index, policy index, record length:
+--         op 1, a check: budget (-1 polices), lease id, each tier's cost, then per calendar
+--           tier the bounds of its windows (their number, then the seconds: each window's
+--           start and the last one's end), from before `now` to the lookahead after it;
+--         op 2, a settlement: release (1 gives the slots back), then per tier the old and new
+--           cost, the charge's instant (seconds, units) and entry id (the lease id for a
+--           concurrency tier), then the calendar bounds as for a check;
+--         op 4, a refresh: lease id, then per concurrency tier its slots.
+-- KEYS    per record: the state key, the sliding-log sets of the rate tiers (log family
+--         only), the lease sets of the concurrency tiers (`{state}:c1`, ...).
+-- State   `(seconds, units)` of the last write, per calendar tier its windows (number, then
+--         start, end, used), then the rate tiers' state as F packs it. Concurrency slots live
+--         in their sorted sets: one member per slot, `struct '<dd' (lease id, slot)`, scored
+--         by the lease's expiry (ms since the epoch); expired members are dropped first.
+-- reply   per check as main.lua's (a concurrency tier's reset is left to the binding, which
+--         knows the typical hold); per refresh, 1 or 0 per concurrency tier (every slot was
+--         still leased); nothing per settlement.
+
+-- Windows a shaped request may be reserved in (calendar::LOOKAHEAD).
+local LOOKAHEAD = 8
+
+local function kpolicies()
+  local P = doubles(ARGV[2])
+  local out, i = {}, 1
+  while i <= #P do
+    local n = P[i + 3]
+    local tiers, nrate, nconc, ncal = {}, 0, 0, 0
+    for t = 1, n do
+      local j = i + 4 + (t - 1) * 4
+      local kind = P[j]
+      local tier = { kind = kind }
+      if kind == 0 then
+        nrate = nrate + 1
+        tier.c, tier.p, tier.b, tier.r = P[j + 1], P[j + 2], P[j + 3], nrate
+      elseif kind == 1 then
+        nconc = nconc + 1
+        tier.max, tier.lease, tier.q = P[j + 1], P[j + 2], nconc
+      else
+        ncal = ncal + 1
+        tier.count, tier.w = P[j + 1], ncal
+      end
+      tiers[t] = tier
+    end
+    out[#out + 1] = { unit = P[i], grace = P[i + 1], alg = P[i + 2], n = n, tiers = tiers,
+                      nrate = nrate, nconc = nconc, ncal = ncal }
+    i = i + 4 + n * 4
+  end
+  return out
+end
+
+local POL = kpolicies()
+local C = doubles(ARGV[3])
+local STORED = stored(C, POL, function(C, i) return i + C[i + 3] end)
+local cache, order = {}, {}
+
+-- A calendar bound (seconds) relative to the key's now, in units.
+local function brel(c, b)
+  return (b - c.s) * c.per - c.u
+end
+
+-- The key's now in milliseconds since the epoch (lease expiries).
+local function now_ms(st)
+  return st.c.s * 1000 + floor(st.c.u * st.unit / 1e6)
+end
+
+local function load(k, pol)
+  local name = KEYS[k]
+  local c = clock_of(pol.unit)
+  local st = { k = k, name = name, unit = pol.unit, grace = pol.grace, n = pol.n, pol = pol,
+               c = c, cal = {} }
+  local raw = nil
+  local packed = STORED[name]
+  if packed then
+    raw = doubles(packed)
+    -- Time never goes back for a key (see main.lua).
+    if rel(c, raw[1], raw[2]) > 0 then st.c = { per = c.per, s = raw[1], u = raw[2] } end
+  end
+  local j = 2
+  for w = 1, pol.ncal do
+    local list = {}
+    if raw then
+      j = j + 1
+      for _ = 1, raw[j] do
+        list[#list + 1] = { raw[j + 1], raw[j + 2], raw[j + 3] }
+        j = j + 3
+      end
+    end
+    -- Forget the windows that ended.
+    local kept = {}
+    for _, win in ipairs(list) do
+      if brel(st.c, win[2]) > 0 then kept[#kept + 1] = win else st.dirty = true end
+    end
+    st.cal[w] = kept
+  end
+  local rate_tiers = {}
+  for _, tier in ipairs(pol.tiers) do
+    if tier.kind == 0 then rate_tiers[#rate_tiers + 1] = { c = tier.c, p = tier.p, b = tier.b } end
+  end
+  st.rs = { k = k, name = name, unit = pol.unit, alg = pol.alg, n = pol.nrate, tiers = rate_tiers,
+            c = st.c }
+  local rest = nil
+  if raw then
+    rest = {}
+    for x = j + 1, #raw do rest[#rest + 1] = raw[x] end
+  end
+  F.load(st.rs, rest)
+  -- The concurrency sets: expired leases go first.
+  local first = k + 1
+  if F.log then first = first + pol.nrate end
+  st.z = {}
+  for q = 1, pol.nconc do
+    st.z[q] = KEYS[first + q - 1]
+  end
+  st.zpruned = {}
+  return st
+end
+
+-- The lease set of concurrency tier `tier`, pruned of expired leases; and the slots held.
+local function held(st, tier)
+  local z = st.z[tier.q]
+  if not st.zpruned[tier.q] then
+    call('ZREMRANGEBYSCORE', z, '-inf', num(now_ms(st)))
+    st.zpruned[tier.q] = true
+  end
+  return z, call('ZCARD', z)
+end
+
+local function slot(id, j)
+  return spack('<dd', id, j)
+end
+
+-- Calendar: the window list of tier `tier`, and the bounds `B` of the record.
+local function cal_used(list, start)
+  for _, win in ipairs(list) do
+    if win[1] == start then return win[3] end
+  end
+  return 0
+end
+
+-- The index of the window of `B` holding the key's now (at least LOOKAHEAD windows after it).
+local function locate(st, B)
+  for x = 1, #B - LOOKAHEAD do
+    if brel(st.c, B[x]) <= 0 and brel(st.c, B[x + 1]) > 0 then return x end
+  end
+  return error('tollgate: the calendar windows sent do not cover the server clock (clock skew above 60 s?)')
+end
+
+local function cal_earliest(st, tier, B, from, cost)
+  local list = st.cal[tier.w]
+  local j = locate(st, B)
+  for x = j, j + LOOKAHEAD - 1 do
+    local s, e = brel(st.c, B[x]), brel(st.c, B[x + 1])
+    if e > from and cal_used(list, B[x]) + cost <= tier.count then return max(from, s) end
+  end
+  return nil, brel(st.c, B[j + 1])
+end
+
+local function cal_charge(st, tier, B, at, cost)
+  local list = st.cal[tier.w]
+  for x = 1, #B - 1 do
+    if brel(st.c, B[x]) <= at and at < brel(st.c, B[x + 1]) then
+      for _, win in ipairs(list) do
+        if win[1] == B[x] then
+          win[3] = win[3] + cost
+          st.dirty = true
+          return
+        end
+      end
+      local p = #list + 1
+      for y, win in ipairs(list) do
+        if win[1] > B[x] then p = y; break end
+      end
+      table.insert(list, p, { B[x], B[x + 1], cost })
+      st.dirty = true
+      return
+    end
+  end
+end
+
+local function cal_refund(st, tier, at, cost)
+  local list = st.cal[tier.w]
+  for y, win in ipairs(list) do
+    if brel(st.c, win[1]) <= at and at < brel(st.c, win[2]) then
+      win[3] = win[3] - min(win[3], cost)
+      if win[3] == 0 then table.remove(list, y) end
+      st.dirty = true
+      return
+    end
+  end
+end
+
+local function cal_status(st, tier)
+  local list = st.cal[tier.w]
+  local current = 0
+  for _, win in ipairs(list) do
+    if brel(st.c, win[1]) <= 0 and 0 < brel(st.c, win[2]) then current = win[3] end
+  end
+  local reset = 0
+  if #list > 0 then reset = max(0, brel(st.c, list[#list][2])) end
+  return max(0, tier.count - current), reset
+end
+
+-- The calendar bounds of a record, from position `p`: one list per calendar tier.
+local function bounds(pol, p)
+  local out = {}
+  for w = 1, pol.ncal do
+    local nb = C[p]
+    local B = {}
+    for x = 1, nb do B[x] = C[p + x] end
+    out[w] = B
+    p = p + 1 + nb
+  end
+  return out
+end
+
+local function capacity(tier)
+  if tier.kind == 0 then return F.capacity(tier) end
+  if tier.kind == 1 then return tier.max end
+  return tier.count
+end
+
+-- The rate tier of `tier` as F knows it.
+local function rt(st, tier)
+  return st.rs.tiers[tier.r]
+end
+
+local function check(st, i)
+  local pol = st.pol
+  local n, tiers = pol.n, pol.tiers
+  local budget_arg, id = C[i + 4], C[i + 5]
+  local cost = {}
+  local zero, over = true, false
+  for t = 1, n do
+    cost[t] = C[i + 5 + t]
+    if cost[t] > 0 then zero = false end
+    if cost[t] > capacity(tiers[t]) then over = true end
+  end
+  local B = bounds(pol, i + 6 + n)
+  local per, head = {}, nil
+  local earliest = function(t, from)
+    local tier = tiers[t]
+    if tier.kind == 0 then return F.earliest(st.rs, rt(st, tier), from, cost[t]) end
+    if tier.kind == 2 then return cal_earliest(st, tier, B[tier.w], from, cost[t]) end
+    return from
+  end
+  if zero then
+    for t = 1, n do per[t] = { -1, 0, 0 } end
+    head = { 1, 0, -1 }
+  elseif over then
+    for t = 1, n do
+      local v = 0
+      if cost[t] > capacity(tiers[t]) then v = 1 end
+      per[t] = { -1, v, 0 }
+    end
+    head = { 2, 0, -1 }
+  else
+    local at, beyond = 0, nil
+    for _ = 1, 64 do
+      local nxt = at
+      for t = 1, n do
+        if cost[t] > 0 then
+          local e, next = earliest(t, at)
+          if not e then beyond = next; break end
+          nxt = max(nxt, e)
+        end
+      end
+      if beyond or nxt == at then break end
+      at = nxt
+    end
+    local queue = 0
+    if budget_arg >= 0 and not beyond then
+      for t = 1, n do
+        if cost[t] > 0 and tiers[t].kind == 0 then
+          queue = max(queue, F.queue_wait(st.rs, rt(st, tiers[t]), at))
+        end
+      end
+    end
+    local full, any_full = {}, false
+    for t = 1, n do
+      local tier = tiers[t]
+      if tier.kind == 1 and cost[t] > 0 then
+        local _, h = held(st, tier)
+        if h + cost[t] > tier.max then full[t] = true; any_full = true end
+      end
+    end
+    local wait = at + queue
+    local budget = max(budget_arg, 0)
+    if beyond or wait > budget or any_full then
+      local retry = -1
+      if beyond then retry = max(beyond, 1) elseif wait > budget then retry = wait - budget end
+      for t = 1, n do
+        if full[t] then
+          per[t] = { -1, 1, 0 }
+        elseif cost[t] == 0 or tiers[t].kind == 1 then
+          per[t] = { -1, 0, 0 }
+        else
+          local e, next = earliest(t, 0)
+          local own = e or next
+          if own > 0 then per[t] = { own, 1, 0 } else per[t] = { -1, 0, 0 } end
+        end
+      end
+      head = { 0, 0, retry }
+    else
+      local expiry = nil
+      for t = 1, n do
+        local tier, c = tiers[t], cost[t]
+        local entry = 0
+        if c > 0 then
+          if tier.kind == 0 then
+            entry = F.charge(st.rs, rt(st, tier), wait, c)
+          elseif tier.kind == 2 then
+            cal_charge(st, tier, B[tier.w], wait, c)
+          else
+            local z = held(st, tier)
+            expiry = now_ms(st) + tier.lease
+            for j = 0, c - 1 do call('ZADD', z, num(expiry), slot(id, j)) end
+            call('PEXPIRE', z, num(tier.lease + st.grace))
+          end
+        end
+        per[t] = { -1, 0, entry }
+      end
+      head = { 1, wait, -1 }
+    end
+  end
+  out(head[1]); out(head[2]); out(head[3])
+  for t = 1, n do
+    local tier = tiers[t]
+    local remaining, reset
+    if tier.kind == 0 then
+      remaining, reset = F.status(st.rs, rt(st, tier))
+    elseif tier.kind == 2 then
+      remaining, reset = cal_status(st, tier)
+    else
+      local _, h = held(st, tier)
+      remaining, reset = max(0, tier.max - h), 0
+    end
+    local p = per[t]
+    out(remaining); out(reset); out(p[1]); out(p[2]); out(p[3])
+  end
+end
+
+local function settle(st, i)
+  local pol = st.pol
+  local n, tiers = pol.n, pol.tiers
+  local release = C[i + 4]
+  local B = bounds(pol, i + 5 + 5 * n)
+  for t = 1, n do
+    local j = i + 5 + (t - 1) * 5
+    local old, new, id = C[j], C[j + 1], C[j + 4]
+    local at = rel(st.c, C[j + 2], C[j + 3])
+    local tier = tiers[t]
+    if tier.kind == 0 then
+      if new < old then
+        F.refund(st.rs, rt(st, tier), at, id, old, old - new)
+      elseif new > old then
+        F.charge(st.rs, rt(st, tier), max(at, 0), new - old)
+      end
+    elseif tier.kind == 2 then
+      if new < old then
+        cal_refund(st, tier, at, old - new)
+      elseif new > old then
+        cal_charge(st, tier, B[tier.w], max(at, 0), new - old)
+      end
+    elseif release == 1 and old > 0 then
+      local z = st.z[tier.q]
+      for s = 0, old - 1 do call('ZREM', z, slot(id, s)) end
+      if call('ZCARD', z) == 0 then call('DEL', z) end
+    end
+  end
+end
+
+local function refresh(st, i)
+  local pol = st.pol
+  local id = C[i + 4]
+  local x = 0
+  for _, tier in ipairs(pol.tiers) do
+    if tier.kind == 1 then
+      x = x + 1
+      local slots = C[i + 4 + x]
+      local z = held(st, tier)
+      local all = 1
+      local expiry = now_ms(st) + tier.lease
+      for j = 0, slots - 1 do
+        if call('ZADD', z, 'XX', 'CH', num(expiry), slot(id, j)) == 0 and not call('ZSCORE', z, slot(id, j)) then
+          all = 0
+        end
+      end
+      if slots > 0 and all == 1 then call('PEXPIRE', z, num(tier.lease + st.grace)) end
+      out(all)
+    end
+  end
+end
+
+local i = 1
+while i <= #C do
+  local op, k, pol = C[i], C[i + 1], POL[C[i + 2]]
+  local name = KEYS[k]
+  local st = cache[name]
+  if not st then
+    st = load(k, pol)
+    cache[name] = st
+    order[#order + 1] = st
+  end
+  if op == 1 then
+    check(st, i)
+  elseif op == 2 then
+    settle(st, i)
+  else
+    refresh(st, i)
+  end
+  i = i + C[i + 3]
+end
+
+-- Write every changed state back, with a TTL equal to what it needs.
+for _, st in ipairs(order) do
+  if st.dirty or st.rs.dirty then
+    local pol = st.pol
+    local ttl = 0
+    for _, tier in ipairs(pol.tiers) do
+      local reset = 0
+      if tier.kind == 0 then
+        local _, r = F.status(st.rs, st.rs.tiers[tier.r])
+        reset = r
+      elseif tier.kind == 2 then
+        local _, r = cal_status(st, tier)
+        reset = r
+      end
+      if reset > ttl then ttl = reset end
+    end
+    if ttl <= 0 then
+      call('DEL', st.name)
+      if F.drop then F.drop(st.rs) end
+    else
+      local v = { st.c.s, st.c.u }
+      for w = 1, pol.ncal do
+        local list = st.cal[w]
+        v[#v + 1] = #list
+        for _, win in ipairs(list) do
+          v[#v + 1], v[#v + 2], v[#v + 3] = win[1], win[2], win[3]
+        end
+      end
+      for _, x in ipairs(F.save(st.rs)) do v[#v + 1] = x end
+      call('SET', st.name, pack(v), 'PX', ttl_ms(st.unit, ttl, st.grace))
+      if F.expire then F.expire(st.rs, ttl_ms(st.unit, ttl, st.grace)) end
+    end
+  end
+end
+
+return finish()
