@@ -9,13 +9,20 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use pin_project_lite::pin_project;
 
+use super::meter::Meter;
+
 pin_project! {
     /// The response body of [`RateLimit`](crate::RateLimit): the inner service's body `B`
     /// unchanged, or the bytes of a response the layer made itself (a 429, a 503, a 400).
     /// No boxing either way.
+    ///
+    /// Under a policy with concurrency tiers or tiers counting bytes or reported units, the
+    /// body also ends the request's hold: when it ends, or is dropped unfinished (a client
+    /// disconnect), the request's slots are released and its counted units settled.
     pub struct ResponseBody<B> {
         #[pin]
         kind: Kind<B>,
+        meter: Option<Box<Meter>>,
     }
 }
 
@@ -29,11 +36,16 @@ pin_project! {
 
 impl<B> ResponseBody<B> {
     pub(crate) fn inner(body: B) -> Self {
-        Self { kind: Kind::Inner { body } }
+        Self { kind: Kind::Inner { body }, meter: None }
     }
 
     pub(crate) fn own(body: Full<Bytes>) -> Self {
-        Self { kind: Kind::Own { body } }
+        Self { kind: Kind::Own { body }, meter: None }
+    }
+
+    /// The inner service's body, measured by `meter`.
+    pub(crate) fn metered(body: B, meter: Meter) -> Self {
+        Self { kind: Kind::Inner { body }, meter: Some(Box::new(meter)) }
     }
 }
 
@@ -57,8 +69,23 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        match self.project().kind.project() {
-            KindProj::Inner { body } => body.poll_frame(cx),
+        let this = self.project();
+        match this.kind.project() {
+            KindProj::Inner { body } => {
+                let frame = body.poll_frame(cx);
+                if let Some(meter) = this.meter {
+                    match &frame {
+                        Poll::Ready(Some(Ok(frame))) => {
+                            if let Some(data) = frame.data_ref() {
+                                meter.sent(data.len());
+                            }
+                        }
+                        Poll::Ready(_) => meter.done(),
+                        Poll::Pending => {}
+                    }
+                }
+                frame
+            }
             KindProj::Own { body } => body.poll_frame(cx).map_err(|never| match never {}),
         }
     }

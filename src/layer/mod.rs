@@ -2,6 +2,7 @@
 
 mod body;
 mod future;
+mod meter;
 mod observe;
 mod scope;
 mod service;
@@ -17,6 +18,7 @@ use tower_layer::Layer;
 
 pub use body::ResponseBody;
 pub use future::ResponseFuture;
+pub use meter::Usage;
 pub use observe::{DecisionEvent, LogKeys, Observed};
 pub use scope::Unselected;
 pub use service::RateLimit;

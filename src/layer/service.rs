@@ -11,6 +11,7 @@ use tower_service::Service;
 
 use super::body::ResponseBody;
 use super::future::ResponseFuture;
+use super::meter::{Counters, Finish, Meter, Needs, content_length};
 use super::scope::Route;
 use super::{Config, Cost, MissingKey, Observed, OnStoreError};
 use crate::decision::Decision;
@@ -19,6 +20,7 @@ use crate::grpc::is_grpc;
 use crate::headers::Prepared;
 use crate::key::{Key, KeyExtractor, RequestHead};
 use crate::limiter::{Limiter, Reservation};
+use crate::quota::Unit;
 use crate::rejection::{Rejection, grpc_resource_exhausted, too_many_requests};
 use crate::store::{Check, Store, Verdict};
 
@@ -117,8 +119,15 @@ where
         // without I/O. Whatever has to wait goes to `run`, with the decision already made.
         let mut decided = None;
         if let (Some(key), true) = (&key, config.polices_at_once()) {
-            let mut check = Check::new(key, config.cost(&head));
-            check.ticket = config.needs_ticket();
+            let cost = config.cost(&head);
+            let policy_ = limiter.policy();
+            // Per-tier costs, for a policy with tiers of other kinds or units only.
+            let costs = (!policy_.is_plain()).then(|| policy_.costs(cost, content_length(&head)));
+            let mut check = Check::new(key, cost);
+            if let Some(costs) = &costs {
+                check = check.with_costs(costs);
+            }
+            check.ticket = config.needs_ticket() || Needs::of(policy_).any();
             match limiter.check_sync(check) {
                 Some(Ok(Verdict { decision, ticket: None })) if decision.is_allowed() => {
                     if config.observer.active() {
@@ -285,6 +294,7 @@ where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
     K: KeyExtractor,
     St: Store,
+    ReqB: 'static,
 {
     let settings = &config.settings;
     let limiter = config.limiter_at(policy);
@@ -303,12 +313,20 @@ where
         },
     };
 
+    // What the policy needs measured, and the request's costs per tier.
+    let (cost, length) = {
+        let head = RequestHead::from(&req);
+        (config.cost(&head), content_length(&head))
+    };
+    let needs = Needs::of(limiter.policy());
+    let costs = (!limiter.policy().is_plain()).then(|| limiter.policy().costs(cost, length));
+
     // A place in the waiting room, taken before deciding so that a full room polices instead
     // of reserving slots it cannot wait for.
     let mut permit = None;
     let mut budget = None;
-    let verdict = match decided {
-        Some(verdict) => verdict,
+    let reserved = match decided {
+        Some(verdict) => verdict.map(|verdict| limiter.reservation(verdict)),
         None => {
             if let (Some(room), Some(_), false) =
                 (&config.waiters, settings.max_delay, settings.dry_run)
@@ -316,16 +334,24 @@ where
                 permit = Arc::clone(room).try_acquire_owned().ok();
             }
             budget = permit.as_ref().and(settings.max_delay);
-            let mut check = Check::new(&key, config.cost(&RequestHead::from(&req)));
+            let mut check = Check::new(&key, cost);
+            if let Some(costs) = &costs {
+                check = check.with_costs(costs);
+            }
             check.max_delay = budget;
-            check.ticket = budget.is_some() || config.needs_ticket();
-            limiter.decide(check).await
+            check.ticket = budget.is_some() || config.needs_ticket() || needs.any();
+            if budget.is_some() && limiter.policy().has_concurrency() {
+                // Shaping waits for a free slot too, within the budget.
+                limiter.reserve_with(check).await
+            } else {
+                limiter.decide(check).await.map(|verdict| limiter.reservation(verdict))
+            }
         }
     };
-    let verdict = match verdict {
-        Ok(verdict) => {
+    let reservation = match reserved {
+        Ok(reservation) => {
             config.failing.recovered(limiter.policy().name());
-            verdict
+            reservation
         }
         Err(error) => {
             drop(permit);
@@ -346,7 +372,7 @@ where
         }
     };
 
-    let decision = &verdict.decision;
+    let decision = reservation.decision();
     let outcome = match (decision.is_allowed(), settings.dry_run) {
         (false, false) => Observed::Limited,
         (false, true) => Observed::DryRunLimited,
@@ -359,6 +385,8 @@ where
 
     if outcome == Observed::Limited {
         drop(permit);
+        let decision = decision.clone();
+        drop(reservation);
         if let Some(delay) = settings.tarpit {
             // Only with a place in the waiting room: a flood is answered at once, not held.
             if let Some(_place) = config.waiters.as_ref().and_then(|w| w.try_acquire().ok()) {
@@ -366,26 +394,62 @@ where
             }
         }
         let grpc = is_grpc(req.headers());
-        return Ok(config.reject(limiter, &key, verdict.decision, budget, grpc));
+        return Ok(config.reject(limiter, &key, decision, budget, grpc));
     }
 
     // Admitted (or dry run): wait for the reserved slot; a request dropped meanwhile gives it
     // back.
-    let reservation = limiter.reservation(verdict).wait().await;
+    let reservation = reservation.wait().await;
     drop(permit);
+    let headers = if outcome == Observed::DryRunLimited {
+        Prepared::default()
+    } else {
+        limiter.surface().headers.prepare(settings.headers, reservation.decision())
+    };
 
-    // From here the request is served: dropping it (a client disconnect) keeps the charge.
+    if !needs.any() || !reservation.decision().is_allowed() {
+        // From here the request is served: dropping it (a client disconnect) keeps the charge.
+        let res = inner.call(req).await?;
+        let (mut head, body) = res.into_parts();
+        headers.insert(&mut head.headers);
+        settle(&config, reservation, &head).await;
+        return Ok(Response::from_parts(head, ResponseBody::inner(body)));
+    }
+
+    // Held while the handler runs and its response streams: its concurrency slots (leases
+    // refreshed on a shared store), and the units counted on the way. A handler that fails or
+    // panics, or a client that disconnects, drops the hold: the slots are released and the
+    // estimates kept.
+    let mut req = req;
+    let counters = Counters::install(needs, &mut req, length.is_some());
+    let held = reservation.hold();
     let res = inner.call(req).await?;
     let (mut head, body) = res.into_parts();
-    if outcome != Observed::DryRunLimited {
-        limiter.surface().headers.write(
-            settings.headers,
-            &mut head.headers,
-            reservation.decision(),
-        );
+    headers.insert(&mut head.headers);
+    let finish: Finish = Box::new(move |settled: &[(Unit, u64)]| held.finish(settled));
+    let meter = Meter::new(finish, counters, settled_by_head(&config, &head));
+    Ok(Response::from_parts(head, ResponseBody::metered(body, meter)))
+}
+
+/// What the response head settles for a held request: a refund gives back every unit it
+/// counts (the slots are released when the body ends), a settled cost sets its requests.
+fn settled_by_head<K, St: Store>(
+    config: &Config<K, St>,
+    head: &http::response::Parts,
+) -> Vec<(Unit, u64)> {
+    let settings = &config.settings;
+    if settings.refund_if.as_ref().is_some_and(|f| f(head.status)) {
+        return vec![
+            (Unit::Requests, 0),
+            (Unit::RequestBytes, 0),
+            (Unit::ResponseBytes, 0),
+            (Unit::Reported, 0),
+        ];
     }
-    settle(&config, reservation, &head).await;
-    Ok(Response::from_parts(head, ResponseBody::inner(body)))
+    match settings.settle_cost.as_ref().and_then(|f| f(head)) {
+        Some(cost) => vec![(Unit::Requests, cost)],
+        None => Vec::new(),
+    }
 }
 
 /// Applies the refund predicate and the response-settled cost; otherwise commits.

@@ -1,0 +1,253 @@
+//! What the layer measures while a request runs under a policy with concurrency tiers or tiers
+//! counting something other than requests: the slots it holds, the request bytes that stream
+//! in, the response bytes that stream out, and the units the handler reports ([`Usage`]).
+
+use std::any::Any;
+use std::fmt;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::Request;
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+
+use crate::key::RequestHead;
+use crate::quota::{Policy, TierKind, Unit};
+
+/// Units a handler reports for the request it serves, for a policy's tiers counting
+/// [`Unit::Reported`] (for example the tokens an LLM call used). The layer puts one in the
+/// request's extensions when the policy has such a tier, charges one unit at admission, and
+/// settles the tier at the total reported when the response body ends.
+///
+/// ```
+/// use axum::{Extension, Router, routing::post};
+/// use tollgate::{Policy, Quota, RateLimitLayer, Unit, Usage};
+///
+/// # fn main() -> Result<(), tollgate::ConfigError> {
+/// let policy = Policy::builder("llm")
+///     .tier("requests", Quota::per_minute(60))
+///     .tier("tokens", Quota::per_minute(100_000).counting(Unit::Reported))
+///     .build()?;
+/// let app: Router = Router::new()
+///     .route("/complete", post(|Extension(usage): Extension<Usage>| async move {
+///         let tokens_used = 1_234; // what the model reports
+///         usage.report(tokens_used);
+///         "done"
+///     }))
+///     .route_layer(RateLimitLayer::builder(policy).build()?);
+/// # let _ = app;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct Usage(Arc<AtomicU64>);
+
+impl Usage {
+    /// Adds `units` to what this request used (saturating at `u64::MAX`).
+    pub fn report(&self, units: u64) {
+        let _ = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| Some(u.saturating_add(units)));
+    }
+
+    /// The units reported so far.
+    #[must_use]
+    pub fn reported(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// What a policy needs measured, decided once per request from its tiers.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Needs {
+    /// Concurrency slots to hold until the response ends.
+    slots: bool,
+    request_bytes: bool,
+    response_bytes: bool,
+    reported: bool,
+}
+
+impl Needs {
+    pub(super) fn of(policy: &Policy) -> Self {
+        let mut needs = Self::default();
+        if policy.is_plain() {
+            return needs;
+        }
+        for tier in policy.tiers() {
+            match (tier.kind(), tier.unit()) {
+                (TierKind::Concurrency, _) => needs.slots = true,
+                (_, Unit::RequestBytes) => needs.request_bytes = true,
+                (_, Unit::ResponseBytes) => needs.response_bytes = true,
+                (_, Unit::Reported) => needs.reported = true,
+                (_, _) => {}
+            }
+        }
+        needs
+    }
+
+    /// Whether the request must be held (and its reservation kept) until its response ends.
+    pub(super) fn any(self) -> bool {
+        self.slots || self.request_bytes || self.response_bytes || self.reported
+    }
+}
+
+/// The request's `Content-Length`, when it has exactly one valid one.
+pub(super) fn content_length(head: &RequestHead<'_>) -> Option<u64> {
+    let mut values = head.headers.get_all(http::header::CONTENT_LENGTH).iter();
+    match (values.next(), values.next()) {
+        (Some(v), None) => v.to_str().ok()?.trim().parse().ok(),
+        _ => None,
+    }
+}
+
+/// The counters of one request, filled while it runs and read when its response ends.
+#[derive(Default)]
+pub(super) struct Counters {
+    /// Request bytes counted as the body streams (when its length was not known up front).
+    request_bytes: Option<Arc<AtomicU64>>,
+    /// Counting response bytes.
+    response_bytes: bool,
+    usage: Option<Usage>,
+}
+
+impl Counters {
+    /// Prepares the counters `needs` asks for: puts a [`Usage`] in the request's extensions
+    /// and, for a body of unknown length, counts its bytes as it streams (axum and tonic
+    /// bodies; other body types are charged their one-unit estimate).
+    pub(super) fn install<B: 'static>(
+        needs: Needs,
+        req: &mut Request<B>,
+        length_known: bool,
+    ) -> Self {
+        let mut counters = Self { response_bytes: needs.response_bytes, ..Self::default() };
+        if needs.reported {
+            let usage = Usage::default();
+            req.extensions_mut().insert(usage.clone());
+            counters.usage = Some(usage);
+        }
+        if needs.request_bytes && !length_known {
+            counters.request_bytes = count_request_body(req.body_mut());
+        }
+        counters
+    }
+}
+
+/// Replaces `body` by a body that counts its bytes, when its type is one that can be rebuilt
+/// around another body (axum's and tonic's); `None` for any other type.
+fn count_request_body<B: 'static>(body: &mut B) -> Option<Arc<AtomicU64>> {
+    let counter = Arc::new(AtomicU64::new(0));
+    let any = body as &mut dyn Any;
+    #[cfg(feature = "axum")]
+    if let Some(body) = any.downcast_mut::<axum::body::Body>() {
+        let inner = std::mem::take(body);
+        *body = axum::body::Body::new(Counting { inner, counter: Arc::clone(&counter) });
+        return Some(counter);
+    }
+    #[cfg(feature = "tonic")]
+    if let Some(body) = any.downcast_mut::<tonic::body::Body>() {
+        let inner = std::mem::replace(body, tonic::body::Body::empty());
+        *body = tonic::body::Body::new(Counting { inner, counter: Arc::clone(&counter) });
+        return Some(counter);
+    }
+    let _ = (any, counter);
+    None
+}
+
+pin_project! {
+    /// A request body that counts the bytes of its data frames.
+    struct Counting<B> {
+        #[pin]
+        inner: B,
+        counter: Arc<AtomicU64>,
+    }
+}
+
+impl<B: Body<Data = Bytes>> Body for Counting<B> {
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let this = self.project();
+        let frame = this.inner.poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &frame {
+            if let Some(data) = frame.data_ref() {
+                this.counter.fetch_add(data.len() as u64, Ordering::Relaxed);
+            }
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Ends a held request: settles what was counted and releases its slots (a type-erased
+/// [`Held::finish`](crate::limiter::Held::finish)).
+pub(super) type Finish = Box<dyn FnOnce(&[(Unit, u64)]) + Send>;
+
+/// The measuring part of a response body: counts response bytes, and when the body ends or is
+/// dropped (a client disconnect), settles the request's counted units and releases its slots.
+pub(crate) struct Meter {
+    finish: Option<Finish>,
+    counters: Counters,
+    /// Response bytes so far.
+    sent: u64,
+    /// Settlements decided from the response head (a refund, a settled cost), applied with
+    /// the counts.
+    from_head: Vec<(Unit, u64)>,
+}
+
+impl fmt::Debug for Meter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Meter").field("sent", &self.sent).finish_non_exhaustive()
+    }
+}
+
+impl Meter {
+    pub(super) fn new(finish: Finish, counters: Counters, from_head: Vec<(Unit, u64)>) -> Self {
+        Self { finish: Some(finish), counters, sent: 0, from_head }
+    }
+
+    /// A data frame of `len` bytes went out.
+    #[inline]
+    pub(super) fn sent(&mut self, len: usize) {
+        self.sent = self.sent.saturating_add(len as u64);
+    }
+
+    /// The response ended (or was abandoned): settle and release, once.
+    pub(super) fn done(&mut self) {
+        let Some(finish) = self.finish.take() else { return };
+        let mut settled = std::mem::take(&mut self.from_head);
+        // A refund from the head settles every unit at 0: counts do not apply.
+        let refunded = |unit: Unit| settled.iter().any(|(u, _)| *u == unit);
+        let mut counted = Vec::with_capacity(3);
+        if let Some(bytes) = &self.counters.request_bytes {
+            counted.push((Unit::RequestBytes, bytes.load(Ordering::Relaxed)));
+        }
+        if self.counters.response_bytes {
+            counted.push((Unit::ResponseBytes, self.sent));
+        }
+        if let Some(usage) = &self.counters.usage {
+            counted.push((Unit::Reported, usage.reported()));
+        }
+        counted.retain(|(unit, _)| !refunded(*unit));
+        settled.extend(counted);
+        finish(&settled);
+    }
+}
+
+impl Drop for Meter {
+    fn drop(&mut self) {
+        self.done();
+    }
+}
