@@ -10,7 +10,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::decision::Decision;
-use crate::quota::{Algorithm, Policy, Tier};
+use crate::quota::{Algorithm, Policy, Tier, TierKind, Unit};
 
 /// Which rate-limit headers responses carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -166,6 +166,20 @@ fn window_secs(policy: &Policy, tier: &Tier) -> u64 {
     u64::try_from(nanos.div_ceil(1_000_000_000)).unwrap_or(u64::MAX).max(1)
 }
 
+/// The draft's quota unit (`qu`) of a tier that does not count requests per window:
+/// `content-bytes` for request or response bytes, `concurrent-requests` for a concurrency tier,
+/// and (not registered by the draft) `reported` for units a handler reports.
+fn quota_unit(tier: &Tier) -> Option<&'static str> {
+    if tier.kind() == TierKind::Concurrency {
+        return Some("concurrent-requests");
+    }
+    match tier.unit() {
+        Unit::Requests => None,
+        Unit::RequestBytes | Unit::ResponseBytes => Some("content-bytes"),
+        Unit::Reported => Some("reported"),
+    }
+}
+
 /// The rate-limit headers of one policy, rendered once when the policy is bound: what does not
 /// change between responses is rendered here.
 #[derive(Debug, Clone)]
@@ -191,8 +205,17 @@ impl Headers {
                 unnamed.push_str(", ");
             }
             sf_string(&mut rendered, t.name());
-            let _ = write!(rendered, ";q={};w={}", t.capacity(), window_secs(policy, t));
-            let _ = write!(unnamed, "{};w={}", t.capacity(), window_secs(policy, t));
+            let _ = write!(rendered, ";q={}", t.capacity());
+            let _ = write!(unnamed, "{}", t.capacity());
+            // A concurrency tier has no window: `q` requests at once.
+            if t.kind() != TierKind::Concurrency {
+                let _ = write!(rendered, ";w={}", window_secs(policy, t));
+                let _ = write!(unnamed, ";w={}", window_secs(policy, t));
+            }
+            if let Some(unit) = quota_unit(t) {
+                let _ = write!(rendered, ";qu=\"{unit}\"");
+                let _ = write!(unnamed, ";qu=\"{unit}\"");
+            }
             let mut item = String::new();
             sf_string(&mut item, t.name());
             item.push_str(";r=");

@@ -154,10 +154,14 @@ pub(super) fn reported(headers: &HeaderMap) -> Vec<Reported> {
             .filter_map(|(name, params)| {
                 let remaining = sf_uint(&params, "r")?;
                 let reset = sf_uint(&params, "t").map(Duration::from_secs);
-                let limit = policies
-                    .iter()
-                    .find(|(policy, _)| *policy == name)
-                    .and_then(|(_, p)| sf_uint(p, "q"));
+                let policy = policies.iter().find(|(policy, _)| *policy == name);
+                // A quota of bytes or of concurrent requests (`qu`) does not count requests
+                // per window: pacing requests by it would be wrong.
+                let unit = policy.and_then(|(_, p)| p.get("qu")).and_then(|v| v.as_string());
+                if unit.is_some_and(|u| u.as_str() != "requests") {
+                    return None;
+                }
+                let limit = policy.and_then(|(_, p)| sf_uint(p, "q"));
                 Some(Reported { name: Some(name), limit, remaining, reset })
             })
             .collect();
@@ -190,6 +194,19 @@ mod tests {
             );
         }
         headers
+    }
+
+    #[test]
+    fn quotas_of_bytes_or_concurrency_are_not_paced_by_requests() {
+        let headers = map(&[
+            (
+                "ratelimit-policy",
+                r#""rps";q=10;w=1, "bytes";q=1000;w=1;qu="content-bytes", "slots";q=4;qu="concurrent-requests""#,
+            ),
+            ("ratelimit", r#""rps";r=7;t=1, "bytes";r=0;t=1, "slots";r=0;t=1"#),
+        ]);
+        let names: Vec<_> = reported(&headers).into_iter().map(|r| r.name).collect();
+        assert_eq!(names, [Some("rps".into())]);
     }
 
     #[test]

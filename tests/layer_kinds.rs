@@ -1,0 +1,467 @@
+//! The layer with tier kinds beyond request rates: concurrency slots held until the response
+//! body ends (released on a body drop, a handler panic, a client disconnect), bytes counted in
+//! and out, units a handler reports, and leases refreshed on Redis while a request runs.
+
+mod support;
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::{BodyExt, Full};
+use tollgate::clock::TokioClock;
+use tollgate::key::{GlobalKey, Key};
+use tollgate::store::{MemoryStore, Store};
+use tollgate::{Concurrency, Limiter, Policy, Quota, RateLimitLayer, Unit, Usage};
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+/// A response body of `len` bytes that counts itself in flight until it is dropped.
+struct Tracked {
+    data: Option<Bytes>,
+    in_flight: Arc<InFlight>,
+}
+
+#[derive(Default)]
+struct InFlight {
+    now: AtomicUsize,
+    max: AtomicUsize,
+}
+
+impl InFlight {
+    fn enter(self: &Arc<Self>, len: usize) -> Tracked {
+        let now = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max.fetch_max(now, Ordering::SeqCst);
+        Tracked { data: Some(Bytes::from(vec![b'x'; len])), in_flight: Arc::clone(self) }
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        self.in_flight.now.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Body for Tracked {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        Poll::Ready(self.data.take().map(|d| Ok(Frame::data(d))))
+    }
+}
+
+fn paused_store() -> MemoryStore {
+    MemoryStore::builder().clock(TokioClock::new()).build().unwrap()
+}
+
+/// The free slots of the policy's concurrency tier `tier` for the global key, by a query.
+async fn free_slots<St: Store>(limiter: &Limiter<St>, tier: usize) -> u64 {
+    limiter.check(&Key::Global, 0).await.unwrap().tiers()[tier].remaining()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_thousand_shaped_requests_never_exceed_four_in_flight_until_their_bodies_end() {
+    let policy =
+        Policy::builder("reports").concurrency("slots", Concurrency::new(4)).build().unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .store(paused_store())
+        .key(GlobalKey)
+        .shape(Duration::from_secs(3600))
+        .max_waiters(2_000)
+        .build()
+        .unwrap();
+    let in_flight = Arc::new(InFlight::default());
+    let tracker = Arc::clone(&in_flight);
+    let svc = layer.layer(service_fn(move |_req: Request<()>| {
+        let tracker = Arc::clone(&tracker);
+        async move {
+            // The handler works 100 ms; its body is in flight until the caller drops it.
+            let body = tracker.enter(10);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            Ok::<_, Infallible>(Response::new(body))
+        }
+    }));
+    let tasks: Vec<_> = (0..1_000)
+        .map(|_| {
+            let svc = svc.clone();
+            tokio::spawn(async move {
+                let res = svc.oneshot(Request::new(())).await.unwrap();
+                let status = res.status();
+                // Reading the body takes another 50 ms: the slot is held until it ends.
+                let mut body = res.into_body();
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                while body.frame().await.is_some() {}
+                drop(body);
+                status
+            })
+        })
+        .collect();
+    let start = tokio::time::Instant::now();
+    for task in tasks {
+        assert_eq!(task.await.unwrap(), StatusCode::OK);
+    }
+    assert_eq!(in_flight.max.load(Ordering::SeqCst), 4);
+    assert_eq!(in_flight.now.load(Ordering::SeqCst), 0);
+    // 250 rounds of four, each 150 ms: no slot idles while a request waits for one.
+    assert_eq!(start.elapsed(), Duration::from_millis(250 * 150));
+    assert_eq!(free_slots(layer.limiter(), 0).await, 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn policing_refuses_beyond_the_slots_and_a_dropped_body_gives_its_slot_back() {
+    let policy = Policy::builder("reports")
+        .concurrency("slots", Concurrency::new(2).with_typical_hold(Duration::from_secs(3)))
+        .build()
+        .unwrap();
+    let layer =
+        RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap();
+    let in_flight = Arc::new(InFlight::default());
+    let tracker = Arc::clone(&in_flight);
+    let mut svc = layer.layer(service_fn(move |_req: Request<()>| {
+        let body = tracker.enter(1);
+        async move { Ok::<_, Infallible>(Response::new(body)) }
+    }));
+    let first = svc.ready().await.unwrap().call(Request::new(())).await.unwrap();
+    let second = svc.ready().await.unwrap().call(Request::new(())).await.unwrap();
+    assert_eq!(first.headers()["ratelimit"], "\"slots\";r=1;t=3");
+    assert_eq!(second.headers()["ratelimit"], "\"slots\";r=0;t=3");
+    assert_eq!(second.headers()["ratelimit-policy"], "\"slots\";q=2;qu=\"concurrent-requests\"");
+    let third = svc.ready().await.unwrap().call(Request::new(())).await.unwrap();
+    assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(third.headers()["retry-after"], "3", "the typical hold");
+    assert_eq!(free_slots(layer.limiter(), 0).await, 0);
+    // A body dropped unread (a client gone) releases its slot; a body read to its end too.
+    drop(first);
+    assert_eq!(free_slots(layer.limiter(), 0).await, 1);
+    second.into_body().collect().await.unwrap();
+    assert_eq!(free_slots(layer.limiter(), 0).await, 2);
+    assert_eq!(in_flight.now.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_handler_that_panics_or_fails_releases_its_slot() {
+    let policy = Policy::builder("p").concurrency("slots", Concurrency::new(1)).build().unwrap();
+    let layer =
+        RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap();
+    let panicking = layer.layer(service_fn(|_req: Request<()>| async {
+        if true {
+            panic!("handler bug");
+        }
+        Ok::<_, Infallible>(Response::new(Full::<Bytes>::default()))
+    }));
+    let joined = tokio::spawn(panicking.oneshot(Request::new(()))).await;
+    assert!(joined.unwrap_err().is_panic());
+    assert_eq!(free_slots(layer.limiter(), 0).await, 1);
+
+    let failing = layer.layer(service_fn(|_req: Request<()>| async {
+        Err::<Response<Full<Bytes>>, _>("inner error")
+    }));
+    assert_eq!(failing.oneshot(Request::new(())).await.unwrap_err(), "inner error");
+    assert_eq!(free_slots(layer.limiter(), 0).await, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn response_bytes_and_reported_units_are_settled_when_the_body_ends() {
+    let policy = Policy::builder("llm")
+        .tier("requests", Quota::per_hour(100))
+        .tier("egress", Quota::per_hour(10_000).counting(Unit::ResponseBytes))
+        .tier("tokens", Quota::per_hour(5_000).counting(Unit::Reported))
+        .build()
+        .unwrap();
+    let layer =
+        RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap();
+    let svc = layer.layer(service_fn(|req: Request<()>| async move {
+        req.extensions().get::<Usage>().expect("a Usage for a reported tier").report(1_200);
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(vec![b'x'; 3_000]))))
+    }));
+    let res = svc.clone().oneshot(Request::new(())).await.unwrap();
+    // At admission: one request, one byte and one token, estimated.
+    assert_eq!(
+        res.headers()["ratelimit"],
+        "\"requests\";r=99;t=36, \"egress\";r=9999;t=1, \"tokens\";r=4999;t=1"
+    );
+    assert_eq!(
+        res.headers()["ratelimit-policy"],
+        "\"requests\";q=100;w=3600, \"egress\";q=10000;w=3600;qu=\"content-bytes\", \
+         \"tokens\";q=5000;w=3600;qu=\"reported\""
+    );
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body.len(), 3_000);
+    let tiers = layer.limiter().check(&Key::Global, 0).await.unwrap();
+    let remaining: Vec<u64> = tiers.tiers().iter().map(|t| t.remaining()).collect();
+    assert_eq!(remaining, [99, 7_000, 3_800]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refunded_response_gives_back_every_unit_it_counts() {
+    let policy = Policy::builder("p")
+        .tier("requests", Quota::per_hour(10))
+        .tier("egress", Quota::per_hour(10_000).counting(Unit::ResponseBytes))
+        .concurrency("slots", Concurrency::new(1))
+        .build()
+        .unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .store(paused_store())
+        .key(GlobalKey)
+        .refund_if(|status| status == StatusCode::NOT_FOUND)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(|_req: Request<()>| async {
+        let mut res = Response::new(Full::new(Bytes::from_static(b"no such thing")));
+        *res.status_mut() = StatusCode::NOT_FOUND;
+        Ok::<_, Infallible>(res)
+    }));
+    let res = svc.oneshot(Request::new(())).await.unwrap();
+    res.into_body().collect().await.unwrap();
+    let d = layer.limiter().check(&Key::Global, 0).await.unwrap();
+    let remaining: Vec<u64> = d.tiers().iter().map(|t| t.remaining()).collect();
+    assert_eq!(remaining, [10, 10_000, 1]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_over_its_byte_tier_is_refused_and_charges_nothing() {
+    let policy = Policy::builder("upload")
+        .tier("requests", Quota::per_hour(10))
+        .tier("bytes", Quota::per_second(1_000).counting(Unit::RequestBytes))
+        .build()
+        .unwrap();
+    let layer =
+        RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap();
+    let svc = layer.layer(service_fn(|_req: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(Full::<Bytes>::default()))
+    }));
+    let upload = |len: usize| {
+        Request::post("/").header("content-length", len).body("x".repeat(len)).unwrap()
+    };
+    let ok = svc.clone().oneshot(upload(800)).await.unwrap();
+    assert_eq!(ok.headers()["ratelimit"], "\"requests\";r=9;t=360, \"bytes\";r=200;t=1");
+    // 400 bytes do not fit the 200 left: refused, and the request tier is not charged.
+    let refused = svc.clone().oneshot(upload(400)).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.headers()["ratelimit"], "\"requests\";r=9;t=360, \"bytes\";r=200;t=1");
+    let body = refused.into_body().collect().await.unwrap().to_bytes();
+    let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(json["violated-policies"], serde_json::json!(["bytes"]));
+}
+
+/// Request bodies of unknown length (chunked) are counted as they stream, over real HTTP.
+#[cfg(feature = "axum")]
+#[tokio::test]
+async fn streamed_uploads_are_counted_as_their_bytes_arrive() {
+    use axum::Router;
+    use axum::routing::post;
+
+    let policy = Policy::builder("upload")
+        .tier("bytes", Quota::per_hour(100_000).counting(Unit::RequestBytes))
+        .build()
+        .unwrap();
+    let layer = RateLimitLayer::builder(policy).key(GlobalKey).build().unwrap();
+    let limiter = layer.limiter().clone();
+    let app = Router::new()
+        .route("/", post(|body: Bytes| async move { body.len().to_string() }))
+        .layer(layer);
+    let server = support::serve(app).await;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<chunks::Chunks>();
+    let req = Request::post(server.url("/")).body(chunks::Chunks::new(5, 1_000)).unwrap();
+    assert!(req.headers().get("content-length").is_none());
+    let res = client.request(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    // At admission one unit was charged; at the end of the response, the 5,000 bytes read.
+    assert_eq!(res.headers()["ratelimit"], "\"bytes\";r=99999;t=1");
+    let echoed = res.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&echoed[..], b"5000");
+    let remaining = limiter.check(&Key::Global, 0).await.unwrap().tiers()[0].remaining();
+    assert_eq!(remaining, 95_000);
+}
+
+/// A body of `n` data frames of `len` bytes and no known length: sent chunked.
+#[cfg(feature = "axum")]
+mod chunks {
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    use bytes::Bytes;
+    use http_body::{Body, Frame};
+
+    pub(crate) struct Chunks {
+        left: usize,
+        len: usize,
+    }
+
+    impl Chunks {
+        pub(crate) fn new(n: usize, len: usize) -> Self {
+            Self { left: n, len }
+        }
+    }
+
+    impl Body for Chunks {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            if self.left == 0 {
+                return Poll::Ready(None);
+            }
+            self.left -= 1;
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![b'y'; self.len])))))
+        }
+    }
+}
+
+/// A response body that sends one chunk and then never ends.
+#[cfg(feature = "axum")]
+struct Endless(bool);
+
+#[cfg(feature = "axum")]
+impl Body for Endless {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if std::mem::replace(&mut self.0, true) {
+            Poll::Pending
+        } else {
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"first chunk")))))
+        }
+    }
+}
+
+/// Polls `free_slots` until it is `want`, at most 5 s (bounded; a real server frees the slot
+/// when hyper drops the abandoned body).
+#[cfg(any(feature = "axum", feature = "redis"))]
+async fn until_free<St: Store>(limiter: &Limiter<St>, tier: usize, want: u64) -> u64 {
+    let mut free = free_slots(limiter, tier).await;
+    for _ in 0..500 {
+        if free == want {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        free = free_slots(limiter, tier).await;
+    }
+    free
+}
+
+#[cfg(feature = "axum")]
+#[tokio::test]
+async fn a_client_that_disconnects_mid_response_gives_its_slot_back() {
+    use axum::Router;
+    use axum::routing::get;
+
+    let policy =
+        Policy::builder("stream").concurrency("slots", Concurrency::new(1)).build().unwrap();
+    let layer = RateLimitLayer::builder(policy).key(GlobalKey).build().unwrap();
+    let limiter = layer.limiter().clone();
+    let app = Router::new()
+        .route("/", get(|| async { axum::body::Body::new(Endless(false)) }))
+        .layer(layer);
+    let server = support::serve(app).await;
+    let client = support::client();
+    let req = Request::get(server.url("/")).body(Full::default()).unwrap();
+    let mut res = client.request(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let first = res.body_mut().frame().await.unwrap().unwrap();
+    assert_eq!(first.data_ref().unwrap(), &Bytes::from_static(b"first chunk"));
+    // While the response streams, the slot is taken: another request is refused.
+    let second = support::get(&client, &server.url("/"), &[]).await;
+    assert_eq!(second.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(free_slots(&limiter, 0).await, 0);
+    // The client goes away mid-response: the server drops the body, and the slot comes back.
+    drop(res);
+    drop(client);
+    assert_eq!(until_free(&limiter, 0, 1).await, 1);
+}
+
+/// On Redis a slot is a lease: refreshed while its request runs, so a request longer than the
+/// lease keeps its slot; released when the response ends.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn on_redis_a_long_request_keeps_its_slot_by_refreshing_its_lease() {
+    use tollgate::store::RedisStore;
+
+    let Some(server) = support::redis::Server::start("redis-server") else { return };
+    let store = RedisStore::builder(server.url()).prefix("lease:").no_fallback().build().unwrap();
+    let policy = Policy::builder("slow")
+        .concurrency("slots", Concurrency::new(1).with_lease(Duration::from_millis(300)))
+        .build()
+        .unwrap();
+    let layer = RateLimitLayer::builder(policy).store(store).key(GlobalKey).build().unwrap();
+    let svc = layer.layer(service_fn(|_req: Request<()>| async {
+        // Longer than the lease: it is refreshed every 100 ms meanwhile.
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"report"))))
+    }));
+    let slow = tokio::spawn(svc.clone().oneshot(Request::new(())));
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    // Past the lease, the slot is still held.
+    let refused = svc.clone().oneshot(Request::new(())).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let res = slow.await.unwrap().unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    res.into_body().collect().await.unwrap();
+    assert_eq!(until_free(layer.limiter(), 0, 1).await, 1);
+}
+
+/// 1,000 concurrent requests on Redis against 4 slots: exactly 4 admitted, never more in
+/// flight; the others refused at once; the slots back when the 4 responses end.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_redis_a_thousand_concurrent_requests_get_exactly_four_slots() {
+    use tollgate::store::RedisStore;
+
+    let Some(server) = support::redis::Server::start("redis-server") else { return };
+    let store =
+        RedisStore::builder(server.url()).prefix("thousand:").no_fallback().build().unwrap();
+    let policy =
+        Policy::builder("reports").concurrency("slots", Concurrency::new(4)).build().unwrap();
+    let layer = RateLimitLayer::builder(policy).store(store).key(GlobalKey).build().unwrap();
+    let in_flight = Arc::new(InFlight::default());
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (tracker, open) = (Arc::clone(&in_flight), Arc::clone(&gate));
+    let svc = layer.layer(service_fn(move |_req: Request<()>| {
+        let (tracker, open) = (Arc::clone(&tracker), Arc::clone(&open));
+        async move {
+            let body = tracker.enter(1);
+            // Held until the test has seen every refusal.
+            open.acquire().await.unwrap().forget();
+            Ok::<_, Infallible>(Response::new(body))
+        }
+    }));
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
+    for _ in 0..1_000 {
+        let (svc, done) = (svc.clone(), done_tx.clone());
+        tokio::spawn(async move {
+            let res = svc.oneshot(Request::new(())).await.unwrap();
+            let status = res.status();
+            res.into_body().collect().await.unwrap();
+            let _ = done.send(status);
+        });
+    }
+    let mut statuses = Vec::new();
+    for _ in 0..996 {
+        statuses.push(done_rx.recv().await.unwrap());
+    }
+    assert!(statuses.iter().all(|s| *s == StatusCode::TOO_MANY_REQUESTS));
+    assert_eq!(in_flight.now.load(Ordering::SeqCst), 4);
+    gate.add_permits(4);
+    for _ in 0..4 {
+        assert_eq!(done_rx.recv().await.unwrap(), StatusCode::OK);
+    }
+    assert_eq!(in_flight.max.load(Ordering::SeqCst), 4);
+    assert_eq!(until_free(layer.limiter(), 0, 4).await, 4);
+}
