@@ -42,6 +42,26 @@ const NANOSECOND_SPAN: u128 = 1 << 50;
 /// let q = Quota::per_second(10).with_burst(20);
 /// assert_eq!((q.count(), q.period(), q.burst()), (10, Duration::from_secs(1), 20));
 /// ```
+///
+/// # How many requests a quota admits
+///
+/// A bucket (GCRA, the default, and the token and leaky buckets) starts full: a client may
+/// spend the whole burst at once and then one unit every `period / count` as it refills. So
+/// **in its first period a quota admits `burst + count - 1`**, and `count` per period after
+/// that. For `Quota::per_minute(5)` under steady traffic (a request every 100 ms, measured):
+///
+/// | algorithm | first minute | each later minute |
+/// |---|---|---|
+/// | GCRA, token bucket, leaky bucket: `per_minute(5)` (burst 5) | 9 | 5 |
+/// | the same with [`Quota::at_most(5, 1 min)`](Self::at_most) (burst 1) | 5 | 5 |
+/// | fixed window | 5 per clock-aligned minute, but up to 10 in a minute that spans two windows | 5 |
+/// | sliding log | 5 in any 60 s | 5 |
+/// | sliding counter | about 5 (an estimate: 5, then 4 under this traffic) | about 5 |
+///
+/// `per_second(10)` admits 19 in its first second, `per_hour(100)` 199 in its first hour.
+/// When the first period must not admit more than `count`, use [`at_most`](Self::at_most)
+/// (no burst: requests spaced `period / count` apart) or the sliding-log algorithm (any
+/// pattern, at most `count` in every window of `period`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Quota {
     count: u64,
@@ -79,6 +99,38 @@ impl Quota {
     #[must_use]
     pub const fn per_day(count: u64) -> Self {
         Self::new(count, Duration::from_secs(86_400))
+    }
+
+    /// At most `count` units in any window of `period`, the first one included: the rate of
+    /// [`new`](Self::new) with a burst of 1, so that units are admitted at least
+    /// `period / count` apart and never two at once. `Quota::per_minute(5)` admits 9 requests
+    /// in its first minute (its burst of 5, then one every 12 s); `at_most(5, 1 min)` admits 5,
+    /// one every 12 s.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::clock::FakeClock;
+    /// use tollgate::{Limiter, Policy, Quota, key::Key, store::MemoryStore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let minute = Duration::from_secs(60);
+    /// for (quota, first_minute) in [(Quota::per_minute(5), 9), (Quota::at_most(5, minute), 5)] {
+    ///     let clock = FakeClock::new();
+    ///     let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    ///     let limiter = Limiter::with_store(Policy::single("p", quota).unwrap(), store).unwrap();
+    ///     let mut admitted = 0;
+    ///     for _ in 0..600 {
+    ///         // A request every 100 ms for a minute.
+    ///         admitted += u32::from(limiter.check(&Key::Global, 1).await.unwrap().is_allowed());
+    ///         clock.advance(Duration::from_millis(100));
+    ///     }
+    ///     assert_eq!(admitted, first_minute);
+    /// }
+    /// # }
+    /// ```
+    #[must_use]
+    pub const fn at_most(count: u64, period: Duration) -> Self {
+        Self::new(count, period).with_burst(1)
     }
 
     /// The same rate with another burst capacity (units that may be spent at once).
