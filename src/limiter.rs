@@ -98,6 +98,41 @@ impl<St: Store> Limiter<St> {
         Ok(Self::assemble(policy, store, bound))
     }
 
+    /// Binds `policy` to this limiter's store in place of this limiter's policy, carrying over
+    /// the state of the tiers that did not change where the store can ([`Store::rebind`]):
+    /// what a configuration reload does. This limiter keeps working on the old policy.
+    ///
+    /// ```
+    /// use tollgate::{Limiter, Policy, Quota, key::Key};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let v1 = Policy::builder("api")
+    ///     .tier("second", Quota::per_second(10))
+    ///     .tier("day", Quota::per_day(1_000))
+    ///     .build()
+    ///     .unwrap();
+    /// let limiter = Limiter::new(v1);
+    /// limiter.check(&Key::text("k"), 5).await.unwrap();
+    /// // The daily quota is raised; the per-second tier is unchanged and keeps its state.
+    /// let v2 = Policy::builder("api")
+    ///     .tier("second", Quota::per_second(10))
+    ///     .tier("day", Quota::per_day(5_000))
+    ///     .build()
+    ///     .unwrap();
+    /// let reloaded = limiter.rebind(v2).unwrap();
+    /// let d = reloaded.check(&Key::text("k"), 0).await.unwrap();
+    /// assert_eq!((d.tiers()[0].remaining(), d.tiers()[1].remaining()), (5, 5_000));
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// What [`Store::rebind`] refuses.
+    pub fn rebind(&self, policy: Policy) -> Result<Self, ConfigError> {
+        let store = self.inner.store.clone();
+        let bound = store.rebind(&self.inner.bound, &policy)?;
+        Ok(Self::assemble(policy, store, bound))
+    }
+
     fn assemble(policy: Policy, store: St, bound: St::Bound) -> Self {
         let surface = Arc::new(Surface::new(&policy));
         Self { inner: Arc::new(Shared { store, bound, surface }) }

@@ -474,14 +474,12 @@ pub(super) fn assemble<St: Store>(
 /// The limiter of policy `new` in a configuration being built; `old` is the limiter of the
 /// policy of the same name in the running configuration, if there is one.
 ///
-/// The rule today: a policy whose definition did not change (same name, same algorithm, same
-/// tiers with the same quotas: `Policy`'s equality) keeps its limiter, and with it every key's
-/// state: a reload does not hand out fresh quotas. A new or changed policy is bound afresh, and
-/// its keys start with full quotas.
-///
-/// This is the one place that decides what state survives a reload. When stores can carry the
-/// state of the unchanged tiers of a changed policy into a new binding, that goes here: take
-/// `old`'s state for the tiers `new` keeps and bind the rest afresh.
+/// The rule: a policy whose definition did not change (same name, same algorithm, same tiers
+/// with the same quotas: `Policy`'s equality) keeps its limiter, and with it every key's
+/// state: a reload does not hand out fresh quotas. A changed policy is bound through
+/// [`Limiter::rebind`]: the store carries over each key's state of the tiers that did not
+/// change (a `MemoryStore` does; see `Store::rebind`), and the changed tiers start full. A new
+/// policy is bound afresh.
 fn rebind<St: Store>(
     old: Option<&Limiter<St>>,
     new: Policy,
@@ -489,7 +487,9 @@ fn rebind<St: Store>(
 ) -> Result<Limiter<St>, ConfigError> {
     match old {
         Some(old) if *old.policy() == new => Ok(old.clone()),
-        _ => Limiter::with_store(new, store.clone()),
+        // Changed: the store carries over the state of the tiers that did not change.
+        Some(old) => old.rebind(new),
+        None => Limiter::with_store(new, store.clone()),
     }
 }
 
@@ -591,7 +591,7 @@ mod tests {
     use crate::store::MemoryStore;
 
     #[tokio::test]
-    async fn an_unchanged_policy_keeps_its_limiter_and_a_changed_one_starts_afresh() {
+    async fn an_unchanged_policy_keeps_its_limiter_and_a_changed_one_keeps_its_unchanged_tiers() {
         let store = MemoryStore::new();
         let policy = Policy::single("p", Quota::per_hour(10)).unwrap();
         let old = rebind(None, policy.clone(), &store).unwrap();
@@ -601,6 +601,22 @@ mod tests {
         let changed = Policy::single("p", Quota::per_hour(11)).unwrap();
         let fresh = rebind(Some(&old), changed, &store).unwrap();
         assert_eq!(fresh.check(&Key::Global, 0).await.unwrap().tiers()[0].remaining(), 11);
+        // A tier added beside an unchanged one: the unchanged tier keeps its count, the new
+        // one starts full, the old binding still decides for requests it began.
+        let two = |daily| {
+            Policy::builder("q")
+                .tier("hour", Quota::per_hour(10))
+                .tier("day", Quota::per_day(daily))
+                .build()
+                .unwrap()
+        };
+        let old = rebind(None, two(100), &store).unwrap();
+        old.check(&Key::Global, 4).await.unwrap();
+        let raised = rebind(Some(&old), two(200), &store).unwrap();
+        let tiers = raised.check(&Key::Global, 0).await.unwrap();
+        let remaining: Vec<u64> = tiers.tiers().iter().map(|t| t.remaining()).collect();
+        assert_eq!(remaining, [6, 200]);
+        assert_eq!(old.check(&Key::Global, 0).await.unwrap().tiers()[1].remaining(), 96);
         // Another algorithm is a change too.
         let other = Policy::builder("p")
             .algorithm(Algorithm::TokenBucket)

@@ -140,7 +140,8 @@ impl<S, St: Store> Layer<S> for LimitsLayer<St> {
 /// A reload builds the new configuration beside the running one and swaps it in atomically:
 /// requests already in progress finish under the configuration they started with, new ones
 /// use the new one, and none waits or fails. A policy whose definition did not change keeps its
-/// state; a changed one starts afresh (see [`Reloaded`] and the [module docs](super)).
+/// state; a changed one keeps the state of its unchanged tiers where the store can (see
+/// [`Reloaded`] and the [module docs](super)).
 pub struct ReloadHandle<St: Store = MemoryStore> {
     shared: Arc<Shared<St>>,
 }
@@ -328,8 +329,8 @@ impl Reloaded {
         &self.kept
     }
 
-    /// Policies whose algorithm or tiers changed: bound afresh, their keys start with full
-    /// quotas.
+    /// Policies whose algorithm or tiers changed: bound anew; on a `MemoryStore` their keys
+    /// keep the state of the tiers that did not change, and the changed tiers start full.
     #[must_use]
     pub fn changed(&self) -> &[String] {
         &self.changed

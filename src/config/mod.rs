@@ -119,7 +119,10 @@
 //!
 //! - a policy whose definition did not change (same name, algorithm and tiers, quotas
 //!   included) keeps its limiter, and every key keeps its count;
-//! - a changed policy is bound afresh: its keys start with full quotas;
+//! - a changed policy is bound anew, and each key keeps its state in the tiers that did not
+//!   change (same name and definition, same algorithm), on a `MemoryStore`; the changed tiers,
+//!   and concurrency tiers, start full. On Redis a changed policy starts full in every tier
+//!   (its keys are named by the policy's fingerprint). See [`Store::rebind`](crate::store::Store::rebind);
 //! - a removed policy's state is dropped with the last request still using it.
 //!
 //! A refused file changes nothing: the running configuration stays.

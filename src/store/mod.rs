@@ -216,6 +216,22 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// [`ConfigError::UnsupportedByStore`] saying which tier and why.
     fn bind(&self, policy: &Policy) -> Result<Self::Bound, ConfigError>;
 
+    /// Binds `policy` to replace `old` (a configuration reload), carrying over what state the
+    /// store can: a [`MemoryStore`] keeps each key's state of the rate and calendar tiers that
+    /// did not change (same name and definition, same algorithm); changed tiers, and every
+    /// concurrency tier, start full. The default binds afresh (every tier starts full), which is
+    /// also what `RedisStore` does: its keys are named by the
+    /// policy's fingerprint.
+    ///
+    /// `old` stays valid: requests it decided finish on it.
+    ///
+    /// # Errors
+    /// As [`bind`](Self::bind).
+    fn rebind(&self, old: &Self::Bound, policy: &Policy) -> Result<Self::Bound, ConfigError> {
+        let _ = old;
+        self.bind(policy)
+    }
+
     /// Decides at once when the store can do so without waiting on I/O, as [`MemoryStore`]
     /// always can; `None` otherwise (the default), and callers then await
     /// [`check`](Self::check). Lets the layer skip the asynchronous machinery in the common

@@ -349,6 +349,63 @@ impl MemoryStore {
         MemoryPolicy { id, core, inner: Arc::clone(&self.inner) }
     }
 
+    /// Binds `policy` in place of `old` (see [`Store::rebind`]): each key's state of the rate
+    /// and calendar tiers that did not change (same name and definition, under the same
+    /// algorithm and time unit) is copied into the new binding; changed tiers and concurrency
+    /// tiers start full. A one-tier GCRA policy kept in the compact form (on either side) has no
+    /// unchanged tier to carry unless the other side is the same policy, so it starts full.
+    #[must_use]
+    pub fn rebind_policy(&self, old: &MemoryPolicy, policy: &Policy) -> MemoryPolicy {
+        let new = self.bind_policy(policy);
+        let before = &old.core.policy;
+        let same_time = before.algorithm() == policy.algorithm() && before.unit() == policy.unit();
+        if !same_time || old.core.whole.is_some() || new.core.whole.is_some() {
+            return new;
+        }
+        // For each new tier, the old tier whose state it keeps.
+        let carried: Vec<Option<usize>> = policy
+            .tiers()
+            .iter()
+            .map(|t| {
+                if t.kind() == crate::quota::TierKind::Concurrency {
+                    return None;
+                }
+                before.tiers().iter().position(|o| o == t)
+            })
+            .collect();
+        if carried.iter().all(Option::is_none) {
+            return new;
+        }
+        let inner = &self.inner;
+        let now = inner.clock.now();
+        for shard in &inner.shards {
+            let mut tables = lock(&shard.general);
+            let Some(Some(from)) = tables.get(old.id) else { continue };
+            let moved: Vec<(u64, Box<[TierState]>)> = from
+                .map
+                .iter()
+                .filter_map(|(fp, states)| {
+                    let mut fresh = new.core.fresh(now);
+                    for (slot, from) in fresh.iter_mut().zip(&carried) {
+                        if let Some(state) = from.and_then(|j| states.get(j)) {
+                            *slot = state.clone();
+                        }
+                    }
+                    (!new.core.is_idle(&fresh, now)).then_some((*fp, fresh))
+                })
+                .collect();
+            let table = general_mut(&mut tables, new.id, &new.core);
+            for (fp, states) in moved {
+                if inner.len.load(Ordering::Relaxed) >= inner.max_keys {
+                    break;
+                }
+                table.map.insert(fp, states);
+                inner.len.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        new
+    }
+
     /// Keys currently held (not counting the overflow buckets).
     #[must_use]
     pub fn len(&self) -> usize {
@@ -817,6 +874,10 @@ impl Store for MemoryStore {
 
     fn bind(&self, policy: &Policy) -> Result<MemoryPolicy, ConfigError> {
         Ok(self.bind_policy(policy))
+    }
+
+    fn rebind(&self, old: &MemoryPolicy, policy: &Policy) -> Result<MemoryPolicy, ConfigError> {
+        Ok(self.rebind_policy(old, policy))
     }
 
     #[inline]
