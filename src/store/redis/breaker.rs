@@ -1,4 +1,4 @@
-//! The circuit breaker in front of Redis (SPEC §8).
+//! The circuit breaker in front of each Redis server.
 //!
 //! After `threshold` consecutive failed calls the breaker **opens**: calls are not attempted
 //! (the store answers at once from its fallback, or with [`StoreError::CircuitOpen`]) so that
