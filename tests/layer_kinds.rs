@@ -148,6 +148,23 @@ async fn policing_refuses_beyond_the_slots_and_a_dropped_body_gives_its_slot_bac
 }
 
 #[tokio::test(start_paused = true)]
+async fn the_slot_is_free_when_the_last_frame_is_handed_on() {
+    let policy = Policy::builder("p").concurrency("slots", Concurrency::new(1)).build().unwrap();
+    let layer =
+        RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap();
+    let svc = layer.layer(service_fn(|_req: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"done"))))
+    }));
+    let mut body = svc.oneshot(Request::new(())).await.unwrap().into_body();
+    assert_eq!(free_slots(layer.limiter(), 0).await, 0);
+    // A server writes the last frame without polling the body again: the slot is back by then.
+    let frame = body.frame().await.unwrap().unwrap();
+    assert_eq!(frame.into_data().unwrap(), "done");
+    assert!(body.is_end_stream());
+    assert_eq!(free_slots(layer.limiter(), 0).await, 1);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_handler_that_panics_or_fails_releases_its_slot() {
     let policy = Policy::builder("p").concurrency("slots", Concurrency::new(1)).build().unwrap();
     let layer =

@@ -71,13 +71,18 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         let this = self.project();
         match this.kind.project() {
-            KindProj::Inner { body } => {
-                let frame = body.poll_frame(cx);
+            KindProj::Inner { mut body } => {
+                let frame = body.as_mut().poll_frame(cx);
                 if let Some(meter) = this.meter {
                     match &frame {
                         Poll::Ready(Some(Ok(frame))) => {
                             if let Some(data) = frame.data_ref() {
                                 meter.sent(data.len());
+                            }
+                            // The last frame: the response is complete before the frame is
+                            // handed on, so a client that saw it end finds the slot free.
+                            if body.is_end_stream() {
+                                meter.done();
                             }
                         }
                         Poll::Ready(_) => meter.done(),
