@@ -6,7 +6,8 @@
 //! (one `EVALSHA` per check: `GET` the TAT, decide, `SET` it with a TTL, as most Redis rate
 //! limiters do). Time per check; criterion also reports checks/s. After the timed runs, the
 //! Redis server's CPU per check (`INFO cpu`) is measured for each case and written to
-//! `$CRITERION_HOME/redis/cpu.json` (else `target/criterion/redis/cpu.json`).
+//! `$CRITERION_HOME/redis/cpu-<baseline>.json` (else `target/criterion/redis/cpu-latest.json`),
+//! with the client's CPU per check (this process) and the checks per script call.
 //!
 //! `cargo bench --bench redis --features redis` (needs `redis-server` on `PATH`).
 
@@ -81,6 +82,27 @@ fn policy(tiers: usize) -> Policy {
 /// The plain Lua GCRA's parameters for the same quota: T and tau in microseconds.
 const LUA_T: u64 = 360_000;
 const LUA_TAU: u64 = 360_000 * 1_000_000;
+
+/// Script calls the server has run (`calls` of `EVALSHA` in `INFO commandstats`).
+fn script_calls(conn: &mut redis::Connection) -> u64 {
+    let info: String = redis::cmd("INFO").arg("commandstats").query(conn).expect("INFO");
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|v| v.split(',').next()?.parse::<u64>().ok())
+        .unwrap_or(0)
+}
+
+/// CPU time (user + system, seconds) of this process, the benchmark's client side: from
+/// `/proc/self/stat` (in clock ticks of 10 ms), NaN where there is none.
+fn client_cpu() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else { return f64::NAN };
+    // The fields after the command name (which ends with the last ')'): utime, stime are the
+    // 12th and 13th of them.
+    let Some((_, rest)) = stat.rsplit_once(')') else { return f64::NAN };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(f64::NAN);
+    (ticks(11) + ticks(12)) / 100.0
+}
 
 /// `used_cpu_user + used_cpu_sys` of the server, in seconds.
 fn server_cpu(conn: &mut redis::Connection) -> f64 {
@@ -172,16 +194,27 @@ fn bench(c: &mut Criterion) {
     }
     g.finish();
 
-    // The server's CPU per check, per case.
+    // The server's CPU per check, per case; beside it the client's (this process: the
+    // runtime, the redis client, tollgate) and the checks per script call (tollgate's batches).
     let mut inspect = server.conn();
     let mut cpu = Vec::new();
     for (id, op) in &cases {
         const N: u64 = 200_000;
-        let before = server_cpu(&mut inspect);
-        concurrently(&rt, N, op);
+        let (before, calls, client) =
+            (server_cpu(&mut inspect), script_calls(&mut inspect), client_cpu());
+        let wall = concurrently(&rt, N, op);
         let per = (server_cpu(&mut inspect) - before) / N as f64 * 1e6;
-        println!("redis/{id:<18} server CPU {per:6.2} µs per check");
-        cpu.push(format!("\"{id}\":{per:.3}"));
+        let client = (client_cpu() - client) / N as f64 * 1e6;
+        let scripts = script_calls(&mut inspect) - calls;
+        let batch = if scripts == 0 { f64::NAN } else { N as f64 / scripts as f64 };
+        let rate = N as f64 / wall.as_secs_f64();
+        println!(
+            "redis/{id:<18} server CPU {per:6.2} µs, client CPU {client:6.2} µs per check; \
+             {batch:5.1} checks per script call; {rate:7.0} checks/s"
+        );
+        cpu.push(format!(
+            "\"{id}\":{per:.3},\"{id}_client\":{client:.3},\"{id}_batch\":{batch:.2}"
+        ));
     }
     let home = std::env::var_os("CRITERION_HOME").map_or_else(
         || std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/criterion"),
