@@ -15,7 +15,7 @@ use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
 use crate::quota::{Policy, TierKind, Unit};
 use crate::rejection::{RateLimited, Rejection, Surface};
-use crate::store::{Check, MemoryStore, Store, Verdict};
+use crate::store::{Carry, Check, MemoryStore, Store, Verdict};
 
 /// The first wait between two tries of a request waiting for a concurrency slot on a store
 /// that cannot say when one is released (it doubles up to [`MAX_POLL`]).
@@ -128,8 +128,18 @@ impl<St: Store> Limiter<St> {
     /// # Errors
     /// What [`Store::rebind`] refuses.
     pub fn rebind(&self, policy: Policy) -> Result<Self, ConfigError> {
+        self.rebind_with(policy, Carry::StartFull)
+    }
+
+    /// [`rebind`](Self::rebind), starting the tiers that changed as `carry` says: full
+    /// ([`Carry::StartFull`]), or with each key's used fraction of the old tier
+    /// ([`Carry::UsedFraction`], where the store can: a [`MemoryStore`](crate::store::MemoryStore)).
+    ///
+    /// # Errors
+    /// What [`Store::rebind`] refuses.
+    pub fn rebind_with(&self, policy: Policy, carry: Carry) -> Result<Self, ConfigError> {
         let store = self.inner.store.clone();
-        let bound = store.rebind(&self.inner.bound, &policy)?;
+        let bound = store.rebind(&self.inner.bound, &policy, carry)?;
         Ok(Self::assemble(policy, store, bound))
     }
 

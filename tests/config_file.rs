@@ -541,6 +541,48 @@ async fn reloads_under_traffic_fail_no_request_and_keep_unchanged_counts() {
     assert_eq!(get(&c, &url.0, &[]).await.status, StatusCode::TOO_MANY_REQUESTS);
 }
 
+/// One policy, `count` an hour on a global key, starting changed tiers as `carry` says.
+fn carrying(count: u64, carry: &str) -> String {
+    format!(
+        r#"
+[policies.api]
+changed_tiers = "{carry}"
+tiers = [{{ name = "api", count = {count}, period = "1h" }}]
+
+[[rules]]
+name = "api"
+key = "global"
+policy = "api"
+"#
+    )
+}
+
+#[tokio::test]
+async fn a_reload_can_carry_the_used_share_of_a_changed_quota() {
+    let config = |count, carry, file| LimitsConfig::from_toml(&carrying(count, carry), file);
+    let layer = LimitsLayer::new(config(10, "carry_used_fraction", "v1.toml").unwrap()).unwrap();
+    let handle = layer.handle();
+    let server = serve(Router::new().route("/", route_get(|| async { "ok" })).layer(layer)).await;
+    let c = client();
+    let url = server.url("/");
+    for _ in 0..4 {
+        assert_eq!(get(&c, &url, &[]).await.status, StatusCode::OK);
+    }
+    // Doubled: 4 of 10 used is 8 of 20, so the next request leaves 11.
+    handle.reload(config(20, "carry_used_fraction", "v2.toml").unwrap()).unwrap();
+    let reply = get(&c, &url, &[]).await;
+    let ratelimit = reply.header("ratelimit").unwrap_or_default();
+    assert!(ratelimit.starts_with(r#""api";r=11;"#), "{ratelimit}");
+    // The default starts a changed tier full.
+    handle.reload(config(30, "start_full", "v3.toml").unwrap()).unwrap();
+    let reply = get(&c, &url, &[]).await;
+    let ratelimit = reply.header("ratelimit").unwrap_or_default();
+    assert!(ratelimit.starts_with(r#""api";r=29;"#), "{ratelimit}");
+    // A misspelt rule is refused where it is written.
+    let e = error(&carrying(30, "carry_everything"));
+    assert_eq!(place(&e).2, Some("policies.api.changed_tiers"), "{e}");
+}
+
 #[tokio::test]
 async fn a_refused_file_leaves_the_running_configuration() {
     let dir = TempDir::new("refused");

@@ -20,12 +20,14 @@ use crate::key::ForwardedHeader;
 use crate::layer::{LogKeys, MissingKey, OnStoreError, RateLimitLayer, Unselected};
 use crate::limiter::Limiter;
 use crate::quota::{Algorithm, Policy, Quota};
-use crate::store::Store;
+use crate::store::{Carry, Store};
 
 /// A checked policy, with the places of its values.
 #[derive(Debug, Clone)]
 pub(super) struct PolicyDef {
     pub(super) policy: Policy,
+    /// Where a reload starts the tiers of this policy that changed.
+    pub(super) carry: Carry,
     places: PolicyPlaces,
 }
 
@@ -141,6 +143,7 @@ fn policy(
     let span = raw.span();
     let raw = raw.into_inner();
     let algorithm = raw.algorithm.map_or(Algorithm::default(), |a| a.0);
+    let carry = raw.changed_tiers.map_or(Carry::default(), Carry::from);
     let tiers_span = raw.tiers.span();
     let mut builder = Policy::builder(name.clone()).algorithm(algorithm);
     let mut tiers = Vec::new();
@@ -161,7 +164,7 @@ fn policy(
     let places =
         PolicyPlaces { path: format!("policies.{}", toml_key(&name)), span, tiers_span, tiers };
     match builder.build() {
-        Ok(policy) => Ok(PolicyDef { policy, places }),
+        Ok(policy) => Ok(PolicyDef { policy, carry, places }),
         Err(e) => Err(places.locate(&name, e, src)),
     }
 }
@@ -456,8 +459,8 @@ pub(super) fn assemble<St: Store>(
     for def in &config.policies {
         let name = def.policy.name();
         let old = running.and_then(|r| r.get(name));
-        let limiter =
-            rebind(old, def.policy.clone(), store).map_err(|e| def.places.locate(name, e, src))?;
+        let limiter = rebind(old, def.policy.clone(), def.carry, store)
+            .map_err(|e| def.places.locate(name, e, src))?;
         limiters.insert(name.to_owned(), limiter);
     }
     let rules = config
@@ -477,18 +480,19 @@ pub(super) fn assemble<St: Store>(
 /// The rule: a policy whose definition did not change (same name, same algorithm, same tiers
 /// with the same quotas: `Policy`'s equality) keeps its limiter, and with it every key's
 /// state: a reload does not hand out fresh quotas. A changed policy is bound through
-/// [`Limiter::rebind`]: the store carries over each key's state of the tiers that did not
-/// change (a `MemoryStore` does; see `Store::rebind`), and the changed tiers start full. A new
-/// policy is bound afresh.
+/// [`Limiter::rebind_with`]: the store carries over each key's state of the tiers that did not
+/// change (a `MemoryStore` does; see `Store::rebind`), and starts the changed tiers as the
+/// policy's `changed_tiers` says (`carry`: full by default). A new policy is bound afresh.
 fn rebind<St: Store>(
     old: Option<&Limiter<St>>,
     new: Policy,
+    carry: Carry,
     store: &St,
 ) -> Result<Limiter<St>, ConfigError> {
     match old {
         Some(old) if *old.policy() == new => Ok(old.clone()),
         // Changed: the store carries over the state of the tiers that did not change.
-        Some(old) => old.rebind(new),
+        Some(old) => old.rebind_with(new, carry),
         None => Limiter::with_store(new, store.clone()),
     }
 }
@@ -594,12 +598,12 @@ mod tests {
     async fn an_unchanged_policy_keeps_its_limiter_and_a_changed_one_keeps_its_unchanged_tiers() {
         let store = MemoryStore::new();
         let policy = Policy::single("p", Quota::per_hour(10)).unwrap();
-        let old = rebind(None, policy.clone(), &store).unwrap();
+        let old = rebind(None, policy.clone(), Carry::StartFull, &store).unwrap();
         old.check(&Key::Global, 4).await.unwrap();
-        let kept = rebind(Some(&old), policy, &store).unwrap();
+        let kept = rebind(Some(&old), policy, Carry::StartFull, &store).unwrap();
         assert_eq!(kept.check(&Key::Global, 0).await.unwrap().tiers()[0].remaining(), 6);
         let changed = Policy::single("p", Quota::per_hour(11)).unwrap();
-        let fresh = rebind(Some(&old), changed, &store).unwrap();
+        let fresh = rebind(Some(&old), changed, Carry::StartFull, &store).unwrap();
         assert_eq!(fresh.check(&Key::Global, 0).await.unwrap().tiers()[0].remaining(), 11);
         // A tier added beside an unchanged one: the unchanged tier keeps its count, the new
         // one starts full, the old binding still decides for requests it began.
@@ -610,9 +614,9 @@ mod tests {
                 .build()
                 .unwrap()
         };
-        let old = rebind(None, two(100), &store).unwrap();
+        let old = rebind(None, two(100), Carry::StartFull, &store).unwrap();
         old.check(&Key::Global, 4).await.unwrap();
-        let raised = rebind(Some(&old), two(200), &store).unwrap();
+        let raised = rebind(Some(&old), two(200), Carry::StartFull, &store).unwrap();
         let tiers = raised.check(&Key::Global, 0).await.unwrap();
         let remaining: Vec<u64> = tiers.tiers().iter().map(|t| t.remaining()).collect();
         assert_eq!(remaining, [6, 200]);
@@ -623,7 +627,7 @@ mod tests {
             .tier("p", Quota::per_hour(10))
             .build()
             .unwrap();
-        let fresh = rebind(Some(&old), other, &store).unwrap();
+        let fresh = rebind(Some(&old), other, Carry::StartFull, &store).unwrap();
         assert_eq!(fresh.check(&Key::Global, 0).await.unwrap().tiers()[0].remaining(), 10);
     }
 

@@ -29,6 +29,8 @@
 //! [policies.per-ip]
 //! algorithm = "gcra"            # gcra (default), token_bucket, leaky_bucket, fixed_window,
 //!                               # sliding_log, sliding_counter
+//! changed_tiers = "start_full"  # on a reload that changes a tier: start_full (default), or
+//!                               # carry_used_fraction (each key keeps its used share)
 //! [[policies.per-ip.tiers]]
 //! name = "burst"                # shown in the RateLimit headers
 //! count = 20                    # units per period
@@ -64,8 +66,9 @@
 //! plan = { header = "x-plan", policies = ["free", "pro"], otherwise = "policy:free" }
 //! ```
 //!
-//! Policies: `[policies.NAME]` with `algorithm` (optional) and `tiers`, each with `name`,
-//! `count`, `period` and an optional `burst` ([`Policy`], [`Quota`](crate::Quota)).
+//! Policies: `[policies.NAME]` with `algorithm` and `changed_tiers` (both optional) and
+//! `tiers`, each with `name`, `count`, `period` and an optional `burst` ([`Policy`],
+//! [`Quota`](crate::Quota), [`Carry`](crate::store::Carry)).
 //!
 //! Rules (`[[rules]]`), each mapped onto a [`RateLimitLayerBuilder`](crate::RateLimitLayerBuilder):
 //!
@@ -120,9 +123,12 @@
 //! - a policy whose definition did not change (same name, algorithm and tiers, quotas
 //!   included) keeps its limiter, and every key keeps its count;
 //! - a changed policy is bound anew, and each key keeps its state in the tiers that did not
-//!   change (same name and definition, same algorithm), on a `MemoryStore`; the changed tiers,
-//!   and concurrency tiers, start full. On Redis a changed policy starts full in every tier
-//!   (its keys are named by the policy's fingerprint). See [`Store::rebind`](crate::store::Store::rebind);
+//!   change (same name and definition, same algorithm), on a `MemoryStore`; a changed tier
+//!   starts full, or, with `changed_tiers = "carry_used_fraction"`, with the share of it each
+//!   key had used (30 of 100 becomes 60 of 200; [`Carry::UsedFraction`](crate::store::Carry));
+//!   concurrency tiers start with no slot held. On Redis a changed policy starts full in every
+//!   tier (its keys are named by the policy's fingerprint). See
+//!   [`Store::rebind`](crate::store::Store::rebind);
 //! - a removed policy's state is dropped with the last request still using it.
 //!
 //! A refused file changes nothing: the running configuration stays.

@@ -33,6 +33,8 @@ pub(super) struct RawPolicy {
     #[serde(default)]
     pub(super) algorithm: Option<AlgorithmName>,
     pub(super) tiers: Spanned<Vec<RawTier>>,
+    #[serde(default)]
+    pub(super) changed_tiers: Option<CarryName>,
 }
 
 /// `[[policies.NAME.tiers]]`.
@@ -425,6 +427,24 @@ pub(super) enum HeaderStyleName {
 pub(super) enum OnStoreErrorName {
     FailOpen,
     FailClosed,
+}
+
+/// [`Carry`](crate::store::Carry) by name: `changed_tiers = "start_full"` or
+/// `"carry_used_fraction"`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum CarryName {
+    StartFull,
+    CarryUsedFraction,
+}
+
+impl From<CarryName> for crate::store::Carry {
+    fn from(name: CarryName) -> Self {
+        match name {
+            CarryName::StartFull => Self::StartFull,
+            CarryName::CarryUsedFraction => Self::UsedFraction,
+        }
+    }
 }
 
 /// [`LogKeys`](crate::LogKeys) by name.

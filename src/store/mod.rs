@@ -49,6 +49,41 @@ use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
 use crate::quota::Policy;
 
+/// Where a reload starts a tier whose definition changed ([`Store::rebind`],
+/// [`Limiter::rebind_with`](crate::Limiter::rebind_with)), key by key. Tiers are matched by
+/// name; a tier whose definition did not change keeps each key's state whatever the rule.
+///
+/// ```
+/// use tollgate::store::Carry;
+/// use tollgate::{Limiter, Policy, Quota, key::Key};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let limiter = Limiter::new(Policy::single("api", Quota::per_hour(100)).unwrap());
+/// limiter.check(&Key::text("k"), 30).await.unwrap(); // 30% of the hour's quota used
+/// let doubled = Policy::single("api", Quota::per_hour(200)).unwrap();
+/// let carried = limiter.rebind_with(doubled.clone(), Carry::UsedFraction).unwrap();
+/// assert_eq!(carried.check(&Key::text("k"), 0).await.unwrap().tiers()[0].remaining(), 140);
+/// let fresh = limiter.rebind_with(doubled, Carry::StartFull).unwrap();
+/// assert_eq!(fresh.check(&Key::text("k"), 0).await.unwrap().tiers()[0].remaining(), 200);
+/// # }
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Carry {
+    /// The changed tier starts full for every key, as if no request had been made (the
+    /// default).
+    #[default]
+    StartFull,
+    /// Each key keeps the fraction of the tier it had used: a key that had used `u` of the old
+    /// capacity `c` has used `ceil(u * c' / c)` of the new capacity `c'` (at most `c'`), charged
+    /// at the reload instant and given back as the new tier refills (a window or calendar
+    /// tier: when its current window ends; a sliding log: one period after the reload). `u` is
+    /// counted in whole units, as `RateLimit` reports what remains, so a key never gains more
+    /// than it had left. A tier that changed algorithm, or a one-tier GCRA policy kept in the
+    /// memory store's compact form, carries even an unchanged tier this way.
+    UsedFraction,
+}
+
 /// One request to decide: which key, what it costs, how long it may wait, and whether the
 /// charge may be given back later.
 ///
@@ -217,18 +252,30 @@ pub trait Store: Clone + Send + Sync + 'static {
     fn bind(&self, policy: &Policy) -> Result<Self::Bound, ConfigError>;
 
     /// Binds `policy` to replace `old` (a configuration reload), carrying over what state the
-    /// store can: a [`MemoryStore`] keeps each key's state of the rate and calendar tiers that
-    /// did not change (same name and definition, same algorithm); changed tiers, and every
-    /// concurrency tier, start full. The default binds afresh (every tier starts full), which is
-    /// also what `RedisStore` does: its keys are named by the
-    /// policy's fingerprint.
+    /// store can. Tiers are matched by name. A [`MemoryStore`] keeps each key's state of the
+    /// rate and calendar tiers that did not change (same definition, same algorithm), and
+    /// starts a changed tier as `carry` says ([`Carry`]); concurrency tiers start with no slot
+    /// held (the old binding's holders release theirs to it). The default binds afresh (every
+    /// tier starts full whatever `carry` says), which is also what `RedisStore` does: its keys
+    /// are named by the policy's fingerprint.
     ///
     /// `old` stays valid: requests it decided finish on it.
     ///
     /// # Errors
     /// As [`bind`](Self::bind).
-    fn rebind(&self, old: &Self::Bound, policy: &Policy) -> Result<Self::Bound, ConfigError> {
+    fn rebind(
+        &self,
+        old: &Self::Bound,
+        policy: &Policy,
+        carry: Carry,
+    ) -> Result<Self::Bound, ConfigError> {
         let _ = old;
+        if carry != Carry::StartFull {
+            tracing::warn!(
+                policy = policy.name(),
+                "tollgate: this store starts a reloaded policy full in every tier; it cannot carry the used fraction"
+            );
+        }
         self.bind(policy)
     }
 

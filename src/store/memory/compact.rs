@@ -169,6 +169,16 @@ impl Compact {
         self.tables[id].get_or_insert_with(TatTable::default).insert(fp, tat);
     }
 
+    /// Binding `id`'s keys: `(fingerprint, TAT)` (fingerprint 0 reads as 1, as it is stored).
+    pub(super) fn entries(&mut self, id: usize) -> Vec<(u64, u64)> {
+        self.demote();
+        self.tables
+            .get(id)
+            .and_then(Option::as_ref)
+            .map(|t| t.slots.iter().copied().filter(|(fp, _)| *fp != 0).collect())
+            .unwrap_or_default()
+    }
+
     /// Drops binding `id`'s table; returns how many keys it held.
     pub(super) fn drop_table(&mut self, id: usize) -> usize {
         if matches!(self.hot.key, Some((i, ..)) if i == id) {

@@ -13,7 +13,7 @@ use std::time::Duration;
 use smallvec::SmallVec;
 use table::{Core, Shard, WAKERS, Waker, general_mut, lock};
 
-use super::{Check, Store, Verdict};
+use super::{Carry, Check, Store, Verdict};
 use crate::algorithm::slots::{self, Holds};
 use crate::algorithm::{
     Charge, Charges, GcraStep, Mode, TierState, WholeGcra, budget, decide, decide_kinds, in_units,
@@ -351,16 +351,46 @@ impl MemoryStore {
 
     /// Binds `policy` in place of `old` (see [`Store::rebind`]): each key's state of the rate
     /// and calendar tiers that did not change (same name and definition, under the same
-    /// algorithm and time unit) is copied into the new binding; changed tiers and concurrency
-    /// tiers start full. A one-tier GCRA policy kept in the compact form (on either side) has no
-    /// unchanged tier to carry unless the other side is the same policy, so it starts full.
+    /// algorithm and time unit) is copied into the new binding; changed tiers start as `carry`
+    /// says, concurrency tiers with no slot held. With [`Carry::StartFull`], a one-tier GCRA
+    /// policy kept in the compact form carries its tier only to a compact form of the same
+    /// tier (a policy renamed, say), and starts full otherwise; [`Carry::UsedFraction`] carries
+    /// the used fraction between every form.
     #[must_use]
-    pub fn rebind_policy(&self, old: &MemoryPolicy, policy: &Policy) -> MemoryPolicy {
+    pub fn rebind_policy(&self, old: &MemoryPolicy, policy: &Policy, carry: Carry) -> MemoryPolicy {
         let new = self.bind_policy(policy);
-        let before = &old.core.policy;
+        match carry {
+            Carry::StartFull => self.carry_unchanged(old, &new),
+            Carry::UsedFraction => self.carry_used(old, &new),
+        }
+        new
+    }
+
+    /// Copies each key's state of the tiers `new` has unchanged from `old`.
+    fn carry_unchanged(&self, old: &MemoryPolicy, new: &MemoryPolicy) {
+        let (before, policy) = (&old.core.policy, &new.core.policy);
         let same_time = before.algorithm() == policy.algorithm() && before.unit() == policy.unit();
-        if !same_time || old.core.whole.is_some() || new.core.whole.is_some() {
-            return new;
+        if !same_time {
+            return;
+        }
+        match (&old.core.whole, &new.core.whole) {
+            (None, None) => {}
+            // One GCRA tier on both sides, unchanged: its TATs, as they are.
+            (Some(_), Some(_)) if before.tiers() == policy.tiers() => {
+                let inner = &self.inner;
+                for shard in &inner.shards {
+                    let mut compact = shard.compact.lock();
+                    for (fp, tat) in compact.entries(old.id) {
+                        if inner.len.load(Ordering::Relaxed) >= inner.max_keys {
+                            return;
+                        }
+                        compact.insert(new.id, fp, tat);
+                        inner.len.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                return;
+            }
+            _ => return,
         }
         // For each new tier, the old tier whose state it keeps.
         let carried: Vec<Option<usize>> = policy
@@ -374,7 +404,7 @@ impl MemoryStore {
             })
             .collect();
         if carried.iter().all(Option::is_none) {
-            return new;
+            return;
         }
         let inner = &self.inner;
         let now = inner.clock.now();
@@ -403,7 +433,102 @@ impl MemoryStore {
                 inner.len.fetch_add(1, Ordering::Relaxed);
             }
         }
-        new
+    }
+
+    /// Starts each key's tiers of `new` from its state under `old`: unchanged tiers copied (when
+    /// both bindings keep general tables under one algorithm and time unit), the other tiers
+    /// matched by name charged their used fraction at the reload instant ([`Carry::UsedFraction`]).
+    fn carry_used(&self, old: &MemoryPolicy, new: &MemoryPolicy) {
+        let (before, after) = (&old.core.policy, &new.core.policy);
+        let same_time = before.algorithm() == after.algorithm() && before.unit() == after.unit();
+        let general = old.core.whole.is_none() && new.core.whole.is_none();
+        let rated = |t: &crate::quota::Tier| t.kind() != crate::quota::TierKind::Concurrency;
+        // For each new tier: the old tier of its name, and whether its state is copied as is.
+        let matched: Vec<Option<(usize, bool)>> = after
+            .tiers()
+            .iter()
+            .map(|t| {
+                let j = before.tiers().iter().position(|o| o.name() == t.name())?;
+                let o = &before.tiers()[j];
+                (rated(t) && rated(o)).then_some((j, general && same_time && o == t))
+            })
+            .collect();
+        if matched.iter().all(Option::is_none) {
+            return;
+        }
+        let inner = &self.inner;
+        let now = inner.clock.now();
+        let zeros = vec![0; before.tiers().len()];
+        for shard in &inner.shards {
+            // Each old key: its state, or its TAT in the compact form.
+            let keys: Vec<(u64, Was)> = if old.core.whole.is_some() {
+                shard
+                    .compact
+                    .lock()
+                    .entries(old.id)
+                    .into_iter()
+                    .map(|(fp, t)| (fp, Was::Tat(t)))
+                    .collect()
+            } else {
+                let tables = lock(&shard.general);
+                let Some(Some(from)) = tables.get(old.id) else { continue };
+                from.map.iter().map(|(fp, s)| (*fp, Was::States(s.clone()))).collect()
+            };
+            for (fp, state) in keys {
+                // What remains of each old tier now, in whole units.
+                let remaining: Vec<u64> = match (&state, &old.core.whole) {
+                    (Was::Tat(tat), Some(w)) => vec![w.status(*tat, now).0],
+                    (Was::States(states), _) => {
+                        let mut states = states.clone();
+                        let (d, _) = decide_kinds(before, &mut states, now, &zeros, Mode::Police);
+                        d.tiers().iter().map(crate::TierDecision::remaining).collect()
+                    }
+                    (Was::Tat(_), None) => continue,
+                };
+                let used = |i: usize, j: usize| {
+                    let (from, to) = (before.tiers()[j].capacity(), after.tiers()[i].capacity());
+                    let used = from.saturating_sub(remaining.get(j).copied().unwrap_or(from));
+                    let scaled = (u128::from(used) * u128::from(to)).div_ceil(u128::from(from));
+                    u64::try_from(scaled).unwrap_or(u64::MAX).min(to)
+                };
+                if let Some(w) = &new.core.whole {
+                    let Some(Some((j, _))) = matched.first() else { continue };
+                    let units = used(0, *j);
+                    if let GcraStep::Admit { tat, .. } = w.decide(0, now, units, 0) {
+                        if inner.len.load(Ordering::Relaxed) >= inner.max_keys {
+                            return;
+                        }
+                        shard.compact.lock().insert(new.id, fp, tat);
+                        inner.len.fetch_add(1, Ordering::Relaxed);
+                    }
+                    continue;
+                }
+                let mut states = new.core.fresh(now);
+                let mut costs = vec![0; after.tiers().len()];
+                for (i, m) in matched.iter().enumerate() {
+                    let Some((j, copy)) = *m else { continue };
+                    match (&state, copy) {
+                        (Was::States(old_states), true) => states[i] = old_states[j].clone(),
+                        _ => costs[i] = used(i, j),
+                    }
+                }
+                // Each changed tier charged on its own: every one fits a fresh tier.
+                for (i, units) in costs.iter().enumerate().filter(|(_, u)| **u > 0) {
+                    let mut one = vec![0; costs.len()];
+                    one[i] = *units;
+                    let _ = decide_kinds(after, &mut states, now, &one, Mode::Police);
+                }
+                if new.core.is_idle(&states, now) {
+                    continue;
+                }
+                if inner.len.load(Ordering::Relaxed) >= inner.max_keys {
+                    return;
+                }
+                let mut tables = lock(&shard.general);
+                general_mut(&mut tables, new.id, &new.core).map.insert(fp, states);
+                inner.len.fetch_add(1, Ordering::Relaxed);
+            }
+        }
     }
 
     /// Keys currently held (not counting the overflow buckets).
@@ -454,6 +579,14 @@ impl MemoryStore {
         let target = |i: usize| costs.iter().rev().find(|(t, _)| *t == i).map(|(_, c)| *c);
         bound.inner.settle(&bound.core, bound.id, &mut ticket.0, &target, false);
     }
+}
+
+/// A key's state under the binding a reload replaces.
+enum Was {
+    /// Every tier's state (general tables).
+    States(Box<[TierState]>),
+    /// The TAT of the compact form's one GCRA tier, nanoseconds.
+    Tat(u64),
 }
 
 /// Decides `check` on `states` under `core`'s policy at `now` (nanoseconds): plain policies as
@@ -876,8 +1009,13 @@ impl Store for MemoryStore {
         Ok(self.bind_policy(policy))
     }
 
-    fn rebind(&self, old: &MemoryPolicy, policy: &Policy) -> Result<MemoryPolicy, ConfigError> {
-        Ok(self.rebind_policy(old, policy))
+    fn rebind(
+        &self,
+        old: &MemoryPolicy,
+        policy: &Policy,
+        carry: Carry,
+    ) -> Result<MemoryPolicy, ConfigError> {
+        Ok(self.rebind_policy(old, policy, carry))
     }
 
     #[inline]
@@ -968,6 +1106,102 @@ mod tests {
 
     fn allowed(store: &MemoryStore, bound: &MemoryPolicy, key: &Key) -> bool {
         store.check_now(bound, Check::new(key, 1)).decision.is_allowed()
+    }
+
+    /// What remains of each tier of `bound` for `key`, by a query.
+    fn remaining(store: &MemoryStore, bound: &MemoryPolicy, key: &Key) -> Vec<u64> {
+        let d = store.check_now(bound, Check::new(key, 0)).decision;
+        d.tiers().iter().map(crate::TierDecision::remaining).collect()
+    }
+
+    fn two_tiers(alg: Algorithm, hourly: u64) -> Policy {
+        Policy::builder("p")
+            .algorithm(alg)
+            .tier("minute", Quota::per_minute(1_000))
+            .tier("hour", Quota::per_hour(hourly))
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn a_reload_carries_the_used_fraction_of_changed_tiers_for_every_algorithm() {
+        for alg in Algorithm::ALL {
+            let clock = FakeClock::new();
+            clock.set(7_200_000_000_000); // on a window boundary: windows start with the test
+            let store = store(&clock, 100, 2);
+            let key = Key::text("k");
+            let v1 = store.bind_policy(&two_tiers(alg, 100));
+            assert!(store.check_now(&v1, Check::new(&key, 30)).decision.is_allowed(), "{alg:?}");
+            assert_eq!(remaining(&store, &v1, &key), [970, 70], "{alg:?}");
+            // Doubled: 30 of 100 used is 60 of 200; the unchanged tier keeps its state.
+            let carried = store.rebind_policy(&v1, &two_tiers(alg, 200), Carry::UsedFraction);
+            assert_eq!(remaining(&store, &carried, &key), [970, 140], "{alg:?}");
+            // Lowered: 30% of 15 is 4.5, counted as 5 used.
+            let lowered = store.rebind_policy(&v1, &two_tiers(alg, 15), Carry::UsedFraction);
+            assert_eq!(remaining(&store, &lowered, &key), [970, 10], "{alg:?}");
+            // The default starts the changed tier full.
+            let full = store.rebind_policy(&v1, &two_tiers(alg, 200), Carry::StartFull);
+            assert_eq!(remaining(&store, &full, &key), [970, 200], "{alg:?}");
+            // Another key, never seen: full everywhere; and the old binding is untouched.
+            assert_eq!(remaining(&store, &carried, &Key::text("new")), [1_000, 200], "{alg:?}");
+            assert_eq!(remaining(&store, &v1, &key), [970, 70], "{alg:?}");
+        }
+    }
+
+    #[test]
+    fn a_carried_gcra_tier_refills_at_its_new_rate() {
+        let clock = FakeClock::new();
+        let store = store(&clock, 100, 2);
+        let key = Key::text("k");
+        // One GCRA tier: the compact form, on both sides.
+        let v1 = store.bind_policy(&Policy::single("p", Quota::per_hour(100)).unwrap());
+        assert!(store.check_now(&v1, Check::new(&key, 30)).decision.is_allowed());
+        let v2 = Policy::single("p", Quota::per_hour(200)).unwrap();
+        let carried = store.rebind_policy(&v1, &v2, Carry::UsedFraction);
+        assert_eq!(remaining(&store, &carried, &key), [140]);
+        // One unit comes back every 18 s (3,600 s / 200), not every 36 s.
+        clock.advance(Duration::from_secs(18));
+        assert_eq!(remaining(&store, &carried, &key), [141]);
+        let fresh = store.rebind_policy(&v1, &v2, Carry::StartFull);
+        assert_eq!(remaining(&store, &fresh, &key), [200]);
+        // The same tier in a renamed policy keeps its TATs as they are.
+        let renamed = Policy::builder("renamed").tier("p", Quota::per_hour(100)).build().unwrap();
+        let kept = store.rebind_policy(&v1, &renamed, Carry::StartFull);
+        assert_eq!(remaining(&store, &kept, &key), [70]);
+        // From the compact form to general tables and back, matched by tier name.
+        let wider = Policy::builder("p")
+            .tier("p", Quota::per_hour(100))
+            .tier("day", Quota::per_day(1_000))
+            .build()
+            .unwrap();
+        let general = store.rebind_policy(&carried, &wider, Carry::UsedFraction);
+        // 59 of 200 used: 29.5 of 100, counted as 30.
+        assert_eq!(remaining(&store, &general, &key), [70, 1_000]);
+        let back = store.rebind_policy(&general, &v2, Carry::UsedFraction);
+        assert_eq!(remaining(&store, &back, &key), [140]);
+    }
+
+    #[test]
+    fn calendar_tiers_carry_their_used_fraction_and_concurrency_tiers_start_empty() {
+        let clock = FakeClock::new();
+        let store = store(&clock, 100, 2);
+        let key = Key::text("k");
+        let policy = |daily: u64| {
+            Policy::builder("p")
+                .concurrency("slots", crate::Concurrency::new(4))
+                .calendar("daily", crate::Calendar::per_day(daily))
+                .build()
+                .unwrap()
+        };
+        let v1 = store.bind_policy(&policy(100));
+        let held = store.check_now(&v1, Check::new(&key, 1).with_costs(&[1, 30]).with_ticket());
+        assert!(held.decision.is_allowed());
+        assert_eq!(remaining(&store, &v1, &key), [3, 70]);
+        let v2 = store.rebind_policy(&v1, &policy(1_000), Carry::UsedFraction);
+        assert_eq!(remaining(&store, &v2, &key), [4, 700]);
+        // The slot goes back to the binding it was taken from.
+        drop(held);
+        assert_eq!(remaining(&store, &v1, &key), [4, 70]);
     }
 
     #[test]
