@@ -116,7 +116,15 @@ end
 
 -- floor((a*b + d) / c) and the remainder, exactly (quotient below 2^53, c below 2^51).
 local function mad(a, b, d, c)
-  local q = floor((a * b + d) / c)
+  local x = a * b + d
+  if x < 4503599627370496 then
+    -- Below 2^52: x and q * c (at most x + c < 2^53) are exact doubles; one correction at most.
+    local q = floor(x / c)
+    local r = x - q * c
+    if r < 0 then return q - 1, r + c elseif r >= c then return q + 1, r - c end
+    return q, r
+  end
+  local q = floor(x / c)
   local p = prod(a, b, d)
   while true do
     local m = prod(q, c, 0)
