@@ -285,14 +285,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     checks.expect(done == 4 && again.status == StatusCode::OK, "the slots came back");
     checks.expect(again.remaining("in-flight") == Some(3), "3 of 4 slots free while it runs");
 
-    // 4. Upload bytes (1 MB/s): 600 kB passes, another 600 kB at once does not, 2 MB never
+    // 4. Upload bytes (1 MB/s): 600 kB passes, 1 MB right after it does not, 2 MB never
     //    will; neither refusal charges the request tiers.
-    println!("\n== upload-bytes: acme uploads 600 kB, 600 kB again, then 2 MB");
+    println!("\n== upload-bytes: acme uploads 600 kB, 1 MB, then 2 MB");
     let before = api.get("/hello", "key-acme").await;
     let first = api.call("POST", "/upload", "key-acme", vec![b'x'; 600_000]).await;
     first.print("POST /upload (600 kB)");
-    let second = api.call("POST", "/upload", "key-acme", vec![b'x'; 600_000]).await;
-    second.print("POST /upload (600 kB)");
+    // 1 MB needs 600 ms of refill after the first upload: refused when sent at once.
+    let second = api.call("POST", "/upload", "key-acme", vec![b'x'; 1_000_000]).await;
+    second.print("POST /upload (1 MB)");
     checks.refused_by(&second, "upload-bytes");
     let huge = api.call("POST", "/upload", "key-acme", vec![b'x'; 2_000_000]).await;
     huge.print("POST /upload (2 MB)");

@@ -80,7 +80,11 @@ pub enum Carry {
     /// tier: when its current window ends; a sliding log: one period after the reload). `u` is
     /// counted in whole units, as `RateLimit` reports what remains, so a key never gains more
     /// than it had left. A tier that changed algorithm, or a one-tier GCRA policy kept in the
-    /// memory store's compact form, carries even an unchanged tier this way.
+    /// memory store's compact form, carries even an unchanged tier this way. Limits: what a
+    /// key owes beyond the old capacity (a reported cost settled into debt, a shaped backlog)
+    /// is not carried (`u` is at most `c`); and a `MemoryStore` carries keys only while it has
+    /// room for them beside the old binding's (`max_keys`), so size it for twice the keys you
+    /// keep if you reload.
     UsedFraction,
 }
 

@@ -352,16 +352,16 @@ impl MemoryStore {
     /// Binds `policy` in place of `old` (see [`Store::rebind`]): each key's state of the rate
     /// and calendar tiers that did not change (same name and definition, under the same
     /// algorithm and time unit) is copied into the new binding; changed tiers start as `carry`
-    /// says, concurrency tiers with no slot held. With [`Carry::StartFull`], a one-tier GCRA
-    /// policy kept in the compact form carries its tier only to a compact form of the same
-    /// tier (a policy renamed, say), and starts full otherwise; [`Carry::UsedFraction`] carries
-    /// the used fraction between every form.
+    /// says, concurrency tiers with no slot held. Between a one-tier GCRA policy kept in the
+    /// compact form and general tables, an unchanged tier is carried by its used units (whole
+    /// units, rounded up); [`Carry::UsedFraction`] carries changed tiers between every form.
+    /// Keys are carried while the store has room for them beside `old`'s (`max_keys`).
     #[must_use]
     pub fn rebind_policy(&self, old: &MemoryPolicy, policy: &Policy, carry: Carry) -> MemoryPolicy {
         let new = self.bind_policy(policy);
         match carry {
             Carry::StartFull => self.carry_unchanged(old, &new),
-            Carry::UsedFraction => self.carry_used(old, &new),
+            Carry::UsedFraction => self.carry_used(old, &new, true),
         }
         new
     }
@@ -390,7 +390,9 @@ impl MemoryStore {
                 }
                 return;
             }
-            _ => return,
+            // Between the compact form and general tables: the unchanged tiers by their used
+            // units (whole units, rounded up).
+            _ => return self.carry_used(old, new, false),
         }
         // For each new tier, the old tier whose state it keeps.
         let carried: Vec<Option<usize>> = policy
@@ -438,7 +440,7 @@ impl MemoryStore {
     /// Starts each key's tiers of `new` from its state under `old`: unchanged tiers copied (when
     /// both bindings keep general tables under one algorithm and time unit), the other tiers
     /// matched by name charged their used fraction at the reload instant ([`Carry::UsedFraction`]).
-    fn carry_used(&self, old: &MemoryPolicy, new: &MemoryPolicy) {
+    fn carry_used(&self, old: &MemoryPolicy, new: &MemoryPolicy, changed_too: bool) {
         let (before, after) = (&old.core.policy, &new.core.policy);
         let same_time = before.algorithm() == after.algorithm() && before.unit() == after.unit();
         let general = old.core.whole.is_none() && new.core.whole.is_none();
@@ -450,7 +452,9 @@ impl MemoryStore {
             .map(|t| {
                 let j = before.tiers().iter().position(|o| o.name() == t.name())?;
                 let o = &before.tiers()[j];
-                (rated(t) && rated(o)).then_some((j, general && same_time && o == t))
+                let unchanged = same_time && o == t;
+                (rated(t) && rated(o) && (changed_too || unchanged))
+                    .then_some((j, general && unchanged))
             })
             .collect();
         if matched.iter().all(Option::is_none) {
@@ -1179,6 +1183,25 @@ mod tests {
         assert_eq!(remaining(&store, &general, &key), [70, 1_000]);
         let back = store.rebind_policy(&general, &v2, Carry::UsedFraction);
         assert_eq!(remaining(&store, &back, &key), [140]);
+    }
+
+    #[test]
+    fn an_unchanged_tier_keeps_its_count_between_the_compact_form_and_general_tables() {
+        let clock = FakeClock::new();
+        let store = store(&clock, 100, 2);
+        let key = Key::text("k");
+        let hour = Policy::builder("p").tier("hour", Quota::per_hour(100)).build().unwrap();
+        let both = Policy::builder("p")
+            .tier("sec", Quota::per_second(1_000))
+            .tier("hour", Quota::per_hour(100))
+            .build()
+            .unwrap();
+        let v1 = store.bind_policy(&hour);
+        assert!(store.check_now(&v1, Check::new(&key, 90)).decision.is_allowed());
+        let added = store.rebind_policy(&v1, &both, Carry::StartFull);
+        assert_eq!(remaining(&store, &added, &key), [1_000, 10]);
+        let removed = store.rebind_policy(&added, &hour, Carry::StartFull);
+        assert_eq!(remaining(&store, &removed, &key), [10]);
     }
 
     #[test]
