@@ -764,3 +764,60 @@ async fn a_request_in_progress_finishes_under_the_configuration_it_started_with(
     assert_eq!(start.elapsed(), Duration::from_secs(1));
     assert_eq!(header(&held, "ratelimit-policy").unwrap(), r#""p";q=1;w=1"#);
 }
+
+/// A reload never lifts every limit by accident: a file with no policy (an empty file reads
+/// as valid TOML) or with none of the running ones is refused unless it says so.
+#[test]
+fn a_reload_that_drops_every_policy_is_refused_unless_the_file_says_so() {
+    let config = LimitsConfig::from_toml(&two_policies(2), "v1.toml").unwrap();
+    let layer = LimitsLayer::new(config).unwrap();
+    let handle = layer.handle();
+    let before = handle.limiter("stable").unwrap();
+    assert!(before.check_now(&Key::Global, 1).is_allowed());
+
+    let empty = handle.reload(LimitsConfig::from_toml("", "empty.toml").unwrap()).unwrap_err();
+    assert_eq!(empty.line(), None);
+    assert!(empty.to_string().starts_with("empty.toml: defines no policy"), "{empty}");
+    let renamed = "[policies.other]\ntiers = [{ name = \"other\", count = 1, period = \"1h\" }]\n";
+    let renamed = handle.reload(LimitsConfig::from_toml(renamed, "renamed.toml").unwrap());
+    let renamed = renamed.unwrap_err().to_string();
+    assert!(renamed.starts_with("renamed.toml: keeps none of the running policies"), "{renamed}");
+    // Refused: the running configuration and its state stay.
+    assert_eq!(handle.config().file(), "v1.toml");
+    let left = handle.limiter("stable").unwrap().check_now(&Key::Global, 0);
+    assert_eq!(left.tiers()[0].remaining(), 39);
+
+    // Said explicitly: applied.
+    let none = LimitsConfig::from_toml("replace_all = true\n", "none.toml").unwrap();
+    assert!(none.replaces_all());
+    let report = handle.reload(none).unwrap();
+    assert_eq!(report.removed(), ["changing", "stable"]);
+    assert!(handle.limiter("stable").is_none());
+}
+
+/// A file rewritten in place (truncated, then written again with the same content, as `cp`,
+/// a shell redirection or an editor do) keeps every limit, and every key's state, throughout.
+#[tokio::test(start_paused = true)]
+async fn the_watcher_keeps_the_limits_while_the_file_is_rewritten_in_place() {
+    let logs = Captured::start(tracing::Level::INFO);
+    let dir = TempDir::new("rewrite");
+    let text = "[policies.hourly]\ntiers = [{ name = \"hourly\", count = 5, period = \"1h\" }]\n";
+    let path = dir.write("tollgate.toml", text);
+    let store = MemoryStore::builder().clock(TokioClock::new()).build().unwrap();
+    let layer = LimitsLayer::with_store(LimitsConfig::load(&path).unwrap(), store).unwrap();
+    let handle = layer.handle();
+    let admitted = |n: usize| {
+        let limiter = handle.limiter("hourly").unwrap();
+        (0..n).filter(|_| limiter.check_now(&Key::Global, 1).is_allowed()).count()
+    };
+    assert_eq!(admitted(5), 5);
+    let watcher = tokio::spawn(handle.clone().watch(path.clone(), Duration::from_millis(100)));
+
+    std::fs::write(&path, "").unwrap();
+    watch_until(&handle, &logs, |_, text| text.contains("defines no policy")).await;
+    assert_eq!(admitted(1), 0, "the truncated file lifted the limit");
+    std::fs::write(&path, text).unwrap();
+    watch_until(&handle, &logs, |_, text| text.contains(r#"kept=["hourly"]"#)).await;
+    assert_eq!(admitted(3), 0, "the rewritten file started the quota afresh");
+    watcher.abort();
+}

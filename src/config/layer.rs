@@ -178,10 +178,25 @@ impl<St: Store> ReloadHandle<St> {
     ///
     /// # Errors
     /// [`ConfigFileError`] at the policy's tier when the store refuses a new or changed policy
-    /// ([`Store::bind`]); the running configuration then stays.
+    /// ([`Store::bind`]); without a location when `config` defines no policy, or none of the
+    /// running ones, and does not say `replace_all = true`
+    /// ([`LimitsConfig::replaces_all`]). The running configuration then stays.
     pub fn reload(&self, config: LimitsConfig) -> Result<Reloaded, ConfigFileError> {
         let _one = self.shared.reloading.lock().unwrap_or_else(PoisonError::into_inner);
         let running = self.shared.current.load_full();
+        if !config.replaces_all() && !running.limiters.is_empty() {
+            let kept = config.policies().any(|p| running.limiters.contains_key(p.name()));
+            if !kept {
+                let message = if config.policies().len() == 0 {
+                    "defines no policy, which would lift every running limit (a file caught \
+                     mid-rewrite reads so); write `replace_all = true` to run without limits"
+                } else {
+                    "keeps none of the running policies, which would start every key's quota \
+                     afresh; write `replace_all = true` to replace them all"
+                };
+                return Err(ConfigFileError::unlocated(config.file(), message, None));
+            }
+        }
         let bound = build::assemble(&config, &self.shared.store, Some(&running.limiters))?;
         let report = Reloaded::between(&running.limiters, &config);
         let snapshot =
@@ -213,8 +228,12 @@ impl<St: Store> ReloadHandle<St> {
     }
 
     /// Watches the file at `path`: every `every` (at least 1 ms; a shorter period is taken as
-    /// 1 ms) it reads the file, and when its content differs from what was last read it
-    /// [reloads](Self::reload) it. Logs (`tracing`) each reload at `info` (with the kept,
+    /// 1 ms) it reads the file, and when its content differs from what was last read, and a
+    /// second read a moment later (a quarter of `every`, between 1 ms and 250 ms) gives the
+    /// same bytes, it [reloads](Self::reload) it. A file still being written is read again on
+    /// the next tick; a file that defines no policy, or none of the running ones, is refused
+    /// unless it says `replace_all = true` (so a file truncated mid-rewrite never lifts the
+    /// limits, and its keys keep their state when the complete file follows). Logs (`tracing`) each reload at `info` (with the kept,
     /// changed, added and removed policies) and each refused file at `error` with the
     /// [`ConfigFileError`] (`file:line:column: field: message`); a refused file keeps the
     /// running configuration. A file that cannot be read (being replaced, say) is logged at
@@ -247,7 +266,9 @@ impl<St: Store> ReloadHandle<St> {
         let shared: Weak<Shared<St>> = Arc::downgrade(&self.shared);
         drop(self);
         let mut unreadable: Option<std::io::ErrorKind> = None;
-        let mut tick = tokio::time::interval(every.max(Duration::from_millis(1)));
+        let every = every.max(Duration::from_millis(1));
+        let settle = (every / 4).clamp(Duration::from_millis(1), Duration::from_millis(250));
+        let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
@@ -269,6 +290,16 @@ impl<St: Store> ReloadHandle<St> {
             };
             unreadable = None;
             if last.as_deref().is_some_and(|t| t.as_bytes() == bytes.as_slice()) {
+                continue;
+            }
+            // A file being written reads differently from one moment to the next: apply what
+            // was read only when a second read, a moment later, agrees with it.
+            tokio::time::sleep(settle).await;
+            if tokio::fs::read(&path).await.ok().as_ref() != Some(&bytes) {
+                tracing::debug!(
+                    file = %path.display(),
+                    "tollgate: the limits file is being written; read again on the next tick"
+                );
                 continue;
             }
             let text: Arc<str> = String::from_utf8_lossy(&bytes).into();

@@ -25,6 +25,9 @@
 //! # The file
 //!
 //! ```toml
+//! # replace_all = true        # let a reload drop every running policy (or leave none); off by
+//!                             # default, so a file caught mid-rewrite never lifts the limits
+//!
 //! # A policy: a name, an algorithm, one or more tiers on the same key (every tier must admit).
 //! [policies.per-ip]
 //! algorithm = "gcra"            # gcra (default), token_bucket, leaky_bucket, fixed_window,
@@ -188,6 +191,8 @@ pub struct LimitsConfig {
     file: String,
     path: Option<PathBuf>,
     text: Arc<str>,
+    /// `replace_all = true`: a reload to this file may drop every running policy.
+    replace_all: bool,
     policies: Vec<PolicyDef>,
     rules: Vec<RuleDef>,
 }
@@ -258,8 +263,9 @@ impl LimitsConfig {
             let e = e.into_inner();
             src.error(e.span().as_ref(), Some(field), e.message())
         })?;
+        let replace_all = raw.replace_all;
         let (policies, rules) = build::check(raw, src)?;
-        let config = Self { file, path, text, policies, rules };
+        let config = Self { file, path, text, replace_all, policies, rules };
         // What the layer builder refuses is refused now rather than when the configuration is
         // served: build it once over a store that refuses no policy.
         build::assemble(&config, &MemoryStore::new(), None)?;
@@ -284,6 +290,15 @@ impl LimitsConfig {
     #[must_use]
     pub fn text(&self) -> &str {
         &self.text
+    }
+
+    /// Whether the file says `replace_all = true`: then a [reload](ReloadHandle::reload) to it
+    /// may drop every running policy, or leave none. Without it such a reload is refused, since
+    /// a file caught mid-rewrite (truncated by an editor, `cp` or a shell redirection) reads as
+    /// an empty, valid TOML document.
+    #[must_use]
+    pub fn replaces_all(&self) -> bool {
+        self.replace_all
     }
 
     /// The policies, in the order the file defines them.

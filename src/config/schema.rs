@@ -20,6 +20,10 @@ use crate::quota::Algorithm;
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawFile {
+    /// Whether this file may replace every running policy, or run with none (off by default:
+    /// a file caught mid-rewrite is often empty).
+    #[serde(default)]
+    pub(super) replace_all: bool,
     #[serde(default)]
     pub(super) policies: BTreeMap<String, Spanned<RawPolicy>>,
     #[serde(default)]
