@@ -83,7 +83,7 @@ pub use error::{ConfigError, StoreError};
 pub use headers::{HeaderFormat, HeaderStyle};
 pub use layer::{
     DecisionEvent, LogKeys, MissingKey, Observed, OnStoreError, RateLimit, RateLimitLayer,
-    RateLimitLayerBuilder, ResponseBody, ResponseFuture, Unselected, Usage,
+    RateLimitLayerBuilder, RequestBody, ResponseBody, ResponseFuture, Unselected, Usage,
 };
 pub use limiter::{Held, Limiter, Reservation};
 pub use quota::{

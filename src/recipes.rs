@@ -64,7 +64,7 @@
 //! use hyper::body::Incoming;
 //! use hyper_util::rt::TokioIo;
 //! use hyper_util::service::TowerToHyperService;
-//! use tollgate::{Policy, Quota, RateLimitLayer};
+//! use tollgate::{Policy, Quota, RateLimitLayer, RequestBody};
 //! use tower::{Layer, ServiceBuilder, service_fn};
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -72,7 +72,8 @@
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
 //! loop {
 //!     let (stream, peer) = listener.accept().await?;
-//!     let handler = service_fn(|_req: Request<Incoming>| async {
+//!     // The handler receives the layer's `RequestBody` around hyper's `Incoming`.
+//!     let handler = service_fn(|_req: Request<RequestBody<Incoming>>| async {
 //!         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"hello"))))
 //!     });
 //!     let svc = ServiceBuilder::new()

@@ -368,7 +368,7 @@ fn tollgate_server() -> (
         .unwrap();
     let served = Arc::new(AtomicUsize::new(0));
     let count = Arc::clone(&served);
-    let handler = service_fn(move |_req: Request<String>| {
+    let handler = service_fn(move |_req: Request<tollgate::RequestBody<String>>| {
         count.fetch_add(1, Ordering::SeqCst);
         async { Ok::<_, Infallible>(Response::new("ok".to_owned())) }
     });

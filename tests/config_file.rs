@@ -2,7 +2,6 @@
 //! of error located at its file, line, column and field, and reloads: under concurrent traffic
 //! over real HTTP on loopback, from a file, refused, and by the file watcher.
 #![cfg(feature = "config")]
-
 mod support;
 
 use std::net::SocketAddr;
@@ -17,6 +16,7 @@ use axum::routing::{get as route_get, post as route_post};
 use http::{Request, StatusCode};
 use support::logs::Captured;
 use support::{client, get, serve};
+use tollgate::RequestBody;
 use tollgate::clock::TokioClock;
 use tollgate::config::{ConfigFileError, LimitsConfig, LimitsLayer, ReloadHandle};
 use tollgate::key::Key;
@@ -88,7 +88,7 @@ async fn sample_call(
     peer: &str,
     headers: &[(&str, &str)],
 ) -> http::Response<tollgate::config::LimitsBody<Body>> {
-    let svc = layer.layer(service_fn(|_req: Request<Body>| async {
+    let svc = layer.layer(service_fn(|_req: Request<RequestBody<Body>>| async {
         Ok::<_, std::convert::Infallible>(http::Response::new(Body::from("ok")))
     }));
     let mut req = Request::builder().method(method).uri(path);
@@ -697,10 +697,9 @@ async fn the_watcher_reloads_changes_and_logs_refused_files() {
 #[tokio::test]
 async fn limits_services_pass_the_inner_error_through_and_poll_it_ready() {
     let config = LimitsConfig::from_toml(&two_policies(1), "t.toml").unwrap();
-    let mut svc =
-        LimitsLayer::new(config).unwrap().layer(service_fn(|_req: Request<Body>| async {
-            Err::<http::Response<Body>, _>("inner failed")
-        }));
+    let mut svc = LimitsLayer::new(config).unwrap().layer(service_fn(
+        |_req: Request<RequestBody<Body>>| async { Err::<http::Response<Body>, _>("inner failed") },
+    ));
     std::future::poll_fn(|cx| svc.poll_ready(cx)).await.unwrap();
     let req = Request::get("/elsewhere").body(Body::empty()).unwrap();
     assert_eq!(svc.call(req).await.unwrap_err(), "inner failed");
@@ -741,7 +740,7 @@ async fn a_request_in_progress_finishes_under_the_configuration_it_started_with(
     let config = LimitsConfig::from_toml(&shaping(1), "v1.toml").unwrap();
     let layer = LimitsLayer::with_store(config, store).unwrap();
     let handle = layer.handle();
-    let svc = layer.layer(service_fn(|_req: Request<Body>| async {
+    let svc = layer.layer(service_fn(|_req: Request<RequestBody<Body>>| async {
         Ok::<_, std::convert::Infallible>(http::Response::new(Body::from("ok")))
     }));
     let request = || Request::get("/").body(Body::empty()).unwrap();

@@ -9,7 +9,6 @@
 //!
 //! The scenarios run one at a time (they measure latency on a 2-core machine).
 #![cfg(feature = "redis")]
-
 mod support;
 
 use std::sync::Arc;
@@ -19,6 +18,7 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use http::{Request, Response, StatusCode};
 use support::redis::{Cluster, Server};
+use tollgate::RequestBody;
 use tollgate::key::Key;
 use tollgate::store::{BreakerState, MemoryStore, RedisStore, Store};
 use tollgate::{OnStoreError, Policy, Quota, RateLimitLayer};
@@ -68,9 +68,12 @@ struct Sample {
     seen: Seen,
 }
 
-fn ok_service()
--> impl Service<Request<Body>, Response = Response<Body>, Error = std::convert::Infallible, Future: Send>
-+ Clone
+fn ok_service() -> impl Service<
+    Request<RequestBody<Body>>,
+    Response = Response<Body>,
+    Error = std::convert::Infallible,
+    Future: Send,
+> + Clone
 + Send
 + 'static {
     tower::service_fn(|_req| async {

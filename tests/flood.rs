@@ -5,12 +5,12 @@
 //! Its own test binary, so that the resident memory it measures is its own. The always-on run
 //! sends 200,000 distinct IPv4 clients; `TOLLGATE_LONG_TESTS=1` sends 1,000,000 (about a
 //! minute in a debug build).
-
 use std::convert::Infallible;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use axum::body::Body;
 use http::{Request, Response, StatusCode};
+use tollgate::RequestBody;
 use tollgate::store::MemoryStore;
 use tollgate::{Policy, Quota, RateLimitLayer};
 use tower::{Layer, Service, ServiceExt, service_fn};
@@ -44,7 +44,8 @@ fn from(ip: IpAddr) -> Request<Body> {
     req
 }
 
-fn ok() -> impl Service<Request<Body>, Response = Response<Body>, Error = Infallible, Future: Send>
+fn ok()
+-> impl Service<Request<RequestBody<Body>>, Response = Response<Body>, Error = Infallible, Future: Send>
 + Clone
 + Send
 + 'static {

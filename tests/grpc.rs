@@ -387,3 +387,39 @@ async fn shaping_holds_grpc_calls_then_refuses_over_budget() {
     // fit the 250 ms budget.
     assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("50"));
 }
+
+/// A byte tier counts a gRPC request's body (its length-prefixed message, sent without a
+/// `Content-Length`) as tonic reads it, over real HTTP/2.
+#[tokio::test]
+async fn a_grpc_request_body_is_counted_as_tonic_reads_it() {
+    let clock = FakeClock::new();
+    let capacity = 100 * 1024 * 1024;
+    let policy = Policy::builder("bytes")
+        .tier("bytes", Quota::per_hour(capacity).counting(tollgate::Unit::RequestBytes))
+        .build()
+        .unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .key(tollgate::key::GlobalKey)
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let limiter = layer.limiter().clone();
+    let server = serve(layer).await;
+    let mut client = server.client().await;
+
+    // A 1 MiB service name: the message is a tag byte, a 3-byte length and the name; the gRPC
+    // frame adds a flag byte and a 4-byte length.
+    let name = "s".repeat(1024 * 1024);
+    let status = client.check(HealthCheckRequest { service: name }).await.unwrap_err();
+    assert_eq!(status.code(), Code::NotFound);
+    let sent = 5 + 1 + 3 + 1024 * 1024;
+    let mut left = 0;
+    for _ in 0..500 {
+        left = limiter.check(&Key::Global, 0).await.unwrap().tiers()[0].remaining();
+        if left != capacity - 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(capacity - left, sent);
+}

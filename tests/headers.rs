@@ -2,7 +2,6 @@
 //! one to three tiers, bursts), random traffic, every header format, on both stores: each
 //! field parses as an RFC 9651 structured field, the remaining count never exceeds the quota
 //! of the same item, and a 429 carries `Retry-After` of at least one second.
-
 mod support;
 
 use std::convert::Infallible;
@@ -11,6 +10,7 @@ use std::time::Duration;
 use http::{Request, Response, StatusCode};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use tollgate::RequestBody;
 use tollgate::clock::FakeClock;
 use tollgate::key::GlobalKey;
 use tollgate::store::{MemoryStore, Store};
@@ -205,8 +205,9 @@ async fn replay<St: Store + Clone>(store: St, clock: FakeClock, case: Case) -> R
         })
         .build()
         .map_err(|e| e.to_string())?;
-    let svc = layer
-        .layer(service_fn(|_req: Request<()>| async { Ok::<_, Infallible>(Response::new(())) }));
+    let svc = layer.layer(service_fn(|_req: Request<RequestBody<()>>| async {
+        Ok::<_, Infallible>(Response::new(()))
+    }));
     for (i, (advance, cost)) in case.steps.iter().enumerate() {
         clock.advance(Duration::from_millis(*advance));
         let req = Request::get("/").header("x-cost", cost.to_string()).body(()).unwrap();
@@ -271,7 +272,7 @@ fn each_format_renders_as_its_draft_says() {
             .header_format(format)
             .build()
             .unwrap();
-        let svc = layer.layer(service_fn(|_req: Request<()>| async {
+        let svc = layer.layer(service_fn(|_req: Request<RequestBody<()>>| async {
             Ok::<_, Infallible>(Response::new(()))
         }));
         let res = rt.block_on(svc.oneshot(Request::new(()))).unwrap();

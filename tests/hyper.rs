@@ -1,7 +1,6 @@
 //! A hyper server without axum: the layer over plain hyper, built with or without the `axum`
 //! feature (`cargo test --no-default-features` runs it too). The peer address reaches
 //! `PeerIp` as a `SocketAddr` request extension.
-
 mod support;
 
 use std::convert::Infallible;
@@ -13,7 +12,7 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use hyper_util::service::TowerToHyperService;
-use tollgate::{Policy, Quota, RateLimitLayer};
+use tollgate::{Policy, Quota, RateLimitLayer, RequestBody};
 use tower::{Layer, ServiceBuilder, service_fn};
 
 /// Serves `layer` over hyper on 127.0.0.1, handing each request its peer as a `SocketAddr`.
@@ -28,7 +27,7 @@ async fn serve_with(layer: RateLimitLayer, with_peer: bool) -> SocketAddr {
     tokio::spawn(async move {
         loop {
             let Ok((stream, peer)) = listener.accept().await else { return };
-            let handler = service_fn(|_req: Request<Incoming>| async {
+            let handler = service_fn(|_req: Request<RequestBody<Incoming>>| async {
                 Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"hello"))))
             });
             let svc = ServiceBuilder::new()

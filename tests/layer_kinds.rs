@@ -1,7 +1,6 @@
 //! The layer with tier kinds beyond request rates: concurrency slots held until the response
 //! body ends (released on a body drop, a handler panic, a client disconnect), bytes counted in
 //! and out, units a handler reports, and leases refreshed on Redis while a request runs.
-
 mod support;
 
 use std::convert::Infallible;
@@ -15,6 +14,7 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body::{Body, Frame};
 use http_body_util::{BodyExt, Full};
+use tollgate::RequestBody;
 use tollgate::clock::TokioClock;
 use tollgate::key::{GlobalKey, Key};
 use tollgate::store::{MemoryStore, Store};
@@ -81,7 +81,7 @@ async fn a_thousand_shaped_requests_never_exceed_four_in_flight_until_their_bodi
         .unwrap();
     let in_flight = Arc::new(InFlight::default());
     let tracker = Arc::clone(&in_flight);
-    let svc = layer.layer(service_fn(move |_req: Request<()>| {
+    let svc = layer.layer(service_fn(move |_req: Request<RequestBody<()>>| {
         let tracker = Arc::clone(&tracker);
         async move {
             // The handler works 100 ms; its body is in flight until the caller drops it.
@@ -126,7 +126,7 @@ async fn policing_refuses_beyond_the_slots_and_a_dropped_body_gives_its_slot_bac
         RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap();
     let in_flight = Arc::new(InFlight::default());
     let tracker = Arc::clone(&in_flight);
-    let mut svc = layer.layer(service_fn(move |_req: Request<()>| {
+    let mut svc = layer.layer(service_fn(move |_req: Request<RequestBody<()>>| {
         let body = tracker.enter(1);
         async move { Ok::<_, Infallible>(Response::new(body)) }
     }));
@@ -152,7 +152,7 @@ async fn the_slot_is_free_when_the_last_frame_is_handed_on() {
     let policy = Policy::builder("p").concurrency("slots", Concurrency::new(1)).build().unwrap();
     let layer =
         RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap();
-    let svc = layer.layer(service_fn(|_req: Request<()>| async {
+    let svc = layer.layer(service_fn(|_req: Request<RequestBody<()>>| async {
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"done"))))
     }));
     let mut body = svc.oneshot(Request::new(())).await.unwrap().into_body();
@@ -169,7 +169,7 @@ async fn a_handler_that_panics_or_fails_releases_its_slot() {
     let policy = Policy::builder("p").concurrency("slots", Concurrency::new(1)).build().unwrap();
     let layer =
         RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap();
-    let panicking = layer.layer(service_fn(|_req: Request<()>| async {
+    let panicking = layer.layer(service_fn(|_req: Request<RequestBody<()>>| async {
         if true {
             panic!("handler bug");
         }
@@ -179,7 +179,7 @@ async fn a_handler_that_panics_or_fails_releases_its_slot() {
     assert!(joined.unwrap_err().is_panic());
     assert_eq!(free_slots(layer.limiter(), 0).await, 1);
 
-    let failing = layer.layer(service_fn(|_req: Request<()>| async {
+    let failing = layer.layer(service_fn(|_req: Request<RequestBody<()>>| async {
         Err::<Response<Full<Bytes>>, _>("inner error")
     }));
     assert_eq!(failing.oneshot(Request::new(())).await.unwrap_err(), "inner error");
@@ -196,7 +196,7 @@ async fn response_bytes_and_reported_units_are_settled_when_the_body_ends() {
         .unwrap();
     let layer =
         RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap();
-    let svc = layer.layer(service_fn(|req: Request<()>| async move {
+    let svc = layer.layer(service_fn(|req: Request<RequestBody<()>>| async move {
         req.extensions().get::<Usage>().expect("a Usage for a reported tier").report(1_200);
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(vec![b'x'; 3_000]))))
     }));
@@ -232,7 +232,7 @@ async fn a_refunded_response_gives_back_every_unit_it_counts() {
         .refund_if(|status| status == StatusCode::NOT_FOUND)
         .build()
         .unwrap();
-    let svc = layer.layer(service_fn(|_req: Request<()>| async {
+    let svc = layer.layer(service_fn(|_req: Request<RequestBody<()>>| async {
         let mut res = Response::new(Full::new(Bytes::from_static(b"no such thing")));
         *res.status_mut() = StatusCode::NOT_FOUND;
         Ok::<_, Infallible>(res)
@@ -253,7 +253,7 @@ async fn a_request_over_its_byte_tier_is_refused_and_charges_nothing() {
         .unwrap();
     let layer =
         RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap();
-    let svc = layer.layer(service_fn(|_req: Request<String>| async {
+    let svc = layer.layer(service_fn(|_req: Request<RequestBody<String>>| async {
         Ok::<_, Infallible>(Response::new(Full::<Bytes>::default()))
     }));
     let upload = |len: usize| {
@@ -418,7 +418,7 @@ async fn on_redis_a_long_request_keeps_its_slot_by_refreshing_its_lease() {
         .build()
         .unwrap();
     let layer = RateLimitLayer::builder(policy).store(store).key(GlobalKey).build().unwrap();
-    let svc = layer.layer(service_fn(|_req: Request<()>| async {
+    let svc = layer.layer(service_fn(|_req: Request<RequestBody<()>>| async {
         // Longer than the lease: it is refreshed every 100 ms meanwhile.
         tokio::time::sleep(Duration::from_millis(1_000)).await;
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"report"))))
@@ -450,7 +450,7 @@ async fn on_redis_a_thousand_concurrent_requests_get_exactly_four_slots() {
     let in_flight = Arc::new(InFlight::default());
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let (tracker, open) = (Arc::clone(&in_flight), Arc::clone(&gate));
-    let svc = layer.layer(service_fn(move |_req: Request<()>| {
+    let svc = layer.layer(service_fn(move |_req: Request<RequestBody<()>>| {
         let (tracker, open) = (Arc::clone(&tracker), Arc::clone(&open));
         async move {
             let body = tracker.enter(1);
@@ -481,4 +481,148 @@ async fn on_redis_a_thousand_concurrent_requests_get_exactly_four_slots() {
     }
     assert_eq!(in_flight.max.load(Ordering::SeqCst), 4);
     assert_eq!(until_free(layer.limiter(), 0, 4).await, 4);
+}
+
+/// A byte tier counts a chunked upload whatever the request body's type: the layer hands the
+/// handler its own `RequestBody`, so no body type escapes the count.
+#[cfg(feature = "axum")]
+mod every_body_type {
+    use std::net::SocketAddr;
+
+    use axum::Router;
+    use axum::routing::post;
+    use hyper::body::Incoming;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use hyper_util::service::TowerToHyperService;
+    use tower_http::limit::RequestBodyLimitLayer;
+
+    use super::*;
+
+    /// 64 chunks of 16 KiB: 1 MiB, sent without a `Content-Length`.
+    const CHUNKS: usize = 64;
+    const CHUNK: usize = 16 * 1024;
+    const UPLOAD: u64 = (CHUNKS * CHUNK) as u64;
+    const CAPACITY: u64 = 100 * 1024 * 1024;
+
+    fn layer() -> RateLimitLayer<GlobalKey> {
+        let policy = Policy::builder("upload")
+            .tier("bytes", Quota::per_hour(CAPACITY).counting(Unit::RequestBytes))
+            .build()
+            .unwrap();
+        // A clock that stands still: the tier refills nothing while the test runs.
+        let store =
+            MemoryStore::builder().clock(tollgate::clock::FakeClock::new()).build().unwrap();
+        RateLimitLayer::builder(policy).key(GlobalKey).store(store).build().unwrap()
+    }
+
+    /// Sends one chunked upload of `CHUNKS` x `CHUNK` bytes; the status and the body.
+    async fn upload(addr: SocketAddr, chunks: usize) -> (StatusCode, Bytes) {
+        let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+            .build_http::<chunks::Chunks>();
+        let req = Request::post(format!("http://{addr}/"))
+            .body(chunks::Chunks::new(chunks, CHUNK))
+            .unwrap();
+        assert!(req.headers().get("content-length").is_none());
+        let res = client.request(req).await.unwrap();
+        let status = res.status();
+        (status, res.into_body().collect().await.unwrap().to_bytes())
+    }
+
+    /// The bytes charged to the tier once the last response's settlement (at the end of its
+    /// body) has replaced its one-unit estimate: polled, at most 5 s.
+    async fn charged(limiter: &Limiter, before: u64) -> u64 {
+        let mut left = free_slots(limiter, 0).await;
+        for _ in 0..500 {
+            if left != CAPACITY - before - 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            left = free_slots(limiter, 0).await;
+        }
+        CAPACITY - left
+    }
+
+    async fn echo_len(body: Bytes) -> String {
+        body.len().to_string()
+    }
+
+    #[tokio::test]
+    async fn through_plain_hyper() {
+        let layer = layer();
+        let limiter = layer.limiter().clone();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { return };
+                let handler = service_fn(|req: Request<RequestBody<Incoming>>| async move {
+                    let body = req.into_body().collect().await?.to_bytes();
+                    Ok::<_, hyper::Error>(Response::new(Full::new(Bytes::from(
+                        body.len().to_string(),
+                    ))))
+                });
+                let svc = TowerToHyperService::new(layer.layer(handler));
+                tokio::spawn(async move {
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        let (status, body) = upload(addr, CHUNKS).await;
+        assert_eq!((status, &body[..]), (StatusCode::OK, UPLOAD.to_string().as_bytes()));
+        assert_eq!(charged(&limiter, 0).await, UPLOAD);
+        server.abort();
+    }
+
+    #[tokio::test]
+    async fn through_axum() {
+        let layer = layer();
+        let limiter = layer.limiter().clone();
+        let app = Router::new().route("/", post(echo_len)).layer(layer);
+        let server = support::serve(app).await;
+        let (status, body) = upload(server.addr, CHUNKS).await;
+        assert_eq!((status, &body[..]), (StatusCode::OK, UPLOAD.to_string().as_bytes()));
+        assert_eq!(charged(&limiter, 0).await, UPLOAD);
+    }
+
+    /// tower-http's body limit outside the rate limit, in one `ServiceBuilder`: the body the
+    /// layer sees is `http_body_util::Limited<_>`. Counted all the same, and an upload over the
+    /// body limit still gets the body limit's 413 (its error reaches axum unchanged), charging
+    /// no more than the bytes read before the limit.
+    #[tokio::test]
+    async fn through_axum_inside_a_body_limit() {
+        let layer = layer();
+        let limiter = layer.limiter().clone();
+        let limit = RequestBodyLimitLayer::new(3 * UPLOAD as usize / 2);
+        let app = Router::new()
+            .route("/", post(echo_len))
+            .layer(tower::ServiceBuilder::new().layer(limit).layer(layer));
+        let server = support::serve(app).await;
+        let (status, body) = upload(server.addr, CHUNKS).await;
+        assert_eq!((status, &body[..]), (StatusCode::OK, UPLOAD.to_string().as_bytes()));
+        assert_eq!(charged(&limiter, 0).await, UPLOAD);
+
+        let (status, body) = upload(server.addr, 3 * CHUNKS).await;
+        assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{body:?}");
+        let over = charged(&limiter, UPLOAD).await - UPLOAD;
+        assert!(over <= 3 * UPLOAD / 2, "charged {over} bytes for a refused upload");
+    }
+
+    /// axum's own limit (`DefaultBodyLimit`), applied as the handler reads: 413 too, and only
+    /// the bytes read are charged: the limit and the frame that crossed it.
+    #[tokio::test]
+    async fn through_axum_with_its_default_body_limit() {
+        let layer = layer();
+        let limiter = layer.limiter().clone();
+        let app = Router::new()
+            .route("/", post(echo_len))
+            .layer(layer)
+            .layer(axum::extract::DefaultBodyLimit::max(3 * UPLOAD as usize / 2));
+        let server = support::serve(app).await;
+        let (status, body) = upload(server.addr, 3 * CHUNKS).await;
+        assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{body:?}");
+        let charged = charged(&limiter, 0).await;
+        assert_eq!(charged, 3 * UPLOAD / 2 + CHUNK as u64, "charged for a refused upload");
+    }
 }

@@ -1,7 +1,6 @@
 //! What the layer reports: the decision hook, dry-run events, redacted keys in logs, store
 //! failures logged once per change, and the metrics scraped over HTTP from a Prometheus
 //! exporter.
-
 mod support;
 
 use std::convert::Infallible;
@@ -12,6 +11,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use http::{HeaderName, Request, Response, StatusCode};
+use tollgate::RequestBody;
 use tollgate::clock::TokioClock;
 use tollgate::key::{HeaderKey, Key, Redacted};
 use tollgate::store::{Check, MemoryStore, Store, Verdict};
@@ -24,7 +24,9 @@ fn request(api_key: &str) -> Request<Body> {
     Request::get("/").header("x-api-key", api_key).body(Body::empty()).unwrap()
 }
 
-fn ok(_req: Request<Body>) -> impl Future<Output = Result<Response<Body>, Infallible>> {
+fn ok(
+    _req: Request<RequestBody<Body>>,
+) -> impl Future<Output = Result<Response<Body>, Infallible>> {
     std::future::ready(Ok(Response::new(Body::from("ok"))))
 }
 

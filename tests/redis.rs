@@ -746,7 +746,7 @@ async fn a_restart_falls_back_locally_opens_the_breaker_and_recovers() {
 }
 
 fn ok_service() -> impl tower::Service<
-    http::Request<axum::body::Body>,
+    http::Request<tollgate::RequestBody<axum::body::Body>>,
     Response = http::Response<axum::body::Body>,
     Error = std::convert::Infallible,
     Future: Send,

@@ -1,6 +1,5 @@
 //! The layer as a plain Tower service on a paused tokio clock: exact shaping delays, cancelled
 //! waiters, the waiter bound, tarpit, settlement, store failures, error pass-through.
-
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -12,6 +11,7 @@ use std::time::Duration;
 use axum::body::Body;
 use http::{Request, Response, StatusCode};
 use tokio::time::Instant;
+use tollgate::RequestBody;
 use tollgate::clock::TokioClock;
 use tollgate::store::{Check, MemoryStore, Store, Verdict};
 use tollgate::{
@@ -31,11 +31,13 @@ fn request() -> Request<Body> {
 }
 
 fn ok_service()
--> impl Service<Request<Body>, Response = Response<Body>, Error = Infallible, Future: Send>
+-> impl Service<Request<RequestBody<Body>>, Response = Response<Body>, Error = Infallible, Future: Send>
 + Clone
 + Send
 + 'static {
-    service_fn(|_req: Request<Body>| async { Ok::<_, Infallible>(Response::new(Body::from("ok"))) })
+    service_fn(|_req: Request<RequestBody<Body>>| async {
+        Ok::<_, Infallible>(Response::new(Body::from("ok")))
+    })
 }
 
 #[tokio::test(start_paused = true)]
@@ -150,7 +152,7 @@ async fn cost_settled_from_the_response() {
         .settle_cost(|head| head.headers.get("x-tokens")?.to_str().ok()?.parse().ok())
         .build()
         .unwrap();
-    let svc = layer.layer(service_fn(|_req: Request<Body>| async {
+    let svc = layer.layer(service_fn(|_req: Request<RequestBody<Body>>| async {
         Ok::<_, Infallible>(
             Response::builder().header("x-tokens", "60").body(Body::empty()).unwrap(),
         )
@@ -225,7 +227,7 @@ async fn the_inner_error_type_passes_through_and_poll_ready_takes_nothing() {
     let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
     let store = MemoryStore::new();
     let layer = RateLimitLayer::builder(policy).store(store.clone()).build().unwrap();
-    let mut svc = layer.layer(service_fn(|_req: Request<Body>| async {
+    let mut svc = layer.layer(service_fn(|_req: Request<RequestBody<Body>>| async {
         Err::<Response<Body>, _>(MyError("inner failed"))
     }));
     for _ in 0..5 {

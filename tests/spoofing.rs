@@ -2,13 +2,13 @@
 //! values"). Property tests over arbitrary header bytes — random bytes mixed with the tokens the
 //! parsers care about, repeated lines, empty and oversized values, bytes that are not UTF-8 —
 //! and counts through the layer showing that no request gets a fresh bucket.
-
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
 
 use axum::body::Body;
 use http::{HeaderValue, Request, Response, StatusCode};
 use proptest::prelude::*;
+use tollgate::RequestBody;
 use tollgate::key::{
     ClientIp, ForwardedHeader, HeaderKey, Key, KeyExtractor, RequestHead, group_ip,
 };
@@ -192,7 +192,8 @@ proptest! {
     }
 }
 
-fn ok() -> impl Service<Request<Body>, Response = Response<Body>, Error = Infallible, Future: Send>
+fn ok()
+-> impl Service<Request<RequestBody<Body>>, Response = Response<Body>, Error = Infallible, Future: Send>
 + Clone
 + Send
 + 'static {

@@ -52,6 +52,7 @@ impl<St: Store> Shared<St> {
 /// use http::{Request, StatusCode};
 /// use http_body_util::Full;
 /// use bytes::Bytes;
+/// use tollgate::RequestBody;
 /// use tollgate::config::{LimitsConfig, LimitsLayer};
 /// use tower::{Layer, ServiceExt, service_fn};
 ///
@@ -69,7 +70,7 @@ impl<St: Store> Shared<St> {
 ///     "inline.toml",
 /// )
 /// .unwrap();
-/// let svc = LimitsLayer::new(config).unwrap().layer(service_fn(|_req: Request<Full<Bytes>>| async {
+/// let svc = LimitsLayer::new(config).unwrap().layer(service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
 ///     Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(Bytes::from("hi"))))
 /// }));
 /// let get = |path: &str| Request::get(path).body(Full::default()).unwrap();

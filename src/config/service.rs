@@ -18,7 +18,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use super::layer::{Shared, Snapshot};
-use crate::layer::{ResponseBody, ResponseFuture};
+use crate::layer::{RequestBody, ResponseBody, ResponseFuture};
 use crate::store::{MemoryStore, Store};
 
 /// The service made by [`LimitsLayer`](super::LimitsLayer).
@@ -71,7 +71,7 @@ type Boxed<B, E> =
 
 impl<S, St, ReqB, ResB> Service<Request<ReqB>> for Limits<S, St>
 where
-    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone + Send + 'static,
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Clone + Send + 'static,
     S::Future: Send,
     S::Error: Send + 'static,
     St: Store,
@@ -97,7 +97,8 @@ where
             .map(|(i, _)| i)
             .collect();
         if matched.is_empty() {
-            return LimitsFuture { kind: FutureKind::Pass { future: self.inner.call(req) } };
+            let future = self.inner.call(req.map(RequestBody::new));
+            return LimitsFuture { kind: FutureKind::Pass { future } };
         }
         // The service that was polled ready goes into the rules' layers; a clone stays for the
         // next request.
@@ -112,6 +113,7 @@ where
                     next: 0,
                     inner,
                 };
+                let req = req.map(|body| RequestBody::new(RequestBody::new(body)));
                 FutureKind::Many { future: start(chain, req) }
             }
         };
@@ -142,10 +144,10 @@ impl<S: Clone, St: Store> Clone for Chain<S, St> {
 /// The outermost rule's response, with the rate-limit headers of the rules inside it.
 fn start<S, St, ReqB, ResB>(
     mut chain: Chain<S, St>,
-    req: Request<ReqB>,
+    req: Request<RequestBody<RequestBody<ReqB>>>,
 ) -> Boxed<ResB::Error, S::Error>
 where
-    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone + Send + 'static,
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Clone + Send + 'static,
     S::Future: Send,
     S::Error: Send + 'static,
     St: Store,
@@ -160,9 +162,12 @@ where
     })
 }
 
-impl<S, St, ReqB, ResB> Service<Request<ReqB>> for Chain<S, St>
+/// Each rule's `RateLimit` hands the service inside it a [`RequestBody`] of what it received;
+/// the chain flattens the two into one, so the inner service gets one `RequestBody` counted by
+/// every rule, however many apply.
+impl<S, St, ReqB, ResB> Service<Request<RequestBody<RequestBody<ReqB>>>> for Chain<S, St>
 where
-    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone + Send + 'static,
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Clone + Send + 'static,
     S::Future: Send,
     S::Error: Send + 'static,
     St: Store,
@@ -177,7 +182,8 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+    fn call(&mut self, req: Request<RequestBody<RequestBody<ReqB>>>) -> Self::Future {
+        let req = req.map(RequestBody::flatten);
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let Some(&rule) = self.matched.get(self.next) else {

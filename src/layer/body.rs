@@ -1,15 +1,147 @@
+//! [`RequestBody`]: the request body the inner service receives, counted as it streams;
 //! [`ResponseBody`]: the inner service's body, or the bytes of a response the layer made.
 
 use std::fmt;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use pin_project_lite::pin_project;
+use smallvec::SmallVec;
 
 use super::meter::Meter;
+
+pin_project! {
+    /// The request body that the service inside [`RateLimit`](crate::RateLimit) (and
+    /// [`Limits`](crate::config::Limits)) receives: the request's own body `B`, whatever its
+    /// type (hyper's `Incoming`, axum's `Body`, tonic's `Body`, `http_body_util::Limited<_>`,
+    /// a boxed body, a user's own), with its frames, errors, end and size hint passed through
+    /// unchanged.
+    ///
+    /// Under a policy with a tier counting [`Unit::RequestBytes`](crate::Unit::RequestBytes),
+    /// a request without a valid `Content-Length` is charged the bytes of the data frames that
+    /// pass through this body as the handler reads them (settled when the response ends); a
+    /// request with one is charged its `Content-Length` at admission. No other work is done
+    /// per frame, and nothing is allocated for a request that is not counted.
+    ///
+    /// With a body-size limit, put tower-http's `RequestBodyLimitLayer` outside the rate limit
+    /// in the same `ServiceBuilder` (`ServiceBuilder::new().layer(limit).layer(rate_limit)`),
+    /// or use axum's `DefaultBodyLimit`: an upload over the limit then gets 413 and is charged
+    /// the bytes read (up to the limit and the frame that crossed it). A separate
+    /// `Router::layer` call between the two boxes the body once more, and axum's extractors
+    /// look for a length-limit error through two such boxes only (answering 400 beyond).
+    ///
+    /// axum's and tonic's routers take any body type, so nothing changes for them. A plain
+    /// hyper handler behind the layer names this type:
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response};
+    /// use http_body_util::{BodyExt, Full};
+    /// use tollgate::{Policy, Quota, RateLimitLayer, RequestBody};
+    /// use tower::{Layer, service_fn};
+    ///
+    /// # fn main() -> Result<(), tollgate::ConfigError> {
+    /// let handler = service_fn(|req: Request<RequestBody<Full<Bytes>>>| async move {
+    ///     let bytes = req.into_body().collect().await?.to_bytes();
+    ///     Ok::<_, Infallible>(Response::new(Full::new(bytes)))
+    /// });
+    /// let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(10))?).build()?;
+    /// let svc = layer.layer(handler);
+    /// # let _ = svc;
+    /// # Ok(()) }
+    /// ```
+    pub struct RequestBody<B> {
+        #[pin]
+        inner: B,
+        // Where the bytes of data frames are added: one counter per layer counting them.
+        counters: SmallVec<[Arc<AtomicU64>; 1]>,
+    }
+}
+
+impl<B> RequestBody<B> {
+    /// `body`, counted by no one (until a layer counts it).
+    pub fn new(body: B) -> Self {
+        Self { inner: body, counters: SmallVec::new() }
+    }
+
+    /// The request's own body.
+    pub fn get_ref(&self) -> &B {
+        &self.inner
+    }
+
+    /// The request's own body, mutably.
+    pub fn get_mut(&mut self) -> &mut B {
+        &mut self.inner
+    }
+
+    /// The request's own body; what it yields from now on is not counted.
+    pub fn into_inner(self) -> B {
+        self.inner
+    }
+
+    /// Adds the bytes of every data frame from now on to `counter`.
+    pub(crate) fn count_into(&mut self, counter: Arc<AtomicU64>) {
+        self.counters.push(counter);
+    }
+
+    /// One body counted by both layers of a body wrapped twice (nested layers), so that
+    /// nesting does not nest types.
+    pub(crate) fn flatten(nested: RequestBody<RequestBody<B>>) -> Self {
+        let RequestBody { inner: mut body, counters } = nested;
+        body.counters.extend(counters);
+        body
+    }
+}
+
+impl<B: Default> Default for RequestBody<B> {
+    fn default() -> Self {
+        Self::new(B::default())
+    }
+}
+
+impl<B> fmt::Debug for RequestBody<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RequestBody").field("counted", &!self.counters.is_empty()).finish()
+    }
+}
+
+impl<B: Body> Body for RequestBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        let this = self.project();
+        let frame = this.inner.poll_frame(cx);
+        if !this.counters.is_empty() {
+            if let Poll::Ready(Some(Ok(frame))) = &frame {
+                if let Some(data) = frame.data_ref() {
+                    let len = bytes::Buf::remaining(data) as u64;
+                    for counter in this.counters.iter() {
+                        counter.fetch_add(len, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
 
 pin_project! {
     /// The response body of [`RateLimit`](crate::RateLimit): the inner service's body `B`

@@ -2,18 +2,13 @@
 //! counting something other than requests: the slots it holds, the request bytes that stream
 //! in, the response bytes that stream out, and the units the handler reports ([`Usage`]).
 
-use std::any::Any;
 use std::fmt;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::task::{Context, Poll};
 
-use bytes::Bytes;
 use http::Request;
-use http_body::{Body, Frame, SizeHint};
-use pin_project_lite::pin_project;
 
+use super::body::RequestBody;
 use crate::key::RequestHead;
 use crate::quota::{Policy, TierKind, Unit};
 
@@ -114,11 +109,10 @@ pub(super) struct Counters {
 
 impl Counters {
     /// Prepares the counters `needs` asks for: puts a [`Usage`] in the request's extensions
-    /// and, for a body of unknown length, counts its bytes as it streams (axum and tonic
-    /// bodies; other body types are charged their one-unit estimate).
-    pub(super) fn install<B: 'static>(
+    /// and, for a body of unknown length, counts its bytes as it streams, whatever its type.
+    pub(super) fn install<B>(
         needs: Needs,
-        req: &mut Request<B>,
+        req: &mut Request<RequestBody<B>>,
         length_known: bool,
     ) -> Self {
         let mut counters = Self { response_bytes: needs.response_bytes, ..Self::default() };
@@ -128,66 +122,11 @@ impl Counters {
             counters.usage = Some(usage);
         }
         if needs.request_bytes && !length_known {
-            counters.request_bytes = count_request_body(req.body_mut());
+            let counter = Arc::new(AtomicU64::new(0));
+            req.body_mut().count_into(Arc::clone(&counter));
+            counters.request_bytes = Some(counter);
         }
         counters
-    }
-}
-
-/// Replaces `body` by a body that counts its bytes, when its type is one that can be rebuilt
-/// around another body (axum's and tonic's); `None` for any other type.
-fn count_request_body<B: 'static>(body: &mut B) -> Option<Arc<AtomicU64>> {
-    let counter = Arc::new(AtomicU64::new(0));
-    let any = body as &mut dyn Any;
-    #[cfg(feature = "axum")]
-    if let Some(body) = any.downcast_mut::<axum::body::Body>() {
-        let inner = std::mem::take(body);
-        *body = axum::body::Body::new(Counting { inner, counter: Arc::clone(&counter) });
-        return Some(counter);
-    }
-    #[cfg(feature = "tonic")]
-    if let Some(body) = any.downcast_mut::<tonic::body::Body>() {
-        let inner = std::mem::replace(body, tonic::body::Body::empty());
-        *body = tonic::body::Body::new(Counting { inner, counter: Arc::clone(&counter) });
-        return Some(counter);
-    }
-    let _ = (any, counter);
-    None
-}
-
-pin_project! {
-    /// A request body that counts the bytes of its data frames.
-    struct Counting<B> {
-        #[pin]
-        inner: B,
-        counter: Arc<AtomicU64>,
-    }
-}
-
-impl<B: Body<Data = Bytes>> Body for Counting<B> {
-    type Data = Bytes;
-    type Error = B::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        let this = self.project();
-        let frame = this.inner.poll_frame(cx);
-        if let Poll::Ready(Some(Ok(frame))) = &frame {
-            if let Some(data) = frame.data_ref() {
-                this.counter.fetch_add(data.len() as u64, Ordering::Relaxed);
-            }
-        }
-        frame
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
     }
 }
 

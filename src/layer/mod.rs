@@ -16,7 +16,7 @@ use http::{Method, Response, StatusCode};
 use tokio::sync::Semaphore;
 use tower_layer::Layer;
 
-pub use body::ResponseBody;
+pub use body::{RequestBody, ResponseBody};
 pub use future::ResponseFuture;
 pub use meter::Usage;
 pub use observe::{DecisionEvent, LogKeys, Observed};
@@ -153,7 +153,7 @@ impl Default for Settings {
 /// use http::{Request, StatusCode};
 /// use http_body_util::Full;
 /// use bytes::Bytes;
-/// use tollgate::{Policy, Quota, RateLimitLayer, key::GlobalKey};
+/// use tollgate::{Policy, Quota, RateLimitLayer, RequestBody, key::GlobalKey};
 /// use tower::{Layer, ServiceExt, service_fn};
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -161,7 +161,7 @@ impl Default for Settings {
 ///     .key(GlobalKey)
 ///     .build()
 ///     .unwrap();
-/// let svc = layer.layer(service_fn(|_req: Request<Full<Bytes>>| async {
+/// let svc = layer.layer(service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
 ///     Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(Bytes::from("hi"))))
 /// }));
 /// let first = svc.clone().oneshot(Request::new(Full::default())).await.unwrap();

@@ -9,7 +9,7 @@ use http::{Request, Response, header};
 use http_body_util::Full;
 use tower_service::Service;
 
-use super::body::ResponseBody;
+use super::body::{RequestBody, ResponseBody};
 use super::future::ResponseFuture;
 use super::meter::{Counters, Finish, Meter, Needs, content_length};
 use super::scope::Route;
@@ -72,7 +72,7 @@ impl<S, K, St: Store> RateLimit<S, K, St> {
 
 impl<S, K, St, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, K, St>
 where
-    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone + Send + 'static,
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Clone + Send + 'static,
     S::Future: Send,
     S::Error: Send + 'static,
     K: KeyExtractor,
@@ -89,6 +89,7 @@ where
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        let req = req.map(RequestBody::new);
         let config = &*self.config;
         let head = RequestHead::from(&req);
         // Filters, allow-lists and the selector, only when one is set.
@@ -270,10 +271,10 @@ impl<K, St: Store> Config<K, St> {
 /// Passes a request on unlimited.
 async fn pass<S, ReqB, ResB>(
     mut inner: S,
-    req: Request<ReqB>,
+    req: Request<RequestBody<ReqB>>,
 ) -> Result<Response<ResponseBody<ResB>>, S::Error>
 where
-    S: Service<Request<ReqB>, Response = Response<ResB>>,
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
 {
     let res = inner.call(req).await?;
     Ok(res.map(ResponseBody::inner))
@@ -286,12 +287,12 @@ async fn run<S, K, St, ReqB, ResB>(
     config: Arc<Config<K, St>>,
     policy: usize,
     mut inner: S,
-    req: Request<ReqB>,
+    req: Request<RequestBody<ReqB>>,
     key: Option<Key>,
     decided: Option<Result<Verdict<St::Ticket>, StoreError>>,
 ) -> Result<Response<ResponseBody<ResB>>, S::Error>
 where
-    S: Service<Request<ReqB>, Response = Response<ResB>>,
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
     K: KeyExtractor,
     St: Store,
     ReqB: 'static,
