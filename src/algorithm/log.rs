@@ -139,8 +139,7 @@ pub(crate) fn charge(log: &mut Log, at: u64, cost: u64) -> u64 {
 pub(crate) fn refund(log: &mut Log, id: u64, at: u64, charged: u64, cost: u64) {
     let from = log.entries.partition_point(|e| e.ts < at);
     let to = log.entries.partition_point(|e| e.ts <= at);
-    let Some(p) = (from..to).find(|&i| log.entries[i].id == id && log.weight(i) == charged)
-    else {
+    let Some(p) = (from..to).find(|&i| log.entries[i].id == id && log.weight(i) == charged) else {
         return;
     };
     let taken = charged.min(cost);
@@ -226,7 +225,9 @@ mod tests {
     }
 
     fn listed(log: &Log) -> Vec<(u64, u64, u64)> {
-        (0..log.entries.len()).map(|i| (log.entries[i].ts, log.weight(i), log.entries[i].id)).collect()
+        (0..log.entries.len())
+            .map(|i| (log.entries[i].ts, log.weight(i), log.entries[i].id))
+            .collect()
     }
 
     #[derive(Debug, Clone)]
