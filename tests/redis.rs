@@ -911,7 +911,8 @@ enum Tick {
 const WEEK: u64 = 604_800_000_000_000;
 
 /// Runs `ticks` through memory and Redis on one fake clock (starting on a window boundary of a
-/// week), never back before the last admission; every decision must be the same in both. Returns the decisions.
+/// week), never back before the last admission; every decision must be the same in both.
+/// Returns the decisions.
 async fn both_stores(
     server: &Server,
     policy: &Policy,
@@ -967,17 +968,18 @@ async fn a_refused_check_does_not_move_the_clock_guard() {
             };
             let name = format!("{algorithm:?}, calendar {calendar}");
             // One a week, spent; refused a nanosecond before the week is over (a sliding log
-            // rebases its scores then); back at the start, a whole week (two for the sliding
-            // counter, which weighs the previous window in full at its end) to wait.
+            // decided in nanoseconds rebases its scores then); back at the start, a whole week
+            // (two for the sliding counter, which weighs the previous window in full at its
+            // end) to wait.
             let p = policy(1);
             let ticks =
                 [Tick::At(0, 1), Tick::At(WEEK - 1, 1), Tick::Since(0, 1), Tick::At(WEEK, 1)];
-            let d = both_stores(&server, &p, &format!("g1{name}:"), &ticks).await;
+            let d = both_stores(&server, &p, &format!("{}:", p.name()), &ticks).await;
             assert!(!d[1].is_allowed() && !d[2].is_allowed(), "{name}");
             let whole = if algorithm == Algorithm::SlidingCounter { 2 * WEEK } else { WEEK };
             assert_eq!(d[2].retry_after(), Some(Duration::from_nanos(whole)), "{name}");
-            // Two a week, spent at 0 and half a week; two more a week on (refused by the log,
-            // which prunes the first), then a cost above the capacity two weeks on (every
+            // Two a week, spent at 0 and half a week; two more a week on (the log refuses them,
+            // pruning the first; the others admit), then a cost above the capacity two weeks on (every
             // window pruned); back at the last admission, what is left decides alike.
             let p = policy(2);
             let ticks = [
@@ -991,7 +993,7 @@ async fn a_refused_check_does_not_move_the_clock_guard() {
                 Tick::Since(WEEK / 4, 1),
                 Tick::Since(WEEK + 1, 2),
             ];
-            let d = both_stores(&server, &p, &format!("g2{name}:"), &ticks).await;
+            let d = both_stores(&server, &p, &format!("{}:", p.name()), &ticks).await;
             assert_eq!(d[4].outcome(), tollgate::Outcome::CostExceedsCapacity, "{name}");
         }
     }
