@@ -544,7 +544,10 @@ pub enum Algorithm {
     /// up to **2 x count** across a window boundary.
     FixedWindow,
     /// Sliding window log: exact over any window of `period`, one entry per admitted request,
-    /// O(count) memory per key; `count` is capped at [`MAX_SLIDING_LOG`].
+    /// O(count) memory per key; `count` is capped at [`MAX_SLIDING_LOG`]. A check, admitted or
+    /// refused, costs O(log n) amortised for a log of n entries, in memory (running totals by
+    /// binary search) and on Redis (a sorted set read only at the entries that must expire); no
+    /// check scans the whole log.
     SlidingLog,
     /// Sliding window counter: the previous window's count weighted by its overlap plus the
     /// current one. O(1), approximately exact.

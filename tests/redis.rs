@@ -898,6 +898,107 @@ async fn a_clock_stepping_back_does_not_reopen_a_window() {
     }
 }
 
+/// One step of a clock-step scenario.
+#[derive(Debug, Clone, Copy)]
+enum Tick {
+    /// A check of `cost` this many nanoseconds after the scenario's start.
+    At(u64, u64),
+    /// A check of `cost` this many nanoseconds after the last admitted check (a step back when
+    /// a later check was refused).
+    Since(u64, u64),
+}
+
+const WEEK: u64 = 604_800_000_000_000;
+
+/// Runs `ticks` through memory and Redis on one fake clock (starting on a window boundary of a
+/// week), never back before the last admission; every decision must be the same in both.
+/// Returns the decisions.
+async fn both_stores(
+    server: &Server,
+    policy: &Policy,
+    prefix: &str,
+    ticks: &[Tick],
+) -> Vec<Decision> {
+    let start = 2811 * WEEK; // 2023-11-16T00:00:00Z, a Thursday: weeks count from the epoch
+    let clock = FakeClock::new();
+    let redis = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), prefix.into());
+    let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let redis = Limiter::with_store(policy.clone(), redis).unwrap();
+    let memory = Limiter::with_store(policy.clone(), memory).unwrap();
+    let (mut admitted, mut out) = (start, Vec::new());
+    for (i, tick) in ticks.iter().enumerate() {
+        let (at, cost) = match *tick {
+            Tick::At(after, cost) => (start + after, cost),
+            Tick::Since(after, cost) => (admitted + after, cost),
+        };
+        // Before the last admission the stores differ by design: Redis keeps its guard there,
+        // memory has none.
+        assert!(at >= admitted, "the scenario steps back too far");
+        clock.set(at);
+        let m = memory.check(&Key::Global, cost).await.unwrap();
+        let r = redis.check(&Key::Global, cost).await.expect("redis answers");
+        assert_eq!(m, r, "{}: step {i} ({tick:?}): memory, then redis", policy.name());
+        if m.is_allowed() && cost > 0 {
+            admitted = at;
+        }
+        out.push(m);
+    }
+    out
+}
+
+/// A refused check (limited, or over the capacity) never moves a key's clock guard, even when
+/// it rewrites the key's state (pruning, or rebasing a sliding log's scores): after the clock
+/// steps back to the last admission, Redis decides as memory does, for every algorithm, with
+/// and without a calendar tier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_check_does_not_move_the_clock_guard() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let week = Duration::from_nanos(WEEK);
+    for algorithm in Algorithm::ALL {
+        for calendar in [false, true] {
+            let policy = |count: u64| {
+                let mut b =
+                    Policy::builder(format!("guard-{}-{count}-{calendar}", algorithm.name()))
+                        .algorithm(algorithm)
+                        .tier("week", Quota::new(count, week));
+                if calendar {
+                    b = b.calendar("month", Calendar::new(100, CalendarPeriod::Month));
+                }
+                b.build().unwrap()
+            };
+            let name = format!("{algorithm:?}, calendar {calendar}");
+            // One a week, spent; refused a nanosecond before the week is over (a sliding log
+            // decided in nanoseconds rebases its scores then); back at the start, a whole week
+            // (two for the sliding counter, which weighs the previous window in full at its
+            // end) to wait.
+            let p = policy(1);
+            let ticks =
+                [Tick::At(0, 1), Tick::At(WEEK - 1, 1), Tick::Since(0, 1), Tick::At(WEEK, 1)];
+            let d = both_stores(&server, &p, &format!("{}:", p.name()), &ticks).await;
+            assert!(!d[1].is_allowed() && !d[2].is_allowed(), "{name}");
+            let whole = if algorithm == Algorithm::SlidingCounter { 2 * WEEK } else { WEEK };
+            assert_eq!(d[2].retry_after(), Some(Duration::from_nanos(whole)), "{name}");
+            // Two a week, spent at 0 and half a week; two more a week on (the log refuses them,
+            // pruning the first; the others admit), then a cost above the capacity two weeks on (every
+            // window pruned); back at the last admission, what is left decides alike.
+            let p = policy(2);
+            let ticks = [
+                Tick::At(0, 1),
+                Tick::At(WEEK / 2, 1),
+                Tick::At(WEEK + 1, 2),
+                Tick::Since(0, 1),
+                Tick::At(2 * WEEK, 3),
+                Tick::Since(0, 2),
+                Tick::Since(0, 1),
+                Tick::Since(WEEK / 4, 1),
+                Tick::Since(WEEK + 1, 2),
+            ];
+            let d = both_stores(&server, &p, &format!("{}:", p.name()), &ticks).await;
+            assert_eq!(d[4].outcome(), tollgate::Outcome::CostExceedsCapacity, "{name}");
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Key material is data (SECURITY.md, "script or key injection").
 

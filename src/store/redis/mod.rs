@@ -58,7 +58,10 @@ use crate::quota::{Kind, Policy};
 ///   [`precision`](Policy::precision).
 /// - **Server time.** By default the scripts read the Redis server's `TIME`, so clock skew
 ///   between app servers cannot loosen a limit. [`RedisStoreBuilder::clock`] uses an injected
-///   [`Clock`] instead (deterministic tests).
+///   [`Clock`] instead (deterministic tests). Each key remembers the instant of its last
+///   charge: when the clock steps back (NTP, a failover to a replica whose clock is behind),
+///   window and log tiers decide at that instant rather than reopen a window. A refused check
+///   never moves it, so back at the last charge a key decides as in [`MemoryStore`].
 /// - **Keys.** `{prefix}{{policy}|{key}}:{fingerprint}`: a string holding every tier's state,
 ///   packed (plus one sorted set per tier for the sliding log, `...:z1`, `...:z2`). Everything
 ///   that identifies the limit is inside the hash tag, so one key's tiers share a Redis Cluster

@@ -15,7 +15,7 @@
 --         op 4, a refresh: lease id, then per concurrency tier its slots.
 -- KEYS    per record: the state key, the sliding-log sets of the rate tiers (log family
 --         only), the lease sets of the concurrency tiers (`{state}:c1`, ...).
--- State   `(seconds, units)` of the last write, per calendar tier its windows (number, then
+-- State   `(seconds, units)` of the last charge (see main.lua), per calendar tier its windows (number, then
 --         start, end, used), then the rate tiers' state as F packs it. Concurrency slots live
 --         in their sorted sets: one member per slot, `struct '<dd' (lease id, slot)`, scored
 --         by the lease's expiry (ms since the epoch); expired members are dropped first.
@@ -81,6 +81,7 @@ local function load(k, pol)
     raw = doubles(packed)
     -- Time never goes back for a key (see main.lua).
     if rel(c, raw[1], raw[2]) > 0 then st.c = { per = c.per, s = raw[1], u = raw[2] } end
+    st.guard = { raw[1], raw[2] }
   end
   local j = 2
   for w = 1, pol.ncal do
@@ -308,6 +309,7 @@ local function check(st, i)
       end
       head = { 0, 0, retry }
     else
+      st.charged = true
       local expiry = nil
       for t = 1, n do
         local tier, c = tiers[t], cost[t]
@@ -351,6 +353,7 @@ local function settle(st, i)
   local n, tiers = pol.n, pol.tiers
   local release = C[i + 4]
   local B = bounds(pol, i + 5 + 5 * n)
+  st.charged = true
   for t = 1, n do
     local j = i + 5 + (t - 1) * 5
     local old, new, id = C[j], C[j + 1], C[j + 4]
@@ -438,7 +441,9 @@ for _, st in ipairs(order) do
       call('DEL', st.name)
       if F.drop then F.drop(st.rs) end
     else
+      -- The guard moves with charges only (see main.lua).
       local v = { st.c.s, st.c.u }
+      if st.guard and not st.charged then v = { st.guard[1], st.guard[2] } end
       for w = 1, pol.ncal do
         local list = st.cal[w]
         v[#v + 1] = #list

@@ -26,13 +26,14 @@ while i <= #C do
     local raw = nil
     if packed then
       raw = doubles(packed)
-      -- [1], [2]: the instant of the last write. Time never goes back for a key: Redis's TIME
-      -- can step back (NTP, a failover to a replica whose clock is behind), and a window
-      -- would then be entered again as if empty. A key decides at the later of now and its
-      -- last write.
+      -- [1], [2]: the guard, the instant of the last charge (or settlement). Time never goes
+      -- back for a key: Redis's TIME can step back (NTP, a failover to a replica whose clock
+      -- is behind), and a window would then be entered again as if empty. A key decides at
+      -- the later of now and its guard.
       if CLOCK_GUARD and rel(c, raw[1], raw[2]) > 0 then
         st.c = { per = c.per, s = raw[1], u = raw[2] }
       end
+      st.guard = { raw[1], raw[2] }
       table.remove(raw, 1)
       table.remove(raw, 1)
     end
@@ -43,6 +44,7 @@ while i <= #C do
   local tiers = st.tiers
   if op == 2 then
     local old, new = C[i + 3], C[i + 4]
+    st.charged = true
     for t = 1, n do
       local j = i + 5 + (t - 1) * 3
       local at = rel(st.c, C[j], C[j + 1])
@@ -94,6 +96,7 @@ while i <= #C do
         head = { 0, 0, wait - budget }
       else
         -- Charged at the instant the request leaves (after a leaky bucket's queue).
+        st.charged = true
         for t = 1, n do per[t] = { -1, 0, F.charge(st, tiers[t], wait, cost) } end
         head = { 1, wait, -1 }
       end
@@ -121,8 +124,13 @@ for _, st in ipairs(order) do
       if F.drop then F.drop(st) end
     else
       local v = F.save(st)
-      table.insert(v, 1, st.c.u)
-      table.insert(v, 1, st.c.s)
+      -- The guard moves with charges only: a refused check (or a query) that rewrote the state
+      -- (pruned, a log rebased) keeps it, so a clock stepping back finds the key as the
+      -- in-memory store does, which keeps no trace of refused checks.
+      local guard = st.guard
+      if st.charged or not guard then guard = { st.c.s, st.c.u } end
+      table.insert(v, 1, guard[2])
+      table.insert(v, 1, guard[1])
       -- Milliseconds below 1e14: Lua writes them exactly.
       local ms = ttl_ms(st.unit, ttl, st.grace)
       call('SET', st.name, pack(v), 'PX', ms)
