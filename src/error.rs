@@ -1,11 +1,20 @@
 //! Error types.
 
+use std::fmt;
 use std::time::Duration;
 
 /// A policy or layer configuration that cannot work, refused when it is built.
 ///
-/// Every variant says which tier (or setting) is wrong and why.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// Every variant says which tier (or setting) is wrong and why. Its `Debug` form is its
+/// `Display` form, so an error returned from `main` prints the same line:
+///
+/// ```
+/// use tollgate::{Policy, Quota};
+///
+/// let err = Policy::single("api", Quota::per_second(0)).unwrap_err();
+/// assert_eq!(format!("{err:?}"), "tier `api`: count must be at least 1");
+/// ```
+#[derive(Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
     /// A quota's `count` is zero: nothing could ever be admitted.
@@ -138,6 +147,12 @@ pub enum ConfigError {
         /// Why.
         reason: String,
     },
+}
+
+impl fmt::Debug for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
 }
 
 /// A boxed error from a store's backend (the `redis` crate's `RedisError`, say).

@@ -48,9 +48,9 @@
 //! Tower only. `redis` adds `RedisStore`. `tonic` makes [`PeerIp`](key::PeerIp) and
 //! [`ClientIp`](key::ClientIp) read tonic's `TcpConnectInfo`; gRPC calls are refused in gRPC
 //! form with or without it ([`grpc`]). `metrics` (default) reports decisions through the
-//! `metrics` facade ([`metrics`](mod@metrics)). `client` adds the [client] side: a retry policy
+//! `metrics` facade (module `metrics`). `client` adds the client side (module `client`): a retry policy
 //! and a layer that paces requests by the servers' rate-limit headers. `config` reads policies
-//! and rules from a TOML file and reloads them while serving ([`config`](mod@config)).
+//! and rules from a TOML file and reloads them while serving (module `config`).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod algorithm;

@@ -13,7 +13,7 @@
 //!
 //! # Per-route limits in axum
 //!
-//! `route_layer` limits the routes above it only, after routing (so [`RouteKey`] sees the
+//! `route_layer` limits the routes above it only, after routing (so `key::RouteKey` sees the
 //! matched route and unknown paths get a plain 404 without spending quota). Layers that share a
 //! [`MemoryStore`] share its memory, and each policy keeps its own state in it.
 //!
@@ -236,9 +236,9 @@
 //!
 //! # Calling a rate-limited API
 //!
-//! With the `client` feature, [`PacingLayer`](crate::client::PacingLayer) holds each request
+//! With the `client` feature, `client::PacingLayer` holds each request
 //! until the server would accept it (it reads the `RateLimit` headers this crate writes, and
-//! `X-RateLimit-*`), and [`RetryPolicy`](crate::client::RetryPolicy) retries what is refused
+//! `X-RateLimit-*`), and `client::RetryPolicy` retries what is refused
 //! anyway, with backoff and jitter, never sooner than `Retry-After`. Retry outside, pacing
 //! inside, so that every attempt is paced:
 //!
@@ -307,7 +307,7 @@
 //!
 //! Dry run decides and reports without refusing anything; a hook sees every decision; with a
 //! `metrics` recorder installed (for example `metrics-exporter-prometheus`), decisions are
-//! counted per policy, tier and outcome (see [`metrics`](mod@crate::metrics)); keys in log events
+//! counted per policy, tier and outcome (see the `metrics` module); keys in log events
 //! are redacted unless you ask for them:
 //!
 //! ```
@@ -327,7 +327,6 @@
 //! # Ok(()) }
 //! ```
 //!
-//! [`RouteKey`]: crate::key::RouteKey
 //! [`MemoryStore`]: crate::store::MemoryStore
 //! [`PeerIp`]: crate::key::PeerIp
 //! [`ClientIp`]: crate::key::ClientIp

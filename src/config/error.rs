@@ -35,8 +35,10 @@ pub(super) type Span = Range<usize>;
 ///     err.to_string(),
 ///     "tollgate.toml:4:9: policies.api.tiers[0].count: tier `api`: count must be at least 1"
 /// );
+/// // The same line from `Debug`, as `main` prints an error it returns.
+/// assert_eq!(format!("{err:?}"), err.to_string());
 /// ```
-#[derive(Debug, thiserror::Error)]
+#[derive(thiserror::Error)]
 pub struct ConfigFileError {
     file: String,
     /// Line and column, 1-based.
@@ -161,6 +163,12 @@ pub(super) fn toml_key(key: &str) -> String {
     let bare =
         !key.is_empty() && key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
     if bare { key.to_owned() } else { format!("{key:?}") }
+}
+
+impl fmt::Debug for ConfigFileError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.render(f)
+    }
 }
 
 impl fmt::Display for ConfigFileError {

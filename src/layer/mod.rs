@@ -53,7 +53,7 @@ impl Default for MissingKey {
 }
 
 /// What to do when the store cannot decide. A store with a local fallback
-/// ([`RedisStore`](crate::store::RedisStore), by default) falls back before this applies. Either
+/// (`RedisStore`, by default) falls back before this applies. Either
 /// way the failure is logged once when it starts and once when it ends, and counted
 /// (`tollgate_store_failures_total`, feature `metrics`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

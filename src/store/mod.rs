@@ -1,6 +1,6 @@
 //! Stores: where the per-key state lives.
 //!
-//! [`MemoryStore`] is the default and keeps state in the process; [`RedisStore`] (cargo feature
+//! [`MemoryStore`] is the default and keeps state in the process; `RedisStore` (cargo feature
 //! `redis`) shares it across a fleet through Redis, Redis Cluster or Valkey. The [`Store`] trait
 //! is public so that other backends can be added.
 //!
@@ -235,7 +235,7 @@ impl<T> Verdict<T> {
 /// ```
 pub trait Store: Clone + Send + Sync + 'static {
     /// A policy bound to this store: validated, with whatever the store needs per request
-    /// prepared ([`MemoryPolicy`], [`RedisPolicy`]).
+    /// prepared ([`MemoryPolicy`], `RedisPolicy`).
     type Bound: Send + Sync + 'static;
 
     /// What an admitted request was charged, so that [`settle`](Self::settle) can give it back
