@@ -152,14 +152,24 @@ local function locate(st, B)
   return error('tollgate: the calendar windows sent do not cover the server clock (clock skew above 60 s?)')
 end
 
-local function cal_earliest(st, tier, B, from, cost)
-  local list = st.cal[tier.w]
-  local j = locate(st, B)
-  for x = j, j + LOOKAHEAD - 1 do
-    local s, e = brel(st.c, B[x]), brel(st.c, B[x + 1])
-    if e > from and cal_used(list, B[x]) + cost <= tier.count then return max(from, s) end
+-- The earliest instant >= from at which `cost` fits the window holding it, through the
+-- counted windows (ascending; only they can be full): `calendar::earliest`.
+local function cal_earliest(st, tier, from, cost)
+  for _, win in ipairs(st.cal[tier.w]) do
+    if brel(st.c, win[1]) <= from and from < brel(st.c, win[2]) and win[3] + cost > tier.count then
+      from = brel(st.c, win[2])
+    end
   end
-  return nil, brel(st.c, B[j + 1])
+  return from
+end
+
+-- When `at` lies after the lookahead (the LOOKAHEAD windows from the one holding the key's
+-- now), the end of the window holding now; else nil (`calendar::beyond`).
+local function cal_beyond(st, B, at)
+  local j = locate(st, B)
+  local current = brel(st.c, B[j + 1])
+  if at >= current and at >= brel(st.c, B[j + LOOKAHEAD]) then return current end
+  return nil
 end
 
 local function cal_charge(st, tier, B, at, cost)
@@ -247,8 +257,16 @@ local function check(st, i)
   local earliest = function(t, from)
     local tier = tiers[t]
     if tier.kind == 0 then return F.earliest(st.rs, rt(st, tier), from, cost[t]) end
-    if tier.kind == 2 then return cal_earliest(st, tier, B[tier.w], from, cost[t]) end
+    if tier.kind == 2 then return cal_earliest(st, tier, from, cost[t]) end
     return from
+  end
+  -- When shaping, a leaky bucket holds the request until the water ahead of it has drained
+  -- (`TierState::departure`).
+  local shaping = budget_arg >= 0
+  local depart = function(t, from)
+    local e = earliest(t, from)
+    if shaping and tiers[t].kind == 0 then e = e + F.queue_wait(st.rs, rt(st, tiers[t]), e) end
+    return e
   end
   if zero then
     for t = 1, n do per[t] = { -1, 0, 0 } end
@@ -261,26 +279,20 @@ local function check(st, i)
     end
     head = { 2, 0, -1 }
   else
-    local at, beyond = 0, nil
-    for _ = 1, 64 do
+    -- The instant the request leaves: the earliest at which every rate and calendar tier
+    -- admits it together, where each is charged (`converge` and `rounds` in
+    -- src/algorithm/mod.rs).
+    local rounds = 2
+    if F.entries then rounds = rounds + 2 * F.entries(st.rs) end
+    for w = 1, pol.ncal do rounds = rounds + 2 * #st.cal[w] end
+    local at, settled = 0, false
+    for _ = 1, rounds do
       local nxt = at
       for t = 1, n do
-        if cost[t] > 0 then
-          local e, next = earliest(t, at)
-          if not e then beyond = next; break end
-          nxt = max(nxt, e)
-        end
+        if cost[t] > 0 then nxt = max(nxt, depart(t, at)) end
       end
-      if beyond or nxt == at then break end
+      if nxt == at then settled = true; break end
       at = nxt
-    end
-    local queue = 0
-    if budget_arg >= 0 and not beyond then
-      for t = 1, n do
-        if cost[t] > 0 and tiers[t].kind == 0 then
-          queue = max(queue, F.queue_wait(st.rs, rt(st, tiers[t]), at))
-        end
-      end
     end
     local full, any_full = {}, false
     for t = 1, n do
@@ -290,19 +302,31 @@ local function check(st, i)
         if h + cost[t] > tier.max then full[t] = true; any_full = true end
       end
     end
-    local wait = at + queue
     local budget = max(budget_arg, 0)
-    if beyond or wait > budget or any_full then
-      local retry = -1
-      if beyond then retry = max(beyond, 1) elseif wait > budget then retry = wait - budget end
+    -- Past the budget, the earliest retry is when the departure is within it.
+    local retry = -1
+    if not settled then
+      at, retry = 0, 1
+    elseif at > budget then
+      retry = at - budget
+    end
+    -- A departure after a calendar tier's lookahead is refused too: not before the lookahead
+    -- moves on, when the current window ends.
+    for t = 1, n do
+      local tier = tiers[t]
+      if tier.kind == 2 and cost[t] > 0 then
+        local current = cal_beyond(st, B[tier.w], at)
+        if current then retry = max(retry, current) end
+      end
+    end
+    if retry ~= -1 or any_full then
       for t = 1, n do
         if full[t] then
           per[t] = { -1, 1, 0 }
         elseif cost[t] == 0 or tiers[t].kind == 1 then
           per[t] = { -1, 0, 0 }
         else
-          local e, next = earliest(t, 0)
-          local own = e or next
+          local own = earliest(t, 0)
           if own > 0 then per[t] = { own, 1, 0 } else per[t] = { -1, 0, 0 } end
         end
       end
@@ -314,9 +338,9 @@ local function check(st, i)
         local entry = 0
         if c > 0 then
           if tier.kind == 0 then
-            entry = F.charge(st.rs, rt(st, tier), wait, c)
+            entry = F.charge(st.rs, rt(st, tier), at, c)
           elseif tier.kind == 2 then
-            cal_charge(st, tier, B[tier.w], wait, c)
+            cal_charge(st, tier, B[tier.w], at, c)
           else
             local z = held(st, tier)
             expiry = now_ms(st) + tier.lease
@@ -326,7 +350,7 @@ local function check(st, i)
         end
         per[t] = { -1, 0, entry }
       end
-      head = { 1, wait, -1 }
+      head = { 1, at, -1 }
     end
   end
   out(head[1]); out(head[2]); out(head[3])
