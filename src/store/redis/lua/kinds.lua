@@ -11,7 +11,8 @@
 --           start and the last one's end), from before `now` to the lookahead after it;
 --         op 2, a settlement: release (1 gives the slots back), then per tier the old and new
 --           cost, the charge's instant (seconds, units) and entry id (the lease id for a
---           concurrency tier), then the calendar bounds as for a check;
+--           concurrency tier), then the calendar bounds as for a check, then per calendar
+--           tier the start and end (seconds) of the window holding its charge's instant;
 --         op 4, a refresh: lease id, then per concurrency tier its slots.
 -- KEYS    per record: the state key, the sliding-log sets of the rate tiers (log family
 --         only), the lease sets of the concurrency tiers (`{state}:c1`, ...).
@@ -172,26 +173,32 @@ local function cal_beyond(st, B, at)
   return nil
 end
 
-local function cal_charge(st, tier, B, at, cost)
+-- Charges `cost` to the window holding `at`: one of the bounds `B`, or else `W`, the window a
+-- settlement names (its charge's).
+local function cal_charge(st, tier, B, at, cost, W)
   local list = st.cal[tier.w]
+  local s, e = nil, nil
   for x = 1, #B - 1 do
     if brel(st.c, B[x]) <= at and at < brel(st.c, B[x + 1]) then
-      for _, win in ipairs(list) do
-        if win[1] == B[x] then
-          win[3] = win[3] + cost
-          st.dirty = true
-          return
-        end
-      end
-      local p = #list + 1
-      for y, win in ipairs(list) do
-        if win[1] > B[x] then p = y; break end
-      end
-      table.insert(list, p, { B[x], B[x + 1], cost })
+      s, e = B[x], B[x + 1]
+      break
+    end
+  end
+  if not s and W and brel(st.c, W[1]) <= at and at < brel(st.c, W[2]) then s, e = W[1], W[2] end
+  if not s then return end
+  for _, win in ipairs(list) do
+    if win[1] == s then
+      win[3] = win[3] + cost
       st.dirty = true
       return
     end
   end
+  local p = #list + 1
+  for y, win in ipairs(list) do
+    if win[1] > s then p = y; break end
+  end
+  table.insert(list, p, { s, e, cost })
+  st.dirty = true
 end
 
 local function cal_refund(st, tier, at, cost)
@@ -217,7 +224,8 @@ local function cal_status(st, tier)
   return max(0, tier.count - current), reset
 end
 
--- The calendar bounds of a record, from position `p`: one list per calendar tier.
+-- The calendar bounds of a record, from position `p`: one list per calendar tier; and the
+-- position after them.
 local function bounds(pol, p)
   local out = {}
   for w = 1, pol.ncal do
@@ -227,7 +235,7 @@ local function bounds(pol, p)
     out[w] = B
     p = p + 1 + nb
   end
-  return out
+  return out, p
 end
 
 local function capacity(tier)
@@ -374,7 +382,7 @@ local function settle(st, i)
   local pol = st.pol
   local n, tiers = pol.n, pol.tiers
   local release = C[i + 4]
-  local B = bounds(pol, i + 5 + 5 * n)
+  local B, p = bounds(pol, i + 5 + 5 * n)
   for t = 1, n do
     local j = i + 5 + (t - 1) * 5
     local old, new, id = C[j], C[j + 1], C[j + 4]
@@ -390,7 +398,8 @@ local function settle(st, i)
       if new < old then
         cal_refund(st, tier, at, old - new)
       elseif new > old then
-        cal_charge(st, tier, B[tier.w], max(at, 0), new - old)
+        local W = { C[p + 2 * (tier.w - 1)], C[p + 2 * (tier.w - 1) + 1] }
+        cal_charge(st, tier, B[tier.w], max(at, 0), new - old, W)
       end
     elseif release == 1 and old > 0 then
       local z = st.z[tier.q]
