@@ -1167,8 +1167,9 @@ async fn shaping_never_fills_a_calendar_minute_past_its_limit_on_redis() {
         assert_eq!(m.decision(), r.decision());
         let d = r.decision();
         if d.is_allowed() {
-            *per_minute.entry((start / 1_000_000_000 + d.delay().as_secs()) / 60 % 60).or_default() +=
-                1;
+            *per_minute
+                .entry((start / 1_000_000_000 + d.delay().as_secs()) / 60 % 60)
+                .or_default() += 1;
         } else {
             refused.push(d.retry_after());
         }
@@ -1203,8 +1204,9 @@ fn shaping_trace(algorithm: Algorithm) -> impl Strategy<Value = Trace> {
         let burst = if window { c } else { 1 + extra % (2 * c + 2) };
         (c, p, burst)
     });
-    let calendar = (1u64..=6, prop_oneof![4 => Just(0usize), 2 => Just(1), 1 => Just(2)], 0usize..3)
-        .prop_map(|(c, p, z)| Extra::Calendar(c, p, z));
+    let calendar =
+        (1u64..=6, prop_oneof![4 => Just(0usize), 2 => Just(1), 1 => Just(2)], 0usize..3)
+            .prop_map(|(c, p, z)| Extra::Calendar(c, p, z));
     let extra = prop_oneof![
         6 => calendar.clone(),
         1 => (1u64..=4).prop_map(Extra::Slots),
@@ -1242,7 +1244,13 @@ fn shaping_trace(algorithm: Algorithm) -> impl Strategy<Value = Trace> {
         start,
         proptest::collection::vec(step, 20..=80),
     )
-        .prop_map(move |(tiers, extra, start, steps)| Trace { algorithm, tiers, extra, start, steps })
+        .prop_map(move |(tiers, extra, start, steps)| Trace {
+            algorithm,
+            tiers,
+            extra,
+            start,
+            steps,
+        })
 }
 
 #[test]
@@ -1264,7 +1272,8 @@ fn shaping_with_long_and_calendar_tiers_decides_exactly_like_memory_for_every_al
             clock.set(trace.start);
             let prefix = format!("shape{a}-{n}:");
             let store = fake_clock_store(RedisStore::builder(&url), clock.clone(), prefix);
-            rt.block_on(replay(store, clock, &trace)).map_err(|e| TestCaseError::fail(format!("{e}\n{trace:?}")))
+            rt.block_on(replay(store, clock, &trace))
+                .map_err(|e| TestCaseError::fail(format!("{e}\n{trace:?}")))
         });
         if let Err(e) = result {
             panic!("{algorithm:?}: {e}");

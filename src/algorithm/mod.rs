@@ -330,8 +330,11 @@ fn decide_in_units(
         }
     };
     let wait = t - now;
-    let charges: Charges =
-        states.iter_mut().zip(tiers).map(|(s, tier)| s.charge(alg, tier.rate, now, t, cost)).collect();
+    let charges: Charges = states
+        .iter_mut()
+        .zip(tiers)
+        .map(|(s, tier)| s.charge(alg, tier.rate, now, t, cost))
+        .collect();
     let decision = report(policy, states, now, Outcome::Allowed, wait, None, |_| (false, None));
     (decision, Some(charges))
 }
@@ -367,7 +370,14 @@ pub(crate) fn decide_kinds(
 
 /// One tier's earliest instant >= `from` (units) at which `cost` may leave (see
 /// [`TierState::departure`]; a concurrency tier does not wait).
-fn departure_kind(policy: &Policy, tier: &Tier, state: &TierState, from: u64, cost: u64, shaping: bool) -> u64 {
+fn departure_kind(
+    policy: &Policy,
+    tier: &Tier,
+    state: &TierState,
+    from: u64,
+    cost: u64,
+    shaping: bool,
+) -> u64 {
     match (&tier.kind, state) {
         (Kind::Calendar(_), TierState::Calendar(c)) => {
             calendar::earliest(c, tier.capacity(), policy.unit(), from, cost)
