@@ -1263,7 +1263,7 @@ fn shaping_with_long_and_calendar_tiers_decides_exactly_like_memory_for_every_al
     for (a, algorithm) in Algorithm::ALL.into_iter().enumerate() {
         let seed = [u8::try_from(a).unwrap() + 1; 32];
         let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &seed);
-        let config = Config { cases: 48, failure_persistence: None, ..Config::default() };
+        let config = Config { cases: 64, failure_persistence: None, ..Config::default() };
         let mut runner = TestRunner::new_with_rng(config, rng);
         let case = std::sync::atomic::AtomicU64::new(0);
         let result = runner.run(&shaping_trace(algorithm), |trace| {
