@@ -402,10 +402,14 @@ impl CalendarPeriod {
 /// clocks count). A refused request's `Retry-After`, and the tier's `reset_after`, point to the
 /// start of the next window.
 ///
-/// When shaping, a request may be reserved units in the current window or one of the next
-/// seven (8 windows in all: eight minutes for a per-minute tier). A request that fits none of
-/// them is refused whatever the budget, with `retry_after` the end of the current window (when
-/// the eight windows move on).
+/// When shaping, a request leaves at the earliest instant at which every tier of its policy
+/// has room for it, and is charged to the window holding that instant (a full window has room
+/// again only when the next one starts), so that no window ever counts more than `count`. That
+/// window may be the current one or one of the next seven (8 windows in all: eight minutes for
+/// a per-minute tier), the windows the Redis store is told of. A request that would leave
+/// later is refused whatever the budget, with `retry_after` the end of the current window (when
+/// the eight windows move on) or, if later, the wait until its departure is within the budget:
+/// not an earlier retry succeeds, and a retry then may find the departure still too far.
 ///
 /// ```
 /// use tollgate::{Calendar, Policy};

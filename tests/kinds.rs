@@ -360,6 +360,84 @@ async fn shaping_reserves_in_the_next_window_but_no_further_than_eight_windows()
     assert_eq!(r.decision().retry_after(), Some(Duration::from_secs(15)));
 }
 
+/// A leaky bucket of 1 a second (burst 20) under a calendar tier of 3 a minute.
+fn leaky_three_a_minute() -> Policy {
+    Policy::builder("paced")
+        .algorithm(Algorithm::LeakyBucket)
+        .tier("rate", Quota::per_second(1).with_burst(20))
+        .calendar("minute", Calendar::per_minute(3))
+        .build()
+        .unwrap()
+}
+
+/// What a shaped request got: `Ok(delay)` or `Err(retry after)`, in whole seconds.
+fn shaped(d: &Decision) -> Result<u64, Option<u64>> {
+    if d.is_allowed() { Ok(d.delay().as_secs()) } else { Err(secs(d.retry_after())) }
+}
+
+/// Ten requests at second :58, shaped within 120 s: the bucket lets one leave a second, and a
+/// minute takes three. Each is charged in the minute it leaves in, which had room for it: two
+/// leave in that minute, three in each of the next two, and the last two would leave in the
+/// fourth minute, past the budget; a retry succeeds exactly when that departure is within it.
+#[tokio::test]
+async fn shaping_never_fills_a_calendar_minute_past_its_limit() {
+    let clock = FakeClock::new();
+    let start = at("2025-06-02T10:00:58Z");
+    clock.set(start);
+    let limiter = limiter_on(leaky_three_a_minute(), clock.clone());
+    let budget = Duration::from_secs(120);
+    let mut got = Vec::new();
+    let mut per_minute = std::collections::BTreeMap::<u64, u64>::new();
+    for _ in 0..10 {
+        let r = limiter.reserve_within(&Key::Global, 1, budget).await.unwrap();
+        if let Ok(delay) = shaped(r.decision()) {
+            *per_minute.entry((start / 1_000_000_000 + delay) / 60 % 60).or_default() += 1;
+        }
+        got.push(shaped(r.decision()));
+        r.commit();
+    }
+    let refused = Err(Some(2));
+    assert_eq!(got, [Ok(0), Ok(1), Ok(2), Ok(3), Ok(4), Ok(62), Ok(63), Ok(64), refused, refused]);
+    assert_eq!(per_minute.into_iter().collect::<Vec<_>>(), [(0, 2), (1, 3), (2, 3)]);
+    clock.advance(Duration::from_secs(1));
+    let r = limiter.reserve_within(&Key::Global, 1, budget).await.unwrap();
+    assert_eq!(shaped(r.decision()), Err(Some(1)));
+    clock.advance(Duration::from_secs(1));
+    // 10:01:00, leaving at 10:03:00.
+    let r = limiter.reserve_within(&Key::Global, 1, budget).await.unwrap();
+    assert_eq!(shaped(r.decision()), Ok(120));
+}
+
+/// A departure a rate tier puts past a calendar tier's eight windows is refused (the Redis
+/// store holds the bounds of no later window), whatever the budget: not before the current
+/// window ends, when the windows move on; never admitted uncharged.
+#[tokio::test]
+async fn a_departure_past_the_calendar_lookahead_is_refused() {
+    let clock = FakeClock::new();
+    clock.set(at("2025-06-02T10:00:30Z"));
+    let policy = Policy::builder("slow")
+        .tier("rate", Quota::new(1, Duration::from_secs(600)))
+        .calendar("minute", Calendar::per_minute(5))
+        .build()
+        .unwrap();
+    let limiter = limiter_on(policy, clock.clone());
+    let hour = Duration::from_secs(3600);
+    let r = limiter.reserve_within(&Key::Global, 1, hour).await.unwrap();
+    assert_eq!(shaped(r.decision()), Ok(0));
+    r.commit();
+    // The next may leave ten minutes on, in the eleventh window.
+    let d = limiter.reserve_within(&Key::Global, 1, hour).await.unwrap();
+    assert_eq!(shaped(d.decision()), Err(Some(30)));
+    assert_eq!(limiter.check(&Key::Global, 0).await.unwrap().tiers()[1].remaining(), 4);
+    // At 10:03:00 the eleventh window is the eighth.
+    clock.set(at("2025-06-02T10:02:59Z"));
+    let d = limiter.reserve_within(&Key::Global, 1, hour).await.unwrap();
+    assert_eq!(shaped(d.decision()), Err(Some(1)));
+    clock.set(at("2025-06-02T10:03:00Z"));
+    let d = limiter.reserve_within(&Key::Global, 1, hour).await.unwrap();
+    assert_eq!(shaped(d.decision()), Ok(450));
+}
+
 // ---------------------------------------------------------------------------------------------
 // All or nothing, over random policies mixing every kind.
 

@@ -15,10 +15,12 @@ use http::{Request, Response, StatusCode};
 use http_body::{Body, Frame};
 use http_body_util::{BodyExt, Full};
 use tollgate::RequestBody;
-use tollgate::clock::TokioClock;
+use tollgate::clock::{Clock, TokioClock};
 use tollgate::key::{GlobalKey, Key};
 use tollgate::store::{MemoryStore, Store};
-use tollgate::{Concurrency, Limiter, Policy, Quota, RateLimitLayer, Unit, Usage};
+use tollgate::{
+    Algorithm, Calendar, Concurrency, Limiter, Policy, Quota, RateLimitLayer, Unit, Usage,
+};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 /// A response body of `len` bytes that counts itself in flight until it is dropped.
@@ -114,6 +116,56 @@ async fn a_thousand_shaped_requests_never_exceed_four_in_flight_until_their_bodi
     // 250 rounds of four, each 150 ms: no slot idles while a request waits for one.
     assert_eq!(start.elapsed(), Duration::from_millis(250 * 150));
     assert_eq!(free_slots(layer.limiter(), 0).await, 4);
+}
+
+/// Ten requests at second :58 through a layer shaping within 120 s, under a leaky bucket of
+/// 1 a second (burst 20) and 3 a minute: the handler runs twice in that minute and three
+/// times in each of the next two; the last two are refused, to retry in 2 s.
+#[tokio::test(start_paused = true)]
+async fn shaped_requests_fill_no_calendar_minute_past_its_limit() {
+    const MINUTE: u64 = 60_000_000_000;
+    let policy = Policy::builder("paced")
+        .algorithm(Algorithm::LeakyBucket)
+        .tier("rate", Quota::per_second(1).with_burst(20))
+        .calendar("minute", Calendar::per_minute(3))
+        .build()
+        .unwrap();
+    let clock = TokioClock::new();
+    let store = MemoryStore::builder().clock(clock).build().unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .store(store)
+        .key(GlobalKey)
+        .shape(Duration::from_secs(120))
+        .build()
+        .unwrap();
+    let ran = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = Arc::clone(&ran);
+    let svc = layer.layer(service_fn(move |_req: Request<()>| {
+        log.lock().unwrap().push(clock.now());
+        async { Ok::<_, Infallible>(Response::new(Full::new(Bytes::new()))) }
+    }));
+    // To second :58 of the clock's minute (tokio's timer may add a millisecond).
+    let to_58 = (58_000_000_000 + MINUTE - clock.now() % MINUTE) % MINUTE;
+    tokio::time::sleep(Duration::from_nanos(to_58)).await;
+    let first = clock.now() / MINUTE;
+    assert_eq!(clock.now() % MINUTE / 1_000_000_000, 58);
+    let tasks: Vec<_> =
+        (0..10).map(|_| tokio::spawn(svc.clone().oneshot(Request::new(())))).collect();
+    let mut refused = Vec::new();
+    for task in tasks {
+        let res = task.await.unwrap().unwrap();
+        if res.status() == StatusCode::TOO_MANY_REQUESTS {
+            refused.push(res.headers()["retry-after"].to_str().unwrap().to_owned());
+        } else {
+            assert_eq!(res.status(), StatusCode::OK);
+        }
+    }
+    assert_eq!(refused, ["2", "2"]);
+    let mut per_minute = std::collections::BTreeMap::<u64, u64>::new();
+    for t in ran.lock().unwrap().iter() {
+        *per_minute.entry(t / MINUTE - first).or_default() += 1;
+    }
+    assert_eq!(per_minute.into_iter().collect::<Vec<_>>(), [(0, 2), (1, 3), (2, 3)]);
 }
 
 #[tokio::test(start_paused = true)]

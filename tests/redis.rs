@@ -1235,3 +1235,149 @@ async fn calendar_windows_across_daylight_saving_and_month_ends_decide_like_memo
         "refused until the next window: Sunday in Berlin, April in New York"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Shaping with calendar tiers: a request is charged in the window it leaves in, on Redis as in
+// memory, and a departure Redis could not charge is refused by both.
+
+/// Ten requests at second :58 through a leaky bucket of 1 a second (burst 20) and 3 a minute,
+/// shaped within 120 s: on Redis as in memory, two leave in that minute and three in each of
+/// the next two; the last two are refused for the 2 s until their departure is in the budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shaping_never_fills_a_calendar_minute_past_its_limit_on_redis() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let policy = Policy::builder("paced")
+        .algorithm(Algorithm::LeakyBucket)
+        .tier("rate", Quota::per_second(1).with_burst(20))
+        .calendar("minute", Calendar::per_minute(3))
+        .build()
+        .unwrap();
+    let clock = FakeClock::new();
+    let start = instant("2025-06-02T10:00:58Z");
+    clock.set(start);
+    let redis = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "paced:".into());
+    let redis = Limiter::with_store(policy.clone(), redis).unwrap();
+    let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let memory = Limiter::with_store(policy, memory).unwrap();
+    let budget = Duration::from_secs(120);
+    let mut per_minute = std::collections::BTreeMap::<u64, u64>::new();
+    let mut refused = Vec::new();
+    for _ in 0..10 {
+        let m = memory.reserve_within(&Key::Global, 1, budget).await.unwrap();
+        let r = redis.reserve_within(&Key::Global, 1, budget).await.unwrap();
+        assert_eq!(m.decision(), r.decision());
+        let d = r.decision();
+        if d.is_allowed() {
+            *per_minute
+                .entry((start / 1_000_000_000 + d.delay().as_secs()) / 60 % 60)
+                .or_default() += 1;
+        } else {
+            refused.push(d.retry_after());
+        }
+        m.commit();
+        r.commit();
+    }
+    assert_eq!(per_minute.into_iter().collect::<Vec<_>>(), [(0, 2), (1, 3), (2, 3)]);
+    assert_eq!(refused, [Some(Duration::from_secs(2)); 2]);
+    clock.advance(Duration::from_secs(2));
+    let m = memory.reserve_within(&Key::Global, 1, budget).await.unwrap();
+    let r = redis.reserve_within(&Key::Global, 1, budget).await.unwrap();
+    assert_eq!(m.decision(), r.decision());
+    assert_eq!(r.decision().delay(), Duration::from_secs(120));
+}
+
+/// Shaped traces over every algorithm, with long rate tiers (seconds to hours) and calendar
+/// tiers (minutes, hours, days; UTC, Berlin, New York), budgets up to three hours so that
+/// departures reach later windows and past the calendar lookahead; from a fixed seed.
+fn shaping_trace(algorithm: Algorithm) -> impl Strategy<Value = Trace> {
+    let window = matches!(
+        algorithm,
+        Algorithm::FixedWindow | Algorithm::SlidingLog | Algorithm::SlidingCounter
+    );
+    let max_count: u64 = if algorithm == Algorithm::SlidingLog { 8 } else { 12 };
+    let sec = 1_000_000_000u64;
+    let period = prop_oneof![
+        3 => (1u64..=120).prop_map(move |s| s * sec),
+        2 => (1u64..=7_200).prop_map(move |s| s * sec),
+        1 => (1u64..=5_000).prop_map(|ms| ms * 1_000_000),
+    ];
+    let tier = (1u64..=max_count, period, 0u64..=24).prop_map(move |(c, p, extra)| {
+        let burst = if window { c } else { 1 + extra % (2 * c + 2) };
+        (c, p, burst)
+    });
+    let calendar =
+        (1u64..=6, prop_oneof![4 => Just(0usize), 2 => Just(1), 1 => Just(2)], 0usize..3)
+            .prop_map(|(c, p, z)| Extra::Calendar(c, p, z));
+    let extra = prop_oneof![
+        6 => calendar.clone(),
+        1 => (1u64..=4).prop_map(Extra::Slots),
+    ];
+    let advance = prop_oneof![
+        3 => 0u64..=2 * sec,
+        3 => 0u64..=90 * sec,
+        1 => 0u64..=2 * 3_600 * sec,
+    ];
+    let budget = prop_oneof![
+        1 => Just(None),
+        2 => (0u64..=180 * sec).prop_map(Some),
+        2 => (0u64..=3 * 3_600 * sec).prop_map(Some),
+    ];
+    let cost = || prop_oneof![8 => Just(1u64), 2 => 0u64..=3];
+    let step = prop_oneof![
+        2 => advance.prop_map(Step::Advance),
+        8 => (0u8..2, cost(), proptest::collection::vec(cost(), 5), budget)
+            .prop_map(|(key, cost, costs, shape)| Step::Check { key, cost, costs, shape }),
+        1 => (0usize..64, 0u64..=3).prop_map(|(which, cost)| Step::Settle { which, cost }),
+        1 => (0usize..64).prop_map(|which| Step::Release { which }),
+    ];
+    // Two seconds before a minute ends, or near daylight-saving changes in Berlin and New York.
+    let start = prop_oneof![
+        2 => (0u64..=1_000_000).prop_map(move |m| (m * 60 + 58) * sec),
+        1 => (0u64..=7_200 * sec).prop_map(|d| instant("2025-03-30T00:00:00Z") + d),
+        1 => (0u64..=7_200 * sec).prop_map(|d| instant("2025-11-02T05:00:00Z") + d),
+    ];
+    (
+        proptest::collection::vec(tier, 1..=2),
+        prop_oneof![
+            3 => proptest::collection::vec(calendar, 1..=2),
+            1 => proptest::collection::vec(extra, 1..=2),
+        ],
+        start,
+        proptest::collection::vec(step, 20..=80),
+    )
+        .prop_map(move |(tiers, extra, start, steps)| Trace {
+            algorithm,
+            tiers,
+            extra,
+            start,
+            steps,
+        })
+}
+
+#[test]
+fn shaping_with_long_and_calendar_tiers_decides_exactly_like_memory_for_every_algorithm() {
+    use proptest::test_runner::{RngAlgorithm, TestRng};
+
+    let Some(server) = Server::start("redis-server") else { return };
+    let url = server.url();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    for (a, algorithm) in Algorithm::ALL.into_iter().enumerate() {
+        let seed = [u8::try_from(a).unwrap() + 1; 32];
+        let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &seed);
+        let config = Config { cases: 64, failure_persistence: None, ..Config::default() };
+        let mut runner = TestRunner::new_with_rng(config, rng);
+        let case = std::sync::atomic::AtomicU64::new(0);
+        let result = runner.run(&shaping_trace(algorithm), |trace| {
+            let n = case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let clock = FakeClock::new();
+            clock.set(trace.start);
+            let prefix = format!("shape{a}-{n}:");
+            let store = fake_clock_store(RedisStore::builder(&url), clock.clone(), prefix);
+            rt.block_on(replay(store, clock, &trace))
+                .map_err(|e| TestCaseError::fail(format!("{e}\n{trace:?}")))
+        });
+        if let Err(e) = result {
+            panic!("{algorithm:?}: {e}");
+        }
+    }
+}

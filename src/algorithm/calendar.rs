@@ -7,8 +7,8 @@
 //! scripts, which have no time zone data, keep the same list).
 //!
 //! When shaping, a request may be reserved units in the window `now` falls in or one of the
-//! next [`LOOKAHEAD`] - 1 windows; beyond them the tier does not look (Redis receives these
-//! windows' bounds with each check).
+//! next [`LOOKAHEAD`] - 1 windows: Redis receives these windows' bounds with each check, and
+//! a request that would leave after them is refused by both stores alike.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -164,39 +164,42 @@ fn window_of(spec: &CalendarSpec, unit: u64, t: u64) -> Window {
     window_at(spec, t.saturating_mul(unit))
 }
 
-fn used(counted: &Counted, start: i64) -> u64 {
-    counted.iter().find(|w| w.0 == start).map_or(0, |w| w.2)
-}
-
 /// Forgets the windows that ended by `now` (units).
 pub(crate) fn prune(counted: &mut Counted, unit: u64, now: u64) {
     counted.retain(|w| to_units(w.1, unit) > now);
 }
 
-/// The earliest instant >= `from` (units; `from >= now`) at which `cost` units fit a window
-/// among the [`LOOKAHEAD`] windows from the one holding `now`; when none has room,
-/// `Err(the end of the window holding now)`, when the lookahead moves on.
-pub(crate) fn earliest(
-    counted: &Counted,
-    spec: &CalendarSpec,
-    unit: u64,
-    now: u64,
-    from: u64,
-    cost: u64,
-) -> Result<u64, u64> {
-    let count = spec.calendar.count();
-    let mut w = window_of(spec, unit, now);
-    let current_end = to_units(w.1, unit);
-    for i in 0..LOOKAHEAD {
+/// The earliest instant >= `from` (units) at which `cost` more units fit the window holding
+/// it: `from` itself unless a counted window holding it is full, then the end of that window
+/// (where the next one starts, and its count with it), and so on through the counted windows.
+///
+/// Only counted windows can be full, and they carry their own bounds, so this needs neither
+/// the time zone nor a lookahead: the Redis scripts decide it from the same list.
+pub(crate) fn earliest(counted: &Counted, count: u64, unit: u64, from: u64, cost: u64) -> u64 {
+    let mut t = from;
+    // Ascending and disjoint: one pass moves `t` through consecutive full windows.
+    for w in counted {
         let (start, end) = (to_units(w.0, unit), to_units(w.1, unit));
-        if end > from && used(counted, w.0).saturating_add(cost) <= count {
-            return Ok(from.max(start));
-        }
-        if i + 1 < LOOKAHEAD {
-            w = next(spec, w);
+        if start <= t && t < end && w.2.saturating_add(cost) > count {
+            t = end;
         }
     }
-    Err(current_end)
+    t
+}
+
+/// Whether instant `at` (units) lies after the lookahead from `now`: a request may be charged
+/// in the window holding `now` or one of the next [`LOOKAHEAD`] - 1 windows. If so, the end of
+/// the window holding `now`, when the lookahead moves on.
+pub(crate) fn beyond(spec: &CalendarSpec, unit: u64, now: u64, at: u64) -> Option<u64> {
+    let mut w = window_of(spec, unit, now);
+    let current = to_units(w.1, unit);
+    if at < current {
+        return None;
+    }
+    for _ in 1..LOOKAHEAD {
+        w = next(spec, w);
+    }
+    (at >= to_units(w.1, unit)).then_some(current)
 }
 
 /// Charges `cost` to the window holding `at` (units).

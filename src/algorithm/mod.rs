@@ -182,6 +182,56 @@ impl TierState {
             _ => 0,
         }
     }
+
+    /// Earliest instant >= `from` at which `cost` may leave: [`earliest`](Self::earliest),
+    /// and when `shaping` a leaky bucket holds the request until the water ahead of it has
+    /// drained, so that output is smooth at the leak rate.
+    fn departure(&self, alg: Algorithm, r: Rate, from: u64, cost: u64, shaping: bool) -> u64 {
+        let e = self.earliest(alg, r, from, cost);
+        if shaping { e.saturating_add(self.queue_wait(alg, r, e)) } else { e }
+    }
+
+    /// The windows this state counts in (window algorithms and calendar tiers; 0 for the
+    /// others): what bounds the rounds of [`converge`].
+    fn entries(&self) -> usize {
+        match self {
+            Self::Windows(w) => w.len(),
+            Self::Calendar(c) => c.len(),
+            _ => 0,
+        }
+    }
+}
+
+/// The least instant >= `from` at which every tier conforms: each round asks every tier for
+/// its earliest instant from the candidate (`next` returns the latest of them) until no tier
+/// moves it. `None` when `rounds` rounds do not settle it, which [`rounds`] rules out.
+///
+/// Each tier's answer is its least conforming instant >= the candidate, so the candidate never
+/// passes an instant at which all tiers conform: what settles is the least such instant.
+fn converge(from: u64, rounds: usize, mut next: impl FnMut(u64) -> u64) -> Option<u64> {
+    let mut t = from;
+    for _ in 0..rounds {
+        let n = next(t);
+        if n == t {
+            return Some(t);
+        }
+        t = n;
+    }
+    None
+}
+
+/// Rounds enough for [`converge`] over `states`: `2 + 2 E`, `E` the windows they count in.
+///
+/// GCRA, the buckets (a leaky bucket's departure too) and the sliding log conform from some
+/// instant on for good (their level only improves with time, and reservations are already in
+/// it), so each answers `max(t, c)` for a constant `c` and none moves the candidate after the
+/// first round. A fixed window or calendar tier moves it only out of a window it counts in
+/// and that is full, to that window's end, never to come back; a sliding counter only within
+/// or out of a window that it or its predecessor counts in, conforming for the rest of that
+/// window after. So at most `1 + 2 E` rounds move the candidate, and one more sees it settle.
+fn rounds(states: &[TierState]) -> usize {
+    let windows: usize = states.iter().map(TierState::entries).sum();
+    windows.saturating_mul(2).saturating_add(2)
 }
 
 /// The mode of one check.
@@ -253,53 +303,37 @@ fn decide_in_units(
         return (decision, None);
     }
 
-    // The earliest instant every tier admits the request together: each tier's own earliest
-    // instant can only move later when asked from a later start, so this converges; window
-    // algorithms with reserved future windows may need a few rounds.
-    let mut t = now;
-    for _ in 0..64 {
-        let next = states
+    // The instant the request leaves: the earliest at which every tier admits it together.
+    // Every tier is charged there, so a window a shaped request is reserved in is one that
+    // had room for it.
+    let shaping = matches!(mode, Mode::Shape(_));
+    let departure = converge(now, rounds(states), |t| {
+        states
             .iter()
             .zip(tiers)
-            .map(|(s, tier)| s.earliest(alg, tier.rate, t, cost))
-            .max()
-            .unwrap_or(t);
-        if next == t {
-            break;
-        }
-        t = next;
-    }
-    let queue = match mode {
-        Mode::Police => 0,
-        Mode::Shape(_) => states
-            .iter()
-            .zip(tiers)
-            .map(|(s, tier)| s.queue_wait(alg, tier.rate, t))
-            .max()
-            .unwrap_or(0),
-    };
-    let wait = (t - now).saturating_add(queue);
-    let budget = match mode {
-        Mode::Police => 0,
-        Mode::Shape(max) => max,
-    };
+            .map(|(s, tier)| s.departure(alg, tier.rate, t, cost, shaping))
+            .fold(t, u64::max)
+    });
+    let budget = budget(mode);
     let per_tier_retry = |i: usize| {
         let own = states[i].earliest(alg, tiers[i].rate, now, cost) - now;
         (own > 0, (own > 0).then_some(own))
     };
-    if wait > budget {
-        let retry = wait - budget;
-        let decision =
-            report(policy, states, now, Outcome::Limited, 0, Some(retry), per_tier_retry);
-        return (decision, None);
-    }
+    let t = match departure {
+        Some(t) if t - now <= budget => t,
+        // Unsettled (ruled out by `rounds`): refused, never charged where a tier is full.
+        other => {
+            let wait = other.map_or(1, |t| (t - now).saturating_sub(budget));
+            let decision =
+                report(policy, states, now, Outcome::Limited, 0, Some(wait), per_tier_retry);
+            return (decision, None);
+        }
+    };
+    let wait = t - now;
     let charges: Charges = states
         .iter_mut()
         .zip(tiers)
-        // At the instant the request leaves: later than `t` when a leaky bucket holds it behind
-        // the water queued before it. Charging every tier then keeps each tier's output
-        // smooth even when another tier's queue is the one holding the request.
-        .map(|(s, tier)| s.charge(alg, tier.rate, now, t.saturating_add(queue), cost))
+        .map(|(s, tier)| s.charge(alg, tier.rate, now, t, cost))
         .collect();
     let decision = report(policy, states, now, Outcome::Allowed, wait, None, |_| (false, None));
     (decision, Some(charges))
@@ -334,25 +368,23 @@ pub(crate) fn decide_kinds(
     (decision, charges)
 }
 
-/// One tier's earliest instant >= `from` (units) for `cost`: `Err(the end of its current
-/// window)` when a calendar tier has no room within its lookahead.
-fn earliest_kind(
+/// One tier's earliest instant >= `from` (units) at which `cost` may leave (see
+/// [`TierState::departure`]; a concurrency tier does not wait).
+fn departure_kind(
     policy: &Policy,
     tier: &Tier,
     state: &TierState,
-    now: u64,
     from: u64,
     cost: u64,
-) -> Result<u64, u64> {
+    shaping: bool,
+) -> u64 {
     match (&tier.kind, state) {
-        (Kind::Calendar(spec), TierState::Calendar(c)) => {
-            calendar::earliest(c, spec, policy.unit(), now, from, cost)
+        (Kind::Calendar(_), TierState::Calendar(c)) => {
+            calendar::earliest(c, tier.capacity(), policy.unit(), from, cost)
         }
-        (Kind::Calendar(spec), _) => {
-            calendar::earliest(&Vec::new(), spec, policy.unit(), now, from, cost)
-        }
-        (Kind::Concurrency(_), _) => Ok(from),
-        (Kind::Rate, s) => Ok(s.earliest(policy.algorithm(), tier.rate, from, cost)),
+        (Kind::Rate, s) => s.departure(policy.algorithm(), tier.rate, from, cost, shaping),
+        // Pruning gave every tier a state of its kind; a fresh calendar tier has room.
+        _ => from,
     }
 }
 
@@ -389,55 +421,40 @@ fn decide_kinds_in_units(
         return (decision, None);
     }
 
-    // The earliest instant every rate and calendar tier admits the request together (as in
-    // `decide_in_units`), unless a calendar tier has no room within its lookahead.
-    let mut t = now;
-    let mut beyond = None;
-    'joint: for _ in 0..64 {
-        let mut next = t;
-        for (i, (s, tier)) in states.iter().zip(tiers).enumerate() {
-            if cost(i) == 0 {
-                continue;
-            }
-            match earliest_kind(policy, tier, s, now, t, cost(i)) {
-                Ok(e) => next = next.max(e),
-                Err(next) => {
-                    beyond = Some(next);
-                    break 'joint;
-                }
-            }
-        }
-        if next == t {
-            break;
-        }
-        t = next;
-    }
-    let queue = match mode {
-        Mode::Police => 0,
-        Mode::Shape(_) => states
-            .iter()
-            .zip(tiers)
-            .enumerate()
-            .filter(|(i, (_, tier))| cost(*i) > 0 && tier.kind == Kind::Rate)
-            .map(|(_, (s, tier))| s.queue_wait(alg, tier.rate, t))
-            .max()
-            .unwrap_or(0),
-    };
+    // The instant the request leaves: the earliest at which every rate and calendar tier
+    // admits it together (as in `decide_in_units`). It is charged there, in the window holding
+    // that instant, which had room for it.
+    let shaping = matches!(mode, Mode::Shape(_));
+    let departure = converge(now, rounds(states), |t| {
+        (0..tiers.len())
+            .filter(|&i| cost(i) > 0)
+            .map(|i| departure_kind(policy, &tiers[i], &states[i], t, cost(i), shaping))
+            .fold(t, u64::max)
+    });
     let full = |i: usize| match (&tiers[i].kind, &states[i]) {
         (Kind::Concurrency(slots), TierState::Slots(held)) => {
             cost(i) > 0 && held.saturating_add(cost(i)) > slots.max
         }
         _ => false,
     };
-    let wait = (t - now).saturating_add(queue);
     let budget = budget(mode);
     let any_full = (0..tiers.len()).any(full);
-    if beyond.is_some() || wait > budget || any_full {
-        let retry = match beyond {
-            // No window within the lookahead: try again when it moves on.
-            Some(next) => Some((next - now).max(1)),
-            None => (wait > budget).then(|| wait - budget),
-        };
+    // Past the budget, the earliest retry is when the departure is within it.
+    let (at, mut retry) = match departure {
+        Some(t) => (t, (t - now > budget).then(|| t - now - budget)),
+        // Unsettled (ruled out by `rounds`): refused, never charged where a tier is full.
+        None => (now, Some(1)),
+    };
+    // A departure after a calendar tier's lookahead is refused too (Redis holds the bounds of
+    // no later window): not before the lookahead moves on, when the current window ends.
+    for (i, tier) in tiers.iter().enumerate() {
+        if let (Kind::Calendar(spec), true) = (&tier.kind, cost(i) > 0) {
+            if let Some(current) = calendar::beyond(spec, unit, now, at) {
+                retry = Some(retry.unwrap_or(0).max(current - now));
+            }
+        }
+    }
+    if retry.is_some() || any_full {
         let per_tier = |i: usize| {
             if full(i) {
                 return (true, None);
@@ -445,15 +462,18 @@ fn decide_kinds_in_units(
             if cost(i) == 0 || matches!(tiers[i].kind, Kind::Concurrency(_)) {
                 return (false, None);
             }
-            let own = match earliest_kind(policy, &tiers[i], &states[i], now, now, cost(i)) {
-                Ok(e) | Err(e) => e - now,
-            };
+            let own = match (&tiers[i].kind, &states[i]) {
+                (Kind::Calendar(_), TierState::Calendar(c)) => {
+                    calendar::earliest(c, tiers[i].capacity(), unit, now, cost(i))
+                }
+                (_, s) => s.earliest(alg, tiers[i].rate, now, cost(i)),
+            } - now;
             (own > 0, (own > 0).then_some(own))
         };
         let decision = report_kinds(policy, states, now, Outcome::Limited, 0, retry, per_tier);
         return (decision, None);
     }
-    let at = t.saturating_add(queue);
+    let wait = at - now;
     let charges: Charges = states
         .iter_mut()
         .zip(tiers)

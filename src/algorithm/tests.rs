@@ -354,3 +354,140 @@ fn yearly_and_monthly_tiers_stack() {
     let (d, _) = decide(&policy, &mut states, 7 * S + wait, 2, Mode::Police);
     assert!(allowed(&d), "{wait}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Shaping with window and calendar tiers: where a request leaves, every tier has room.
+
+mod shaping {
+    use std::collections::BTreeMap;
+
+    use proptest::prelude::*;
+
+    use super::super::{Mode, TierState, decide_kinds};
+    use super::S;
+    use crate::decision::Outcome;
+    use crate::quota::{Algorithm, Calendar, Kind, Policy, Quota};
+
+    const MINUTE: u64 = 60 * S;
+
+    /// Rate tiers of `alg` (`(count, period in s)`) and per-minute calendar tiers (counts).
+    fn policy(alg: Algorithm, rates: &[(u64, u64)], minutes: &[u64]) -> Policy {
+        let mut b = Policy::builder("p").algorithm(alg);
+        for (i, (count, secs)) in rates.iter().enumerate() {
+            b = b.tier(format!("r{i}"), Quota::new(*count, std::time::Duration::from_secs(*secs)));
+        }
+        for (i, count) in minutes.iter().enumerate() {
+            b = b.calendar(format!("c{i}"), Calendar::per_minute(*count));
+        }
+        b.build().unwrap()
+    }
+
+    fn fresh(policy: &Policy, now: u64) -> Vec<TierState> {
+        policy.tiers().iter().map(|t| TierState::fresh_for(policy.algorithm(), t, now)).collect()
+    }
+
+    fn decide(policy: &Policy, states: &mut [TierState], now: u64, max: u64) -> crate::Decision {
+        let costs = vec![1; policy.tiers().len()];
+        decide_kinds(policy, states, now, &costs, Mode::Shape(max)).0
+    }
+
+    #[test]
+    fn a_full_window_moves_the_departure_and_the_rates_follow() {
+        // Two per 10 s (fixed windows) and one a minute: at :55 the minute has room but only
+        // until :59; the next request leaves at the next minute, where the window has room.
+        let policy = policy(Algorithm::FixedWindow, &[(2, 10)], &[1]);
+        let now = 1_000 * MINUTE + 55 * S;
+        let mut states = fresh(&policy, now);
+        assert_eq!(decide(&policy, &mut states, now, 0).delay().as_secs(), 0);
+        let d = decide(&policy, &mut states, now, 120 * S);
+        assert_eq!(d.delay().as_secs(), 5);
+        // The third: the minute after is taken too, so two minutes on; not within 64 s.
+        let d = decide(&policy, &mut states, now, 64 * S);
+        assert_eq!(d.outcome(), Outcome::Limited);
+        assert_eq!(d.retry_after().map(|r| r.as_secs()), Some(1));
+        assert_eq!(decide(&policy, &mut states, now + S, 64 * S).delay().as_secs(), 64);
+    }
+
+    #[test]
+    fn interleaved_full_windows_settle_within_the_bound() {
+        // Windows of 10 s and 15 s, each filled every other window ahead by earlier shaped
+        // requests: the departure walks past them one tier after the other.
+        let policy = policy(Algorithm::FixedWindow, &[(1, 10), (1, 15)], &[]);
+        let mut states = fresh(&policy, 0);
+        let mut delays = Vec::new();
+        for _ in 0..6 {
+            let d = decide(&policy, &mut states, 0, 3_600 * S);
+            delays.push(d.delay().as_secs());
+        }
+        assert_eq!(delays, [0, 15, 30, 45, 60, 75]);
+    }
+
+    /// Per tier, the units charged in each window (fixed windows by index, calendar minutes
+    /// by start), from the departures.
+    fn fills(policy: &Policy, departures: &[u64]) -> Vec<BTreeMap<u64, u64>> {
+        policy
+            .tiers()
+            .iter()
+            .map(|t| {
+                let mut m = BTreeMap::new();
+                for d in departures {
+                    let k = match t.kind {
+                        Kind::Calendar(_) => d / MINUTE,
+                        _ => d / t.rate.period,
+                    };
+                    *m.entry(k).or_default() += 1;
+                }
+                m
+            })
+            .collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// Every shaped request leaves where each tier has room: no fixed window and no
+        /// calendar minute holds more than its count. A refused one is refused a nanosecond
+        /// before its Retry-After, and (with budgets that keep departures within the calendar
+        /// lookahead) admitted exactly then.
+        #[test]
+        fn shaping_fills_no_window_past_its_limit_and_retries_exactly(
+            alg in prop::sample::select(Algorithm::ALL.to_vec()),
+            rates in proptest::collection::vec((1u64..=4, 1u64..=90), 1..=2),
+            minutes in proptest::collection::vec(1u64..=4, 1..=2),
+            start in 0u64..=10_000,
+            steps in proptest::collection::vec((0u64..=40 * S, 0u64..=420 * S), 1..=40),
+        ) {
+            let policy = policy(alg, &rates, &minutes);
+            let mut now = 1_000 * MINUTE + start * S / 100;
+            let mut states = fresh(&policy, now);
+            let mut departures = Vec::new();
+            for (advance, max) in steps {
+                now += advance;
+                let before = states.clone();
+                let d = decide(&policy, &mut states, now, max);
+                match d.outcome() {
+                    Outcome::Allowed => departures.push(now + u64::try_from(d.delay().as_nanos()).unwrap()),
+                    _ => {
+                        let retry = u64::try_from(d.retry_after().unwrap().as_nanos()).unwrap();
+                        let early = decide(&policy, &mut before.clone(), now + retry - 1, max);
+                        prop_assert_eq!(early.outcome(), Outcome::Limited);
+                        let on_time = decide(&policy, &mut before.clone(), now + retry, max);
+                        prop_assert_eq!(on_time.outcome(), Outcome::Allowed, "retry {}", retry);
+                    }
+                }
+            }
+            for (t, fill) in policy.tiers().iter().zip(fills(&policy, &departures)) {
+                let exact = matches!(t.kind, Kind::Calendar(_)) || alg == Algorithm::FixedWindow;
+                if exact {
+                    prop_assert!(fill.values().all(|n| *n <= t.capacity()), "{:?}: {:?}", t.name(), fill);
+                }
+            }
+            // The calendar tiers' own records agree.
+            for (t, s) in policy.tiers().iter().zip(&states) {
+                if let TierState::Calendar(c) = s {
+                    prop_assert!(c.iter().all(|w| w.2 <= t.capacity()));
+                }
+            }
+        }
+    }
+}

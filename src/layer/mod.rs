@@ -302,7 +302,10 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
 
     /// Shapes instead of policing: a request that would conform within `max_delay` reserves
     /// its slot and waits for it; one that would wait longer is rejected as when policing
-    /// (nginx `limit_req burst=N delay=M`). A request dropped while waiting gives its slot back.
+    /// (nginx `limit_req burst=N delay=M`), its `Retry-After` the wait until its slot is
+    /// within `max_delay`. The slot is the earliest instant at which every tier has room, and
+    /// every tier is charged there (a calendar tier in the window holding it). A request
+    /// dropped while waiting gives its slot back.
     pub fn shape(mut self, max_delay: Duration) -> Self {
         self.settings.max_delay = Some(max_delay);
         self

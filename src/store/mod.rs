@@ -140,7 +140,9 @@ impl<'a> Check<'a> {
         self
     }
 
-    /// Shapes instead: reserves the earliest conforming slot within `max_delay`.
+    /// Shapes instead: reserves the earliest instant within `max_delay` at which every tier
+    /// has room, charging every tier there (see [`Calendar`](crate::Calendar) for how far a
+    /// calendar tier looks ahead).
     #[must_use]
     pub const fn shape(mut self, max_delay: Duration) -> Self {
         self.max_delay = Some(max_delay);

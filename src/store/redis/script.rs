@@ -440,6 +440,17 @@ impl Prepared {
             record.extend([f(c.cost), f(*new), f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
         }
         self.bounds(&mut record, now);
+        // The window holding each calendar tier's charge: a tier that cost nothing when the
+        // request was decided did not hold its departure to the lookahead, and what it is
+        // charged now belongs to the window the request left in, wherever that is.
+        if let Some(kinds) = &self.kinds {
+            let at = kinds.tags.iter().zip(charges).filter(|(t, _)| **t == 2).map(|(_, c)| c.at);
+            for (spec, at) in kinds.calendars.iter().zip(at) {
+                let (start, end) = calendar::window_at(spec, at.saturating_mul(self.unit));
+                #[allow(clippy::cast_precision_loss)] // seconds since the epoch, below 2^53
+                record.extend([start as f64, end as f64]);
+            }
+        }
         record[3] = f(record.len() as u64);
         record
     }

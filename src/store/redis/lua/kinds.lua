@@ -11,7 +11,8 @@
 --           start and the last one's end), from before `now` to the lookahead after it;
 --         op 2, a settlement: release (1 gives the slots back), then per tier the old and new
 --           cost, the charge's instant (seconds, units) and entry id (the lease id for a
---           concurrency tier), then the calendar bounds as for a check;
+--           concurrency tier), then the calendar bounds as for a check, then per calendar
+--           tier the start and end (seconds) of the window holding its charge's instant;
 --         op 4, a refresh: lease id, then per concurrency tier its slots.
 -- KEYS    per record: the state key, the sliding-log sets of the rate tiers (log family
 --         only), the lease sets of the concurrency tiers (`{state}:c1`, ...).
@@ -153,36 +154,52 @@ local function locate(st, B)
   return error('tollgate: the calendar windows sent do not cover the server clock (clock skew above 60 s?)')
 end
 
-local function cal_earliest(st, tier, B, from, cost)
-  local list = st.cal[tier.w]
-  local j = locate(st, B)
-  for x = j, j + LOOKAHEAD - 1 do
-    local s, e = brel(st.c, B[x]), brel(st.c, B[x + 1])
-    if e > from and cal_used(list, B[x]) + cost <= tier.count then return max(from, s) end
+-- The earliest instant >= from at which `cost` fits the window holding it, through the
+-- counted windows (ascending; only they can be full): `calendar::earliest`.
+local function cal_earliest(st, tier, from, cost)
+  for _, win in ipairs(st.cal[tier.w]) do
+    if brel(st.c, win[1]) <= from and from < brel(st.c, win[2]) and win[3] + cost > tier.count then
+      from = brel(st.c, win[2])
+    end
   end
-  return nil, brel(st.c, B[j + 1])
+  return from
 end
 
-local function cal_charge(st, tier, B, at, cost)
+-- When `at` lies after the lookahead (the LOOKAHEAD windows from the one holding the key's
+-- now), the end of the window holding now; else nil (`calendar::beyond`).
+local function cal_beyond(st, B, at)
+  local j = locate(st, B)
+  local current = brel(st.c, B[j + 1])
+  if at >= current and at >= brel(st.c, B[j + LOOKAHEAD]) then return current end
+  return nil
+end
+
+-- Charges `cost` to the window holding `at`: one of the bounds `B`, or else `W`, the window a
+-- settlement names (its charge's).
+local function cal_charge(st, tier, B, at, cost, W)
   local list = st.cal[tier.w]
+  local s, e = nil, nil
   for x = 1, #B - 1 do
     if brel(st.c, B[x]) <= at and at < brel(st.c, B[x + 1]) then
-      for _, win in ipairs(list) do
-        if win[1] == B[x] then
-          win[3] = win[3] + cost
-          st.dirty = true
-          return
-        end
-      end
-      local p = #list + 1
-      for y, win in ipairs(list) do
-        if win[1] > B[x] then p = y; break end
-      end
-      table.insert(list, p, { B[x], B[x + 1], cost })
+      s, e = B[x], B[x + 1]
+      break
+    end
+  end
+  if not s and W and brel(st.c, W[1]) <= at and at < brel(st.c, W[2]) then s, e = W[1], W[2] end
+  if not s then return end
+  for _, win in ipairs(list) do
+    if win[1] == s then
+      win[3] = win[3] + cost
       st.dirty = true
       return
     end
   end
+  local p = #list + 1
+  for y, win in ipairs(list) do
+    if win[1] > s then p = y; break end
+  end
+  table.insert(list, p, { s, e, cost })
+  st.dirty = true
 end
 
 local function cal_refund(st, tier, at, cost)
@@ -208,7 +225,8 @@ local function cal_status(st, tier)
   return max(0, tier.count - current), reset
 end
 
--- The calendar bounds of a record, from position `p`: one list per calendar tier.
+-- The calendar bounds of a record, from position `p`: one list per calendar tier; and the
+-- position after them.
 local function bounds(pol, p)
   local out = {}
   for w = 1, pol.ncal do
@@ -218,7 +236,7 @@ local function bounds(pol, p)
     out[w] = B
     p = p + 1 + nb
   end
-  return out
+  return out, p
 end
 
 local function capacity(tier)
@@ -248,8 +266,16 @@ local function check(st, i)
   local earliest = function(t, from)
     local tier = tiers[t]
     if tier.kind == 0 then return F.earliest(st.rs, rt(st, tier), from, cost[t]) end
-    if tier.kind == 2 then return cal_earliest(st, tier, B[tier.w], from, cost[t]) end
+    if tier.kind == 2 then return cal_earliest(st, tier, from, cost[t]) end
     return from
+  end
+  -- When shaping, a leaky bucket holds the request until the water ahead of it has drained
+  -- (`TierState::departure`).
+  local shaping = budget_arg >= 0
+  local depart = function(t, from)
+    local e = earliest(t, from)
+    if shaping and tiers[t].kind == 0 then e = e + F.queue_wait(st.rs, rt(st, tiers[t]), e) end
+    return e
   end
   if zero then
     for t = 1, n do per[t] = { -1, 0, 0 } end
@@ -262,26 +288,20 @@ local function check(st, i)
     end
     head = { 2, 0, -1 }
   else
-    local at, beyond = 0, nil
-    for _ = 1, 64 do
+    -- The instant the request leaves: the earliest at which every rate and calendar tier
+    -- admits it together, where each is charged (`converge` and `rounds` in
+    -- src/algorithm/mod.rs).
+    local rounds = 2
+    if F.entries then rounds = rounds + 2 * F.entries(st.rs) end
+    for w = 1, pol.ncal do rounds = rounds + 2 * #st.cal[w] end
+    local at, settled = 0, false
+    for _ = 1, rounds do
       local nxt = at
       for t = 1, n do
-        if cost[t] > 0 then
-          local e, next = earliest(t, at)
-          if not e then beyond = next; break end
-          nxt = max(nxt, e)
-        end
+        if cost[t] > 0 then nxt = max(nxt, depart(t, at)) end
       end
-      if beyond or nxt == at then break end
+      if nxt == at then settled = true; break end
       at = nxt
-    end
-    local queue = 0
-    if budget_arg >= 0 and not beyond then
-      for t = 1, n do
-        if cost[t] > 0 and tiers[t].kind == 0 then
-          queue = max(queue, F.queue_wait(st.rs, rt(st, tiers[t]), at))
-        end
-      end
     end
     local full, any_full = {}, false
     for t = 1, n do
@@ -291,19 +311,31 @@ local function check(st, i)
         if h + cost[t] > tier.max then full[t] = true; any_full = true end
       end
     end
-    local wait = at + queue
     local budget = max(budget_arg, 0)
-    if beyond or wait > budget or any_full then
-      local retry = -1
-      if beyond then retry = max(beyond, 1) elseif wait > budget then retry = wait - budget end
+    -- Past the budget, the earliest retry is when the departure is within it.
+    local retry = -1
+    if not settled then
+      at, retry = 0, 1
+    elseif at > budget then
+      retry = at - budget
+    end
+    -- A departure after a calendar tier's lookahead is refused too: not before the lookahead
+    -- moves on, when the current window ends.
+    for t = 1, n do
+      local tier = tiers[t]
+      if tier.kind == 2 and cost[t] > 0 then
+        local current = cal_beyond(st, B[tier.w], at)
+        if current then retry = max(retry, current) end
+      end
+    end
+    if retry ~= -1 or any_full then
       for t = 1, n do
         if full[t] then
           per[t] = { -1, 1, 0 }
         elseif cost[t] == 0 or tiers[t].kind == 1 then
           per[t] = { -1, 0, 0 }
         else
-          local e, next = earliest(t, 0)
-          local own = e or next
+          local own = earliest(t, 0)
           if own > 0 then per[t] = { own, 1, 0 } else per[t] = { -1, 0, 0 } end
         end
       end
@@ -316,9 +348,9 @@ local function check(st, i)
         local entry = 0
         if c > 0 then
           if tier.kind == 0 then
-            entry = F.charge(st.rs, rt(st, tier), wait, c)
+            entry = F.charge(st.rs, rt(st, tier), at, c)
           elseif tier.kind == 2 then
-            cal_charge(st, tier, B[tier.w], wait, c)
+            cal_charge(st, tier, B[tier.w], at, c)
           else
             local z = held(st, tier)
             expiry = now_ms(st) + tier.lease
@@ -328,7 +360,7 @@ local function check(st, i)
         end
         per[t] = { -1, 0, entry }
       end
-      head = { 1, wait, -1 }
+      head = { 1, at, -1 }
     end
   end
   out(head[1]); out(head[2]); out(head[3])
@@ -352,7 +384,7 @@ local function settle(st, i)
   local pol = st.pol
   local n, tiers = pol.n, pol.tiers
   local release = C[i + 4]
-  local B = bounds(pol, i + 5 + 5 * n)
+  local B, p = bounds(pol, i + 5 + 5 * n)
   st.charged = true
   for t = 1, n do
     local j = i + 5 + (t - 1) * 5
@@ -369,7 +401,8 @@ local function settle(st, i)
       if new < old then
         cal_refund(st, tier, at, old - new)
       elseif new > old then
-        cal_charge(st, tier, B[tier.w], max(at, 0), new - old)
+        local W = { C[p + 2 * (tier.w - 1)], C[p + 2 * (tier.w - 1) + 1] }
+        cal_charge(st, tier, B[tier.w], max(at, 0), new - old, W)
       end
     elseif release == 1 and old > 0 then
       local z = st.z[tier.q]

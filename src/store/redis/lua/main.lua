@@ -8,6 +8,14 @@ local STORED = stored(C, POL)
 local cache, order = {}, {}
 local CLOCK_GUARD = F.window or F.log
 
+-- The earliest instant >= from at which tier `t` lets `cost` leave: when shaping, a leaky
+-- bucket holds the request until the water ahead of it has drained (`TierState::departure`).
+local function depart(st, t, from, cost, shaping)
+  local e = F.earliest(st, t, from, cost)
+  if shaping then e = e + F.queue_wait(st, t, e) end
+  return e
+end
+
 local i = 1
 while i <= #C do
   local op, k, pol = C[i], C[i + 1], POL[C[i + 2]]
@@ -74,31 +82,32 @@ while i <= #C do
       end
       head = { 2, 0, -1 }
     else
-      -- The earliest instant every tier admits the request together.
-      local at = 0
-      for _ = 1, 64 do
+      -- The instant the request leaves: the earliest at which every tier admits it together,
+      -- where every tier is charged (`converge` and `rounds` in src/algorithm/mod.rs).
+      local shaping = max_delay >= 0
+      local rounds = 2
+      if F.entries then rounds = rounds + 2 * F.entries(st) end
+      local at, settled = 0, false
+      for _ = 1, rounds do
         local nxt = at
-        for t = 1, n do nxt = max(nxt, F.earliest(st, tiers[t], at, cost)) end
-        if nxt == at then break end
+        for t = 1, n do nxt = max(nxt, depart(st, tiers[t], at, cost, shaping)) end
+        if nxt == at then settled = true; break end
         at = nxt
       end
-      local queue = 0
-      if max_delay >= 0 then
-        for t = 1, n do queue = max(queue, F.queue_wait(st, tiers[t], at)) end
-      end
-      local wait = at + queue
       local budget = max(max_delay, 0)
-      if wait > budget then
+      if not settled or at > budget then
         for t = 1, n do
           local own = F.earliest(st, tiers[t], 0, cost)
           if own > 0 then per[t] = { own, 1, 0 } else per[t] = { -1, 0, 0 } end
         end
-        head = { 0, 0, wait - budget }
+        local retry = 1
+        if settled then retry = at - budget end
+        head = { 0, 0, retry }
       else
         -- Charged at the instant the request leaves (after a leaky bucket's queue).
         st.charged = true
-        for t = 1, n do per[t] = { -1, 0, F.charge(st, tiers[t], wait, cost) } end
-        head = { 1, wait, -1 }
+        for t = 1, n do per[t] = { -1, 0, F.charge(st, tiers[t], at, cost) } end
+        head = { 1, at, -1 }
       end
     end
     out(head[1]); out(head[2]); out(head[3])

@@ -100,6 +100,16 @@ function F.queue_wait(st, t, at)
   return 0
 end
 
+-- The windows counted in, over every tier: what bounds the rounds of a joint departure
+-- (`rounds` in src/algorithm/mod.rs).
+function F.entries(st)
+  local count = 0
+  for i = 1, st.n do
+    for _ in pairs(st.tiers[i].w) do count = count + 1 end
+  end
+  return count
+end
+
 function F.status(st, t)
   local last = nil
   for k in pairs(t.w) do
