@@ -140,7 +140,7 @@ async fn shaped_requests_fill_no_calendar_minute_past_its_limit() {
         .unwrap();
     let ran = Arc::new(std::sync::Mutex::new(Vec::new()));
     let log = Arc::clone(&ran);
-    let svc = layer.layer(service_fn(move |_req: Request<()>| {
+    let svc = layer.layer(service_fn(move |_req: Request<RequestBody<()>>| {
         log.lock().unwrap().push(clock.now());
         async { Ok::<_, Infallible>(Response::new(Full::new(Bytes::new()))) }
     }));
