@@ -1206,26 +1206,52 @@ impl Inner {
         Self::give_up(&mut registry, id);
     }
 
-    /// Gives slot `id` up when nothing refers to it any more (its tables are cleared before it
-    /// is used again), and then the slot it handed its keys over to, if that was its last
-    /// reference.
-    fn give_up(registry: &mut Registry, mut id: usize) {
-        loop {
-            let Some(slot) = registry.slots.get_mut(id) else { return };
-            if slot.handles > 0 || slot.preds > 0 {
-                return;
-            }
-            let Some(core) = slot.core.take() else { return };
-            let successor = slot.successor.take();
-            if registry.by_policy.get(&core.policy) == Some(&id) {
-                registry.by_policy.remove(&core.policy);
-            }
-            registry.retired.push(id);
-            let Some(next) = successor else { return };
+    /// Gives slot `id` up when nothing needs it any more: no binding, no replaced binding
+    /// deciding on it, and no longer found by its policy. A slot still found by its policy
+    /// keeps its keys for the next binding of that policy (as Redis keeps them under the
+    /// policy's name) until they are idle: then the sweeper gives it up
+    /// ([`give_up_idle`](Self::give_up_idle)).
+    fn give_up(registry: &mut Registry, id: usize) {
+        let Some(slot) = registry.slots.get(id) else { return };
+        let found = slot.core.as_ref().is_some_and(|c| registry.by_policy.get(&c.policy) == Some(&id));
+        if slot.handles == 0 && slot.preds == 0 && !found {
+            Self::retire(registry, id);
+        }
+    }
+
+    /// Retires slot `id` (its tables are cleared before it is used again), and then the slot
+    /// it handed its keys over to, if nothing else needs that one.
+    fn retire(registry: &mut Registry, id: usize) {
+        let Some(slot) = registry.slots.get_mut(id) else { return };
+        let Some(core) = slot.core.take() else { return };
+        let successor = slot.successor.take();
+        if registry.by_policy.get(&core.policy) == Some(&id) {
+            registry.by_policy.remove(&core.policy);
+        }
+        registry.retired.push(id);
+        if let Some(next) = successor {
             if let Some(slot) = registry.slots.get_mut(next) {
                 slot.preds = slot.preds.saturating_sub(1);
             }
-            id = next;
+            Self::give_up(registry, next);
+        }
+    }
+
+    /// Gives up the slots that nothing binds any more and that hold no key (the sweeper has
+    /// evicted them as idle).
+    fn give_up_idle(&self) {
+        let mut registry = lock(&self.registry);
+        let unbound: Vec<usize> = registry
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.core.is_some() && s.handles == 0 && s.preds == 0)
+            .map(|(id, _)| id)
+            .collect();
+        for id in unbound {
+            if self.shards.iter().all(|shard| shard.keys_of(id) == 0) {
+                Self::retire(&mut registry, id);
+            }
         }
     }
 
@@ -1272,6 +1298,7 @@ impl Inner {
         let now = self.clock.now();
         let removed = self.shards.iter().map(|shard| shard.evict_idle(now)).sum();
         self.len.fetch_sub(removed, Ordering::Relaxed);
+        self.give_up_idle();
         removed
     }
 
@@ -1486,12 +1513,13 @@ mod tests {
         let general = store.rebind_policy(&carried, &wider, Carry::UsedFraction);
         // 59 of 200 used: 29.5 of 100, counted as 30.
         assert_eq!(remaining(&store, &general, &key), [70, 1_000]);
-        drop(carried);
-        let back = store.rebind_policy(&general, &v2, Carry::UsedFraction);
+        // (Another policy than `carried`'s, whose state the store keeps for it.)
+        let doubled = Policy::builder("q").tier("p", Quota::per_hour(200)).build().unwrap();
+        let back = store.rebind_policy(&general, &doubled, Carry::UsedFraction);
         assert_eq!(remaining(&store, &back, &key), [140]);
-        drop(back);
-        // With no binding of it left, the changed tier starts full by default.
-        let fresh = store.rebind_policy(&v1, &v2, Carry::StartFull);
+        // By default a changed tier starts full.
+        let fresh = Policy::builder("r").tier("p", Quota::per_hour(200)).build().unwrap();
+        let fresh = store.rebind_policy(&v1, &fresh, Carry::StartFull);
         assert_eq!(remaining(&store, &fresh, &key), [200]);
     }
 
@@ -1610,7 +1638,7 @@ mod tests {
     }
 
     #[test]
-    fn a_dropped_binding_frees_its_keys_and_its_slot() {
+    fn a_dropped_bindings_keys_stay_for_its_policy_until_idle_then_its_slot_is_freed() {
         let clock = FakeClock::new();
         let store = store(&clock, 100, 4);
         let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
@@ -1620,11 +1648,127 @@ mod tests {
         }
         assert_eq!(store.len(), 5);
         drop(first);
-        // The next binding reuses the slot, after clearing it: its keys start fresh.
+        // The state is the store's: the next binding of the policy finds it.
         let second = store.bind_policy(&policy);
         assert_eq!(second.id, 0);
+        assert_eq!(store.len(), 5);
+        assert!(!allowed(&store, &second, &ip(0)));
+        drop(second);
+        // Idle an hour later: swept, and the slot is given up.
+        clock.advance(Duration::from_secs(3_600));
+        assert_eq!(store.sweep(), 5);
+        // Another policy reuses it, after clearing it: its keys start fresh.
+        let other = store.bind_policy(&Policy::single("q", Quota::per_hour(1)).unwrap());
+        assert_eq!(other.id, 0);
         assert_eq!(store.len(), 0);
-        assert!(allowed(&store, &second, &ip(0)));
+        assert!(allowed(&store, &other, &ip(0)));
+    }
+
+    #[test]
+    fn one_policy_on_one_store_is_one_budget_however_often_it_is_bound() {
+        let store = store(&FakeClock::new(), 100, 4);
+        // A binding per request, each dropped after its request: 5 of 100.
+        let hourly = Policy::single("api", Quota::per_hour(5)).unwrap();
+        let admitted =
+            (0..100).filter(|_| allowed(&store, &store.bind_policy(&hourly), &Key::Global)).count();
+        assert_eq!(admitted, 5);
+        // Two bindings alive at once, in general tables: one budget.
+        let two = Policy::builder("api")
+            .tier("minute", Quota::per_minute(1_000))
+            .tier("hour", Quota::per_hour(5))
+            .build()
+            .unwrap();
+        let (a, b) = (store.bind_policy(&two), store.bind_policy(&two));
+        let admitted =
+            (0..100).filter(|i| allowed(&store, if i % 2 == 0 { &a } else { &b }, &Key::Global));
+        assert_eq!(admitted.count(), 5);
+        // The same name with other tiers is another policy: its own budget.
+        let other = store.bind_policy(&Policy::single("api", Quota::per_hour(3)).unwrap());
+        assert_eq!((0..10).filter(|_| allowed(&store, &other, &Key::Global)).count(), 3);
+    }
+
+    #[test]
+    fn a_replaced_binding_charges_its_unchanged_tiers_where_they_now_live() {
+        let clock = FakeClock::new();
+        let store = store(&clock, 100, 4);
+        let key = Key::text("k");
+        // The compact form, then general tables, then the compact form again.
+        let daily = Policy::builder("p").tier("day", Quota::per_day(10)).build().unwrap();
+        let both = Policy::builder("p")
+            .tier("minute", Quota::per_minute(2))
+            .tier("day", Quota::per_day(10))
+            .build()
+            .unwrap();
+        let v1 = store.bind_policy(&daily);
+        assert!(store.check_now(&v1, Check::new(&key, 2)).decision.is_allowed());
+        let v2 = store.rebind_policy(&v1, &both, Carry::StartFull);
+        // A request still going through v1 charges the daily tier that v2 decides on, and
+        // sees v2's charges.
+        assert!(store.check_now(&v1, Check::new(&key, 1)).decision.is_allowed());
+        assert_eq!(remaining(&store, &v2, &key), [2, 7]);
+        assert!(allowed(&store, &v2, &key));
+        assert_eq!(remaining(&store, &v1, &key), [6]);
+        // Through a second reload, both old bindings charge the newest; v2 keeps its own
+        // per-minute tier (both units used now).
+        let v3 = store.rebind_policy(&v2, &daily, Carry::StartFull);
+        assert_ne!(v3.id, v1.id, "a replaced binding's state is no longer its policy's");
+        assert!(allowed(&store, &v1, &key));
+        assert!(allowed(&store, &v2, &key));
+        assert_eq!(remaining(&store, &v3, &key), [4]);
+        assert!(!allowed(&store, &v2, &key), "v2's own per-minute tier is spent");
+        assert_eq!(remaining(&store, &v3, &key), [4], "a refused request charges nothing");
+        // A key first seen through an old binding lands in the newest too.
+        let other = Key::text("other");
+        assert!(store.check_now(&v1, Check::new(&other, 4)).decision.is_allowed());
+        assert_eq!(remaining(&store, &v3, &other), [6]);
+        // A charge taken through v1 and cancelled is given back where it was taken.
+        let ticket = store.check_now(&v1, Check::new(&key, 2).with_ticket()).ticket.unwrap();
+        assert_eq!(remaining(&store, &v3, &key), [2]);
+        store.settle_now(&v1, ticket, 0);
+        assert_eq!(remaining(&store, &v3, &key), [4]);
+        // Once the old bindings are dropped, the newest alone holds the policy's state.
+        drop((v1, v2));
+        assert_eq!(remaining(&store, &v3, &key), [4]);
+        assert_eq!(remaining(&store, &store.bind_policy(&daily), &key), [4]);
+    }
+
+    #[test]
+    fn reloads_lose_no_charge_of_requests_still_deciding_through_the_old_binding() {
+        // 1,000 requests on four threads, each through whichever binding is current when it
+        // starts, while another thread reloads 200 times, adding and removing a per-minute
+        // tier beside a daily tier of 500 that never changes: exactly 500 admitted.
+        let daily = Policy::builder("api").tier("day", Quota::per_day(500)).build().unwrap();
+        let both = Policy::builder("api")
+            .tier("minute", Quota::per_minute(100_000))
+            .tier("day", Quota::per_day(500))
+            .build()
+            .unwrap();
+        let store = store(&FakeClock::new(), 1_000, 4);
+        let current = Mutex::new(Arc::new(store.bind_policy(&daily)));
+        let admitted = AtomicUsize::new(0);
+        let load = || Arc::clone(&*lock(&current));
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..250 {
+                        let bound = load();
+                        std::thread::yield_now();
+                        if allowed(&store, &bound, &Key::Global) {
+                            admitted.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+            s.spawn(|| {
+                for i in 0..200 {
+                    let next = if i % 2 == 0 { &both } else { &daily };
+                    let new = Arc::new(store.rebind_policy(&load(), next, Carry::StartFull));
+                    *lock(&current) = new;
+                    std::thread::yield_now();
+                }
+            });
+        });
+        assert_eq!(admitted.load(Ordering::Relaxed), 500);
     }
 
     #[tokio::test(start_paused = true)]

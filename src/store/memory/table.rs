@@ -252,6 +252,13 @@ impl Shard {
         compact + general
     }
 
+    /// How many keys binding `id` holds in this shard.
+    pub(super) fn keys_of(&self, id: usize) -> usize {
+        let compact = self.compact.lock().len_of(id);
+        let general = lock(&self.general).get(id).and_then(Option::as_ref).map_or(0, |g| g.map.len());
+        compact + general
+    }
+
     /// Evicts the idle keys (whose state decides exactly like a fresh one) of every table;
     /// returns how many.
     pub(super) fn evict_idle(&self, now: u64) -> usize {
