@@ -330,7 +330,9 @@ impl Reloaded {
     }
 
     /// Policies whose algorithm or tiers changed: bound anew; on a `MemoryStore` their keys
-    /// keep the state of the tiers that did not change, and the changed tiers start full.
+    /// keep the state of the tiers that did not change (including what requests still in
+    /// progress under the old configuration charge them), and the changed tiers start as the
+    /// policy's `changed_tiers` says (full by default).
     #[must_use]
     pub fn changed(&self) -> &[String] {
         &self.changed
@@ -342,8 +344,8 @@ impl Reloaded {
         &self.added
     }
 
-    /// Policies the new configuration does not have: their state goes with the last request
-    /// still using it.
+    /// Policies the new configuration does not have: their state stays in the store until it
+    /// is idle, and a policy that comes back unchanged finds it again.
     #[must_use]
     pub fn removed(&self) -> &[String] {
         &self.removed

@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use smallvec::SmallVec;
 use compact::Compact;
+use smallvec::SmallVec;
 use table::{Core, Generals, Next, Shard, general_mut, lock};
 
 use super::{Carry, Check, Store, Verdict};
@@ -41,8 +41,9 @@ const FULL_RESCAN_NANOS: u64 = 100_000_000;
 ///   keys per store): a key's size does not matter, and a client cannot choose collisions. Two
 ///   keys share a bucket only if their fingerprints collide (about one chance in 2^25 that any
 ///   pair does among a million keys).
-/// - State is kept per **bound policy** ([`Store::bind`]): two layers sharing one store keep
-///   apart, whatever their policies are named.
+/// - State is kept by **policy** (name, algorithm, tiers) and key: every binding of one policy
+///   ([`Store::bind`]) shares it, and it outlives them until its keys are idle (see
+///   [one policy, one budget](super#one-policy-on-one-store-is-one-budget)).
 /// - The common case, one GCRA tier whose emission interval (`period / count`) is a whole
 ///   number of nanoseconds, keeps **8 bytes of state per key** (the TAT) and decides without
 ///   taking the shard's write lock, by compare-and-swap, as governor does. Every other policy
@@ -59,7 +60,7 @@ const FULL_RESCAN_NANOS: u64 = 100_000_000;
 /// - At most [`MemoryStoreBuilder::max_keys`] keys are held. When full, a new key first makes
 ///   room by evicting idle keys of its shard (a shard is scanned at most every 100 ms, so a
 ///   flood of new keys cannot make every request walk it); if none are idle it is decided by
-///   **one overflow bucket per bound policy**, shared by all keys that did not fit. Established
+///   **one overflow bucket per policy**, shared by all keys that did not fit. Established
 ///   keys keep their own state, and an IP flood can neither grow memory nor obtain a fresh
 ///   bucket per request.
 ///
@@ -473,9 +474,10 @@ impl MemoryStore {
         for (fp, state) in keys {
             let held = match &new.core.whole {
                 Some(_) => compact.tat_mut(new.id, fp).is_some(),
-                None => {
-                    generals.get(new.id).and_then(Option::as_ref).is_some_and(|g| g.map.contains_key(&fp))
-                }
+                None => generals
+                    .get(new.id)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|g| g.map.contains_key(&fp)),
             };
             if held {
                 continue;
@@ -1019,8 +1021,7 @@ impl Inner {
                 return self.check_overflow(bound, check, fp, now);
             }
             let at = (fp, now, true);
-            inserted =
-                scatter((core, bound.id), &places, &states, &mut generals, &mut compact, at);
+            inserted = scatter((core, bound.id), &places, &states, &mut generals, &mut compact, at);
         }
         drop((compact, generals));
         if inserted > 0 {
@@ -1213,7 +1214,8 @@ impl Inner {
     /// ([`give_up_idle`](Self::give_up_idle)).
     fn give_up(registry: &mut Registry, id: usize) {
         let Some(slot) = registry.slots.get(id) else { return };
-        let found = slot.core.as_ref().is_some_and(|c| registry.by_policy.get(&c.policy) == Some(&id));
+        let found =
+            slot.core.as_ref().is_some_and(|c| registry.by_policy.get(&c.policy) == Some(&id));
         if slot.handles == 0 && slot.preds == 0 && !found {
             Self::retire(registry, id);
         }
@@ -1260,7 +1262,8 @@ impl Inner {
     /// longer found by its policy: binding that policy again starts a new one.
     fn supersede(&self, from: usize, policy: &Policy, to: usize) -> bool {
         let mut registry = lock(&self.registry);
-        let sole = registry.slots.get(from).is_some_and(|s| s.handles <= 1 && s.successor.is_none());
+        let sole =
+            registry.slots.get(from).is_some_and(|s| s.handles <= 1 && s.successor.is_none());
         if !sole {
             return false;
         }

@@ -1,4 +1,4 @@
-//! The tables of one shard: per bound policy, the state of each key, by fingerprint.
+//! The tables of one shard: per policy (table slot), the state of each key, by fingerprint.
 //!
 //! Two kinds, each behind its own lock:
 //! - **compact** tables ([`Compact`]), for one GCRA tier whose emission interval is a whole
@@ -255,7 +255,8 @@ impl Shard {
     /// How many keys binding `id` holds in this shard.
     pub(super) fn keys_of(&self, id: usize) -> usize {
         let compact = self.compact.lock().len_of(id);
-        let general = lock(&self.general).get(id).and_then(Option::as_ref).map_or(0, |g| g.map.len());
+        let general =
+            lock(&self.general).get(id).and_then(Option::as_ref).map_or(0, |g| g.map.len());
         compact + general
     }
 
