@@ -72,13 +72,13 @@ use crate::quota::Policy;
 /// use tollgate::{Limiter, Policy, Quota, key::Key};
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-/// let limiter = Limiter::new(Policy::single("api", Quota::per_hour(100)).unwrap());
-/// limiter.check(&Key::text("k"), 30).await.unwrap(); // 30% of the hour's quota used
 /// let doubled = Policy::single("api", Quota::per_hour(200)).unwrap();
-/// let carried = limiter.rebind_with(doubled.clone(), Carry::UsedFraction).unwrap();
-/// assert_eq!(carried.check(&Key::text("k"), 0).await.unwrap().tiers()[0].remaining(), 140);
-/// let fresh = limiter.rebind_with(doubled, Carry::StartFull).unwrap();
-/// assert_eq!(fresh.check(&Key::text("k"), 0).await.unwrap().tiers()[0].remaining(), 200);
+/// for (carry, remaining) in [(Carry::UsedFraction, 140), (Carry::StartFull, 200)] {
+///     let limiter = Limiter::new(Policy::single("api", Quota::per_hour(100)).unwrap());
+///     limiter.check(&Key::text("k"), 30).await.unwrap(); // 30% of the hour's quota used
+///     let reloaded = limiter.rebind_with(doubled.clone(), carry).unwrap();
+///     assert_eq!(reloaded.check(&Key::text("k"), 0).await.unwrap().tiers()[0].remaining(), remaining);
+/// }
 /// # }
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
