@@ -134,8 +134,8 @@ struct Slot {
 
 /// A policy bound to a [`MemoryStore`] ([`Store::bind`]): its table in every shard, the
 /// compact GCRA form when it applies, and its overflow bucket, shared by every binding of the
-/// same policy (name, algorithm and tiers) to the same store. When the last of them is dropped
-/// the keys are freed.
+/// same policy (name, algorithm and tiers) to the same store. The state outlives them: the next
+/// binding of the policy finds it, until its keys are idle and swept.
 ///
 /// It always decides in the store that bound it.
 pub struct MemoryPolicy {
