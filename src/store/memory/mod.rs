@@ -1736,6 +1736,26 @@ mod tests {
     }
 
     #[test]
+    fn a_policy_other_bindings_share_stays_theirs_when_one_of_them_is_rebound() {
+        let store = store(&FakeClock::new(), 100, 4);
+        let key = Key::Global;
+        let daily = Policy::builder("p").tier("day", Quota::per_day(10)).build().unwrap();
+        let both = Policy::builder("p")
+            .tier("minute", Quota::per_minute(100))
+            .tier("day", Quota::per_day(10))
+            .build()
+            .unwrap();
+        let (a, b) = (store.bind_policy(&daily), store.bind_policy(&daily));
+        assert!(store.check_now(&a, Check::new(&key, 2)).decision.is_allowed());
+        let reloaded = store.rebind_policy(&a, &both, Carry::StartFull);
+        assert_eq!(remaining(&store, &reloaded, &key), [100, 8]);
+        // `a` and `b` keep sharing the daily policy's budget, apart from the new one's.
+        assert!(store.check_now(&a, Check::new(&key, 1)).decision.is_allowed());
+        assert_eq!(remaining(&store, &b, &key), [7]);
+        assert_eq!(remaining(&store, &reloaded, &key), [100, 8]);
+    }
+
+    #[test]
     fn reloads_lose_no_charge_of_requests_still_deciding_through_the_old_binding() {
         // 1,000 requests on four threads, each through whichever binding is current when it
         // starts, while another thread reloads 200 times, adding and removing a per-minute
