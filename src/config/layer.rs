@@ -161,6 +161,11 @@ impl<St: Store> fmt::Debug for ReloadHandle<St> {
 impl<St: Store> ReloadHandle<St> {
     /// Replaces the running configuration with `config`.
     ///
+    /// On a [`MemoryStore`] no charge is lost to the reload: requests still in progress under the
+    /// replaced configuration charge a changed policy's unchanged tiers where the new
+    /// configuration counts them, so such a tier admits exactly its quota however many reloads
+    /// happen while requests are in flight (see [`MemoryStore::rebind_policy`]).
+    ///
     /// ```
     /// use tollgate::config::{LimitsConfig, LimitsLayer};
     ///
