@@ -100,7 +100,12 @@ impl<St: Store> Limiter<St> {
 
     /// Binds `policy` to this limiter's store in place of this limiter's policy, carrying over
     /// the state of the tiers that did not change where the store can ([`Store::rebind`]):
-    /// what a configuration reload does. This limiter keeps working on the old policy.
+    /// what a configuration reload does. This limiter keeps working on the old policy, and on
+    /// a [`MemoryStore`] loses no charge to the reload: once the new limiter exists, what this
+    /// one charges to a tier that did not change is charged where the new one counts it, so
+    /// requests still in flight through this limiter and new ones through the new limiter
+    /// share that tier's quota exactly (when this limiter is its policy's only binding in the
+    /// store; see [`MemoryStore::rebind_policy`](crate::store::MemoryStore::rebind_policy)).
     ///
     /// ```
     /// use tollgate::{Limiter, Policy, Quota, key::Key};

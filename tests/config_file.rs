@@ -820,3 +820,52 @@ async fn the_watcher_keeps_the_limits_while_the_file_is_rewritten_in_place() {
     assert_eq!(admitted(3), 0, "the rewritten file started the quota afresh");
     watcher.abort();
 }
+
+/// `api`: a daily quota of 500 on a global key, with `minute` a per-minute tier beside it that
+/// never limits.
+fn daily(minute: bool) -> String {
+    let extra = if minute { r#"{ name = "minute", count = 100000, period = "1m" }, "# } else { "" };
+    format!(
+        "[policies.api]\ntiers = [{extra}{{ name = \"day\", count = 500, period = \"1d\" }}]\n\
+         [[rules]]\nname = \"api\"\nkey = \"global\"\npolicy = \"api\"\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reloads_lose_no_charge_made_during_them_on_an_unchanged_tier() {
+    // 1,000 requests in flight while 200 reloads add and remove the per-minute tier: each
+    // request decides under the configuration it loaded, and the daily tier, unchanged, admits
+    // exactly its 500 (the clock stands still: nothing refills).
+    let store = MemoryStore::builder().clock(tollgate::clock::FakeClock::new()).build().unwrap();
+    let config = LimitsConfig::from_toml(&daily(false), "v0.toml").unwrap();
+    let layer = LimitsLayer::with_store(config, store).unwrap();
+    let handle = layer.handle();
+    let svc = layer.layer(service_fn(|_req: Request<RequestBody<Body>>| async {
+        Ok::<_, std::convert::Infallible>(http::Response::new(Body::empty()))
+    }));
+    let requests: Vec<_> = (0..1_000)
+        .map(|_| {
+            let svc = svc.clone();
+            tokio::spawn(async move {
+                tokio::task::yield_now().await;
+                let req = Request::get("/").body(Body::empty()).unwrap();
+                svc.oneshot(req).await.unwrap().status()
+            })
+        })
+        .collect();
+    let reloads = std::thread::spawn(move || {
+        for i in 0..200 {
+            let config = LimitsConfig::from_toml(&daily(i % 2 == 0), format!("v{i}.toml"));
+            handle.reload(config.unwrap()).unwrap();
+            std::thread::yield_now();
+        }
+    });
+    let mut admitted = 0;
+    for request in requests {
+        let status = request.await.unwrap();
+        assert!(status == StatusCode::OK || status == StatusCode::TOO_MANY_REQUESTS, "{status}");
+        admitted += usize::from(status == StatusCode::OK);
+    }
+    reloads.join().unwrap();
+    assert_eq!(admitted, 500);
+}

@@ -162,6 +162,11 @@ impl<St: Store> fmt::Debug for ReloadHandle<St> {
 impl<St: Store> ReloadHandle<St> {
     /// Replaces the running configuration with `config`.
     ///
+    /// On a [`MemoryStore`] no charge is lost to the reload: requests still in progress under the
+    /// replaced configuration charge a changed policy's unchanged tiers where the new
+    /// configuration counts them, so such a tier admits exactly its quota however many reloads
+    /// happen while requests are in flight (see [`MemoryStore::rebind_policy`]).
+    ///
     /// ```
     /// use tollgate::config::{LimitsConfig, LimitsLayer};
     ///
@@ -362,7 +367,9 @@ impl Reloaded {
     }
 
     /// Policies whose algorithm or tiers changed: bound anew; on a `MemoryStore` their keys
-    /// keep the state of the tiers that did not change, and the changed tiers start full.
+    /// keep the state of the tiers that did not change (including what requests still in
+    /// progress under the old configuration charge them), and the changed tiers start as the
+    /// policy's `changed_tiers` says (full by default).
     #[must_use]
     pub fn changed(&self) -> &[String] {
         &self.changed
@@ -374,8 +381,8 @@ impl Reloaded {
         &self.added
     }
 
-    /// Policies the new configuration does not have: their state goes with the last request
-    /// still using it.
+    /// Policies the new configuration does not have: their state stays in the store until it
+    /// is idle, and a policy that comes back unchanged finds it again.
     #[must_use]
     pub fn removed(&self) -> &[String] {
         &self.removed

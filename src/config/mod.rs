@@ -129,10 +129,15 @@
 //!   change (same name and definition, same algorithm), on a `MemoryStore`; a changed tier
 //!   starts full, or, with `changed_tiers = "carry_used_fraction"`, with the share of it each
 //!   key had used (30 of 100 becomes 60 of 200; [`Carry::UsedFraction`](crate::store::Carry));
-//!   concurrency tiers start with no slot held. On Redis a changed policy starts full in every
-//!   tier (its keys are named by the policy's fingerprint). See
-//!   [`Store::rebind`](crate::store::Store::rebind);
-//! - a removed policy's state is dropped with the last request still using it.
+//!   concurrency tiers start with no slot held. Requests still in progress under the old
+//!   configuration charge the unchanged tiers where the new one counts them, so no charge is
+//!   lost to a reload: an unchanged tier admits exactly its quota however often the file
+//!   changes. On Redis a changed policy starts full in every tier (its keys are named by the
+//!   policy's fingerprint). See [`Store::rebind`](crate::store::Store::rebind);
+//! - a removed policy's state stays in the store until it is idle (on a `MemoryStore`; on
+//!   Redis until its keys expire): a policy that comes back unchanged finds it again, as any
+//!   binding of the same policy to the same store does
+//!   ([one policy, one budget](crate::store#one-policy-on-one-store-is-one-budget)).
 //!
 //! A refused file changes nothing: the running configuration stays.
 

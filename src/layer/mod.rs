@@ -143,7 +143,9 @@ impl Default for Settings {
 ///
 /// Police (default) answers 429 at once; [`shape`](RateLimitLayerBuilder::shape) holds a
 /// request until its reserved slot. Clones share state: add the same layer to several routes
-/// and they share one budget; build separate layers for separate budgets.
+/// and they share one budget. So do layers built separately with one policy on one store:
+/// for a budget per route, give each route a policy of its own name, or put the route in the
+/// key (see [one policy, one budget](crate::store#one-policy-on-one-store-is-one-budget)).
 ///
 /// gRPC calls (`content-type: application/grpc...`, see [`crate::grpc`]) are refused in gRPC
 /// form: `grpc-status: 8` (`RESOURCE_EXHAUSTED`) with `grpc-retry-pushback-ms`, instead of a
@@ -276,8 +278,10 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     }
 
     /// Sets the store (default: a new [`MemoryStore`]). Pass a clone of one store to several
-    /// layers to keep their states in one place (each layer keeps its own budget); a layer made
-    /// [`with_limiter`](RateLimitLayer::with_limiter) keeps its limiter's store.
+    /// layers to keep their states in one place: layers of different policies keep apart,
+    /// layers of one policy share its budget
+    /// ([one policy, one budget](crate::store#one-policy-on-one-store-is-one-budget)); a layer
+    /// made [`with_limiter`](RateLimitLayer::with_limiter) keeps its limiter's store.
     pub fn store<St2: Store>(self, store: St2) -> RateLimitLayerBuilder<K, St2> {
         let source = match self.source {
             Source::Policy(policy, _) => Source::Policy(policy, store),

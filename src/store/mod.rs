@@ -10,6 +10,20 @@
 //! request then passes the bound policy and a [`Check`] (key, cost or costs per tier, shaping
 //! budget).
 //!
+//! # One policy on one store is one budget
+//!
+//! A store keeps state by **policy and key**, a policy being its name, algorithm and tiers:
+//! every [`Limiter`](crate::Limiter) and layer that binds one policy to one store decides on the
+//! same state, however many there are and whether they are built once or for each request, in
+//! a [`MemoryStore`] as in a `RedisStore` (whose keys are named by the policy). A policy of the
+//! same name with other tiers or another algorithm is another policy, with a state of its own.
+//! A `MemoryStore` keeps a policy's state when its last binding is dropped, for the next one,
+//! until its keys are idle and swept (as Redis keeps keys until their TTL).
+//!
+//! So to give each route its own budget, give each route a policy of its own name, or put the
+//! route in the key (a tuple extractor such as `(PeerIp, RouteKey)`); two layers with the same
+//! policy on one store share it, as clones of one layer do.
+//!
 //! An admitted request that took concurrency slots always comes with a ticket: dropping it, or
 //! [`Store::release`], gives the slots back; [`Store::settle`] and [`Store::settle_tiers`]
 //! settle its costs.
@@ -58,13 +72,13 @@ use crate::quota::Policy;
 /// use tollgate::{Limiter, Policy, Quota, key::Key};
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-/// let limiter = Limiter::new(Policy::single("api", Quota::per_hour(100)).unwrap());
-/// limiter.check(&Key::text("k"), 30).await.unwrap(); // 30% of the hour's quota used
 /// let doubled = Policy::single("api", Quota::per_hour(200)).unwrap();
-/// let carried = limiter.rebind_with(doubled.clone(), Carry::UsedFraction).unwrap();
-/// assert_eq!(carried.check(&Key::text("k"), 0).await.unwrap().tiers()[0].remaining(), 140);
-/// let fresh = limiter.rebind_with(doubled, Carry::StartFull).unwrap();
-/// assert_eq!(fresh.check(&Key::text("k"), 0).await.unwrap().tiers()[0].remaining(), 200);
+/// for (carry, remaining) in [(Carry::UsedFraction, 140), (Carry::StartFull, 200)] {
+///     let limiter = Limiter::new(Policy::single("api", Quota::per_hour(100)).unwrap());
+///     limiter.check(&Key::text("k"), 30).await.unwrap(); // 30% of the hour's quota used
+///     let reloaded = limiter.rebind_with(doubled.clone(), carry).unwrap();
+///     assert_eq!(reloaded.check(&Key::text("k"), 0).await.unwrap().tiers()[0].remaining(), remaining);
+/// }
 /// # }
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -79,12 +93,13 @@ pub enum Carry {
     /// at the reload instant and given back as the new tier refills (a window or calendar
     /// tier: when its current window ends; a sliding log: one period after the reload). `u` is
     /// counted in whole units, as `RateLimit` reports what remains, so a key never gains more
-    /// than it had left. A tier that changed algorithm, or a one-tier GCRA policy kept in the
-    /// memory store's compact form, carries even an unchanged tier this way. Limits: what a
-    /// key owes beyond the old capacity (a reported cost settled into debt, a shaped backlog)
-    /// is not carried (`u` is at most `c`); and a `MemoryStore` carries keys only while it has
-    /// room for them beside the old binding's (`max_keys`), so size it for twice the keys you
-    /// keep if you reload.
+    /// than it had left. A tier under another algorithm or time unit counts as changed.
+    /// Limits: what a key owes beyond the old capacity (a reported cost settled into debt, a
+    /// shaped backlog) is not carried (`u` is at most `c`); `u` is taken at the reload instant,
+    /// so what requests still going through the old binding charge to a changed tier after it
+    /// stays there (unchanged tiers lose nothing); and a `MemoryStore` carries keys only while
+    /// it has room for them beside the old binding's (`max_keys`), so size it for twice the
+    /// keys you keep if you reload.
     UsedFraction,
 }
 
@@ -250,8 +265,9 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// [`Limiter`](crate::Limiter) or layer is built, so that a policy the store cannot run is
     /// refused at start-up rather than on the first request.
     ///
-    /// Each call binds anew: state is kept per bound policy, never shared with another binding
-    /// because of a name (two layers with one store and one policy name keep apart).
+    /// Binding a policy that is bound already (same name, algorithm and tiers) shares its state:
+    /// one policy on one store is one budget (see the [module docs](self)). A store outside this
+    /// crate must keep to this too.
     ///
     /// # Errors
     /// [`ConfigError::UnsupportedByStore`] saying which tier and why.
@@ -261,11 +277,17 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// store can. Tiers are matched by name. A [`MemoryStore`] keeps each key's state of the
     /// rate and calendar tiers that did not change (same definition, same algorithm), and
     /// starts a changed tier as `carry` says ([`Carry`]); concurrency tiers start with no slot
-    /// held (the old binding's holders release theirs to it). The default binds afresh (every
-    /// tier starts full whatever `carry` says), which is also what `RedisStore` does: its keys
-    /// are named by the policy's fingerprint.
+    /// held (the old binding's holders release theirs to it). A `policy` bound to the store
+    /// already keeps the state it has (one policy, one budget), and nothing is carried. The
+    /// default binds afresh (every tier starts full whatever `carry` says), which is also what
+    /// `RedisStore` does: its keys are named by the policy's fingerprint.
     ///
-    /// `old` stays valid: requests it decided finish on it.
+    /// `old` stays valid: requests that began on it finish on it, under its policy. On a
+    /// `MemoryStore` they lose no charge to the reload: when `old` is its policy's only
+    /// binding, the unchanged tiers are handed over to the new binding, and requests still
+    /// going through `old` decide and charge them on the new binding's state, atomically with
+    /// its own requests, so an unchanged tier admits exactly its quota across any number of
+    /// reloads ([`MemoryStore::rebind_policy`] says more).
     ///
     /// # Errors
     /// As [`bind`](Self::bind).

@@ -179,6 +179,11 @@ impl Compact {
             .unwrap_or_default()
     }
 
+    /// How many keys binding `id` holds.
+    pub(super) fn len_of(&self, id: usize) -> usize {
+        self.tables.get(id).and_then(Option::as_ref).map_or(0, TatTable::len)
+    }
+
     /// Drops binding `id`'s table; returns how many keys it held.
     pub(super) fn drop_table(&mut self, id: usize) -> usize {
         if matches!(self.hot.key, Some((i, ..)) if i == id) {

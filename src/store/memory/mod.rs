@@ -4,17 +4,19 @@
 mod compact;
 mod table;
 
+use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasher, Hasher, RandomState};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use compact::Compact;
 use smallvec::SmallVec;
-use table::{Core, Shard, WAKERS, Waker, general_mut, lock};
+use table::{Core, Generals, Next, Shard, general_mut, lock};
 
 use super::{Carry, Check, Store, Verdict};
-use crate::algorithm::slots::{self, Holds};
+use crate::algorithm::slots;
 use crate::algorithm::{
     Charge, Charges, GcraStep, Mode, TierState, WholeGcra, budget, decide, decide_kinds, in_units,
     release as release_slots, settle_tier, whole_decision,
@@ -23,7 +25,7 @@ use crate::clock::{AnyClock, Clock, duration_to_nanos};
 use crate::decision::Decision;
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
-use crate::quota::{Algorithm, Kind, Policy};
+use crate::quota::{Kind, Policy, TierKind};
 
 /// How often a full shard may be scanned for idle keys to make room for a new key, in
 /// nanoseconds of the store's clock (100 ms). Between scans, new keys of a full shard go to the
@@ -39,8 +41,9 @@ const FULL_RESCAN_NANOS: u64 = 100_000_000;
 ///   keys per store): a key's size does not matter, and a client cannot choose collisions. Two
 ///   keys share a bucket only if their fingerprints collide (about one chance in 2^25 that any
 ///   pair does among a million keys).
-/// - State is kept per **bound policy** ([`Store::bind`]): two layers sharing one store keep
-///   apart, whatever their policies are named.
+/// - State is kept by **policy** (name, algorithm, tiers) and key: every binding of one policy
+///   ([`Store::bind`]) shares it, and it outlives them until its keys are idle (see
+///   [one policy, one budget](super#one-policy-on-one-store-is-one-budget)).
 /// - The common case, one GCRA tier whose emission interval (`period / count`) is a whole
 ///   number of nanoseconds, keeps **8 bytes of state per key** (the TAT) and decides without
 ///   taking the shard's write lock, by compare-and-swap, as governor does. Every other policy
@@ -57,7 +60,7 @@ const FULL_RESCAN_NANOS: u64 = 100_000_000;
 /// - At most [`MemoryStoreBuilder::max_keys`] keys are held. When full, a new key first makes
 ///   room by evicting idle keys of its shard (a shard is scanned at most every 100 ms, so a
 ///   flood of new keys cannot make every request walk it); if none are idle it is decided by
-///   **one overflow bucket per bound policy**, shared by all keys that did not fit. Established
+///   **one overflow bucket per policy**, shared by all keys that did not fit. Established
 ///   keys keep their own state, and an IP flood can neither grow memory nor obtain a fresh
 ///   bucket per request.
 ///
@@ -99,19 +102,40 @@ struct Inner {
     sweep_interval: Duration,
     sweeper: AtomicBool,
     registry: Mutex<Registry>,
+    /// One reload at a time: each hands keys over shard by shard.
+    rebinding: Mutex<()>,
 }
 
-/// Which table slots are in use, free, or held by a binding that was dropped (whose tables are
-/// cleared before the slot is used again).
+/// The table slots: which policy each one holds and what refers to it, which are free, and
+/// which were given up (their tables are cleared before the slot is used again).
 #[derive(Default)]
 struct Registry {
     next: usize,
     free: Vec<usize>,
     retired: Vec<usize>,
+    /// The slot holding each policy's state, by identity (name, algorithm, tiers): binding the
+    /// same policy again shares it.
+    by_policy: HashMap<Policy, usize>,
+    /// By slot.
+    slots: Vec<Slot>,
 }
 
-/// A policy bound to a [`MemoryStore`] ([`Store::bind`]): its own table in every shard, the
-/// compact GCRA form when it applies, and its overflow bucket. Dropping it frees its keys.
+/// One table slot in use.
+#[derive(Default)]
+struct Slot {
+    core: Option<Arc<Core>>,
+    /// Its bindings ([`MemoryPolicy`]) alive.
+    handles: usize,
+    /// Replaced bindings whose unchanged tiers live in it.
+    preds: usize,
+    /// The slot that replaced it in a reload.
+    successor: Option<usize>,
+}
+
+/// A policy bound to a [`MemoryStore`] ([`Store::bind`]): its table in every shard, the
+/// compact GCRA form when it applies, and its overflow bucket, shared by every binding of the
+/// same policy (name, algorithm and tiers) to the same store. The state outlives them: the next
+/// binding of the policy finds it, until its keys are idle and swept.
 ///
 /// It always decides in the store that bound it.
 pub struct MemoryPolicy {
@@ -131,7 +155,7 @@ impl fmt::Debug for MemoryPolicy {
 
 impl Drop for MemoryPolicy {
     fn drop(&mut self) {
-        lock(&self.inner.registry).retired.push(self.id);
+        self.inner.unbind(self.id);
     }
 }
 
@@ -282,6 +306,7 @@ impl MemoryStoreBuilder {
                 sweep_interval: self.sweep_interval,
                 sweeper: AtomicBool::new(false),
                 registry: Mutex::new(Registry::default()),
+                rebinding: Mutex::new(()),
             }),
         }
     }
@@ -321,131 +346,108 @@ impl MemoryStore {
     }
 
     /// Binds `policy` to this store (the [`Store::bind`] of a store that never refuses one).
+    ///
+    /// A policy already bound to this store (same name, algorithm and tiers) shares that
+    /// binding's state: one policy on one store is one budget, however many layers or limiters
+    /// bind it. A policy of the same name with other tiers keeps its own.
     #[must_use]
     pub fn bind_policy(&self, policy: &Policy) -> MemoryPolicy {
-        let whole = match policy.tiers() {
-            [tier]
-                if policy.algorithm() == Algorithm::Gcra
-                    && policy.unit() == 1
-                    && policy.is_plain() =>
-            {
-                WholeGcra::of(tier.rate)
-            }
-            _ => None,
-        };
-        let wakers = if policy.has_concurrency() {
-            (0..WAKERS).map(|_| Waker::default()).collect()
-        } else {
-            Box::default()
-        };
-        let core = Arc::new(Core {
-            policy: policy.clone(),
-            whole,
-            overflow: Mutex::new(None),
-            holds: Holds::new(policy),
-            wakers,
-        });
-        let id = self.inner.allocate();
+        let (id, core, _) = self.inner.slot_for(policy);
         MemoryPolicy { id, core, inner: Arc::clone(&self.inner) }
     }
 
     /// Binds `policy` in place of `old` (see [`Store::rebind`]): each key's state of the rate
     /// and calendar tiers that did not change (same name and definition, under the same
-    /// algorithm and time unit) is copied into the new binding; changed tiers start as `carry`
-    /// says, concurrency tiers with no slot held. Between a one-tier GCRA policy kept in the
-    /// compact form and general tables, an unchanged tier is carried by its used units (whole
-    /// units, rounded up); [`Carry::UsedFraction`] carries changed tiers between every form.
-    /// Keys are carried while the store has room for them beside `old`'s (`max_keys`).
+    /// algorithm and time unit) is carried into the new binding as it is (between the compact
+    /// one-tier GCRA form and general tables too); changed tiers start as `carry` says,
+    /// concurrency tiers with no slot held. Keys are carried while the store has room for them
+    /// beside `old`'s (`max_keys`).
+    ///
+    /// When `policy` is bound to this store already, the new binding shares that state and
+    /// nothing is carried (one policy, one budget).
+    ///
+    /// **No charge is lost to the reload.** When `old` is its policy's only binding, its
+    /// unchanged tiers are handed over rather than copied: from the moment a shard's keys are
+    /// carried, requests still decided through `old` (begun before the reload) decide and
+    /// charge those tiers on the new binding's state, under the same lock as the new binding's
+    /// own requests, so a tier that did not change admits exactly its quota across any number
+    /// of reloads. `old` keeps deciding its other tiers on its own state. (When other bindings
+    /// share `old`'s policy, it stays theirs: `old`'s later charges stay in it and are not
+    /// seen by the new binding.) Rebinding a binding that was replaced already rebinds its
+    /// replacement, which holds the newest state.
     #[must_use]
     pub fn rebind_policy(&self, old: &MemoryPolicy, policy: &Policy, carry: Carry) -> MemoryPolicy {
-        let new = self.bind_policy(policy);
-        match carry {
-            Carry::StartFull => self.carry_unchanged(old, &new),
-            Carry::UsedFraction => self.carry_used(old, &new, true),
+        let inner = &self.inner;
+        let _one = lock(&inner.rebinding);
+        let (mut from, mut from_core) = (old.id, Arc::clone(&old.core));
+        while from_core.moved.load(Ordering::Acquire) >= inner.shards.len() {
+            let Some(next) = from_core.next.get() else { break };
+            let next = (next.id, Arc::clone(&next.core));
+            (from, from_core) = next;
+        }
+        let (id, core, existed) = inner.slot_for(policy);
+        let new = MemoryPolicy { id, core, inner: Arc::clone(inner) };
+        if new.id == from {
+            return new;
+        }
+        let (before, after) = (&from_core.policy, &new.core.policy);
+        let same_time = before.algorithm() == after.algorithm() && before.unit() == after.unit();
+        // For each old tier, the new tier that keeps its state.
+        let kept: Box<[Option<usize>]> = before
+            .tiers()
+            .iter()
+            .map(|o| {
+                if !same_time || o.kind() == TierKind::Concurrency {
+                    return None;
+                }
+                after.tiers().iter().position(|t| t.name() == o.name() && t == o)
+            })
+            .collect();
+        let hand_over = kept.iter().any(Option::is_some) && inner.supersede(from, before, new.id);
+        if hand_over {
+            let next = Next { id: new.id, core: Arc::clone(&new.core), tiers: kept };
+            // `supersede` admits a slot once: nothing was set.
+            let _ = from_core.next.set(next);
+        }
+        let now = inner.clock.now();
+        for (i, shard) in inner.shards.iter().enumerate() {
+            let mut generals = lock(&shard.general);
+            let mut compact = shard.compact.lock();
+            if !existed {
+                self.carry_shard(from, &from_core, &new, carry, &mut generals, &mut compact, now);
+            }
+            if hand_over {
+                // Its keys now live in the new binding; a request through `old` finds none and
+                // decides on the new binding's state (`check_moved`).
+                if from_core.whole.is_some() {
+                    let dropped = compact.drop_table(from);
+                    inner.len.fetch_sub(dropped, Ordering::Relaxed);
+                }
+                from_core.moved.store(i + 1, Ordering::Release);
+            }
         }
         new
     }
 
-    /// Copies each key's state of the tiers `new` has unchanged from `old`.
-    fn carry_unchanged(&self, old: &MemoryPolicy, new: &MemoryPolicy) {
-        let (before, policy) = (&old.core.policy, &new.core.policy);
-        let same_time = before.algorithm() == policy.algorithm() && before.unit() == policy.unit();
-        if !same_time {
-            return;
-        }
-        match (&old.core.whole, &new.core.whole) {
-            (None, None) => {}
-            // One GCRA tier on both sides, unchanged: its TATs, as they are.
-            (Some(_), Some(_)) if before.tiers() == policy.tiers() => {
-                let inner = &self.inner;
-                for shard in &inner.shards {
-                    let mut compact = shard.compact.lock();
-                    for (fp, tat) in compact.entries(old.id) {
-                        if inner.len.load(Ordering::Relaxed) >= inner.max_keys {
-                            return;
-                        }
-                        compact.insert(new.id, fp, tat);
-                        inner.len.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-                return;
-            }
-            // Between the compact form and general tables: the unchanged tiers by their used
-            // units (whole units, rounded up).
-            _ => return self.carry_used(old, new, false),
-        }
-        // For each new tier, the old tier whose state it keeps.
-        let carried: Vec<Option<usize>> = policy
-            .tiers()
-            .iter()
-            .map(|t| {
-                if t.kind() == crate::quota::TierKind::Concurrency {
-                    return None;
-                }
-                before.tiers().iter().position(|o| o == t)
-            })
-            .collect();
-        if carried.iter().all(Option::is_none) {
-            return;
-        }
-        let inner = &self.inner;
-        let now = inner.clock.now();
-        for shard in &inner.shards {
-            let mut tables = lock(&shard.general);
-            let Some(Some(from)) = tables.get(old.id) else { continue };
-            let moved: Vec<(u64, Box<[TierState]>)> = from
-                .map
-                .iter()
-                .filter_map(|(fp, states)| {
-                    let mut fresh = new.core.fresh(now);
-                    for (slot, from) in fresh.iter_mut().zip(&carried) {
-                        if let Some(state) = from.and_then(|j| states.get(j)) {
-                            *slot = state.clone();
-                        }
-                    }
-                    (!new.core.is_idle(&fresh, now)).then_some((*fp, fresh))
-                })
-                .collect();
-            let table = general_mut(&mut tables, new.id, &new.core);
-            for (fp, states) in moved {
-                if inner.len.load(Ordering::Relaxed) >= inner.max_keys {
-                    break;
-                }
-                table.map.insert(fp, states);
-                inner.len.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-    }
-
-    /// Starts each key's tiers of `new` from its state under `old`: unchanged tiers copied (when
-    /// both bindings keep general tables under one algorithm and time unit), the other tiers
-    /// matched by name charged their used fraction at the reload instant ([`Carry::UsedFraction`]).
-    fn carry_used(&self, old: &MemoryPolicy, new: &MemoryPolicy, changed_too: bool) {
-        let (before, after) = (&old.core.policy, &new.core.policy);
+    /// Starts each key of one shard's `from` slot in `new`: tiers unchanged as they are, the
+    /// other tiers matched by name charged their used fraction at the reload instant when
+    /// `carry` says so ([`Carry::UsedFraction`]). Keys `new` holds already are left alone.
+    #[allow(clippy::too_many_arguments)]
+    fn carry_shard(
+        &self,
+        from: usize,
+        from_core: &Core,
+        new: &MemoryPolicy,
+        carry: Carry,
+        generals: &mut Generals,
+        compact: &mut Compact,
+        now: u64,
+    ) {
+        let (before, after) = (&from_core.policy, &new.core.policy);
         let same_time = before.algorithm() == after.algorithm() && before.unit() == after.unit();
-        let general = old.core.whole.is_none() && new.core.whole.is_none();
-        let rated = |t: &crate::quota::Tier| t.kind() != crate::quota::TierKind::Concurrency;
-        // For each new tier: the old tier of its name, and whether its state is copied as is.
+        let changed_too = carry == Carry::UsedFraction;
+        let rated = |t: &crate::quota::Tier| t.kind() != TierKind::Concurrency;
+        // For each new tier: the old tier of its name, and whether it is unchanged.
         let matched: Vec<Option<(usize, bool)>> = after
             .tiers()
             .iter()
@@ -453,85 +455,93 @@ impl MemoryStore {
                 let j = before.tiers().iter().position(|o| o.name() == t.name())?;
                 let o = &before.tiers()[j];
                 let unchanged = same_time && o == t;
-                (rated(t) && rated(o) && (changed_too || unchanged))
-                    .then_some((j, general && unchanged))
+                (rated(t) && rated(o) && (changed_too || unchanged)).then_some((j, unchanged))
             })
             .collect();
         if matched.iter().all(Option::is_none) {
             return;
         }
         let inner = &self.inner;
-        let now = inner.clock.now();
+        // Each old key: its state, or its TAT in the compact form.
+        let keys: Vec<(u64, Was)> = if from_core.whole.is_some() {
+            compact.entries(from).into_iter().map(|(fp, t)| (fp, Was::Tat(t))).collect()
+        } else {
+            let Some(Some(table)) = generals.get(from) else { return };
+            table.map.iter().map(|(fp, s)| (*fp, Was::States(s.clone()))).collect()
+        };
         let zeros = vec![0; before.tiers().len()];
-        for shard in &inner.shards {
-            // Each old key: its state, or its TAT in the compact form.
-            let keys: Vec<(u64, Was)> = if old.core.whole.is_some() {
-                shard
-                    .compact
-                    .lock()
-                    .entries(old.id)
-                    .into_iter()
-                    .map(|(fp, t)| (fp, Was::Tat(t)))
-                    .collect()
-            } else {
-                let tables = lock(&shard.general);
-                let Some(Some(from)) = tables.get(old.id) else { continue };
-                from.map.iter().map(|(fp, s)| (*fp, Was::States(s.clone()))).collect()
+        let count = |j: usize| before.tiers()[j].rate.count;
+        for (fp, state) in keys {
+            let held = match &new.core.whole {
+                Some(_) => compact.tat_mut(new.id, fp).is_some(),
+                None => generals
+                    .get(new.id)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|g| g.map.contains_key(&fp)),
             };
-            for (fp, state) in keys {
-                // What remains of each old tier now, in whole units.
-                let remaining: Vec<u64> = match (&state, &old.core.whole) {
-                    (Was::Tat(tat), Some(w)) => vec![w.status(*tat, now).0],
-                    (Was::States(states), _) => {
-                        let mut states = states.clone();
-                        let (d, _) = decide_kinds(before, &mut states, now, &zeros, Mode::Police);
-                        d.tiers().iter().map(crate::TierDecision::remaining).collect()
-                    }
-                    (Was::Tat(_), None) => continue,
+            if held {
+                continue;
+            }
+            // What remains of each old tier now, in whole units.
+            let remaining: Vec<u64> = match (&state, &from_core.whole) {
+                (Was::Tat(tat), Some(w)) => vec![w.status(*tat, now).0],
+                (Was::States(states), _) => {
+                    let mut states = states.clone();
+                    let (d, _) = decide_kinds(before, &mut states, now, &zeros, Mode::Police);
+                    d.tiers().iter().map(crate::TierDecision::remaining).collect()
+                }
+                (Was::Tat(_), None) => continue,
+            };
+            let used = |i: usize, j: usize| {
+                let (from, to) = (before.tiers()[j].capacity(), after.tiers()[i].capacity());
+                let used = from.saturating_sub(remaining.get(j).copied().unwrap_or(from));
+                let scaled = (u128::from(used) * u128::from(to)).div_ceil(u128::from(from));
+                u64::try_from(scaled).unwrap_or(u64::MAX).min(to)
+            };
+            if let Some(w) = &new.core.whole {
+                let Some(Some((j, unchanged))) = matched.first().copied() else { continue };
+                let exact = match (&state, unchanged) {
+                    (Was::Tat(tat), true) => Some(*tat),
+                    (Was::States(states), true) => whole_tat(&states[j], count(j)),
+                    _ => None,
                 };
-                let used = |i: usize, j: usize| {
-                    let (from, to) = (before.tiers()[j].capacity(), after.tiers()[i].capacity());
-                    let used = from.saturating_sub(remaining.get(j).copied().unwrap_or(from));
-                    let scaled = (u128::from(used) * u128::from(to)).div_ceil(u128::from(from));
-                    u64::try_from(scaled).unwrap_or(u64::MAX).min(to)
-                };
-                if let Some(w) = &new.core.whole {
-                    let Some(Some((j, _))) = matched.first() else { continue };
-                    let units = used(0, *j);
-                    if let GcraStep::Admit { tat, .. } = w.decide(0, now, units, 0) {
-                        if inner.len.load(Ordering::Relaxed) >= inner.max_keys {
-                            return;
-                        }
-                        shard.compact.lock().insert(new.id, fp, tat);
-                        inner.len.fetch_add(1, Ordering::Relaxed);
-                    }
-                    continue;
-                }
-                let mut states = new.core.fresh(now);
-                let mut costs = vec![0; after.tiers().len()];
-                for (i, m) in matched.iter().enumerate() {
-                    let Some((j, copy)) = *m else { continue };
-                    match (&state, copy) {
-                        (Was::States(old_states), true) => states[i] = old_states[j].clone(),
-                        _ => costs[i] = used(i, j),
-                    }
-                }
-                // Each changed tier charged on its own: every one fits a fresh tier.
-                for (i, units) in costs.iter().enumerate().filter(|(_, u)| **u > 0) {
-                    let mut one = vec![0; costs.len()];
-                    one[i] = *units;
-                    let _ = decide_kinds(after, &mut states, now, &one, Mode::Police);
-                }
-                if new.core.is_idle(&states, now) {
-                    continue;
-                }
+                let tat = exact.or_else(|| match w.decide(0, now, used(0, j), 0) {
+                    GcraStep::Admit { tat, .. } => Some(tat),
+                    _ => None,
+                });
+                // A TAT not after now decides like a fresh key.
+                let Some(tat) = tat.filter(|t| *t > now) else { continue };
                 if inner.len.load(Ordering::Relaxed) >= inner.max_keys {
                     return;
                 }
-                let mut tables = lock(&shard.general);
-                general_mut(&mut tables, new.id, &new.core).map.insert(fp, states);
+                compact.insert(new.id, fp, tat);
                 inner.len.fetch_add(1, Ordering::Relaxed);
+                continue;
             }
+            let mut states = new.core.fresh(now);
+            let mut costs = vec![0; after.tiers().len()];
+            for (i, m) in matched.iter().enumerate() {
+                let Some((j, unchanged)) = *m else { continue };
+                match (&state, unchanged) {
+                    (Was::States(old_states), true) => states[i] = old_states[j].clone(),
+                    (Was::Tat(tat), true) => states[i] = scaled_tat(*tat, count(j)),
+                    _ => costs[i] = used(i, j),
+                }
+            }
+            // Each changed tier charged on its own: every one fits a fresh tier.
+            for (i, units) in costs.iter().enumerate().filter(|(_, u)| **u > 0) {
+                let mut one = vec![0; costs.len()];
+                one[i] = *units;
+                let _ = decide_kinds(after, &mut states, now, &one, Mode::Police);
+            }
+            if new.core.is_idle(&states, now) {
+                continue;
+            }
+            if inner.len.load(Ordering::Relaxed) >= inner.max_keys {
+                return;
+            }
+            general_mut(generals, new.id, &new.core).map.insert(fp, states);
+            inner.len.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -591,6 +601,167 @@ enum Was {
     States(Box<[TierState]>),
     /// The TAT of the compact form's one GCRA tier, nanoseconds.
     Tat(u64),
+}
+
+/// The whole-nanosecond TAT of a GCRA tier's scaled state (`count` its rate's count): exact,
+/// since a tier whose emission interval is whole keeps its scaled TAT a multiple of `count`.
+fn whole_tat(state: &TierState, count: u64) -> Option<u64> {
+    match state {
+        TierState::Gcra(scaled) => u64::try_from(scaled.div_ceil(u128::from(count))).ok(),
+        _ => None,
+    }
+}
+
+/// The scaled state of a GCRA tier whose whole-nanosecond TAT is `tat`.
+fn scaled_tat(tat: u64, count: u64) -> TierState {
+    TierState::Gcra(u128::from(tat) * u128::from(count))
+}
+
+/// Where a tier of a key of a replaced binding lives now.
+enum Place {
+    /// In the binding's own table (a tier the reload changed).
+    Own,
+    /// In a compact table, whose one tier's rate counts `count`.
+    Compact { id: usize, count: u64 },
+    /// Tier `tier` of a general table.
+    General { id: usize, core: Arc<Core>, tier: usize },
+}
+
+/// Where each tier of `core`'s keys in shard `shard` lives: a tier handed over to the binding
+/// that replaced it lives where that one keeps it, through any number of reloads.
+fn places(core: &Arc<Core>, shard: usize) -> SmallVec<[Place; 4]> {
+    (0..core.policy.tiers().len())
+        .map(|j| {
+            let (mut at, mut id, mut tier) = (core, None, j);
+            while at.moved(shard) {
+                let Some(next) = at.next.get() else { break };
+                let Some(k) = next.tiers.get(tier).copied().flatten() else { break };
+                (at, id, tier) = (&next.core, Some(next.id), k);
+            }
+            match id {
+                None => Place::Own,
+                Some(id) if at.whole.is_some() => {
+                    Place::Compact { id, count: at.policy.tiers()[tier].rate.count }
+                }
+                Some(id) => Place::General { id, core: Arc::clone(at), tier },
+            }
+        })
+        .collect()
+}
+
+/// A key's state as binding `id` of `core` decides it, each tier read from its place, and
+/// whether each place held the key.
+fn gather(
+    (core, id): (&Arc<Core>, usize),
+    places: &[Place],
+    generals: &Generals,
+    compact: &mut Compact,
+    fp: u64,
+    now: u64,
+) -> (Box<[TierState]>, SmallVec<[bool; 4]>) {
+    let own = match core.whole {
+        None => generals.get(id).and_then(Option::as_ref).and_then(|g| g.map.get(&fp)).cloned(),
+        Some(_) => None,
+    };
+    let own_held = own.is_some();
+    let mut states = own.unwrap_or_else(|| core.fresh(now));
+    let policy = &core.policy;
+    let fresh = |j: usize| {
+        TierState::fresh_for(policy.algorithm(), &policy.tiers()[j], in_units(policy, now))
+    };
+    let held = places
+        .iter()
+        .enumerate()
+        .map(|(j, place)| match place {
+            Place::Own => own_held,
+            Place::Compact { id, count } => match compact.tat_mut(*id, fp) {
+                Some(tat) => {
+                    states[j] = scaled_tat(*tat, *count);
+                    true
+                }
+                None => {
+                    states[j] = fresh(j);
+                    false
+                }
+            },
+            Place::General { id, tier, .. } => {
+                match generals.get(*id).and_then(Option::as_ref).and_then(|g| g.map.get(&fp)) {
+                    Some(there) => {
+                        states[j] = there[*tier].clone();
+                        true
+                    }
+                    None => {
+                        states[j] = fresh(j);
+                        false
+                    }
+                }
+            }
+        })
+        .collect();
+    (states, held)
+}
+
+/// Writes back what [`gather`] read, each tier to its place; with `insert`, a place that did
+/// not hold the key gets it (unless it would decide like a fresh one). Returns the keys
+/// inserted.
+fn scatter(
+    (core, id): (&Arc<Core>, usize),
+    places: &[Place],
+    states: &[TierState],
+    generals: &mut Generals,
+    compact: &mut Compact,
+    (fp, now, insert): (u64, u64, bool),
+) -> usize {
+    let mut inserted = 0;
+    if core.whole.is_none() && places.iter().any(|p| matches!(p, Place::Own)) {
+        let table = general_mut(generals, id, core);
+        match table.map.get_mut(&fp) {
+            Some(mine) => {
+                for (j, place) in places.iter().enumerate() {
+                    if matches!(place, Place::Own) {
+                        mine[j] = states[j].clone();
+                    }
+                }
+            }
+            None if insert && !core.is_idle(states, now) => {
+                table.map.insert(fp, states.into());
+                inserted += 1;
+            }
+            None => {}
+        }
+    }
+    for (j, place) in places.iter().enumerate() {
+        match place {
+            Place::Own => {}
+            Place::Compact { id, count } => {
+                let Some(tat) = whole_tat(&states[j], *count) else { continue };
+                match compact.tat_mut(*id, fp) {
+                    Some(there) => *there = tat,
+                    None if insert && tat > now => {
+                        compact.insert(*id, fp, tat);
+                        inserted += 1;
+                    }
+                    None => {}
+                }
+            }
+            Place::General { id, core: home, tier } => {
+                let table = general_mut(generals, *id, home);
+                match table.map.get_mut(&fp) {
+                    Some(there) => there[*tier] = states[j].clone(),
+                    None if insert => {
+                        let mut there = home.fresh(now);
+                        there[*tier] = states[j].clone();
+                        if !home.is_idle(&there, now) {
+                            table.map.insert(fp, there);
+                            inserted += 1;
+                        }
+                    }
+                    None => {}
+                }
+            }
+        }
+    }
+    inserted
 }
 
 /// Decides `check` on `states` under `core`'s policy at `now` (nanoseconds): plain policies as
@@ -666,8 +837,12 @@ impl Inner {
     /// inside a table and the top seven that tag them.
     #[inline]
     fn shard(&self, fp: u64) -> &Shard {
-        let i = usize::try_from(fp >> 40).unwrap_or(0) & (self.shards.len() - 1);
-        &self.shards[i]
+        &self.shards[self.shard_index(fp)]
+    }
+
+    #[inline]
+    fn shard_index(&self, fp: u64) -> usize {
+        usize::try_from(fp >> 40).unwrap_or(0) & (self.shards.len() - 1)
     }
 
     /// Whether there is room for one more key: below the cap, or (at most every
@@ -709,6 +884,11 @@ impl Inner {
                     *tat = new;
                 }
                 (before, step)
+            }
+            // A binding replaced in a reload holds no key: it decides where its keys went.
+            None if bound.core.moved(self.shard_index(fp)) => {
+                drop(tables);
+                return self.check_moved(bound, check, fp, now);
             }
             None => {
                 let step = w.decide(0, now, check.cost, budget);
@@ -752,6 +932,10 @@ impl Inner {
         let core = &bound.core;
         let shard = self.shard(fp);
         let mut tables = lock(&shard.general);
+        if core.moved(self.shard_index(fp)) {
+            drop(tables);
+            return self.check_moved(bound, check, fp, now);
+        }
         let table = general_mut(&mut tables, bound.id, core);
         let (decision, charges) = match table.map.get_mut(&fp) {
             Some(states) => decide_core(core, states, now, check),
@@ -807,6 +991,45 @@ impl Inner {
             id: bound.id,
         });
         Some(MemoryTicket(Box::new(Charged { fp, cost: check.cost, charges, overflow, holding })))
+    }
+
+    /// Decides for a binding replaced in a reload, in a shard whose keys were handed over: each
+    /// tier on the state of the binding that now keeps it, its own tiers on its own, under the
+    /// shard's locks (so with the new binding's requests, atomically).
+    #[cold]
+    #[inline(never)]
+    fn check_moved(
+        self: &Arc<Self>,
+        bound: &MemoryPolicy,
+        check: &Check<'_>,
+        fp: u64,
+        now: u64,
+    ) -> Verdict<MemoryTicket> {
+        let core = &bound.core;
+        let shard = self.shard(fp);
+        let mut generals = lock(&shard.general);
+        let mut compact = shard.compact.lock();
+        let places = places(core, self.shard_index(fp));
+        let (mut states, held) =
+            gather((core, bound.id), &places, &generals, &mut compact, fp, now);
+        let (decision, charges) = decide_core(core, &mut states, now, check);
+        let mut inserted = 0;
+        if charges.is_some() {
+            let missing = held.iter().filter(|h| !**h).count();
+            if missing > 0 && self.len.load(Ordering::Relaxed) + missing > self.max_keys {
+                drop((compact, generals));
+                return self.check_overflow(bound, check, fp, now);
+            }
+            let at = (fp, now, true);
+            inserted = scatter((core, bound.id), &places, &states, &mut generals, &mut compact, at);
+        }
+        drop((compact, generals));
+        if inserted > 0 {
+            self.len.fetch_add(inserted, Ordering::Relaxed);
+            self.start_sweeper();
+        }
+        let ticket = charges.and_then(|c| self.ticket_for(bound, check, fp, c, false));
+        Verdict { decision, ticket }
     }
 
     #[cold]
@@ -876,11 +1099,21 @@ impl Inner {
         };
         let extra = changes.iter().any(|c| c.2);
         let fp = ticket.fp;
-        let mut inserted = false;
+        let mut inserted = 0;
         if ticket.overflow {
             if let Some(states) = lock(&core.overflow).as_mut() {
                 apply(states);
             }
+        } else if !changes.is_empty() && core.moved(self.shard_index(fp)) {
+            // Replaced in a reload: the tiers handed over are settled where they live now.
+            let shard = self.shard(fp);
+            let mut generals = lock(&shard.general);
+            let mut compact = shard.compact.lock();
+            let places = places(core, self.shard_index(fp));
+            let (mut states, _) = gather((core, id), &places, &generals, &mut compact, fp, now);
+            apply(&mut states);
+            let at = (fp, now, extra);
+            inserted = scatter((core, id), &places, &states, &mut generals, &mut compact, at);
         } else if let (Some(w), [(_, units, more)]) = (&core.whole, changes.as_slice()) {
             let at = ticket.charges.first().map_or(now, |c| c.at).max(now);
             let mut tables = self.shard(fp).compact.lock();
@@ -892,7 +1125,7 @@ impl Inner {
                 // left to give back.
                 None if *more => {
                     tables.insert(id, fp, w.charge(0, at, *units));
-                    inserted = true;
+                    inserted = 1;
                 }
                 None => {}
             }
@@ -907,14 +1140,14 @@ impl Inner {
                         let mut states = core.fresh(now);
                         apply(&mut states);
                         table.map.insert(fp, states);
-                        inserted = true;
+                        inserted = 1;
                     }
                     None => {}
                 }
             }
         }
-        if inserted {
-            self.len.fetch_add(1, Ordering::Relaxed);
+        if inserted > 0 {
+            self.len.fetch_add(inserted, Ordering::Relaxed);
         }
         for &(i, _, _) in &changes {
             if let Some(new) = target(i) {
@@ -936,14 +1169,112 @@ impl Inner {
         }
     }
 
-    /// A table slot for a new binding, after clearing the tables of dropped ones.
-    fn allocate(&self) -> usize {
+    /// The table slot of `policy`'s state: the one that holds it already, else a new one
+    /// (after clearing the tables of slots given up). Returns the slot, its core, and whether
+    /// it held the policy already.
+    fn slot_for(&self, policy: &Policy) -> (usize, Arc<Core>, bool) {
         let mut registry = lock(&self.registry);
-        self.clear_retired(&mut registry);
-        registry.free.pop().unwrap_or_else(|| {
+        let registry = &mut *registry;
+        if let Some(&id) = registry.by_policy.get(policy) {
+            if let Some(slot) = registry.slots.get_mut(id) {
+                if let Some(core) = &slot.core {
+                    slot.handles += 1;
+                    return (id, Arc::clone(core), true);
+                }
+            }
+        }
+        self.clear_retired(registry);
+        let id = registry.free.pop().unwrap_or_else(|| {
             registry.next += 1;
             registry.next - 1
-        })
+        });
+        if registry.slots.len() <= id {
+            registry.slots.resize_with(id + 1, Slot::default);
+        }
+        let core = Arc::new(Core::new(policy));
+        registry.slots[id] =
+            Slot { core: Some(Arc::clone(&core)), handles: 1, preds: 0, successor: None };
+        registry.by_policy.insert(policy.clone(), id);
+        (id, core, false)
+    }
+
+    /// A binding of slot `id` was dropped.
+    fn unbind(&self, id: usize) {
+        let mut registry = lock(&self.registry);
+        if let Some(slot) = registry.slots.get_mut(id) {
+            slot.handles = slot.handles.saturating_sub(1);
+        }
+        Self::give_up(&mut registry, id);
+    }
+
+    /// Gives slot `id` up when nothing needs it any more: no binding, no replaced binding
+    /// deciding on it, and no longer found by its policy. A slot still found by its policy
+    /// keeps its keys for the next binding of that policy (as Redis keeps them under the
+    /// policy's name) until they are idle: then the sweeper gives it up
+    /// ([`give_up_idle`](Self::give_up_idle)).
+    fn give_up(registry: &mut Registry, id: usize) {
+        let Some(slot) = registry.slots.get(id) else { return };
+        let found =
+            slot.core.as_ref().is_some_and(|c| registry.by_policy.get(&c.policy) == Some(&id));
+        if slot.handles == 0 && slot.preds == 0 && !found {
+            Self::retire(registry, id);
+        }
+    }
+
+    /// Retires slot `id` (its tables are cleared before it is used again), and then the slot
+    /// it handed its keys over to, if nothing else needs that one.
+    fn retire(registry: &mut Registry, id: usize) {
+        let Some(slot) = registry.slots.get_mut(id) else { return };
+        let Some(core) = slot.core.take() else { return };
+        let successor = slot.successor.take();
+        if registry.by_policy.get(&core.policy) == Some(&id) {
+            registry.by_policy.remove(&core.policy);
+        }
+        registry.retired.push(id);
+        if let Some(next) = successor {
+            if let Some(slot) = registry.slots.get_mut(next) {
+                slot.preds = slot.preds.saturating_sub(1);
+            }
+            Self::give_up(registry, next);
+        }
+    }
+
+    /// Gives up the slots that nothing binds any more and that hold no key (the sweeper has
+    /// evicted them as idle).
+    fn give_up_idle(&self) {
+        let mut registry = lock(&self.registry);
+        let unbound: Vec<usize> = registry
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.core.is_some() && s.handles == 0 && s.preds == 0)
+            .map(|(id, _)| id)
+            .collect();
+        for id in unbound {
+            if self.shards.iter().all(|shard| shard.keys_of(id) == 0) {
+                Self::retire(&mut registry, id);
+            }
+        }
+    }
+
+    /// Marks slot `from` (holding `policy`) as replaced by slot `to`, when `from` has at most
+    /// one binding and was not replaced before; returns whether it did. A replaced slot is no
+    /// longer found by its policy: binding that policy again starts a new one.
+    fn supersede(&self, from: usize, policy: &Policy, to: usize) -> bool {
+        let mut registry = lock(&self.registry);
+        let sole =
+            registry.slots.get(from).is_some_and(|s| s.handles <= 1 && s.successor.is_none());
+        if !sole {
+            return false;
+        }
+        if registry.by_policy.get(policy) == Some(&from) {
+            registry.by_policy.remove(policy);
+        }
+        registry.slots[from].successor = Some(to);
+        if let Some(slot) = registry.slots.get_mut(to) {
+            slot.preds += 1;
+        }
+        true
     }
 
     /// Drops the tables of bindings that were dropped, and frees their slots.
@@ -970,6 +1301,7 @@ impl Inner {
         let now = self.clock.now();
         let removed = self.shards.iter().map(|shard| shard.evict_idle(now)).sum();
         self.len.fetch_sub(removed, Ordering::Relaxed);
+        self.give_up_idle();
         removed
     }
 
@@ -1093,7 +1425,7 @@ mod tests {
     use super::*;
     use crate::clock::FakeClock;
     use crate::decision::Outcome;
-    use crate::quota::Quota;
+    use crate::quota::{Algorithm, Quota};
 
     fn ip(i: u32) -> Key {
         Key::Ip(IpAddr::V4(Ipv4Addr::from(i)))
@@ -1166,8 +1498,11 @@ mod tests {
         // One unit comes back every 18 s (3,600 s / 200), not every 36 s.
         clock.advance(Duration::from_secs(18));
         assert_eq!(remaining(&store, &carried, &key), [141]);
-        let fresh = store.rebind_policy(&v1, &v2, Carry::StartFull);
-        assert_eq!(remaining(&store, &fresh, &key), [200]);
+        // Bound again while `carried` holds it, the same policy shares its state: one policy on
+        // one store is one budget, and nothing is carried.
+        let again = store.rebind_policy(&v1, &v2, Carry::StartFull);
+        assert_eq!(remaining(&store, &again, &key), [141]);
+        drop(again);
         // The same tier in a renamed policy keeps its TATs as they are.
         let renamed = Policy::builder("renamed").tier("p", Quota::per_hour(100)).build().unwrap();
         let kept = store.rebind_policy(&v1, &renamed, Carry::StartFull);
@@ -1181,8 +1516,14 @@ mod tests {
         let general = store.rebind_policy(&carried, &wider, Carry::UsedFraction);
         // 59 of 200 used: 29.5 of 100, counted as 30.
         assert_eq!(remaining(&store, &general, &key), [70, 1_000]);
-        let back = store.rebind_policy(&general, &v2, Carry::UsedFraction);
+        // (Another policy than `carried`'s, whose state the store keeps for it.)
+        let doubled = Policy::builder("q").tier("p", Quota::per_hour(200)).build().unwrap();
+        let back = store.rebind_policy(&general, &doubled, Carry::UsedFraction);
         assert_eq!(remaining(&store, &back, &key), [140]);
+        // By default a changed tier starts full.
+        let fresh = Policy::builder("r").tier("p", Quota::per_hour(200)).build().unwrap();
+        let fresh = store.rebind_policy(&v1, &fresh, Carry::StartFull);
+        assert_eq!(remaining(&store, &fresh, &key), [200]);
     }
 
     #[test]
@@ -1300,7 +1641,7 @@ mod tests {
     }
 
     #[test]
-    fn a_dropped_binding_frees_its_keys_and_its_slot() {
+    fn a_dropped_bindings_keys_stay_for_its_policy_until_idle_then_its_slot_is_freed() {
         let clock = FakeClock::new();
         let store = store(&clock, 100, 4);
         let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
@@ -1310,11 +1651,147 @@ mod tests {
         }
         assert_eq!(store.len(), 5);
         drop(first);
-        // The next binding reuses the slot, after clearing it: its keys start fresh.
+        // The state is the store's: the next binding of the policy finds it.
         let second = store.bind_policy(&policy);
         assert_eq!(second.id, 0);
+        assert_eq!(store.len(), 5);
+        assert!(!allowed(&store, &second, &ip(0)));
+        drop(second);
+        // Idle an hour later: swept, and the slot is given up.
+        clock.advance(Duration::from_secs(3_600));
+        assert_eq!(store.sweep(), 5);
+        // Another policy reuses it, after clearing it: its keys start fresh.
+        let other = store.bind_policy(&Policy::single("q", Quota::per_hour(1)).unwrap());
+        assert_eq!(other.id, 0);
         assert_eq!(store.len(), 0);
-        assert!(allowed(&store, &second, &ip(0)));
+        assert!(allowed(&store, &other, &ip(0)));
+    }
+
+    #[test]
+    fn one_policy_on_one_store_is_one_budget_however_often_it_is_bound() {
+        let store = store(&FakeClock::new(), 100, 4);
+        // A binding per request, each dropped after its request: 5 of 100.
+        let hourly = Policy::single("api", Quota::per_hour(5)).unwrap();
+        let admitted =
+            (0..100).filter(|_| allowed(&store, &store.bind_policy(&hourly), &Key::Global)).count();
+        assert_eq!(admitted, 5);
+        // Two bindings alive at once, in general tables: one budget.
+        let two = Policy::builder("api")
+            .tier("minute", Quota::per_minute(1_000))
+            .tier("hour", Quota::per_hour(5))
+            .build()
+            .unwrap();
+        let (a, b) = (store.bind_policy(&two), store.bind_policy(&two));
+        let admitted =
+            (0..100).filter(|i| allowed(&store, if i % 2 == 0 { &a } else { &b }, &Key::Global));
+        assert_eq!(admitted.count(), 5);
+        // The same name with other tiers is another policy: its own budget.
+        let other = store.bind_policy(&Policy::single("api", Quota::per_hour(3)).unwrap());
+        assert_eq!((0..10).filter(|_| allowed(&store, &other, &Key::Global)).count(), 3);
+    }
+
+    #[test]
+    fn a_replaced_binding_charges_its_unchanged_tiers_where_they_now_live() {
+        let clock = FakeClock::new();
+        let store = store(&clock, 100, 4);
+        let key = Key::text("k");
+        // The compact form, then general tables, then the compact form again.
+        let daily = Policy::builder("p").tier("day", Quota::per_day(10)).build().unwrap();
+        let both = Policy::builder("p")
+            .tier("minute", Quota::per_minute(2))
+            .tier("day", Quota::per_day(10))
+            .build()
+            .unwrap();
+        let v1 = store.bind_policy(&daily);
+        assert!(store.check_now(&v1, Check::new(&key, 2)).decision.is_allowed());
+        let v2 = store.rebind_policy(&v1, &both, Carry::StartFull);
+        // A request still going through v1 charges the daily tier that v2 decides on, and
+        // sees v2's charges.
+        assert!(store.check_now(&v1, Check::new(&key, 1)).decision.is_allowed());
+        assert_eq!(remaining(&store, &v2, &key), [2, 7]);
+        assert!(allowed(&store, &v2, &key));
+        assert_eq!(remaining(&store, &v1, &key), [6]);
+        // Through a second reload, both old bindings charge the newest; v2 keeps its own
+        // per-minute tier (both units used now).
+        let v3 = store.rebind_policy(&v2, &daily, Carry::StartFull);
+        assert_ne!(v3.id, v1.id, "a replaced binding's state is no longer its policy's");
+        assert!(allowed(&store, &v1, &key));
+        assert!(allowed(&store, &v2, &key));
+        assert_eq!(remaining(&store, &v3, &key), [4]);
+        assert!(!allowed(&store, &v2, &key), "v2's own per-minute tier is spent");
+        assert_eq!(remaining(&store, &v3, &key), [4], "a refused request charges nothing");
+        // A key first seen through an old binding lands in the newest too.
+        let other = Key::text("other");
+        assert!(store.check_now(&v1, Check::new(&other, 4)).decision.is_allowed());
+        assert_eq!(remaining(&store, &v3, &other), [6]);
+        // A charge taken through v1 and cancelled is given back where it was taken.
+        let ticket = store.check_now(&v1, Check::new(&key, 2).with_ticket()).ticket.unwrap();
+        assert_eq!(remaining(&store, &v3, &key), [2]);
+        store.settle_now(&v1, ticket, 0);
+        assert_eq!(remaining(&store, &v3, &key), [4]);
+        // Once the old bindings are dropped, the newest alone holds the policy's state.
+        drop((v1, v2));
+        assert_eq!(remaining(&store, &v3, &key), [4]);
+        assert_eq!(remaining(&store, &store.bind_policy(&daily), &key), [4]);
+    }
+
+    #[test]
+    fn a_policy_other_bindings_share_stays_theirs_when_one_of_them_is_rebound() {
+        let store = store(&FakeClock::new(), 100, 4);
+        let key = Key::Global;
+        let daily = Policy::builder("p").tier("day", Quota::per_day(10)).build().unwrap();
+        let both = Policy::builder("p")
+            .tier("minute", Quota::per_minute(100))
+            .tier("day", Quota::per_day(10))
+            .build()
+            .unwrap();
+        let (a, b) = (store.bind_policy(&daily), store.bind_policy(&daily));
+        assert!(store.check_now(&a, Check::new(&key, 2)).decision.is_allowed());
+        let reloaded = store.rebind_policy(&a, &both, Carry::StartFull);
+        assert_eq!(remaining(&store, &reloaded, &key), [100, 8]);
+        // `a` and `b` keep sharing the daily policy's budget, apart from the new one's.
+        assert!(store.check_now(&a, Check::new(&key, 1)).decision.is_allowed());
+        assert_eq!(remaining(&store, &b, &key), [7]);
+        assert_eq!(remaining(&store, &reloaded, &key), [100, 8]);
+    }
+
+    #[test]
+    fn reloads_lose_no_charge_of_requests_still_deciding_through_the_old_binding() {
+        // 1,000 requests on four threads, each through whichever binding is current when it
+        // starts, while another thread reloads 200 times, adding and removing a per-minute
+        // tier beside a daily tier of 500 that never changes: exactly 500 admitted.
+        let daily = Policy::builder("api").tier("day", Quota::per_day(500)).build().unwrap();
+        let both = Policy::builder("api")
+            .tier("minute", Quota::per_minute(100_000))
+            .tier("day", Quota::per_day(500))
+            .build()
+            .unwrap();
+        let store = store(&FakeClock::new(), 1_000, 4);
+        let current = Mutex::new(Arc::new(store.bind_policy(&daily)));
+        let admitted = AtomicUsize::new(0);
+        let load = || Arc::clone(&*lock(&current));
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..250 {
+                        let bound = load();
+                        std::thread::yield_now();
+                        if allowed(&store, &bound, &Key::Global) {
+                            admitted.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+            s.spawn(|| {
+                for i in 0..200 {
+                    let next = if i % 2 == 0 { &both } else { &daily };
+                    let new = Arc::new(store.rebind_policy(&load(), next, Carry::StartFull));
+                    *lock(&current) = new;
+                    std::thread::yield_now();
+                }
+            });
+        });
+        assert_eq!(admitted.load(Ordering::Relaxed), 500);
     }
 
     #[tokio::test(start_paused = true)]

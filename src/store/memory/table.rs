@@ -1,4 +1,4 @@
-//! The tables of one shard: per bound policy, the state of each key, by fingerprint.
+//! The tables of one shard: per policy (table slot), the state of each key, by fingerprint.
 //!
 //! Two kinds, each behind its own lock:
 //! - **compact** tables ([`Compact`]), for one GCRA tier whose emission interval is a whole
@@ -10,8 +10,8 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use spinning_top::Spinlock;
 use spinning_top::guard::SpinlockGuard;
@@ -58,6 +58,22 @@ pub(super) struct Core {
     /// Wakes requests waiting for a concurrency slot, by fingerprint (empty for a policy
     /// without concurrency tiers).
     pub(super) wakers: Box<[Waker]>,
+    /// How many shards (the first ones, in order) have handed their keys' unchanged tiers over
+    /// to [`next`](Self::next): in those shards this binding decides those tiers on its
+    /// successor's state. Read under the shard's locks, which the hand-over holds.
+    pub(super) moved: AtomicUsize,
+    /// The binding that replaced this one in a reload, and which of its tiers keep this one's.
+    pub(super) next: OnceLock<Next>,
+}
+
+/// The binding that replaced another one ([`Core::next`]).
+pub(super) struct Next {
+    /// Its table slot.
+    pub(super) id: usize,
+    pub(super) core: Arc<Core>,
+    /// For each tier of the replaced policy, the tier of the new one that keeps its state (same
+    /// name and definition, same algorithm and time unit), if any.
+    pub(super) tiers: Box<[Option<usize>]>,
 }
 
 /// Wakes the requests waiting for a slot of the keys whose fingerprints share it: a release
@@ -73,6 +89,41 @@ pub(super) struct Waker {
 pub(super) const WAKERS: usize = 64;
 
 impl Core {
+    /// What deciding `policy` needs, with no key yet.
+    pub(super) fn new(policy: &Policy) -> Self {
+        let whole = match policy.tiers() {
+            [tier]
+                if policy.algorithm() == crate::quota::Algorithm::Gcra
+                    && policy.unit() == 1
+                    && policy.is_plain() =>
+            {
+                WholeGcra::of(tier.rate)
+            }
+            _ => None,
+        };
+        let wakers = if policy.has_concurrency() {
+            (0..WAKERS).map(|_| Waker::default()).collect()
+        } else {
+            Box::default()
+        };
+        Self {
+            policy: policy.clone(),
+            whole,
+            overflow: Mutex::new(None),
+            holds: Holds::new(policy),
+            wakers,
+            moved: AtomicUsize::new(0),
+            next: OnceLock::new(),
+        }
+    }
+
+    /// Whether shard `shard` handed this binding's unchanged tiers over to its successor. Call
+    /// it holding one of that shard's locks.
+    #[inline]
+    pub(super) fn moved(&self, shard: usize) -> bool {
+        self.moved.load(Ordering::Relaxed) > shard
+    }
+
     /// The state of a key never seen, at `now` (nanoseconds).
     pub(super) fn fresh(&self, now: u64) -> Box<[TierState]> {
         let alg = self.policy.algorithm();
@@ -98,7 +149,7 @@ impl Core {
     /// Wakes the requests waiting for a slot of `fp`.
     pub(super) fn wake(&self, fp: u64) {
         if let Some(w) = self.waker(fp) {
-            w.epoch.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            w.epoch.fetch_add(1, Ordering::AcqRel);
             w.notify.notify_waiters();
         }
     }
@@ -198,6 +249,14 @@ impl Shard {
         let compact = self.compact.lock().drop_table(id);
         let general =
             lock(&self.general).get_mut(id).and_then(Option::take).map_or(0, |g| g.map.len());
+        compact + general
+    }
+
+    /// How many keys binding `id` holds in this shard.
+    pub(super) fn keys_of(&self, id: usize) -> usize {
+        let compact = self.compact.lock().len_of(id);
+        let general =
+            lock(&self.general).get(id).and_then(Option::as_ref).map_or(0, |g| g.map.len());
         compact + general
     }
 
