@@ -834,7 +834,7 @@ mod tests {
         let start = Instant::now();
         let at = |ms: u64| start + Duration::from_millis(ms);
         let mut state = State::default();
-        let mut send = |state: &mut State, now: Instant, r: u64, t: u64| {
+        let send = |state: &mut State, now: Instant, r: u64, t: u64| {
             let seq = state.try_reserve(now).unwrap();
             state.observe(now, seq, StatusCode::OK, vec![quota(r, Some(t))], None);
         };
