@@ -49,7 +49,8 @@
 //! [`ClientIp`](key::ClientIp) read tonic's `TcpConnectInfo`; gRPC calls are refused in gRPC
 //! form with or without it ([`grpc`]). `metrics` (default) reports decisions through the
 //! `metrics` facade ([`metrics`](mod@metrics)). `client` adds the [client] side: a retry policy
-//! and a layer that paces requests by the servers' rate-limit headers. `config` reads policies
+//! (for HTTP requests, and for gRPC calls, implemented for `tonic::Status` with `tonic`) and a
+//! layer that paces requests by the servers' rate-limit headers. `config` reads policies
 //! and rules from a TOML file and reloads them while serving ([`config`](mod@config)).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
