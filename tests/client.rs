@@ -565,22 +565,30 @@ fn served_between(log: &Log, from: Duration, to: Duration) -> usize {
 }
 
 #[tokio::test(start_paused = true)]
-async fn eight_workers_reach_the_rate_a_tollgate_server_allows() {
+async fn eight_workers_reach_the_rate_a_tollgate_bucket_allows() {
+    use tollgate::Algorithm::{Gcra, LeakyBucket, TokenBucket};
     // (rate per second, network one way in ms, requests the server served from 1 s to 21 s).
     // The most it can serve then is the 10 units it holds at 1 s plus 20 s of refill.
     let cases =
         [(10, 0, 209), (20, 0, 409), (50, 0, 1008), (10, 20, 208), (20, 20, 402), (50, 20, 1000)];
-    for (rate, one_way, expected) in cases {
-        let (server, log) = tollgate_server_with(Quota::per_second(rate).with_burst(10));
-        let client = PacingLayer::new().layer(over_a_network(server, ms(one_way)));
-        let refusals = work_for(client, 8, secs(21)).await;
-        let case = format!("{rate}/s over {one_way} ms each way");
-        assert_eq!(refusals, [], "{case}: never refused, not even in the first second");
-        let served = served_between(&log, secs(1), secs(21));
-        assert_eq!(served, expected, "{case}");
-        let share = served as f64 / (rate * 20) as f64;
-        let floor = if rate == 10 { 0.95 } else { 0.90 };
-        assert!(share >= floor, "{case}: {share:.3} of the rate");
+    for algorithm in [Gcra, TokenBucket, LeakyBucket] {
+        for (rate, one_way, expected) in cases {
+            let policy = Policy::builder("api")
+                .algorithm(algorithm)
+                .tier("api", Quota::per_second(rate).with_burst(10))
+                .build()
+                .unwrap();
+            let (server, log) = tollgate_server_of(policy);
+            let client = PacingLayer::new().layer(over_a_network(server, ms(one_way)));
+            let refusals = work_for(client, 8, secs(21)).await;
+            let case = format!("{algorithm:?}, {rate}/s over {one_way} ms each way");
+            assert_eq!(refusals, [], "{case}: never refused, not even in the first second");
+            let served = served_between(&log, secs(1), secs(21));
+            assert_eq!(served, expected, "{case}");
+            let share = served as f64 / (rate * 20) as f64;
+            let floor = if rate == 10 { 0.95 } else { 0.90 };
+            assert!(share >= floor, "{case}: {share:.3} of the rate");
+        }
     }
 }
 

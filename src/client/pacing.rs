@@ -400,7 +400,7 @@ impl Quota {
     /// next unit (whichever is sooner); `None` when neither is known.
     fn next_unit(&self) -> Option<Instant> {
         let refill = self.refill().map(|(interval, _)| {
-            let owed = u32::try_from(1 - self.remaining).unwrap_or(u32::MAX);
+            let owed = u32::try_from(1i64.saturating_sub(self.remaining)).unwrap_or(u32::MAX);
             after(self.as_of, interval.saturating_mul(owed))
         });
         match (self.reset_at, refill) {
