@@ -94,9 +94,9 @@ impl KeyExtractor for AuthorityKey {
 /// server refilled more than `r_b + n - r_a - 1` units in `b - a` seconds (`r` is the whole
 /// part of what is left; a quota that was full meanwhile refilled less, so this stays a lower
 /// bound). The learned rate is the largest such bound, in units per second, over spans of at
-/// least one second (so that a difference in two responses' latency weighs little: with
-/// latencies that differ by `d` seconds, a bound over `s` seconds is at most `s / (s - d)`
-/// times the true rate). A quota with no unit left then has one `1 / rate` seconds after the
+/// least one second, measured between the responses' arrivals: when the later response took
+/// `d` seconds less to arrive than the anchor, a bound over `s` seconds is at most
+/// `(s + d) / s` times the true rate (1.1 times for `d` = 100 ms over the shortest span). A quota with no unit left then has one `1 / rate` seconds after the
 /// last response (capped at `q`), instead of at its reset; as the refill is underestimated,
 /// the server holds more than the layer believes, reports it in `r`, and the layer sends it:
 /// the rate the server allows is reached even while the estimate is low. Units are requests
@@ -106,7 +106,8 @@ impl KeyExtractor for AuthorityKey {
 /// reset, like a bucket that refilled: the rate learned from them can let one request go too
 /// early. The server refuses it (429), and from then on the layer learns no rate for that
 /// quota and waits for its resets. The same happens when other clients spend the same quota.
-/// Against a bucket (tollgate's GCRA, token and leaky buckets) no request is refused.
+/// Against a bucket (tollgate's GCRA, token and leaky buckets) that this layer alone spends
+/// and that decides requests in the order sent, no request is refused.
 ///
 /// Waits are not bounded by the layer: bound them with a timeout (`tower::timeout`) where a
 /// server's daily quota could hold requests for hours. A request dropped while it waits takes
@@ -865,6 +866,31 @@ mod tests {
         assert_eq!(state.quotas[0].interval, None);
         assert!(!state.quotas[0].learns);
         assert_eq!(state.try_reserve(at(3668)), Err(Some(at(6668))));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_faster_later_answer_raises_the_bound_at_most_by_its_share_of_the_span() {
+        // 4 units per second, capacity 100. The anchor was decided at 0 s with 50 left and
+        // arrived 100 ms later; the next was decided and arrived at 1.2 s with 50 + 4.8 - 1
+        // left. The span seen is 1.1 s for 1.2 s of refill: the bound may exceed 4/s by at
+        // most 1.2 / 1.1, an interval of 250 ms x 1.1 / 1.2 = 229.17 ms.
+        let start = Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        let report = |r| Reported {
+            name: Some("q".into()),
+            limit: Some(100),
+            remaining: r,
+            reset: Some(Duration::from_secs(13)),
+        };
+        let mut state = State::default();
+        let first = state.try_reserve(at(0)).unwrap();
+        state.observe(at(100), first, StatusCode::OK, vec![report(50)], None);
+        let second = state.try_reserve(at(1200)).unwrap();
+        state.observe(at(1200), second, StatusCode::OK, vec![report(53)], None);
+        // 53 + 1 - 50 - 1 = 3 units in 1.1 s: 366.67 ms each, within the bound.
+        let learned = state.quotas[0].interval.unwrap();
+        assert_eq!(learned, Duration::from_nanos(366_666_667));
+        assert!(learned >= Duration::from_nanos(229_166_666));
     }
 
     #[tokio::test(start_paused = true)]
