@@ -1,5 +1,6 @@
 //! A tonic gRPC service with a per-method limit; a client that paces itself by the server's
-//! `RateLimit` headers and is never refused, then one that calls it until refused.
+//! `RateLimit` headers and is never refused, one that calls it until refused, and one that
+//! retries the refused call after the server's pushback.
 //!
 //! The service is tonic-health's `grpc.health.v1.Health`; only its unary `Check` is limited
 //! (5 per second per client address), its streaming `Watch` is not. Refused calls end with
@@ -14,7 +15,7 @@ use std::net::SocketAddr;
 
 use std::time::Instant;
 
-use tollgate::client::PacingLayer;
+use tollgate::client::{PacingLayer, RetryPolicy};
 use tollgate::key::GlobalKey;
 use tollgate::{Policy, Quota, RateLimitLayer};
 use tonic::transport::server::TcpIncoming;
@@ -87,6 +88,26 @@ async fn main() -> Result<(), Box<dyn Error>> {
             }
         }
     }
+
+    // A retrying client: a tonic request's body cannot be cloned, so a retry layer around the
+    // channel could not send it again; `RetryPolicy::call` makes the call again instead, after
+    // the `grpc-retry-pushback-ms` of each `RESOURCE_EXHAUSTED`.
+    // Right after the refusal above, on the same connection: the first call is refused too.
+    let policy = RetryPolicy::<()>::builder().max_attempts(4).build()?;
+    let start = Instant::now();
+    let mut calls = 0;
+    let reply = policy
+        .call(|| {
+            calls += 1;
+            let mut client = client.clone();
+            async move { client.check(HealthCheckRequest { service: String::new() }).await }
+        })
+        .await?;
+    println!(
+        "retrying client: {:?} after {calls} calls in {:.1?}",
+        reply.get_ref().status(),
+        start.elapsed()
+    );
 
     let _ = stop.send(());
     server.await??;

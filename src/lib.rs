@@ -48,7 +48,8 @@
 //! Tower only. `redis` adds `RedisStore`. `tonic` makes [`PeerIp`](key::PeerIp) and
 //! [`ClientIp`](key::ClientIp) read tonic's `TcpConnectInfo`; gRPC calls are refused in gRPC
 //! form with or without it ([`grpc`]). `metrics` (default) reports decisions through the
-//! `metrics` facade (module `metrics`). `client` adds the client side (module `client`): a retry policy
+//! `metrics` facade (module `metrics`). `client` adds the client side (module `client`): a retry
+//! policy (for HTTP requests, and for gRPC calls, implemented for `tonic::Status` with `tonic`)
 //! and a layer that paces requests by the servers' rate-limit headers. `config` reads policies
 //! and rules from a TOML file and reloads them while serving (module `config`).
 #![cfg_attr(docsrs, feature(doc_cfg))]

@@ -10,7 +10,6 @@ use std::time::Duration;
 use http::{Method, Request, Response, StatusCode};
 use tokio::time::Instant;
 use tollgate::client::{FullJitter, PacingLayer, RetryPolicy};
-use tollgate::clock::TokioClock;
 use tollgate::key::{GlobalKey, RequestHead};
 use tollgate::store::MemoryStore;
 use tollgate::{Policy, Quota, RateLimitLayer};
@@ -360,19 +359,104 @@ fn tollgate_server() -> (
     + 'static,
     Arc<AtomicUsize>,
 ) {
-    let store = MemoryStore::builder().clock(TokioClock::new()).build().unwrap();
-    let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(10)).unwrap())
-        .key(GlobalKey)
-        .store(store)
-        .build()
-        .unwrap();
     let served = Arc::new(AtomicUsize::new(0));
     let count = Arc::clone(&served);
     let handler = service_fn(move |_req: Request<tollgate::RequestBody<String>>| {
         count.fetch_add(1, Ordering::SeqCst);
         async { Ok::<_, Infallible>(Response::new("ok".to_owned())) }
     });
-    (layer.layer(handler), served)
+    (tollgate_layer(Quota::per_second(10)).layer(handler), served)
+}
+
+/// tollgate's layer enforcing `quota` on every request together, on the paused clock.
+fn tollgate_layer(quota: Quota) -> RateLimitLayer<GlobalKey, MemoryStore> {
+    tollgate_layer_of(Policy::single("api", quota).unwrap())
+}
+
+/// tokio's clock counted from the Unix epoch at the moment it is made, so that windows start
+/// with the test (tollgate's `TokioClock` starts at the system time: windows aligned to it
+/// would move from run to run).
+struct TestClock(Instant);
+
+impl tollgate::clock::Clock for TestClock {
+    fn now(&self) -> u64 {
+        u64::try_from(self.0.elapsed().as_nanos()).unwrap()
+    }
+}
+
+/// tollgate's layer enforcing `policy` on every request together, on the paused clock.
+fn tollgate_layer_of(policy: Policy) -> RateLimitLayer<GlobalKey, MemoryStore> {
+    let store = MemoryStore::builder().clock(TestClock(Instant::now())).build().unwrap();
+    RateLimitLayer::builder(policy).key(GlobalKey).store(store).build().unwrap()
+}
+
+/// A tollgate server enforcing `quota` on the paused clock, and the log of when its handler
+/// served each request.
+fn tollgate_server_with(
+    quota: Quota,
+) -> (
+    impl Service<
+        Request<String>,
+        Response = Response<tollgate::ResponseBody<String>>,
+        Error = Infallible,
+        Future: Send,
+    > + Clone
+    + Send
+    + 'static,
+    Log,
+) {
+    tollgate_server_of(Policy::single("api", quota).unwrap())
+}
+
+/// A tollgate server enforcing `policy` on the paused clock, and the log of when its handler
+/// served each request.
+fn tollgate_server_of(
+    policy: Policy,
+) -> (
+    impl Service<
+        Request<String>,
+        Response = Response<tollgate::ResponseBody<String>>,
+        Error = Infallible,
+        Future: Send,
+    > + Clone
+    + Send
+    + 'static,
+    Log,
+) {
+    let log = Log::new();
+    let served = log.clone();
+    let handler = service_fn(move |_req: Request<tollgate::RequestBody<String>>| {
+        served.arrive();
+        async { Ok::<_, Infallible>(Response::new("ok".to_owned())) }
+    });
+    (tollgate_layer_of(policy).layer(handler), log)
+}
+
+/// `inner` behind a network that takes `one_way` each way.
+fn over_a_network<S, B>(
+    inner: S,
+    one_way: Duration,
+) -> impl Service<Request<String>, Response = Response<B>, Error = Infallible, Future: Send>
++ Clone
++ Send
++ 'static
+where
+    S: Service<Request<String>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+    B: Send + 'static,
+{
+    service_fn(move |req: Request<String>| {
+        let inner = inner.clone();
+        async move {
+            tokio::time::sleep(one_way).await;
+            let res = inner.oneshot(req).await;
+            tokio::time::sleep(one_way).await;
+            res
+        }
+    })
 }
 
 /// Sends `n` requests one after another; returns how many were refused with 429.
@@ -424,9 +508,10 @@ async fn pacing_sends_100_sequential_requests_to_a_10_per_second_server_without_
     let start = Instant::now();
     assert_eq!(send_sequentially(client, 100).await, 0);
     assert_eq!(served.load(Ordering::SeqCst), 100);
-    // Ten bursts of ten, at 0 s, 1 s, ..., 9 s: the server's full burst each time.
+    // The server can serve no more than 10 + 10 per second: 100 by 9 s at the earliest. Ten at
+    // 0 s, ten at the reset at 1 s, then one per learned interval (9/s, rising towards 10/s).
     let elapsed = start.elapsed();
-    assert_eq!(elapsed, secs(9));
+    assert_eq!(elapsed, ms(9040));
     assert!((secs(9)..=secs(11)).contains(&elapsed));
 }
 
@@ -438,8 +523,123 @@ async fn pacing_sends_100_concurrent_requests_to_a_10_per_second_server_without_
     assert_eq!(send_concurrently(client, 10, 10).await, 0);
     assert_eq!(served.load(Ordering::SeqCst), 100);
     let elapsed = start.elapsed();
-    assert_eq!(elapsed, secs(9));
+    assert_eq!(elapsed, ms(9040));
     assert!((secs(9)..=secs(11)).contains(&elapsed));
+}
+
+/// `workers` tasks each sending one request after another until `duration` has passed since
+/// the start; returns when each 429 arrived, from the start.
+async fn work_for<S, B>(svc: S, workers: usize, duration: Duration) -> Vec<Duration>
+where
+    S: Service<Request<String>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+    B: Send + 'static,
+{
+    let start = Instant::now();
+    let refusals = Arc::new(Mutex::new(Vec::new()));
+    let handles: Vec<_> = (0..workers)
+        .map(|_| {
+            let (svc, refusals) = (svc.clone(), Arc::clone(&refusals));
+            tokio::spawn(async move {
+                while start.elapsed() < duration {
+                    let res = svc.clone().oneshot(get()).await.unwrap();
+                    if res.status() == StatusCode::TOO_MANY_REQUESTS {
+                        refusals.lock().unwrap().push(start.elapsed());
+                    }
+                }
+            })
+        })
+        .collect();
+    for handle in handles {
+        handle.await.unwrap();
+    }
+    std::mem::take(&mut *refusals.lock().unwrap())
+}
+
+/// How many of `log`'s arrivals fall in `[from, to)`.
+fn served_between(log: &Log, from: Duration, to: Duration) -> usize {
+    log.arrivals().iter().filter(|at| (from..to).contains(*at)).count()
+}
+
+#[tokio::test(start_paused = true)]
+async fn eight_workers_reach_the_rate_a_tollgate_bucket_allows() {
+    use tollgate::Algorithm::{Gcra, LeakyBucket, TokenBucket};
+    // (rate per second, network one way in ms, requests the server served from 1 s to 21 s).
+    // The most it can serve then is the 10 units it holds at 1 s plus 20 s of refill.
+    let cases =
+        [(10, 0, 209), (20, 0, 409), (50, 0, 1008), (10, 20, 208), (20, 20, 402), (50, 20, 1000)];
+    for algorithm in [Gcra, TokenBucket, LeakyBucket] {
+        for (rate, one_way, expected) in cases {
+            let policy = Policy::builder("api")
+                .algorithm(algorithm)
+                .tier("api", Quota::per_second(rate).with_burst(10))
+                .build()
+                .unwrap();
+            let (server, log) = tollgate_server_of(policy);
+            let client = PacingLayer::new().layer(over_a_network(server, ms(one_way)));
+            let refusals = work_for(client, 8, secs(21)).await;
+            let case = format!("{algorithm:?}, {rate}/s over {one_way} ms each way");
+            assert_eq!(refusals, [], "{case}: never refused, not even in the first second");
+            let served = served_between(&log, secs(1), secs(21));
+            assert_eq!(served, expected, "{case}");
+            let share = served as f64 / (rate * 20) as f64;
+            let floor = if rate == 10 { 0.95 } else { 0.90 };
+            assert!(share >= floor, "{case}: {share:.3} of the rate");
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn windows_that_refill_at_once_are_refused_once_then_paced_by_their_resets() {
+    // A window's units come back all at once, which reads like a bucket that refilled: the
+    // rate learned from it lets one request through too early. After that refusal the layer
+    // no longer extrapolates and waits for the resets, as it does before it learns a rate.
+    use tollgate::Algorithm::{FixedWindow, SlidingCounter, SlidingLog};
+    let cases = [
+        (FixedWindow, 0, 200, vec![ms(1112)]),
+        (FixedWindow, 20, 190, vec![ms(1365)]),
+        (SlidingLog, 0, 200, vec![ms(1112)]),
+        (SlidingLog, 20, 190, vec![ms(1365)]),
+        (SlidingCounter, 0, 100, vec![ms(2223)]),
+        (SlidingCounter, 20, 90, vec![ms(2476)]),
+    ];
+    for (algorithm, one_way, expected, refused) in cases {
+        let policy = Policy::builder("api")
+            .algorithm(algorithm)
+            .tier("api", Quota::per_second(10))
+            .build()
+            .unwrap();
+        let (server, log) = tollgate_server_of(policy);
+        let client = PacingLayer::new().layer(over_a_network(server, ms(one_way)));
+        let refusals = work_for(client, 8, secs(21)).await;
+        let case = format!("{algorithm:?} over {one_way} ms each way");
+        assert_eq!(refusals, refused, "{case}");
+        assert_eq!(served_between(&log, secs(1), secs(21)), expected, "{case}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn cold_concurrent_calls_wait_for_the_first_answer() {
+    // Without the wait, all the calls went at once: 40 and 190 of them refused.
+    for (calls, elapsed) in [(50, ms(4204)), (200, ms(19_234))] {
+        let (server, log) = tollgate_server_with(Quota::per_second(10));
+        let client = PacingLayer::new().layer(over_a_network(server, ms(20)));
+        let start = Instant::now();
+        let handles: Vec<_> =
+            (0..calls).map(|_| tokio::spawn(client.clone().oneshot(get()))).collect();
+        let mut refused = 0;
+        for handle in handles {
+            let res = handle.await.unwrap().unwrap();
+            refused += usize::from(res.status() == StatusCode::TOO_MANY_REQUESTS);
+        }
+        assert_eq!(refused, 0, "{calls} calls");
+        assert_eq!(log.arrivals().len(), calls);
+        // At least (calls - 10) / 10 s of refill, plus one round trip.
+        assert_eq!(start.elapsed(), elapsed, "{calls} calls");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

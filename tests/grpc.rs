@@ -423,3 +423,106 @@ async fn a_grpc_request_body_is_counted_as_tonic_reads_it() {
     }
     assert_eq!(capacity - left, sent);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Retrying tonic calls with the client's retry policy
+// ---------------------------------------------------------------------------------------------
+
+/// tokio's clock counted from zero when it is made: under `start_paused` the server's limits
+/// and the client's waits run on the same paused clock.
+#[cfg(feature = "client")]
+struct PausedClock(tokio::time::Instant);
+
+#[cfg(feature = "client")]
+impl tollgate::clock::Clock for PausedClock {
+    fn now(&self) -> u64 {
+        u64::try_from(self.0.elapsed().as_nanos()).unwrap()
+    }
+}
+
+/// A policy of `attempts` attempts whose jitter is always zero: every wait is the server's
+/// pushback alone.
+#[cfg(feature = "client")]
+fn no_jitter(attempts: u32) -> tollgate::client::RetryPolicy<()> {
+    tollgate::client::RetryPolicy::<()>::builder()
+        .max_attempts(attempts)
+        .jitter(|_| Duration::ZERO)
+        .build()
+        .unwrap()
+}
+
+/// Calls `Check` through `policy`, counting the calls made; returns the outcome's code.
+#[cfg(feature = "client")]
+async fn check_with_retries(
+    policy: &tollgate::client::RetryPolicy<()>,
+    client: &HealthClient<Channel>,
+    calls: &std::sync::atomic::AtomicU32,
+) -> Code {
+    let reply = policy
+        .call(|| {
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let mut client = client.clone();
+            async move { client.check(HealthCheckRequest { service: String::new() }).await }
+        })
+        .await;
+    match reply {
+        Ok(_) => Code::Ok,
+        Err(status) => status.code(),
+    }
+}
+
+#[cfg(feature = "client")]
+#[tokio::test(start_paused = true)]
+async fn a_refused_call_is_retried_after_exactly_the_pushback_and_succeeds() {
+    let store = MemoryStore::builder().clock(PausedClock(tokio::time::Instant::now())).build();
+    let layer = RateLimitLayer::builder(Policy::single("check", Quota::per_second(1)).unwrap())
+        .store(store.unwrap())
+        .build()
+        .unwrap();
+    let server = serve(layer).await;
+    let mut client = server.client().await;
+    check(&mut client).await.unwrap(); // the one unit of this second
+    let refused = check(&mut client).await.unwrap_err();
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("1000"));
+
+    let calls = std::sync::atomic::AtomicU32::new(0);
+    let start = tokio::time::Instant::now();
+    assert_eq!(check_with_retries(&no_jitter(3), &client, &calls).await, Code::Ok);
+    assert_eq!(calls.into_inner(), 2, "refused, then retried once");
+    assert_eq!(start.elapsed(), Duration::from_millis(1000));
+}
+
+#[cfg(feature = "client")]
+#[tokio::test(start_paused = true)]
+async fn unavailable_is_retried_until_the_attempts_are_spent() {
+    // A store that fails closed: UNAVAILABLE with a pushback of 1 s, every time.
+    let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(5)).unwrap())
+        .store(Down)
+        .on_store_error(OnStoreError::FailClosed)
+        .build()
+        .unwrap();
+    let server = serve(layer).await;
+    let client = server.client().await;
+    let calls = std::sync::atomic::AtomicU32::new(0);
+    let start = tokio::time::Instant::now();
+    assert_eq!(check_with_retries(&no_jitter(3), &client, &calls).await, Code::Unavailable);
+    assert_eq!(calls.into_inner(), 3);
+    assert_eq!(start.elapsed(), Duration::from_millis(2000));
+}
+
+#[cfg(feature = "client")]
+#[tokio::test(start_paused = true)]
+async fn a_status_that_is_not_retryable_is_returned_at_once() {
+    // No `x-api-key` metadata: INVALID_ARGUMENT, which no retry can fix.
+    let layer = RateLimitLayer::builder(Policy::single("tenant", Quota::per_hour(1)).unwrap())
+        .key(HeaderKey::new(HeaderName::from_static("x-api-key")))
+        .build()
+        .unwrap();
+    let server = serve(layer).await;
+    let client = server.client().await;
+    let calls = std::sync::atomic::AtomicU32::new(0);
+    let start = tokio::time::Instant::now();
+    assert_eq!(check_with_retries(&no_jitter(5), &client, &calls).await, Code::InvalidArgument);
+    assert_eq!(calls.into_inner(), 1);
+    assert_eq!(start.elapsed(), Duration::ZERO);
+}

@@ -74,8 +74,13 @@ pub(super) enum Pushback {
 /// negative or unparseable, then it will be seen as the server asking the client not to retry
 /// at all").
 pub(super) fn grpc_pushback(headers: &HeaderMap) -> Pushback {
-    let Some(value) = headers.get(GRPC_RETRY_PUSHBACK_MS) else { return Pushback::Absent };
-    match value.to_str().ok().map(str::trim).and_then(digits) {
+    pushback(headers.get(GRPC_RETRY_PUSHBACK_MS).map(http::HeaderValue::as_bytes))
+}
+
+/// Reads a `grpc-retry-pushback-ms` value, as [`grpc_pushback`] does; `None` is an absent one.
+pub(super) fn pushback(value: Option<&[u8]>) -> Pushback {
+    let Some(value) = value else { return Pushback::Absent };
+    match std::str::from_utf8(value).ok().map(str::trim).and_then(digits) {
         Some(ms) => Pushback::After(Duration::from_millis(ms)),
         None => Pushback::Stop,
     }

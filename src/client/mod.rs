@@ -9,7 +9,9 @@
 //!   `RESOURCE_EXHAUSTED` / `UNAVAILABLE` with capped exponential backoff and full jitter,
 //!   never sooner than the server's `Retry-After` (RFC 9110 §10.2.3) or
 //!   `grpc-retry-pushback-ms` (gRFC A6), within a number of attempts and a time budget, and
-//!   only for idempotent methods (RFC 9110 §9.2.2) and bodies it can clone.
+//!   only for idempotent methods (RFC 9110 §9.2.2) and bodies it can clone. A tonic request's
+//!   body cannot be cloned, so around a tonic `Channel` it retries nothing: retry tonic calls
+//!   with [`RetryPolicy::call`], which re-issues the call itself by the same rules.
 //!
 //! Put the retry outside the pacing, so that every attempt is paced and every refusal teaches
 //! the pacing layer:
@@ -54,4 +56,6 @@ mod pacing;
 mod retry;
 
 pub use pacing::{AuthorityKey, Pacing, PacingLayer, ResponseFuture};
-pub use retry::{FullJitter, Jitter, NoErrors, RetryErrors, RetryPolicy, RetryPolicyBuilder};
+pub use retry::{
+    FullJitter, GrpcStatus, Jitter, NoErrors, RetryErrors, RetryPolicy, RetryPolicyBuilder,
+};

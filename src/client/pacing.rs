@@ -1,7 +1,7 @@
 //! [`PacingLayer`], [`Pacing`] and its [`ResponseFuture`]: requests held until the server would
 //! accept them, from what its responses said.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -24,6 +24,10 @@ const MAX_PARTITIONS: usize = 4096;
 /// The longest wait a response can impose (one year): later instants would overflow
 /// [`Instant`], and no server means them.
 const MAX_WAIT: Duration = Duration::from_secs(365 * 86_400);
+
+/// The shortest time between two responses from which a refill rate is learned: over shorter
+/// spans a difference in the responses' latency would weigh too much.
+const MIN_LEARNING_SPAN: Duration = Duration::from_secs(1);
 
 /// The default partition key of [`PacingLayer`]: the URI's authority (host, lower-cased, and
 /// port when the URI gives one), so every server is paced on its own. A request whose URI has
@@ -63,19 +67,47 @@ impl KeyExtractor for AuthorityKey {
 /// response's `Date`). Fields that do not parse are ignored.
 ///
 /// **What it keeps**, per partition (a [`KeyExtractor`] over the request; default
-/// [`AuthorityKey`], one partition per server): for each quota, the units believed left and
-/// when it is full again, and until when a 429 asked to wait. Requests whose partition the
-/// layer knows nothing about go at once.
+/// [`AuthorityKey`], one partition per server): for each quota, the units believed left, when
+/// it is full again, and the refill rate learned so far; until when a 429 asked to wait; the
+/// requests in flight, numbered in the order they were sent.
+///
+/// **Before the first response** of a partition, its requests go one at a time: the first
+/// answer says how many may follow (a server that sends no rate-limit fields then limits
+/// nothing). A first request that fails or is dropped lets the next one go, alone.
 ///
 /// **How it paces**: a request waits while a 429's `Retry-After` runs, and while any quota of
-/// its partition has no unit left, until that quota is full again (its `t`; the quota's `q` is
-/// then believed left, less the requests still in flight) or until a response says more. A
-/// request that goes reserves one unit of every quota before it is sent, so concurrent
-/// requests never send more than the server last allowed. Every response corrects the count:
-/// the units it reports left, less the other requests still in flight (which the server may
-/// not have counted yet), and never more than was believed left until the quota's reset, so a
-/// late response cannot bring back units already spent. A quota reported without a reset time
-/// (`t`) and with nothing left is forgotten when no request is in flight to tell more.
+/// its partition has no unit left, until the quota has one again: at its reset (`t`, when `q`
+/// is believed left, less the requests still in flight), or sooner by the refill rate it has
+/// learned. A request that goes reserves one unit of every quota before it is sent, so
+/// concurrent requests never send more than the server last allowed. Every response replaces
+/// the count: the units it reports left (`r`), less the requests sent after it and not yet
+/// answered. The server is taken to decide requests in the order they are sent, so the ones
+/// sent before have been counted in `r` and the ones sent after are counted once, as
+/// reserved. A response older than one already read (answered out of order) is not read, so
+/// a late answer cannot bring back units already spent. A quota reported without a reset
+/// time (`t`) and with nothing left is forgotten when no request is in flight to tell more.
+///
+/// **How the rate is learned**: the headers give whole seconds (`w`, `t`), which hide a refill
+/// faster than a window (tollgate renders 50 per second with a burst of 10 as `q=10;w=1`). From
+/// the first response of a quota (its anchor: `r_a` units left at instant `a`) to a later
+/// response at `b` (`r_b` left) with `n` admitted responses in between and in order, the
+/// server refilled more than `r_b + n - r_a - 1` units in `b - a` seconds (`r` is the whole
+/// part of what is left; a quota that was full meanwhile refilled less, so this stays a lower
+/// bound). The learned rate is the largest such bound, in units per second, over spans of at
+/// least one second, measured between the responses' arrivals: when the later response took
+/// `d` seconds less to arrive than the anchor, a bound over `s` seconds is at most
+/// `(s + d) / s` times the true rate (1.1 times for `d` = 100 ms over the shortest span). A quota with no unit left then has one `1 / rate` seconds after the
+/// last response (capped at `q`), instead of at its reset; as the refill is underestimated,
+/// the server holds more than the layer believes, reports it in `r`, and the layer sends it:
+/// the rate the server allows is reached even while the estimate is low. Units are requests
+/// and seconds throughout.
+///
+/// **Quotas that refill all at once** (a fixed window, a sliding log) look, across their
+/// reset, like a bucket that refilled: the rate learned from them can let one request go too
+/// early. The server refuses it (429), and from then on the layer learns no rate for that
+/// quota and waits for its resets. The same happens when other clients spend the same quota.
+/// Against a bucket (tollgate's GCRA, token and leaky buckets) that this layer alone spends
+/// and that decides requests in the order sent, no request is refused.
 ///
 /// Waits are not bounded by the layer: bound them with a timeout (`tower::timeout`) where a
 /// server's daily quota could hold requests for hours. A request dropped while it waits takes
@@ -169,7 +201,7 @@ impl<K: KeyExtractor> PacingLayer<K> {
         let Some(partition) = self.shared.existing(head) else { return Some(Duration::ZERO) };
         let now = Instant::now();
         match partition.lock().clone().try_reserve(now) {
-            Ok(()) => Some(Duration::ZERO),
+            Ok(_) => Some(Duration::ZERO),
             Err(Some(until)) => Some(until.saturating_duration_since(now)),
             Err(None) => None,
         }
@@ -236,8 +268,8 @@ impl Partition {
 
     /// Reserves a place now, if the server would accept a request now.
     fn try_acquire(self: &Arc<Self>) -> Option<Ticket> {
-        self.lock().try_reserve(Instant::now()).ok()?;
-        Some(Ticket { partition: Arc::clone(self), open: true })
+        let seq = self.lock().try_reserve(Instant::now()).ok()?;
+        Some(Ticket { partition: Arc::clone(self), seq, open: true })
     }
 
     /// Waits until the server would accept a request, and reserves its place.
@@ -250,7 +282,7 @@ impl Partition {
             let now = Instant::now();
             let outcome = self.lock().try_reserve(now);
             match outcome {
-                Ok(()) => return Ticket { partition: Arc::clone(&self), open: true },
+                Ok(seq) => return Ticket { partition: Arc::clone(&self), seq, open: true },
                 Err(Some(until)) => {
                     tracing::trace!(wait = ?until.saturating_duration_since(now), "tollgate: pacing");
                     let _ = tokio::time::timeout_at(until, notified).await;
@@ -261,18 +293,174 @@ impl Partition {
     }
 }
 
+/// Where the learning of a quota's refill rate starts: a response, and the admitted requests
+/// the server decided after it.
+#[derive(Debug, Clone, Copy)]
+struct Anchor {
+    /// When the response arrived.
+    at: Instant,
+    /// The units it reported left (`r`).
+    remaining: u64,
+    /// Its request's sequence number.
+    seq: u64,
+    /// Admitted requests answered since, in order (each one's units were spent at the server).
+    admitted: u64,
+}
+
 /// One quota of a partition, as last reported and counted down locally since.
 #[derive(Debug, Clone)]
 struct Quota {
     /// The quota policy's name (`None`: the legacy `X-RateLimit-*` fields).
     name: Option<Box<str>>,
-    /// Units per window, when reported: what is left once the quota is full again.
+    /// Units per window, when reported: what is left once the quota is full again, and the
+    /// most the learned refill can bring back.
     limit: Option<u64>,
-    /// Units believed left.
-    remaining: u64,
+    /// Units believed left at `as_of`, less the requests reserved since; below zero when more
+    /// are in flight than the server had left.
+    remaining: i64,
+    /// The instant `remaining` refers to: a learned refill adds one unit per `interval` after it.
+    as_of: Instant,
     /// When the quota is full again; `None` after the layer refilled it and before a response
     /// said when.
     reset_at: Option<Instant>,
+    /// The sequence number of the newest request whose response was read for this quota: an
+    /// older response (answered out of order) says less and is not read.
+    newest: u64,
+    /// The learned refill: at most this long per unit (the server refills at least
+    /// `1 / interval` units per second).
+    interval: Option<Duration>,
+    /// Where the learning starts; `None` until the next response.
+    anchor: Option<Anchor>,
+    /// Whether the rate may be learned: false once the server refused a request the learned
+    /// rate let through (it does not refill continuously, or others spend the same quota).
+    learns: bool,
+}
+
+impl Quota {
+    fn new(name: Option<Box<str>>) -> Self {
+        Self {
+            name,
+            limit: None,
+            remaining: 0,
+            as_of: Instant::now(),
+            reset_at: None,
+            newest: 0,
+            interval: None,
+            anchor: None,
+            learns: true,
+        }
+    }
+
+    /// The learned refill interval, when it may be used (a known limit caps it).
+    fn refill(&self) -> Option<(Duration, u64)> {
+        Some((self.interval?, self.limit?))
+    }
+
+    /// Brings `remaining` up to `now`: full again at the reset (less what is in flight), or
+    /// one unit per learned interval up to the limit. `false` when the quota is full again
+    /// but its limit is unknown: it should be forgotten.
+    fn settle(&mut self, now: Instant, in_flight: u64, last_seq: u64) -> bool {
+        if self.reset_at.is_some_and(|at| now >= at) {
+            let Some(limit) = self.limit else { return false };
+            // Requests in flight may be decided after the reset: counted against the new
+            // window. Their responses, older than this refill, are no longer read.
+            self.remaining = units(limit).saturating_sub(units(in_flight));
+            self.as_of = now;
+            self.reset_at = None;
+            self.newest = last_seq;
+            return true;
+        }
+        if let Some((interval, limit)) = self.refill() {
+            let limit = units(limit);
+            if self.remaining >= limit {
+                self.as_of = now;
+            } else {
+                let per = interval.as_nanos().max(1);
+                let gained = now.saturating_duration_since(self.as_of).as_nanos() / per;
+                let gained = i64::try_from(gained).unwrap_or(i64::MAX);
+                match self.remaining.saturating_add(gained) {
+                    full if full >= limit => {
+                        self.remaining = limit;
+                        self.as_of = now;
+                    }
+                    left => {
+                        self.remaining = left;
+                        // `gained` intervals fit in the time elapsed, so this is before `now`.
+                        self.as_of += Duration::from_nanos(
+                            u64::try_from(per.saturating_mul(gained.unsigned_abs().into()))
+                                .unwrap_or(u64::MAX),
+                        );
+                    }
+                }
+            }
+        }
+        true
+    }
+
+    /// When this quota, with no unit left, has one again: its reset, or the learned refill's
+    /// next unit (whichever is sooner); `None` when neither is known.
+    fn next_unit(&self) -> Option<Instant> {
+        let refill = self.refill().map(|(interval, _)| {
+            let owed = u32::try_from(1i64.saturating_sub(self.remaining)).unwrap_or(u32::MAX);
+            after(self.as_of, interval.saturating_mul(owed))
+        });
+        match (self.reset_at, refill) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Takes in one report of this quota, from the response to request `seq`, when `later`
+    /// requests sent after it are still unanswered.
+    fn read(&mut self, now: Instant, seq: u64, r: Reported, later: u64, admitted: bool) {
+        if r.limit.is_some() {
+            self.limit = r.limit;
+        }
+        if seq <= self.newest {
+            return;
+        }
+        self.newest = seq;
+        if admitted && self.learns {
+            self.learn(now, seq, r.remaining);
+        }
+        // The server counted every request sent before this one (it decides them in the
+        // order sent); the ones sent after it are counted here once, as reserved.
+        self.remaining = units(r.remaining).saturating_sub(units(later));
+        self.as_of = now;
+        self.reset_at = r.reset.map(|t| after(now, t));
+    }
+
+    /// Learns a lower bound of the refill rate from the anchor to this response: the server
+    /// had `L_a` units at the anchor (`r_a <= L_a < r_a + 1`), spent `n` (the admitted requests
+    /// since), and has `L_b >= r_b` now, so it refilled more than `r_b + n - r_a - 1` units in
+    /// the time between (fewer if it was full meanwhile: still a lower bound).
+    fn learn(&mut self, now: Instant, seq: u64, remaining: u64) {
+        let Some(anchor) = &mut self.anchor else {
+            self.anchor = Some(Anchor { at: now, remaining, seq, admitted: 0 });
+            return;
+        };
+        debug_assert!(seq > anchor.seq);
+        anchor.admitted += 1;
+        let span = now.saturating_duration_since(anchor.at);
+        if span < MIN_LEARNING_SPAN {
+            return;
+        }
+        let refilled = u128::from(remaining) + u128::from(anchor.admitted);
+        let refilled = refilled.saturating_sub(u128::from(anchor.remaining) + 1);
+        if refilled == 0 {
+            return;
+        }
+        let nanos = span.as_nanos().div_ceil(refilled);
+        let interval = Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX));
+        if self.interval.is_none_or(|i| interval < i) {
+            self.interval = Some(interval);
+        }
+    }
+}
+
+/// A count of units as a signed number, saturating.
+fn units(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
 }
 
 #[derive(Debug, Default, Clone)]
@@ -280,8 +468,12 @@ struct State {
     quotas: Vec<Quota>,
     /// A 429's `Retry-After`: no request before this.
     blocked_until: Option<Instant>,
-    /// Requests sent and not yet answered.
-    in_flight: u64,
+    /// The sequence number of the last request reserved (they start at 1).
+    last_seq: u64,
+    /// The sequence numbers of the requests sent and not yet answered.
+    open: BTreeSet<u64>,
+    /// Whether a response has been read: before, one request at a time.
+    informed: bool,
 }
 
 /// `now + d`, capped at [`MAX_WAIT`].
@@ -290,31 +482,39 @@ fn after(now: Instant, d: Duration) -> Instant {
 }
 
 impl State {
-    /// Reserves one unit of every quota when each has one (the request may go), or says
-    /// until when to wait: `Some(instant)`, or `None` for "until a response in flight".
-    fn try_reserve(&mut self, now: Instant) -> Result<(), Option<Instant>> {
+    fn in_flight(&self) -> u64 {
+        self.open.len() as u64
+    }
+
+    /// Reserves one unit of every quota when each has one (the request may go; its sequence
+    /// number), or says until when to wait: `Some(instant)`, or `None` for "until a response
+    /// in flight".
+    fn try_reserve(&mut self, now: Instant) -> Result<u64, Option<Instant>> {
         if let Some(until) = self.blocked_until {
             if now < until {
                 return Err(Some(until));
             }
             self.blocked_until = None;
         }
-        let in_flight = self.in_flight;
+        if !self.informed && !self.open.is_empty() {
+            // Nothing known yet: the first response tells how much may follow it.
+            return Err(None);
+        }
+        let (in_flight, last_seq) = (self.in_flight(), self.last_seq);
         self.quotas.retain_mut(|q| {
-            if q.reset_at.is_some_and(|at| now >= at) {
-                // Full again, less what is in flight; an unknown limit makes it unknown.
-                let Some(limit) = q.limit else { return false };
-                q.remaining = limit.saturating_sub(in_flight);
-                q.reset_at = None;
+            // Full again with an unknown limit: unknown now.
+            if !q.settle(now, in_flight, last_seq) {
+                return false;
             }
-            // Nothing left, no reset to wait for, no response to come: nothing to wait on.
-            !(q.remaining == 0 && q.reset_at.is_none() && in_flight == 0)
+            // Nothing left, nothing that brings units back, no response to come: nothing to
+            // wait on.
+            !(q.remaining <= 0 && q.next_unit().is_none() && in_flight == 0)
         });
         let mut exhausted = false;
         let mut until: Option<Instant> = None;
-        for q in self.quotas.iter().filter(|q| q.remaining == 0) {
+        for q in self.quotas.iter().filter(|q| q.remaining <= 0) {
             exhausted = true;
-            if let Some(at) = q.reset_at {
+            if let Some(at) = q.next_unit() {
                 until = Some(until.map_or(at, |u| u.max(at)));
             }
         }
@@ -324,58 +524,57 @@ impl State {
         for q in &mut self.quotas {
             q.remaining -= 1;
         }
-        self.in_flight += 1;
-        Ok(())
+        self.last_seq += 1;
+        self.open.insert(self.last_seq);
+        Ok(self.last_seq)
     }
 
     /// Whether a request would go now and nothing is in flight.
     fn is_idle(&self, now: Instant) -> bool {
-        self.in_flight == 0 && self.clone().try_reserve(now).is_ok()
+        self.open.is_empty() && self.clone().try_reserve(now).is_ok()
     }
 
-    /// Takes in what the response to one of the requests in flight said.
+    /// Ends request `seq` without an answer (an error, or dropped): whether the server
+    /// counted it is unknown, so its unit stays spent.
+    fn abandon(&mut self, seq: u64) {
+        self.open.remove(&seq);
+    }
+
+    /// Takes in what the response to request `seq` said, and ends it.
     fn observe(
         &mut self,
         now: Instant,
+        seq: u64,
         status: StatusCode,
         reported: Vec<Reported>,
         retry_after: Option<Duration>,
     ) {
-        // The other requests in flight may not have been counted by the server yet.
-        let others = self.in_flight.saturating_sub(1);
-        for r in reported {
-            let left = r.remaining.saturating_sub(others);
-            let reset_at = r.reset.map(|t| after(now, t));
-            match self.quotas.iter().position(|q| q.name == r.name) {
-                Some(i) => {
-                    let q = &mut self.quotas[i];
-                    if r.limit.is_some() {
-                        q.limit = r.limit;
-                    }
-                    if q.reset_at.is_some_and(|at| now >= at) {
-                        // What was known is out of date: the server's word replaces it.
-                        q.remaining = left;
-                        q.reset_at = reset_at;
-                    } else {
-                        // Within one window, units spent do not come back: responses may
-                        // arrive out of order.
-                        q.remaining = q.remaining.min(left);
-                        q.reset_at = match (q.reset_at, reset_at) {
-                            (Some(a), Some(b)) => Some(a.max(b)),
-                            (a, b) => a.or(b),
-                        };
-                    }
+        self.open.remove(&seq);
+        self.informed = true;
+        let later = self.open.range(seq + 1..).count() as u64;
+        let refused = status == StatusCode::TOO_MANY_REQUESTS;
+        if refused {
+            for q in &mut self.quotas {
+                if q.interval.is_some() {
+                    // Refused although the learned rate let it through: stop extrapolating.
+                    q.learns = false;
+                    q.interval = None;
+                    q.anchor = None;
                 }
-                None if self.quotas.len() < MAX_QUOTAS => self.quotas.push(Quota {
-                    name: r.name,
-                    limit: r.limit,
-                    remaining: left,
-                    reset_at,
-                }),
-                None => {}
             }
         }
-        if status == StatusCode::TOO_MANY_REQUESTS {
+        for r in reported {
+            let i = match self.quotas.iter().position(|q| q.name == r.name) {
+                Some(i) => i,
+                None if self.quotas.len() < MAX_QUOTAS => {
+                    self.quotas.push(Quota::new(r.name.clone()));
+                    self.quotas.len() - 1
+                }
+                None => continue,
+            };
+            self.quotas[i].read(now, seq, r, later, !refused);
+        }
+        if refused {
             if let Some(wait) = retry_after {
                 let until = after(now, wait);
                 self.blocked_until = Some(self.blocked_until.map_or(until, |b| b.max(until)));
@@ -388,6 +587,7 @@ impl State {
 /// dropped.
 struct Ticket {
     partition: Arc<Partition>,
+    seq: u64,
     open: bool,
 }
 
@@ -397,11 +597,13 @@ impl Ticket {
         let headers = res.headers();
         let reported = hints::reported(headers);
         let retry_after = hints::retry_after(headers);
-        {
-            let mut state = self.partition.lock();
-            state.observe(Instant::now(), res.status(), reported, retry_after);
-            state.in_flight = state.in_flight.saturating_sub(1);
-        }
+        self.partition.lock().observe(
+            Instant::now(),
+            self.seq,
+            res.status(),
+            reported,
+            retry_after,
+        );
         self.open = false;
         self.partition.changed.notify_waiters();
     }
@@ -410,10 +612,7 @@ impl Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         if self.open {
-            {
-                let mut state = self.partition.lock();
-                state.in_flight = state.in_flight.saturating_sub(1);
-            }
+            self.partition.lock().abandon(self.seq);
             self.partition.changed.notify_waiters();
         }
     }
@@ -543,79 +742,182 @@ mod tests {
         }
     }
 
-    fn remaining(state: &State) -> Vec<u64> {
+    fn remaining(state: &State) -> Vec<i64> {
         state.quotas.iter().map(|q| q.remaining).collect()
     }
 
     #[tokio::test(start_paused = true)]
-    async fn units_spent_in_a_window_do_not_come_back_from_late_responses() {
+    async fn units_spent_do_not_come_back_from_late_responses() {
         let now = Instant::now();
-        let mut state = State::default();
-        for _ in 0..3 {
+        let mut state = State { informed: true, ..State::default() };
+        let seqs: Vec<u64> = (0..3).map(|_| state.try_reserve(now).unwrap()).collect();
+        assert_eq!(seqs, [1, 2, 3]);
+        // Answered out of order: the second request's r=5 arrives first.
+        state.observe(now, 2, StatusCode::OK, vec![quota(5, Some(1))], None);
+        assert_eq!(remaining(&state), [4], "r=5 less the third request, sent after it");
+        state.observe(now, 1, StatusCode::OK, vec![quota(7, Some(1))], None);
+        assert_eq!(remaining(&state), [4], "a stale r=7 does not bring units back");
+        state.observe(now, 3, StatusCode::OK, vec![quota(4, Some(1))], None);
+        assert_eq!(remaining(&state), [4], "the third request was counted once, not twice");
+        assert_eq!(state.in_flight(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn requests_in_flight_are_subtracted_once() {
+        let now = Instant::now();
+        let mut state = State { informed: true, ..State::default() };
+        for _ in 0..4 {
             state.try_reserve(now).unwrap();
         }
-        // Answers in the order the server did not decide them: r=7 arrives after r=5.
-        state.observe(now, StatusCode::OK, vec![quota(5, Some(1))], None);
-        state.in_flight -= 1;
-        assert_eq!(remaining(&state), [3], "r=5 less the two others still in flight");
-        state.observe(now, StatusCode::OK, vec![quota(7, Some(1))], None);
-        state.in_flight -= 1;
-        assert_eq!(remaining(&state), [3], "a stale r=7 does not bring units back");
-        state.observe(now, StatusCode::OK, vec![quota(6, Some(1))], None);
-        state.in_flight -= 1;
-        assert_eq!(remaining(&state), [3]);
-        assert_eq!(state.in_flight, 0);
+        // The server answers in order: each r already counts the requests sent before.
+        for (seq, r) in [(1, 9), (2, 8), (3, 7), (4, 6)] {
+            state.observe(now, seq, StatusCode::OK, vec![quota(r, Some(1))], None);
+            assert_eq!(remaining(&state), [6], "after request {seq}");
+        }
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_quota_full_again_is_refilled_less_what_is_in_flight() {
         let now = Instant::now();
         let mut state = State::default();
-        state.try_reserve(now).unwrap();
-        state.observe(now, StatusCode::OK, vec![quota(1, Some(2))], None);
-        state.in_flight -= 1;
+        let first = state.try_reserve(now).unwrap();
+        state.observe(now, first, StatusCode::OK, vec![quota(1, Some(2))], None);
         // One left: one request goes, the next waits for the reset at 2 s.
-        state.try_reserve(now).unwrap();
+        let second = state.try_reserve(now).unwrap();
         assert_eq!(state.try_reserve(now), Err(Some(now + Duration::from_secs(2))));
         // At 2 s, with that request still in flight: 10 - 1 = 9 left, one taken now.
         let later = now + Duration::from_secs(2);
         state.try_reserve(later).unwrap();
         assert_eq!(remaining(&state), [8]);
         assert_eq!(state.quotas[0].reset_at, None);
-        assert_eq!(state.in_flight, 2);
+        assert_eq!(state.in_flight(), 2);
+        // The answer to the request sent before the refill is older than it: not read.
+        state.observe(later, second, StatusCode::OK, vec![quota(0, Some(1))], None);
+        assert_eq!(remaining(&state), [8]);
     }
 
     #[tokio::test(start_paused = true)]
     async fn an_exhausted_quota_without_a_reset_waits_for_answers_then_is_forgotten() {
         let now = Instant::now();
-        let mut state = State::default();
+        let mut state = State { informed: true, ..State::default() };
         state.try_reserve(now).unwrap();
         state.try_reserve(now).unwrap();
         let no_reset = Reported { name: Some("q".into()), limit: None, remaining: 0, reset: None };
-        state.observe(now, StatusCode::OK, vec![no_reset], None);
-        state.in_flight -= 1;
+        state.observe(now, 2, StatusCode::OK, vec![no_reset], None);
         // Nothing left and no reset time: wait for the response still in flight.
         assert_eq!(state.try_reserve(now), Err(None));
-        state.in_flight -= 1;
+        state.abandon(1);
         // Nothing more will come: the quota is forgotten, the request goes.
-        assert_eq!(state.try_reserve(now), Ok(()));
+        assert_eq!(state.try_reserve(now), Ok(3));
         assert!(state.quotas.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn before_the_first_answer_requests_go_one_at_a_time() {
+        let now = Instant::now();
+        let mut state = State::default();
+        assert_eq!(state.try_reserve(now), Ok(1));
+        assert_eq!(state.try_reserve(now), Err(None));
+        // The first request failed: the next one goes, alone.
+        state.abandon(1);
+        assert_eq!(state.try_reserve(now), Ok(2));
+        assert_eq!(state.try_reserve(now), Err(None));
+        // An answer without rate-limit fields: nothing limits what follows.
+        state.observe(now, 2, StatusCode::OK, vec![], None);
+        assert_eq!(state.try_reserve(now), Ok(3));
+        assert_eq!(state.try_reserve(now), Ok(4));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_refill_rate_is_learned_as_a_lower_bound() {
+        // A server refilling 4 units per second, capacity 10: empty, it is full again in 2.5 s,
+        // which its `t` rounds up to 3 s.
+        let start = Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        let mut state = State::default();
+        let send = |state: &mut State, now: Instant, r: u64, t: u64| {
+            let seq = state.try_reserve(now).unwrap();
+            state.observe(now, seq, StatusCode::OK, vec![quota(r, Some(t))], None);
+        };
+        for r in (0..10).rev() {
+            send(&mut state, at(0), r, 3);
+        }
+        assert_eq!(state.quotas[0].interval, None, "no refill seen yet");
+        assert_eq!(state.try_reserve(at(0)), Err(Some(at(3000))));
+        // At the reset the server is full: r=9. From the first answer (r=9 at 0 s), 10
+        // requests spent and 9 + 10 - 9 - 1 = 9 units refilled in 3 s at least.
+        send(&mut state, at(3000), 9, 1);
+        let interval = Duration::from_nanos(333_333_334);
+        assert_eq!(state.quotas[0].interval, Some(interval));
+        for r in (0..9).rev() {
+            send(&mut state, at(3000), r, 3);
+        }
+        assert_eq!(state.quotas[0].interval, Some(interval));
+        // Nothing left: the next unit is one interval away, not at the reset (6 s).
+        assert_eq!(state.try_reserve(at(3000)), Err(Some(at(3000) + interval)));
+        assert_eq!(state.try_reserve(at(3333)), Err(Some(at(3000) + interval)));
+        let seq = state.try_reserve(at(3334)).unwrap();
+        // The server had 4/3 units: r=0; 0 + 20 - 9 - 1 = 10 refilled in 3.334 s.
+        state.observe(at(3334), seq, StatusCode::OK, vec![quota(0, Some(3))], None);
+        assert_eq!(state.quotas[0].interval, Some(interval), "333.4 ms is no better");
+        // A refusal while extrapolating: the rate is dropped and never learned again.
+        let seq = state.try_reserve(at(3668)).unwrap();
+        state.observe(at(3668), seq, StatusCode::TOO_MANY_REQUESTS, vec![quota(0, Some(3))], None);
+        assert_eq!(state.quotas[0].interval, None);
+        assert!(!state.quotas[0].learns);
+        assert_eq!(state.try_reserve(at(3668)), Err(Some(at(6668))));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_faster_later_answer_raises_the_bound_at_most_by_its_share_of_the_span() {
+        // 4 units per second, capacity 100. The anchor was decided at 0 s with 50 left and
+        // arrived 100 ms later; the next was decided and arrived at 1.2 s with 50 + 4.8 - 1
+        // left. The span seen is 1.1 s for 1.2 s of refill: the bound may exceed 4/s by at
+        // most 1.2 / 1.1, an interval of 250 ms x 1.1 / 1.2 = 229.17 ms.
+        let start = Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        let report = |r| Reported {
+            name: Some("q".into()),
+            limit: Some(100),
+            remaining: r,
+            reset: Some(Duration::from_secs(13)),
+        };
+        let mut state = State::default();
+        let first = state.try_reserve(at(0)).unwrap();
+        state.observe(at(100), first, StatusCode::OK, vec![report(50)], None);
+        let second = state.try_reserve(at(1200)).unwrap();
+        state.observe(at(1200), second, StatusCode::OK, vec![report(53)], None);
+        // 53 + 1 - 50 - 1 = 3 units in 1.1 s: 366.67 ms each, within the bound.
+        let learned = state.quotas[0].interval.unwrap();
+        assert_eq!(learned, Duration::from_nanos(366_666_667));
+        assert!(learned >= Duration::from_nanos(229_166_666));
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_429_blocks_until_its_retry_after_and_huge_values_do_not_overflow() {
         let now = Instant::now();
         let mut state = State::default();
-        state.try_reserve(now).unwrap();
-        state.observe(now, StatusCode::TOO_MANY_REQUESTS, vec![], Some(Duration::from_secs(3)));
-        state.in_flight -= 1;
+        let seq = state.try_reserve(now).unwrap();
+        state.observe(
+            now,
+            seq,
+            StatusCode::TOO_MANY_REQUESTS,
+            vec![],
+            Some(Duration::from_secs(3)),
+        );
         assert_eq!(state.try_reserve(now), Err(Some(now + Duration::from_secs(3))));
-        state.observe(now, StatusCode::TOO_MANY_REQUESTS, vec![], Some(Duration::MAX));
+        state.observe(now, 9, StatusCode::TOO_MANY_REQUESTS, vec![], Some(Duration::MAX));
         assert_eq!(state.try_reserve(now), Err(Some(now + MAX_WAIT)));
         // A 503's Retry-After is the retry policy's business, not the pacing's.
         let mut state = State::default();
-        state.observe(now, StatusCode::SERVICE_UNAVAILABLE, vec![], Some(Duration::from_secs(3)));
-        assert_eq!(state.try_reserve(now), Ok(()));
+        state.observe(
+            now,
+            1,
+            StatusCode::SERVICE_UNAVAILABLE,
+            vec![],
+            Some(Duration::from_secs(3)),
+        );
+        assert_eq!(state.try_reserve(now), Ok(1));
     }
 
     #[tokio::test(start_paused = true)]
@@ -631,7 +933,7 @@ mod tests {
                     reset: Some(Duration::from_secs(1)),
                 })
                 .collect();
-            state.observe(now, StatusCode::OK, reported, None);
+            state.observe(now, round + 1, StatusCode::OK, reported, None);
         }
         assert_eq!(state.quotas.len(), MAX_QUOTAS);
     }

@@ -1,6 +1,7 @@
 //! [`RetryPolicy`]: which responses are retried, and after how long.
 
 use std::fmt;
+use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -100,6 +101,43 @@ impl Jitter for FullJitter {
     }
 }
 
+/// A failed gRPC call's status, as [`RetryPolicy::call`] reads it: implemented for
+/// `tonic::Status` (with the `tonic` feature); implement it for another gRPC library's status.
+pub trait GrpcStatus {
+    /// The status code, numbered as gRPC does (8 `RESOURCE_EXHAUSTED`, 14 `UNAVAILABLE`).
+    fn grpc_code(&self) -> i32;
+
+    /// The value of the status's `grpc-retry-pushback-ms` trailer (gRFC A6), as sent; `None`
+    /// when it has none.
+    fn retry_pushback(&self) -> Option<&[u8]>;
+}
+
+#[cfg(feature = "tonic")]
+impl GrpcStatus for tonic::Status {
+    fn grpc_code(&self) -> i32 {
+        self.code() as i32
+    }
+
+    fn retry_pushback(&self) -> Option<&[u8]> {
+        let value = self.metadata().get("grpc-retry-pushback-ms")?;
+        Some(value.as_encoded_bytes())
+    }
+}
+
+/// The wait a retryable gRPC status asks for (zero when it gives none); `None` when it is not
+/// retried.
+fn grpc_hint(status: &impl GrpcStatus) -> Option<Duration> {
+    let code = u64::try_from(status.grpc_code()).ok()?;
+    if !matches!(code, GRPC_RESOURCE_EXHAUSTED | GRPC_UNAVAILABLE) {
+        return None;
+    }
+    match hints::pushback(status.retry_pushback()) {
+        Pushback::Absent => Some(Duration::ZERO),
+        Pushback::After(pushback) => Some(pushback),
+        Pushback::Stop => None,
+    }
+}
+
 /// Decides whether an error of the inner service (no response at all) is worth retrying.
 ///
 /// The default, [`NoErrors`], retries none: whether a request that failed in transport reached
@@ -180,7 +218,8 @@ impl<B, C> Config<B, C> {
     }
 }
 
-/// A [`tower::retry::Policy`] for clients of rate-limited HTTP and gRPC services.
+/// A [`tower::retry::Policy`] for clients of rate-limited HTTP services, and a retry loop for
+/// gRPC calls ([`call`](Self::call)).
 ///
 /// **What is retried**: responses with status 429 Too Many Requests or 503 Service
 /// Unavailable, and gRPC trailers-only responses (HTTP 200 with `grpc-status` in the headers)
@@ -189,6 +228,12 @@ impl<B, C> Config<B, C> {
 /// Only requests whose method is idempotent (RFC 9110 §9.2.2: GET, HEAD, OPTIONS, TRACE, PUT,
 /// DELETE; see [`methods`](RetryPolicyBuilder::methods)) and whose body can be cloned are
 /// retried; any other request is sent once and its response returned as it is.
+///
+/// **gRPC**: as a Tower layer around a tonic `Channel` the policy retries nothing: every gRPC
+/// call is a POST whose body is a stream of messages that cannot be cloned. Retry tonic calls
+/// at the message level instead, with [`call`](Self::call), which re-issues the call (a
+/// closure) on `RESOURCE_EXHAUSTED` and `UNAVAILABLE` by the same rules, with the same attempts,
+/// budget and backoff.
 ///
 /// **When**: the `n`-th retry (from 0) waits `max(jitter, hint)`, where `jitter` is drawn from
 /// `[0, min(cap, base x 2^n)]` (capped exponential backoff with full jitter, AWS Architecture
@@ -308,6 +353,96 @@ impl<B> RetryPolicy<B> {
 }
 
 impl<B, C> RetryPolicy<B, C> {
+    /// Makes a call, and makes it again while it fails with a retryable gRPC status:
+    /// `RESOURCE_EXHAUSTED` (8) or `UNAVAILABLE` (14). `attempt` starts one call (a closure
+    /// returning its future, as a tonic client method does); its error is a [`GrpcStatus`]
+    /// (`tonic::Status` with the `tonic` feature).
+    ///
+    /// The `n`-th retry (from 0) waits `max(jitter, pushback)`, the jitter drawn from
+    /// `[0, min(cap, base x 2^n)]` and the pushback the status's `grpc-retry-pushback-ms`
+    /// (gRFC A6; milliseconds). A negative or malformed pushback means "do not retry": that
+    /// status is returned. At most [`max_attempts`](RetryPolicyBuilder::max_attempts) calls,
+    /// and no wait that would end after the [`budget`](RetryPolicyBuilder::budget) (from the
+    /// first call): then the last status is returned. Any other status, and success, is
+    /// returned at once. The policy's HTTP methods do not apply: `RESOURCE_EXHAUSTED` from a
+    /// rate limiter means the call was not processed, but retry `UNAVAILABLE` only for calls
+    /// that are safe to repeat.
+    ///
+    /// Time is tokio's, so a test under `tokio::time::pause()` sees exact delays.
+    ///
+    /// ```
+    /// use std::sync::atomic::{AtomicU32, Ordering};
+    /// use std::time::Duration;
+    /// use tollgate::client::{GrpcStatus, RetryPolicy};
+    ///
+    /// /// A stand-in for `tonic::Status`: a code and the pushback trailer.
+    /// struct Status(i32, Option<&'static str>);
+    ///
+    /// impl GrpcStatus for Status {
+    ///     fn grpc_code(&self) -> i32 {
+    ///         self.0
+    ///     }
+    ///     fn retry_pushback(&self) -> Option<&[u8]> {
+    ///         self.1.map(str::as_bytes)
+    ///     }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// let policy = RetryPolicy::<()>::builder().max_attempts(3).build().unwrap();
+    /// let calls = AtomicU32::new(0);
+    /// let start = tokio::time::Instant::now();
+    /// let reply = policy
+    ///     .call(|| async {
+    ///         match calls.fetch_add(1, Ordering::SeqCst) {
+    ///             0 => Err(Status(8, Some("1500"))), // RESOURCE_EXHAUSTED, back in 1.5 s
+    ///             _ => Ok("served"),
+    ///         }
+    ///     })
+    ///     .await;
+    /// assert!(matches!(reply, Ok("served")));
+    /// assert_eq!(start.elapsed(), Duration::from_millis(1500));
+    /// # }
+    /// ```
+    ///
+    /// With tonic (`client` a generated client over a `Channel`, `req` a message):
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "tonic")]
+    /// # async fn example(
+    /// #     policy: tollgate::client::RetryPolicy<()>,
+    /// #     client: tonic_health::pb::health_client::HealthClient<tonic::transport::Channel>,
+    /// #     req: tonic_health::pb::HealthCheckRequest,
+    /// # ) -> Result<(), tonic::Status> {
+    /// let reply = policy
+    ///     .call(|| {
+    ///         let mut client = client.clone();
+    ///         let req = req.clone();
+    ///         async move { client.check(req).await }
+    ///     })
+    ///     .await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn call<T, S, F, Fut>(&self, mut attempt: F) -> Result<T, S>
+    where
+        S: GrpcStatus,
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, S>>,
+    {
+        let mut this =
+            Self { config: Arc::clone(&self.config), retries: 0, started: Some(Instant::now()) };
+        loop {
+            let result = attempt().await;
+            let Err(status) = &result else { return result };
+            let Some(hint) = grpc_hint(status) else { return result };
+            let Some(wait) = this.next_wait(hint) else { return result };
+            // Not held while waiting: a status can carry large details.
+            drop(result);
+            tracing::debug!(retry = this.retries, ?wait, "tollgate: retrying a gRPC call");
+            tokio::time::sleep(wait).await;
+        }
+    }
+
     /// The ceiling of the backoff before the `retry`-th retry (from 0), before jitter:
     /// `min(cap, base x 2^retry)`.
     ///
@@ -615,5 +750,70 @@ mod tests {
         let both = res(429, &[("retry-after", "1"), ("grpc-retry-pushback-ms", "2500")]);
         assert_eq!(hint(both), Some(Duration::from_millis(2500)));
         assert_eq!(hint(res(200, &[("grpc-status", "8"), ("grpc-retry-pushback-ms", "-5")])), None);
+    }
+
+    /// A gRPC status: a code and a pushback trailer.
+    struct Status(i32, Option<&'static str>);
+
+    impl GrpcStatus for Status {
+        fn grpc_code(&self) -> i32 {
+            self.0
+        }
+
+        fn retry_pushback(&self) -> Option<&[u8]> {
+            self.1.map(str::as_bytes)
+        }
+    }
+
+    /// Calls with `policy` a service answering `script[n]` to its `n`-th call (the last one
+    /// ever after); returns the outcome, the instants of the calls (ms from the start).
+    async fn calls(
+        policy: &RetryPolicy<()>,
+        script: &[(i32, Option<&'static str>)],
+    ) -> (Result<(), i32>, Vec<u128>) {
+        let start = Instant::now();
+        let log = Mutex::new(Vec::new());
+        let result = policy
+            .call(|| {
+                let mut log = log.lock().unwrap();
+                let (code, pushback) = script[log.len().min(script.len() - 1)];
+                log.push(start.elapsed().as_millis());
+                async move { if code == 0 { Ok(()) } else { Err(Status(code, pushback)) } }
+            })
+            .await;
+        (result.map_err(|s| s.0), log.into_inner().unwrap())
+    }
+
+    fn policy(attempts: u32, budget: Duration) -> RetryPolicy<()> {
+        RetryPolicy::<()>::builder()
+            .max_attempts(attempts)
+            .base(Duration::from_millis(100))
+            .budget(budget)
+            .jitter(|ceiling| ceiling)
+            .build()
+            .unwrap()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn grpc_calls_are_retried_by_status_and_pushback() {
+        let long = Duration::from_secs(60);
+        // RESOURCE_EXHAUSTED waits for its pushback, UNAVAILABLE for the backoff alone.
+        let (result, at) =
+            calls(&policy(5, long), &[(8, Some("1500")), (14, None), (0, None)]).await;
+        assert_eq!((result, at), (Ok(()), vec![0, 1500, 1700]));
+        // Statuses that are not retried, a pushback that says "do not retry".
+        for script in [(13, None), (3, Some("10")), (8, Some("-1")), (14, Some("soon"))] {
+            let (result, at) = calls(&policy(5, long), &[script]).await;
+            assert_eq!((result, at), (Err(script.0), vec![0]), "{script:?}");
+        }
+        // The attempts, then the budget, end the retries with the last status.
+        let (result, at) = calls(&policy(3, long), &[(14, None)]).await;
+        assert_eq!((result, at), (Err(14), vec![0, 100, 300]));
+        let (result, at) =
+            calls(&policy(5, Duration::from_millis(2500)), &[(8, Some("1000"))]).await;
+        assert_eq!((result, at), (Err(8), vec![0, 1000, 2000]));
+        // A negative code is no gRPC status: returned as it is.
+        let (result, at) = calls(&policy(5, long), &[(-8, None)]).await;
+        assert_eq!((result, at), (Err(-8), vec![0]));
     }
 }

@@ -92,6 +92,7 @@ impl<B> RequestBody<B> {
 
     /// One body counted by both layers of a body wrapped twice (nested layers), so that
     /// nesting does not nest types.
+    #[cfg(feature = "config")]
     pub(crate) fn flatten(nested: RequestBody<RequestBody<B>>) -> Self {
         let RequestBody { inner: mut body, counters } = nested;
         body.counters.extend(counters);
