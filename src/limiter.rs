@@ -466,7 +466,8 @@ impl<St: Store> Limiter<St> {
 ///    or just drop the [`Held`]: the slots are released and the estimates kept.
 ///
 /// ```
-/// use tollgate::store::Check;
+/// use tollgate::clock::FakeClock;
+/// use tollgate::store::{Check, MemoryStore};
 /// use tollgate::{Concurrency, Limiter, Policy, Quota, Unit, key::Key};
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -476,7 +477,9 @@ impl<St: Store> Limiter<St> {
 ///     .concurrency("in-flight", Concurrency::new(2))
 ///     .build()
 ///     .unwrap();
-/// let limiter = Limiter::new(policy.clone());
+/// // A clock that stands still, so nothing refills between the lines below.
+/// let store = MemoryStore::builder().clock(FakeClock::new()).build().unwrap();
+/// let limiter = Limiter::with_store(policy.clone(), store).unwrap();
 /// let key = Key::text("alice");
 /// let costs = policy.costs(1, None);
 /// let r = limiter.reserve_with(Check::new(&key, 1).with_costs(&costs)).await.unwrap();
