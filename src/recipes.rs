@@ -17,7 +17,7 @@
 //! matched route and unknown paths get a plain 404 without spending quota). Layers that share a
 //! [`MemoryStore`] share its memory, and each policy keeps its own state in it: two routes
 //! limited by one policy share its budget, so give each route whose budget is its own a policy
-//! of its own name (or put [`RouteKey`] in the key).
+//! of its own name (or put `key::RouteKey` in the key).
 //!
 //! ```
 //! use std::net::SocketAddr;
