@@ -9,7 +9,7 @@ use http::{Method, Request, Response, StatusCode};
 use tokio::time::{Instant, Sleep};
 use tower::retry::Policy;
 
-use super::hints::{self, Pushback};
+use crate::hints::{self, Pushback};
 use crate::error::ConfigError;
 
 /// gRPC status `RESOURCE_EXHAUSTED`.
