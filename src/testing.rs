@@ -272,6 +272,40 @@ impl VirtualClock {
         Ok(())
     }
 
+    /// Moves tokio's running clock, and with it this clock, forward by `by`: pauses it,
+    /// advances it (see [`advance`](Self::advance)) and resumes it.
+    ///
+    /// For tests that talk to a server, as with a `RedisStore`: they cannot run on a paused
+    /// clock, because a paused runtime with nothing to do but wait for the network moves its
+    /// clock to the next timer (tokio's auto-advance), so that round trips take virtual seconds
+    /// (the store's timeouts, the connection's timers). Such a test runs on tokio's real clock
+    /// (which this clock follows from the instant the test chose), and jumps. Between jumps real
+    /// time passes: a few milliseconds, which whole-second headers such as `Retry-After` do not
+    /// show when the test starts on a whole second.
+    ///
+    /// # Panics
+    ///
+    /// As [`tokio::time::pause`] does: outside a current-thread tokio runtime, or when tokio's
+    /// clock is already paused (then call [`advance`](Self::advance)).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::clock::Clock;
+    /// use tollgate::testing::VirtualClock;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let clock = VirtualClock::starting_at("2026-03-28T12:00:00+01:00").unwrap();
+    /// clock.jump(Duration::from_secs(83 * 3600)).await;
+    /// let left = clock.until("2026-04-01T00:00:00+02:00").unwrap();
+    /// assert!(left < Duration::from_secs(1), "{left:?}"); // a few real microseconds passed
+    /// # }
+    /// ```
+    pub async fn jump(&self, by: Duration) {
+        tokio::time::pause();
+        tokio::time::advance(by).await;
+        tokio::time::resume();
+    }
+
     /// A [`MemoryStore`] of the default settings on this clock.
     ///
     /// ```
