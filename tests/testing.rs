@@ -59,6 +59,18 @@ async fn monthly_quota_resets_at_midnight_in_berlin() -> Result<(), Box<dyn std:
     Ok(())
 }
 
+/// The README's "Testing your limits" shows the test above as it is here.
+#[test]
+fn the_readme_recipe_is_the_test_above() {
+    let readme = include_str!("../README.md");
+    let section = &readme[readme.find("## Testing your limits").expect("the section")..];
+    let block = &section[section.find("```rust").expect("a rust block")..];
+    let block = &block[block.find('\n').unwrap() + 1..];
+    let block = &block[..block.find("```").expect("the block's end")];
+    let test = &block[block.find("#[tokio::test").expect("the test")..];
+    assert!(include_str!("testing.rs").contains(test), "README recipe differs:\n{test}");
+}
+
 /// Every header of the refusals, exactly, and the instant of the reset to the nanosecond.
 #[tokio::test(start_paused = true)]
 async fn the_monthly_refusal_reports_every_field_exactly() {
