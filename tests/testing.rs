@@ -15,9 +15,7 @@ use http::{Request, Response};
 use tollgate::clock::Clock;
 use tollgate::key::GlobalKey;
 use tollgate::store::Store;
-use tollgate::testing::{
-    RateLimitHeaders, VirtualClock, assert_admitted, assert_limited_until,
-};
+use tollgate::testing::{RateLimitHeaders, VirtualClock, assert_admitted, assert_limited_until};
 use tollgate::{Calendar, HeaderStyle, Policy, Quota, RateLimitLayer};
 use tower::ServiceExt;
 
@@ -290,7 +288,10 @@ fn assert_limited_until_compares_whole_seconds_rounded_up() {
 #[should_panic(expected = "expected a refusal with Retry-After: 5 (5s), got HTTP/1.1 429")]
 fn assert_limited_until_needs_a_retry_after() {
     // A request costing more than the capacity is refused with no time to come back.
-    assert_limited_until(&Response::builder().status(429).body(()).unwrap(), Duration::from_secs(5));
+    assert_limited_until(
+        &Response::builder().status(429).body(()).unwrap(),
+        Duration::from_secs(5),
+    );
 }
 
 #[test]
