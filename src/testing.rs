@@ -107,7 +107,8 @@ fn show(nanos: u64) -> String {
 /// tiers see the civil date the test chose. Give the same clock (clones share it) to the
 /// [`MemoryStore`] ([`memory_store`](Self::memory_store)) or to
 /// `RedisStoreBuilder::clock` (feature `redis`: the scripts then decide at this clock's
-/// instants, not at Redis's `TIME`; keys still expire on Redis's clock).
+/// instants, not at Redis's `TIME`; keys still expire on Redis's clock; such a test runs on
+/// tokio's real clock and moves with [`jump`](Self::jump)).
 ///
 /// Unlike [`TokioClock`](crate::clock::TokioClock), which starts at the system time when made,
 /// the same test sees the same instants on every run. Make and read it inside the test's tokio

@@ -11,7 +11,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Body;
 use axum::routing::get;
-use http::{Request, Response};
+use http::{Request, Response, StatusCode};
 use tollgate::clock::Clock;
 use tollgate::key::GlobalKey;
 use tollgate::store::Store;
@@ -181,6 +181,24 @@ async fn shaping_waits_follow_advance() {
     clock.advance(Duration::from_secs(1)).await;
     assert_admitted(&third.await.unwrap());
     assert_eq!(start.elapsed(), Duration::from_secs(2));
+}
+
+/// `tokio::time::advance` alone leaves the default store refusing, since it reads the system's
+/// clock; the store on the virtual clock admits again.
+#[tokio::test(start_paused = true)]
+async fn advance_moves_the_virtual_clocks_store_and_not_the_default_one() {
+    let policy = Policy::single("api", Quota::per_minute(1)).unwrap();
+    let layer = RateLimitLayer::builder(policy.clone()).key(GlobalKey).build().unwrap();
+    let default = Router::new().route("/", get(|| async { "ok" })).layer(layer);
+    let clock = VirtualClock::starting_at("2026-03-28T12:00:00+01:00").unwrap();
+    let virtual_ = app(policy, clock.memory_store());
+    for app in [&default, &virtual_] {
+        assert_admitted(&call(app).await);
+        assert_eq!(call(app).await.status(), StatusCode::TOO_MANY_REQUESTS);
+    }
+    tokio::time::advance(Duration::from_secs(60)).await;
+    assert_eq!(call(&default).await.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_admitted(&call(&virtual_).await);
 }
 
 /// A GCRA tier of 2 a minute: the third request waits 30 s for one unit to drip back.
