@@ -51,7 +51,9 @@
 //! `metrics` facade (module `metrics`). `client` adds the client side (module `client`): a retry
 //! policy (for HTTP requests, and for gRPC calls, implemented for `tonic::Status` with `tonic`)
 //! and a layer that paces requests by the servers' rate-limit headers. `config` reads policies
-//! and rules from a TOML file and reloads them while serving (module `config`).
+//! and rules from a TOML file and reloads them while serving (module `config`). `testing` adds
+//! a virtual clock, typed rate-limit headers and one-line assertions for testing an app's limits
+//! (module `testing`).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod algorithm;
@@ -66,6 +68,9 @@ mod decision;
 mod error;
 pub mod grpc;
 mod headers;
+#[cfg(any(feature = "client", feature = "testing"))]
+#[cfg_attr(not(feature = "client"), allow(dead_code))]
+mod hints;
 pub mod key;
 mod layer;
 mod limiter;
@@ -78,6 +83,9 @@ mod quota;
 pub mod recipes;
 mod rejection;
 pub mod store;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
 
 pub use decision::{Decision, Outcome, Source, TierDecision};
 pub use error::{ConfigError, StoreError};

@@ -199,6 +199,12 @@
 //! (With `#[tokio::test(start_paused = true)]`, [`TokioClock`] follows tokio's paused time
 //! instead.)
 //!
+//! The `testing` feature goes further (module `testing`): a `VirtualClock` that starts at an
+//! instant the test chooses (calendar windows see the same dates on every run) and follows
+//! tokio's paused time, so that `tokio::time::advance` moves the store and the layer's shaping
+//! waits together; the rate-limit headers as typed values; and one-line assertions such as
+//! `assert_limited_until(&res, clock.until("2026-04-01T00:00:00+02:00")?)`.
+//!
 //! ```
 //! # #[cfg(feature = "axum")] // `PeerIp` reads `MockConnectInfo` with the `axum` feature
 //! # mod test {

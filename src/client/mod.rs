@@ -51,7 +51,6 @@
 //! # }
 //! ```
 
-mod hints;
 mod pacing;
 mod retry;
 

@@ -15,7 +15,7 @@ use tokio::time::Instant;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::hints::{self, MAX_QUOTAS, Reported};
+use crate::hints::{self, MAX_QUOTAS, Reported};
 use crate::key::{Key, KeyExtractor, RequestHead};
 
 /// Partitions beyond this many are swept of those that would delay nothing.

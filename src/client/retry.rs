@@ -9,8 +9,8 @@ use http::{Method, Request, Response, StatusCode};
 use tokio::time::{Instant, Sleep};
 use tower::retry::Policy;
 
-use super::hints::{self, Pushback};
 use crate::error::ConfigError;
+use crate::hints::{self, Pushback};
 
 /// gRPC status `RESOURCE_EXHAUSTED`.
 const GRPC_RESOURCE_EXHAUSTED: u64 = 8;

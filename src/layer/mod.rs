@@ -282,6 +282,11 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// layers of one policy share its budget
     /// ([one policy, one budget](crate::store#one-policy-on-one-store-is-one-budget)); a layer
     /// made [`with_limiter`](RateLimitLayer::with_limiter) keeps its limiter's store.
+    ///
+    /// The default store reads the system's monotonic clock, which `tokio::time::pause()` and
+    /// `tokio::time::advance` do not move: a test on tokio's paused clock gives the layer a
+    /// store on a clock that follows it, such as the `testing` feature's
+    /// `VirtualClock::memory_store()`.
     pub fn store<St2: Store>(self, store: St2) -> RateLimitLayerBuilder<K, St2> {
         let source = match self.source {
             Source::Policy(policy, _) => Source::Policy(policy, store),

@@ -248,7 +248,7 @@ impl MemoryStoreBuilder {
     }
 
     /// The store of the default settings and this builder's clock (never invalid).
-    #[cfg(feature = "redis")]
+    #[cfg(any(feature = "redis", feature = "testing"))]
     pub(crate) fn assembled(self) -> MemoryStore {
         self.assemble()
     }

@@ -24,7 +24,7 @@ const EPOCH_THRESHOLD_SECS: u64 = 1_000_000_000;
 
 /// At most this many quotas are read from one response, so a hostile server cannot make a
 /// client hold unbounded state.
-pub(super) const MAX_QUOTAS: usize = 16;
+pub(crate) const MAX_QUOTAS: usize = 16;
 
 /// A header's first value as trimmed ASCII text.
 fn text<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Option<&'a str> {
@@ -50,7 +50,7 @@ fn reference_time(headers: &HeaderMap) -> SystemTime {
 /// The delay of `Retry-After` (RFC 9110 §10.2.3): `delay-seconds`, or an `HTTP-date` taken
 /// relative to the response's `Date` header when present, else to the system clock (a date in
 /// the past is a zero delay). `None` when absent or malformed.
-pub(super) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     let value = text(headers, &header::RETRY_AFTER)?;
     if let Some(secs) = digits(value) {
         return Some(Duration::from_secs(secs));
@@ -61,7 +61,7 @@ pub(super) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
 
 /// What `grpc-retry-pushback-ms` says (gRFC A6).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Pushback {
+pub(crate) enum Pushback {
     /// No such header.
     Absent,
     /// Retry no sooner than this.
@@ -73,12 +73,12 @@ pub(super) enum Pushback {
 /// Reads `grpc-retry-pushback-ms` (gRFC A6: milliseconds; "if the value for pushback is
 /// negative or unparseable, then it will be seen as the server asking the client not to retry
 /// at all").
-pub(super) fn grpc_pushback(headers: &HeaderMap) -> Pushback {
+pub(crate) fn grpc_pushback(headers: &HeaderMap) -> Pushback {
     pushback(headers.get(GRPC_RETRY_PUSHBACK_MS).map(http::HeaderValue::as_bytes))
 }
 
 /// Reads a `grpc-retry-pushback-ms` value, as [`grpc_pushback`] does; `None` is an absent one.
-pub(super) fn pushback(value: Option<&[u8]>) -> Pushback {
+pub(crate) fn pushback(value: Option<&[u8]>) -> Pushback {
     let Some(value) = value else { return Pushback::Absent };
     match std::str::from_utf8(value).ok().map(str::trim).and_then(digits) {
         Some(ms) => Pushback::After(Duration::from_millis(ms)),
@@ -87,21 +87,21 @@ pub(super) fn pushback(value: Option<&[u8]>) -> Pushback {
 }
 
 /// The `grpc-status` code in the headers (a trailers-only gRPC response), if any.
-pub(super) fn grpc_status(headers: &HeaderMap) -> Option<u64> {
+pub(crate) fn grpc_status(headers: &HeaderMap) -> Option<u64> {
     text(headers, &GRPC_STATUS).and_then(digits)
 }
 
 /// One quota a response reported.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Reported {
+pub(crate) struct Reported {
     /// The quota policy's name; `None` for the legacy `X-RateLimit-*` headers.
-    pub(super) name: Option<Box<str>>,
+    pub(crate) name: Option<Box<str>>,
     /// Units per window (`q` of `RateLimit-Policy`, `X-RateLimit-Limit`), when reported.
-    pub(super) limit: Option<u64>,
+    pub(crate) limit: Option<u64>,
     /// Units left (`r`, `X-RateLimit-Remaining`).
-    pub(super) remaining: u64,
+    pub(crate) remaining: u64,
     /// When the quota is full again (`t`, `X-RateLimit-Reset`), when reported.
-    pub(super) reset: Option<Duration>,
+    pub(crate) reset: Option<Duration>,
 }
 
 /// All lines of a header joined with `", "`, as RFC 9110 §5.3 combines them.
@@ -144,36 +144,56 @@ fn sf_uint(params: &sfv::Parameters, key: &str) -> Option<u64> {
     u64::try_from(n).ok()
 }
 
-/// The quotas a response reports: the IETF `RateLimit` field (each item's `r` and `t`, with
-/// `q` from the `RateLimit-Policy` item of the same name) when present and valid, otherwise
-/// the legacy `X-RateLimit-Remaining` with `-Limit` and `-Reset`. `X-RateLimit-Reset` is
-/// seconds from now, or, above 10^9, a Unix timestamp taken relative to the response's `Date`
-/// header (else the system clock). Items without a valid `r` are skipped; a field that does
-/// not parse counts as absent.
-pub(super) fn reported(headers: &HeaderMap) -> Vec<Reported> {
-    if let Some(items) = joined(headers, &RATELIMIT).as_deref().and_then(sf_items) {
-        let policies =
-            joined(headers, &RATELIMIT_POLICY).as_deref().and_then(sf_items).unwrap_or_default();
-        return items
+/// One item of the IETF `RateLimit` field, with what the `RateLimit-Policy` item of the same
+/// name says about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct IetfItem {
+    /// The quota policy's name.
+    pub(crate) name: Box<str>,
+    /// Units left (`r`).
+    pub(crate) remaining: u64,
+    /// Seconds until the quota is full again (`t`), when reported.
+    pub(crate) reset: Option<Duration>,
+    /// Units per window (`q` of `RateLimit-Policy`), when reported.
+    pub(crate) quota: Option<u64>,
+    /// The window (`w` of `RateLimit-Policy`, seconds), when reported.
+    pub(crate) window: Option<Duration>,
+    /// The quota unit (`qu` of `RateLimit-Policy`), when reported; absent means requests.
+    pub(crate) unit: Option<Box<str>>,
+}
+
+/// The items of the IETF `RateLimit` field (draft-ietf-httpapi-ratelimit-headers-10), each
+/// with `q`, `w` and `qu` from the `RateLimit-Policy` item of the same name. `None` when the
+/// field is absent or does not parse; items without a valid `r` are skipped, at most
+/// [`MAX_QUOTAS`] are read.
+pub(crate) fn ietf_items(headers: &HeaderMap) -> Option<Vec<IetfItem>> {
+    let items = joined(headers, &RATELIMIT).as_deref().and_then(sf_items)?;
+    let policies =
+        joined(headers, &RATELIMIT_POLICY).as_deref().and_then(sf_items).unwrap_or_default();
+    Some(
+        items
             .into_iter()
             .filter_map(|(name, params)| {
                 let remaining = sf_uint(&params, "r")?;
                 let reset = sf_uint(&params, "t").map(Duration::from_secs);
-                let policy = policies.iter().find(|(policy, _)| *policy == name);
-                // A quota of bytes or of concurrent requests (`qu`) does not count requests
-                // per window: pacing requests by it would be wrong.
-                let unit = policy.and_then(|(_, p)| p.get("qu")).and_then(|v| v.as_string());
-                if unit.is_some_and(|u| u.as_str() != "requests") {
-                    return None;
-                }
-                let limit = policy.and_then(|(_, p)| sf_uint(p, "q"));
-                Some(Reported { name: Some(name), limit, remaining, reset })
+                let policy = policies.iter().find(|(policy, _)| *policy == name).map(|(_, p)| p);
+                let quota = policy.and_then(|p| sf_uint(p, "q"));
+                let window = policy.and_then(|p| sf_uint(p, "w")).map(Duration::from_secs);
+                let unit = policy
+                    .and_then(|p| p.get("qu"))
+                    .and_then(|v| v.as_string())
+                    .map(|u| u.as_str().into());
+                Some(IetfItem { name, remaining, reset, quota, window, unit })
             })
-            .collect();
-    }
-    let Some(remaining) = text(headers, &X_RATELIMIT_REMAINING).and_then(digits) else {
-        return Vec::new();
-    };
+            .collect(),
+    )
+}
+
+/// The legacy `X-RateLimit-Remaining`, with `-Limit` and `-Reset`: `-Reset` is seconds from
+/// now, or, above 10^9, a Unix timestamp taken relative to the response's `Date` header (else
+/// the system clock). `None` without a valid `X-RateLimit-Remaining`.
+pub(crate) fn legacy(headers: &HeaderMap) -> Option<Reported> {
+    let remaining = text(headers, &X_RATELIMIT_REMAINING).and_then(digits)?;
     let limit = text(headers, &X_RATELIMIT_LIMIT).and_then(digits);
     let reset = text(headers, &X_RATELIMIT_RESET).and_then(digits).map(|secs| {
         if secs > EPOCH_THRESHOLD_SECS {
@@ -183,7 +203,29 @@ pub(super) fn reported(headers: &HeaderMap) -> Vec<Reported> {
             Duration::from_secs(secs)
         }
     });
-    vec![Reported { name: None, limit, remaining, reset }]
+    Some(Reported { name: None, limit, remaining, reset })
+}
+
+/// The quotas a response reports: the IETF `RateLimit` field (each item's `r` and `t`, with
+/// `q` from the `RateLimit-Policy` item of the same name) when present and valid, otherwise
+/// the legacy `X-RateLimit-Remaining` with `-Limit` and `-Reset` (see [`legacy`]). Items
+/// without a valid `r` are skipped; a field that does not parse counts as absent.
+pub(crate) fn reported(headers: &HeaderMap) -> Vec<Reported> {
+    if let Some(items) = ietf_items(headers) {
+        return items
+            .into_iter()
+            // A quota of bytes or of concurrent requests (`qu`) does not count requests per
+            // window: pacing requests by it would be wrong.
+            .filter(|item| item.unit.as_deref().is_none_or(|u| u == "requests"))
+            .map(|item| Reported {
+                name: Some(item.name),
+                limit: item.quota,
+                remaining: item.remaining,
+                reset: item.reset,
+            })
+            .collect();
+    }
+    legacy(headers).into_iter().collect()
 }
 
 #[cfg(test)]
