@@ -326,13 +326,15 @@ fn key_hash(secret: &[u8; 16], key: &Key) -> u128 {
 /// The key of the string holding every tier's state of `key`, between the parts of
 /// [`key_parts`], the key named as `names` says.
 pub(crate) fn state_key(parts: &(String, String), names: &KeyNames, key: &Key) -> String {
-    use std::fmt::Write as _;
     match names {
         KeyNames::Hashed(secret) => {
+            const HEX: &[u8; 16] = b"0123456789abcdef";
+            let hash = key_hash(secret, key);
             let mut out = String::with_capacity(parts.0.len() + 33 + parts.1.len());
             out.push_str(&parts.0);
-            // Writing to a `String` never fails.
-            let _ = write!(out, "#{:032x}", key_hash(secret, key));
+            out.push('#');
+            // `{:032x}`, without the formatting machinery (a third of the naming's cost).
+            out.extend((0..32).rev().map(|i| char::from(HEX[(hash >> (4 * i)) as usize & 0xf])));
             out.push_str(&parts.1);
             out
         }
