@@ -303,19 +303,17 @@
 //! Each key's state is one Redis string, `<prefix>{<policy>|#<hash>}:<fingerprint>` (prefix
 //! `tollgate:` by default; the braces make it one Cluster hash slot; the fingerprint changes
 //! when the policy's tiers or algorithm do). `<hash>` is a keyed hash of the key (SipHash-2-4,
-//! 128 bits, 32 hexadecimal digits) with the secret given to
-//! [`key_secret`](crate::store::RedisStoreBuilder::key_secret), so API keys and user ids are not
-//! readable with `SCAN`, `MONITOR` or from an RDB file. Every instance of a fleet must use the
-//! same secret, or they stop sharing budgets; the default secret is a fixed, documented value
-//! that hides keys from casual reading only, so set one.
-//! [`raw_keys`](crate::store::RedisStoreBuilder::raw_keys) names keys by the key itself
-//! (`<prefix>{<policy>|<key>}:<fingerprint>`, e.g. `tollgate:{api|s5:alice}:...`) for debugging;
-//! [`RedisPolicy::state_key`](crate::store::RedisPolicy::state_key) gives a key's name either way.
-//! The state holds packed binary doubles: the instant of the last write and the algorithm's
-//! per-tier state. A sliding-window log also keeps its entries in one sorted set per tier beside
-//! it (`<state key>:z1`, `:z2`, ...), concurrency tiers their leases (`:c1`, ...); members are
-//! entry and lease ids, never the key. Every key expires (`PX`) when its state would be full
-//! again, so an idle key costs nothing.
+//! 128 bits, 32 hexadecimal digits) with the secret given to `RedisStoreBuilder::key_secret`,
+//! so API keys and user ids are not readable with `SCAN`, `MONITOR` or from an RDB file. Every
+//! instance of a fleet must use the same secret, or they stop sharing budgets; the default
+//! secret is a fixed, documented value that hides keys from casual reading only, so set one.
+//! `raw_keys()` names keys by the key itself (`<prefix>{<policy>|<key>}:<fingerprint>`, e.g.
+//! `tollgate:{api|s5:alice}:...`) for debugging; `RedisPolicy::state_key` gives a key's name
+//! either way. The state holds packed binary doubles: the instant of the last write and the
+//! algorithm's per-tier state. A sliding-window log also keeps its entries in one sorted set per
+//! tier beside it (`<state key>:z1`, `:z2`, ...), concurrency tiers their leases (`:c1`, ...);
+//! members are entry and lease ids, never the key. Every key expires (`PX`) when its state would
+//! be full again, so an idle key costs nothing.
 //!
 //! # Seeing what the limiter does
 //!
