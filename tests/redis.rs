@@ -598,9 +598,25 @@ fn secret_keys() -> [Key; 2] {
     [Key::text(API_KEY), Key::Tuple(vec![ip, Key::text(API_KEY)].into())]
 }
 
-/// Two reservations per policy and key (held, so leases are in Redis when it is read), and a
+/// Two requests through the layer keyed by an `x-api-key` header (policy `layer`), then two
+/// reservations per policy and key (held, so leases are in Redis when it is read), and a
 /// settlement of one of them at another cost.
 async fn secret_checks(store: &RedisStore) -> Vec<tollgate::Reservation<RedisStore>> {
+    use tower::{Layer as _, ServiceExt as _};
+    let layer = RateLimitLayer::builder(Policy::single("layer", Quota::per_minute(10)).unwrap())
+        .key(tollgate::key::HeaderKey::new(http::HeaderName::from_static("x-api-key")))
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let service = layer.layer(ok_service());
+    // GCRA, 10 a minute: each request is 6 s until the bucket is full again.
+    for (remaining, full_in) in [(9, 6), (8, 12)] {
+        let request = http::Request::get("/").header("x-api-key", API_KEY);
+        let request = request.body(axum::body::Body::empty()).unwrap();
+        let res = service.clone().oneshot(request).await.unwrap();
+        assert_eq!(res.status(), http::StatusCode::OK);
+        assert_eq!(res.headers()["ratelimit"], format!("\"layer\";r={remaining};t={full_in}"));
+    }
     let mut held = Vec::new();
     for policy in secret_policies() {
         let limiter = Limiter::with_store(policy.clone(), store.clone()).unwrap();
@@ -665,7 +681,8 @@ fn assert_secret_kept(everything: &[(String, Vec<Vec<u8>>)]) {
     assert_eq!(count(":z1"), 2 * secret_keys().len(), "log sets");
     assert_eq!(count(":z2"), secret_keys().len(), "log sets");
     assert_eq!(count(":c1"), secret_policies().len() / 2 * secret_keys().len(), "lease sets");
-    assert_eq!(everything.len(), states + count(":z1") + count(":z2") + count(":c1"));
+    // And the layer's key.
+    assert_eq!(everything.len(), states + 1 + count(":z1") + count(":z2") + count(":c1"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -724,7 +741,7 @@ async fn on_a_cluster_hashed_keys_hide_the_api_key_and_keep_each_keys_tiers_in_o
         }
     }
     assert_secret_kept(&everything);
-    assert_eq!(tags.len(), secret_policies().len() * secret_keys().len());
+    assert_eq!(tags.len(), secret_policies().len() * secret_keys().len() + 1);
     drop(held);
 }
 
