@@ -9,6 +9,8 @@
 //! `$CRITERION_HOME/redis/cpu-<baseline>.json` (else `target/criterion/redis/cpu-latest.json`),
 //! with the client's CPU per check (this process) and the checks per script call.
 //!
+//! Also the cost of naming a key's state (`redis_key_names`: hashed, the default, and raw).
+//!
 //! `cargo bench --bench redis --features redis` (needs `redis-server` on `PATH`).
 
 #[path = "../tests/support/redis.rs"]
@@ -21,7 +23,7 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use tollgate::key::Key;
-use tollgate::store::RedisStore;
+use tollgate::store::{RedisStore, Store};
 use tollgate::{Limiter, Policy, Quota};
 
 const TASKS: u64 = 64;
@@ -231,5 +233,22 @@ fn bench(c: &mut Criterion) {
     drop(server);
 }
 
-criterion_group!(benches, bench);
+/// The name of a key's state: by default a keyed 128-bit hash of the key (SipHash-2-4), with
+/// `raw_keys()` the key itself. Computed once per check (and per settlement); no server needed.
+fn key_names(c: &mut Criterion) {
+    let policy = policy(2);
+    let key = Key::text("sk_live_51HqLyjWDarjtT1zdp7dcXwzB"); // an API key's length: 32 bytes
+    let mut g = c.benchmark_group("redis_key_names");
+    g.sample_size(50).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_secs(1));
+    for (id, builder) in [
+        ("hashed", RedisStore::builder("redis://127.0.0.1:1/")),
+        ("raw", RedisStore::builder("redis://127.0.0.1:1/").raw_keys()),
+    ] {
+        let bound = builder.build().unwrap().bind(&policy).unwrap();
+        g.bench_function(id, |b| b.iter(|| bound.state_key(std::hint::black_box(&key))));
+    }
+    g.finish();
+}
+
+criterion_group!(benches, key_names, bench);
 criterion_main!(benches);

@@ -294,6 +294,8 @@
 //!
 //! let store = RedisStore::cluster_builder(["redis://10.0.0.1:7000", "redis://10.0.0.2:7000"])
 //!     .timeout(Duration::from_millis(50))
+//!     // The same on every instance, kept like a password (say, from the environment).
+//!     .key_secret("a long random string")
 //!     .build()?;
 //! let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_minute(600))?)
 //!     .store(store)
@@ -304,12 +306,20 @@
 //! # fn main() {}
 //! ```
 //!
-//! Each key's state is one Redis string, `<prefix>{<policy>|<key>}:<fingerprint>` (prefix
+//! Each key's state is one Redis string, `<prefix>{<policy>|#<hash>}:<fingerprint>` (prefix
 //! `tollgate:` by default; the braces make it one Cluster hash slot; the fingerprint changes
-//! when the policy's tiers or algorithm do). It holds packed binary doubles: the instant of the
-//! last write and the algorithm's per-tier state. A sliding-window log also keeps its entries
-//! in one sorted set per tier beside it (`<state key>:z1`, `:z2`, ...). Every key expires (`PX`) when its state would be full again, so an
-//! idle key costs nothing.
+//! when the policy's tiers or algorithm do). `<hash>` is a keyed hash of the key (SipHash-2-4,
+//! 128 bits, 32 hexadecimal digits) with the secret given to `RedisStoreBuilder::key_secret`,
+//! so API keys and user ids are not readable with `SCAN`, `MONITOR` or from an RDB file. Every
+//! instance of a fleet must use the same secret, or they stop sharing budgets; the default
+//! secret is a fixed, documented value that hides keys from casual reading only, so set one.
+//! `raw_keys()` names keys by the key itself (`<prefix>{<policy>|<key>}:<fingerprint>`, e.g.
+//! `tollgate:{api|s5:alice}:...`) for debugging; `RedisPolicy::state_key` gives a key's name
+//! either way. The state holds packed binary doubles: the instant of the last write and the
+//! algorithm's per-tier state. A sliding-window log also keeps its entries in one sorted set per
+//! tier beside it (`<state key>:z1`, `:z2`, ...), concurrency tiers their leases (`:c1`, ...);
+//! members are entry and lease ids, never the key. Every key expires (`PX`) when its state would
+//! be full again, so an idle key costs nothing.
 //!
 //! # Seeing what the limiter does
 //!

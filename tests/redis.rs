@@ -562,6 +562,189 @@ async fn a_policys_keys_share_one_cluster_slot_and_keys_spread_over_nodes() {
     assert_eq!(owners.len(), 3, "30 keys land on all three masters");
 }
 
+// ---------------------------------------------------------------------------------------------
+// Keys stay secret: Redis holds a keyed hash of each key, never the key.
+
+/// An API key: what must not be readable in Redis.
+const API_KEY: &str = "sk_live_SECRET";
+
+/// One policy per algorithm with two rate tiers, and one per algorithm with a concurrency and
+/// a calendar tier beside its rate (sliding-log sets, lease sets and calendar windows).
+fn secret_policies() -> Vec<Policy> {
+    let lease = Concurrency::new(5).with_lease(Duration::from_secs(600));
+    let mut out = Vec::new();
+    for algorithm in Algorithm::ALL {
+        let plain = Policy::builder(format!("plain-{}", algorithm.name()))
+            .algorithm(algorithm)
+            .tier("second", Quota::per_second(5))
+            .tier("day", Quota::per_day(1000))
+            .build()
+            .unwrap();
+        let kinds = Policy::builder(format!("kinds-{}", algorithm.name()))
+            .algorithm(algorithm)
+            .tier("minute", Quota::per_minute(50))
+            .concurrency("slots", lease)
+            .calendar("month", Calendar::per_month(1000))
+            .build()
+            .unwrap();
+        out.extend([plain, kinds]);
+    }
+    out
+}
+
+/// The keys checked: the API key alone, and with an address.
+fn secret_keys() -> [Key; 2] {
+    let ip = Key::Ip("203.0.113.7".parse().unwrap());
+    [Key::text(API_KEY), Key::Tuple(vec![ip, Key::text(API_KEY)].into())]
+}
+
+/// Two requests through the layer keyed by an `x-api-key` header (policy `layer`), then two
+/// reservations per policy and key (held, so leases are in Redis when it is read), and a
+/// settlement of one of them at another cost.
+async fn secret_checks(store: &RedisStore) -> Vec<tollgate::Reservation<RedisStore>> {
+    use tower::{Layer as _, ServiceExt as _};
+    let layer = RateLimitLayer::builder(Policy::single("layer", Quota::per_minute(10)).unwrap())
+        .key(tollgate::key::HeaderKey::new(http::HeaderName::from_static("x-api-key")))
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let service = layer.layer(ok_service());
+    // GCRA, 10 a minute: each request is 6 s until the bucket is full again.
+    for (remaining, full_in) in [(9, 6), (8, 12)] {
+        let request = http::Request::get("/").header("x-api-key", API_KEY);
+        let request = request.body(axum::body::Body::empty()).unwrap();
+        let res = service.clone().oneshot(request).await.unwrap();
+        assert_eq!(res.status(), http::StatusCode::OK);
+        assert_eq!(res.headers()["ratelimit"], format!("\"layer\";r={remaining};t={full_in}"));
+    }
+    let mut held = Vec::new();
+    for policy in secret_policies() {
+        let limiter = Limiter::with_store(policy.clone(), store.clone()).unwrap();
+        for key in secret_keys() {
+            let first = limiter.reserve(&key, 1).await.expect("redis answers");
+            let second = limiter.reserve(&key, 1).await.expect("redis answers");
+            let name = policy.name();
+            assert!(first.decision().is_allowed() && second.decision().is_allowed(), "{name}");
+            assert_eq!(first.decision().source(), Source::Store, "{name}");
+            first.settle(2).await.expect("settled");
+            held.push(second);
+        }
+    }
+    held
+}
+
+/// Every key name on a server (`SCAN`) with its value: a string's bytes (`GET`), a sorted set's
+/// members (`ZRANGE`); any other type fails the test.
+fn everything_in(conn: &mut redis::Connection) -> Vec<(String, Vec<Vec<u8>>)> {
+    let mut names: Vec<Vec<u8>> = Vec::new();
+    let mut cursor = 0_u64;
+    loop {
+        let (next, batch): (u64, Vec<Vec<u8>>) =
+            redis::cmd("SCAN").arg(cursor).arg("COUNT").arg(1000).query(conn).unwrap();
+        names.extend(batch);
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
+    names
+        .into_iter()
+        .map(|name| {
+            let kind: String = redis::cmd("TYPE").arg(&name).query(conn).unwrap();
+            let values: Vec<Vec<u8>> = match kind.as_str() {
+                "string" => vec![redis::cmd("GET").arg(&name).query(conn).unwrap()],
+                "zset" => redis::cmd("ZRANGE").arg(&name).arg(0).arg(-1).query(conn).unwrap(),
+                other => panic!("unexpected {other} at {}", String::from_utf8_lossy(&name)),
+            };
+            (String::from_utf8(name).expect("key names are text"), values)
+        })
+        .collect()
+}
+
+fn contains(haystack: &[u8], needle: &str) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle.as_bytes())
+}
+
+/// Asserts that no key name or value holds the API key's secret part, and that every policy's
+/// keys are there: a state key per policy and key, sliding-log sets and lease sets.
+fn assert_secret_kept(everything: &[(String, Vec<Vec<u8>>)]) {
+    for (name, values) in everything {
+        assert!(!contains(name.as_bytes(), "SECRET") && !name.contains("sk_live"), "{name}");
+        for v in values {
+            assert!(!contains(v, "SECRET") && !contains(v, "sk_live"), "{name}: {v:?}");
+        }
+    }
+    let states = secret_policies().len() * secret_keys().len();
+    let count = |suffix: &str| everything.iter().filter(|(n, _)| n.ends_with(suffix)).count();
+    // Sliding logs: two sets for a plain policy, one beside the concurrency tier; every kinds
+    // policy holds a lease set.
+    assert_eq!(count(":z1"), 2 * secret_keys().len(), "log sets");
+    assert_eq!(count(":z2"), secret_keys().len(), "log sets");
+    assert_eq!(count(":c1"), secret_policies().len() / 2 * secret_keys().len(), "lease sets");
+    // And the layer's key.
+    assert_eq!(everything.len(), states + 1 + count(":z1") + count(":z2") + count(":c1"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_holds_no_api_key_in_key_names_or_values() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let url = server.url();
+    let builders = [
+        RedisStore::builder(&url),
+        RedisStore::builder(&url).key_secret("per-deployment secret"),
+        RedisStore::builder(&url).raw_keys().key_secret(b"\x00\xff"),
+    ];
+    for builder in builders {
+        let store = builder.timeout(Duration::from_secs(5)).build().unwrap();
+        let held = secret_checks(&store).await;
+        let mut conn = server.conn();
+        let everything = everything_in(&mut conn);
+        assert_secret_kept(&everything);
+        for policy in secret_policies() {
+            let bound = store.bind(&policy).unwrap();
+            for key in secret_keys() {
+                let state = bound.state_key(&key);
+                assert!(everything.iter().any(|(n, _)| *n == state), "{state}");
+            }
+        }
+        drop(held);
+        let () = redis::cmd("FLUSHALL").query(&mut conn).unwrap();
+    }
+    // The same checks under raw key names do show the key: what the test looks for is there.
+    let store = RedisStore::builder(&url).raw_keys().timeout(Duration::from_secs(5)).build();
+    let held = secret_checks(&store.unwrap()).await;
+    let everything = everything_in(&mut server.conn());
+    let shown = everything.iter().filter(|(n, _)| n.contains("s14:sk_live_SECRET")).count();
+    assert_eq!(shown, everything.len());
+    drop(held);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_hashed_keys_hide_the_api_key_and_keep_each_keys_tiers_in_one_slot() {
+    let Some(cluster) = Cluster::start() else { return };
+    let store = RedisStore::cluster_builder(cluster.urls())
+        .key_secret("per-deployment secret")
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let held = secret_checks(&store).await;
+    let mut everything = Vec::new();
+    // Which node holds each hash tag: one node per tag, so a key's state and its sets share a
+    // slot (a script over several slots is refused with CROSSSLOT anyway).
+    let mut tags: std::collections::HashMap<String, u16> = std::collections::HashMap::new();
+    for node in &cluster.nodes {
+        for (name, values) in everything_in(&mut node.conn()) {
+            let tag = name[name.find('{').unwrap() + 1..name.find('}').unwrap()].to_owned();
+            assert!(tag.contains("|#"), "{name}");
+            assert_eq!(*tags.entry(tag).or_insert(node.port), node.port, "{name}");
+            everything.push((name, values));
+        }
+    }
+    assert_secret_kept(&everything);
+    assert_eq!(tags.len(), secret_policies().len() * secret_keys().len() + 1);
+    drop(held);
+}
+
 /// `PTTL` of `key` in milliseconds (-2 when it does not exist).
 fn pttl(conn: &mut redis::Connection, key: &str) -> i64 {
     redis::cmd("PTTL").arg(key).query(conn).unwrap()
@@ -637,6 +820,9 @@ fn settings_and_policies_the_store_cannot_run_are_refused_when_built() {
     assert!(matches!(bad, tollgate::ConfigError::Invalid { setting: "url", .. }), "{bad}");
     let tag = RedisStore::builder("redis://127.0.0.1:1/").prefix("a{b}").build().unwrap_err();
     assert!(matches!(tag, tollgate::ConfigError::Invalid { setting: "prefix", .. }), "{tag}");
+    let empty = RedisStore::builder("redis://127.0.0.1:1/").key_secret("").build().unwrap_err();
+    assert!(matches!(empty, tollgate::ConfigError::Invalid { setting: "key_secret", .. }));
+    assert_eq!(empty.to_string(), "key_secret: must not be empty");
     let url = "redis://127.0.0.1:1/";
     let err = RedisStore::builder(url).timeout(Duration::ZERO).build().unwrap_err();
     assert!(matches!(err, tollgate::ConfigError::Invalid { setting: "timeout", .. }), "{err}");

@@ -17,7 +17,7 @@ pub use breaker::BreakerState;
 use cluster::SlotMap;
 use node::{Item, Node, Settings};
 pub use node::{ServerInfo, ServerKind};
-use script::Prepared;
+use script::{KeyNames, Prepared};
 
 use smallvec::SmallVec;
 
@@ -63,13 +63,19 @@ use crate::quota::{Kind, Policy};
 ///   charge: when the clock steps back (NTP, a failover to a replica whose clock is behind),
 ///   window and log tiers decide at that instant rather than reopen a window. A refused check
 ///   never moves it, so back at the last charge a key decides as in [`MemoryStore`].
-/// - **Keys.** `{prefix}{{policy}|{key}}:{fingerprint}`: a string holding every tier's state,
-///   packed (plus one sorted set per tier for the sliding log, `...:z1`, `...:z2`). Everything
-///   that identifies the limit is inside the hash tag, so one key's tiers share a Redis Cluster
-///   slot; `{`, `}`, `|` and `%` in names are percent-escaped. The fingerprint changes when the
-///   policy's algorithm or quotas change, so reconfigured policies start afresh. Every key gets
-///   a TTL equal to the time until its state is back to full (plus
-///   [`ttl_grace`](RedisStoreBuilder::ttl_grace)), so idle keys vanish by themselves.
+/// - **Keys.** `{prefix}{{policy}|#{hash}}:{fingerprint}`: a string holding every tier's
+///   state, packed (plus one sorted set per tier for the sliding log, `...:z1`, `...:z2`).
+///   `{hash}` is a keyed hash of the key (SipHash-2-4, 128 bits, 32 hexadecimal digits) with
+///   the deployment's [`key_secret`](RedisStoreBuilder::key_secret), so API keys and user ids
+///   never appear in Redis: not in key names (`SCAN`, `MONITOR`, RDB and AOF files, slow logs)
+///   nor in values, whose sorted-set members are entry and lease ids.
+///   [`raw_keys`](RedisStoreBuilder::raw_keys) puts the key itself there instead, for
+///   debugging. Everything that identifies the limit is inside the hash tag, so one key's tiers
+///   share a Redis Cluster slot; `{`, `}`, `|` and `%` in names are percent-escaped. The
+///   fingerprint changes when the policy's algorithm or quotas change, so reconfigured
+///   policies start afresh. Every key gets a TTL equal to the time until its state is back to
+///   full (plus [`ttl_grace`](RedisStoreBuilder::ttl_grace)), so idle keys vanish by
+///   themselves.
 /// - **Connections.** One multiplexed connection per server (per master on Redis Cluster, whose
 ///   slots are read with `CLUSTER SLOTS`), opened on first use; no connection per request.
 /// - **Failures, per node.** Each call has a [`timeout`](RedisStoreBuilder::timeout); time a
@@ -114,6 +120,7 @@ struct Inner {
     topology: Topology,
     settings: Arc<Settings>,
     prefix: Box<str>,
+    key_names: KeyNames,
     grace_ms: u64,
     fallback: Option<MemoryStore>,
 }
@@ -138,6 +145,7 @@ impl fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("cluster", &matches!(i.topology, Topology::Cluster(_)))
             .field("prefix", &i.prefix)
+            .field("key_names", &i.key_names)
             .field("server_time", &i.settings.clock.is_none())
             .field("timeout", &i.settings.timeout)
             .field("fallback", &i.fallback.is_some())
@@ -151,6 +159,7 @@ pub struct RedisPolicy {
     policy: Policy,
     /// The state key's parts around the key: `{prefix}{{policy}|` and `}:{fingerprint}`.
     key_parts: (String, String),
+    key_names: KeyNames,
     prepared: Arc<Prepared>,
     /// The typical hold of each concurrency tier, learnt from this binding's releases.
     holds: Arc<Holds>,
@@ -173,12 +182,34 @@ impl RedisPolicy {
         &self.policy
     }
 
-    /// The Redis key of the state of `key` (for inspection: `TTL`, `EXISTS`). Sliding-log
-    /// policies also use `{this}:z1`, `{this}:z2`, ... per rate tier, and concurrency tiers
-    /// `{this}:c1`, `{this}:c2`, ... (their leases).
+    /// The Redis key of the state of `key` (for inspection: `TTL`, `EXISTS`): by default
+    /// `{prefix}{{policy}|#{hash}}:{fingerprint}`, with the keyed hash of `key` (see
+    /// [`RedisStoreBuilder::key_secret`]), or with the key itself under
+    /// [`raw_keys`](RedisStoreBuilder::raw_keys). Sliding-log policies also use `{this}:z1`,
+    /// `{this}:z2`, ... per rate tier, and concurrency tiers `{this}:c1`, `{this}:c2`, ...
+    /// (their leases).
+    ///
+    /// ```
+    /// use tollgate::key::Key;
+    /// use tollgate::store::{RedisStore, Store};
+    /// use tollgate::{Policy, Quota};
+    ///
+    /// # fn main() -> Result<(), tollgate::ConfigError> {
+    /// let policy = Policy::single("api", Quota::per_second(10))?;
+    /// let store = RedisStore::builder("redis://127.0.0.1:6380/").key_secret("s3cr3t").build()?;
+    /// let name = store.bind(&policy)?.state_key(&Key::text("sk_live_SECRET"));
+    /// // `tollgate:{api|#` 32 hexadecimal digits `}:` the policy's fingerprint (8 digits).
+    /// assert!(name.starts_with("tollgate:{api|#") && !name.contains("SECRET"));
+    /// assert_eq!(name.len(), "tollgate:{api|#}:".len() + 32 + 8);
+    ///
+    /// let debug = RedisStore::builder("redis://127.0.0.1:6380/").raw_keys().build()?;
+    /// let name = debug.bind(&policy)?.state_key(&Key::text("alice"));
+    /// assert!(name.starts_with("tollgate:{api|s5:alice}:"));
+    /// # Ok(()) }
+    /// ```
     #[must_use]
     pub fn state_key(&self, key: &Key) -> String {
-        script::state_key(&self.key_parts, key)
+        script::state_key(&self.key_parts, &self.key_names, key)
     }
 }
 
@@ -556,6 +587,7 @@ impl Store for RedisStore {
         Ok(RedisPolicy {
             policy: policy.clone(),
             key_parts: script::key_parts(&inner.prefix, policy),
+            key_names: inner.key_names,
             prepared: Arc::new(Prepared::new(policy, inner.grace_ms)),
             holds: Arc::new(Holds::new(policy)),
             local: inner.fallback.as_ref().map(|local| local.bind_policy(policy)),
@@ -812,6 +844,8 @@ pub struct RedisStoreBuilder {
     nodes: Vec<String>,
     cluster: bool,
     prefix: String,
+    /// The secret state keys are hashed with; `None` names them by the raw key.
+    key_secret: Option<Vec<u8>>,
     clock: Option<AnyClock>,
     timeout: Duration,
     ttl_grace: Duration,
@@ -825,6 +859,7 @@ impl fmt::Debug for RedisStoreBuilder {
         f.debug_struct("RedisStoreBuilder")
             .field("cluster", &self.cluster)
             .field("prefix", &self.prefix)
+            .field("raw_keys", &self.key_secret.is_none())
             .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
@@ -836,6 +871,7 @@ impl RedisStoreBuilder {
             nodes,
             cluster,
             prefix: "tollgate:".to_owned(),
+            key_secret: Some(script::DEFAULT_KEY_SECRET.to_vec()),
             clock: None,
             timeout: Duration::from_millis(100),
             ttl_grace: Duration::ZERO,
@@ -849,6 +885,43 @@ impl RedisStoreBuilder {
     /// end the hash tag).
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
+        self
+    }
+
+    /// The secret that Redis key names hash keys with (any length; give at least 16 random
+    /// bytes). State keys carry `#` and a keyed hash of the key (SipHash-2-4, 128 bits, 32
+    /// hexadecimal digits) instead of the key, so whoever can `SCAN` or `MONITOR` Redis, or read
+    /// its RDB or AOF files, does not read API keys and user ids.
+    ///
+    /// **Every node of a fleet must use the same secret**: nodes with different secrets name a
+    /// key differently, so they stop sharing its budget (each secret then admits the limit on
+    /// its own). Changing it, like changing a policy, starts every key afresh.
+    ///
+    /// The default is a fixed, documented value (the 16 ASCII bytes `tollgate:default`), so a
+    /// fleet that sets none still shares budgets. It hides keys from casual reading but not from
+    /// someone who knows the default and guesses keys (short user ids, addresses): set a secret
+    /// of your own, kept like a password. Overrides [`raw_keys`](Self::raw_keys).
+    ///
+    /// ```
+    /// use tollgate::store::RedisStore;
+    ///
+    /// # fn main() -> Result<(), tollgate::ConfigError> {
+    /// let secret = std::env::var("TOLLGATE_KEY_SECRET").unwrap_or_else(|_| "dev-only".into());
+    /// let store = RedisStore::builder("redis://127.0.0.1:6380/").key_secret(secret).build()?;
+    /// # let _ = store; Ok(()) }
+    /// ```
+    pub fn key_secret(mut self, secret: impl AsRef<[u8]>) -> Self {
+        self.key_secret = Some(secret.as_ref().to_vec());
+        self
+    }
+
+    /// Names Redis keys by the key itself, `{prefix}{{policy}|{key}}:{fingerprint}` with the
+    /// key's `Display` form (`s5:alice`, `ip:203.0.113.7`), instead of its keyed hash: for
+    /// debugging, on a Redis nobody else reads. The keys then appear in `SCAN`, `MONITOR` and
+    /// RDB files. Nodes with raw keys and nodes with hashed keys do not share budgets.
+    /// Overrides [`key_secret`](Self::key_secret).
+    pub fn raw_keys(mut self) -> Self {
+        self.key_secret = None;
         self
     }
 
@@ -911,7 +984,8 @@ impl RedisStoreBuilder {
     /// # Errors
     /// [`ConfigError::Invalid`] naming the setting: `url` (none, several for a standalone
     /// server, or one the `redis` crate cannot parse), `prefix` (with `{` or `}`), `timeout`
-    /// (under 1 ms), `circuit_breaker` (a threshold of 0 or an open period under 1 ms).
+    /// (under 1 ms), `circuit_breaker` (a threshold of 0 or an open period under 1 ms),
+    /// `key_secret` (empty).
     pub fn build(self) -> Result<RedisStore, ConfigError> {
         let invalid = |setting, reason: String| ConfigError::Invalid { setting, reason };
         if self.prefix.contains(['{', '}']) {
@@ -920,6 +994,13 @@ impl RedisStoreBuilder {
                 format!("{:?} must not contain `{{` or `}}` (they end the hash tag)", self.prefix),
             ));
         }
+        let key_names = match &self.key_secret {
+            Some(secret) if secret.is_empty() => {
+                return Err(invalid("key_secret", "must not be empty".into()));
+            }
+            Some(secret) => KeyNames::Hashed(script::derive_secret(secret)),
+            None => KeyNames::Raw,
+        };
         if self.timeout < Duration::from_millis(1) {
             return Err(invalid("timeout", "must be at least 1 ms".into()));
         }
@@ -966,6 +1047,7 @@ impl RedisStoreBuilder {
                 topology,
                 settings,
                 prefix: self.prefix.into(),
+                key_names,
                 grace_ms: duration_to_nanos(self.ttl_grace).div_ceil(1_000_000),
                 fallback: self.fallback,
             }),

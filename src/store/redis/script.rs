@@ -3,11 +3,14 @@
 //! a batch packed as little-endian doubles; the reply turned back into decisions.
 
 use std::borrow::Cow;
+use std::fmt;
+use std::hash::Hasher as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use redis::Script;
+use siphasher::sip128::{Hasher128 as _, SipHasher24};
 
 use crate::algorithm::calendar::{self, LOOKAHEAD};
 use crate::algorithm::{Charge, Charges};
@@ -264,16 +267,87 @@ pub(crate) fn key_parts(prefix: &str, policy: &Policy) -> (String, String) {
     (format!("{prefix}{{{}|", escape(policy.name())), format!("}}:{:08x}", fingerprint(policy)))
 }
 
+/// How state keys name the key they limit.
+#[derive(Clone, Copy)]
+pub(crate) enum KeyNames {
+    /// `#` and 32 hexadecimal digits: SipHash-2-4 (128-bit output) of the key's `Display`
+    /// form, keyed with these 16 bytes (derived from the deployment's secret by
+    /// [`derive_secret`]).
+    Hashed([u8; 16]),
+    /// The key's `Display` form itself, escaped (for debugging).
+    Raw,
+}
+
+impl fmt::Debug for KeyNames {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The secret stays out of logs and panics.
+        f.write_str(match self {
+            Self::Hashed(_) => "Hashed",
+            Self::Raw => "Raw",
+        })
+    }
+}
+
+/// The secret state keys are hashed with when none is given: 16 ASCII bytes, documented, so a
+/// fleet that sets none still shares budgets.
+pub(crate) const DEFAULT_KEY_SECRET: &[u8] = b"tollgate:default";
+
+/// The 16-byte SipHash key of a deployment's secret (of any length): SipHash-2-4 with a
+/// fixed, public key over a domain label and the secret. The result is as hard to guess as
+/// the secret, up to 128 bits.
+pub(crate) fn derive_secret(secret: &[u8]) -> [u8; 16] {
+    let mut h = SipHasher24::new_with_key(&[0; 16]);
+    h.write(b"tollgate redis key secret\0");
+    h.write(secret);
+    u128::from(h.finish128()).to_le_bytes()
+}
+
+/// Streams formatted text into a hasher, so a key is hashed without first being rendered.
+struct Feed<'a>(&'a mut SipHasher24);
+
+impl fmt::Write for Feed<'_> {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        self.0.write(s.as_bytes());
+        Ok(())
+    }
+}
+
+/// The keyed 128-bit hash of `key`: of its `Display` form, which is the same on every
+/// platform and version (unlike `Key::feed`, whose lengths are `usize`), so every node of a
+/// fleet names a key alike.
+fn key_hash(secret: &[u8; 16], key: &Key) -> u128 {
+    use std::fmt::Write as _;
+    let mut h = SipHasher24::new_with_key(secret);
+    // `Feed` never fails, and `Key`'s `Display` only fails when its writer does.
+    let _ = write!(Feed(&mut h), "{key}");
+    u128::from(h.finish128())
+}
+
 /// The key of the string holding every tier's state of `key`, between the parts of
-/// [`key_parts`].
-pub(crate) fn state_key(parts: &(String, String), key: &Key) -> String {
-    let key = key.to_string();
-    let key = escape(&key);
-    let mut out = String::with_capacity(parts.0.len() + key.len() + parts.1.len());
-    out.push_str(&parts.0);
-    out.push_str(&key);
-    out.push_str(&parts.1);
-    out
+/// [`key_parts`], the key named as `names` says.
+pub(crate) fn state_key(parts: &(String, String), names: &KeyNames, key: &Key) -> String {
+    match names {
+        KeyNames::Hashed(secret) => {
+            const HEX: &[u8; 16] = b"0123456789abcdef";
+            let hash = key_hash(secret, key);
+            let mut out = String::with_capacity(parts.0.len() + 33 + parts.1.len());
+            out.push_str(&parts.0);
+            out.push('#');
+            // `{:032x}`, without the formatting machinery (a third of the naming's cost).
+            out.extend((0..32).rev().map(|i| char::from(HEX[(hash >> (4 * i)) as usize & 0xf])));
+            out.push_str(&parts.1);
+            out
+        }
+        KeyNames::Raw => {
+            let key = key.to_string();
+            let key = escape(&key);
+            let mut out = String::with_capacity(parts.0.len() + key.len() + parts.1.len());
+            out.push_str(&parts.0);
+            out.push_str(&key);
+            out.push_str(&parts.1);
+            out
+        }
+    }
 }
 
 /// The hash tag of a state key: what its Redis Cluster slot is computed from.
@@ -645,14 +719,48 @@ mod tests {
     #[test]
     fn keys_keep_the_hash_tag_whole_and_unambiguous() {
         let p = policy("api", Algorithm::Gcra);
-        let k = state_key(&key_parts("tollgate:", &p), &Key::text("a}b{c|d%"));
+        let raw = |parts: &(String, String), key: &Key| state_key(parts, &KeyNames::Raw, key);
+        let k = raw(&key_parts("tollgate:", &p), &Key::text("a}b{c|d%"));
         let fp = format!("{:08x}", fingerprint(&p));
         assert_eq!(k, format!("tollgate:{{api|s8:a%7Db%7Bc%7Cd%25}}:{fp}"));
         assert_eq!(hash_tag(&k), "api|s8:a%7Db%7Bc%7Cd%25");
         // `|` in a policy name cannot be confused with the separator.
-        let a = state_key(&key_parts("", &policy("a|b", Algorithm::Gcra)), &Key::text("c"));
-        let b = state_key(&key_parts("", &policy("a", Algorithm::Gcra)), &Key::text("b|s1:c"));
+        let a = raw(&key_parts("", &policy("a|b", Algorithm::Gcra)), &Key::text("c"));
+        let b = raw(&key_parts("", &policy("a", Algorithm::Gcra)), &Key::text("b|s1:c"));
         assert_ne!(hash_tag(&a), hash_tag(&b));
+    }
+
+    #[test]
+    fn hashed_keys_hide_the_key_and_keep_the_policy_in_the_hash_tag() {
+        let p = policy("api", Algorithm::Gcra);
+        let parts = key_parts("tollgate:", &p);
+        let default = KeyNames::Hashed(derive_secret(DEFAULT_KEY_SECRET));
+        let secret = Key::text("sk_live_SECRET");
+        let k = state_key(&parts, &default, &secret);
+        // Pinned: nodes of one fleet on different versions must name a key alike, so a change
+        // of the hash, its input or the derivation of the secret must be deliberate. Checked
+        // against an independent SipHash-2-4-128 (the reference vectors' implementation):
+        // the secret is SipHash(key 0, "tollgate redis key secret\0tollgate:default"), the
+        // name SipHash(secret, "s14:sk_live_SECRET"), its two halves as one u128 (the first
+        // the low 64 bits) in hexadecimal.
+        let fp = format!("{:08x}", fingerprint(&p));
+        assert_eq!(k, format!("tollgate:{{api|#58973adca6b7b56939004a2f862241c6}}:{fp}"));
+        assert_eq!(k.len(), "tollgate:{api|#}:".len() + 32 + 8);
+        assert!(!k.contains("SECRET") && !k.contains("sk_live"), "{k}");
+        assert_eq!(hash_tag(&k), &k["tollgate:{".len().."tollgate:{".len() + 37]);
+        assert!(hash_tag(&k).starts_with("api|#"));
+        assert_eq!(k, state_key(&parts, &default, &Key::text("sk_live_SECRET")), "stable");
+        // Another secret, another name; keys whose texts look alike stay apart.
+        let other = KeyNames::Hashed(derive_secret(b"another deployment"));
+        assert_ne!(k, state_key(&parts, &other, &secret));
+        let names = [Key::Global, Key::text("g"), Key::Missing, Key::text("m"), Key::text("")];
+        let all: std::collections::HashSet<_> =
+            names.iter().map(|key| state_key(&parts, &default, key)).collect();
+        assert_eq!(all.len(), names.len());
+        // The derivation reads every byte of the secret, whatever its length.
+        assert_ne!(derive_secret(b"a"), derive_secret(b"a\0"));
+        assert_ne!(derive_secret(DEFAULT_KEY_SECRET), *DEFAULT_KEY_SECRET.first_chunk().unwrap());
+        assert_eq!(format!("{default:?}"), "Hashed", "the secret stays out of Debug");
     }
 
     #[test]
@@ -664,7 +772,8 @@ mod tests {
             .tier("b", Quota::per_hour(100))
             .build()
             .unwrap();
-        let key = |p: &Policy| state_key(&key_parts("", p), &Key::Global);
+        let names = KeyNames::Hashed(derive_secret(DEFAULT_KEY_SECRET));
+        let key = |p: &Policy| state_key(&key_parts("", p), &names, &Key::Global);
         let keys: Vec<_> = [&a, &b, &c].into_iter().map(key).collect();
         assert_ne!(keys[0], keys[1]);
         assert_ne!(keys[0], keys[2]);
