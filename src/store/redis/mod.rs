@@ -74,18 +74,21 @@ use crate::quota::{Kind, Policy};
 ///   first use, ended when the store is dropped), so a reply is read when it arrives, not after
 ///   the application's queued tasks: a burst, or cores busy with other work, does not make a
 ///   healthy server look slow.
-/// - **Timeouts, per check.** Each check waits for Redis at most the
-///   [`timeout`](RedisStoreBuilder::timeout) from the moment it is made (queued time included)
-///   when the server is silent; a slow call fails only the checks whose own deadline passed.
-///   While the server keeps answering, a check that is late only because this machine is slower
-///   than the server (a burst larger than it turns round within the timeout, other work on its
-///   cores) waits for its turn instead, up to twice the timeout; so a busy machine is not an
-///   outage. Calls are sized so that a healthy server answers each well within the timeout
-///   (up to as many checks as it decides in a quarter of it at 100 µs each; at most 256). A
-///   check that gave up is answered [`StoreError::Timeout`] once; if its call still reaches
-///   Redis, Redis has charged it (the fallback or the layer's failure policy decided the
-///   request; the charge is not undone, and the request is not decided twice). A check that
-///   gave up before its call was sent is not sent.
+/// - **Timeouts, per check.** A check made while the server is silent waits the
+///   [`timeout`](RedisStoreBuilder::timeout), counted from the moment it is made (queued time
+///   included); a slow call fails only the checks whose own deadline passed. Past its
+///   deadline, a check gives up as soon as the server owes a reply and has sent none for a
+///   whole timeout (so one already waiting when the server stops answering gives up a timeout
+///   after its last reply). While the server keeps answering, a check that is late only because
+///   the machine is slower than the server (a burst larger than it turns round within the
+///   timeout, other work on its cores) waits for its turn instead, up to ten times the timeout:
+///   a busy machine is not an outage. Calls are sized so that the server answers each within a
+///   quarter of the timeout, at the time per check its recent calls took (100 µs before any
+///   is measured; at most 256 checks a call), so that under load replies keep coming. A check
+///   that gave up is answered [`StoreError::Timeout`] once; if its call still reaches Redis,
+///   Redis has charged it (the fallback or the layer's failure policy decided the request; the
+///   charge is not undone, and the request is not decided twice). A check that gave up before
+///   its call was sent is not sent.
 /// - **Failures, per node.** Each server (each Cluster master) has its own circuit breaker: after
 ///   [`failure_threshold`](RedisStoreBuilder::circuit_breaker) consecutive failed calls it stops
 ///   calling that server for `open_for`, then probes it with one call. A call fails when the
@@ -499,7 +502,7 @@ impl Inner {
     /// Sends `blob` (a check or settlement on `keys`) to the node of its key and awaits its
     /// part of the reply and the instant decided at. Its deadline is now plus the store's
     /// timeout: finding the node must fit in it; past it, the check waits only as long as the
-    /// server keeps up, and at most twice the timeout (`health.rs`).
+    /// server keeps up, and at most ten timeouts (`health.rs`).
     ///
     /// # Errors
     /// [`StoreError::Timeout`] when the check gives up (a call answered later may still have
@@ -899,9 +902,10 @@ impl RedisStoreBuilder {
     /// time queued behind other checks and connecting included (default 100 ms; at least 1 ms).
     /// A check then returns [`StoreError::Timeout`] (and is decided by the fallback, if any).
     /// While the server keeps answering, a check late only because this machine is busy waits
-    /// up to twice this. The circuit breaker counts a script call as failed when the server
-    /// has not replied within twice this of its sending. [`RedisStore::connect`] and reading a
-    /// Cluster's slots each take at most this.
+    /// for its turn, up to ten times this (see [`RedisStore`], "Timeouts, per check"). The
+    /// circuit breaker counts a script call as failed when the server has not replied within
+    /// twice this of its sending. [`RedisStore::connect`] and reading a Cluster's slots each
+    /// take at most this.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self

@@ -4,13 +4,14 @@
 //! Checks waiting for the node are taken together, grouped by script family and Cluster slot,
 //! and each group is sent as one script call that decides its checks in order (so the script's
 //! fixed cost is paid once per group). A few groups are in flight at once; what arrives
-//! meanwhile forms the next batch, so batches grow with the load, up to a size a healthy
-//! server decides in a quarter of the timeout ([`batch_cap`]).
+//! meanwhile forms the next batch, so batches grow with the load, up to a size the server
+//! answers in a quarter of the timeout at the time per check its calls have shown
+//! ([`batch_cap`]).
 //!
 //! Each check has its own deadline: the instant it was submitted plus the store's timeout. A
 //! late call fails only the checks whose deadline passed, and only when the server is behind
 //! ([`Health`] holds the rule and its bound: past its deadline a check gives up once a call has
-//! waited a whole timeout for a reply, and always at twice the timeout); a check late only
+//! waited a whole timeout for a reply, and always at ten timeouts); a check late only
 //! because this machine is busy keeps waiting while the server answers. A check that has given
 //! up by the time its batch is formed is not sent (so Redis does not charge it). A check that
 //! gave up while its call was on the wire may still be charged by that call: it was answered
@@ -26,6 +27,7 @@
 //! returns counts as a success even when some of its checks gave up meanwhile.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
@@ -37,25 +39,29 @@ use super::breaker::{Admit, Breaker, BreakerState};
 use super::health::Health;
 use super::io::Io;
 use super::script::{self, Family, Now, PolicyArgs};
-use crate::clock::AnyClock;
+use crate::clock::{AnyClock, duration_to_nanos};
 use crate::error::StoreError;
 use crate::metrics::NodeMetrics;
 
 /// Checks in one script call, at most.
 const MAX_BATCH: usize = 256;
 
-/// The server time one check is allowed when sizing batches: about ten times what a check of
-/// the rate scripts costs Redis (8.5–12 µs), and the most measured for the general script of
-/// several tier kinds (27–111 µs).
-const CHECK_SERVER_TIME: Duration = Duration::from_micros(100);
+/// The time one check is taken to add to a call before any call is measured: about ten times
+/// what a check of the rate scripts costs Redis (8.5–12 µs), and about what the sliding log and
+/// the general script of several tier kinds cost (27–111 µs).
+const FIRST_GUESS: Duration = Duration::from_micros(100);
 
-/// Checks in one script call at `timeout`: as many as a healthy server decides in a quarter of
-/// the timeout at [`CHECK_SERVER_TIME`] each, between 1 and [`MAX_BATCH`] (250 at the default
+/// Checks in one script call when each adds `per_check` to the call's time: as many as fit in
+/// a quarter of `timeout`, between 1 and [`MAX_BATCH`] (at 100 µs a check: 250 at the default
 /// 100 ms, 125 at 50 ms, 25 at 10 ms).
-pub(crate) fn batch_cap(timeout: Duration) -> usize {
-    let fits = timeout.as_nanos() / 4 / CHECK_SERVER_TIME.as_nanos();
+pub(crate) fn batch_cap(timeout: Duration, per_check: Duration) -> usize {
+    let fits = timeout.as_nanos() / 4 / per_check.as_nanos().max(1);
     usize::try_from(fits).unwrap_or(MAX_BATCH).clamp(1, MAX_BATCH)
 }
+
+/// Calls smaller than this (or than the cap, if smaller) say little of the time per check (the
+/// round trip dominates) and are not measured.
+const MEASURED_FROM: usize = 16;
 
 /// Numbers of the checks in one script call, at most: the script unpacks them at once, and Lua
 /// returns at most a few thousand values from one call.
@@ -98,9 +104,8 @@ pub(crate) struct Settings {
 
 impl Settings {
     /// How long a script call may take from being sent to its reply before the breaker counts
-    /// it as failed: twice the timeout, so that a reply read late by a busy process still
-    /// counts as an answer. Every check of the call has given up by then (each waits at most
-    /// twice the timeout from its submission, which came before the call was sent).
+    /// it as failed: twice the timeout, so that a reply slowed by a busy machine still counts
+    /// as an answer. The call's checks still waiting then get [`StoreError::Timeout`] of this.
     pub(crate) fn call_timeout(&self) -> Duration {
         self.timeout.saturating_mul(2)
     }
@@ -118,6 +123,9 @@ pub(crate) struct Node {
     pub(crate) breaker: Breaker,
     /// Whether the server keeps up, from its replies: when late checks give up.
     health: Health,
+    /// The time a check adds to a call, in nanoseconds: a moving average over the calls
+    /// measured (sent to replied, divided by their checks), which sizes the batches.
+    per_check: AtomicU64,
     settings: Arc<Settings>,
     /// The queue's sending end, once its dispatcher runs.
     queue: RwLock<Option<mpsc::UnboundedSender<Item>>>,
@@ -185,6 +193,7 @@ impl Node {
             connecting: tokio::sync::Mutex::new(()),
             breaker,
             health,
+            per_check: AtomicU64::new(duration_to_nanos(FIRST_GUESS)),
             settings,
             queue: RwLock::new(None),
             info: RwLock::new(None),
@@ -287,7 +296,28 @@ impl Node {
         handle.spawn(task(Arc::clone(self))).await.map_err(StoreError::backend)
     }
 
-    /// Takes what waits (up to [`batch_cap`] checks), groups it, sends each group as one call;
+    /// Checks in the next call: as many as the server answers in a quarter of the timeout, at
+    /// the time per check measured so far.
+    fn batch_cap(&self) -> usize {
+        let per_check = Duration::from_nanos(self.per_check.load(Ordering::Relaxed));
+        batch_cap(self.settings.timeout, per_check)
+    }
+
+    /// A call of `checks` checks was answered `took` after its sending: the time per check
+    /// moves a quarter of the way to what this call shows. Under load, Redis takes longer per
+    /// check (its cores are shared), and batches shrink so that replies keep coming within the
+    /// timeout; they grow back as the server speeds up.
+    fn measured(&self, took: Duration, checks: usize) {
+        if checks == 0 || checks < MEASURED_FROM.min(self.batch_cap()) {
+            return;
+        }
+        let sample = duration_to_nanos(took) / checks as u64;
+        let old = self.per_check.load(Ordering::Relaxed);
+        let new = old - old / 4 + sample / 4;
+        self.per_check.store(new.max(1), Ordering::Relaxed);
+    }
+
+    /// Takes what waits (up to [`Node::batch_cap`] checks), groups it, sends each group as one call;
     /// at most [`IN_FLIGHT`] rounds of calls at once. Holds the node only while forming a
     /// batch, so that the store's last clone dropped ends it (its queue closes).
     async fn dispatch(node: Weak<Self>, mut rx: mpsc::UnboundedReceiver<Item>) {
@@ -300,7 +330,7 @@ impl Node {
             while items.is_empty() {
                 let Some(first) = rx.recv().await else { return };
                 let Some(this) = node.upgrade() else { return };
-                let cap = batch_cap(this.settings.timeout);
+                let cap = this.batch_cap();
                 let now = Instant::now();
                 this.take(first, now, &mut items, &mut numbers);
                 while items.len() < cap && numbers < MAX_NUMBERS {
@@ -357,7 +387,7 @@ impl Node {
         );
         let now = self.settings.clock.as_ref().map_or(Now::Server, |c| Now::At(c.now()));
         let args = [script::header(now), policies, records];
-        let result = self.eval(family, &keys, &args).await;
+        let result = self.eval(family, &keys, &args, items.len()).await;
         let at = result.and_then(|reply| Ok((script::decided_at(&reply)?, reply)));
         let (at, reply) = match at {
             Ok(ok) => ok,
@@ -435,6 +465,7 @@ impl Node {
         family: Family,
         keys: &[String],
         args: &[Vec<u8>],
+        checks: usize,
     ) -> Result<Vec<i64>, StoreError> {
         let probe = match self.breaker.admit() {
             Admit::Call => None,
@@ -472,6 +503,7 @@ impl Node {
         let result = match tokio::time::timeout(call_timeout, attempt).await {
             Ok(Ok(reply)) => {
                 pending.answered();
+                self.measured(started.elapsed(), checks);
                 script::numbers(&reply)
             }
             Ok(Err(e)) => {
@@ -558,6 +590,48 @@ impl std::error::Error for SharedSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_batch_fits_a_quarter_of_the_timeout() {
+        let ms = Duration::from_millis;
+        let us = Duration::from_micros;
+        assert_eq!(batch_cap(ms(100), us(100)), 250);
+        assert_eq!(batch_cap(ms(50), us(100)), 125);
+        assert_eq!(batch_cap(ms(10), us(100)), 25);
+        assert_eq!(batch_cap(ms(1), us(100)), 2);
+        assert_eq!(batch_cap(ms(100), us(1)), MAX_BATCH);
+        assert_eq!(batch_cap(ms(1), ms(1)), 1, "at least one");
+        assert_eq!(batch_cap(ms(100), Duration::ZERO), MAX_BATCH);
+    }
+
+    #[test]
+    fn batches_shrink_while_the_server_is_slow_and_grow_back() {
+        let settings = Arc::new(Settings {
+            timeout: Duration::from_millis(100),
+            clock: None,
+            threshold: 5,
+            open_for: Duration::from_millis(500),
+            io: Io::new(),
+        });
+        let client = redis::Client::open("redis://127.0.0.1:1/").unwrap();
+        let node = Node::new("127.0.0.1:1".into(), client, settings);
+        assert_eq!(node.batch_cap(), 250);
+        // A loaded server: 250 checks in 200 ms (800 µs each).
+        for _ in 0..20 {
+            let cap = node.batch_cap();
+            node.measured(Duration::from_micros(800) * u32::try_from(cap).unwrap(), cap);
+        }
+        assert_eq!(node.batch_cap(), 31, "25 ms / 800 µs");
+        // Small calls say nothing.
+        node.measured(Duration::from_millis(50), 3);
+        assert_eq!(node.batch_cap(), 31);
+        // Back to 10 µs a check.
+        for _ in 0..40 {
+            let cap = node.batch_cap();
+            node.measured(Duration::from_micros(10) * u32::try_from(cap).unwrap(), cap);
+        }
+        assert_eq!(node.batch_cap(), MAX_BATCH);
+    }
 
     #[test]
     fn the_server_kind_and_version_come_from_info() {
