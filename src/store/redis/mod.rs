@@ -83,8 +83,9 @@ use crate::quota::{Kind, Policy};
 ///   the machine is slower than the server (a burst larger than it turns round within the
 ///   timeout, other work on its cores) waits for its turn instead, up to ten times the timeout:
 ///   a busy machine is not an outage. Calls are sized so that the server answers each within a
-///   quarter of the timeout, at the time per check its recent calls took (100 µs before any
-///   is measured; at most 256 checks a call), so that under load replies keep coming. A check
+///   quarter of the timeout, at the time per check its recent calls of the same script took
+///   (400 µs before any is measured; at most 256 checks a call), so that under load replies
+///   keep coming. A check
 ///   that gave up is answered [`StoreError::Timeout`] once; if its call still reaches Redis,
 ///   Redis has charged it (the fallback or the layer's failure policy decided the request; the
 ///   charge is not undone, and the request is not decided twice). A check that gave up before

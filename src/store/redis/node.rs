@@ -46,10 +46,11 @@ use crate::metrics::NodeMetrics;
 /// Checks in one script call, at most.
 const MAX_BATCH: usize = 256;
 
-/// The time one check is taken to add to a call before any call is measured: about ten times
-/// what a check of the rate scripts costs Redis (8.5–12 µs), and about what the sliding log and
-/// the general script of several tier kinds cost (27–111 µs).
-const FIRST_GUESS: Duration = Duration::from_micros(100);
+/// The time one check of a family is taken to add to a call before any call of it is measured:
+/// what the costliest scripts (the sliding log, several tier kinds: 27–118 µs of Redis's time a
+/// check) take on a server whose cores are shared with other work, so that the first calls of
+/// a family are short; the cheap ones grow to full batches within a few calls.
+const FIRST_GUESS: Duration = Duration::from_micros(400);
 
 /// Checks in one script call when each adds `per_check` to the call's time: as many as fit in
 /// a quarter of `timeout`, between 1 and [`MAX_BATCH`] (at 100 µs a check: 250 at the default
@@ -123,9 +124,10 @@ pub(crate) struct Node {
     pub(crate) breaker: Breaker,
     /// Whether the server keeps up, from its replies: when late checks give up.
     health: Health,
-    /// The time a check adds to a call, in nanoseconds: a moving average over the calls
-    /// measured (sent to replied, divided by their checks), which sizes the batches.
-    per_check: AtomicU64,
+    /// Per script family ([`Family::ALL`] order), the time a check adds to a call, in
+    /// nanoseconds: a moving average over the calls measured (sent to replied, divided by their
+    /// checks), which sizes the batches. Per family, as the scripts' costs differ tenfold.
+    per_check: [AtomicU64; Family::ALL.len()],
     settings: Arc<Settings>,
     /// The queue's sending end, once its dispatcher runs.
     queue: RwLock<Option<mpsc::UnboundedSender<Item>>>,
@@ -193,7 +195,7 @@ impl Node {
             connecting: tokio::sync::Mutex::new(()),
             breaker,
             health,
-            per_check: AtomicU64::new(duration_to_nanos(FIRST_GUESS)),
+            per_check: std::array::from_fn(|_| AtomicU64::new(duration_to_nanos(FIRST_GUESS))),
             settings,
             queue: RwLock::new(None),
             info: RwLock::new(None),
@@ -296,29 +298,36 @@ impl Node {
         handle.spawn(task(Arc::clone(self))).await.map_err(StoreError::backend)
     }
 
-    /// Checks in the next call: as many as the server answers in a quarter of the timeout, at
-    /// the time per check measured so far.
-    fn batch_cap(&self) -> usize {
-        let per_check = Duration::from_nanos(self.per_check.load(Ordering::Relaxed));
-        batch_cap(self.settings.timeout, per_check)
+    /// The time a check of `family` adds to a call, as measured so far (nanoseconds).
+    fn per_check(&self, family: Family) -> u64 {
+        self.per_check[family as usize].load(Ordering::Relaxed).max(1)
     }
 
-    /// A call of `checks` checks was answered `took` after its sending: the time per check
-    /// moves a quarter of the way to what this call shows. Under load, Redis takes longer per
-    /// check (its cores are shared), and batches shrink so that replies keep coming within the
-    /// timeout; they grow back as the server speeds up.
-    fn measured(&self, took: Duration, checks: usize) {
-        if checks == 0 || checks < MEASURED_FROM.min(self.batch_cap()) {
+    /// Checks of `family` in one call: as many as the server answers in a quarter of the
+    /// timeout, at the time per check measured so far.
+    fn batch_cap(&self, family: Family) -> usize {
+        batch_cap(self.settings.timeout, Duration::from_nanos(self.per_check(family)))
+    }
+
+    /// A call of `checks` checks of `family` was answered `took` after its sending: the time
+    /// per check moves half the way to what this call shows when it is longer, a quarter when
+    /// shorter. Under load, Redis takes longer per check (its cores are shared), and batches
+    /// shrink at once so that replies keep coming within the timeout; they grow back as the
+    /// server speeds up.
+    fn measured(&self, family: Family, took: Duration, checks: usize) {
+        if checks == 0 || checks < MEASURED_FROM.min(self.batch_cap(family)) {
             return;
         }
         let sample = duration_to_nanos(took) / checks as u64;
-        let old = self.per_check.load(Ordering::Relaxed);
-        let new = old - old / 4 + sample / 4;
-        self.per_check.store(new.max(1), Ordering::Relaxed);
+        let old = self.per_check(family);
+        let new = if sample > old { old / 2 + sample / 2 } else { old - old / 4 + sample / 4 };
+        self.per_check[family as usize].store(new.max(1), Ordering::Relaxed);
     }
 
-    /// Takes what waits (up to [`Node::batch_cap`] checks), groups it, sends each group as one call;
-    /// at most [`IN_FLIGHT`] rounds of calls at once. Holds the node only while forming a
+    /// Takes what waits, as many checks as the server is expected to answer in a quarter of the
+    /// timeout (each counted at its family's measured time, [`Node::per_check`]; at most
+    /// [`MAX_BATCH`]), groups them, sends each group as one call; at most [`IN_FLIGHT`] rounds
+    /// of calls at once. Holds the node only while forming a
     /// batch, so that the store's last clone dropped ends it (its queue closes).
     async fn dispatch(node: Weak<Self>, mut rx: mpsc::UnboundedReceiver<Item>) {
         let in_flight = Arc::new(Semaphore::new(IN_FLIGHT));
@@ -330,12 +339,13 @@ impl Node {
             while items.is_empty() {
                 let Some(first) = rx.recv().await else { return };
                 let Some(this) = node.upgrade() else { return };
-                let cap = this.batch_cap();
+                let budget = duration_to_nanos(this.settings.timeout) / 4;
+                let mut spent = 0u64;
                 let now = Instant::now();
-                this.take(first, now, &mut items, &mut numbers);
-                while items.len() < cap && numbers < MAX_NUMBERS {
+                this.take(first, now, &mut items, &mut numbers, &mut spent);
+                while items.len() < MAX_BATCH && numbers < MAX_NUMBERS && spent < budget {
                     match rx.try_recv() {
-                        Ok(item) => this.take(item, now, &mut items, &mut numbers),
+                        Ok(item) => this.take(item, now, &mut items, &mut numbers, &mut spent),
                         Err(_) => break,
                     }
                 }
@@ -365,12 +375,20 @@ impl Node {
     /// Adds `item` to the batch being formed, unless its waiting side gave up (or gives up now,
     /// [`Health::gives_up`]): it is then answered [`StoreError::Timeout`] and not sent, so
     /// Redis does not charge it.
-    fn take(&self, item: Item, now: Instant, items: &mut Vec<Item>, numbers: &mut usize) {
+    fn take(
+        &self,
+        item: Item,
+        now: Instant,
+        items: &mut Vec<Item>,
+        numbers: &mut usize,
+        spent: &mut u64,
+    ) {
         if item.answer.is_closed() || self.health.gives_up(item.deadline, now).is_none() {
             let _ = item.answer.send(Err(StoreError::Timeout(self.settings.timeout)));
             return;
         }
         *numbers += item.record.len();
+        *spent += self.per_check(item.family);
         items.push(item);
     }
 
@@ -503,7 +521,7 @@ impl Node {
         let result = match tokio::time::timeout(call_timeout, attempt).await {
             Ok(Ok(reply)) => {
                 pending.answered();
-                self.measured(started.elapsed(), checks);
+                self.measured(family, started.elapsed(), checks);
                 script::numbers(&reply)
             }
             Ok(Err(e)) => {
@@ -615,22 +633,24 @@ mod tests {
         });
         let client = redis::Client::open("redis://127.0.0.1:1/").unwrap();
         let node = Node::new("127.0.0.1:1".into(), client, settings);
-        assert_eq!(node.batch_cap(), 250);
-        // A loaded server: 250 checks in 200 ms (800 µs each).
-        for _ in 0..20 {
-            let cap = node.batch_cap();
-            node.measured(Duration::from_micros(800) * u32::try_from(cap).unwrap(), cap);
+        let log = Family::Log;
+        assert_eq!(node.batch_cap(log), 62, "25 ms / 400 µs before any call");
+        // A loaded server: 800 µs a check.
+        for _ in 0..10 {
+            let cap = node.batch_cap(log);
+            node.measured(log, Duration::from_micros(800) * u32::try_from(cap).unwrap(), cap);
         }
-        assert_eq!(node.batch_cap(), 31, "25 ms / 800 µs");
+        assert_eq!(node.batch_cap(log), 31, "25 ms / 800 µs");
+        assert_eq!(node.batch_cap(Family::Gcra), 62, "each family is measured apart");
         // Small calls say nothing.
-        node.measured(Duration::from_millis(50), 3);
-        assert_eq!(node.batch_cap(), 31);
+        node.measured(log, Duration::from_millis(50), 3);
+        assert_eq!(node.batch_cap(log), 31);
         // Back to 10 µs a check.
         for _ in 0..40 {
-            let cap = node.batch_cap();
-            node.measured(Duration::from_micros(10) * u32::try_from(cap).unwrap(), cap);
+            let cap = node.batch_cap(log);
+            node.measured(log, Duration::from_micros(10) * u32::try_from(cap).unwrap(), cap);
         }
-        assert_eq!(node.batch_cap(), MAX_BATCH);
+        assert_eq!(node.batch_cap(log), MAX_BATCH);
     }
 
     #[test]
