@@ -84,7 +84,7 @@ use crate::quota::{Kind, Policy};
 ///   timeout, other work on its cores) waits for its turn instead, up to ten times the timeout:
 ///   a busy machine is not an outage. Calls are sized so that the server answers each within a
 ///   quarter of the timeout, at the time per check its recent calls of the same script took
-///   (400 µs before any is measured; at most 256 checks a call), so that under load replies
+///   (100 µs before any is measured; at most 256 checks a call), so that under load replies
 ///   keep coming. A check
 ///   that gave up is answered [`StoreError::Timeout`] once; if its call still reaches Redis,
 ///   Redis has charged it (the fallback or the layer's failure policy decided the request; the

@@ -47,10 +47,10 @@ use crate::metrics::NodeMetrics;
 const MAX_BATCH: usize = 256;
 
 /// The time one check of a family is taken to add to a call before any call of it is measured:
-/// what the costliest scripts (the sliding log, several tier kinds: 27–118 µs of Redis's time a
-/// check) take on a server whose cores are shared with other work, so that the first calls of
-/// a family are short; the cheap ones grow to full batches within a few calls.
-const FIRST_GUESS: Duration = Duration::from_micros(400);
+/// about what the costliest scripts take of Redis's time (the sliding log, several tier kinds:
+/// 27–118 µs a check), ten times the cheap ones. Smaller first batches were tried (400 µs):
+/// under load the extra round trips left more checks late than the large first calls did.
+const FIRST_GUESS: Duration = Duration::from_micros(100);
 
 /// Checks in one script call when each adds `per_check` to the call's time: as many as fit in
 /// a quarter of `timeout`, between 1 and [`MAX_BATCH`] (at 100 µs a check: 250 at the default
@@ -634,14 +634,14 @@ mod tests {
         let client = redis::Client::open("redis://127.0.0.1:1/").unwrap();
         let node = Node::new("127.0.0.1:1".into(), client, settings);
         let log = Family::Log;
-        assert_eq!(node.batch_cap(log), 62, "25 ms / 400 µs before any call");
+        assert_eq!(node.batch_cap(log), 250, "25 ms / 100 µs before any call");
         // A loaded server: 800 µs a check.
         for _ in 0..10 {
             let cap = node.batch_cap(log);
             node.measured(log, Duration::from_micros(800) * u32::try_from(cap).unwrap(), cap);
         }
         assert_eq!(node.batch_cap(log), 31, "25 ms / 800 µs");
-        assert_eq!(node.batch_cap(Family::Gcra), 62, "each family is measured apart");
+        assert_eq!(node.batch_cap(Family::Gcra), 250, "each family is measured apart");
         // Small calls say nothing.
         node.measured(log, Duration::from_millis(50), 3);
         assert_eq!(node.batch_cap(log), 31);
