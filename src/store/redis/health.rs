@@ -78,25 +78,32 @@ impl Health {
         if now < deadline {
             return Some(deadline);
         }
-        let last = deadline + self.timeout * (PATIENCE - 1);
+        let last = later(deadline, self.timeout.saturating_mul(PATIENCE - 1));
         if now >= last {
             return None;
         }
         let owed =
             self.outstanding.load(Ordering::Acquire) > 0 || self.unanswered.load(Ordering::Acquire);
         let next = if owed {
-            let since = self.origin + Duration::from_nanos(self.since.load(Ordering::Acquire));
-            let behind = since + self.timeout;
+            let since =
+                later(self.origin, Duration::from_nanos(self.since.load(Ordering::Acquire)));
+            let behind = later(since, self.timeout);
             if now >= behind {
                 return None;
             }
             behind
         } else {
             // Nothing owed: the next call starts the clock.
-            now + self.timeout
+            later(now, self.timeout)
         };
         Some(next.min(last))
     }
+}
+
+/// `at + by`, or about thirty years after `at` when that is past what an instant can hold (a
+/// timeout of `Duration::MAX`).
+pub(crate) fn later(at: Instant, by: Duration) -> Instant {
+    at.checked_add(by).unwrap_or_else(|| at + Duration::from_secs(30 * 365 * 86_400))
 }
 
 impl Pending<'_> {
@@ -213,6 +220,15 @@ mod tests {
         tokio::time::advance(ms(60)).await;
         assert_eq!(h.gives_up(deadline, Instant::now()), None);
         drop(call);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_timeout_too_long_for_an_instant_does_not_panic() {
+        let h = Health::new(Duration::MAX);
+        let deadline = later(Instant::now(), Duration::MAX);
+        assert!(deadline > Instant::now() + Duration::from_secs(86_400 * 365));
+        let _call = h.sending();
+        assert!(h.gives_up(Instant::now(), Instant::now()).is_some());
     }
 
     #[tokio::test(start_paused = true)]

@@ -516,7 +516,7 @@ impl Inner {
         reply_len: usize,
     ) -> Result<(Vec<i64>, u64), StoreError> {
         let timeout = self.settings.timeout;
-        let deadline = tokio::time::Instant::now() + timeout;
+        let deadline = health::later(tokio::time::Instant::now(), timeout);
         let (node, slot) = match &self.topology {
             Topology::Single(node) => (Arc::clone(node), 0),
             Topology::Cluster(cluster) => {
