@@ -2,6 +2,8 @@
 
 mod breaker;
 mod cluster;
+mod health;
+mod io;
 mod node;
 mod script;
 
@@ -77,17 +79,39 @@ use crate::quota::{Kind, Policy};
 ///   full (plus [`ttl_grace`](RedisStoreBuilder::ttl_grace)), so idle keys vanish by
 ///   themselves.
 /// - **Connections.** One multiplexed connection per server (per master on Redis Cluster, whose
-///   slots are read with `CLUSTER SLOTS`), opened on first use; no connection per request.
-/// - **Failures, per node.** Each call has a [`timeout`](RedisStoreBuilder::timeout); time a
-///   check spends queued behind others is not counted, so load the store puts on itself never
-///   turns into a failure. Each server (each Cluster master) has its own circuit breaker: after
+///   slots are read with `CLUSTER SLOTS`), opened on first use; no connection per request. The
+///   calls, their connections and their timers run on a thread of the store's own (started on
+///   first use, ended when the store is dropped), so a reply is read when it arrives, not after
+///   the application's queued tasks: a burst, or cores busy with other work, does not make a
+///   healthy server look slow.
+/// - **Timeouts, per check.** A check made while the server is silent waits the
+///   [`timeout`](RedisStoreBuilder::timeout), counted from the moment it is made (queued time
+///   included); a slow call fails only the checks whose own deadline passed. Past its
+///   deadline, a check gives up as soon as the server owes a reply and has sent none for a
+///   whole timeout (so one already waiting when the server stops answering gives up a timeout
+///   after its last reply). While the server keeps answering, a check that is late only because
+///   the machine is slower than the server (a burst larger than it turns round within the
+///   timeout, other work on its cores) waits for its turn instead, up to ten times the timeout:
+///   a busy machine is not an outage. Calls are sized so that the server answers each within a
+///   quarter of the timeout, at the time per check its recent calls of the same script took
+///   (100 µs before any is measured; at most 256 checks a call), so that under load replies
+///   keep coming. A check
+///   that gave up is answered [`StoreError::Timeout`] once; if its call still reaches Redis,
+///   Redis has charged it (the fallback or the layer's failure policy decided the request; the
+///   charge is not undone, and the request is not decided twice). A check that gave up before
+///   its call was sent is not sent.
+/// - **Failures, per node.** Each server (each Cluster master) has its own circuit breaker: after
 ///   [`failure_threshold`](RedisStoreBuilder::circuit_breaker) consecutive failed calls it stops
-///   calling that server for `open_for`, then probes it with one call. A rejection is a decision,
-///   never a failure. While a server fails, its keys are decided by the **local fallback** (a
-///   [`MemoryStore`] in this process, on by default; decisions then report
-///   [`Source::Fallback`]); keys on other masters stay on Redis. Without a fallback
-///   ([`RedisStoreBuilder::no_fallback`]) the check returns a [`StoreError`], and the layer
-///   fails closed or, by explicit choice, open ([`OnStoreError`](crate::OnStoreError)).
+///   calling that server for `open_for`, then probes it with one call. A call fails when the
+///   server does not reply within twice the timeout of its sending (or the connection fails);
+///   time checks spent queued in this process does not count, and a call the server answers
+///   counts as a success even when some of its checks gave up. While the breaker is open,
+///   checks are answered at once. A rejection is a decision, never a failure. While a server
+///   fails, its keys are decided by the **local fallback** (a [`MemoryStore`] in this process,
+///   on by default; decisions then report [`Source::Fallback`]); keys on other masters stay on
+///   Redis. Without a fallback ([`RedisStoreBuilder::no_fallback`]) the check returns a
+///   [`StoreError`], and the layer fails closed or, by explicit choice, open
+///   ([`OnStoreError`](crate::OnStoreError)).
 ///
 /// Works with Redis 6.2+, Valkey 7.2+ and Redis Cluster; the server's kind and version are
 /// logged when a connection opens. The tests run against redis-server 7.0, a three-master
@@ -349,15 +373,16 @@ impl RedisStore {
             }
         };
         for node in nodes {
-            let attempt = async {
+            // On the store's thread, where calls will use the connection.
+            let attempt = node.on_io(|node| async move {
                 let mut conn = node.connection().await?;
                 for family in script::Family::ALL {
                     family.script().load_async(&mut conn).await?;
                 }
                 Ok::<_, redis::RedisError>(())
-            };
+            });
             match tokio::time::timeout(inner.settings.timeout, attempt).await {
-                Ok(result) => result.map_err(StoreError::backend)?,
+                Ok(result) => result?.map_err(StoreError::backend)?,
                 Err(_) => return Err(StoreError::Timeout(inner.settings.timeout)),
             }
         }
@@ -455,12 +480,14 @@ impl Inner {
         let mut last = StoreError::backend("no Redis Cluster node answered CLUSTER SLOTS");
         let seeds = cluster.seeds.iter().map(|info| self.node_for(info.clone()));
         for node in known.into_iter().chain(seeds) {
-            let ask = async {
+            let ask = node.on_io(|node| async move {
                 let mut conn = node.connection().await?;
                 redis::cmd("CLUSTER").arg("SLOTS").query_async::<redis::Value>(&mut conn).await
-            };
+            });
             match tokio::time::timeout(self.settings.timeout, ask).await {
-                Ok(Ok(reply)) => {
+                Ok(Err(e)) => last = e,
+                Ok(Ok(Err(e))) => last = StoreError::backend(e),
+                Ok(Ok(Ok(reply))) => {
                     if let Some(map) = SlotMap::parse(&reply) {
                         let map = Arc::new(map);
                         *cluster.map.write().unwrap_or_else(PoisonError::into_inner) =
@@ -469,7 +496,6 @@ impl Inner {
                     }
                     last = StoreError::backend("unexpected CLUSTER SLOTS reply");
                 }
-                Ok(Err(e)) => last = StoreError::backend(e),
                 Err(_) => last = StoreError::Timeout(self.settings.timeout),
             }
         }
@@ -510,7 +536,13 @@ impl Inner {
     }
 
     /// Sends `blob` (a check or settlement on `keys`) to the node of its key and awaits its
-    /// part of the reply and the instant decided at.
+    /// part of the reply and the instant decided at. Its deadline is now plus the store's
+    /// timeout: finding the node must fit in it; past it, the check waits only as long as the
+    /// server keeps up, and at most ten timeouts (`health.rs`).
+    ///
+    /// # Errors
+    /// [`StoreError::Timeout`] when the check gives up (a call answered later may still have
+    /// charged it in Redis); the call's error otherwise.
     async fn submit(
         &self,
         prepared: &Prepared,
@@ -518,11 +550,15 @@ impl Inner {
         record: Vec<f64>,
         reply_len: usize,
     ) -> Result<(Vec<i64>, u64), StoreError> {
+        let timeout = self.settings.timeout;
+        let deadline = health::later(tokio::time::Instant::now(), timeout);
         let (node, slot) = match &self.topology {
             Topology::Single(node) => (Arc::clone(node), 0),
             Topology::Cluster(cluster) => {
                 let slot = cluster::slot(&keys[0]);
-                let map = self.slot_map(cluster).await?;
+                let map = tokio::time::timeout_at(deadline, self.slot_map(cluster))
+                    .await
+                    .unwrap_or(Err(StoreError::Timeout(timeout)))?;
                 let addr = map
                     .node_of(slot)
                     .ok_or_else(|| StoreError::backend(format!("slot {slot} is not served")))?;
@@ -538,9 +574,10 @@ impl Inner {
             policy,
             record,
             reply_len,
+            deadline,
             answer: tx,
         });
-        let answer = rx.await.unwrap_or_else(|_| Err(StoreError::backend("redis call abandoned")));
+        let answer = node.wait(deadline, rx).await;
         if let (Err(StoreError::Backend(e)), Topology::Cluster(cluster)) = (&answer, &self.topology)
         {
             // A redirection: the slots moved. Read them again for the next call.
@@ -939,8 +976,14 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Per-call timeout, including connecting (default 100 ms; at least 1 ms). Time a check
-    /// waits in the queue for its call is not counted.
+    /// How long a check waits for a server that does not answer, from the moment it is made:
+    /// time queued behind other checks and connecting included (default 100 ms; at least 1 ms).
+    /// A check then returns [`StoreError::Timeout`] (and is decided by the fallback, if any).
+    /// While the server keeps answering, a check late only because this machine is busy waits
+    /// for its turn, up to ten times this (see [`RedisStore`], "Timeouts, per check"). The
+    /// circuit breaker counts a script call as failed when the server has not replied within
+    /// twice this of its sending. [`RedisStore::connect`] and reading a Cluster's slots each
+    /// take at most this.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -1022,6 +1065,7 @@ impl RedisStoreBuilder {
             clock: self.clock,
             threshold: self.threshold,
             open_for: self.open_for,
+            io: io::Io::new(),
         });
         let topology = match (self.cluster, infos.as_slice()) {
             (_, []) => return Err(invalid("url", "no redis url given".into())),

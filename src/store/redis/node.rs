@@ -4,25 +4,65 @@
 //! Checks waiting for the node are taken together, grouped by script family and Cluster slot,
 //! and each group is sent as one script call that decides its checks in order (so the script's
 //! fixed cost is paid once per group). A few groups are in flight at once; what arrives
-//! meanwhile forms the next batch, so batches grow with the load. Time spent waiting in the
-//! queue is not a failure: the timeout and the breaker measure the calls, so load the store
-//! puts on itself never turns into fallback decisions.
+//! meanwhile forms the next batch, so batches grow with the load, up to a size the server
+//! answers in a quarter of the timeout at the time per check its calls have shown
+//! ([`batch_cap`]).
+//!
+//! Each check has its own deadline: the instant it was submitted plus the store's timeout. A
+//! late call fails only the checks whose deadline passed, and only when the server is behind
+//! ([`Health`] holds the rule and its bound: past its deadline a check gives up once a call has
+//! waited a whole timeout for a reply, and always at ten timeouts); a check late only
+//! because this machine is busy keeps waiting while the server answers. A check that has given
+//! up by the time its batch is formed is not sent (so Redis does not charge it). A check that
+//! gave up while its call was on the wire may still be charged by that call: it was answered
+//! "timeout" once (and decided by the fallback or the failure policy), and the call's late
+//! answer to it is dropped, never delivered twice.
+//!
+//! The node's calls run on the store's own thread ([`io`](super::io)), so that a reply is read
+//! when it arrives, not after the application's queued tasks.
+//!
+//! The breaker, too, is fed by the server's answers, not by how long checks waited on this
+//! process: it counts a call as failed only when no reply came within
+//! [`Settings::call_timeout`] (twice the timeout) of the call being sent, and a call that
+//! returns counts as a success even when some of its checks gave up meanwhile.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::time::Instant;
 
 use super::breaker::{Admit, Breaker, BreakerState};
+use super::health::Health;
+use super::io::Io;
 use super::script::{self, Family, Now, PolicyArgs};
-use crate::clock::AnyClock;
+use crate::clock::{AnyClock, duration_to_nanos};
 use crate::error::StoreError;
 use crate::metrics::NodeMetrics;
 
 /// Checks in one script call, at most.
 const MAX_BATCH: usize = 256;
+
+/// The time one check of a family is taken to add to a call before any call of it is measured:
+/// about what the costliest scripts take of Redis's time (the sliding log, several tier kinds:
+/// 27–118 µs a check), ten times the cheap ones. Smaller first batches were tried (400 µs):
+/// under load the extra round trips left more checks late than the large first calls did.
+const FIRST_GUESS: Duration = Duration::from_micros(100);
+
+/// Checks in one script call when each adds `per_check` to the call's time: as many as fit in
+/// a quarter of `timeout`, between 1 and [`MAX_BATCH`] (at 100 µs a check: 250 at the default
+/// 100 ms, 125 at 50 ms, 25 at 10 ms).
+pub(crate) fn batch_cap(timeout: Duration, per_check: Duration) -> usize {
+    let fits = timeout.as_nanos() / 4 / per_check.as_nanos().max(1);
+    usize::try_from(fits).unwrap_or(MAX_BATCH).clamp(1, MAX_BATCH)
+}
+
+/// Calls smaller than this (or than the cap, if smaller) say little of the time per check (the
+/// round trip dominates) and are not measured.
+const MEASURED_FROM: usize = 16;
 
 /// Numbers of the checks in one script call, at most: the script unpacks them at once, and Lua
 /// returns at most a few thousand values from one call.
@@ -47,15 +87,29 @@ pub(crate) struct Item {
     pub(crate) record: Vec<f64>,
     /// How many numbers it adds to the reply.
     pub(crate) reply_len: usize,
+    /// When its waiting side gives up: submitted + the store's timeout.
+    pub(crate) deadline: Instant,
     pub(crate) answer: oneshot::Sender<Answer>,
 }
 
 /// What every node shares with its store.
 pub(crate) struct Settings {
+    /// How long a check waits for a silent server, time queued included ([`Health`]).
     pub(crate) timeout: Duration,
     pub(crate) clock: Option<AnyClock>,
     pub(crate) threshold: u32,
     pub(crate) open_for: Duration,
+    /// The thread the nodes' calls and connections run on.
+    pub(crate) io: Io,
+}
+
+impl Settings {
+    /// How long a script call may take from being sent to its reply before the breaker counts
+    /// it as failed: twice the timeout, so that a reply slowed by a busy machine still counts
+    /// as an answer. The call's checks still waiting then get [`StoreError::Timeout`] of this.
+    pub(crate) fn call_timeout(&self) -> Duration {
+        self.timeout.saturating_mul(2)
+    }
 }
 
 pub(crate) struct Node {
@@ -68,6 +122,12 @@ pub(crate) struct Node {
     /// Held while opening a connection, so concurrent calls wait for one attempt.
     connecting: tokio::sync::Mutex<()>,
     pub(crate) breaker: Breaker,
+    /// Whether the server keeps up, from its replies: when late checks give up.
+    health: Health,
+    /// Per script family ([`Family::ALL`] order), the time a check adds to a call, in
+    /// nanoseconds: a moving average over the calls measured (sent to replied, divided by their
+    /// checks), which sizes the batches. Per family, as the scripts' costs differ tenfold.
+    per_check: [AtomicU64; Family::ALL.len()],
     settings: Arc<Settings>,
     /// The queue's sending end, once its dispatcher runs.
     queue: RwLock<Option<mpsc::UnboundedSender<Item>>>,
@@ -127,12 +187,15 @@ impl Node {
     pub(crate) fn new(addr: Arc<str>, client: redis::Client, settings: Arc<Settings>) -> Self {
         let breaker = Breaker::new(Arc::clone(&addr), settings.threshold, settings.open_for);
         let metrics = NodeMetrics::new(&addr);
+        let health = Health::new(settings.timeout);
         Self {
             addr,
             client,
             conn: RwLock::new(None),
             connecting: tokio::sync::Mutex::new(()),
             breaker,
+            health,
+            per_check: std::array::from_fn(|_| AtomicU64::new(duration_to_nanos(FIRST_GUESS))),
             settings,
             queue: RwLock::new(None),
             info: RwLock::new(None),
@@ -149,9 +212,15 @@ impl Node {
         self.breaker.state()
     }
 
-    /// Queues `item`; its answer arrives on its channel. Starts the dispatcher on the current
-    /// tokio runtime when none runs (the first use, or its runtime ended).
+    /// Queues `item`; its answer arrives on its channel. Starts the dispatcher on the store's
+    /// thread when none runs (the first use, or its runtime ended). While the breaker is
+    /// open the answer is [`StoreError::CircuitOpen`] at once, without waiting behind calls in
+    /// flight.
     pub(crate) fn submit(self: &Arc<Self>, item: Item) {
+        if self.breaker.state() == BreakerState::Open {
+            let _ = item.answer.send(Err(StoreError::CircuitOpen));
+            return;
+        }
         let queued = {
             let queue = self.queue.read().unwrap_or_else(PoisonError::into_inner);
             match queue.as_ref() {
@@ -172,41 +241,121 @@ impl Node {
         self.start(&mut queue, item);
     }
 
+    /// Waits for the answer to a check submitted with `deadline`: until the deadline, then for
+    /// as long as the server keeps up ([`Health::gives_up`]).
+    ///
+    /// # Errors
+    /// [`StoreError::Timeout`] (the store's timeout) when the check gives up; the call's error.
+    pub(crate) async fn wait(
+        &self,
+        deadline: Instant,
+        answer: oneshot::Receiver<Answer>,
+    ) -> Answer {
+        let mut answer = answer;
+        let mut until = deadline;
+        loop {
+            // An answer sent before `until` wins even when this task is polled after it (a busy
+            // process): `timeout_at` polls the answer first.
+            match tokio::time::timeout_at(until, &mut answer).await {
+                Ok(answered) => {
+                    return answered
+                        .unwrap_or_else(|_| Err(StoreError::backend("redis call abandoned")));
+                }
+                Err(_) => match self.health.gives_up(deadline, Instant::now()) {
+                    Some(next) => until = next,
+                    None => return Err(StoreError::Timeout(self.settings.timeout)),
+                },
+            }
+        }
+    }
+
     fn start(self: &Arc<Self>, queue: &mut Option<mpsc::UnboundedSender<Item>>, item: Item) {
-        let Ok(handle) = tokio::runtime::Handle::try_current() else {
-            let _ =
-                item.answer.send(Err(StoreError::backend("no tokio runtime to call Redis from")));
-            return;
+        let handle = match self.settings.io.handle() {
+            Ok(handle) => handle,
+            Err(error) => {
+                let _ = item.answer.send(Err(error));
+                return;
+            }
         };
         let (tx, rx) = mpsc::unbounded_channel();
         let _ = tx.send(item);
         *queue = Some(tx);
-        handle.spawn(Arc::clone(self).dispatch(rx));
+        handle.spawn(Self::dispatch(Arc::downgrade(self), rx));
     }
 
-    /// Takes what waits, groups it, sends each group as one call; at most [`IN_FLIGHT`]
-    /// rounds of calls at once.
-    async fn dispatch(self: Arc<Self>, mut rx: mpsc::UnboundedReceiver<Item>) {
+    /// Runs `task` on the store's thread ([`io`](super::io)), where the node's connection
+    /// lives, and returns its output.
+    ///
+    /// # Errors
+    /// [`StoreError::Backend`] when the thread is not running.
+    pub(crate) async fn on_io<F, Fut>(self: &Arc<Self>, task: F) -> Result<Fut::Output, StoreError>
+    where
+        F: FnOnce(Arc<Self>) -> Fut,
+        Fut: Future + Send + 'static,
+        Fut::Output: Send + 'static,
+    {
+        let handle = self.settings.io.handle()?;
+        handle.spawn(task(Arc::clone(self))).await.map_err(StoreError::backend)
+    }
+
+    /// The time a check of `family` adds to a call, as measured so far (nanoseconds).
+    fn per_check(&self, family: Family) -> u64 {
+        self.per_check[family as usize].load(Ordering::Relaxed).max(1)
+    }
+
+    /// Checks of `family` in one call: as many as the server answers in a quarter of the
+    /// timeout, at the time per check measured so far.
+    fn batch_cap(&self, family: Family) -> usize {
+        batch_cap(self.settings.timeout, Duration::from_nanos(self.per_check(family)))
+    }
+
+    /// A call of `checks` checks of `family` was answered `took` after its sending: the time
+    /// per check moves half the way to what this call shows when it is longer, a quarter when
+    /// shorter. Under load, Redis takes longer per check (its cores are shared), and batches
+    /// shrink at once so that replies keep coming within the timeout; they grow back as the
+    /// server speeds up.
+    fn measured(&self, family: Family, took: Duration, checks: usize) {
+        if checks == 0 || checks < MEASURED_FROM.min(self.batch_cap(family)) {
+            return;
+        }
+        let sample = duration_to_nanos(took) / checks as u64;
+        let old = self.per_check(family);
+        let new = if sample > old { old / 2 + sample / 2 } else { old - old / 4 + sample / 4 };
+        self.per_check[family as usize].store(new.max(1), Ordering::Relaxed);
+    }
+
+    /// Takes what waits, as many checks as the server is expected to answer in a quarter of the
+    /// timeout (each counted at its family's measured time, [`Node::per_check`]; at most
+    /// [`MAX_BATCH`]), groups them, sends each group as one call; at most [`IN_FLIGHT`] rounds
+    /// of calls at once. Holds the node only while forming a
+    /// batch, so that the store's last clone dropped ends it (its queue closes).
+    async fn dispatch(node: Weak<Self>, mut rx: mpsc::UnboundedReceiver<Item>) {
         let in_flight = Arc::new(Semaphore::new(IN_FLIGHT));
         loop {
             let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { return };
-            let Some(first) = rx.recv().await else { return };
-            let mut numbers = first.record.len();
-            let mut items = vec![first];
-            while items.len() < MAX_BATCH && numbers < MAX_NUMBERS {
-                match rx.try_recv() {
-                    Ok(item) => {
-                        numbers += item.record.len();
-                        items.push(item);
+            let mut items = Vec::new();
+            let mut numbers = 0;
+            let mut batch_of = None;
+            while items.is_empty() {
+                let Some(first) = rx.recv().await else { return };
+                let Some(this) = node.upgrade() else { return };
+                let budget = duration_to_nanos(this.settings.timeout) / 4;
+                let mut spent = 0u64;
+                let now = Instant::now();
+                this.take(first, now, &mut items, &mut numbers, &mut spent);
+                while items.len() < MAX_BATCH && numbers < MAX_NUMBERS && spent < budget {
+                    match rx.try_recv() {
+                        Ok(item) => this.take(item, now, &mut items, &mut numbers, &mut spent),
+                        Err(_) => break,
                     }
-                    Err(_) => break,
                 }
+                batch_of = Some(this);
             }
+            let Some(node) = batch_of else { return };
             let mut groups: BTreeMap<(Family, u16), Vec<Item>> = BTreeMap::new();
             for item in items {
                 groups.entry((item.family, item.slot)).or_default().push(item);
             }
-            let node = Arc::clone(&self);
             tokio::spawn(async move {
                 let calls: Vec<_> = groups
                     .into_iter()
@@ -223,6 +372,26 @@ impl Node {
         }
     }
 
+    /// Adds `item` to the batch being formed, unless its waiting side gave up (or gives up now,
+    /// [`Health::gives_up`]): it is then answered [`StoreError::Timeout`] and not sent, so
+    /// Redis does not charge it.
+    fn take(
+        &self,
+        item: Item,
+        now: Instant,
+        items: &mut Vec<Item>,
+        numbers: &mut usize,
+        spent: &mut u64,
+    ) {
+        if item.answer.is_closed() || self.health.gives_up(item.deadline, now).is_none() {
+            let _ = item.answer.send(Err(StoreError::Timeout(self.settings.timeout)));
+            return;
+        }
+        *numbers += item.record.len();
+        *spent += self.per_check(item.family);
+        items.push(item);
+    }
+
     /// Sends `items` (one family, one slot) as one script call and answers each.
     async fn call(&self, family: Family, mut items: Vec<Item>) {
         let mut keys = Vec::new();
@@ -236,7 +405,7 @@ impl Node {
         );
         let now = self.settings.clock.as_ref().map_or(Now::Server, |c| Now::At(c.now()));
         let args = [script::header(now), policies, records];
-        let result = self.eval(family, &keys, &args).await;
+        let result = self.eval(family, &keys, &args, items.len()).await;
         let at = result.and_then(|reply| Ok((script::decided_at(&reply)?, reply)));
         let (at, reply) = match at {
             Ok(ok) => ok,
@@ -256,10 +425,16 @@ impl Node {
             return;
         }
         let mut from = 0;
+        let mut late = 0usize;
         for item in items {
             let part = body[from..from + item.reply_len].to_vec();
             from += item.reply_len;
-            let _ = item.answer.send(Ok((part, at)));
+            // A check whose waiting side gave up at its deadline was answered "timeout" (and
+            // decided by the fallback or the failure policy); the charge made here stays.
+            late += usize::from(item.answer.send(Ok((part, at))).is_err());
+        }
+        if late > 0 {
+            tracing::debug!(node = %self.addr, late, "tollgate: a redis call answered after some of its checks had given up; they stay charged in redis");
         }
     }
 
@@ -302,12 +477,13 @@ impl Node {
         self.conn.write().unwrap_or_else(PoisonError::into_inner).take();
     }
 
-    /// One script call through the breaker, within the timeout.
+    /// One script call through the breaker, within [`Settings::call_timeout`].
     async fn eval(
         &self,
         family: Family,
         keys: &[String],
         args: &[Vec<u8>],
+        checks: usize,
     ) -> Result<Vec<i64>, StoreError> {
         let probe = match self.breaker.admit() {
             Admit::Call => None,
@@ -337,12 +513,32 @@ impl Node {
                 result => result,
             }
         };
-        let timeout = self.settings.timeout;
+        // Measured from here, when the call is sent (or its connection opened), not from when
+        // its checks were submitted: time they queued on this process says nothing of Redis.
+        let call_timeout = self.settings.call_timeout();
         let started = std::time::Instant::now();
-        let result = match tokio::time::timeout(timeout, attempt).await {
-            Ok(Ok(reply)) => script::numbers(&reply),
-            Ok(Err(e)) => Err(StoreError::backend(e)),
-            Err(_) => Err(StoreError::Timeout(timeout)),
+        let pending = self.health.sending();
+        let result = match tokio::time::timeout(call_timeout, attempt).await {
+            Ok(Ok(reply)) => {
+                pending.answered();
+                self.measured(family, started.elapsed(), checks);
+                script::numbers(&reply)
+            }
+            Ok(Err(e)) => {
+                let unheard = e.is_io_error()
+                    || e.is_connection_dropped()
+                    || e.is_connection_refusal()
+                    || e.is_timeout();
+                if !unheard {
+                    // The server's own error (a script error, a redirection): it answered.
+                    pending.answered();
+                }
+                Err(StoreError::backend(e))
+            }
+            Err(_) => {
+                pending.unanswered();
+                Err(StoreError::Timeout(call_timeout))
+            }
         };
         match (probe, result.is_ok()) {
             (Some(probe), true) => probe.success(),
@@ -412,6 +608,50 @@ impl std::error::Error for SharedSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_batch_fits_a_quarter_of_the_timeout() {
+        let ms = Duration::from_millis;
+        let us = Duration::from_micros;
+        assert_eq!(batch_cap(ms(100), us(100)), 250);
+        assert_eq!(batch_cap(ms(50), us(100)), 125);
+        assert_eq!(batch_cap(ms(10), us(100)), 25);
+        assert_eq!(batch_cap(ms(1), us(100)), 2);
+        assert_eq!(batch_cap(ms(100), us(1)), MAX_BATCH);
+        assert_eq!(batch_cap(ms(1), ms(1)), 1, "at least one");
+        assert_eq!(batch_cap(ms(100), Duration::ZERO), MAX_BATCH);
+    }
+
+    #[test]
+    fn batches_shrink_while_the_server_is_slow_and_grow_back() {
+        let settings = Arc::new(Settings {
+            timeout: Duration::from_millis(100),
+            clock: None,
+            threshold: 5,
+            open_for: Duration::from_millis(500),
+            io: Io::new(),
+        });
+        let client = redis::Client::open("redis://127.0.0.1:1/").unwrap();
+        let node = Node::new("127.0.0.1:1".into(), client, settings);
+        let log = Family::Log;
+        assert_eq!(node.batch_cap(log), 250, "25 ms / 100 µs before any call");
+        // A loaded server: 800 µs a check.
+        for _ in 0..10 {
+            let cap = node.batch_cap(log);
+            node.measured(log, Duration::from_micros(800) * u32::try_from(cap).unwrap(), cap);
+        }
+        assert_eq!(node.batch_cap(log), 31, "25 ms / 800 µs");
+        assert_eq!(node.batch_cap(Family::Gcra), 250, "each family is measured apart");
+        // Small calls say nothing.
+        node.measured(log, Duration::from_millis(50), 3);
+        assert_eq!(node.batch_cap(log), 31);
+        // Back to 10 µs a check.
+        for _ in 0..40 {
+            let cap = node.batch_cap(log);
+            node.measured(log, Duration::from_micros(10) * u32::try_from(cap).unwrap(), cap);
+        }
+        assert_eq!(node.batch_cap(log), MAX_BATCH);
+    }
 
     #[test]
     fn the_server_kind_and_version_come_from_info() {

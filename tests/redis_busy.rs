@@ -1,0 +1,371 @@
+//! `RedisStore` on a machine whose cores another process keeps busy: a starved client is not a
+//! Redis outage. With Redis healthy, every request is decided by Redis (never by the fallback,
+//! never failed open or closed), at the default timeout and at 50 ms, for every algorithm; with
+//! Redis frozen (SIGSTOP), every request gets its configured outcome within twice the timeout,
+//! time queued included.
+//!
+//! Both cores are loaded by two busy shell loops started by the test, killed when it ends (and
+//! ending by themselves after two minutes should the test die first). The scenarios run one at
+//! a time.
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use http::{Request, Response, StatusCode};
+use support::redis::Server;
+use tollgate::key::Key;
+use tollgate::store::{MemoryStore, RedisStore};
+use tollgate::{Algorithm, Observed, OnStoreError, Policy, Quota, RateLimitLayer, Source};
+use tower::{Layer, Service, ServiceExt};
+
+/// 12 days: no window boundary (aligned to the Unix epoch on server time) falls inside a test.
+const LONG: Duration = Duration::from_secs(12 * 86_400);
+
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Processes spinning on every core (two: the machine's), killed on drop. Each also stops by
+/// itself after two minutes, so a test killed before its drop cannot leave them behind.
+struct Busy(Vec<Child>);
+
+impl Busy {
+    fn start() -> Self {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get()).max(2);
+        Self(
+            (0..cores)
+                .map(|_| {
+                    Command::new("bash")
+                        .args(["-c", "while [ $SECONDS -lt 120 ]; do :; done"])
+                        .stdin(Stdio::null())
+                        .stdout(Stdio::null())
+                        .stderr(Stdio::null())
+                        .spawn()
+                        .expect("spawn a busy loop")
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Configured {
+    Fallback,
+    FailClosed,
+    FailOpen,
+}
+
+const CONFIGURED: [Configured; 3] =
+    [Configured::Fallback, Configured::FailClosed, Configured::FailOpen];
+
+/// What the layer reported, counted by the decision hook.
+#[derive(Default)]
+struct Counts {
+    /// Decided by Redis.
+    redis: AtomicUsize,
+    /// Decided by Redis and admitted.
+    admitted: AtomicUsize,
+    /// Decided by the local fallback.
+    fallback: AtomicUsize,
+    failed_open: AtomicUsize,
+    failed_closed: AtomicUsize,
+}
+
+impl Counts {
+    /// (by Redis, admitted by Redis, by the fallback, failed open, failed closed).
+    fn get(&self) -> (usize, usize, usize, usize, usize) {
+        let l = |c: &AtomicUsize| c.load(Ordering::Relaxed);
+        (
+            l(&self.redis),
+            l(&self.admitted),
+            l(&self.fallback),
+            l(&self.failed_open),
+            l(&self.failed_closed),
+        )
+    }
+}
+
+fn ok_service()
+-> impl Service<Request<Body>, Response = Response<Body>, Error = std::convert::Infallible, Future: Send>
++ Clone
++ Send
++ 'static {
+    tower::service_fn(|_req| async {
+        Ok::<_, std::convert::Infallible>(Response::new(Body::from("ok")))
+    })
+}
+
+fn by_header(parts: &tollgate::key::RequestHead<'_>) -> Option<Key> {
+    parts.headers.get("x-key").and_then(|v| v.to_str().ok()).map(Key::text)
+}
+
+fn request(key: &str) -> Request<Body> {
+    Request::get("/").header("x-key", key).body(Body::empty()).unwrap()
+}
+
+/// A store on `server` failing as `configured`, with `timeout` (`None`: the default).
+fn store(server: &Server, configured: Configured, timeout: Option<Duration>) -> RedisStore {
+    let mut builder = RedisStore::builder(server.url());
+    if let Some(timeout) = timeout {
+        builder = builder.timeout(timeout);
+    }
+    match configured {
+        Configured::Fallback => builder.fallback(MemoryStore::new()),
+        _ => builder.no_fallback(),
+    }
+    .build()
+    .unwrap()
+}
+
+/// A layer over `store` limiting by the `x-key` header, counting into the returned `Counts`.
+fn service(
+    store: RedisStore,
+    policy: Policy,
+    configured: Configured,
+) -> (
+    impl Service<
+        Request<Body>,
+        Response = Response<tollgate::ResponseBody<Body>>,
+        Error = std::convert::Infallible,
+        Future: Send,
+    > + Clone
+    + Send
+    + 'static,
+    Arc<Counts>,
+) {
+    let counts = Arc::new(Counts::default());
+    let hook = Arc::clone(&counts);
+    let on_error = match configured {
+        Configured::FailOpen => OnStoreError::FailOpen,
+        _ => OnStoreError::FailClosed,
+    };
+    let layer = RateLimitLayer::builder(policy)
+        .key(by_header)
+        .store(store)
+        .on_store_error(on_error)
+        .on_decision(move |event| {
+            let counter = match (event.decision.map(|d| d.source()), event.outcome) {
+                (_, Observed::FailedOpen) => &hook.failed_open,
+                (_, Observed::FailedClosed) => &hook.failed_closed,
+                (Some(Source::Fallback), _) => &hook.fallback,
+                (Some(Source::Store), outcome) => {
+                    if outcome == Observed::Admitted {
+                        hook.admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                    &hook.redis
+                }
+                other => panic!("unexpected event {other:?}"),
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+        })
+        .build()
+        .unwrap();
+    (layer.layer(ok_service()), counts)
+}
+
+/// Opens the connection and loads the scripts (a few attempts: the machine is busy, and the
+/// timeout short).
+async fn connect(store: &RedisStore) {
+    for attempt in 1.. {
+        match store.connect().await {
+            Ok(()) => return,
+            Err(e) if attempt == 10 => panic!("connect: {e}"),
+            Err(_) => {}
+        }
+    }
+}
+
+fn policy(name: &str, algorithm: Algorithm, limit: u64) -> Policy {
+    Policy::builder(format!("{name}-{}", algorithm.name()))
+        .algorithm(algorithm)
+        .tier("t", Quota::new(limit, LONG))
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_two_thousand_on_a_busy_machine_is_decided_by_redis() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let Some(server) = Server::start("redis-server") else { return };
+    let _busy = Busy::start();
+    let mut slowest = Duration::ZERO;
+    for configured in CONFIGURED {
+        // The default timeout (100 ms).
+        let store = store(&server, configured, None);
+        connect(&store).await;
+        for algorithm in Algorithm::ALL {
+            let (svc, counts) = service(
+                store.clone(),
+                policy(&format!("burst-{configured:?}"), algorithm, 100),
+                configured,
+            );
+            let barrier = Arc::new(tokio::sync::Barrier::new(2000));
+            let tasks: Vec<_> = (0..2000)
+                .map(|_| {
+                    let (svc, barrier) = (svc.clone(), Arc::clone(&barrier));
+                    tokio::spawn(async move {
+                        barrier.wait().await;
+                        let started = Instant::now();
+                        let status = svc.oneshot(request("burst")).await.unwrap().status();
+                        (status, started.elapsed())
+                    })
+                })
+                .collect();
+            let mut ok = 0;
+            for t in tasks {
+                let (status, took) = t.await.unwrap();
+                ok += usize::from(status == StatusCode::OK);
+                slowest = slowest.max(took);
+            }
+            let name = format!("{configured:?} {algorithm:?}");
+            assert_eq!(
+                counts.get(),
+                (2000, 100, 0, 0, 0),
+                "{name}: (redis, admitted, fallback, open, closed)"
+            );
+            assert_eq!(ok, 100, "{name}");
+        }
+    }
+    note(&format!("a burst of 2,000 at the default timeout: slowest request {slowest:?}"));
+}
+
+/// Straight to stderr (the harness captures print macros): numbers for the record.
+fn note(line: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_clients_at_50_ms_on_a_busy_machine_are_decided_by_redis() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let Some(server) = Server::start("redis-server") else { return };
+    let _busy = Busy::start();
+    let mut slowest = Duration::ZERO;
+    for configured in CONFIGURED {
+        let store = store(&server, configured, Some(Duration::from_millis(50)));
+        connect(&store).await;
+        for algorithm in Algorithm::ALL {
+            let (svc, counts) = service(
+                store.clone(),
+                policy(&format!("clients-{configured:?}"), algorithm, 50),
+                configured,
+            );
+            // 200 clients, 5 requests each, one after the other.
+            let tasks: Vec<_> = (0..200)
+                .map(|_| {
+                    let svc = svc.clone();
+                    tokio::spawn(async move {
+                        let (mut ok, mut slowest) = (0, Duration::ZERO);
+                        for _ in 0..5 {
+                            let started = Instant::now();
+                            let res = svc.clone().oneshot(request("clients")).await.unwrap();
+                            slowest = slowest.max(started.elapsed());
+                            ok += usize::from(res.status() == StatusCode::OK);
+                        }
+                        (ok, slowest)
+                    })
+                })
+                .collect();
+            let mut ok = 0;
+            for t in tasks {
+                let (admitted, took) = t.await.unwrap();
+                ok += admitted;
+                slowest = slowest.max(took);
+            }
+            let name = format!("{configured:?} {algorithm:?}");
+            assert_eq!(
+                counts.get(),
+                (1000, 50, 0, 0, 0),
+                "{name}: (redis, admitted, fallback, open, closed)"
+            );
+            assert_eq!(ok, 50, "{name}");
+        }
+    }
+    note(&format!("200 clients at a 50 ms timeout: slowest request {slowest:?}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_redis_on_a_busy_machine_costs_a_request_at_most_twice_the_timeout() {
+    const TIMEOUT: Duration = Duration::from_millis(50);
+    let _one = ONE_AT_A_TIME.lock().await;
+    let Some(server) = Server::start("redis-server") else { return };
+    let _busy = Busy::start();
+    let mut report = Vec::new();
+    for configured in CONFIGURED {
+        let store = store(&server, configured, Some(TIMEOUT));
+        connect(&store).await;
+        let policy = Policy::single(format!("frozen-{configured:?}"), Quota::per_hour(50)).unwrap();
+        let (svc, counts) = service(store.clone(), policy, configured);
+        // 200 clients on 1,000 keys, a request every 10 ms each, until stopped.
+        let stop = Arc::new(AtomicBool::new(false));
+        let workers: Vec<_> = (0..200)
+            .map(|w| {
+                let (svc, stop) = (svc.clone(), Arc::clone(&stop));
+                tokio::spawn(async move {
+                    let mut took = Vec::new();
+                    for i in 0..500 {
+                        if stop.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        let key = format!("k{}", (w * 7 + i) % 1000);
+                        let started = Instant::now();
+                        let res = svc.clone().oneshot(request(&key)).await.unwrap();
+                        took.push((started.elapsed(), res.status()));
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    took
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        server.pause();
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        server.resume();
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        stop.store(true, Ordering::Relaxed);
+        let mut took = Vec::new();
+        for w in workers {
+            took.extend(w.await.unwrap());
+        }
+        let slowest = took.iter().map(|(t, _)| *t).max().unwrap();
+        let (redis, _, fallback, open, closed) = counts.get();
+        let name = format!("{configured:?}");
+        assert_eq!(redis + fallback + open + closed, took.len(), "{name}: every request reported");
+        assert!(redis > 0, "{name}: Redis decided before and after the freeze");
+        match configured {
+            Configured::Fallback => {
+                assert_eq!((open, closed), (0, 0), "{name}");
+                assert!(fallback > 0, "{name}: the fallback decided during the freeze");
+            }
+            Configured::FailClosed => {
+                assert_eq!((fallback, open), (0, 0), "{name}");
+                assert!(closed > 0, "{name}: the freeze failed requests closed");
+                let refused = took.iter().filter(|(_, s)| *s == StatusCode::SERVICE_UNAVAILABLE);
+                assert_eq!(refused.count(), closed, "{name}");
+            }
+            Configured::FailOpen => {
+                assert_eq!((fallback, closed), (0, 0), "{name}");
+                assert!(open > 0, "{name}: the freeze let requests through");
+            }
+        }
+        report.push(format!("{name}: {} requests, slowest {slowest:?}", took.len()));
+        assert!(
+            slowest <= 2 * TIMEOUT,
+            "{name}: a request took {slowest:?} with a {TIMEOUT:?} timeout"
+        );
+    }
+    note(&format!("Redis frozen, timeout {TIMEOUT:?}: {}", report.join("; ")));
+}
