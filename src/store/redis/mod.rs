@@ -575,6 +575,7 @@ impl Inner {
             record,
             reply_len,
             deadline,
+            at: self.settings.clock.as_ref().map(AnyClock::now),
             answer: tx,
         });
         let answer = node.wait(deadline, rx).await;

@@ -89,6 +89,10 @@ pub(crate) struct Item {
     pub(crate) reply_len: usize,
     /// When its waiting side gives up: submitted + the store's timeout.
     pub(crate) deadline: Instant,
+    /// The injected clock's reading when it was submitted (nanoseconds; `None` with the
+    /// server's `TIME`). Read on the caller's side: the store's own thread runs another tokio
+    /// runtime, whose clock a clock following tokio's time (paused, advanced) does not see.
+    pub(crate) at: Option<u64>,
     pub(crate) answer: oneshot::Sender<Answer>,
 }
 
@@ -403,7 +407,9 @@ impl Node {
         let (policies, records) = script::batch(
             items.iter().zip(&first_keys).map(|(i, k)| (*k, &*i.policy, i.record.as_slice())),
         );
-        let now = self.settings.clock.as_ref().map_or(Now::Server, |c| Now::At(c.now()));
+        // The batch decides at the latest instant its checks were made at (time never goes
+        // back within a batch).
+        let now = items.iter().filter_map(|i| i.at).max().map_or(Now::Server, Now::At);
         let args = [script::header(now), policies, records];
         let result = self.eval(family, &keys, &args, items.len()).await;
         let at = result.and_then(|reply| Ok((script::decided_at(&reply)?, reply)));
