@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use http::{Request, Response, StatusCode};
 use support::redis::{Cluster, Server};
-use tollgate::RequestBody;
 use tollgate::key::Key;
 use tollgate::store::{BreakerState, MemoryStore, RedisStore, Store};
 use tollgate::{OnStoreError, Policy, Quota, RateLimitLayer};
@@ -66,19 +65,6 @@ enum Seen {
 struct Sample {
     took: Duration,
     seen: Seen,
-}
-
-fn ok_service() -> impl Service<
-    Request<RequestBody<Body>>,
-    Response = Response<Body>,
-    Error = std::convert::Infallible,
-    Future: Send,
-> + Clone
-+ Send
-+ 'static {
-    tower::service_fn(|_req| async {
-        Ok::<_, std::convert::Infallible>(Response::new(Body::from("ok")))
-    })
 }
 
 fn by_header(parts: &tollgate::key::RequestHead<'_>) -> Option<Key> {
@@ -216,7 +202,7 @@ async fn scenario(mut target: Target, configured: Configured, fault: Fault) {
         .on_store_error(on_error)
         .build()
         .unwrap();
-    let svc = layer.layer(ok_service());
+    let svc = layer.layer(support::ok_service());
 
     let stop = Arc::new(AtomicBool::new(false));
     let (monitor, workers) = drive(svc.clone(), store.clone(), stop.clone());

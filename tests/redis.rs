@@ -608,7 +608,7 @@ async fn secret_checks(store: &RedisStore) -> Vec<tollgate::Reservation<RedisSto
         .store(store.clone())
         .build()
         .unwrap();
-    let service = layer.layer(ok_service());
+    let service = layer.layer(support::ok_service());
     // GCRA, 10 a minute: each request is 6 s until the bucket is full again.
     for (remaining, full_in) in [(9, 6), (8, 12)] {
         let request = http::Request::get("/").header("x-api-key", API_KEY);
@@ -931,19 +931,6 @@ async fn a_restart_falls_back_locally_opens_the_breaker_and_recovers() {
     assert_eq!(decide(1).await, (Source::Store, false, 0));
 }
 
-fn ok_service() -> impl tower::Service<
-    http::Request<tollgate::RequestBody<axum::body::Body>>,
-    Response = http::Response<axum::body::Body>,
-    Error = std::convert::Infallible,
-    Future: Send,
-> + Clone
-+ Send
-+ 'static {
-    tower::service_fn(|_req| async {
-        Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::from("ok")))
-    })
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_fallback_the_layer_fails_closed_or_open_as_configured() {
     use tower::{Layer as _, ServiceExt as _};
@@ -963,8 +950,8 @@ async fn without_a_fallback_the_layer_fails_closed_or_open_as_configured() {
             .build()
             .unwrap()
     };
-    let closed = layer(OnStoreError::FailClosed).layer(ok_service());
-    let open = layer(OnStoreError::FailOpen).layer(ok_service());
+    let closed = layer(OnStoreError::FailClosed).layer(support::ok_service());
+    let open = layer(OnStoreError::FailOpen).layer(support::ok_service());
     let request = || http::Request::new(axum::body::Body::empty());
 
     let res = closed.clone().oneshot(request()).await.unwrap();
@@ -1582,7 +1569,7 @@ async fn one_policy_one_budget<St: Store>(store: St) -> (usize, usize) {
     let policy = Policy::single("two-layers", Quota::per_hour(5)).unwrap();
     let layer = || {
         let layer = RateLimitLayer::builder(policy.clone()).key(GlobalKey).store(store.clone());
-        layer.build().unwrap().layer(ok_service())
+        layer.build().unwrap().layer(support::ok_service())
     };
     let (a, b) = (layer(), layer());
     let mut layered = 0;

@@ -21,9 +21,7 @@ use http::{Request, Response, StatusCode};
 use support::redis::Server;
 use tollgate::key::Key;
 use tollgate::store::{MemoryStore, RedisStore};
-use tollgate::{
-    Algorithm, Observed, OnStoreError, Policy, Quota, RateLimitLayer, RequestBody, Source,
-};
+use tollgate::{Algorithm, Observed, OnStoreError, Policy, Quota, RateLimitLayer, Source};
 use tower::{Layer, Service, ServiceExt};
 
 /// 12 days: no window boundary (aligned to the Unix epoch on server time) falls inside a test.
@@ -100,19 +98,6 @@ impl Counts {
     }
 }
 
-fn ok_service() -> impl Service<
-    Request<RequestBody<Body>>,
-    Response = Response<Body>,
-    Error = std::convert::Infallible,
-    Future: Send,
-> + Clone
-+ Send
-+ 'static {
-    tower::service_fn(|_req| async {
-        Ok::<_, std::convert::Infallible>(Response::new(Body::from("ok")))
-    })
-}
-
 fn by_header(parts: &tollgate::key::RequestHead<'_>) -> Option<Key> {
     parts.headers.get("x-key").and_then(|v| v.to_str().ok()).map(Key::text)
 }
@@ -178,7 +163,7 @@ fn service(
         })
         .build()
         .unwrap();
-    (layer.layer(ok_service()), counts)
+    (layer.layer(support::ok_service()), counts)
 }
 
 /// Opens the connection and loads the scripts (a few attempts: the machine is busy, and the

@@ -92,3 +92,17 @@ pub async fn get(client: &HttpClient, url: &str, headers: &[(&str, &str)]) -> Re
     }
     send(client, req.body(Full::new(Bytes::new())).expect("request")).await
 }
+
+/// An inner service that answers `200 ok` to every request behind the layer.
+pub fn ok_service() -> impl tower::Service<
+    http::Request<tollgate::RequestBody<axum::body::Body>>,
+    Response = http::Response<axum::body::Body>,
+    Error = std::convert::Infallible,
+    Future: Send,
+> + Clone
++ Send
++ 'static {
+    tower::service_fn(|_req| async {
+        Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::from("ok")))
+    })
+}
