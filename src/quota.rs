@@ -592,7 +592,7 @@ impl Algorithm {
     }
 
     /// Whether the algorithm counts per window (and so has no burst of its own).
-    const fn is_window(self) -> bool {
+    pub(crate) const fn is_window(self) -> bool {
         matches!(self, Self::FixedWindow | Self::SlidingLog | Self::SlidingCounter)
     }
 }

@@ -53,6 +53,11 @@ impl PartialEq for Log {
 impl Eq for Log {}
 
 impl Log {
+    /// Whether the log holds no entry.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
     /// The running total before entry `i`.
     fn total_before(&self, i: usize) -> u64 {
         match i.checked_sub(1) {

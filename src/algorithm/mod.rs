@@ -193,6 +193,16 @@ impl TierState {
 
     /// The windows this state counts in (window algorithms and calendar tiers; 0 for the
     /// others): what bounds the rounds of [`converge`].
+    /// Whether the state holds windows or log entries, which a decision prunes once they end.
+    pub(crate) fn has_entries(&self) -> bool {
+        match self {
+            Self::Windows(w) => !w.is_empty(),
+            Self::Calendar(c) => !c.is_empty(),
+            Self::Log(l) => !l.is_empty(),
+            _ => false,
+        }
+    }
+
     fn entries(&self) -> usize {
         match self {
             Self::Windows(w) => w.len(),

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use compact::Compact;
 use smallvec::SmallVec;
-use table::{Core, Generals, Next, Shard, general_mut, lock};
+use table::{Core, Generals, KeyState, Next, Shard, general_mut, lock};
 
 use super::{Carry, Check, Store, Verdict};
 use crate::algorithm::slots;
@@ -235,6 +235,14 @@ impl MemoryStoreBuilder {
     /// The clock (default [`MonotonicClock`](crate::clock::MonotonicClock)). Tests inject a
     /// [`FakeClock`](crate::clock::FakeClock), or a [`TokioClock`](crate::clock::TokioClock)
     /// to follow `tokio::time::pause()`.
+    ///
+    /// A clock that can step back (a wall clock, a fake one) is handled as on the Redis store:
+    /// each key of a policy with window, log or calendar tiers (or tiers of several kinds)
+    /// remembers the instant of its last charge and decides at the later of now and that
+    /// instant, so a step back never reopens a window; a refused check never moves it; a key
+    /// whose state has become idle is forgotten with it. GCRA and the buckets only grow
+    /// stricter when time goes back and decide at now. After any step back between checks
+    /// both stores answer alike.
     pub fn clock(mut self, clock: impl Clock) -> Self {
         self.clock = AnyClock::new(clock);
         self
@@ -518,8 +526,11 @@ impl MemoryStore {
                 inner.len.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            let mut states = new.core.fresh(now);
+            let mut states = new.core.fresh();
             let mut costs = vec![0; after.tiers().len()];
+            if let Was::States(old) = &state {
+                states.guard = old.guard;
+            }
             for (i, m) in matched.iter().enumerate() {
                 let Some((j, unchanged)) = *m else { continue };
                 match (&state, unchanged) {
@@ -598,7 +609,7 @@ impl MemoryStore {
 /// A key's state under the binding a reload replaces.
 enum Was {
     /// Every tier's state (general tables).
-    States(Box<[TierState]>),
+    States(KeyState),
     /// The TAT of the compact form's one GCRA tier, nanoseconds.
     Tat(u64),
 }
@@ -657,18 +668,15 @@ fn gather(
     generals: &Generals,
     compact: &mut Compact,
     fp: u64,
-    now: u64,
-) -> (Box<[TierState]>, SmallVec<[bool; 4]>) {
+) -> (KeyState, SmallVec<[bool; 4]>) {
     let own = match core.whole {
         None => generals.get(id).and_then(Option::as_ref).and_then(|g| g.map.get(&fp)).cloned(),
         Some(_) => None,
     };
     let own_held = own.is_some();
-    let mut states = own.unwrap_or_else(|| core.fresh(now));
+    let mut states = own.unwrap_or_else(|| core.fresh());
     let policy = &core.policy;
-    let fresh = |j: usize| {
-        TierState::fresh_for(policy.algorithm(), &policy.tiers()[j], in_units(policy, now))
-    };
+    let fresh = |j: usize| TierState::fresh_for(policy.algorithm(), &policy.tiers()[j], 0);
     let held = places
         .iter()
         .enumerate()
@@ -688,6 +696,7 @@ fn gather(
                 match generals.get(*id).and_then(Option::as_ref).and_then(|g| g.map.get(&fp)) {
                     Some(there) => {
                         states[j] = there[*tier].clone();
+                        states.guard = states.guard.max(there.guard);
                         true
                     }
                     None => {
@@ -707,7 +716,7 @@ fn gather(
 fn scatter(
     (core, id): (&Arc<Core>, usize),
     places: &[Place],
-    states: &[TierState],
+    states: &KeyState,
     generals: &mut Generals,
     compact: &mut Compact,
     (fp, now, insert): (u64, u64, bool),
@@ -722,9 +731,10 @@ fn scatter(
                         mine[j] = states[j].clone();
                     }
                 }
+                mine.guard = states.guard;
             }
             None if insert && !core.is_idle(states, now) => {
-                table.map.insert(fp, states.into());
+                table.map.insert(fp, states.clone());
                 inserted += 1;
             }
             None => {}
@@ -747,10 +757,14 @@ fn scatter(
             Place::General { id, core: home, tier } => {
                 let table = general_mut(generals, *id, home);
                 match table.map.get_mut(&fp) {
-                    Some(there) => there[*tier] = states[j].clone(),
-                    None if insert => {
-                        let mut there = home.fresh(now);
+                    Some(there) => {
                         there[*tier] = states[j].clone();
+                        there.guard = there.guard.max(states.guard);
+                    }
+                    None if insert => {
+                        let mut there = home.fresh();
+                        there[*tier] = states[j].clone();
+                        there.guard = states.guard;
                         if !home.is_idle(&there, now) {
                             table.map.insert(fp, there);
                             inserted += 1;
@@ -764,25 +778,48 @@ fn scatter(
     inserted
 }
 
-/// Decides `check` on `states` under `core`'s policy at `now` (nanoseconds): plain policies as
-/// they always were, others tier by tier.
+/// Decides `check` on `key` under `core`'s policy at `now` (nanoseconds), or at the key's
+/// clock guard when that is later (see [`KeyState::guard`]; an admission moves it): plain
+/// policies as they always were, others tier by tier.
 #[inline]
 fn decide_core(
     core: &Core,
-    states: &mut [TierState],
+    key: &mut KeyState,
     now: u64,
     check: &Check<'_>,
 ) -> (Decision, Option<Charges>) {
     let policy = &core.policy;
     let mode = mode(check.max_delay);
-    if policy.is_plain() {
-        return decide(policy, states, now, check.cost, mode);
-    }
-    let costs: SmallVec<[u64; 4]> =
-        (0..policy.tiers().len()).map(|i| policy.tier_cost(i, check.cost, check.costs)).collect();
-    let (mut decision, charges) = decide_kinds(policy, states, now, &costs, mode);
+    let at = core.guarded(key.guard, now);
+    let entries = core.guarded && key.iter().any(TierState::has_entries);
+    let (mut decision, mut charges) = if policy.is_plain() {
+        decide(policy, key, at, check.cost, mode)
+    } else {
+        let costs: SmallVec<[u64; 4]> = (0..policy.tiers().len())
+            .map(|i| policy.tier_cost(i, check.cost, check.costs))
+            .collect();
+        decide_kinds(policy, key, at, &costs, mode)
+    };
     if !core.wakers.is_empty() {
         slots::fill(policy, &core.holds, &mut decision);
+    }
+    let units = |charges: &Charges| {
+        let tiers = policy.tiers();
+        charges.iter().zip(tiers).any(|(c, t)| c.cost > 0 && t.kind() != TierKind::Concurrency)
+    };
+    if let Some(charges) = charges.as_mut().filter(|c| core.guarded && units(c)) {
+        // Units charged to a rate or calendar tier move the guard; slots taken alone do not.
+        key.guard = at;
+        // A ticket's charges are stamped on the caller's clock, its delay after `now`, as the
+        // Redis store stamps them (its guard lives in the server's script).
+        let shift = in_units(policy, at) - in_units(policy, now);
+        for c in charges.iter_mut() {
+            c.at = c.at.saturating_sub(shift);
+        }
+    } else if entries {
+        // Windows or entries that ended, pruned to nothing: the key is forgotten with its
+        // guard, as the Redis store deletes a key whose pruned state is idle.
+        core.forget_if_idle(key, now);
     }
     (decision, charges)
 }
@@ -940,7 +977,7 @@ impl Inner {
         let (decision, charges) = match table.map.get_mut(&fp) {
             Some(states) => decide_core(core, states, now, check),
             None => {
-                let mut states = core.fresh(now);
+                let mut states = core.fresh();
                 let out = decide_core(core, &mut states, now, check);
                 // Only an admitted request stores a new key; a rejected one leaves no state.
                 if out.1.is_some() {
@@ -1010,8 +1047,7 @@ impl Inner {
         let mut generals = lock(&shard.general);
         let mut compact = shard.compact.lock();
         let places = places(core, self.shard_index(fp));
-        let (mut states, held) =
-            gather((core, bound.id), &places, &generals, &mut compact, fp, now);
+        let (mut states, held) = gather((core, bound.id), &places, &generals, &mut compact, fp);
         let (decision, charges) = decide_core(core, &mut states, now, check);
         let mut inserted = 0;
         if charges.is_some() {
@@ -1047,7 +1083,7 @@ impl Inner {
         );
         let (decision, charges) = {
             let mut overflow = lock(&core.overflow);
-            let states = overflow.get_or_insert_with(|| core.fresh(now));
+            let states = overflow.get_or_insert_with(|| core.fresh());
             decide_core(core, states, now, check)
         };
         let ticket = charges.and_then(|c| self.ticket_for(bound, check, fp, c, true));
@@ -1084,10 +1120,15 @@ impl Inner {
             return;
         }
         let now = self.clock.now();
-        let now_units = in_units(policy, now);
-        let apply = |states: &mut [TierState]| {
+        // A settlement of units moves the key's clock guard, as a charge does.
+        let apply = |states: &mut KeyState| {
+            let at = core.guarded(states.guard, now);
+            let now_units = in_units(policy, at);
             for &(i, units, extra) in &changes {
                 settle_tier(policy, i, &mut states[i], ticket.charges[i], now_units, units, extra);
+            }
+            if core.guarded && !changes.is_empty() {
+                states.guard = at;
             }
             if slots {
                 for (i, t) in tiers.iter().enumerate() {
@@ -1110,7 +1151,7 @@ impl Inner {
             let mut generals = lock(&shard.general);
             let mut compact = shard.compact.lock();
             let places = places(core, self.shard_index(fp));
-            let (mut states, _) = gather((core, id), &places, &generals, &mut compact, fp, now);
+            let (mut states, _) = gather((core, id), &places, &generals, &mut compact, fp);
             apply(&mut states);
             let at = (fp, now, extra);
             inserted = scatter((core, id), &places, &states, &mut generals, &mut compact, at);
@@ -1119,7 +1160,11 @@ impl Inner {
             let mut tables = self.shard(fp).compact.lock();
             match tables.tat_mut(id, fp) {
                 Some(tat) => {
-                    *tat = if *more { w.charge(*tat, at, *units) } else { w.refund(*tat, *units) }
+                    let new =
+                        if *more { w.charge(*tat, at, *units) } else { w.refund(*tat, *units) };
+                    // Given back to idle: the key is forgotten (0 is a fresh key), as the Redis
+                    // store deletes it, so that a clock stepping back finds it fresh on both.
+                    *tat = if new > now { new } else { 0 };
                 }
                 // Evicted since: the extra is charged to a fresh state; a refund has nothing
                 // left to give back.
@@ -1135,9 +1180,17 @@ impl Inner {
             // A binding dropped since, whose slot another binding took: nothing of it is left.
             if Arc::ptr_eq(&table.core, core) {
                 match table.map.get_mut(&fp) {
-                    Some(states) => apply(states),
+                    Some(states) => {
+                        apply(states);
+                        // Settled to idle: forgotten, as on the Redis store (see above), which
+                        // writes (or deletes) a key's state when units were settled, not when
+                        // only slots were released.
+                        if !changes.is_empty() {
+                            core.forget_if_idle(states, now);
+                        }
+                    }
                     None if extra => {
-                        let mut states = core.fresh(now);
+                        let mut states = core.fresh();
                         apply(&mut states);
                         table.map.insert(fp, states);
                         inserted = 1;

@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
@@ -51,8 +52,12 @@ pub(super) struct Core {
     /// One GCRA tier whose emission interval is a whole number of nanoseconds: the compact
     /// representation applies.
     pub(super) whole: Option<WholeGcra>,
+    /// Whether a key keeps a clock guard ([`KeyState::guard`]): every policy but a plain one
+    /// of GCRA or buckets, which only grow stricter when the clock steps back. As the Redis
+    /// store decides.
+    pub(super) guarded: bool,
     /// The shared state of keys that arrived while the store was full.
-    pub(super) overflow: Mutex<Option<Box<[TierState]>>>,
+    pub(super) overflow: Mutex<Option<KeyState>>,
     /// The typical hold of each concurrency tier.
     pub(super) holds: Holds,
     /// Wakes requests waiting for a concurrency slot, by fingerprint (empty for a policy
@@ -106,9 +111,11 @@ impl Core {
         } else {
             Box::default()
         };
+        let guarded = !policy.is_plain() || policy.algorithm().is_window();
         Self {
             policy: policy.clone(),
             whole,
+            guarded,
             overflow: Mutex::new(None),
             holds: Holds::new(policy),
             wakers,
@@ -124,19 +131,56 @@ impl Core {
         self.moved.load(Ordering::Relaxed) > shard
     }
 
-    /// The state of a key never seen, at `now` (nanoseconds).
-    pub(super) fn fresh(&self, now: u64) -> Box<[TierState]> {
+    /// The state of a key never seen: as of the epoch, so that it decides alike at any instant
+    /// (a bucket full, or empty, whichever instant the clock reads, even one before the last
+    /// read), as a key without state does on the Redis store.
+    pub(super) fn fresh(&self) -> KeyState {
         let alg = self.policy.algorithm();
-        let now = in_units(&self.policy, now);
-        self.policy.tiers().iter().map(|t| TierState::fresh_for(alg, t, now)).collect()
+        let tiers = self.policy.tiers().iter().map(|t| TierState::fresh_for(alg, t, 0));
+        KeyState { tiers: tiers.collect(), guard: 0 }
     }
 
-    /// Whether `states` decide like a fresh key's at `now` (nanoseconds).
-    pub(super) fn is_idle(&self, states: &[TierState], now: u64) -> bool {
+    /// The instant (nanoseconds) at which a key whose guard is `guard` decides at `now`: when
+    /// the guard lies in a later unit of the policy's time, that unit (with `now`'s fraction of
+    /// a unit, as the Redis store, whose guard is kept in whole units, reports waits), else
+    /// `now`.
+    #[inline]
+    pub(super) fn guarded(&self, guard: u64, now: u64) -> u64 {
+        let unit = self.policy.unit();
+        if self.guarded && guard / unit > now / unit {
+            (guard / unit) * unit + now % unit
+        } else {
+            now
+        }
+    }
+
+    /// Whether `key` decides like a fresh key's at `now` (nanoseconds), or at its guard when
+    /// that is later.
+    pub(super) fn is_idle(&self, key: &KeyState, now: u64) -> bool {
         let alg = self.policy.algorithm();
         let unit = self.policy.unit();
-        let now = in_units(&self.policy, now);
-        states.iter().zip(self.policy.tiers()).all(|(s, t)| s.is_idle_for(alg, t, unit, now))
+        let now = in_units(&self.policy, self.guarded(key.guard, now));
+        key.iter().zip(self.policy.tiers()).all(|(s, t)| s.is_idle_for(alg, t, unit, now))
+    }
+
+    /// Forgets `key`'s rate and calendar tiers and its guard when they decide like a fresh
+    /// key's at `now` (or at its guard, when later), keeping the slots its concurrency tiers
+    /// hold: as the Redis store deletes a key whose state it writes idle (its slots live
+    /// apart). Returns whether it did.
+    pub(super) fn forget_if_idle(&self, key: &mut KeyState, now: u64) -> bool {
+        let alg = self.policy.algorithm();
+        let unit = self.policy.unit();
+        let at = in_units(&self.policy, self.guarded(key.guard, now));
+        let tiers = self.policy.tiers();
+        let slots = |t: &crate::quota::Tier| t.kind() == crate::quota::TierKind::Concurrency;
+        let idle = key.iter().zip(tiers).all(|(s, t)| slots(t) || s.is_idle_for(alg, t, unit, at));
+        if idle {
+            for (s, t) in key.tiers.iter_mut().zip(tiers).filter(|(_, t)| !slots(t)) {
+                *s = TierState::fresh_for(alg, t, 0);
+            }
+            key.guard = 0;
+        }
+        idle
     }
 
     /// The waker of fingerprint `fp`, if the policy has concurrency tiers.
@@ -155,10 +199,37 @@ impl Core {
     }
 }
 
+/// A key's state in a general table: every tier's, and the key's clock guard.
+#[derive(Debug, Clone)]
+pub(super) struct KeyState {
+    /// Each tier's state, in the policy's order.
+    pub(super) tiers: Box<[TierState]>,
+    /// The instant (nanoseconds) of the key's last charge or settlement. Time never goes back
+    /// for a key of a guarded policy ([`Core::guarded`]): a clock that steps back (a user's
+    /// clock, a fake one in tests) would otherwise find a window it left as if empty. The key
+    /// decides at the later of now and its guard, as it does on the Redis store, where the
+    /// server's clock can step back. A refused check never moves it.
+    pub(super) guard: u64,
+}
+
+impl Deref for KeyState {
+    type Target = [TierState];
+
+    fn deref(&self) -> &[TierState] {
+        &self.tiers
+    }
+}
+
+impl DerefMut for KeyState {
+    fn deref_mut(&mut self) -> &mut [TierState] {
+        &mut self.tiers
+    }
+}
+
 /// A general table: every tier's state per key.
 pub(super) struct General {
     pub(super) core: Arc<Core>,
-    pub(super) map: ByFingerprint<Box<[TierState]>>,
+    pub(super) map: ByFingerprint<KeyState>,
 }
 
 /// The general tables of a shard, by binding id.

@@ -64,7 +64,8 @@ use crate::quota::{Kind, Policy};
 ///   [`Clock`] instead (deterministic tests). Each key remembers the instant of its last
 ///   charge: when the clock steps back (NTP, a failover to a replica whose clock is behind),
 ///   window and log tiers decide at that instant rather than reopen a window. A refused check
-///   never moves it, so back at the last charge a key decides as in [`MemoryStore`].
+///   never moves it, and the in-memory store keeps the same guard, so after a step back a
+///   key decides as in [`MemoryStore`].
 /// - **Keys.** `{prefix}{{policy}|#{hash}}:{fingerprint}`: a string holding every tier's
 ///   state, packed (plus one sorted set per tier for the sliding log, `...:z1`, `...:z2`).
 ///   `{hash}` is a keyed hash of the key (SipHash-2-4, 128 bits, 32 hexadecimal digits) with

@@ -341,11 +341,12 @@ local function check(st, i)
       end
       head = { 0, 0, retry }
     else
-      st.charged = true
       local expiry = nil
       for t = 1, n do
         local tier, c = tiers[t], cost[t]
         local entry = 0
+        -- Units charged to a rate or calendar tier move the guard; slots taken alone do not.
+        if c > 0 and tier.kind ~= 1 then st.charged = true end
         if c > 0 then
           if tier.kind == 0 then
             entry = F.charge(st.rs, rt(st, tier), at, c)
@@ -385,12 +386,14 @@ local function settle(st, i)
   local n, tiers = pol.n, pol.tiers
   local release = C[i + 4]
   local B, p = bounds(pol, i + 5 + 5 * n)
-  st.charged = true
   for t = 1, n do
     local j = i + 5 + (t - 1) * 5
     local old, new, id = C[j], C[j + 1], C[j + 4]
     local at = rel(st.c, C[j + 2], C[j + 3])
     local tier = tiers[t]
+    -- A settlement that changes what a rate or calendar tier was charged moves the guard, as
+    -- a charge does; a release of slots does not.
+    if tier.kind ~= 1 and new ~= old then st.charged = true end
     if tier.kind == 0 then
       if new < old then
         F.refund(st.rs, rt(st, tier), at, id, old, old - new)

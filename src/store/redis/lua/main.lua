@@ -52,7 +52,8 @@ while i <= #C do
   local tiers = st.tiers
   if op == 2 then
     local old, new = C[i + 3], C[i + 4]
-    st.charged = true
+    -- A settlement that changes what was charged moves the guard, as a charge does.
+    if new ~= old then st.charged = true end
     for t = 1, n do
       local j = i + 5 + (t - 1) * 3
       local at = rel(st.c, C[j], C[j + 1])
