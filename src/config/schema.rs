@@ -14,7 +14,7 @@ use serde::Deserialize;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use toml::Spanned;
 
-use crate::quota::Algorithm;
+use crate::quota::{Algorithm, CalendarPeriod, Unit};
 
 /// The whole file.
 #[derive(Debug, Deserialize)]
@@ -41,15 +41,91 @@ pub(super) struct RawPolicy {
     pub(super) changed_tiers: Option<CarryName>,
 }
 
-/// `[[policies.NAME.tiers]]`.
+/// `[[policies.NAME.tiers]]`: every field a tier of any kind may have. Which fields a kind
+/// takes, and which it needs, is checked after parsing (`build::tier`), where the kind is
+/// known; `period` is a duration for a rate tier and a calendar unit for a calendar tier, so
+/// it is read as text and parsed there, at its own span.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawTier {
     pub(super) name: Spanned<String>,
-    pub(super) count: Spanned<u64>,
-    pub(super) period: Spanned<HumanDuration>,
+    #[serde(default)]
+    pub(super) kind: Option<Spanned<TierKindName>>,
+    #[serde(default)]
+    pub(super) count: Option<Spanned<u64>>,
+    #[serde(default)]
+    pub(super) period: Option<Spanned<String>>,
     #[serde(default)]
     pub(super) burst: Option<Spanned<u64>>,
+    #[serde(default)]
+    pub(super) unit: Option<Spanned<UnitName>>,
+    #[serde(default)]
+    pub(super) time_zone: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) max: Option<Spanned<u64>>,
+    #[serde(default)]
+    pub(super) lease: Option<Spanned<HumanDuration>>,
+    #[serde(default)]
+    pub(super) typical_hold: Option<Spanned<HumanDuration>>,
+}
+
+/// A tier's `kind`: `rate` (default), `concurrency`, `calendar`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum TierKindName {
+    Rate,
+    Concurrency,
+    Calendar,
+}
+
+impl TierKindName {
+    pub(super) const fn name(self) -> &'static str {
+        match self {
+            Self::Rate => "rate",
+            Self::Concurrency => "concurrency",
+            Self::Calendar => "calendar",
+        }
+    }
+}
+
+/// [`Unit`] by its [name](Unit::name).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct UnitName(pub(super) Unit);
+
+/// Every unit a tier may count, in the order the messages list them.
+const UNITS: [Unit; 4] = [Unit::Requests, Unit::RequestBytes, Unit::ResponseBytes, Unit::Reported];
+
+impl TryFrom<String> for UnitName {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        match UNITS.iter().find(|u| u.name() == s) {
+            Some(u) => Ok(Self(*u)),
+            None => {
+                let names: Vec<_> = UNITS.iter().map(|u| u.name()).collect();
+                Err(format!("unknown unit {s:?}; expected one of {}", names.join(", ")))
+            }
+        }
+    }
+}
+
+/// A calendar tier's `period`: a [`CalendarPeriod`] by its [name](CalendarPeriod::name).
+pub(super) fn calendar_period(s: &str) -> Result<CalendarPeriod, String> {
+    CalendarPeriod::ALL.iter().find(|p| p.name() == s).copied().ok_or_else(|| {
+        let names: Vec<_> = CalendarPeriod::ALL.iter().map(|p| p.name()).collect();
+        format!("{s:?} is not a calendar period; expected one of {}", names.join(", "))
+    })
+}
+
+/// A rate tier's `period`: a duration, with a hint when it names a calendar unit.
+pub(super) fn rate_period(s: &str) -> Result<Duration, String> {
+    HumanDuration::try_from(s.to_owned()).map(|d| d.0).map_err(|e| {
+        if calendar_period(s).is_ok() {
+            format!("{e}; for windows of the calendar (from the start of each {s}), write kind = \"calendar\"")
+        } else {
+            e
+        }
+    })
 }
 
 /// `[[rules]]`.
@@ -144,7 +220,8 @@ from_string!(
     Cidr,
     HeaderNameValue,
     Otherwise,
-    MissingKeyName
+    MissingKeyName,
+    UnitName
 );
 
 /// A duration in humantime's form: `"500ms"`, `"1m"`, `"1h 30m"`, `"2days"`.
