@@ -1,7 +1,7 @@
 //! From the document to checked policies and rules, and from those to limiters and layers.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use http::{HeaderName, Method};
@@ -11,11 +11,12 @@ use super::LimitsConfig;
 use super::error::{ConfigFileError, Source, Span, toml_key};
 use super::key::{ConfKey, KeySpec};
 use super::schema::{
-    ForwardedName, HeaderStyleName, KeyPart, LogKeysName, OnStoreErrorName, Otherwise, PathPattern,
-    RawFile, RawPolicy, RawRule, RawTier, TierKindName, calendar_period, rate_period,
+    ForwardedName, HeaderFormatName, HeaderStyleName, KeyPart, LogKeysName, OnStoreErrorName,
+    Otherwise, PathPattern, RawFile, RawPolicy, RawRule, RawTier, StatusMatch, TierKindName,
+    calendar_period, rate_period,
 };
-use crate::HeaderStyle;
 use crate::error::ConfigError;
+use crate::headers::{HeaderFormat, HeaderStyle};
 use crate::key::ForwardedHeader;
 use crate::layer::{LogKeys, MissingKey, OnStoreError, RateLimitLayer, Unselected};
 use crate::limiter::Limiter;
@@ -81,6 +82,10 @@ pub(super) struct RuleDef {
     headers: Option<HeaderStyle>,
     on_store_error: Option<OnStoreError>,
     log_keys: Option<LogKeys>,
+    header_format: Option<HeaderFormat>,
+    explain_missing_key: Option<bool>,
+    /// The statuses whose responses give the charge back.
+    refund_on: Option<Arc<[StatusMatch]>>,
 }
 
 #[derive(Debug, Clone)]
@@ -216,9 +221,9 @@ fn tier(
                 &span,
                 field,
                 format!(
-                    "a {} tier has no `{field}` (only a {} tier has); it takes name, kind, {}",
+                    "a {} tier has no `{field}` ({} tiers have it); it takes {}",
                     kind.name(),
-                    kinds.join(" or a "),
+                    kinds.join(" and "),
                     takes.join(", ")
                 ),
             ));
@@ -486,6 +491,17 @@ fn rule(
         skip_methods: raw.skip_methods.into_iter().map(|m| m.0).collect(),
     };
 
+    let refund_on = match raw.refund_on {
+        Some(list) if list.get_ref().is_empty() => {
+            return Err(err(
+                &list.span(),
+                "refund_on",
+                "an empty list would refund nothing; leave `refund_on` out".into(),
+            ));
+        }
+        list => list.map(|l| l.into_inner().into()),
+    };
+
     Ok(RuleDef {
         name,
         path,
@@ -519,6 +535,13 @@ fn rule(
             LogKeysName::Redacted => LogKeys::Redacted,
             LogKeysName::Raw => LogKeys::Raw,
         }),
+        header_format: raw.header_format.map(|f| match f {
+            HeaderFormatName::Draft10 => HeaderFormat::Draft10,
+            HeaderFormatName::Draft7 => HeaderFormat::Draft7,
+            HeaderFormatName::Draft6 => HeaderFormat::Draft6,
+        }),
+        explain_missing_key: raw.explain_missing_key,
+        refund_on,
     })
 }
 
@@ -665,6 +688,16 @@ impl RuleDef {
         }
         if let Some(keys) = self.log_keys {
             b = b.log_keys(keys);
+        }
+        if let Some(format) = self.header_format {
+            b = b.header_format(format);
+        }
+        if let Some(on) = self.explain_missing_key {
+            b = b.explain_missing_key(on);
+        }
+        if let Some(statuses) = &self.refund_on {
+            let statuses = Arc::clone(statuses);
+            b = b.refund_if(move |status| statuses.iter().any(|s| s.matches(status)));
         }
         b.dry_run(self.dry_run).build()
     }

@@ -175,6 +175,12 @@ pub(super) struct RawRule {
     pub(super) on_store_error: Option<OnStoreErrorName>,
     #[serde(default)]
     pub(super) log_keys: Option<LogKeysName>,
+    #[serde(default)]
+    pub(super) header_format: Option<HeaderFormatName>,
+    #[serde(default)]
+    pub(super) explain_missing_key: Option<bool>,
+    #[serde(default)]
+    pub(super) refund_on: Option<Spanned<Vec<StatusMatch>>>,
 }
 
 /// `plan = { header = "x-plan", policies = ["free", "pro"], otherwise = "policy:free" }`.
@@ -221,7 +227,8 @@ from_string!(
     HeaderNameValue,
     Otherwise,
     MissingKeyName,
-    UnitName
+    UnitName,
+    StatusMatch
 );
 
 /// A duration in humantime's form: `"500ms"`, `"1m"`, `"1h 30m"`, `"2days"`.
@@ -502,6 +509,53 @@ pub(super) enum HeaderStyleName {
     None,
 }
 
+/// [`HeaderFormat`](crate::HeaderFormat) by name: `draft10`, `draft7`, `draft6`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum HeaderFormatName {
+    Draft10,
+    Draft7,
+    Draft6,
+}
+
+/// A response status a rule's `refund_on` lists: `"503"`, or a class, `"5xx"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum StatusMatch {
+    Exact(StatusCode),
+    /// The first digit of the class: 1 to 5.
+    Class(u16),
+}
+
+impl StatusMatch {
+    pub(super) fn matches(self, status: StatusCode) -> bool {
+        match self {
+            Self::Exact(s) => s == status,
+            Self::Class(c) => status.as_u16() / 100 == c,
+        }
+    }
+}
+
+impl TryFrom<String> for StatusMatch {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        let t = s.trim();
+        let bad = || format!("{s:?} is not a status (\"503\") or a class of them (\"5xx\")");
+        if let Some(class) = t.strip_suffix("xx") {
+            return match class.parse::<u16>() {
+                Ok(c @ 1..=5) if class.len() == 1 => Ok(Self::Class(c)),
+                _ => Err(bad()),
+            };
+        }
+        t.parse::<u16>()
+            .ok()
+            .filter(|c| (100..600).contains(c))
+            .and_then(|c| StatusCode::from_u16(c).ok())
+            .map(Self::Exact)
+            .ok_or_else(bad)
+    }
+}
+
 /// [`OnStoreError`](crate::OnStoreError) by name.
 #[derive(Debug, Clone, Copy, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -605,6 +659,23 @@ mod tests {
         assert_eq!(cidr("10.1.2.3/8"), Ok("10.0.0.0/8".into()));
         assert_eq!(cidr("192.0.2.7"), Ok("192.0.2.7/32".into()));
         assert!(cidr("10.0.0.0/33").is_err());
+
+        let status = |s: &str| StatusMatch::try_from(s.to_owned());
+        assert_eq!(status("503"), Ok(StatusMatch::Exact(StatusCode::SERVICE_UNAVAILABLE)));
+        assert_eq!(status("5xx"), Ok(StatusMatch::Class(5)));
+        assert!(status("5xx").unwrap().matches(StatusCode::BAD_GATEWAY));
+        assert!(!status("5xx").unwrap().matches(StatusCode::TOO_MANY_REQUESTS));
+        assert!(!status("503").unwrap().matches(StatusCode::BAD_GATEWAY));
+        for bad in ["6xx", "0xx", "50x", "55xx", "99", "600", "x", ""] {
+            assert!(status(bad).is_err(), "{bad}");
+        }
+
+        assert_eq!(calendar_period("week"), Ok(CalendarPeriod::Week));
+        assert!(calendar_period("weekly").is_err());
+        assert_eq!(rate_period("90s"), Ok(Duration::from_secs(90)));
+        assert!(!rate_period("1 fortnight").unwrap_err().contains("calendar"));
+        assert!(rate_period("day").unwrap_err().contains("kind = \"calendar\""));
+        assert_eq!(UnitName::try_from("response_bytes".to_owned()).unwrap().0, Unit::ResponseBytes);
 
         assert_eq!(
             HumanDuration::try_from("1h 30m".to_owned()).unwrap().0,
