@@ -445,6 +445,34 @@ async fn the_readme_saas_plan_serves_its_tiers() {
     assert_eq!(svc.oneshot(req).await.unwrap().status(), StatusCode::UNAUTHORIZED);
 }
 
+/// A reload that raises the README plan's monthly quota carries each key's used share of it
+/// (`changed_tiers = "carry_used_fraction"`) and keeps its count of the unchanged daily bytes.
+#[tokio::test]
+async fn a_reload_of_the_readme_plan_keeps_the_unchanged_tiers_and_carries_the_changed_one() {
+    let clock = FakeClock::new();
+    clock.set(at("2025-06-30T21:00:00Z"));
+    let store = MemoryStore::builder().clock(clock).build().unwrap();
+    let text = readme_toml();
+    let layer = LimitsLayer::with_store(load(&text), store).unwrap();
+    let ok = |_: &Request<_>| StatusCode::OK;
+    for _ in 0..3 {
+        let res = call(&layer, "k1", &[b'x'; 1000], ok).await;
+        assert_eq!(res.status(), StatusCode::OK);
+        drop(res.into_body().collect().await.unwrap());
+    }
+    let raised = text
+        .replace("count = 10_000", "count = 20_000")
+        .replace("[policies.saas]\n", "[policies.saas]\nchanged_tiers = \"carry_used_fraction\"\n");
+    let reloaded = layer.handle().reload(load(&raised)).unwrap();
+    assert_eq!(reloaded.changed(), ["saas"]);
+    let res = call(&layer, "k1", &[b'x'; 1000], ok).await;
+    // 3 of 10,000 used is 6 of 20,000; 3,000 bytes of the day's 1,000,000,000 stay used.
+    assert_eq!(
+        header(&res, "ratelimit").unwrap(),
+        r#""monthly";r=19993;t=3600, "in-flight";r=3;t=1, "daily-uploads";r=999996000;t=3600"#
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // Units and rule settings, served.
 

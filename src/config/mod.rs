@@ -112,7 +112,7 @@
 //!
 //! | `kind` | fields | builder |
 //! |---|---|---|
-//! | `"rate"` (default) | `count` units per `period` (a duration); `burst` (default `count`); `unit` | [`PolicyBuilder::tier`](crate::PolicyBuilder::tier), [`Quota`](crate::Quota) |
+//! | `"rate"` (default) | `count` units per `period` (a duration); `burst`, the units that may be spent at once (default `count`; `1` as [`Quota::at_most`](crate::Quota::at_most); redis-cell's `max_burst` + 1 as [`Quota::redis_cell`](crate::Quota::redis_cell)); `unit` | [`PolicyBuilder::tier`](crate::PolicyBuilder::tier), [`Quota`](crate::Quota) |
 //! | `"concurrency"` | `max` requests in flight; `lease` of a slot on a shared store (default 30 s); `typical_hold`, the `Retry-After` until a release was observed (default 1 s) | [`PolicyBuilder::concurrency`](crate::PolicyBuilder::concurrency), [`Concurrency`](crate::Concurrency) |
 //! | `"calendar"` | `count` units per `period`: `"minute"`, `"hour"`, `"day"`, `"week"` (ISO, from Monday), `"month"` or `"year"` of `time_zone`'s clock (an IANA name, default `"UTC"`); `unit` | [`PolicyBuilder::calendar`](crate::PolicyBuilder::calendar), [`Calendar`](crate::Calendar) |
 //!
