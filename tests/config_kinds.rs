@@ -11,6 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
+use proptest::prelude::*;
 use tollgate::clock::FakeClock;
 use tollgate::config::{ConfigFileError, LimitsConfig, LimitsLayer};
 use tollgate::key::Key;
@@ -597,4 +598,77 @@ fn the_documented_tier_example_is_the_policy_built_in_code() {
         .build()
         .unwrap();
     assert_eq!(config.policies().cloned().collect::<Vec<_>>(), [expected]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hostile files.
+
+/// One field of a tier: any of the names a tier may have, with a value of a plausible or a
+/// wrong type and form.
+fn tier_field() -> impl Strategy<Value = String> {
+    let name = prop::sample::select(vec![
+        "kind",
+        "count",
+        "period",
+        "burst",
+        "unit",
+        "time_zone",
+        "max",
+        "lease",
+        "typical_hold",
+    ]);
+    let value = prop_oneof![
+        prop::sample::select(vec![
+            "\"rate\"",
+            "\"concurrency\"",
+            "\"calendar\"",
+            "\"month\"",
+            "\"day\"",
+            "\"1s\"",
+            "\"0s\"",
+            "\"1 fortnight\"",
+            "\"Europe/Berlin\"",
+            "\"Mars/Olympus\"",
+            "\"\"",
+            "\"request_bytes\"",
+            "\"reported\"",
+            "0",
+            "1",
+            "4294967295",
+            "4294967296",
+            "-1",
+            "true",
+            "[]",
+            "{}",
+            "1.5",
+        ])
+        .prop_map(str::to_owned),
+        any::<u64>().prop_map(|n| n.to_string()),
+        "[a-z0-9 /_]{0,12}".prop_map(|s| format!("{s:?}")),
+    ];
+    (name, value).prop_map(|(n, v)| format!("{n} = {v}"))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// Any mix of tier fields is read, or refused with a line, a column and a field; never a
+    /// panic. What is read builds the policy its fields say.
+    #[test]
+    fn any_tier_is_read_or_refused_at_a_field(fields in proptest::collection::vec(tier_field(), 0..6)) {
+        let mut seen = std::collections::HashSet::new();
+        // TOML refuses a key given twice; keep the first.
+        let fields: Vec<_> = fields
+            .into_iter()
+            .filter(|f| seen.insert(f.split(" = ").next().unwrap_or_default().to_owned()))
+            .collect();
+        let text = format!("[policies.p]\n[[policies.p.tiers]]\nname = \"t\"\n{}\n", fields.join("\n"));
+        match LimitsConfig::from_toml(&text, "tollgate.toml") {
+            Ok(config) => prop_assert_eq!(config.policy("p").unwrap().tiers().len(), 1),
+            Err(e) => {
+                prop_assert!(e.line().is_some() && e.column().is_some(), "{}", e);
+                prop_assert!(e.field().is_some_and(|f| f.starts_with("policies.p")), "{}", e);
+            }
+        }
+    }
 }
