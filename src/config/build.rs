@@ -1,7 +1,7 @@
 //! From the document to checked policies and rules, and from those to limiters and layers.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use http::{HeaderName, Method};
@@ -11,15 +11,16 @@ use super::LimitsConfig;
 use super::error::{ConfigFileError, Source, Span, toml_key};
 use super::key::{ConfKey, KeySpec};
 use super::schema::{
-    ForwardedName, HeaderStyleName, KeyPart, LogKeysName, OnStoreErrorName, Otherwise, PathPattern,
-    RawFile, RawPolicy, RawRule,
+    ForwardedName, HeaderFormatName, HeaderStyleName, KeyPart, LogKeysName, OnStoreErrorName,
+    Otherwise, PathPattern, RawFile, RawPolicy, RawRule, RawTier, StatusMatch, TierKindName,
+    calendar_period, rate_period,
 };
-use crate::HeaderStyle;
 use crate::error::ConfigError;
+use crate::headers::{HeaderFormat, HeaderStyle};
 use crate::key::ForwardedHeader;
 use crate::layer::{LogKeys, MissingKey, OnStoreError, RateLimitLayer, Unselected};
 use crate::limiter::Limiter;
-use crate::quota::{Algorithm, Policy, Quota};
+use crate::quota::{Algorithm, Calendar, Concurrency, Policy, PolicyBuilder, Quota, Unit};
 use crate::store::{Carry, Store};
 
 /// A checked policy, with the places of its values.
@@ -42,13 +43,19 @@ struct PolicyPlaces {
     tiers: Vec<TierSpans>,
 }
 
+/// Where a tier's values are written.
 #[derive(Debug, Clone)]
 struct TierSpans {
     name: String,
-    name_span: Span,
-    count: Span,
-    period: Span,
-    burst: Option<Span>,
+    kind: TierKindName,
+    /// The span of each field the tier sets, by its name in the file (`name` first).
+    fields: Vec<(&'static str, Span)>,
+}
+
+impl TierSpans {
+    fn span(&self, field: &str) -> Option<&Span> {
+        self.fields.iter().find(|(f, _)| *f == field).map(|(_, s)| s)
+    }
 }
 
 /// A checked rule, with the places of the values the layer builder checks.
@@ -75,6 +82,10 @@ pub(super) struct RuleDef {
     headers: Option<HeaderStyle>,
     on_store_error: Option<OnStoreError>,
     log_keys: Option<LogKeys>,
+    header_format: Option<HeaderFormat>,
+    explain_missing_key: Option<bool>,
+    /// The statuses whose responses give the charge back.
+    refund_on: Option<Arc<[StatusMatch]>>,
 }
 
 #[derive(Debug, Clone)]
@@ -145,28 +156,121 @@ fn policy(
     let algorithm = raw.algorithm.map_or(Algorithm::default(), |a| a.0);
     let carry = raw.changed_tiers.map_or(Carry::default(), Carry::from);
     let tiers_span = raw.tiers.span();
+    let path = format!("policies.{}", toml_key(&name));
     let mut builder = Policy::builder(name.clone()).algorithm(algorithm);
     let mut tiers = Vec::new();
-    for t in raw.tiers.into_inner() {
-        let mut quota = Quota::new(*t.count.get_ref(), t.period.get_ref().0);
-        if let Some(burst) = &t.burst {
-            quota = quota.with_burst(*burst.get_ref());
-        }
-        builder = builder.tier(t.name.get_ref().clone(), quota);
-        tiers.push(TierSpans {
-            name_span: t.name.span(),
-            name: t.name.into_inner(),
-            count: t.count.span(),
-            period: t.period.span(),
-            burst: t.burst.as_ref().map(Spanned::span),
-        });
+    for (i, t) in raw.tiers.into_inner().into_iter().enumerate() {
+        let spans;
+        (builder, spans) = tier(builder, t, &format!("{path}.tiers[{i}]"), src)?;
+        tiers.push(spans);
     }
-    let places =
-        PolicyPlaces { path: format!("policies.{}", toml_key(&name)), span, tiers_span, tiers };
+    let places = PolicyPlaces { path, span, tiers_span, tiers };
     match builder.build() {
         Ok(policy) => Ok(PolicyDef { policy, carry, places }),
         Err(e) => Err(places.locate(&name, e, src)),
     }
+}
+
+/// The fields each kind of tier takes, after `name` and `kind`.
+const fn kind_fields(kind: TierKindName) -> &'static [&'static str] {
+    match kind {
+        TierKindName::Rate => &["count", "period", "burst", "unit"],
+        TierKindName::Concurrency => &["max", "lease", "typical_hold"],
+        TierKindName::Calendar => &["count", "period", "time_zone", "unit"],
+    }
+}
+
+/// Adds tier `t` (at `path`, `policies.NAME.tiers[i]`) to `builder`: the fields of its kind
+/// checked for presence and form here, their values by the builder.
+fn tier(
+    builder: PolicyBuilder,
+    t: RawTier,
+    path: &str,
+    src: Source<'_>,
+) -> Result<(PolicyBuilder, TierSpans), ConfigFileError> {
+    let kind = t.kind.as_ref().map_or(TierKindName::Rate, |k| *k.get_ref());
+    let err = |span: &Span, field: &str, message: String| {
+        src.error(Some(span), Some(format!("{path}.{field}")), message)
+    };
+    let name_span = t.name.span();
+    let mut fields = vec![("name", name_span.clone())];
+    if let Some(k) = &t.kind {
+        fields.push(("kind", k.span()));
+    }
+    let given = [
+        ("count", t.count.as_ref().map(Spanned::span)),
+        ("period", t.period.as_ref().map(Spanned::span)),
+        ("burst", t.burst.as_ref().map(Spanned::span)),
+        ("unit", t.unit.as_ref().map(Spanned::span)),
+        ("time_zone", t.time_zone.as_ref().map(Spanned::span)),
+        ("max", t.max.as_ref().map(Spanned::span)),
+        ("lease", t.lease.as_ref().map(Spanned::span)),
+        ("typical_hold", t.typical_hold.as_ref().map(Spanned::span)),
+    ];
+    let takes = kind_fields(kind);
+    for (field, span) in given {
+        let Some(span) = span else { continue };
+        if !takes.contains(&field) {
+            let kinds: Vec<&str> =
+                [TierKindName::Rate, TierKindName::Concurrency, TierKindName::Calendar]
+                    .into_iter()
+                    .filter(|k| kind_fields(*k).contains(&field))
+                    .map(TierKindName::name)
+                    .collect();
+            return Err(err(
+                &span,
+                field,
+                format!(
+                    "a {} tier has no `{field}` ({} tiers have it); it takes {}",
+                    kind.name(),
+                    kinds.join(" and "),
+                    takes.join(", ")
+                ),
+            ));
+        }
+        fields.push((field, span));
+    }
+    let missing = |field: &str| {
+        err(&name_span, field, format!("missing field `{field}`: a {} tier needs it", kind.name()))
+    };
+    let name = t.name.into_inner();
+    let unit = t.unit.map_or(Unit::Requests, |u| u.into_inner().0);
+    let builder = match kind {
+        TierKindName::Rate => {
+            let count = t.count.ok_or_else(|| missing("count"))?;
+            let period = t.period.ok_or_else(|| missing("period"))?;
+            let period = rate_period(period.get_ref())
+                .map_err(|message| err(&period.span(), "period", message))?;
+            let mut quota = Quota::new(count.into_inner(), period).counting(unit);
+            if let Some(burst) = t.burst {
+                quota = quota.with_burst(burst.into_inner());
+            }
+            builder.tier(name.clone(), quota)
+        }
+        TierKindName::Concurrency => {
+            let max = t.max.ok_or_else(|| missing("max"))?;
+            let mut limit = Concurrency::new(max.into_inner());
+            if let Some(lease) = t.lease {
+                limit = limit.with_lease(lease.into_inner().0);
+            }
+            if let Some(hold) = t.typical_hold {
+                limit = limit.with_typical_hold(hold.into_inner().0);
+            }
+            builder.concurrency(name.clone(), limit)
+        }
+        TierKindName::Calendar => {
+            let count = t.count.ok_or_else(|| missing("count"))?;
+            let period = t.period.ok_or_else(|| missing("period"))?;
+            let period = calendar_period(period.get_ref())
+                .map_err(|message| err(&period.span(), "period", message))?;
+            let mut quota = Calendar::new(count.into_inner(), period).counting(unit);
+            if let Some(zone) = t.time_zone {
+                quota = quota.in_time_zone(zone.into_inner());
+            }
+            builder.calendar(name.clone(), quota)
+        }
+    };
+    Ok((builder, TierSpans { name, kind, fields }))
 }
 
 impl PolicyPlaces {
@@ -176,36 +280,43 @@ impl PolicyPlaces {
         let tier = |tier: &str, nth: usize| {
             self.tiers.iter().enumerate().filter(|(_, t)| t.name == tier).nth(nth)
         };
-        let at = |tier_name: &str, nth: usize, field: &str| {
+        // The first of `fields` the tier sets (a burst left out is the count, say), else its
+        // table, at its name.
+        let at = |tier_name: &str, nth: usize, fields: &[&str]| {
             tier(tier_name, nth).map(|(i, t)| {
-                // A burst left out is the count.
-                let field = if field == "burst" && t.burst.is_none() { "count" } else { field };
-                let span = match field {
-                    "count" => &t.count,
-                    "period" => &t.period,
-                    "burst" => t.burst.as_ref().unwrap_or(&t.count),
-                    _ => &t.name_span,
-                };
-                (span.clone(), format!("{}.tiers[{i}].{field}", self.path))
+                let path = format!("{}.tiers[{i}]", self.path);
+                match fields.iter().find_map(|f| t.span(f).map(|s| (*f, s))) {
+                    Some((field, span)) => (span.clone(), format!("{path}.{field}")),
+                    None => (t.fields[0].1.clone(), path),
+                }
             })
+        };
+        let count = |tier: &str| {
+            let concurrency =
+                self.tiers.iter().any(|t| t.name == tier && t.kind == TierKindName::Concurrency);
+            if concurrency { "max" } else { "count" }
         };
         let found = match &e {
             ConfigError::ZeroCount { tier } | ConfigError::SlidingLogTooLarge { tier, .. } => {
-                at(tier, 0, "count")
+                at(tier, 0, &[count(tier)])
             }
-            ConfigError::TooLarge { tier, what, .. } => at(tier, 0, what),
+            ConfigError::TooLarge { tier, what, .. } => at(tier, 0, &[what, "count"]),
             ConfigError::ZeroPeriod { tier } | ConfigError::SpanTooLong { tier, .. } => {
-                at(tier, 0, "period")
+                at(tier, 0, &["period"])
             }
             ConfigError::ZeroBurst { tier } | ConfigError::BurstNotSupported { tier, .. } => {
-                at(tier, 0, "burst")
+                at(tier, 0, &["burst", "count"])
             }
-            ConfigError::DuplicateTier(tier) => at(tier, 1, "name"),
+            ConfigError::LeaseOutOfRange { tier, .. } => at(tier, 0, &["lease"]),
+            ConfigError::UnknownTimeZone { tier, .. } => at(tier, 0, &["time_zone"]),
+            ConfigError::DuplicateTier(tier) => at(tier, 1, &["name"]),
             ConfigError::NoTiers(_) => {
                 Some((self.tiers_span.clone(), format!("{}.tiers", self.path)))
             }
-            ConfigError::BadName(bad) if bad != name => at(bad, 0, "name"),
-            ConfigError::UnsupportedByStore { tier, .. } => at(tier, 0, "period"),
+            ConfigError::BadName(bad) if bad != name => at(bad, 0, &["name"]),
+            ConfigError::UnsupportedByStore { tier, .. } => {
+                at(tier, 0, &["period", "lease", "max"])
+            }
             _ => None,
         };
         let (span, field) = found.unwrap_or_else(|| (self.span.clone(), self.path.clone()));
@@ -380,6 +491,17 @@ fn rule(
         skip_methods: raw.skip_methods.into_iter().map(|m| m.0).collect(),
     };
 
+    let refund_on = match raw.refund_on {
+        Some(list) if list.get_ref().is_empty() => {
+            return Err(err(
+                &list.span(),
+                "refund_on",
+                "an empty list would refund nothing; leave `refund_on` out".into(),
+            ));
+        }
+        list => list.map(|l| l.into_inner().into()),
+    };
+
     Ok(RuleDef {
         name,
         path,
@@ -413,6 +535,13 @@ fn rule(
             LogKeysName::Redacted => LogKeys::Redacted,
             LogKeysName::Raw => LogKeys::Raw,
         }),
+        header_format: raw.header_format.map(|f| match f {
+            HeaderFormatName::Draft10 => HeaderFormat::Draft10,
+            HeaderFormatName::Draft7 => HeaderFormat::Draft7,
+            HeaderFormatName::Draft6 => HeaderFormat::Draft6,
+        }),
+        explain_missing_key: raw.explain_missing_key,
+        refund_on,
     })
 }
 
@@ -559,6 +688,16 @@ impl RuleDef {
         }
         if let Some(keys) = self.log_keys {
             b = b.log_keys(keys);
+        }
+        if let Some(format) = self.header_format {
+            b = b.header_format(format);
+        }
+        if let Some(on) = self.explain_missing_key {
+            b = b.explain_missing_key(on);
+        }
+        if let Some(statuses) = &self.refund_on {
+            let statuses = Arc::clone(statuses);
+            b = b.refund_if(move |status| statuses.iter().any(|s| s.matches(status)));
         }
         b.dry_run(self.dry_run).build()
     }

@@ -70,8 +70,8 @@
 //! ```
 //!
 //! Policies: `[policies.NAME]` with `algorithm` and `changed_tiers` (both optional) and
-//! `tiers`, each with `name`, `count`, `period` and an optional `burst` ([`Policy`],
-//! [`Quota`](crate::Quota), [`Carry`](crate::store::Carry)).
+//! `tiers` ([`Policy`], [`Carry`](crate::store::Carry)); each tier has a `name` and the fields
+//! of its `kind` (see [Tiers](#tiers)).
 //!
 //! Rules (`[[rules]]`), each mapped onto a [`RateLimitLayerBuilder`](crate::RateLimitLayerBuilder):
 //!
@@ -93,9 +93,98 @@
 //! | `headers` | `"ietf"` (default), `"legacy"`, `"both"`, `"none"` | [`headers`](crate::RateLimitLayerBuilder::headers) |
 //! | `on_store_error` | `"fail_closed"` (default) or `"fail_open"` | [`on_store_error`](crate::RateLimitLayerBuilder::on_store_error) |
 //! | `log_keys` | `"redacted"` (default) or `"raw"` | [`log_keys`](crate::RateLimitLayerBuilder::log_keys) |
+//! | `header_format` | `"draft10"` (default), `"draft7"`, `"draft6"`: the revision of the IETF draft the `RateLimit*` fields follow | [`header_format`](crate::RateLimitLayerBuilder::header_format) |
+//! | `explain_missing_key` | `true`: a refusal for a missing key says what the extractor looked for; default: on in debug builds | [`explain_missing_key`](crate::RateLimitLayerBuilder::explain_missing_key) |
+//! | `refund_on` | statuses (`"503"`) and classes (`"5xx"`) whose responses give the charge back | [`refund_if`](crate::RateLimitLayerBuilder::refund_if) |
 //!
-//! Durations (`period`, `max_delay`, `tarpit`) are written in humantime's form: `"250ms"`,
-//! `"1m"`, `"1h 30m"`.
+//! Durations (`period` of a rate tier, `lease`, `typical_hold`, `max_delay`, `tarpit`) are
+//! written in humantime's form: `"250ms"`, `"1m"`, `"1h 30m"`.
+//!
+//! The layer builder's closures (`cost_fn`, `settle_cost`, `rejection`, `on_decision`,
+//! `filter`, a `select` other than a plan header) have no spelling in the file: a rule's
+//! `paths`, `methods`, `plan` and its policies' tier units cover the declarative cases.
+//!
+//! # Tiers
+//!
+//! A tier is a rate (the default), a concurrency limit or a calendar quota, as its `kind`
+//! says. Each kind takes its own fields; a field of another kind (`burst` on a concurrency
+//! tier, `time_zone` on a rate) is refused, as is a kind's required field left out.
+//!
+//! | `kind` | fields | builder |
+//! |---|---|---|
+//! | `"rate"` (default) | `count` units per `period` (a duration); `burst`, the units that may be spent at once (default `count`; `1` as [`Quota::at_most`](crate::Quota::at_most); redis-cell's `max_burst` + 1 as [`Quota::redis_cell`](crate::Quota::redis_cell)); `unit` | [`PolicyBuilder::tier`](crate::PolicyBuilder::tier), [`Quota`](crate::Quota) |
+//! | `"concurrency"` | `max` requests in flight; `lease` of a slot on a shared store (default 30 s); `typical_hold`, the `Retry-After` until a release was observed (default 1 s) | [`PolicyBuilder::concurrency`](crate::PolicyBuilder::concurrency), [`Concurrency`](crate::Concurrency) |
+//! | `"calendar"` | `count` units per `period`: `"minute"`, `"hour"`, `"day"`, `"week"` (ISO, from Monday), `"month"` or `"year"` of `time_zone`'s clock (an IANA name, default `"UTC"`); `unit` | [`PolicyBuilder::calendar`](crate::PolicyBuilder::calendar), [`Calendar`](crate::Calendar) |
+//!
+//! `unit` says what a rate or calendar tier counts, and so what a request costs on it
+//! ([`Unit`](crate::Unit)): `"requests"` (default: the rule's `cost`, 1 unless set),
+//! `"request_bytes"` (the body's `Content-Length`, or its bytes counted as it streams),
+//! `"response_bytes"` (settled when the response body ends) or `"reported"` (what the handler
+//! reports through the [`Usage`](crate::Usage) request extension, e.g. an LLM call's tokens).
+//! A concurrency tier takes one slot per request.
+//!
+//! ```toml
+//! [policies.llm]
+//! [[policies.llm.tiers]]
+//! name = "per-second"
+//! count = 10
+//! period = "1s"
+//! burst = 20
+//! [[policies.llm.tiers]]
+//! name = "in-flight"
+//! kind = "concurrency"
+//! max = 4
+//! lease = "1m"                  # a slot on Redis lasts this long without a refresh
+//! typical_hold = "2s"
+//! [[policies.llm.tiers]]
+//! name = "upload-bytes"
+//! count = 1_000_000             # bytes per second
+//! period = "1s"
+//! unit = "request_bytes"
+//! [[policies.llm.tiers]]
+//! name = "download-bytes"
+//! count = 50_000_000
+//! period = "1m"
+//! unit = "response_bytes"
+//! [[policies.llm.tiers]]
+//! name = "monthly"
+//! kind = "calendar"
+//! count = 100_000
+//! period = "month"              # from 00:00 on the 1st, Berlin time
+//! time_zone = "Europe/Berlin"
+//! [[policies.llm.tiers]]
+//! name = "daily-tokens"
+//! kind = "calendar"
+//! count = 1_000_000
+//! period = "day"
+//! time_zone = "Europe/Berlin"
+//! unit = "reported"
+//! ```
+//!
+//! is the policy
+//!
+//! ```
+//! # use std::time::Duration;
+//! use tollgate::{Calendar, Concurrency, Policy, Quota, Unit};
+//!
+//! let llm = Policy::builder("llm")
+//!     .tier("per-second", Quota::per_second(10).with_burst(20))
+//!     .concurrency(
+//!         "in-flight",
+//!         Concurrency::new(4)
+//!             .with_lease(Duration::from_secs(60))
+//!             .with_typical_hold(Duration::from_secs(2)),
+//!     )
+//!     .tier("upload-bytes", Quota::per_second(1_000_000).counting(Unit::RequestBytes))
+//!     .tier("download-bytes", Quota::per_minute(50_000_000).counting(Unit::ResponseBytes))
+//!     .calendar("monthly", Calendar::per_month(100_000).in_time_zone("Europe/Berlin"))
+//!     .calendar(
+//!         "daily-tokens",
+//!         Calendar::per_day(1_000_000).in_time_zone("Europe/Berlin").counting(Unit::Reported),
+//!     )
+//!     .build()?;
+//! # Ok::<(), tollgate::ConfigError>(())
+//! ```
 //!
 //! # Several rules, one policy
 //!
@@ -115,7 +204,11 @@
 //! A file that cannot be read, is not TOML, has a field this schema does not know, or has a
 //! value the policy and layer builders refuse is refused whole, with a [`ConfigFileError`]
 //! naming the file, line, column and field: `tollgate.toml:14:9:
-//! policies.free.tiers[0].period: invalid duration "1 fortnight": ...`.
+//! policies.free.tiers[0].period: invalid duration "1 fortnight": ...`, `tollgate.toml:7:13:
+//! policies.saas.tiers[0].time_zone: tier `monthly`: unknown time zone "Europe/Atlantis": ...`,
+//! `tollgate.toml:6:9: policies.saas.tiers[1].burst: a concurrency tier has no `burst` (rate
+//! tiers have it); it takes max, lease, typical_hold`. A value the builders refuse keeps their
+//! [`ConfigError`](crate::ConfigError) as its [`source`](std::error::Error::source).
 //!
 //! # Reloading
 //!

@@ -14,7 +14,7 @@ use serde::Deserialize;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use toml::Spanned;
 
-use crate::quota::Algorithm;
+use crate::quota::{Algorithm, CalendarPeriod, Unit};
 
 /// The whole file.
 #[derive(Debug, Deserialize)]
@@ -41,15 +41,91 @@ pub(super) struct RawPolicy {
     pub(super) changed_tiers: Option<CarryName>,
 }
 
-/// `[[policies.NAME.tiers]]`.
+/// `[[policies.NAME.tiers]]`: every field a tier of any kind may have. Which fields a kind
+/// takes, and which it needs, is checked after parsing (`build::tier`), where the kind is
+/// known; `period` is a duration for a rate tier and a calendar unit for a calendar tier, so
+/// it is read as text and parsed there, at its own span.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawTier {
     pub(super) name: Spanned<String>,
-    pub(super) count: Spanned<u64>,
-    pub(super) period: Spanned<HumanDuration>,
+    #[serde(default)]
+    pub(super) kind: Option<Spanned<TierKindName>>,
+    #[serde(default)]
+    pub(super) count: Option<Spanned<u64>>,
+    #[serde(default)]
+    pub(super) period: Option<Spanned<String>>,
     #[serde(default)]
     pub(super) burst: Option<Spanned<u64>>,
+    #[serde(default)]
+    pub(super) unit: Option<Spanned<UnitName>>,
+    #[serde(default)]
+    pub(super) time_zone: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) max: Option<Spanned<u64>>,
+    #[serde(default)]
+    pub(super) lease: Option<Spanned<HumanDuration>>,
+    #[serde(default)]
+    pub(super) typical_hold: Option<Spanned<HumanDuration>>,
+}
+
+/// A tier's `kind`: `rate` (default), `concurrency`, `calendar`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum TierKindName {
+    Rate,
+    Concurrency,
+    Calendar,
+}
+
+impl TierKindName {
+    pub(super) const fn name(self) -> &'static str {
+        match self {
+            Self::Rate => "rate",
+            Self::Concurrency => "concurrency",
+            Self::Calendar => "calendar",
+        }
+    }
+}
+
+/// [`Unit`] by its [name](Unit::name).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct UnitName(pub(super) Unit);
+
+/// Every unit a tier may count, in the order the messages list them.
+const UNITS: [Unit; 4] = [Unit::Requests, Unit::RequestBytes, Unit::ResponseBytes, Unit::Reported];
+
+impl TryFrom<String> for UnitName {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        match UNITS.iter().find(|u| u.name() == s) {
+            Some(u) => Ok(Self(*u)),
+            None => {
+                let names: Vec<_> = UNITS.iter().map(|u| u.name()).collect();
+                Err(format!("unknown unit {s:?}; expected one of {}", names.join(", ")))
+            }
+        }
+    }
+}
+
+/// A calendar tier's `period`: a [`CalendarPeriod`] by its [name](CalendarPeriod::name).
+pub(super) fn calendar_period(s: &str) -> Result<CalendarPeriod, String> {
+    CalendarPeriod::ALL.iter().find(|p| p.name() == s).copied().ok_or_else(|| {
+        let names: Vec<_> = CalendarPeriod::ALL.iter().map(|p| p.name()).collect();
+        format!("{s:?} is not a calendar period; expected one of {}", names.join(", "))
+    })
+}
+
+/// A rate tier's `period`: a duration, with a hint when it names a calendar unit.
+pub(super) fn rate_period(s: &str) -> Result<Duration, String> {
+    HumanDuration::try_from(s.to_owned()).map(|d| d.0).map_err(|e| {
+        if calendar_period(s).is_ok() {
+            format!("{e}; for windows of the calendar (from the start of each {s}), write kind = \"calendar\"")
+        } else {
+            e
+        }
+    })
 }
 
 /// `[[rules]]`.
@@ -99,6 +175,12 @@ pub(super) struct RawRule {
     pub(super) on_store_error: Option<OnStoreErrorName>,
     #[serde(default)]
     pub(super) log_keys: Option<LogKeysName>,
+    #[serde(default)]
+    pub(super) header_format: Option<HeaderFormatName>,
+    #[serde(default)]
+    pub(super) explain_missing_key: Option<bool>,
+    #[serde(default)]
+    pub(super) refund_on: Option<Spanned<Vec<StatusMatch>>>,
 }
 
 /// `plan = { header = "x-plan", policies = ["free", "pro"], otherwise = "policy:free" }`.
@@ -144,7 +226,9 @@ from_string!(
     Cidr,
     HeaderNameValue,
     Otherwise,
-    MissingKeyName
+    MissingKeyName,
+    UnitName,
+    StatusMatch
 );
 
 /// A duration in humantime's form: `"500ms"`, `"1m"`, `"1h 30m"`, `"2days"`.
@@ -425,6 +509,53 @@ pub(super) enum HeaderStyleName {
     None,
 }
 
+/// [`HeaderFormat`](crate::HeaderFormat) by name: `draft10`, `draft7`, `draft6`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum HeaderFormatName {
+    Draft10,
+    Draft7,
+    Draft6,
+}
+
+/// A response status a rule's `refund_on` lists: `"503"`, or a class, `"5xx"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum StatusMatch {
+    Exact(StatusCode),
+    /// The first digit of the class: 1 to 5.
+    Class(u16),
+}
+
+impl StatusMatch {
+    pub(super) fn matches(self, status: StatusCode) -> bool {
+        match self {
+            Self::Exact(s) => s == status,
+            Self::Class(c) => status.as_u16() / 100 == c,
+        }
+    }
+}
+
+impl TryFrom<String> for StatusMatch {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        let t = s.trim();
+        let bad = || format!("{s:?} is not a status (\"503\") or a class of them (\"5xx\")");
+        if let Some(class) = t.strip_suffix("xx") {
+            return match class.parse::<u16>() {
+                Ok(c @ 1..=5) if class.len() == 1 => Ok(Self::Class(c)),
+                _ => Err(bad()),
+            };
+        }
+        t.parse::<u16>()
+            .ok()
+            .filter(|c| (100..600).contains(c))
+            .and_then(|c| StatusCode::from_u16(c).ok())
+            .map(Self::Exact)
+            .ok_or_else(bad)
+    }
+}
+
 /// [`OnStoreError`](crate::OnStoreError) by name.
 #[derive(Debug, Clone, Copy, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -528,6 +659,23 @@ mod tests {
         assert_eq!(cidr("10.1.2.3/8"), Ok("10.0.0.0/8".into()));
         assert_eq!(cidr("192.0.2.7"), Ok("192.0.2.7/32".into()));
         assert!(cidr("10.0.0.0/33").is_err());
+
+        let status = |s: &str| StatusMatch::try_from(s.to_owned());
+        assert_eq!(status("503"), Ok(StatusMatch::Exact(StatusCode::SERVICE_UNAVAILABLE)));
+        assert_eq!(status("5xx"), Ok(StatusMatch::Class(5)));
+        assert!(status("5xx").unwrap().matches(StatusCode::BAD_GATEWAY));
+        assert!(!status("5xx").unwrap().matches(StatusCode::TOO_MANY_REQUESTS));
+        assert!(!status("503").unwrap().matches(StatusCode::BAD_GATEWAY));
+        for bad in ["6xx", "0xx", "50x", "55xx", "99", "600", "x", ""] {
+            assert!(status(bad).is_err(), "{bad}");
+        }
+
+        assert_eq!(calendar_period("week"), Ok(CalendarPeriod::Week));
+        assert!(calendar_period("weekly").is_err());
+        assert_eq!(rate_period("90s"), Ok(Duration::from_secs(90)));
+        assert!(!rate_period("1 fortnight").unwrap_err().contains("calendar"));
+        assert!(rate_period("day").unwrap_err().contains("kind = \"calendar\""));
+        assert_eq!(UnitName::try_from("response_bytes".to_owned()).unwrap().0, Unit::ResponseBytes);
 
         assert_eq!(
             HumanDuration::try_from("1h 30m".to_owned()).unwrap().0,
