@@ -523,7 +523,18 @@ impl MemoryStore {
             for (i, m) in matched.iter().enumerate() {
                 let Some((j, unchanged)) = *m else { continue };
                 match (&state, unchanged) {
-                    (Was::States(old_states), true) => states[i] = old_states[j].clone(),
+                    (Was::States(old_states), true) => {
+                        states[i] = old_states[j].clone();
+                        // An unchanged tier keeps its penalty box too.
+                        if after.tiers()[i].penalty.is_some() {
+                            let (to, from) = (after.penalty_slot(i), before.penalty_slot(j));
+                            if let (Some(to), Some(from)) =
+                                (states.get_mut(to), old_states.get(from))
+                            {
+                                *to = from.clone();
+                            }
+                        }
+                    }
                     (Was::Tat(tat), true) => states[i] = scaled_tat(*tat, count(j)),
                     _ => costs[i] = used(i, j),
                 }
@@ -713,7 +724,9 @@ fn scatter(
     (fp, now, insert): (u64, u64, bool),
 ) -> usize {
     let mut inserted = 0;
-    if core.whole.is_none() && places.iter().any(|p| matches!(p, Place::Own)) {
+    // Penalty boxes, after the tiers, always live in the binding's own table.
+    let boxes = states.len() > places.len();
+    if core.whole.is_none() && (boxes || places.iter().any(|p| matches!(p, Place::Own))) {
         let table = general_mut(generals, id, core);
         match table.map.get_mut(&fp) {
             Some(mine) => {
@@ -721,6 +734,9 @@ fn scatter(
                     if matches!(place, Place::Own) {
                         mine[j] = states[j].clone();
                     }
+                }
+                for j in places.len()..states.len() {
+                    mine[j] = states[j].clone();
                 }
             }
             None if insert && !core.is_idle(states, now) => {
@@ -1014,13 +1030,18 @@ impl Inner {
             gather((core, bound.id), &places, &generals, &mut compact, fp, now);
         let (decision, charges) = decide_core(core, &mut states, now, check);
         let mut inserted = 0;
+        let missing = held.iter().filter(|h| !**h).count();
+        let room = missing == 0 || self.len.load(Ordering::Relaxed) + missing <= self.max_keys;
         if charges.is_some() {
-            let missing = held.iter().filter(|h| !**h).count();
-            if missing > 0 && self.len.load(Ordering::Relaxed) + missing > self.max_keys {
+            if !room {
                 drop((compact, generals));
                 return self.check_overflow(bound, check, fp, now);
             }
             let at = (fp, now, true);
+            inserted = scatter((core, bound.id), &places, &states, &mut generals, &mut compact, at);
+        } else if core.policy.has_penalty() {
+            // A refusal may have counted a breach or started a block: kept where there is room.
+            let at = (fp, now, room);
             inserted = scatter((core, bound.id), &places, &states, &mut generals, &mut compact, at);
         }
         drop((compact, generals));

@@ -18,7 +18,7 @@ use spinning_top::guard::SpinlockGuard;
 
 use super::compact::Compact;
 use crate::algorithm::slots::Holds;
-use crate::algorithm::{TierState, WholeGcra, in_units};
+use crate::algorithm::{TierState, WholeGcra, boxes_idle, fresh_boxes, in_units};
 use crate::quota::Policy;
 
 /// Hashes a fingerprint (already uniformly random) by using it as is.
@@ -124,11 +124,13 @@ impl Core {
         self.moved.load(Ordering::Relaxed) > shard
     }
 
-    /// The state of a key never seen, at `now` (nanoseconds).
+    /// The state of a key never seen, at `now` (nanoseconds): each tier's, then the penalty
+    /// boxes.
     pub(super) fn fresh(&self, now: u64) -> Box<[TierState]> {
         let alg = self.policy.algorithm();
         let now = in_units(&self.policy, now);
-        self.policy.tiers().iter().map(|t| TierState::fresh_for(alg, t, now)).collect()
+        let tiers = self.policy.tiers().iter().map(|t| TierState::fresh_for(alg, t, now));
+        tiers.chain(fresh_boxes(&self.policy)).collect()
     }
 
     /// Whether `states` decide like a fresh key's at `now` (nanoseconds).
@@ -137,6 +139,7 @@ impl Core {
         let unit = self.policy.unit();
         let now = in_units(&self.policy, now);
         states.iter().zip(self.policy.tiers()).all(|(s, t)| s.is_idle_for(alg, t, unit, now))
+            && boxes_idle(&self.policy, states, now)
     }
 
     /// The waker of fingerprint `fp`, if the policy has concurrency tiers.

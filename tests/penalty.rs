@@ -1,0 +1,144 @@
+//! Penalty boxes ([`Penalty`]) on the in-memory store, on an injected clock: a key that breaches
+//! its tier is refused for exactly the block, other keys are untouched, the K-refusals variant,
+//! the box's state swept once it no longer matters, and a blocked client over HTTP.
+
+#[path = "support/penalty.rs"]
+mod scenarios;
+mod support;
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::get;
+use tollgate::clock::{Clock, FakeClock};
+use tollgate::key::Key;
+use tollgate::store::MemoryStore;
+use tollgate::{Limiter, Penalty, Policy, Quota, RateLimitLayer};
+
+use scenarios::{MINUTE, fifteen_minute_policy};
+
+const HOUR: u64 = 3_600_000_000_000;
+
+fn memory_limiter(clock: &FakeClock, policy: Policy) -> Limiter {
+    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    Limiter::with_store(policy, store).unwrap()
+}
+
+#[tokio::test]
+async fn a_breach_blocks_the_key_for_exactly_the_block_in_memory() {
+    let clock = FakeClock::new();
+    clock.set(HOUR);
+    scenarios::every_scenario(&clock, |policy| {
+        let clock = clock.clone();
+        async move { memory_limiter(&clock, policy) }
+    })
+    .await;
+}
+
+/// The box's state is swept once the block is over, and not before: a blocked key (whose tiers
+/// are idle again) stays until its block ends; a key with a counted refusal stays until the
+/// refusal leaves the window.
+#[tokio::test]
+async fn a_box_is_swept_only_once_its_block_and_refusals_no_longer_matter() {
+    let clock = FakeClock::new();
+    clock.set(HOUR);
+    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let policy = Policy::builder("sweep")
+        .tier("second", Quota::per_second(1))
+        .penalty("second", Penalty::new(Duration::from_secs(60)).after(2, Duration::from_secs(10)))
+        .build()
+        .unwrap();
+    let limiter = Limiter::with_store(policy, store.clone()).unwrap();
+    let key = Key::text("k");
+    assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+    assert!(!limiter.check(&key, 1).await.unwrap().is_allowed(), "one refusal, counted");
+    // A second on, the tier is idle; the refusal counts until 10 s after it.
+    clock.advance(Duration::from_secs(1));
+    assert_eq!((store.sweep(), store.len()), (0, 1));
+    clock.advance(Duration::from_secs(9) - Duration::from_nanos(1));
+    assert_eq!((store.sweep(), store.len()), (0, 1));
+    clock.advance(Duration::from_nanos(1));
+    assert_eq!((store.sweep(), store.len()), (1, 0), "the refusal left the window");
+    // Two refusals: blocked for a minute, kept that long.
+    assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+    let first = limiter.check(&key, 1).await.unwrap();
+    assert_eq!(first.retry_after(), Some(Duration::from_secs(1)), "the tier's own retry");
+    clock.advance(Duration::from_millis(500));
+    let second = limiter.check(&key, 1).await.unwrap();
+    assert_eq!(second.retry_after(), Some(Duration::from_secs(60)), "{second:?}");
+    let end = clock.now() + 60_000_000_000;
+    clock.set(end - 1);
+    assert_eq!((store.sweep(), store.len()), (0, 1));
+    assert_eq!(limiter.check(&key, 1).await.unwrap().retry_after(), Some(Duration::from_nanos(1)));
+    clock.set(end);
+    assert_eq!((store.sweep(), store.len()), (1, 0), "the block ended");
+    assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+}
+
+#[test]
+fn penalties_that_cannot_work_are_refused_by_tier() {
+    let base = || Policy::builder("p").tier("t", Quota::per_second(1));
+    let err = |b: tollgate::PolicyBuilder| b.build().unwrap_err().to_string();
+    let ms = Duration::from_millis(1);
+    assert_eq!(
+        err(base().penalty("t", Penalty::new(Duration::ZERO))),
+        format!("tier `t`: penalty: block 0ns must be between 1 ns and {:?}", tollgate::MAX_SPAN)
+    );
+    assert_eq!(
+        err(base().penalty("t", Penalty::new(ms).after(0, ms))),
+        "tier `t`: penalty: refusals 0 must be between 1 and 1000"
+    );
+    assert_eq!(
+        err(base().penalty("t", Penalty::new(ms).after(2, Duration::ZERO))),
+        format!("tier `t`: penalty: window 0ns must be between 1 ns and {:?}", tollgate::MAX_SPAN)
+    );
+    assert_eq!(
+        err(base().penalty("t", Penalty::new(ms)).penalty("t", Penalty::new(ms))),
+        "tier `t`: penalty: the tier has one already"
+    );
+    assert_eq!(
+        err(base().concurrency("c", tollgate::Concurrency::new(1)).penalty("c", Penalty::new(ms))),
+        "tier `c`: penalty: a concurrency tier cannot have one"
+    );
+    // One refusal needs no window; a calendar tier may have a box.
+    let p = base()
+        .calendar("d", tollgate::Calendar::per_day(5))
+        .penalty("d", Penalty::new(ms).after(1, Duration::ZERO))
+        .build()
+        .unwrap();
+    assert_eq!(p.tiers()[1].penalty(), Some(Penalty::new(ms)));
+    assert_eq!(p.tiers()[0].penalty(), None);
+}
+
+/// Over HTTP through the layer: the breaching request and every one during the block get a 429
+/// whose `Retry-After` is the time left in the block (in whole seconds, rounded up) and whose
+/// `RateLimit` header says nothing remains until then; another client is served.
+#[tokio::test]
+async fn a_blocked_client_gets_429_with_the_time_left_over_http() {
+    let clock = FakeClock::new();
+    clock.set(HOUR);
+    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let layer =
+        RateLimitLayer::builder(fifteen_minute_policy("http")).store(store).build().unwrap();
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(layer);
+    let server = support::serve(app).await;
+    let client = support::client();
+    let url = server.url("/");
+    for _ in 0..10 {
+        assert_eq!(support::get(&client, &url, &[]).await.status, 200);
+    }
+    let breach = support::get(&client, &url, &[]).await;
+    assert_eq!(breach.status, 429);
+    assert_eq!(breach.header("retry-after"), Some("900"));
+    clock.advance(7 * MINUTE + Duration::from_millis(30_500));
+    let during = support::get(&client, &url, &[]).await;
+    assert_eq!(during.status, 429);
+    // 7 min 29.5 s left, rounded up to whole seconds.
+    assert_eq!(during.header("retry-after"), Some("450"));
+    let ratelimit = during.header("ratelimit").expect("a RateLimit header");
+    assert!(ratelimit.contains("\"minute\";r=0;t=450"), "{ratelimit}");
+    clock.advance(7 * MINUTE + Duration::from_millis(29_499));
+    assert_eq!(support::get(&client, &url, &[]).await.header("retry-after"), Some("1"));
+    clock.advance(Duration::from_millis(1));
+    assert_eq!(support::get(&client, &url, &[]).await.status, 200, "the block is over");
+}
