@@ -226,6 +226,13 @@ fn meaning(policy: &Policy) -> u64 {
                 feed(spec.calendar.time_zone().as_bytes());
             }
         }
+        // A penalty box is stored with the tier's state (tiers without one hash as before).
+        if let Some(b) = t.penalty {
+            feed(b"penalty");
+            for v in [b.block, b.refusals, b.within] {
+                feed(&v.to_le_bytes());
+            }
+        }
     }
     h
 }
@@ -423,6 +430,10 @@ impl Prepared {
                         kinds.calendars.push(Arc::clone(spec));
                         args.extend([2.0, f(r.count), 0.0, 0.0]);
                     }
+                }
+                match t.penalty {
+                    Some(b) => args.extend([f(b.block), f(b.refusals), f(b.within)]),
+                    None => args.extend([0.0; 3]),
                 }
                 kinds.tags.push(match t.kind {
                     Kind::Rate => 0,
