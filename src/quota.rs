@@ -547,13 +547,15 @@ pub const MAX_PENALTY_REFUSALS: u32 = 1_000;
 ///   next one. A check whose cost exceeds a tier's capacity still gets
 ///   `CostExceedsCapacity`; a query is still answered.
 /// - **What a client is told during the block:** `retry_after` is exactly the time left in
-///   the block (`Retry-After`, rounded up to whole seconds like every other refusal, so a
-///   retry then is not refused by the block); the blocking tier reports `remaining` 0, its
-///   `reset_after` at least the time left, and is named violated with the same retry. Other
-///   tiers report their own state.
+///   the block, or the wait the tiers themselves give if that is longer (a block shorter than
+///   a tier's refill), so that a retry then is refused neither by the block nor by the tiers;
+///   `Retry-After` rounds it up to whole seconds like every other refusal. The blocking tier
+///   reports `remaining` 0 and a `reset_after` of at least the time left (the `RateLimit`
+///   header's `r=0` and `t`), and is named violated with that retry. Other tiers report their
+///   own state.
 /// - After the block the tiers decide on their own state, which the blocked requests did not
-///   touch: if a tier is still exhausted then (a block shorter than its refill), its next
-///   refusal is a new breach.
+///   touch: if a tier is still exhausted then (a block shorter than its refill), a request
+///   that comes before the retry it was given is refused by it, a new breach.
 /// - Another key, and the same key under another policy, are not affected.
 /// - The box's state lives with the tier's state in every store: in memory, a key whose block
 ///   has ended and whose counted breaches have left the window is idle and swept like any other;

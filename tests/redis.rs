@@ -1189,6 +1189,39 @@ async fn a_refused_check_does_not_move_the_clock_guard() {
     }
 }
 
+/// A refusal that counts a breach rewrites the key's state (its penalty box) but does not move
+/// its clock guard: back at the last admission, Redis decides as memory does, and the block
+/// the second breach starts there ends two weeks after that instant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_counted_breach_does_not_move_the_clock_guard() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let week = Duration::from_nanos(WEEK);
+    for algorithm in Algorithm::ALL {
+        let policy = Policy::builder(format!("guard-box-{}", algorithm.name()))
+            .algorithm(algorithm)
+            .tier("week", Quota::new(1, week))
+            .penalty("week", Penalty::new(2 * week).after(2, 4 * week))
+            .build()
+            .unwrap();
+        let ticks = [
+            Tick::At(0, 1),
+            Tick::At(WEEK / 2, 1),
+            Tick::Since(0, 1),
+            Tick::Since(2 * WEEK - 1, 1),
+            Tick::Since(2 * WEEK, 1),
+        ];
+        let d = both_stores(&server, &policy, &format!("{}:", policy.name()), &ticks).await;
+        let name = format!("{algorithm:?}");
+        // The sliding counter weighs the first week in full at its end: two weeks to wait.
+        let whole = if algorithm == Algorithm::SlidingCounter { 2 * WEEK } else { WEEK };
+        let own = Some(Duration::from_nanos(whole - WEEK / 2));
+        assert_eq!(d[1].retry_after(), own, "{name}: {:?}", d[1]);
+        assert_eq!(d[2].retry_after(), Some(2 * week), "{name}: {:?}", d[2]);
+        assert_eq!(d[3].retry_after(), Some(Duration::from_nanos(1)), "{name}: {:?}", d[3]);
+        assert!(d[4].is_allowed(), "{name}: {:?}", d[4]);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Key material is data (SECURITY.md, "script or key injection").
 

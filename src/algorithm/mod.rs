@@ -478,21 +478,6 @@ fn decide_kinds_in_units(
             report_kinds(policy, states, now, Outcome::CostExceedsCapacity, 0, None, over);
         return (decision, None);
     }
-    // A blocked key is refused whatever its tiers say, charging nothing and counting as no
-    // breach, until the latest of its blocks ends.
-    if boxes {
-        let until = (0..tiers.len()).filter_map(|i| blocked(policy, states, i, now)).max();
-        if let Some(until) = until {
-            let per_tier = |i: usize| match blocked(policy, states, i, now) {
-                Some(u) => (true, Some(u - now)),
-                None => (false, None),
-            };
-            let decision =
-                report_kinds(policy, states, now, Outcome::Limited, 0, Some(until - now), per_tier);
-            return (decision, None);
-        }
-    }
-
     // The instant the request leaves: the earliest at which every rate and calendar tier
     // admits it together (as in `decide_in_units`). It is charged there, in the window holding
     // that instant, which had room for it.
@@ -526,7 +511,13 @@ fn decide_kinds_in_units(
             }
         }
     }
-    if retry.is_some() || any_full {
+    // A blocked key is refused whatever its tiers say, until the latest of its blocks ends.
+    let until = if boxes {
+        (0..tiers.len()).filter_map(|i| blocked(policy, states, i, now)).max()
+    } else {
+        None
+    };
+    if retry.is_some() || any_full || until.is_some() {
         let per_tier = |i: usize| {
             if full(i) {
                 return (true, None);
@@ -546,16 +537,27 @@ fn decide_kinds_in_units(
             let decision = report_kinds(policy, states, now, Outcome::Limited, 0, retry, per_tier);
             return (decision, None);
         }
-        // A breach of a tier with a penalty box counts, and may start a block: the request is
-        // then refused until it ends, or until its tiers admit it if that is later.
         let mut per: SmallVec<[(bool, Option<u64>); 4]> = (0..tiers.len()).map(per_tier).collect();
-        for (i, t) in tiers.iter().enumerate() {
-            let (Some(b), true) = (t.penalty, per[i].0) else { continue };
-            let Some(s) = strikes_mut(policy, states, i) else { continue };
-            if let Some(until) = s.breach(&b, now) {
-                let left = until - now;
-                per[i].1 = Some(per[i].1.map_or(left, |r| r.max(left)));
-                retry = Some(retry.map_or(left, |r| r.max(left)));
+        let later = |r: Option<u64>, left: u64| Some(r.map_or(left, |r| r.max(left)));
+        if let Some(until) = until {
+            // Blocked: refused, charging nothing and counting as no breach, not before the
+            // block ends, nor before the tiers admit the request.
+            for (i, p) in per.iter_mut().enumerate() {
+                if let Some(u) = blocked(policy, states, i, now) {
+                    *p = (true, later(p.1, u - now));
+                }
+            }
+            retry = later(retry, until - now);
+        } else {
+            // A breach of a tier with a penalty box counts, and may start a block: the request
+            // is then refused until it ends, or until its tiers admit it if that is later.
+            for (i, t) in tiers.iter().enumerate() {
+                let (Some(b), true) = (t.penalty, per[i].0) else { continue };
+                let Some(s) = strikes_mut(policy, states, i) else { continue };
+                if let Some(until) = s.breach(&b, now) {
+                    per[i].1 = later(per[i].1, until - now);
+                    retry = later(retry, until - now);
+                }
             }
         }
         let decision = report_kinds(policy, states, now, Outcome::Limited, 0, retry, |i| per[i]);

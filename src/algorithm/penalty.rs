@@ -8,7 +8,8 @@ use crate::quota::Block;
 pub(crate) struct Strikes {
     /// The key is blocked while `now < until` (0: never blocked, or the block ended).
     pub(crate) until: u64,
-    /// The instants of the breaches still in the window, ascending (at most `refusals - 1`).
+    /// The instants of the breaches still in the window, in the order they were counted (at
+    /// most `refusals - 1`).
     pub(crate) at: Vec<u64>,
 }
 

@@ -144,7 +144,32 @@ pub async fn the_third_refusal_within_a_minute_blocks<St: Store>(
     assert_blocked(&check(&limiter, &key).await, 15 * MINUTE, "the third after the block");
 }
 
-/// Runs both scenarios on limiters `make` builds for a policy, on `clock`.
+/// 2 an hour with a 1-minute block: the block is shorter than the tier's own wait, so every
+/// refusal says when the tier admits again (a client that honours it is never blocked again);
+/// during the block the tier names the longer wait; a request after the block but before the
+/// tier admits is a new breach.
+pub async fn a_short_block_on_a_slow_tier_says_when_the_tier_admits<St: Store>(
+    clock: &FakeClock,
+    limiter: Limiter<St>,
+) {
+    let key = Key::text("frank");
+    let start = clock.now();
+    let at = |d: Duration| start + u64::try_from(d.as_nanos()).unwrap();
+    admit(&limiter, &key, 2).await;
+    let breach = check(&limiter, &key).await;
+    assert_blocked(&breach, 30 * MINUTE, "the breach");
+    clock.set(at(MINUTE / 2));
+    assert_blocked(&check(&limiter, &key).await, 29 * MINUTE + MINUTE / 2, "during the block");
+    // After the block: refused by the tier, a new breach, blocked again.
+    clock.set(at(MINUTE));
+    assert_blocked(&check(&limiter, &key).await, 29 * MINUTE, "the next breach");
+    clock.set(at(2 * MINUTE - NANO));
+    assert_blocked(&check(&limiter, &key).await, 28 * MINUTE + NANO, "the next block");
+    clock.set(at(30 * MINUTE));
+    admit(&limiter, &key, 1).await;
+}
+
+/// Runs the scenarios on limiters `make` builds for a policy, on `clock`.
 pub async fn every_scenario<St, F, Fut>(clock: &FakeClock, make: F)
 where
     St: Store,
@@ -160,4 +185,11 @@ where
     clock.set(base);
     the_third_refusal_within_a_minute_blocks(clock, make(third_refusal_policy("third")).await)
         .await;
+    clock.set(base);
+    let slow = Policy::builder("slow")
+        .tier("hour", Quota::per_hour(2))
+        .penalty("hour", Penalty::new(MINUTE))
+        .build()
+        .unwrap();
+    a_short_block_on_a_slow_tier_says_when_the_tier_admits(clock, make(slow).await).await;
 }

@@ -301,6 +301,12 @@ local function blocked_until(st)
   return latest
 end
 
+-- The later of a retry (-1: none) and `left`.
+local function later(r, left)
+  if r < 0 then return left end
+  return max(r, left)
+end
+
 -- Counts a breach now (`Strikes::breach`); when it is the `after`-th in the window, the block
 -- starts (and the count starts over): returns its length.
 local function breach(st, p)
@@ -350,14 +356,6 @@ local function check(st, i)
       per[t] = { -1, v, 0 }
     end
     head = { 2, 0, -1 }
-  elseif blocked_until(st) then
-    -- A blocked key is refused whatever its tiers say, charging nothing and counting as no
-    -- breach, until the latest of its blocks ends.
-    for t = 1, n do
-      local left = blocked(st, tiers[t])
-      if left then per[t] = { left, 1, 0 } else per[t] = { -1, 0, 0 } end
-    end
-    head = { 0, 0, blocked_until(st) }
   else
     -- The instant the request leaves: the earliest at which every rate and calendar tier
     -- admits it together, where each is charged (`converge` and `rounds` in
@@ -399,7 +397,9 @@ local function check(st, i)
         if current then retry = max(retry, current) end
       end
     end
-    if retry ~= -1 or any_full then
+    -- A blocked key is refused whatever its tiers say, until the latest of its blocks ends.
+    local till = blocked_until(st)
+    if retry ~= -1 or any_full or till then
       for t = 1, n do
         if full[t] then
           per[t] = { -1, 1, 0 }
@@ -410,15 +410,25 @@ local function check(st, i)
           if own > 0 then per[t] = { own, 1, 0 } else per[t] = { -1, 0, 0 } end
         end
       end
-      -- A breach of a tier with a penalty box counts, and may start a block: the request is
-      -- then refused until it ends, or until its tiers admit it if that is later.
-      for t = 1, n do
-        local p = tiers[t].pen
-        if p and per[t][2] == 1 then
-          local left = breach(st, p)
-          if left then
-            if per[t][1] < 0 then per[t][1] = left else per[t][1] = max(per[t][1], left) end
-            if retry < 0 then retry = left else retry = max(retry, left) end
+      if till then
+        -- Blocked: refused, charging nothing and counting as no breach, not before the block
+        -- ends, nor before the tiers admit the request.
+        for t = 1, n do
+          local left = blocked(st, tiers[t])
+          if left then per[t] = { later(per[t][1], left), 1, 0 } end
+        end
+        retry = later(retry, till)
+      else
+        -- A breach of a tier with a penalty box counts, and may start a block: the request
+        -- is then refused until it ends, or until its tiers admit it if that is later.
+        for t = 1, n do
+          local p = tiers[t].pen
+          if p and per[t][2] == 1 then
+            local left = breach(st, p)
+            if left then
+              per[t][1] = later(per[t][1], left)
+              retry = later(retry, left)
+            end
           end
         end
       end
@@ -560,7 +570,10 @@ for _, st in ipairs(order) do
       if p then
         local box = st.pen[p.x]
         if box.till and box.till > ttl then ttl = box.till end
-        if #box.at > 0 and box.at[#box.at] + p.within > ttl then ttl = box.at[#box.at] + p.within end
+        -- Breaches are in the order counted, not of their instants when the clock stepped back.
+        for _, a in ipairs(box.at) do
+          if a + p.within > ttl then ttl = a + p.within end
+        end
       end
     end
     if ttl <= 0 then
