@@ -37,7 +37,8 @@
 //! from the 1st at 00:00 in the customer's time zone"), and count other [units](Unit) than
 //! requests (request or response bytes, tokens a handler reports): "5 requests/s **and**
 //! 1 MB/s per client". A request is admitted by every tier of its policy, and charged on every
-//! one, or refused and charged on none.
+//! one, or refused and charged on none. A tier may also shut out a client that breaches it for
+//! a while ([`Penalty`]: "refused 3 times within a minute, blocked for 15 minutes").
 //!
 //! Stores: [`MemoryStore`](store::MemoryStore) (default) keeps state in the process;
 //! `RedisStore` (cargo feature `redis`) shares it across a fleet through Redis, Redis Cluster or

@@ -907,6 +907,8 @@ pub struct Policy {
     /// Every tier a rate counting requests: the policies decided as before there were other
     /// kinds, on the same paths (compact GCRA tables in memory, the rate scripts on Redis).
     plain: bool,
+    /// Some tier has a penalty box.
+    penalized: bool,
 }
 
 impl Policy {
@@ -976,7 +978,7 @@ impl Policy {
 
     /// Whether some tier has a penalty box.
     pub(crate) fn has_penalty(&self) -> bool {
-        self.tiers.iter().any(|t| t.penalty.is_some())
+        self.penalized
     }
 
     /// Where the penalty box of tier `i` (which has one) is kept in a key's states: after the
@@ -1164,15 +1166,16 @@ impl PolicyBuilder {
             t.penalty = Some(block(&name, p, unit)?);
         }
         // A penalty box is decided with the other kinds (its state is a key's too).
-        let plain = tiers
-            .iter()
-            .all(|t| t.kind == Kind::Rate && t.quota.unit == Unit::Requests && t.penalty.is_none());
+        let penalized = tiers.iter().any(|t| t.penalty.is_some());
+        let plain = !penalized
+            && tiers.iter().all(|t| t.kind == Kind::Rate && t.quota.unit == Unit::Requests);
         Ok(Policy {
             name: self.name.into(),
             algorithm: self.algorithm,
             tiers: tiers.into(),
             unit,
             plain,
+            penalized,
         })
     }
 }

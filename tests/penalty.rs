@@ -142,3 +142,31 @@ async fn a_blocked_client_gets_429_with_the_time_left_over_http() {
     clock.advance(Duration::from_millis(1));
     assert_eq!(support::get(&client, &url, &[]).await.status, 200, "the block is over");
 }
+
+/// A policy decided in microseconds (a yearly tier): the block is rounded up to whole
+/// microseconds, and the refusal's `retry_after` is exact at that precision: a retry then is
+/// admitted, one a nanosecond earlier is not.
+#[tokio::test]
+async fn a_block_of_a_policy_decided_in_microseconds_ends_when_its_retry_says() {
+    let clock = FakeClock::new();
+    clock.set(HOUR + 123);
+    let policy = Policy::builder("yearly")
+        .tier("second", Quota::per_second(1))
+        .tier("year", Quota::new(1_000_000, Duration::from_secs(365 * 86_400)))
+        .penalty("second", Penalty::new(Duration::from_nanos(1_500_000_001)))
+        .build()
+        .unwrap();
+    assert_eq!(policy.precision(), Duration::from_micros(1));
+    let limiter = memory_limiter(&clock, policy);
+    let key = Key::text("k");
+    assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+    let breach = limiter.check(&key, 1).await.unwrap();
+    let retry = breach.retry_after().expect("refused");
+    // From the microsecond `now` falls in (123 ns in), 1,500,001 µs: to its start.
+    assert_eq!(retry, Duration::from_nanos(1_500_001_000 - 123));
+    clock.advance(retry - Duration::from_nanos(1));
+    let d = limiter.check(&key, 1).await.unwrap();
+    assert_eq!(d.retry_after(), Some(Duration::from_nanos(1)), "{d:?}");
+    clock.advance(Duration::from_nanos(1));
+    assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+}
