@@ -170,3 +170,55 @@ async fn a_block_of_a_policy_decided_in_microseconds_ends_when_its_retry_says() 
     clock.advance(Duration::from_nanos(1));
     assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
 }
+
+/// A reload that keeps the penalised tier unchanged keeps its boxes: a blocked key stays
+/// blocked until its block ends (and a tier the reload changed carries its used fraction, the
+/// block notwithstanding); a reload that changes the penalised tier starts its boxes afresh.
+#[test]
+fn a_reload_keeps_the_box_of_an_unchanged_tier() {
+    use tollgate::store::{Carry, Check};
+
+    let clock = FakeClock::new();
+    clock.set(HOUR);
+    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let minute = Quota::per_minute(10);
+    let block = Penalty::new(15 * MINUTE);
+    let before = Policy::builder("reload")
+        .tier("minute", minute)
+        .tier("hour", Quota::per_hour(100))
+        .penalty("minute", block)
+        .build()
+        .unwrap();
+    let old = store.bind_policy(&before);
+    let key = Key::text("k");
+    for _ in 0..10 {
+        assert!(store.check_now(&old, Check::new(&key, 1)).decision.is_allowed());
+    }
+    assert!(!store.check_now(&old, Check::new(&key, 1)).decision.is_allowed());
+    clock.advance(MINUTE);
+    // The hour tier changes (200 an hour): a minute after 10 were used, 9 of 100 are (one
+    // comes back every 36 s), 18 of 200 carried.
+    let after = Policy::builder("reload")
+        .tier("minute", minute)
+        .tier("hour", Quota::per_hour(200))
+        .penalty("minute", block)
+        .build()
+        .unwrap();
+    let new = store.rebind_policy(&old, &after, Carry::UsedFraction);
+    let d = store.check_now(&new, Check::new(&key, 1)).decision;
+    assert_eq!(d.retry_after(), Some(14 * MINUTE), "still blocked: {d:?}");
+    assert_eq!(d.tiers()[1].remaining(), 182, "{d:?}");
+    // A reload that changes the penalised tier (a shorter block) starts without a box, and
+    // carries what the tier itself used (nothing: it refilled in the minute), not the block's
+    // "nothing left".
+    let shorter = Policy::builder("reload")
+        .tier("minute", minute)
+        .tier("hour", Quota::per_hour(200))
+        .penalty("minute", Penalty::new(MINUTE))
+        .build()
+        .unwrap();
+    let newer = store.rebind_policy(&new, &shorter, Carry::UsedFraction);
+    let d = store.check_now(&newer, Check::new(&key, 1)).decision;
+    assert!(d.is_allowed(), "{d:?}");
+    assert_eq!(d.tiers()[0].remaining(), 9, "{d:?}");
+}

@@ -18,8 +18,8 @@ use table::{Core, Generals, Next, Shard, general_mut, lock};
 use super::{Carry, Check, Store, Verdict};
 use crate::algorithm::slots;
 use crate::algorithm::{
-    Charge, Charges, GcraStep, Mode, TierState, WholeGcra, budget, decide, decide_kinds, in_units,
-    release as release_slots, settle_tier, whole_decision,
+    Charge, Charges, GcraStep, Mode, TierState, WholeGcra, budget, decide, decide_kinds,
+    fresh_boxes, in_units, release as release_slots, settle_tier, whole_decision,
 };
 use crate::clock::{AnyClock, Clock, duration_to_nanos};
 use crate::decision::Decision;
@@ -486,7 +486,11 @@ impl MemoryStore {
             let remaining: Vec<u64> = match (&state, &from_core.whole) {
                 (Was::Tat(tat), Some(w)) => vec![w.status(*tat, now).0],
                 (Was::States(states), _) => {
-                    let mut states = states.clone();
+                    // What the tiers hold, not what a block says (nothing left).
+                    let tiers = before.tiers().len();
+                    let boxes = fresh_boxes(before);
+                    let mut states: Box<[TierState]> =
+                        states.iter().take(tiers).cloned().chain(boxes).collect();
                     let (d, _) = decide_kinds(before, &mut states, now, &zeros, Mode::Police);
                     d.tiers().iter().map(crate::TierDecision::remaining).collect()
                 }
@@ -520,30 +524,34 @@ impl MemoryStore {
             }
             let mut states = new.core.fresh(now);
             let mut costs = vec![0; after.tiers().len()];
+            // An unchanged tier keeps its penalty box too: (new slot, old slot).
+            let mut boxes: SmallVec<[(usize, usize); 2]> = SmallVec::new();
             for (i, m) in matched.iter().enumerate() {
                 let Some((j, unchanged)) = *m else { continue };
                 match (&state, unchanged) {
                     (Was::States(old_states), true) => {
                         states[i] = old_states[j].clone();
-                        // An unchanged tier keeps its penalty box too.
                         if after.tiers()[i].penalty.is_some() {
-                            let (to, from) = (after.penalty_slot(i), before.penalty_slot(j));
-                            if let (Some(to), Some(from)) =
-                                (states.get_mut(to), old_states.get(from))
-                            {
-                                *to = from.clone();
-                            }
+                            boxes.push((after.penalty_slot(i), before.penalty_slot(j)));
                         }
                     }
                     (Was::Tat(tat), true) => states[i] = scaled_tat(*tat, count(j)),
                     _ => costs[i] = used(i, j),
                 }
             }
-            // Each changed tier charged on its own: every one fits a fresh tier.
+            // Each changed tier charged on its own: every one fits a fresh tier (and the boxes,
+            // which would refuse a blocked key, are carried after).
             for (i, units) in costs.iter().enumerate().filter(|(_, u)| **u > 0) {
                 let mut one = vec![0; costs.len()];
                 one[i] = *units;
                 let _ = decide_kinds(after, &mut states, now, &one, Mode::Police);
+            }
+            if let Was::States(old_states) = &state {
+                for (to, from) in boxes {
+                    if let (Some(to), Some(from)) = (states.get_mut(to), old_states.get(from)) {
+                        *to = from.clone();
+                    }
+                }
             }
             if new.core.is_idle(&states, now) {
                 continue;
