@@ -556,7 +556,9 @@ pub const MAX_PENALTY_REFUSALS: u32 = 1_000;
 /// - After the block the tiers decide on their own state, which the blocked requests did not
 ///   touch: if a tier is still exhausted then (a block shorter than its refill), a request
 ///   that comes before the retry it was given is refused by it, a new breach.
-/// - Another key, and the same key under another policy, are not affected.
+/// - Another key, and the same key under another policy, are not affected. (Keys a full
+///   [`MemoryStore`](crate::store::MemoryStore) decides in its one overflow bucket share its
+///   box, as they share its tiers.)
 /// - The box's state lives with the tier's state in every store: in memory, a key whose block
 ///   has ended and whose counted breaches have left the window is idle and swept like any other;
 ///   on Redis it is part of the key's one state string, decided atomically with the check in

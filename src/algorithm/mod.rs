@@ -478,6 +478,7 @@ fn decide_kinds_in_units(
             report_kinds(policy, states, now, Outcome::CostExceedsCapacity, 0, None, over);
         return (decision, None);
     }
+
     // The instant the request leaves: the earliest at which every rate and calendar tier
     // admits it together (as in `decide_in_units`). It is charged there, in the window holding
     // that instant, which had room for it.

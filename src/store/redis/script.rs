@@ -808,6 +808,30 @@ mod tests {
     }
 
     #[test]
+    fn a_penalty_box_gets_its_own_keys_and_its_numbers_with_its_tier() {
+        use crate::quota::{Calendar, Penalty};
+        let box_ = Penalty::new(Duration::from_secs(900)).after(3, Duration::from_secs(60));
+        let base = || Policy::builder("api").tier("a", Quota::per_minute(10));
+        let plain = base().build().unwrap();
+        let calendar = base().calendar("d", Calendar::per_day(5)).build().unwrap();
+        let boxed = base().penalty("a", box_).build().unwrap();
+        let other = base().penalty("a", box_.after(4, Duration::from_secs(60))).build().unwrap();
+        let fps: std::collections::HashSet<_> =
+            [&plain, &calendar, &boxed, &other].into_iter().map(fingerprint).collect();
+        assert_eq!(fps.len(), 4);
+        assert_eq!(family(&boxed), Family::KindsRate);
+        // Per tier of a policy of several kinds: kind, three parameters, then the box (block,
+        // refusals, window; zeros for none).
+        let args = |p: &Policy| Prepared::new(p, 0).policy.args.clone();
+        let block = 900_000_000_000.0;
+        assert_eq!(args(&boxed), [1.0, 0.0, 0.0, 1.0, 0.0, 10.0, 6e10, 10.0, block, 3.0, 6e10]);
+        assert_eq!(
+            args(&calendar)[4..],
+            [0.0, 10.0, 6e10, 10.0, 0.0, 0.0, 0.0, 2.0, 5.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        );
+    }
+
+    #[test]
     fn windows_below_a_millisecond_are_refused() {
         let tiny = Policy::builder("p")
             .algorithm(Algorithm::FixedWindow)
