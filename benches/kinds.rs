@@ -8,7 +8,8 @@
 //!   over 10,000 keys. A concurrency slot costs two calls: taken, then released.
 //!
 //! Cases: `gcra` (one GCRA tier: the compact path in memory, `gcra.lua` on Redis),
-//! `gcra+concurrency`, `gcra+calendar` (a daily quota in Europe/Berlin), `concurrency`,
+//! `gcra+concurrency`, `gcra+calendar` (a daily quota in Europe/Berlin), `gcra+penalty` (the
+//! GCRA tier with a penalty box, never breached: the cost of keeping one), `concurrency`,
 //! `calendar`.
 //!
 //! `cargo bench --bench kinds [--features redis]`
@@ -25,7 +26,7 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use tollgate::clock::FakeClock;
 use tollgate::key::Key;
 use tollgate::store::{Check, MemoryStore};
-use tollgate::{Calendar, Concurrency, Policy, Quota};
+use tollgate::{Calendar, Concurrency, Penalty, Policy, Quota};
 
 const KEYS: u64 = 10_000;
 
@@ -44,6 +45,14 @@ fn policies() -> Vec<(&'static str, Policy)> {
         (
             "gcra+calendar",
             build(Policy::builder("gd").tier("rate", gcra()).calendar("day", daily())),
+        ),
+        (
+            "gcra+penalty",
+            build(
+                Policy::builder("gp")
+                    .tier("rate", gcra())
+                    .penalty("rate", Penalty::new(Duration::from_secs(900))),
+            ),
         ),
         ("concurrency", build(Policy::builder("c").concurrency("slots", slots()))),
         ("calendar", build(Policy::builder("d").calendar("day", daily()))),

@@ -108,6 +108,15 @@ pub enum ConfigError {
         /// Why it was not found.
         reason: String,
     },
+    /// A [`Penalty`](crate::Penalty) that names no tier of the policy, a concurrency tier, or
+    /// a tier that has one already, or whose block, refusals or window is out of range.
+    #[error("tier `{tier}`: penalty: {reason}")]
+    Penalty {
+        /// The tier's name, as the penalty gave it.
+        tier: String,
+        /// Why it is refused.
+        reason: String,
+    },
     /// Two tiers of one policy share a name.
     #[error("duplicate tier name `{0}`")]
     DuplicateTier(String),

@@ -37,7 +37,8 @@
 //! from the 1st at 00:00 in the customer's time zone"), and count other [units](Unit) than
 //! requests (request or response bytes, tokens a handler reports): "5 requests/s **and**
 //! 1 MB/s per client". A request is admitted by every tier of its policy, and charged on every
-//! one, or refused and charged on none.
+//! one, or refused and charged on none. A tier may also shut out a client that breaches it for
+//! a while ([`Penalty`]: "refused 3 times within a minute, blocked for 15 minutes").
 //!
 //! Stores: [`MemoryStore`](store::MemoryStore) (default) keeps state in the process;
 //! `RedisStore` (cargo feature `redis`) shares it across a fleet through Redis, Redis Cluster or
@@ -97,6 +98,7 @@ pub use layer::{
 pub use limiter::{Held, Limiter, Reservation};
 pub use quota::{
     Algorithm, Calendar, CalendarPeriod, Concurrency, Costs, DEFAULT_LEASE, DEFAULT_TYPICAL_HOLD,
-    MAX_COUNT, MAX_SLIDING_LOG, MAX_SPAN, Policy, PolicyBuilder, Quota, Tier, TierKind, Unit,
+    MAX_COUNT, MAX_PENALTY_REFUSALS, MAX_SLIDING_LOG, MAX_SPAN, Penalty, Policy, PolicyBuilder,
+    Quota, Tier, TierKind, Unit,
 };
 pub use rejection::{QUOTA_EXCEEDED_TYPE, RateLimited, Rejection};

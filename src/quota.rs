@@ -519,6 +519,110 @@ impl Calendar {
     }
 }
 
+/// The most refusals a [`Penalty`] may count before it blocks: 1,000.
+pub const MAX_PENALTY_REFUSALS: u32 = 1_000;
+
+/// A penalty box on a tier: once the tier refuses a key, **every** request of that key under
+/// the policy is refused for the block duration; rate-limiter-flexible's `blockDuration`,
+/// optionally only after `refusals` refusals within a window. Set with
+/// [`PolicyBuilder::penalty`].
+///
+/// Exactly:
+///
+/// - **A breach** is a refused check (outcome [`Limited`](crate::Outcome::Limited)) that the
+///   tier itself could not admit at that instant: one of the tiers the decision names as
+///   violated. A request whose cost exceeds the tier's capacity
+///   ([`CostExceedsCapacity`](crate::Outcome::CostExceedsCapacity)) is no breach (it could never
+///   be admitted, and retrying it changes nothing), and neither is a query (cost 0).
+/// - With [`after(k, within)`](Self::after), the breach that blocks is the `k`-th of breaches
+///   of which the first came less than `within` before it (breaches older than that are
+///   forgotten); by default the first breach blocks. Counted breaches are cleared when a block
+///   starts.
+/// - **The block** starts at the breaching check and lasts [`block`](Self::block) (rounded up
+///   to the policy's [precision](Policy::precision)). The breaching request is refused with
+///   `retry_after` the longer of the block and the wait the tiers themselves give.
+/// - **During the block** every check of the key that costs something is refused and charges
+///   nothing, on no tier (nothing is consumed while blocked, as in rate-limiter-flexible), and
+///   it counts as no breach: refused requests neither extend the block nor count towards the
+///   next one. A check whose cost exceeds a tier's capacity still gets
+///   `CostExceedsCapacity`; a query is still answered.
+/// - **What a client is told during the block:** `retry_after` is exactly the time left in
+///   the block, or the wait the tiers themselves give if that is longer (a block shorter than
+///   a tier's refill), so that a retry then is refused neither by the block nor by the tiers;
+///   `Retry-After` rounds it up to whole seconds like every other refusal. The blocking tier
+///   reports `remaining` 0 and a `reset_after` of at least the time left (the `RateLimit`
+///   header's `r=0` and `t`), and is named violated with that retry. Other tiers report their
+///   own state.
+/// - After the block the tiers decide on their own state, which the blocked requests did not
+///   touch: if a tier is still exhausted then (a block shorter than its refill), a request
+///   that comes before the retry it was given is refused by it, a new breach.
+/// - Another key, and the same key under another policy, are not affected. (Keys a full
+///   [`MemoryStore`](crate::store::MemoryStore) decides in its one overflow bucket share its
+///   box, as they share its tiers.)
+/// - The box's state lives with the tier's state in every store: in memory, a key whose block
+///   has ended and whose counted breaches have left the window is idle and swept like any other;
+///   on Redis it is part of the key's one state string, decided atomically with the check in
+///   the same script, and its TTL covers the block.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::{Penalty, Policy, Quota};
+///
+/// let minute = Duration::from_secs(60);
+/// // 10 a minute; a client refused 3 times within a minute is shut out for 15 minutes.
+/// let policy = Policy::builder("login")
+///     .tier("minute", Quota::per_minute(10))
+///     .penalty("minute", Penalty::new(15 * minute).after(3, minute))
+///     .build()
+///     .unwrap();
+/// let penalty = policy.tiers()[0].penalty().unwrap();
+/// assert_eq!((penalty.block(), penalty.refusals(), penalty.within()), (15 * minute, 3, minute));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Penalty {
+    block: Duration,
+    refusals: u32,
+    within: Duration,
+}
+
+impl Penalty {
+    /// Blocks a key for `block` from its first breach of the tier. `block` is at least 1 ns and
+    /// at most [`MAX_SPAN`] (checked when the policy is built).
+    #[must_use]
+    pub const fn new(block: Duration) -> Self {
+        Self { block, refusals: 1, within: Duration::ZERO }
+    }
+
+    /// Blocks only at the `refusals`-th breach of which the first came less than `within`
+    /// before it. `refusals` is 1 to [`MAX_PENALTY_REFUSALS`]; above 1, `within` is at least
+    /// 1 ns and at most [`MAX_SPAN`] (checked when the policy is built). Refusals in the window
+    /// are kept as instants, at most `refusals - 1` per key.
+    #[must_use]
+    pub const fn after(mut self, refusals: u32, within: Duration) -> Self {
+        self.refusals = refusals;
+        self.within = within;
+        self
+    }
+
+    /// How long a key stays blocked.
+    #[must_use]
+    pub const fn block(&self) -> Duration {
+        self.block
+    }
+
+    /// The breaches that start a block (1 unless [`after`](Self::after) says otherwise).
+    #[must_use]
+    pub const fn refusals(&self) -> u32 {
+        self.refusals
+    }
+
+    /// The window the breaches are counted in (zero unless [`after`](Self::after) set it).
+    #[must_use]
+    pub const fn within(&self) -> Duration {
+        self.within
+    }
+}
+
 /// What kind of limit a [`Tier`] is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -604,6 +708,20 @@ pub struct Tier {
     quota: Quota,
     pub(crate) rate: Rate,
     pub(crate) kind: Kind,
+    /// The tier's penalty box, if any.
+    pub(crate) penalty: Option<Block>,
+}
+
+/// A validated [`Penalty`], in the policy's time unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Block {
+    pub(crate) spec: Penalty,
+    /// The block, in units (>= 1).
+    pub(crate) block: u64,
+    /// Breaches that block (>= 1).
+    pub(crate) refusals: u64,
+    /// The window breaches are counted in, in units (0 when `refusals` is 1).
+    pub(crate) within: u64,
 }
 
 /// A tier's kind, with what deciding it needs.
@@ -707,6 +825,12 @@ impl Tier {
         }
     }
 
+    /// The tier's penalty box, if it has one ([`PolicyBuilder::penalty`]).
+    #[must_use]
+    pub fn penalty(&self) -> Option<Penalty> {
+        self.penalty.map(|b| b.spec)
+    }
+
     /// The calendar quota, for a calendar tier.
     #[must_use]
     pub fn calendar(&self) -> Option<&Calendar> {
@@ -785,13 +909,20 @@ pub struct Policy {
     /// Every tier a rate counting requests: the policies decided as before there were other
     /// kinds, on the same paths (compact GCRA tables in memory, the rate scripts on Redis).
     plain: bool,
+    /// Some tier has a penalty box.
+    penalized: bool,
 }
 
 impl Policy {
     /// Starts a policy named `name` (printable ASCII; shown in headers and problem bodies, and
     /// part of every store key).
     pub fn builder(name: impl Into<String>) -> PolicyBuilder {
-        PolicyBuilder { name: name.into(), algorithm: Algorithm::default(), tiers: Vec::new() }
+        PolicyBuilder {
+            name: name.into(),
+            algorithm: Algorithm::default(),
+            tiers: Vec::new(),
+            penalties: Vec::new(),
+        }
     }
 
     /// The cost of each tier for one request costing `requests` units (0 for a query, which
@@ -845,6 +976,17 @@ impl Policy {
             Some(c) => *c,
             None => self.tiers[i].default_cost(cost),
         }
+    }
+
+    /// Whether some tier has a penalty box.
+    pub(crate) fn has_penalty(&self) -> bool {
+        self.penalized
+    }
+
+    /// Where the penalty box of tier `i` (which has one) is kept in a key's states: after the
+    /// tiers' own states, one per tier with a box, in tier order.
+    pub(crate) fn penalty_slot(&self, i: usize) -> usize {
+        self.tiers.len() + self.tiers[..i].iter().filter(|t| t.penalty.is_some()).count()
     }
 
     /// Whether some tier is a concurrency tier.
@@ -911,6 +1053,7 @@ pub struct PolicyBuilder {
     name: String,
     algorithm: Algorithm,
     tiers: Vec<(String, Spec)>,
+    penalties: Vec<(String, Penalty)>,
 }
 
 /// A tier as given to the builder.
@@ -941,6 +1084,33 @@ impl PolicyBuilder {
         self
     }
 
+    /// Gives the rate or calendar tier named `tier` a penalty box (see [`Penalty`]): once it
+    /// refuses a key, every request of that key is refused for the block duration. The tier
+    /// may be added before or after this call.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Penalty, Policy, Quota};
+    ///
+    /// let policy = Policy::builder("login")
+    ///     .tier("minute", Quota::per_minute(10))
+    ///     .penalty("minute", Penalty::new(Duration::from_secs(900)))
+    ///     .build()
+    ///     .unwrap();
+    /// assert_eq!(policy.tiers()[0].penalty(), Some(Penalty::new(Duration::from_secs(900))));
+    ///
+    /// let err = Policy::builder("login")
+    ///     .tier("minute", Quota::per_minute(10))
+    ///     .penalty("hour", Penalty::new(Duration::from_secs(900)))
+    ///     .build()
+    ///     .unwrap_err();
+    /// assert_eq!(err.to_string(), "tier `hour`: penalty: the policy has no tier of this name");
+    /// ```
+    pub fn penalty(mut self, tier: impl Into<String>, penalty: Penalty) -> Self {
+        self.penalties.push((tier.into(), penalty));
+        self
+    }
+
     /// Sets the algorithm (default [`Algorithm::Gcra`]).
     pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
         self.algorithm = algorithm;
@@ -954,7 +1124,9 @@ impl PolicyBuilder {
     /// a span exceeds [`MAX_SPAN`], when a window algorithm gets a burst other than its count,
     /// when a sliding log exceeds [`MAX_SLIDING_LOG`], when a concurrency tier's lease is out of
     /// range, when a calendar tier's time zone is unknown, when tier names repeat, when there
-    /// are no tiers, or when a name is empty or not printable ASCII.
+    /// are no tiers, when a name is empty or not printable ASCII, or when a [`Penalty`] names
+    /// no tier, a concurrency tier, or a tier that has one already, or is out of range
+    /// ([`ConfigError::Penalty`]).
     pub fn build(self) -> Result<Policy, ConfigError> {
         check_name(&self.name)?;
         if self.tiers.is_empty() {
@@ -971,7 +1143,7 @@ impl PolicyBuilder {
                 Spec::Concurrency(c) => concurrency(&name, c)?,
                 Spec::Calendar(c) => calendar(&name, c)?,
             };
-            tiers.push(Tier { name: name.into(), quota, rate, kind });
+            tiers.push(Tier { name: name.into(), quota, rate, kind, penalty: None });
         }
         // Only rates set the policy's precision: concurrency and calendar tiers count whole
         // slots and windows that start on whole seconds, exact in either unit.
@@ -983,15 +1155,62 @@ impl PolicyBuilder {
                 return Err(ConfigError::SpanTooLong { tier: t.name.to_string(), max: MAX_SPAN });
             }
         }
-        let plain = tiers.iter().all(|t| t.kind == Kind::Rate && t.quota.unit == Unit::Requests);
+        for (name, p) in self.penalties {
+            let Some(t) = tiers.iter_mut().find(|t| *t.name == *name) else {
+                return Err(penalty_error(name, "the policy has no tier of this name"));
+            };
+            if matches!(t.kind, Kind::Concurrency(_)) {
+                return Err(penalty_error(name, "a concurrency tier cannot have one"));
+            }
+            if t.penalty.is_some() {
+                return Err(penalty_error(name, "the tier has one already"));
+            }
+            t.penalty = Some(block(&name, p, unit)?);
+        }
+        // A penalty box is decided with the other kinds (its state is a key's too).
+        let penalized = tiers.iter().any(|t| t.penalty.is_some());
+        let plain = !penalized
+            && tiers.iter().all(|t| t.kind == Kind::Rate && t.quota.unit == Unit::Requests);
         Ok(Policy {
             name: self.name.into(),
             algorithm: self.algorithm,
             tiers: tiers.into(),
             unit,
             plain,
+            penalized,
         })
     }
+}
+
+fn penalty_error(tier: String, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Penalty { tier, reason: reason.into() }
+}
+
+/// Validates a penalty box of tier `tier` of a policy whose time unit is `unit` nanoseconds.
+fn block(tier: &str, p: Penalty, unit: u64) -> Result<Block, ConfigError> {
+    let err = |reason: String| Err(penalty_error(tier.to_owned(), reason));
+    if p.block.is_zero() || p.block > MAX_SPAN {
+        return err(format!("block {:?} must be between 1 ns and {MAX_SPAN:?}", p.block));
+    }
+    if p.refusals == 0 || p.refusals > MAX_PENALTY_REFUSALS {
+        return err(format!(
+            "refusals {} must be between 1 and {MAX_PENALTY_REFUSALS}",
+            p.refusals
+        ));
+    }
+    let within = if p.refusals == 1 {
+        0
+    } else if p.within.is_zero() || p.within > MAX_SPAN {
+        return err(format!("window {:?} must be between 1 ns and {MAX_SPAN:?}", p.within));
+    } else {
+        duration_to_nanos(p.within).div_ceil(unit)
+    };
+    Ok(Block {
+        spec: p,
+        block: duration_to_nanos(p.block).div_ceil(unit),
+        refusals: u64::from(p.refusals),
+        within,
+    })
 }
 
 /// Validates a concurrency tier: its quota (`max` per lease), rate and kind.

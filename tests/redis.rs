@@ -3,6 +3,8 @@
 //! concurrency, TTLs, script reloads, restarts and the failure policy.
 #![cfg(feature = "redis")]
 
+#[path = "support/penalty.rs"]
+mod scenarios;
 mod support;
 
 use std::time::Duration;
@@ -16,8 +18,8 @@ use tollgate::store::{
     BreakerState, Check, MemoryStore, MemoryTicket, RedisStore, RedisTicket, Store,
 };
 use tollgate::{
-    Algorithm, Calendar, CalendarPeriod, Concurrency, Decision, Limiter, OnStoreError, Policy,
-    Quota, RateLimitLayer, Source, StoreError, TierKind, Unit,
+    Algorithm, Calendar, CalendarPeriod, Concurrency, Decision, Limiter, OnStoreError, Penalty,
+    Policy, Quota, RateLimitLayer, Source, StoreError, TierKind, Unit,
 };
 
 /// One check of `cost` units for `key` under `policy`, through `store`.
@@ -78,6 +80,10 @@ struct Trace {
     /// The clock's first instant, in nanoseconds.
     start: u64,
     steps: Vec<Step>,
+    /// A penalty box on a tier: `(tier, block ns, refusals, window ns)`, the tier counted over
+    /// the rates then the other kinds (a concurrency tier, which cannot have one, gives it to
+    /// the first rate).
+    penalty: Option<(usize, u64, u32, u64)>,
 }
 
 /// Long enough that no lease expires within a trace (in memory slots do not expire).
@@ -112,6 +118,16 @@ impl Trace {
                     b.tier(name, q.counting(unit))
                 }
             };
+        }
+        if let Some((tier, block, refusals, within)) = self.penalty {
+            let tier = tier % (self.tiers.len() + self.extra.len());
+            let name = match tier.checked_sub(self.tiers.len()).map(|j| &self.extra[j]) {
+                None => format!("t{tier}"),
+                Some(Extra::Slots(_)) => "t0".to_owned(),
+                Some(_) => format!("x{}", tier - self.tiers.len()),
+            };
+            let (block, within) = (Duration::from_nanos(block), Duration::from_nanos(within));
+            b = b.penalty(name, Penalty::new(block).after(refusals, within));
         }
         b.build().expect("generated policies are valid")
     }
@@ -231,6 +247,7 @@ fn trace(back: bool) -> impl Strategy<Value = Trace> {
                     extra,
                     start,
                     steps,
+                    penalty: None,
                 })
         },
     )
@@ -1210,6 +1227,39 @@ async fn a_refused_check_does_not_move_the_clock_guard() {
     }
 }
 
+/// A refusal that counts a breach rewrites the key's state (its penalty box) but does not move
+/// its clock guard: back at the last admission, Redis decides as memory does, and the block
+/// the second breach starts there ends two weeks after that instant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_counted_breach_does_not_move_the_clock_guard() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let week = Duration::from_nanos(WEEK);
+    for algorithm in Algorithm::ALL {
+        let policy = Policy::builder(format!("guard-box-{}", algorithm.name()))
+            .algorithm(algorithm)
+            .tier("week", Quota::new(1, week))
+            .penalty("week", Penalty::new(2 * week).after(2, 4 * week))
+            .build()
+            .unwrap();
+        let ticks = [
+            Tick::At(0, 1),
+            Tick::At(WEEK / 2, 1),
+            Tick::Since(0, 1),
+            Tick::Since(2 * WEEK - 1, 1),
+            Tick::Since(2 * WEEK, 1),
+        ];
+        let d = both_stores(&server, &policy, &format!("{}:", policy.name()), &ticks).await;
+        let name = format!("{algorithm:?}");
+        // The sliding counter weighs the first week in full at its end: two weeks to wait.
+        let whole = if algorithm == Algorithm::SlidingCounter { 2 * WEEK } else { WEEK };
+        let own = Some(Duration::from_nanos(whole - WEEK / 2));
+        assert_eq!(d[1].retry_after(), own, "{name}: {:?}", d[1]);
+        assert_eq!(d[2].retry_after(), Some(2 * week), "{name}: {:?}", d[2]);
+        assert_eq!(d[3].retry_after(), Some(Duration::from_nanos(1)), "{name}: {:?}", d[3]);
+        assert!(d[4].is_allowed(), "{name}: {:?}", d[4]);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Key material is data (SECURITY.md, "script or key injection").
 
@@ -1562,6 +1612,7 @@ fn shaping_trace(algorithm: Algorithm) -> impl Strategy<Value = Trace> {
             extra,
             start,
             steps,
+            penalty: None,
         })
 }
 
@@ -1625,4 +1676,105 @@ async fn one_policy_on_one_store_is_one_budget_in_memory_as_on_redis() {
     let redis = RedisStore::builder(server.url()).timeout(Duration::from_secs(10)).build().unwrap();
     assert_eq!(one_policy_one_budget(redis).await, (5, 5));
     assert_eq!(one_policy_one_budget(MemoryStore::new()).await, (5, 5));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Penalty boxes.
+
+/// A 10-a-minute tier with a 15-minute block, and the third-refusal-within-a-minute variant,
+/// decide on Redis (the store's injected clock) exactly as the scenarios say: blocked for
+/// exactly 15 minutes, another key untouched. The state key's TTL covers the block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_breach_blocks_the_key_for_exactly_the_block_on_redis() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(3_600_000_000_000);
+    let url = server.url();
+    scenarios::every_scenario(&clock, |policy| {
+        let store = fake_clock_store(RedisStore::builder(&url), clock.clone(), "box:".into());
+        async move { Limiter::with_store(policy, store).unwrap() }
+    })
+    .await;
+    // Without a grace, a blocked key's state lives exactly as long as its block.
+    let store = RedisStore::builder(server.url())
+        .clock(clock.clone())
+        .prefix("ttl:")
+        .ttl_grace(Duration::ZERO)
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let policy = scenarios::fifteen_minute_policy("ttl");
+    let limiter = Limiter::with_store(policy.clone(), store.clone()).unwrap();
+    let key = Key::text("erin");
+    for _ in 0..10 {
+        assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+    }
+    let day_ttl = pttl(&mut server.conn(), &state_key(&store, &policy, &key));
+    assert!(!limiter.check(&key, 1).await.unwrap().is_allowed());
+    let ttl = pttl(&mut server.conn(), &state_key(&store, &policy, &key));
+    // The calendar day keeps the state until its end (22 h 59 min on); the block alone would
+    // keep it 15 min. A penalty on a rate tier alone shows the block's own TTL.
+    assert!(ttl > day_ttl - 1_000 && ttl <= day_ttl, "{ttl} vs {day_ttl}");
+    let alone = Policy::builder("ttl-alone")
+        .tier("minute", Quota::per_minute(10))
+        .penalty("minute", Penalty::new(scenarios::MINUTE * 15))
+        .build()
+        .unwrap();
+    let limiter = Limiter::with_store(alone.clone(), store.clone()).unwrap();
+    for _ in 0..10 {
+        assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+    }
+    let before = pttl(&mut server.conn(), &state_key(&store, &alone, &key));
+    assert!(before > 59_000 && before <= 60_000, "pttl {before}: the minute's refill");
+    assert!(!limiter.check(&key, 1).await.unwrap().is_allowed());
+    let ttl = pttl(&mut server.conn(), &state_key(&store, &alone, &key));
+    assert!(ttl > 900_000 - 1_000 && ttl <= 900_000, "pttl {ttl}");
+}
+
+/// Random traces with a penalty box on one of their tiers (any algorithm, with other kinds
+/// now and then; blocks of 1 ms to 20 s, 1 to 4 refusals within up to 10 s), through both
+/// stores on one fake clock, from a fixed seed: not one decision differs.
+#[test]
+fn penalty_boxes_decide_exactly_like_memory() {
+    use proptest::test_runner::{RngAlgorithm, TestRng};
+
+    let Some(server) = Server::start("redis-server") else { return };
+    let url = server.url();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let penalty = (
+        0usize..5,
+        prop_oneof![
+            2 => 1_000_000u64..=20_000_000_000,
+            1 => (1u64..=200).prop_map(|k| k * 10_000_000),
+        ],
+        prop_oneof![2 => Just(1u32), 3 => 2u32..=4],
+        // Mostly on the 10 ms grid of the grid traces, so that refusals land exactly on the
+        // window's edge.
+        prop_oneof![
+            1 => 1_000_000u64..=10_000_000_000,
+            2 => (1u64..=100).prop_map(|k| k * 10_000_000),
+        ],
+    );
+    // Half of them with the clock stepping back between checks.
+    let traces =
+        (proptest::bool::ANY.prop_flat_map(trace), penalty).prop_map(|(mut trace, penalty)| {
+            trace.penalty = Some(penalty);
+            trace
+        });
+    let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[24; 32]);
+    let config = Config { cases: 256, failure_persistence: None, ..Config::default() };
+    let mut runner = TestRunner::new_with_rng(config, rng);
+    let case = std::sync::atomic::AtomicU64::new(0);
+    let result = runner.run(&traces, |trace| {
+        let n = case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let clock = FakeClock::new();
+        clock.set(trace.start);
+        let prefix = format!("penalty{n}:");
+        let store = fake_clock_store(RedisStore::builder(&url), clock.clone(), prefix);
+        rt.block_on(replay(store, clock, &trace))
+            .map_err(|e| TestCaseError::fail(format!("{e}\n{trace:?}")))
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
 }

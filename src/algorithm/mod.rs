@@ -9,6 +9,7 @@ mod bucket;
 pub(crate) mod calendar;
 mod gcra;
 mod log;
+mod penalty;
 pub(crate) mod slots;
 mod window;
 
@@ -21,6 +22,7 @@ pub(crate) use bucket::Level;
 pub(crate) use gcra::{Step as GcraStep, WholeGcra};
 
 pub(crate) use log::Log;
+pub(crate) use penalty::Strikes;
 
 /// One tier's state for one key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,6 +39,8 @@ pub(crate) enum TierState {
     Slots(u64),
     /// A calendar tier: the windows counted in.
     Calendar(calendar::Counted),
+    /// A tier's penalty box, kept after the tiers' own states (see [`Policy::penalty_slot`]).
+    Penalty(Box<Strikes>),
 }
 
 /// What each tier was charged, inline for up to two tiers.
@@ -212,6 +216,50 @@ impl TierState {
     }
 }
 
+/// The penalty boxes of a key never seen: one per tier that has one, after the tiers' states.
+pub(crate) fn fresh_boxes(policy: &Policy) -> impl Iterator<Item = TierState> + '_ {
+    policy
+        .tiers()
+        .iter()
+        .filter(|t| t.penalty.is_some())
+        .map(|_| TierState::Penalty(Box::default()))
+}
+
+/// The box of tier `i` in `states`, if the tier has one.
+fn strikes<'s>(policy: &Policy, states: &'s [TierState], i: usize) -> Option<&'s Strikes> {
+    policy.tiers()[i].penalty?;
+    match states.get(policy.penalty_slot(i)) {
+        Some(TierState::Penalty(s)) => Some(s),
+        _ => None,
+    }
+}
+
+/// [`strikes`], to change.
+fn strikes_mut<'s>(
+    policy: &Policy,
+    states: &'s mut [TierState],
+    i: usize,
+) -> Option<&'s mut Strikes> {
+    policy.tiers()[i].penalty?;
+    match states.get_mut(policy.penalty_slot(i)) {
+        Some(TierState::Penalty(s)) => Some(s),
+        _ => None,
+    }
+}
+
+/// Whether every penalty box in `states` decides like a fresh one at `now` (units).
+pub(crate) fn boxes_idle(policy: &Policy, states: &[TierState], now: u64) -> bool {
+    policy.tiers().iter().enumerate().all(|(i, t)| match (t.penalty, strikes(policy, states, i)) {
+        (Some(b), Some(s)) => s.is_idle(&b, now),
+        _ => true,
+    })
+}
+
+/// The end of the block of tier `i` at `now` (units), if the key is blocked by it.
+fn blocked(policy: &Policy, states: &[TierState], i: usize, now: u64) -> Option<u64> {
+    strikes(policy, states, i).and_then(|s| s.blocked(now))
+}
+
 /// The least instant >= `from` at which every tier conforms: each round asks every tier for
 /// its earliest instant from the candidate (`next` returns the latest of them) until no tier
 /// moves it. `None` when `rounds` rounds do not settle it, which [`rounds`] rules out.
@@ -356,7 +404,9 @@ fn decide_in_units(
 /// whatever the shaping budget); their `retry_after` and `reset_after` are left for
 /// [`slots::fill`], which knows the typical holds.
 ///
-/// The policy's plain tiers decide exactly as in [`decide`].
+/// The policy's plain tiers decide exactly as in [`decide`]. Tiers with a penalty box (see
+/// [`Penalty`](crate::Penalty)) keep it in `states` after the tiers' own states
+/// ([`Policy::penalty_slot`]): a blocked key is refused, and a breach of such a tier counts.
 pub(crate) fn decide_kinds(
     policy: &Policy,
     states: &mut [TierState],
@@ -418,6 +468,14 @@ fn decide_kinds_in_units(
             (Kind::Concurrency(_), s) => *s = TierState::Slots(0),
         }
     }
+    let boxes = policy.has_penalty();
+    if boxes {
+        for (i, t) in tiers.iter().enumerate() {
+            if let (Some(b), Some(s)) = (t.penalty, strikes_mut(policy, states, i)) {
+                s.prune(&b, now);
+            }
+        }
+    }
     let cost = |i: usize| costs.get(i).copied().unwrap_or(0);
     if (0..tiers.len()).all(|i| cost(i) == 0) {
         let decision =
@@ -464,7 +522,13 @@ fn decide_kinds_in_units(
             }
         }
     }
-    if retry.is_some() || any_full {
+    // A blocked key is refused whatever its tiers say, until the latest of its blocks ends.
+    let until = if boxes {
+        (0..tiers.len()).filter_map(|i| blocked(policy, states, i, now)).max()
+    } else {
+        None
+    };
+    if retry.is_some() || any_full || until.is_some() {
         let per_tier = |i: usize| {
             if full(i) {
                 return (true, None);
@@ -480,7 +544,34 @@ fn decide_kinds_in_units(
             } - now;
             (own > 0, (own > 0).then_some(own))
         };
-        let decision = report_kinds(policy, states, now, Outcome::Limited, 0, retry, per_tier);
+        if !boxes {
+            let decision = report_kinds(policy, states, now, Outcome::Limited, 0, retry, per_tier);
+            return (decision, None);
+        }
+        let mut per: SmallVec<[(bool, Option<u64>); 4]> = (0..tiers.len()).map(per_tier).collect();
+        let later = |r: Option<u64>, left: u64| Some(r.map_or(left, |r| r.max(left)));
+        if let Some(until) = until {
+            // Blocked: refused, charging nothing and counting as no breach, not before the
+            // block ends, nor before the tiers admit the request.
+            for (i, p) in per.iter_mut().enumerate() {
+                if let Some(u) = blocked(policy, states, i, now) {
+                    *p = (true, later(p.1, u - now));
+                }
+            }
+            retry = later(retry, until - now);
+        } else {
+            // A breach of a tier with a penalty box counts, and may start a block: the request
+            // is then refused until it ends, or until its tiers admit it if that is later.
+            for (i, t) in tiers.iter().enumerate() {
+                let (Some(b), true) = (t.penalty, per[i].0) else { continue };
+                let Some(s) = strikes_mut(policy, states, i) else { continue };
+                if let Some(until) = s.breach(&b, now) {
+                    per[i].1 = later(per[i].1, until - now);
+                    retry = later(retry, until - now);
+                }
+            }
+        }
+        let decision = report_kinds(policy, states, now, Outcome::Limited, 0, retry, |i| per[i]);
         return (decision, None);
     }
     let wait = at - now;
@@ -577,6 +668,11 @@ fn report_kinds(
                     (tier.capacity().saturating_sub(*held), 0)
                 }
                 _ => (tier.capacity(), 0),
+            };
+            // A blocked tier has nothing left until the block ends.
+            let (remaining, reset) = match blocked(policy, states, i, now) {
+                Some(until) => (0, reset.max(until - now)),
+                None => (remaining, reset),
             };
             let (violated, retry_after) = per_tier(i);
             TierDecision::new(tier.capacity(), remaining, reset, retry_after, violated)

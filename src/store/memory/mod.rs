@@ -18,8 +18,8 @@ use table::{Core, Generals, KeyState, Next, Shard, general_mut, lock};
 use super::{Carry, Check, Store, Verdict};
 use crate::algorithm::slots;
 use crate::algorithm::{
-    Charge, Charges, GcraStep, Mode, TierState, WholeGcra, budget, decide, decide_kinds, in_units,
-    release as release_slots, settle_tier, whole_decision,
+    Charge, Charges, GcraStep, Mode, TierState, WholeGcra, budget, decide, decide_kinds,
+    fresh_boxes, in_units, release as release_slots, settle_tier, whole_decision,
 };
 use crate::clock::{AnyClock, Clock, duration_to_nanos};
 use crate::decision::Decision;
@@ -494,7 +494,11 @@ impl MemoryStore {
             let remaining: Vec<u64> = match (&state, &from_core.whole) {
                 (Was::Tat(tat), Some(w)) => vec![w.status(*tat, now).0],
                 (Was::States(states), _) => {
-                    let mut states = states.clone();
+                    // What the tiers hold, not what a block says (nothing left).
+                    let tiers = before.tiers().len();
+                    let boxes = fresh_boxes(before);
+                    let mut states: Box<[TierState]> =
+                        states.iter().take(tiers).cloned().chain(boxes).collect();
                     let (d, _) = decide_kinds(before, &mut states, now, &zeros, Mode::Police);
                     d.tiers().iter().map(crate::TierDecision::remaining).collect()
                 }
@@ -531,19 +535,34 @@ impl MemoryStore {
             if let Was::States(old) = &state {
                 states.guard = old.guard;
             }
+            // An unchanged tier keeps its penalty box too: (new slot, old slot).
+            let mut boxes: SmallVec<[(usize, usize); 2]> = SmallVec::new();
             for (i, m) in matched.iter().enumerate() {
                 let Some((j, unchanged)) = *m else { continue };
                 match (&state, unchanged) {
-                    (Was::States(old_states), true) => states[i] = old_states[j].clone(),
+                    (Was::States(old_states), true) => {
+                        states[i] = old_states[j].clone();
+                        if after.tiers()[i].penalty.is_some() {
+                            boxes.push((after.penalty_slot(i), before.penalty_slot(j)));
+                        }
+                    }
                     (Was::Tat(tat), true) => states[i] = scaled_tat(*tat, count(j)),
                     _ => costs[i] = used(i, j),
                 }
             }
-            // Each changed tier charged on its own: every one fits a fresh tier.
+            // Each changed tier charged on its own: every one fits a fresh tier (and the boxes,
+            // which would refuse a blocked key, are carried after).
             for (i, units) in costs.iter().enumerate().filter(|(_, u)| **u > 0) {
                 let mut one = vec![0; costs.len()];
                 one[i] = *units;
                 let _ = decide_kinds(after, &mut states, now, &one, Mode::Police);
+            }
+            if let Was::States(old_states) = &state {
+                for (to, from) in boxes {
+                    if let (Some(to), Some(from)) = (states.get_mut(to), old_states.get(from)) {
+                        *to = from.clone();
+                    }
+                }
             }
             if new.core.is_idle(&states, now) {
                 continue;
@@ -722,7 +741,9 @@ fn scatter(
     (fp, now, insert): (u64, u64, bool),
 ) -> usize {
     let mut inserted = 0;
-    if core.whole.is_none() && places.iter().any(|p| matches!(p, Place::Own)) {
+    // Penalty boxes, after the tiers, always live in the binding's own table.
+    let boxes = states.len() > places.len();
+    if core.whole.is_none() && (boxes || places.iter().any(|p| matches!(p, Place::Own))) {
         let table = general_mut(generals, id, core);
         match table.map.get_mut(&fp) {
             Some(mine) => {
@@ -730,6 +751,9 @@ fn scatter(
                     if matches!(place, Place::Own) {
                         mine[j] = states[j].clone();
                     }
+                }
+                for j in places.len()..states.len() {
+                    mine[j] = states[j].clone();
                 }
                 mine.guard = states.guard;
             }
@@ -1050,13 +1074,18 @@ impl Inner {
         let (mut states, held) = gather((core, bound.id), &places, &generals, &mut compact, fp);
         let (decision, charges) = decide_core(core, &mut states, now, check);
         let mut inserted = 0;
+        let missing = held.iter().filter(|h| !**h).count();
+        let room = missing == 0 || self.len.load(Ordering::Relaxed) + missing <= self.max_keys;
         if charges.is_some() {
-            let missing = held.iter().filter(|h| !**h).count();
-            if missing > 0 && self.len.load(Ordering::Relaxed) + missing > self.max_keys {
+            if !room {
                 drop((compact, generals));
                 return self.check_overflow(bound, check, fp, now);
             }
             let at = (fp, now, true);
+            inserted = scatter((core, bound.id), &places, &states, &mut generals, &mut compact, at);
+        } else if core.policy.has_penalty() {
+            // A refusal may have counted a breach or started a block: kept where there is room.
+            let at = (fp, now, room);
             inserted = scatter((core, bound.id), &places, &states, &mut generals, &mut compact, at);
         }
         drop((compact, generals));

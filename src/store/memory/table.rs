@@ -19,7 +19,7 @@ use spinning_top::guard::SpinlockGuard;
 
 use super::compact::Compact;
 use crate::algorithm::slots::Holds;
-use crate::algorithm::{TierState, WholeGcra, in_units};
+use crate::algorithm::{TierState, WholeGcra, boxes_idle, fresh_boxes, in_units};
 use crate::quota::Policy;
 
 /// Hashes a fingerprint (already uniformly random) by using it as is.
@@ -131,13 +131,14 @@ impl Core {
         self.moved.load(Ordering::Relaxed) > shard
     }
 
-    /// The state of a key never seen: as of the epoch, so that it decides alike at any instant
-    /// (a bucket full, or empty, whichever instant the clock reads, even one before the last
-    /// read), as a key without state does on the Redis store.
+    /// The state of a key never seen: each tier's, then the penalty boxes; as of the epoch, so
+    /// that it decides alike at any instant (a bucket full, or empty, whichever instant the
+    /// clock reads, even one before the last read), as a key without state does on the Redis
+    /// store.
     pub(super) fn fresh(&self) -> KeyState {
         let alg = self.policy.algorithm();
         let tiers = self.policy.tiers().iter().map(|t| TierState::fresh_for(alg, t, 0));
-        KeyState { tiers: tiers.collect(), guard: 0 }
+        KeyState { tiers: tiers.chain(fresh_boxes(&self.policy)).collect(), guard: 0 }
     }
 
     /// The instant (nanoseconds) at which a key whose guard is `guard` decides at `now`: when
@@ -161,11 +162,12 @@ impl Core {
         let unit = self.policy.unit();
         let now = in_units(&self.policy, self.guarded(key.guard, now));
         key.iter().zip(self.policy.tiers()).all(|(s, t)| s.is_idle_for(alg, t, unit, now))
+            && boxes_idle(&self.policy, key, now)
     }
 
-    /// Forgets `key`'s rate and calendar tiers and its guard when they decide like a fresh
-    /// key's at `now` (or at its guard, when later), keeping the slots its concurrency tiers
-    /// hold: as the Redis store deletes a key whose state it writes idle (its slots live
+    /// Forgets `key`'s rate and calendar tiers and its guard when they (and its penalty boxes)
+    /// decide like a fresh key's at `now` (or at its guard, when later), keeping the slots its
+    /// concurrency tiers hold: as the Redis store deletes a key whose state it writes idle (its slots live
     /// apart). Returns whether it did.
     pub(super) fn forget_if_idle(&self, key: &mut KeyState, now: u64) -> bool {
         let alg = self.policy.algorithm();
@@ -173,7 +175,8 @@ impl Core {
         let at = in_units(&self.policy, self.guarded(key.guard, now));
         let tiers = self.policy.tiers();
         let slots = |t: &crate::quota::Tier| t.kind() == crate::quota::TierKind::Concurrency;
-        let idle = key.iter().zip(tiers).all(|(s, t)| slots(t) || s.is_idle_for(alg, t, unit, at));
+        let idle = key.iter().zip(tiers).all(|(s, t)| slots(t) || s.is_idle_for(alg, t, unit, at))
+            && boxes_idle(&self.policy, key, at);
         if idle {
             for (s, t) in key.tiers.iter_mut().zip(tiers).filter(|(_, t)| !slots(t)) {
                 *s = TierState::fresh_for(alg, t, 0);

@@ -226,6 +226,13 @@ fn meaning(policy: &Policy) -> u64 {
                 feed(spec.calendar.time_zone().as_bytes());
             }
         }
+        // A penalty box is stored with the tier's state (tiers without one hash as before).
+        if let Some(b) = t.penalty {
+            feed(b"penalty");
+            for v in [b.block, b.refusals, b.within] {
+                feed(&v.to_le_bytes());
+            }
+        }
     }
     h
 }
@@ -423,6 +430,10 @@ impl Prepared {
                         kinds.calendars.push(Arc::clone(spec));
                         args.extend([2.0, f(r.count), 0.0, 0.0]);
                     }
+                }
+                match t.penalty {
+                    Some(b) => args.extend([f(b.block), f(b.refusals), f(b.within)]),
+                    None => args.extend([0.0; 3]),
                 }
                 kinds.tags.push(match t.kind {
                     Kind::Rate => 0,
@@ -794,6 +805,30 @@ mod tests {
         assert_eq!(doubles(&policies), [1.0, 7.0, 5.0, 2.0, 10.0, 1e9, 10.0, 100.0, 3.6e12, 100.0]);
         assert_eq!(doubles(&records), [1.0, 1.0, 1.0, 2.0, -1.0, 1.0, 4.0, 1.0, 0.0, 5.0]);
         assert_eq!(prepared.check_reply_len(), 13);
+    }
+
+    #[test]
+    fn a_penalty_box_gets_its_own_keys_and_its_numbers_with_its_tier() {
+        use crate::quota::{Calendar, Penalty};
+        let box_ = Penalty::new(Duration::from_secs(900)).after(3, Duration::from_secs(60));
+        let base = || Policy::builder("api").tier("a", Quota::per_minute(10));
+        let plain = base().build().unwrap();
+        let calendar = base().calendar("d", Calendar::per_day(5)).build().unwrap();
+        let boxed = base().penalty("a", box_).build().unwrap();
+        let other = base().penalty("a", box_.after(4, Duration::from_secs(60))).build().unwrap();
+        let fps: std::collections::HashSet<_> =
+            [&plain, &calendar, &boxed, &other].into_iter().map(fingerprint).collect();
+        assert_eq!(fps.len(), 4);
+        assert_eq!(family(&boxed), Family::KindsRate);
+        // Per tier of a policy of several kinds: kind, three parameters, then the box (block,
+        // refusals, window; zeros for none).
+        let args = |p: &Policy| Prepared::new(p, 0).policy.args.clone();
+        let block = 900_000_000_000.0;
+        assert_eq!(args(&boxed), [1.0, 0.0, 0.0, 1.0, 0.0, 10.0, 6e10, 10.0, block, 3.0, 6e10]);
+        assert_eq!(
+            args(&calendar)[4..],
+            [0.0, 10.0, 6e10, 10.0, 0.0, 0.0, 0.0, 2.0, 5.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        );
     }
 
     #[test]

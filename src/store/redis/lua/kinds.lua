@@ -2,9 +2,10 @@
 -- calendar tiers and concurrency tiers, all or nothing in one check. Mirrors `decide_kinds`
 -- in src/algorithm/mod.rs and src/algorithm/calendar.rs.
 --
--- ARGV[2] per policy: unit, grace, algorithm, tiers, then per tier 4 numbers: kind (0 rate,
+-- ARGV[2] per policy: unit, grace, algorithm, tiers, then per tier 7 numbers: kind (0 rate,
 --         1 concurrency, 2 calendar) and its parameters: a rate's count, period, burst; a
---         concurrency tier's slots and lease (ms); a calendar tier's count.
+--         concurrency tier's slots and lease (ms); a calendar tier's count; then its penalty
+--         box: block (units; 0 for none), refusals, window (units).
 -- ARGV[3] every record starts op, key index, policy index, record length:
 --         op 1, a check: budget (-1 polices), lease id, each tier's cost, then per calendar
 --           tier the bounds of its windows (their number, then the seconds: each window's
@@ -17,7 +18,9 @@
 -- KEYS    per record: the state key, the sliding-log sets of the rate tiers (log family
 --         only), the lease sets of the concurrency tiers (`{state}:c1`, ...).
 -- State   `(seconds, units)` of the last charge (see main.lua), per calendar tier its windows (number, then
---         start, end, used), then the rate tiers' state as F packs it. Concurrency slots live
+--         start, end, used), per tier with a penalty box whether the key is blocked (0 or 1),
+--         until when (seconds, units), and the breaches counted (number, then each one's
+--         seconds and units), then the rate tiers' state as F packs it. Concurrency slots live
 --         in their sorted sets: one member per slot, `struct '<dd' (lease id, slot)`, scored
 --         by the lease's expiry (ms since the epoch); expired members are dropped first.
 -- reply   per check as main.lua's (a concurrency tier's reset is left to the binding, which
@@ -32,11 +35,15 @@ local function kpolicies()
   local out, i = {}, 1
   while i <= #P do
     local n = P[i + 3]
-    local tiers, nrate, nconc, ncal = {}, 0, 0, 0
+    local tiers, nrate, nconc, ncal, npen = {}, 0, 0, 0, 0
     for t = 1, n do
-      local j = i + 4 + (t - 1) * 4
+      local j = i + 4 + (t - 1) * 7
       local kind = P[j]
       local tier = { kind = kind }
+      if P[j + 4] > 0 then
+        npen = npen + 1
+        tier.pen = { block = P[j + 4], after = P[j + 5], within = P[j + 6], x = npen }
+      end
       if kind == 0 then
         nrate = nrate + 1
         tier.c, tier.p, tier.b, tier.r = P[j + 1], P[j + 2], P[j + 3], nrate
@@ -50,8 +57,8 @@ local function kpolicies()
       tiers[t] = tier
     end
     out[#out + 1] = { unit = P[i], grace = P[i + 1], alg = P[i + 2], n = n, tiers = tiers,
-                      nrate = nrate, nconc = nconc, ncal = ncal }
-    i = i + 4 + n * 4
+                      nrate = nrate, nconc = nconc, ncal = ncal, npen = npen }
+    i = i + 4 + n * 7
   end
   return out
 end
@@ -100,6 +107,29 @@ local function load(k, pol)
       if brel(st.c, win[2]) > 0 then kept[#kept + 1] = win else st.dirty = true end
     end
     st.cal[w] = kept
+  end
+  -- The penalty boxes (`Strikes::prune`): a block that ended and the breaches that left the
+  -- window are forgotten. Instants relative to the key's now.
+  st.pen = {}
+  for _, tier in ipairs(pol.tiers) do
+    local p = tier.pen
+    if p then
+      local box = { at = {} }
+      if raw then
+        if raw[j + 1] == 1 then
+          box.till = rel(st.c, raw[j + 2], raw[j + 3])
+          if box.till <= 0 then box.till = nil; st.dirty = true end
+        end
+        local m = raw[j + 4]
+        j = j + 4
+        for _ = 1, m do
+          local a = rel(st.c, raw[j + 1], raw[j + 2])
+          if a + p.within > 0 then box.at[#box.at + 1] = a else st.dirty = true end
+          j = j + 2
+        end
+      end
+      st.pen[p.x] = box
+    end
   end
   local rate_tiers = {}
   for _, tier in ipairs(pol.tiers) do
@@ -250,6 +280,45 @@ local function rt(st, tier)
   return st.rs.tiers[tier.r]
 end
 
+-- Penalty boxes (`Strikes` in src/algorithm/penalty.rs).
+
+-- The time left in tier `tier`'s block of the key, if it is blocked.
+local function blocked(st, tier)
+  if not tier.pen then return nil end
+  local till = st.pen[tier.pen.x].till
+  if till and till > 0 then return till end
+  return nil
+end
+
+-- The time left until the latest of the key's blocks ends, if it is blocked.
+local function blocked_until(st)
+  if st.pol.npen == 0 then return nil end
+  local latest = nil
+  for _, tier in ipairs(st.pol.tiers) do
+    local left = blocked(st, tier)
+    if left and (not latest or left > latest) then latest = left end
+  end
+  return latest
+end
+
+-- The later of a retry (-1: none) and `left`.
+local function later(r, left)
+  if r < 0 then return left end
+  return max(r, left)
+end
+
+-- Counts a breach now (`Strikes::breach`); when it is the `after`-th in the window, the block
+-- starts (and the count starts over): returns its length.
+local function breach(st, p)
+  local box = st.pen[p.x]
+  box.at[#box.at + 1] = 0
+  st.dirty = true
+  if #box.at < p.after then return nil end
+  box.at = {}
+  box.till = p.block
+  return p.block
+end
+
 local function check(st, i)
   local pol = st.pol
   local n, tiers = pol.n, pol.tiers
@@ -328,7 +397,9 @@ local function check(st, i)
         if current then retry = max(retry, current) end
       end
     end
-    if retry ~= -1 or any_full then
+    -- A blocked key is refused whatever its tiers say, until the latest of its blocks ends.
+    local till = blocked_until(st)
+    if retry ~= -1 or any_full or till then
       for t = 1, n do
         if full[t] then
           per[t] = { -1, 1, 0 }
@@ -337,6 +408,28 @@ local function check(st, i)
         else
           local own = earliest(t, 0)
           if own > 0 then per[t] = { own, 1, 0 } else per[t] = { -1, 0, 0 } end
+        end
+      end
+      if till then
+        -- Blocked: refused, charging nothing and counting as no breach, not before the block
+        -- ends, nor before the tiers admit the request.
+        for t = 1, n do
+          local left = blocked(st, tiers[t])
+          if left then per[t] = { later(per[t][1], left), 1, 0 } end
+        end
+        retry = later(retry, till)
+      else
+        -- A breach of a tier with a penalty box counts, and may start a block: the request
+        -- is then refused until it ends, or until its tiers admit it if that is later.
+        for t = 1, n do
+          local p = tiers[t].pen
+          if p and per[t][2] == 1 then
+            local left = breach(st, p)
+            if left then
+              per[t][1] = later(per[t][1], left)
+              retry = later(retry, left)
+            end
+          end
         end
       end
       head = { 0, 0, retry }
@@ -376,6 +469,9 @@ local function check(st, i)
       local _, h = held(st, tier)
       remaining, reset = max(0, tier.max - h), 0
     end
+    -- A blocked tier has nothing left until the block ends.
+    local left = blocked(st, tier)
+    if left then remaining, reset = 0, max(reset, left) end
     local p = per[t]
     out(remaining); out(reset); out(p[1]); out(p[2]); out(p[3])
   end
@@ -472,6 +568,16 @@ for _, st in ipairs(order) do
         reset = r
       end
       if reset > ttl then ttl = reset end
+      -- A penalty box lasts while the key is blocked or a breach counts.
+      local p = tier.pen
+      if p then
+        local box = st.pen[p.x]
+        if box.till and box.till > ttl then ttl = box.till end
+        -- Breaches are in the order counted, not of their instants when the clock stepped back.
+        for _, a in ipairs(box.at) do
+          if a + p.within > ttl then ttl = a + p.within end
+        end
+      end
     end
     if ttl <= 0 then
       call('DEL', st.name)
@@ -485,6 +591,23 @@ for _, st in ipairs(order) do
         v[#v + 1] = #list
         for _, win in ipairs(list) do
           v[#v + 1], v[#v + 2], v[#v + 3] = win[1], win[2], win[3]
+        end
+      end
+      for _, tier in ipairs(pol.tiers) do
+        local p = tier.pen
+        if p then
+          local box = st.pen[p.x]
+          if box.till then
+            local s, u = abs(st.c, box.till)
+            v[#v + 1], v[#v + 2], v[#v + 3] = 1, s, u
+          else
+            v[#v + 1], v[#v + 2], v[#v + 3] = 0, 0, 0
+          end
+          v[#v + 1] = #box.at
+          for _, a in ipairs(box.at) do
+            local s, u = abs(st.c, a)
+            v[#v + 1], v[#v + 2] = s, u
+          end
         end
       end
       for _, x in ipairs(F.save(st.rs)) do v[#v + 1] = x end
