@@ -6,12 +6,14 @@ mod health;
 mod io;
 mod node;
 mod script;
+mod sentinel;
 
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
+use redis::sentinel::SentinelNodeConnectionInfo;
 use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo};
 use tokio::sync::oneshot;
 
@@ -152,6 +154,8 @@ struct Inner {
 enum Topology {
     Single(Arc<Node>),
     Cluster(Cluster),
+    /// A master found through Redis Sentinel.
+    Sentinel(Arc<sentinel::Watched>),
 }
 
 /// A Redis Cluster's masters, found from its seed nodes.
@@ -168,6 +172,7 @@ impl fmt::Debug for RedisStore {
         let i = &self.inner;
         f.debug_struct("RedisStore")
             .field("cluster", &matches!(i.topology, Topology::Cluster(_)))
+            .field("sentinel", &matches!(i.topology, Topology::Sentinel(_)))
             .field("prefix", &i.prefix)
             .field("key_names", &i.key_names)
             .field("server_time", &i.settings.clock.is_none())
@@ -355,16 +360,55 @@ impl RedisStore {
         RedisStoreBuilder::new(nodes.into_iter().map(Into::into).collect(), true)
     }
 
+    /// Starts configuring a store on the master that Redis Sentinel knows as `master_name`,
+    /// given the URLs of one or more sentinels (`"redis://127.0.0.1:26379/"`; a user and
+    /// password in a URL are that sentinel's). The store asks them which server is the master
+    /// on first use, and again when checks on it fail, so it follows a failover without a
+    /// restart (see [`RedisStore`], "Redis Sentinel"). How to connect to the servers they name
+    /// (TLS, user, password, database) is given by
+    /// [`master_url`](RedisStoreBuilder::master_url).
+    ///
+    /// [`build`](RedisStoreBuilder::build) fails with [`ConfigError::Invalid`] on `url` when
+    /// no sentinel is given or one cannot be parsed, and on `master_name` when it is empty.
+    ///
+    /// ```no_run
+    /// use tollgate::store::RedisStore;
+    ///
+    /// # fn main() -> Result<(), tollgate::ConfigError> {
+    /// let store = RedisStore::sentinel_builder(
+    ///     ["redis://10.0.0.1:26379/", "redis://10.0.0.2:26379/", "redis://10.0.0.3:26379/"],
+    ///     "limits",
+    /// )
+    /// .master_url("redis://:s3cr3t@master/0")
+    /// .build()?;
+    /// # let _ = store; Ok(()) }
+    /// ```
+    pub fn sentinel_builder<I>(sentinels: I, master_name: impl Into<String>) -> RedisStoreBuilder
+    where
+        I: IntoIterator,
+        I::Item: Into<String>,
+    {
+        let mut builder =
+            RedisStoreBuilder::new(sentinels.into_iter().map(Into::into).collect(), false);
+        builder.sentinel = Some(master_name.into());
+        builder
+    }
+
     /// Opens the connections now (and loads the scripts), instead of on the first request, and
-    /// logs each server's kind and version.
+    /// logs each server's kind and version. Through Redis Sentinel, asks the sentinels for the
+    /// master first, and connects to it.
     ///
     /// # Errors
-    /// [`StoreError::Backend`] when a server refuses, [`StoreError::Timeout`] when one does not
-    /// answer within the store's timeout.
+    /// [`StoreError::Backend`] when a server refuses (or no sentinel names the master),
+    /// [`StoreError::Timeout`] when one does not answer within the store's timeout.
     pub async fn connect(&self) -> Result<(), StoreError> {
         let inner = &self.inner;
         let nodes = match &inner.topology {
             Topology::Single(node) => vec![Arc::clone(node)],
+            Topology::Sentinel(watched) => {
+                let deadline = health::later(tokio::time::Instant::now(), inner.settings.timeout);
+                vec![watched.master(deadline).await?]
+            }
             Topology::Cluster(cluster) => {
                 let map = inner.slot_map(cluster).await?;
                 map.nodes()
@@ -389,10 +433,14 @@ impl RedisStore {
         Ok(())
     }
 
-    /// The circuit breaker's state now: of the server, or on Redis Cluster the most open of the
-    /// masters' breakers (see [`breaker_states`](Self::breaker_states)).
+    /// The circuit breaker's state now: of the server, on Redis Cluster the most open of the
+    /// masters' breakers (see [`breaker_states`](Self::breaker_states)), through Redis Sentinel
+    /// that of the master the sentinels named last (`Closed` before they named one).
     #[must_use]
     pub fn breaker_state(&self) -> BreakerState {
+        if let Topology::Sentinel(watched) = &self.inner.topology {
+            return watched.current().map_or(BreakerState::Closed, |n| n.breaker_state());
+        }
         let states = self.breaker_states();
         if states.iter().any(|(_, s)| *s == BreakerState::Open) {
             BreakerState::Open
@@ -416,17 +464,31 @@ impl RedisStore {
                 .values()
                 .filter_map(|n| n.info())
                 .collect(),
+            Topology::Sentinel(watched) => {
+                watched.nodes().iter().filter_map(|n| n.info()).collect()
+            }
         };
         out.sort_by(|a, b| a.addr.cmp(&b.addr));
         out
     }
 
     /// Each server's circuit breaker (`host:port`, state): one for a standalone server, one per
-    /// master known so far on Redis Cluster.
+    /// master known so far on Redis Cluster, one per server the sentinels have named as master
+    /// so far through Redis Sentinel (a failed master's breaker stays open, or half-open, as
+    /// checks have left it).
     #[must_use]
     pub fn breaker_states(&self) -> Vec<(String, BreakerState)> {
         match &self.inner.topology {
             Topology::Single(node) => vec![(node.addr.to_string(), node.breaker_state())],
+            Topology::Sentinel(watched) => {
+                let mut states: Vec<_> = watched
+                    .nodes()
+                    .iter()
+                    .map(|n| (n.addr.to_string(), n.breaker_state()))
+                    .collect();
+                states.sort_by(|a, b| a.0.cmp(&b.0));
+                states
+            }
             Topology::Cluster(cluster) => {
                 let nodes = cluster.nodes.read().unwrap_or_else(PoisonError::into_inner);
                 let mut states: Vec<_> =
@@ -436,6 +498,16 @@ impl RedisStore {
             }
         }
     }
+}
+
+/// How to connect to the servers the sentinels name, from `info` (its host and port unused).
+fn sentinel_servers(info: ConnectionInfo) -> SentinelNodeConnectionInfo {
+    let tls_mode = match info.addr {
+        ConnectionAddr::TcpTls { insecure: true, .. } => Some(redis::TlsMode::Insecure),
+        ConnectionAddr::TcpTls { insecure: false, .. } => Some(redis::TlsMode::Secure),
+        _ => None,
+    };
+    SentinelNodeConnectionInfo { tls_mode, redis_connection_info: Some(info.redis) }
 }
 
 /// `host:port` of a connection's address.
@@ -554,6 +626,7 @@ impl Inner {
         let deadline = health::later(tokio::time::Instant::now(), timeout);
         let (node, slot) = match &self.topology {
             Topology::Single(node) => (Arc::clone(node), 0),
+            Topology::Sentinel(watched) => (watched.master(deadline).await?, 0),
             Topology::Cluster(cluster) => {
                 let slot = cluster::slot(&keys[0]);
                 let map = tokio::time::timeout_at(deadline, self.slot_map(cluster))
@@ -579,6 +652,10 @@ impl Inner {
             answer: tx,
         });
         let answer = node.wait(deadline, rx).await;
+        if let (Err(_), Topology::Sentinel(watched)) = (&answer, &self.topology) {
+            // The master may have failed, or been demoted (`READONLY`): ask the sentinels.
+            watched.suspect();
+        }
         if let (Err(StoreError::Backend(e)), Topology::Cluster(cluster)) = (&answer, &self.topology)
         {
             // A redirection: the slots moved. Read them again for the next call.
@@ -875,12 +952,18 @@ impl RedisStore {
     }
 }
 
-/// Configures a [`RedisStore`]; see [`RedisStore::builder`] and [`RedisStore::cluster_builder`].
-/// Setters only collect values; [`build`](Self::build) checks them.
+/// Configures a [`RedisStore`]; see [`RedisStore::builder`], [`RedisStore::cluster_builder`]
+/// and [`RedisStore::sentinel_builder`]. Setters only collect values; [`build`](Self::build)
+/// checks them.
 #[must_use]
 pub struct RedisStoreBuilder {
+    /// The server's URL, the Cluster's seeds, or the sentinels.
     nodes: Vec<String>,
     cluster: bool,
+    /// The master's name, through Redis Sentinel.
+    sentinel: Option<String>,
+    /// How to connect to the servers the sentinels name.
+    master_url: Option<String>,
     prefix: String,
     /// The secret state keys are hashed with; `None` names them by the raw key.
     key_secret: Option<Vec<u8>>,
@@ -896,6 +979,7 @@ impl fmt::Debug for RedisStoreBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisStoreBuilder")
             .field("cluster", &self.cluster)
+            .field("sentinel", &self.sentinel)
             .field("prefix", &self.prefix)
             .field("raw_keys", &self.key_secret.is_none())
             .field("timeout", &self.timeout)
@@ -908,6 +992,8 @@ impl RedisStoreBuilder {
         Self {
             nodes,
             cluster,
+            sentinel: None,
+            master_url: None,
             prefix: "tollgate:".to_owned(),
             key_secret: Some(script::DEFAULT_KEY_SECRET.to_vec()),
             clock: None,
@@ -917,6 +1003,19 @@ impl RedisStoreBuilder {
             open_for: Duration::from_millis(500),
             fallback: Some(MemoryStore::new()),
         }
+    }
+
+    /// Through Redis Sentinel ([`RedisStore::sentinel_builder`]), how to connect to the servers
+    /// the sentinels name: the scheme of `url` (`redis`, or `rediss` for TLS), its user,
+    /// password and database number (`redis://user:password@master/2`). Its host and port are
+    /// not used (the sentinels give them). By default, plain TCP, no password, database 0.
+    ///
+    /// [`build`](Self::build) fails with [`ConfigError::Invalid`] on `master_url` when the
+    /// `redis` crate cannot parse `url`, or when the store is not built with
+    /// [`RedisStore::sentinel_builder`].
+    pub fn master_url(mut self, url: impl Into<String>) -> Self {
+        self.master_url = Some(url.into());
+        self
     }
 
     /// Prefix of every key (default `"tollgate:"`). Must not contain `{` or `}` (they would
@@ -1027,9 +1126,10 @@ impl RedisStoreBuilder {
     ///
     /// # Errors
     /// [`ConfigError::Invalid`] naming the setting: `url` (none, several for a standalone
-    /// server, or one the `redis` crate cannot parse), `prefix` (with `{` or `}`), `timeout`
-    /// (under 1 ms), `circuit_breaker` (a threshold of 0 or an open period under 1 ms),
-    /// `key_secret` (empty).
+    /// server, or one the `redis` crate cannot parse), `master_name` (empty), `master_url` (one
+    /// the `redis` crate cannot parse, or given without Sentinel), `prefix` (with `{` or `}`),
+    /// `timeout` (under 1 ms), `circuit_breaker` (a threshold of 0 or an open period under
+    /// 1 ms), `key_secret` (empty).
     pub fn build(self) -> Result<RedisStore, ConfigError> {
         let invalid = |setting, reason: String| ConfigError::Invalid { setting, reason };
         if self.prefix.contains(['{', '}']) {
@@ -1068,8 +1168,33 @@ impl RedisStoreBuilder {
             open_for: self.open_for,
             io: io::Io::new(),
         });
+        let servers = match (&self.sentinel, &self.master_url) {
+            (Some(name), _) if name.is_empty() => {
+                return Err(invalid("master_name", "must not be empty".into()));
+            }
+            (None, Some(_)) => {
+                return Err(invalid(
+                    "master_url",
+                    "is for a store built with RedisStore::sentinel_builder".into(),
+                ));
+            }
+            (_, Some(url)) => {
+                let info = url
+                    .as_str()
+                    .into_connection_info()
+                    .map_err(|e| invalid("master_url", e.to_string()))?;
+                sentinel_servers(info)
+            }
+            (_, None) => SentinelNodeConnectionInfo::default(),
+        };
         let topology = match (self.cluster, infos.as_slice()) {
             (_, []) => return Err(invalid("url", "no redis url given".into())),
+            (false, _) if self.sentinel.is_some() => {
+                let name = self.sentinel.as_deref().unwrap_or_default();
+                let watched = sentinel::Watched::new(name, infos, servers, Arc::clone(&settings))
+                    .map_err(|e| invalid("url", e.to_string()))?;
+                Topology::Sentinel(Arc::new(watched))
+            }
             (false, [info]) => {
                 let client =
                     redis::Client::open(info.clone()).map_err(|e| invalid("url", e.to_string()))?;
