@@ -99,7 +99,7 @@ async fn scenario(configured: Configured) {
         assert!(error.contains("\"unknown\""), "names the master it asked for: {error}");
     }
     let servers: Vec<String> = store.servers().into_iter().map(|s| s.addr).collect();
-    assert_eq!(servers, [old.clone()], "the sentinels named the master");
+    assert_eq!(servers, std::slice::from_ref(&old), "the sentinels named the master");
 
     let policy = Policy::single("sentinel", Quota::per_hour(50)).unwrap();
     let limiter = Arc::new(Limiter::with_store(policy.clone(), store.clone()).unwrap());

@@ -115,9 +115,40 @@ use crate::quota::{Kind, Policy};
 ///   [`StoreError`], and the layer fails closed or, by explicit choice, open
 ///   ([`OnStoreError`](crate::OnStoreError)).
 ///
-/// Works with Redis 6.2+, Valkey 7.2+ and Redis Cluster; the server's kind and version are
-/// logged when a connection opens. The tests run against redis-server 7.0, a three-master
-/// Redis Cluster and valkey-server 8.0.
+/// - **Redis Sentinel.** [`RedisStore::sentinel_builder`] finds the master through Redis
+///   Sentinel (with the `redis` crate's sentinel support). The sentinels are asked which server
+///   is the master on first use, again as soon as a check on it fails (no reply, a refused
+///   connection, its breaker open, `READONLY` from a master demoted to a replica; at most every
+///   100 ms), and every second otherwise (so that a master demoted while this process could
+///   still reach it is left within about a second). They are asked one at a time, the one that
+///   answered last first, each within twice the timeout. The `redis` crate checks that the
+///   server named answers `ROLE` as a master (on a connection of its own, opened for that).
+///   Each server named gets its own connection and circuit breaker: once the sentinels have
+///   promoted a replica, checks go to it, whose breaker starts closed, while the failed
+///   master's breaker stays open. No restart is needed. Until the promotion (the sentinels'
+///   `down-after-milliseconds`, then their election and the promotion: about a second with
+///   500 ms), checks are decided as in any outage, by the local fallback or the layer's
+///   failure policy; after it, by Redis again within about 100 ms plus a connection (the tests
+///   hold every check to it from 1 s after the sentinels named the new master).
+///
+///   **Limits across a failover.** Redis replicates asynchronously: charges the old master had
+///   acknowledged but not yet sent to its replica are lost when the replica is promoted, and
+///   the keys they were made on admit those requests again. That over-admission is bounded by
+///   what the old master admitted in its last replication lag: under a millisecond of traffic
+///   on a healthy link, but everything since the link broke on a broken one, unless the
+///   master is set to refuse writes then (`min-replicas-to-write 1` with
+///   `min-replicas-max-lag` of n seconds caps it at about n seconds of traffic; refused writes
+///   are failures, and the fallback or failure policy decides). Concurrency slots taken in
+///   that lag are lost the same way (more requests in flight), and slots released in it come
+///   back only when their leases expire. On top of that comes what the local fallback admits
+///   during the outage (each instance on its own, see [`fallback`](RedisStoreBuilder::fallback)).
+///   The store does not wait for replication (`WAIT`), which would add a round trip to the
+///   replica to every check.
+///
+/// Works with Redis 6.2+, Valkey 7.2+, Redis Cluster and Redis Sentinel; the server's kind and
+/// version are logged when a connection opens. The tests run against redis-server 7.0, a
+/// three-master Redis Cluster, valkey-server 8.0, and a master with one replica watched by
+/// three sentinels (redis-server 7.0 `--sentinel`).
 ///
 /// Clones share the connections, the breakers and the fallback.
 ///
@@ -1082,8 +1113,10 @@ impl RedisStoreBuilder {
     /// While the server keeps answering, a check late only because this machine is busy waits
     /// for its turn, up to ten times this (see [`RedisStore`], "Timeouts, per check"). The
     /// circuit breaker counts a script call as failed when the server has not replied within
-    /// twice this of its sending. [`RedisStore::connect`] and reading a Cluster's slots each
-    /// take at most this.
+    /// twice this of its sending. [`RedisStore::connect`], reading a Cluster's slots and, on
+    /// first use, asking Redis Sentinel for the master each take at most this (a check made
+    /// before the sentinels answered waits for them within its own timeout); later, each
+    /// sentinel is given twice this to answer.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
