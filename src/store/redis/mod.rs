@@ -531,16 +531,6 @@ impl RedisStore {
     }
 }
 
-/// How to connect to the servers the sentinels name, from `info` (its host and port unused).
-fn sentinel_servers(info: ConnectionInfo) -> SentinelNodeConnectionInfo {
-    let tls_mode = match info.addr {
-        ConnectionAddr::TcpTls { insecure: true, .. } => Some(redis::TlsMode::Insecure),
-        ConnectionAddr::TcpTls { insecure: false, .. } => Some(redis::TlsMode::Secure),
-        _ => None,
-    };
-    SentinelNodeConnectionInfo { tls_mode, redis_connection_info: Some(info.redis) }
-}
-
 /// `host:port` of a connection's address.
 fn addr_of(info: &ConnectionInfo) -> String {
     match &info.addr {
@@ -1216,7 +1206,7 @@ impl RedisStoreBuilder {
                     .as_str()
                     .into_connection_info()
                     .map_err(|e| invalid("master_url", e.to_string()))?;
-                sentinel_servers(info)
+                sentinel::servers(info)
             }
             (_, None) => SentinelNodeConnectionInfo::default(),
         };

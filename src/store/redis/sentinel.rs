@@ -23,8 +23,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
-use redis::ConnectionInfo;
 use redis::sentinel::{Sentinel, SentinelNodeConnectionInfo};
+use redis::{ConnectionAddr, ConnectionInfo, TlsMode};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -37,6 +37,16 @@ pub(crate) const RETRY: Duration = Duration::from_millis(100);
 
 /// While the master answers, the sentinels are asked again this often.
 pub(crate) const REFRESH: Duration = Duration::from_secs(1);
+
+/// How to connect to the servers the sentinels name, from `info` (its host and port unused).
+pub(crate) fn servers(info: ConnectionInfo) -> SentinelNodeConnectionInfo {
+    let tls_mode = match info.addr {
+        ConnectionAddr::TcpTls { insecure: true, .. } => Some(TlsMode::Insecure),
+        ConnectionAddr::TcpTls { insecure: false, .. } => Some(TlsMode::Secure),
+        _ => None,
+    };
+    SentinelNodeConnectionInfo { tls_mode, redis_connection_info: Some(info.redis) }
+}
 
 /// A master known by its name to a set of sentinels.
 pub(crate) struct Watched {
@@ -251,5 +261,24 @@ impl Watched {
             asking.error = found.err();
         }
         self.asked.send_modify(|n| *n = n.wrapping_add(1));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use redis::IntoConnectionInfo;
+
+    use super::*;
+
+    #[test]
+    fn the_master_url_gives_the_servers_user_password_and_database() {
+        let info = "redis://user:pass@master:1234/3".into_connection_info().unwrap();
+        let servers = servers(info);
+        assert!(servers.tls_mode.is_none());
+        let redis = servers.redis_connection_info.unwrap();
+        assert_eq!(
+            (redis.db, redis.username.as_deref(), redis.password.as_deref()),
+            (3, Some("user"), Some("pass"))
+        );
     }
 }
