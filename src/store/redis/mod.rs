@@ -135,8 +135,9 @@ use crate::quota::{Kind, Policy};
 ///   acknowledged but not yet sent to its replica are lost when the replica is promoted, and
 ///   the keys they were made on admit those requests again. That over-admission is bounded by
 ///   what the old master admitted in its last replication lag: under a millisecond of traffic
-///   on a healthy link, but everything since the link broke on a broken one, unless the
-///   master is set to refuse writes then (`min-replicas-to-write 1` with
+///   on a healthy link (the tests kill the master under load on loopback and hold the loss to
+///   what it admitted in its last 10 ms), but everything since the link broke on a broken
+///   one, unless the master is set to refuse writes then (`min-replicas-to-write 1` with
 ///   `min-replicas-max-lag` of n seconds caps it at about n seconds of traffic; refused writes
 ///   are failures, and the fallback or failure policy decides). Concurrency slots taken in
 ///   that lag are lost the same way (more requests in flight), and slots released in it come
