@@ -1,11 +1,14 @@
 //! Throw-away Redis servers for tests: each on a free 127.0.0.1 port with `--save ""` and its
 //! own temp dir, killed (and the dir removed) on drop. Never port 6379, never off loopback.
+//! Standalone servers, a three-master Redis Cluster, and a master with a replica watched by
+//! three sentinels ([`Sentinels`]).
 //!
 //! When the server binary is missing the test is skipped with a note on stderr, except under
 //! `CI=true`, where that is a failure (`.ci/run` installs it) — for `valkey-server` only when
 //! `.ci/run` could install it (else it sets `TOLLGATE_VALKEY_OPTIONAL=1` and the Valkey tests
 //! report that they were skipped, and why).
 
+use std::collections::HashMap;
 use std::io::Write as _;
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -48,10 +51,25 @@ fn free_port() -> u16 {
     l.local_addr().expect("local addr").port()
 }
 
+/// What a server process is.
+#[derive(Debug, Clone)]
+enum Role {
+    Standalone,
+    ClusterNode,
+    /// A replica of the server on this loopback port.
+    ReplicaOf(u16),
+    /// A sentinel watching the master on this loopback port under this name.
+    Sentinel {
+        name: String,
+        master: u16,
+    },
+}
+
 /// One server process.
 pub struct Server {
     bin: String,
     pub port: u16,
+    role: Role,
     cluster_port: Option<u16>,
     dir: PathBuf,
     child: Option<Child>,
@@ -60,10 +78,10 @@ pub struct Server {
 impl Server {
     /// Starts `bin` (`redis-server` or `valkey-server`), or `None` when it is not installed.
     pub fn start(bin: &str) -> Option<Self> {
-        available(bin).then(|| Self::start_with(bin, false))
+        available(bin).then(|| Self::start_with(bin, Role::Standalone))
     }
 
-    fn start_with(bin: &str, cluster: bool) -> Self {
+    fn start_with(bin: &str, role: Role) -> Self {
         let mut last = String::new();
         for _ in 0..5 {
             let n = NEXT_DIR.fetch_add(1, Ordering::Relaxed);
@@ -73,7 +91,8 @@ impl Server {
             let mut s = Self {
                 bin: bin.to_owned(),
                 port: free_port(),
-                cluster_port: cluster.then(free_port),
+                cluster_port: matches!(role, Role::ClusterNode).then(free_port),
+                role: role.clone(),
                 dir,
                 child: None,
             };
@@ -88,12 +107,31 @@ impl Server {
     fn spawn(&mut self) -> Result<(), String> {
         assert_ne!(self.port, 6379, "never the default Redis port");
         let mut cmd = Command::new(&self.bin);
-        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", ""])
-            .args(["--appendonly", "no", "--daemonize", "no"])
-            .arg("--dir")
-            .arg(&self.dir)
-            .arg("--logfile")
-            .arg(self.dir.join("server.log"));
+        if let Role::Sentinel { name, master } = &self.role {
+            // A sentinel runs from a config file of its own, which it rewrites.
+            let conf = self.dir.join("sentinel.conf");
+            let text = format!(
+                "port {port}\nbind 127.0.0.1\ndaemonize no\ndir {dir}\nlogfile {log}\n\
+                 sentinel monitor {name} 127.0.0.1 {master} 2\n\
+                 sentinel down-after-milliseconds {name} 500\n\
+                 sentinel failover-timeout {name} 2000\n",
+                port = self.port,
+                dir = self.dir.display(),
+                log = self.dir.join("server.log").display(),
+            );
+            std::fs::write(&conf, text).map_err(|e| format!("write {conf:?}: {e}"))?;
+            cmd.arg(&conf).arg("--sentinel");
+        } else {
+            cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+                .args(["--appendonly", "no", "--daemonize", "no"])
+                .arg("--dir")
+                .arg(&self.dir)
+                .arg("--logfile")
+                .arg(self.dir.join("server.log"));
+        }
+        if let Role::ReplicaOf(master) = self.role {
+            cmd.args(["--replicaof", "127.0.0.1", &master.to_string()]);
+        }
         if let Some(bus) = self.cluster_port {
             cmd.args(["--cluster-enabled", "yes", "--cluster-config-file"])
                 .arg(self.dir.join("nodes.conf"))
@@ -118,6 +156,11 @@ impl Server {
         }
         self.kill();
         Err(format!("{} did not answer PING within 10 s; log:\n{}", self.bin, self.log()))
+    }
+
+    /// `127.0.0.1:{port}`.
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
     }
 
     /// `redis://127.0.0.1:{port}/`.
@@ -199,7 +242,8 @@ impl Cluster {
         if !available("redis-server") || !available("redis-cli") {
             return None;
         }
-        let nodes: Vec<Server> = (0..3).map(|_| Server::start_with("redis-server", true)).collect();
+        let nodes: Vec<Server> =
+            (0..3).map(|_| Server::start_with("redis-server", Role::ClusterNode)).collect();
         let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
         let out = Command::new("redis-cli")
             .args(["--cluster", "create"])
@@ -246,5 +290,86 @@ impl Cluster {
             .iter()
             .find(|n| redis::cmd("EXISTS").arg(key).query::<i64>(&mut n.conn()).is_ok())
             .expect("some node serves the slot")
+    }
+}
+
+/// A Redis master, one replica of it (`--replicaof`), and three sentinels watching it (quorum
+/// 2, `down-after-milliseconds` 500, `failover-timeout` 2000), each sentinel with its own
+/// config file in its own temp dir.
+pub struct Sentinels {
+    pub master: Server,
+    pub replica: Server,
+    pub sentinels: Vec<Server>,
+    /// The name the sentinels know the master by.
+    pub name: String,
+}
+
+impl Sentinels {
+    /// Starts them and waits (up to 20 s) until the replica is in sync and every sentinel
+    /// knows the replica and the two other sentinels (so that a failover can happen), or
+    /// `None` when Redis is not installed.
+    pub fn start() -> Option<Self> {
+        if !available("redis-server") {
+            return None;
+        }
+        let name = "tollgate-test".to_owned();
+        let master = Server::start_with("redis-server", Role::Standalone);
+        let replica = Server::start_with("redis-server", Role::ReplicaOf(master.port));
+        let sentinels = (0..3)
+            .map(|_| {
+                let role = Role::Sentinel { name: name.clone(), master: master.port };
+                Server::start_with("redis-server", role)
+            })
+            .collect();
+        let group = Self { master, replica, sentinels, name };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !group.ready() {
+            assert!(
+                Instant::now() < deadline,
+                "sentinels not ready in 20 s; sentinel log:\n{}",
+                group.sentinels[0].log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(group)
+    }
+
+    fn ready(&self) -> bool {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut self.replica.conn())
+            .unwrap_or_default();
+        info.contains("master_link_status:up")
+            && self.sentinels.iter().all(|s| {
+                let fields: HashMap<String, String> = redis::cmd("SENTINEL")
+                    .arg("MASTER")
+                    .arg(&self.name)
+                    .query(&mut s.conn())
+                    .unwrap_or_default();
+                let field = |k: &str| fields.get(k).map_or("", String::as_str);
+                field("flags") == "master"
+                    && field("num-slaves") == "1"
+                    && field("num-other-sentinels") == "2"
+            })
+    }
+
+    /// The sentinels' URLs.
+    pub fn urls(&self) -> Vec<String> {
+        self.sentinels.iter().map(Server::url).collect()
+    }
+
+    /// The master's `host:port` as `sentinel` reports it (`SENTINEL GET-MASTER-ADDR-BY-NAME`).
+    pub fn master_addr(&self, sentinel: usize) -> Option<String> {
+        let reply: Option<(String, u16)> = redis::cmd("SENTINEL")
+            .arg("GET-MASTER-ADDR-BY-NAME")
+            .arg(&self.name)
+            .query(&mut self.sentinels[sentinel].conn())
+            .ok()?;
+        reply.map(|(host, port)| format!("{host}:{port}"))
+    }
+
+    /// The sentinels' logs, for panic messages.
+    pub fn logs(&self) -> String {
+        self.sentinels.iter().map(|s| format!("--- sentinel {}\n{}", s.port, s.log())).collect()
     }
 }

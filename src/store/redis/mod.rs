@@ -6,12 +6,14 @@ mod health;
 mod io;
 mod node;
 mod script;
+mod sentinel;
 
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
+use redis::sentinel::SentinelNodeConnectionInfo;
 use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo};
 use tokio::sync::oneshot;
 
@@ -114,9 +116,41 @@ use crate::quota::{Kind, Policy};
 ///   [`StoreError`], and the layer fails closed or, by explicit choice, open
 ///   ([`OnStoreError`](crate::OnStoreError)).
 ///
-/// Works with Redis 6.2+, Valkey 7.2+ and Redis Cluster; the server's kind and version are
-/// logged when a connection opens. The tests run against redis-server 7.0, a three-master
-/// Redis Cluster and valkey-server 8.0.
+/// - **Redis Sentinel.** [`RedisStore::sentinel_builder`] finds the master through Redis
+///   Sentinel (with the `redis` crate's sentinel support). The sentinels are asked which server
+///   is the master on first use, again as soon as a check on it fails (no reply, a refused
+///   connection, its breaker open, `READONLY` from a master demoted to a replica; at most every
+///   100 ms), and every second otherwise (so that a master demoted while this process could
+///   still reach it is left within about a second). They are asked one at a time, the one that
+///   answered last first, each within twice the timeout. The `redis` crate checks that the
+///   server named answers `ROLE` as a master (on a connection of its own, opened for that).
+///   Each server named gets its own connection and circuit breaker: once the sentinels have
+///   promoted a replica, checks go to it, whose breaker starts closed, while the failed
+///   master's breaker stays open. No restart is needed. Until the promotion (the sentinels'
+///   `down-after-milliseconds`, then their election and the promotion: about a second with
+///   500 ms), checks are decided as in any outage, by the local fallback or the layer's
+///   failure policy; after it, by Redis again within about 100 ms plus a connection (the tests
+///   hold every check to it from 1 s after the sentinels named the new master).
+///
+///   **Limits across a failover.** Redis replicates asynchronously: charges the old master had
+///   acknowledged but not yet sent to its replica are lost when the replica is promoted, and
+///   the keys they were made on admit those requests again. That over-admission is bounded by
+///   what the old master admitted in its last replication lag: under a millisecond of traffic
+///   on a healthy link (the tests kill the master under load on loopback and hold the loss to
+///   what it admitted in its last 10 ms), but everything since the link broke on a broken
+///   one, unless the master is set to refuse writes then (`min-replicas-to-write 1` with
+///   `min-replicas-max-lag` of n seconds caps it at about n seconds of traffic; refused writes
+///   are failures, and the fallback or failure policy decides). Concurrency slots taken in
+///   that lag are lost the same way (more requests in flight), and slots released in it come
+///   back only when their leases expire. On top of that comes what the local fallback admits
+///   during the outage (each instance on its own, see [`fallback`](RedisStoreBuilder::fallback)).
+///   The store does not wait for replication (`WAIT`), which would add a round trip to the
+///   replica to every check.
+///
+/// Works with Redis 6.2+, Valkey 7.2+, Redis Cluster and Redis Sentinel; the server's kind and
+/// version are logged when a connection opens. The tests run against redis-server 7.0, a
+/// three-master Redis Cluster, valkey-server 8.0, and a master with one replica watched by
+/// three sentinels (redis-server 7.0 `--sentinel`).
 ///
 /// Clones share the connections, the breakers and the fallback.
 ///
@@ -153,6 +187,8 @@ struct Inner {
 enum Topology {
     Single(Arc<Node>),
     Cluster(Cluster),
+    /// A master found through Redis Sentinel.
+    Sentinel(Arc<sentinel::Watched>),
 }
 
 /// A Redis Cluster's masters, found from its seed nodes.
@@ -169,6 +205,7 @@ impl fmt::Debug for RedisStore {
         let i = &self.inner;
         f.debug_struct("RedisStore")
             .field("cluster", &matches!(i.topology, Topology::Cluster(_)))
+            .field("sentinel", &matches!(i.topology, Topology::Sentinel(_)))
             .field("prefix", &i.prefix)
             .field("key_names", &i.key_names)
             .field("server_time", &i.settings.clock.is_none())
@@ -356,16 +393,55 @@ impl RedisStore {
         RedisStoreBuilder::new(nodes.into_iter().map(Into::into).collect(), true)
     }
 
+    /// Starts configuring a store on the master that Redis Sentinel knows as `master_name`,
+    /// given the URLs of one or more sentinels (`"redis://127.0.0.1:26379/"`; a user and
+    /// password in a URL are that sentinel's). The store asks them which server is the master
+    /// on first use, and again when checks on it fail, so it follows a failover without a
+    /// restart (see [`RedisStore`], "Redis Sentinel"). How to connect to the servers they name
+    /// (TLS, user, password, database) is given by
+    /// [`master_url`](RedisStoreBuilder::master_url).
+    ///
+    /// [`build`](RedisStoreBuilder::build) fails with [`ConfigError::Invalid`] on `url` when
+    /// no sentinel is given or one cannot be parsed, and on `master_name` when it is empty.
+    ///
+    /// ```no_run
+    /// use tollgate::store::RedisStore;
+    ///
+    /// # fn main() -> Result<(), tollgate::ConfigError> {
+    /// let store = RedisStore::sentinel_builder(
+    ///     ["redis://10.0.0.1:26379/", "redis://10.0.0.2:26379/", "redis://10.0.0.3:26379/"],
+    ///     "limits",
+    /// )
+    /// .master_url("redis://:s3cr3t@master/0")
+    /// .build()?;
+    /// # let _ = store; Ok(()) }
+    /// ```
+    pub fn sentinel_builder<I>(sentinels: I, master_name: impl Into<String>) -> RedisStoreBuilder
+    where
+        I: IntoIterator,
+        I::Item: Into<String>,
+    {
+        let mut builder =
+            RedisStoreBuilder::new(sentinels.into_iter().map(Into::into).collect(), false);
+        builder.sentinel = Some(master_name.into());
+        builder
+    }
+
     /// Opens the connections now (and loads the scripts), instead of on the first request, and
-    /// logs each server's kind and version.
+    /// logs each server's kind and version. Through Redis Sentinel, asks the sentinels for the
+    /// master first, and connects to it.
     ///
     /// # Errors
-    /// [`StoreError::Backend`] when a server refuses, [`StoreError::Timeout`] when one does not
-    /// answer within the store's timeout.
+    /// [`StoreError::Backend`] when a server refuses (or no sentinel names the master),
+    /// [`StoreError::Timeout`] when one does not answer within the store's timeout.
     pub async fn connect(&self) -> Result<(), StoreError> {
         let inner = &self.inner;
         let nodes = match &inner.topology {
             Topology::Single(node) => vec![Arc::clone(node)],
+            Topology::Sentinel(watched) => {
+                let deadline = health::later(tokio::time::Instant::now(), inner.settings.timeout);
+                vec![watched.master(deadline).await?]
+            }
             Topology::Cluster(cluster) => {
                 let map = inner.slot_map(cluster).await?;
                 map.nodes()
@@ -390,10 +466,14 @@ impl RedisStore {
         Ok(())
     }
 
-    /// The circuit breaker's state now: of the server, or on Redis Cluster the most open of the
-    /// masters' breakers (see [`breaker_states`](Self::breaker_states)).
+    /// The circuit breaker's state now: of the server, on Redis Cluster the most open of the
+    /// masters' breakers (see [`breaker_states`](Self::breaker_states)), through Redis Sentinel
+    /// that of the master the sentinels named last (`Closed` before they named one).
     #[must_use]
     pub fn breaker_state(&self) -> BreakerState {
+        if let Topology::Sentinel(watched) = &self.inner.topology {
+            return watched.current().map_or(BreakerState::Closed, |n| n.breaker_state());
+        }
         let states = self.breaker_states();
         if states.iter().any(|(_, s)| *s == BreakerState::Open) {
             BreakerState::Open
@@ -417,17 +497,31 @@ impl RedisStore {
                 .values()
                 .filter_map(|n| n.info())
                 .collect(),
+            Topology::Sentinel(watched) => {
+                watched.nodes().iter().filter_map(|n| n.info()).collect()
+            }
         };
         out.sort_by(|a, b| a.addr.cmp(&b.addr));
         out
     }
 
     /// Each server's circuit breaker (`host:port`, state): one for a standalone server, one per
-    /// master known so far on Redis Cluster.
+    /// master known so far on Redis Cluster, one per server the sentinels have named as master
+    /// so far through Redis Sentinel (a failed master's breaker stays open, or half-open, as
+    /// checks have left it).
     #[must_use]
     pub fn breaker_states(&self) -> Vec<(String, BreakerState)> {
         match &self.inner.topology {
             Topology::Single(node) => vec![(node.addr.to_string(), node.breaker_state())],
+            Topology::Sentinel(watched) => {
+                let mut states: Vec<_> = watched
+                    .nodes()
+                    .iter()
+                    .map(|n| (n.addr.to_string(), n.breaker_state()))
+                    .collect();
+                states.sort_by(|a, b| a.0.cmp(&b.0));
+                states
+            }
             Topology::Cluster(cluster) => {
                 let nodes = cluster.nodes.read().unwrap_or_else(PoisonError::into_inner);
                 let mut states: Vec<_> =
@@ -555,6 +649,7 @@ impl Inner {
         let deadline = health::later(tokio::time::Instant::now(), timeout);
         let (node, slot) = match &self.topology {
             Topology::Single(node) => (Arc::clone(node), 0),
+            Topology::Sentinel(watched) => (watched.master(deadline).await?, 0),
             Topology::Cluster(cluster) => {
                 let slot = cluster::slot(&keys[0]);
                 let map = tokio::time::timeout_at(deadline, self.slot_map(cluster))
@@ -580,6 +675,10 @@ impl Inner {
             answer: tx,
         });
         let answer = node.wait(deadline, rx).await;
+        if let (Err(_), Topology::Sentinel(watched)) = (&answer, &self.topology) {
+            // The master may have failed, or been demoted (`READONLY`): ask the sentinels.
+            watched.suspect();
+        }
         if let (Err(StoreError::Backend(e)), Topology::Cluster(cluster)) = (&answer, &self.topology)
         {
             // A redirection: the slots moved. Read them again for the next call.
@@ -876,12 +975,18 @@ impl RedisStore {
     }
 }
 
-/// Configures a [`RedisStore`]; see [`RedisStore::builder`] and [`RedisStore::cluster_builder`].
-/// Setters only collect values; [`build`](Self::build) checks them.
+/// Configures a [`RedisStore`]; see [`RedisStore::builder`], [`RedisStore::cluster_builder`]
+/// and [`RedisStore::sentinel_builder`]. Setters only collect values; [`build`](Self::build)
+/// checks them.
 #[must_use]
 pub struct RedisStoreBuilder {
+    /// The server's URL, the Cluster's seeds, or the sentinels.
     nodes: Vec<String>,
     cluster: bool,
+    /// The master's name, through Redis Sentinel.
+    sentinel: Option<String>,
+    /// How to connect to the servers the sentinels name.
+    master_url: Option<String>,
     prefix: String,
     /// The secret state keys are hashed with; `None` names them by the raw key.
     key_secret: Option<Vec<u8>>,
@@ -897,6 +1002,7 @@ impl fmt::Debug for RedisStoreBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisStoreBuilder")
             .field("cluster", &self.cluster)
+            .field("sentinel", &self.sentinel)
             .field("prefix", &self.prefix)
             .field("raw_keys", &self.key_secret.is_none())
             .field("timeout", &self.timeout)
@@ -909,6 +1015,8 @@ impl RedisStoreBuilder {
         Self {
             nodes,
             cluster,
+            sentinel: None,
+            master_url: None,
             prefix: "tollgate:".to_owned(),
             key_secret: Some(script::DEFAULT_KEY_SECRET.to_vec()),
             clock: None,
@@ -918,6 +1026,19 @@ impl RedisStoreBuilder {
             open_for: Duration::from_millis(500),
             fallback: Some(MemoryStore::new()),
         }
+    }
+
+    /// Through Redis Sentinel ([`RedisStore::sentinel_builder`]), how to connect to the servers
+    /// the sentinels name: the scheme of `url` (`redis`, or `rediss` for TLS), its user,
+    /// password and database number (`redis://user:password@master/2`). Its host and port are
+    /// not used (the sentinels give them). By default, plain TCP, no password, database 0.
+    ///
+    /// [`build`](Self::build) fails with [`ConfigError::Invalid`] on `master_url` when the
+    /// `redis` crate cannot parse `url`, or when the store is not built with
+    /// [`RedisStore::sentinel_builder`].
+    pub fn master_url(mut self, url: impl Into<String>) -> Self {
+        self.master_url = Some(url.into());
+        self
     }
 
     /// Prefix of every key (default `"tollgate:"`). Must not contain `{` or `}` (they would
@@ -984,8 +1105,10 @@ impl RedisStoreBuilder {
     /// While the server keeps answering, a check late only because this machine is busy waits
     /// for its turn, up to ten times this (see [`RedisStore`], "Timeouts, per check"). The
     /// circuit breaker counts a script call as failed when the server has not replied within
-    /// twice this of its sending. [`RedisStore::connect`] and reading a Cluster's slots each
-    /// take at most this.
+    /// twice this of its sending. [`RedisStore::connect`], reading a Cluster's slots and, on
+    /// first use, asking Redis Sentinel for the master each take at most this (a check made
+    /// before the sentinels answered waits for them within its own timeout); later, each
+    /// sentinel is given twice this to answer.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -1028,9 +1151,10 @@ impl RedisStoreBuilder {
     ///
     /// # Errors
     /// [`ConfigError::Invalid`] naming the setting: `url` (none, several for a standalone
-    /// server, or one the `redis` crate cannot parse), `prefix` (with `{` or `}`), `timeout`
-    /// (under 1 ms), `circuit_breaker` (a threshold of 0 or an open period under 1 ms),
-    /// `key_secret` (empty).
+    /// server, or one the `redis` crate cannot parse), `master_name` (empty), `master_url` (one
+    /// the `redis` crate cannot parse, or given without Sentinel), `prefix` (with `{` or `}`),
+    /// `timeout` (under 1 ms), `circuit_breaker` (a threshold of 0 or an open period under
+    /// 1 ms), `key_secret` (empty).
     pub fn build(self) -> Result<RedisStore, ConfigError> {
         let invalid = |setting, reason: String| ConfigError::Invalid { setting, reason };
         if self.prefix.contains(['{', '}']) {
@@ -1069,8 +1193,33 @@ impl RedisStoreBuilder {
             open_for: self.open_for,
             io: io::Io::new(),
         });
+        let servers = match (&self.sentinel, &self.master_url) {
+            (Some(name), _) if name.is_empty() => {
+                return Err(invalid("master_name", "must not be empty".into()));
+            }
+            (None, Some(_)) => {
+                return Err(invalid(
+                    "master_url",
+                    "is for a store built with RedisStore::sentinel_builder".into(),
+                ));
+            }
+            (_, Some(url)) => {
+                let info = url
+                    .as_str()
+                    .into_connection_info()
+                    .map_err(|e| invalid("master_url", e.to_string()))?;
+                sentinel::servers(info)
+            }
+            (_, None) => SentinelNodeConnectionInfo::default(),
+        };
         let topology = match (self.cluster, infos.as_slice()) {
             (_, []) => return Err(invalid("url", "no redis url given".into())),
+            (false, _) if self.sentinel.is_some() => {
+                let name = self.sentinel.as_deref().unwrap_or_default();
+                let watched = sentinel::Watched::new(name, infos, servers, Arc::clone(&settings))
+                    .map_err(|e| invalid("url", e.to_string()))?;
+                Topology::Sentinel(Arc::new(watched))
+            }
             (false, [info]) => {
                 let client =
                     redis::Client::open(info.clone()).map_err(|e| invalid("url", e.to_string()))?;
