@@ -17,8 +17,8 @@ use tollgate::config::{ConfigFileError, LimitsConfig, LimitsLayer};
 use tollgate::key::Key;
 use tollgate::store::{Check, MemoryStore};
 use tollgate::{
-    Algorithm, Calendar, CalendarPeriod, Concurrency, ConfigError, Decision, Policy, Quota,
-    RequestBody, Unit, Usage,
+    Algorithm, Calendar, CalendarPeriod, Concurrency, ConfigError, Decision, Penalty, Policy,
+    Quota, RequestBody, Unit, Usage,
 };
 use tower::{Layer, ServiceExt, service_fn};
 
@@ -206,6 +206,68 @@ tiers = [
     }
 }
 
+/// A penalty box (`block`, `block_after`, `block_window`) on a rate and a calendar tier reads
+/// as the policy built with `PolicyBuilder::penalty`, and decides like it; its settings are
+/// checked at their place.
+#[test]
+fn a_penalty_box_reads_as_the_policy_built_in_code() {
+    let config = load(
+        r#"
+[policies.login]
+[[policies.login.tiers]]
+name = "per-minute"
+count = 2
+period = "1m"
+block = "15m"
+[[policies.login.tiers]]
+name = "daily"
+kind = "calendar"
+count = 5
+period = "day"
+block = "1h"
+block_after = 3
+block_window = "10m"
+"#,
+    );
+    let minute = Duration::from_secs(60);
+    let login = Policy::builder("login")
+        .tier("per-minute", Quota::per_minute(2))
+        .penalty("per-minute", Penalty::new(15 * minute))
+        .calendar("daily", Calendar::per_day(5))
+        .penalty("daily", Penalty::new(60 * minute).after(3, 10 * minute))
+        .build()
+        .unwrap();
+    let read = config.policy("login").unwrap();
+    assert_eq!(read, &login);
+    let decisions = same_decisions(read, &login, "2025-03-30T00:30:00Z", 400);
+    assert!(decisions.iter().any(Decision::is_allowed));
+    assert!(decisions.iter().any(|d| !d.is_allowed()));
+
+    let e = error(
+        "[policies.p]\ntiers = [{ name = \"r\", count = 5, period = \"1m\", block_after = 2 }]\n",
+    );
+    assert_eq!(place(&e), (Some(2), Some(64), Some("policies.p.tiers[0].block_after")));
+    assert_eq!(
+        e.message(),
+        "`block_after` sets a penalty box, which needs `block` (how long a breach blocks)"
+    );
+    let e = error(
+        "[policies.p]\ntiers = [{ name = \"r\", count = 5, period = \"1m\", block = \"1m\", block_after = 2 }]\n",
+    );
+    assert_eq!(place(&e), (Some(2), Some(19), Some("policies.p.tiers[0].block_window")));
+    let e = error(
+        "[policies.p]\ntiers = [{ name = \"c\", kind = \"concurrency\", max = 2, block = \"1m\" }]\n",
+    );
+    assert_eq!(place(&e).2, Some("policies.p.tiers[0].block"));
+    assert!(e.message().starts_with("a concurrency tier has no `block` (rate and calendar"));
+    // Out of range (the builder's refusal), at the box's first field.
+    let e = error(
+        "[policies.p]\ntiers = [{ name = \"r\", count = 5, period = \"1m\", block = \"1m\", block_after = 5000, block_window = \"1m\" }]\n",
+    );
+    assert_eq!(place(&e), (Some(2), Some(58), Some("policies.p.tiers[0].block")));
+    assert!(e.to_string().contains("penalty"), "{e}");
+}
+
 /// A field of another kind, or a kind's required field left out, is refused at its place.
 #[test]
 fn a_field_of_another_kind_is_refused_where_it_is() {
@@ -224,7 +286,7 @@ fn a_field_of_another_kind_is_refused_where_it_is() {
     assert_eq!(
         e.message(),
         "a calendar tier has no `lease` (concurrency tiers have it); it takes count, period, \
-         time_zone, unit"
+         time_zone, unit, block, block_after, block_window"
     );
     let e = error(
         "[policies.p]\ntiers = [{ name = \"r\", count = 5, period = \"1m\", time_zone = \"Europe/Berlin\" }]\n",

@@ -20,7 +20,7 @@ use crate::headers::{HeaderFormat, HeaderStyle};
 use crate::key::ForwardedHeader;
 use crate::layer::{LogKeys, MissingKey, OnStoreError, RateLimitLayer, Unselected};
 use crate::limiter::Limiter;
-use crate::quota::{Algorithm, Calendar, Concurrency, Policy, PolicyBuilder, Quota, Unit};
+use crate::quota::{Algorithm, Calendar, Concurrency, Penalty, Policy, PolicyBuilder, Quota, Unit};
 use crate::store::{Carry, Store};
 
 /// A checked policy, with the places of its values.
@@ -174,9 +174,13 @@ fn policy(
 /// The fields each kind of tier takes, after `name` and `kind`.
 const fn kind_fields(kind: TierKindName) -> &'static [&'static str] {
     match kind {
-        TierKindName::Rate => &["count", "period", "burst", "unit"],
+        TierKindName::Rate => {
+            &["count", "period", "burst", "unit", "block", "block_after", "block_window"]
+        }
         TierKindName::Concurrency => &["max", "lease", "typical_hold"],
-        TierKindName::Calendar => &["count", "period", "time_zone", "unit"],
+        TierKindName::Calendar => {
+            &["count", "period", "time_zone", "unit", "block", "block_after", "block_window"]
+        }
     }
 }
 
@@ -206,6 +210,9 @@ fn tier(
         ("max", t.max.as_ref().map(Spanned::span)),
         ("lease", t.lease.as_ref().map(Spanned::span)),
         ("typical_hold", t.typical_hold.as_ref().map(Spanned::span)),
+        ("block", t.block.as_ref().map(Spanned::span)),
+        ("block_after", t.block_after.as_ref().map(Spanned::span)),
+        ("block_window", t.block_window.as_ref().map(Spanned::span)),
     ];
     let takes = kind_fields(kind);
     for (field, span) in given {
@@ -235,6 +242,35 @@ fn tier(
     };
     let name = t.name.into_inner();
     let unit = t.unit.map_or(Unit::Requests, |u| u.into_inner().0);
+    // The penalty box of a rate or calendar tier: `block`, and with `block_after` above 1,
+    // `block_window`.
+    let penalty = match (t.block, t.block_after, t.block_window) {
+        (None, None, None) => None,
+        (None, Some(s), _) => {
+            return Err(err(&s.span(), "block_after", needs_block("block_after")));
+        }
+        (None, None, Some(s)) => {
+            return Err(err(&s.span(), "block_window", needs_block("block_window")));
+        }
+        (Some(block), after, window) => {
+            let mut p = Penalty::new(block.into_inner().0);
+            match (after.map(Spanned::into_inner), window) {
+                (None | Some(1), None) => {}
+                (Some(n), Some(w)) => p = p.after(n, w.into_inner().0),
+                (None, Some(w)) => p = p.after(1, w.into_inner().0),
+                (Some(_), None) => {
+                    return Err(err(
+                        &name_span,
+                        "block_window",
+                        "missing field `block_window`: `block_after` above 1 counts breaches \
+                         within it"
+                            .to_owned(),
+                    ));
+                }
+            }
+            Some(p)
+        }
+    };
     let builder = match kind {
         TierKindName::Rate => {
             let count = t.count.ok_or_else(|| missing("count"))?;
@@ -269,6 +305,10 @@ fn tier(
             }
             builder.calendar(name.clone(), quota)
         }
+    };
+    let builder = match penalty {
+        Some(p) => builder.penalty(name.clone(), p),
+        None => builder,
     };
     Ok((builder, TierSpans { name, kind, fields }))
 }
@@ -309,6 +349,9 @@ impl PolicyPlaces {
             }
             ConfigError::LeaseOutOfRange { tier, .. } => at(tier, 0, &["lease"]),
             ConfigError::UnknownTimeZone { tier, .. } => at(tier, 0, &["time_zone"]),
+            ConfigError::Penalty { tier, .. } => {
+                at(tier, 0, &["block", "block_after", "block_window"])
+            }
             ConfigError::DuplicateTier(tier) => at(tier, 1, &["name"]),
             ConfigError::NoTiers(_) => {
                 Some((self.tiers_span.clone(), format!("{}.tiers", self.path)))
@@ -322,6 +365,11 @@ impl PolicyPlaces {
         let (span, field) = found.unwrap_or_else(|| (self.span.clone(), self.path.clone()));
         src.caused(&span, field, e)
     }
+}
+
+/// The message for a penalty setting given without `block`.
+fn needs_block(field: &str) -> String {
+    format!("`{field}` sets a penalty box, which needs `block` (how long a breach blocks)")
 }
 
 /// "no policy named ..." with the names there are.

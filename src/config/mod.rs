@@ -186,6 +186,36 @@
 //! # Ok::<(), tollgate::ConfigError>(())
 //! ```
 //!
+//! A rate or calendar tier may carry a penalty box ([`Penalty`](crate::Penalty)): `block`, how
+//! long a key that breaches the tier is refused (a duration); `block_after`, the breaches that
+//! start a block (default 1), and `block_window`, the window they are counted in (needed when
+//! `block_after` is above 1).
+//!
+//! ```toml
+//! [policies.login]
+//! [[policies.login.tiers]]
+//! name = "per-minute"
+//! count = 10
+//! period = "1m"
+//! block = "15m"                 # refused for 15 minutes from the 3rd breach within a minute
+//! block_after = 3
+//! block_window = "1m"
+//! ```
+//!
+//! is the policy
+//!
+//! ```
+//! # use std::time::Duration;
+//! use tollgate::{Penalty, Policy, Quota};
+//!
+//! let minute = Duration::from_secs(60);
+//! let login = Policy::builder("login")
+//!     .tier("per-minute", Quota::per_minute(10))
+//!     .penalty("per-minute", Penalty::new(15 * minute).after(3, minute))
+//!     .build()?;
+//! # Ok::<(), tollgate::ConfigError>(())
+//! ```
+//!
 //! # Several rules, one policy
 //!
 //! Every rule that matches a request applies, in file order, as if their layers were stacked

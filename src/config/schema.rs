@@ -67,6 +67,15 @@ pub(super) struct RawTier {
     pub(super) lease: Option<Spanned<HumanDuration>>,
     #[serde(default)]
     pub(super) typical_hold: Option<Spanned<HumanDuration>>,
+    /// Penalty box: how long a key that breaches the tier is blocked.
+    #[serde(default)]
+    pub(super) block: Option<Spanned<HumanDuration>>,
+    /// Penalty box: the breaches that start a block (default 1).
+    #[serde(default)]
+    pub(super) block_after: Option<Spanned<u32>>,
+    /// Penalty box: the window those breaches are counted in.
+    #[serde(default)]
+    pub(super) block_window: Option<Spanned<HumanDuration>>,
 }
 
 /// A tier's `kind`: `rate` (default), `concurrency`, `calendar`.
