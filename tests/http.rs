@@ -564,3 +564,89 @@ async fn under_router_layer_a_405_is_given_back_and_a_404_is_charged() {
     }
     assert_eq!(seen, [405, 405, 200, 404, 200, 429]);
 }
+
+/// The README's login recipe, over real HTTP on a clock moved by hand: a sliding log of
+/// `Quota::per_minute(3)` admits at most 3 `POST /login` in any 60 s, `(t - 60 s, t]`, and the
+/// same quota under GCRA (the default) admits 5 in the first minute (a burst of 3, then one
+/// every 20 s).
+#[tokio::test]
+async fn login_recipe_admits_at_most_three_in_any_minute() {
+    use axum::routing::post;
+    use tollgate::clock::FakeClock;
+    use tollgate::store::MemoryStore;
+
+    /// The most instants of `admitted` (ms, ascending) in any `(t - 60 s, t]`: such a window
+    /// holds the most when it ends at an admitted instant.
+    fn most_in_any_minute(admitted: &[u64]) -> usize {
+        let window =
+            |&end: &u64| admitted.iter().filter(|&&a| a + 60_000 > end && a <= end).count();
+        admitted.iter().map(window).max().unwrap_or(0)
+    }
+
+    // Gaps between requests: 500 ms for 4 minutes, then 4 minutes of pseudo-random ones
+    // (0 to 30 s, several requests in one instant included).
+    let mut seed = 0x2545_f491_u64;
+    let random = std::iter::from_fn(move || {
+        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        Some(match (seed >> 33) % 4 {
+            0 => 0,
+            _ => (seed >> 40) % 30_001,
+        })
+    });
+    let regular = std::iter::repeat_n(500, 480);
+    for (algorithm, first_minute, most) in [(Algorithm::SlidingLog, 3, 3), (Algorithm::Gcra, 5, 5)]
+    {
+        for (schedule, gaps) in [
+            ("regular", regular.clone().collect::<Vec<_>>()),
+            (
+                "random",
+                random
+                    .clone()
+                    .scan(0, |t, gap| {
+                        (*t < 240_000).then(|| {
+                            *t += gap;
+                            gap
+                        })
+                    })
+                    .collect(),
+            ),
+        ] {
+            let clock = FakeClock::new();
+            let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+            let login = Policy::builder("login")
+                .algorithm(algorithm)
+                .tier("minute", Quota::per_minute(3))
+                .build()
+                .unwrap();
+            let layer = RateLimitLayer::builder(login).store(store).build().unwrap();
+            let app =
+                Router::new().route("/login", post(|| async { "welcome" })).route_layer(layer);
+            let server = serve(app).await;
+            let c = client();
+            let (mut now, mut admitted) = (0, Vec::new());
+            let mut gaps = gaps.into_iter();
+            // The first request at 0.
+            let mut gap = 0;
+            loop {
+                clock.advance(Duration::from_millis(gap));
+                now += gap;
+                let (status, _, _) = call(&c, &server, "POST", "/login").await;
+                match status {
+                    200 => admitted.push(now),
+                    429 => {}
+                    other => panic!("status {other}"),
+                }
+                match gaps.next() {
+                    Some(next) => gap = next,
+                    None => break,
+                }
+            }
+            let case = format!("{algorithm:?}, {schedule} schedule");
+            if schedule == "regular" {
+                let first = admitted.iter().filter(|&&a| a < 60_000).count();
+                assert_eq!(first, first_minute, "{case}: admitted {admitted:?}");
+            }
+            assert_eq!(most_in_any_minute(&admitted), most, "{case}: admitted {admitted:?}");
+        }
+    }
+}
