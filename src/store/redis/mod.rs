@@ -358,6 +358,11 @@ impl RedisStore {
     /// Opens the connections now (and loads the scripts), instead of on the first request, and
     /// logs each server's kind and version.
     ///
+    /// Call it at startup to fail fast. Without it an unreachable server shows only when
+    /// traffic arrives: its checks are then decided by the local fallback, so each instance
+    /// enforces the limits on its own (N instances admit up to N times each limit), and after
+    /// a few failures the circuit breaker opens with a warning that says so.
+    ///
     /// # Errors
     /// [`StoreError::Backend`] when a server refuses, [`StoreError::Timeout`] when one does not
     /// answer within the store's timeout.
@@ -1066,6 +1071,7 @@ impl RedisStoreBuilder {
             clock: self.clock,
             threshold: self.threshold,
             open_for: self.open_for,
+            fallback: self.fallback.is_some(),
             io: io::Io::new(),
         });
         let topology = match (self.cluster, infos.as_slice()) {
