@@ -287,8 +287,9 @@
 //! decided on a local [`MemoryStore`] (each instance then limits on its own) and a circuit
 //! breaker per server keeps calls from piling up. On Redis Cluster, give one or more nodes; the
 //! masters are found with `CLUSTER SLOTS`, and losing one affects only the keys it serves.
+//! (Building the store connects nothing: the first check, or `RedisStore::connect`, does.)
 //!
-//! ```no_run
+//! ```
 //! # #[cfg(feature = "redis")]
 //! # fn main() -> Result<(), tollgate::ConfigError> {
 //! use std::time::Duration;
