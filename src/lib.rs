@@ -102,3 +102,17 @@ pub use quota::{
     Quota, Tier, TierKind, Unit,
 };
 pub use rejection::{QUOTA_EXCEEDED_TYPE, RateLimited, Rejection};
+
+/// The README's Rust code blocks, compiled and run by `cargo test --doc` when every feature
+/// they use is on (`cargo test --all-features`, as CI runs).
+#[cfg(all(
+    doctest,
+    feature = "axum",
+    feature = "redis",
+    feature = "tonic",
+    feature = "client",
+    feature = "config",
+    feature = "testing"
+))]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -441,7 +441,8 @@ impl<St: Store> Limiter<St> {
         &self.inner.surface
     }
 
-    async fn settle(&self, ticket: St::Ticket, cost: u64) -> Result<(), StoreError> {
+    /// Settles a ticket of this limiter's store at `cost` ([`Store::settle`]).
+    pub(crate) async fn settle(&self, ticket: St::Ticket, cost: u64) -> Result<(), StoreError> {
         self.inner.store.settle(&self.inner.bound, ticket, cost).await
     }
 }

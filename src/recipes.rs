@@ -14,7 +14,8 @@
 //! # Per-route limits in axum
 //!
 //! `route_layer` limits the routes above it only, after routing (so `key::RouteKey` sees the
-//! matched route and unknown paths get a plain 404 without spending quota). Layers that share a
+//! matched route and unknown paths get a plain 404 without spending quota; a method the route
+//! does not serve gets axum's 405, whose charge is given back). Layers that share a
 //! [`MemoryStore`] share its memory, and each policy keeps its own state in it: two routes
 //! limited by one policy share its budget, so give each route whose budget is its own a policy
 //! of its own name (or put `key::RouteKey` in the key).
@@ -148,8 +149,10 @@
 //!
 //! The caller's plan (from a header, or from an extension your authentication layer set)
 //! chooses one of several policies, each with its own state; internal callers and health
-//! checks are never limited; preflight `OPTIONS` requests spend nothing; requests the router
-//! refuses (404, 405) are refunded:
+//! checks are never limited; preflight `OPTIONS` requests spend nothing; a request that fails
+//! on the server's side (5xx) is refunded. (A `405 Method Not Allowed` is refunded by default,
+//! see [`charge_method_not_allowed`](crate::RateLimitLayerBuilder::charge_method_not_allowed);
+//! do not refund 404s: a client trying ids one by one would then spend nothing.)
 //!
 //! ```
 //! use http::{HeaderName, Method, StatusCode};
@@ -166,7 +169,7 @@
 //!     .unselected(Unselected::Reject(StatusCode::FORBIDDEN))
 //!     .allow_cidrs(["10.0.0.0/8"])
 //!     .skip_methods([Method::OPTIONS])
-//!     .refund_if(|status| matches!(status, StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED))
+//!     .refund_if(|status| status.is_server_error())
 //!     .build()?;
 //! # let _ = layer;
 //! # Ok(()) }
@@ -284,8 +287,9 @@
 //! decided on a local [`MemoryStore`] (each instance then limits on its own) and a circuit
 //! breaker per server keeps calls from piling up. On Redis Cluster, give one or more nodes; the
 //! masters are found with `CLUSTER SLOTS`, and losing one affects only the keys it serves.
+//! (Building the store connects nothing: the first check, or `RedisStore::connect`, does.)
 //!
-//! ```no_run
+//! ```
 //! # #[cfg(feature = "redis")]
 //! # fn main() -> Result<(), tollgate::ConfigError> {
 //! use std::time::Duration;

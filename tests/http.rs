@@ -426,3 +426,227 @@ async fn a_handler_matches_on_the_rejection_of_its_own_limiter() {
     assert_eq!(limited.header("ratelimit"), Some(r#""jobs";r=0;t=60"#));
     assert_eq!(limited.json()["violated-policies"], serde_json::json!(["jobs"]));
 }
+
+/// `POST /login` and `GET /users/{id}` (only user 1 exists: others are the handler's own
+/// 404) behind one `route_layer`, on `store`.
+fn login_app<St: tollgate::store::Store>(store: St, charge_405: bool) -> Router {
+    use axum::extract::Path;
+    use axum::routing::post;
+    let policy = Policy::single("login", Quota::per_hour(3)).unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .store(store)
+        .charge_method_not_allowed(charge_405)
+        .build()
+        .unwrap();
+    Router::new()
+        .route("/login", post(|| async { "welcome" }))
+        .route(
+            "/users/{id}",
+            route_get(|Path(id): Path<u32>| async move {
+                if id == 1 { Ok("ann") } else { Err(StatusCode::NOT_FOUND) }
+            }),
+        )
+        .route_layer(layer)
+}
+
+/// Sends `method path` and returns the status, the `Allow` and the `RateLimit` headers.
+async fn call(
+    c: &support::HttpClient,
+    server: &support::Server,
+    method: &str,
+    path: &str,
+) -> (u16, Option<String>, Option<String>) {
+    let req = http::Request::builder()
+        .method(method)
+        .uri(server.url(path))
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    let reply = support::send(c, req).await;
+    let header = |name| reply.header(name).map(str::to_owned);
+    (reply.status.as_u16(), header("allow"), header("ratelimit"))
+}
+
+/// The login scenario over real HTTP on `store`: three `GET /login`, which axum answers 405
+/// from inside the `route_layer`, leave the three `POST`s of the budget; a handler's own 404s
+/// are charged; `charge_method_not_allowed(true)` charges the 405s too.
+async fn router_refusals_are_not_charged<St: tollgate::store::Store>(store: impl Fn() -> St) {
+    let c = client();
+    let server = serve(login_app(store(), false)).await;
+    for _ in 0..3 {
+        let (status, allow, _) = call(&c, &server, "GET", "/login").await;
+        assert_eq!((status, allow.as_deref()), (405, Some("POST")));
+    }
+    let mut posts = Vec::new();
+    for _ in 0..4 {
+        let (status, _, ratelimit) = call(&c, &server, "POST", "/login").await;
+        posts.push((status, ratelimit));
+    }
+    let r = |n: u32| Some(format!(r#""login";r={n};t={}"#, 1200 * (3 - n)));
+    assert_eq!(posts, [(200, r(2)), (200, r(1)), (200, r(0)), (429, r(0))]);
+    // Spent: a 405 is now refused like any request.
+    assert_eq!(call(&c, &server, "GET", "/login").await.0, 429);
+
+    // A handler's 404 (an id that does not exist) is charged.
+    let server = serve(login_app(store(), false)).await;
+    let statuses: Vec<u16> = {
+        let mut s = Vec::new();
+        for path in ["/users/7", "/users/8", "/users/9", "/users/1"] {
+            s.push(call(&c, &server, "GET", path).await.0);
+        }
+        s
+    };
+    assert_eq!(statuses, [404, 404, 404, 429]);
+
+    // Charged by choice.
+    let server = serve(login_app(store(), true)).await;
+    for _ in 0..3 {
+        assert_eq!(call(&c, &server, "GET", "/login").await.0, 405);
+    }
+    assert_eq!(call(&c, &server, "POST", "/login").await.0, 429);
+}
+
+#[tokio::test]
+async fn method_not_allowed_under_route_layer_gives_its_charge_back() {
+    use tollgate::clock::FakeClock;
+    use tollgate::store::MemoryStore;
+    // A clock that stands still: nothing refills while the test runs.
+    router_refusals_are_not_charged(|| {
+        MemoryStore::builder().clock(FakeClock::new()).build().unwrap()
+    })
+    .await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn method_not_allowed_under_route_layer_gives_its_charge_back_on_redis() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tollgate::clock::FakeClock;
+    use tollgate::store::RedisStore;
+    let Some(redis) = support::redis::Server::start("redis-server") else { return };
+    let url = redis.url();
+    let n = AtomicUsize::new(0);
+    router_refusals_are_not_charged(|| {
+        RedisStore::builder(&url)
+            .clock(FakeClock::new())
+            // One prefix per app: each starts with the whole budget.
+            .prefix(format!("t{}:", n.fetch_add(1, Ordering::Relaxed)))
+            .ttl_grace(Duration::from_secs(3600))
+            .timeout(Duration::from_secs(5))
+            .build()
+            .unwrap()
+    })
+    .await;
+}
+
+/// Under `Router::layer` the 405 reaches the layer with its `Allow` header, and is given back
+/// too; the router's 404 for an unknown path cannot be told from a handler's, and is charged.
+#[tokio::test]
+async fn under_router_layer_a_405_is_given_back_and_a_404_is_charged() {
+    use axum::routing::post;
+    use tollgate::clock::FakeClock;
+    use tollgate::store::MemoryStore;
+    let store = MemoryStore::builder().clock(FakeClock::new()).build().unwrap();
+    let policy = Policy::single("login", Quota::per_hour(3)).unwrap();
+    let layer = RateLimitLayer::builder(policy).store(store).build().unwrap();
+    let app = Router::new().route("/login", post(|| async { "welcome" })).layer(layer);
+    let server = serve(app).await;
+    let c = client();
+    let mut seen = Vec::new();
+    for (method, path) in [
+        ("GET", "/login"),
+        ("PUT", "/login"),
+        ("POST", "/login"),
+        ("GET", "/nowhere"),
+        ("POST", "/login"),
+        ("POST", "/login"),
+    ] {
+        seen.push(call(&c, &server, method, path).await.0);
+    }
+    assert_eq!(seen, [405, 405, 200, 404, 200, 429]);
+}
+
+/// The README's login recipe, over real HTTP on a clock moved by hand: a sliding log of
+/// `Quota::per_minute(3)` admits at most 3 `POST /login` in any 60 s, `(t - 60 s, t]`, and the
+/// same quota under GCRA (the default) admits 5 in the first minute (a burst of 3, then one
+/// every 20 s).
+#[tokio::test]
+async fn login_recipe_admits_at_most_three_in_any_minute() {
+    use axum::routing::post;
+    use tollgate::clock::FakeClock;
+    use tollgate::store::MemoryStore;
+
+    /// The most instants of `admitted` (ms, ascending) in any `(t - 60 s, t]`: such a window
+    /// holds the most when it ends at an admitted instant.
+    fn most_in_any_minute(admitted: &[u64]) -> usize {
+        let window =
+            |&end: &u64| admitted.iter().filter(|&&a| a + 60_000 > end && a <= end).count();
+        admitted.iter().map(window).max().unwrap_or(0)
+    }
+
+    // Gaps between requests: 500 ms for 4 minutes, then 4 minutes of pseudo-random ones
+    // (0 to 30 s, several requests in one instant included).
+    let mut seed = 0x2545_f491_u64;
+    let random = std::iter::from_fn(move || {
+        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        Some(match (seed >> 33) % 4 {
+            0 => 0,
+            _ => (seed >> 40) % 30_001,
+        })
+    });
+    let regular = std::iter::repeat_n(500, 480);
+    for (algorithm, first_minute, most) in [(Algorithm::SlidingLog, 3, 3), (Algorithm::Gcra, 5, 5)]
+    {
+        for (schedule, gaps) in [
+            ("regular", regular.clone().collect::<Vec<_>>()),
+            (
+                "random",
+                random
+                    .clone()
+                    .scan(0, |t, gap| {
+                        (*t < 240_000).then(|| {
+                            *t += gap;
+                            gap
+                        })
+                    })
+                    .collect(),
+            ),
+        ] {
+            let clock = FakeClock::new();
+            let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+            let login = Policy::builder("login")
+                .algorithm(algorithm)
+                .tier("minute", Quota::per_minute(3))
+                .build()
+                .unwrap();
+            let layer = RateLimitLayer::builder(login).store(store).build().unwrap();
+            let app =
+                Router::new().route("/login", post(|| async { "welcome" })).route_layer(layer);
+            let server = serve(app).await;
+            let c = client();
+            let (mut now, mut admitted) = (0, Vec::new());
+            let mut gaps = gaps.into_iter();
+            // The first request at 0.
+            let mut gap = 0;
+            loop {
+                clock.advance(Duration::from_millis(gap));
+                now += gap;
+                let (status, _, _) = call(&c, &server, "POST", "/login").await;
+                match status {
+                    200 => admitted.push(now),
+                    429 => {}
+                    other => panic!("status {other}"),
+                }
+                match gaps.next() {
+                    Some(next) => gap = next,
+                    None => break,
+                }
+            }
+            let case = format!("{algorithm:?}, {schedule} schedule");
+            if schedule == "regular" {
+                let first = admitted.iter().filter(|&&a| a < 60_000).count();
+                assert_eq!(first, first_minute, "{case}: admitted {admitted:?}");
+            }
+            assert_eq!(most_in_any_minute(&admitted), most, "{case}: admitted {admitted:?}");
+        }
+    }
+}

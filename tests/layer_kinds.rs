@@ -677,4 +677,61 @@ mod every_body_type {
         let charged = charged(&limiter, 0).await;
         assert_eq!(charged, 3 * UPLOAD / 2 + CHUNK as u64, "charged for a refused upload");
     }
+
+    /// Sends one upload of `len` bytes with its `Content-Length`; the status.
+    async fn upload_sized(addr: SocketAddr, len: usize) -> StatusCode {
+        let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build_http();
+        let req = Request::post(format!("http://{addr}/"))
+            .body(Full::new(Bytes::from(vec![b'x'; len])))
+            .unwrap();
+        let res = client.request(req).await.unwrap();
+        let status = res.status();
+        res.into_body().collect().await.unwrap();
+        status
+    }
+
+    /// The bytes charged to the tier once they are `want` (settlements finish after the
+    /// response ends): polled, at most 5 s.
+    async fn charged_when(limiter: &Limiter, want: u64) -> u64 {
+        let mut charged = CAPACITY - free_slots(limiter, 0).await;
+        for _ in 0..500 {
+            if charged == want {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            charged = CAPACITY - free_slots(limiter, 0).await;
+        }
+        charged
+    }
+
+    /// The README's recipe: the body limit outside the rate limit (listed first in a
+    /// `ServiceBuilder`) refuses an upload whose `Content-Length` is over it before the layer
+    /// charges it; in the other order the layer charges the declared bytes first, and every
+    /// refused upload drains the byte tier.
+    #[tokio::test]
+    async fn a_body_limit_outside_the_layer_refuses_oversized_uploads_before_they_are_charged() {
+        const LIMIT: usize = UPLOAD as usize;
+        for limit_outside in [true, false] {
+            let layer = layer();
+            let limiter = layer.limiter().clone();
+            let limit = RequestBodyLimitLayer::new(LIMIT);
+            let app = Router::new().route("/", post(echo_len));
+            let app = if limit_outside {
+                app.layer(tower::ServiceBuilder::new().layer(limit).layer(layer))
+            } else {
+                app.layer(tower::ServiceBuilder::new().layer(layer).layer(limit))
+            };
+            let server = support::serve(app).await;
+            for _ in 0..3 {
+                assert_eq!(
+                    upload_sized(server.addr, 4 * LIMIT).await,
+                    StatusCode::PAYLOAD_TOO_LARGE
+                );
+            }
+            assert_eq!(upload_sized(server.addr, LIMIT).await, StatusCode::OK);
+            let refused = if limit_outside { 0 } else { 3 * 4 * UPLOAD };
+            let want = refused + UPLOAD;
+            assert_eq!(charged_when(&limiter, want).await, want, "limit outside: {limit_outside}");
+        }
+    }
 }

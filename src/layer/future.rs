@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use http::Response;
+use http::{Response, StatusCode};
 use pin_project_lite::pin_project;
 
 use super::body::ResponseBody;
@@ -15,13 +15,20 @@ use crate::headers::Prepared;
 pub(crate) type Slow<B, E> =
     Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
 
+/// What an admitted request's response status does to its charge: `None` once it is kept,
+/// or the settlement that gives it back, to finish before the response is handed on.
+pub(crate) type Refund =
+    Box<dyn FnOnce(StatusCode) -> Option<Pin<Box<dyn Future<Output = ()> + Send>>> + Send>;
+
 pin_project! {
     /// The response future of [`RateLimit`](crate::RateLimit): `F` is the inner service's future,
     /// `B` its response body, `E` its error.
     ///
     /// A request the store decides at once and admits is the inner future plus its prepared
-    /// headers (no allocation); a refusal decided at once is a ready response; everything that
-    /// waits (a remote store, shaping, a tarpit, a settlement) runs on a boxed future.
+    /// headers, and the charge to give back if its response says so (a `405 Method Not
+    /// Allowed`, a status of `refund_if`); a refusal decided at once is a ready response;
+    /// everything that waits (a remote store, shaping, a tarpit, a settlement from the
+    /// response head) runs on a boxed future.
     ///
     /// # Panics
     /// When polled again after it completed (the `Future` contract).
@@ -35,6 +42,11 @@ pin_project! {
     #[project = StateProj]
     enum State<F, B, E> {
         Inner { #[pin] future: F, headers: Prepared },
+        Refundable { #[pin] future: F, headers: Prepared, refund: Option<Refund> },
+        Settling {
+            settle: Pin<Box<dyn Future<Output = ()> + Send>>,
+            response: Option<Response<ResponseBody<B>>>,
+        },
         Ready { response: Option<Response<ResponseBody<B>>> },
         Slow { future: Slow<B, E> },
         Done,
@@ -45,6 +57,12 @@ impl<F, B, E> ResponseFuture<F, B, E> {
     /// The inner service's response, with `headers` added.
     pub(crate) fn inner(future: F, headers: Prepared) -> Self {
         Self { state: State::Inner { future, headers } }
+    }
+
+    /// The inner service's response, with `headers` added, after `refund` has seen its status
+    /// (and, when it gives the charge back, finished doing so).
+    pub(crate) fn refundable(future: F, headers: Prepared, refund: Refund) -> Self {
+        Self { state: State::Refundable { future, headers, refund: Some(refund) } }
     }
 
     /// A response made without the inner service.
@@ -62,6 +80,8 @@ impl<F, B, E> fmt::Debug for ResponseFuture<F, B, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match self.state {
             State::Inner { .. } => "inner",
+            State::Refundable { .. } => "refundable",
+            State::Settling { .. } => "settling",
             State::Ready { .. } => "ready",
             State::Slow { .. } => "slow",
             State::Done => "done",
@@ -83,6 +103,29 @@ where
                 let mut res = ready!(future.poll(cx))?;
                 std::mem::take(headers).insert(res.headers_mut());
                 Ok(res.map(ResponseBody::inner))
+            }
+            StateProj::Refundable { future, headers, refund } => {
+                let mut res = ready!(future.poll(cx))?;
+                std::mem::take(headers).insert(res.headers_mut());
+                let settle = refund.take().and_then(|refund| refund(res.status()));
+                let res = res.map(ResponseBody::inner);
+                match settle {
+                    None => Ok(res),
+                    Some(mut settle) => {
+                        if settle.as_mut().poll(cx).is_pending() {
+                            state.set(State::Settling { settle, response: Some(res) });
+                            return Poll::Pending;
+                        }
+                        Ok(res)
+                    }
+                }
+            }
+            StateProj::Settling { settle, response } => {
+                ready!(settle.as_mut().poll(cx));
+                match response.take() {
+                    Some(response) => Ok(response),
+                    None => panic!("ResponseFuture polled after completion"),
+                }
             }
             StateProj::Ready { response } => match response.take() {
                 Some(response) => Ok(response),

@@ -109,6 +109,7 @@ struct Settings {
     on_store_error: OnStoreError,
     tarpit: Option<Duration>,
     refund_if: Option<RefundFn>,
+    charge_method_not_allowed: bool,
     settle_cost: Option<SettleFn>,
     rejection: Option<RejectFn>,
     dry_run: bool,
@@ -128,6 +129,7 @@ impl Default for Settings {
             on_store_error: OnStoreError::default(),
             tarpit: None,
             refund_if: None,
+            charge_method_not_allowed: false,
             settle_cost: None,
             rejection: None,
             dry_run: false,
@@ -381,6 +383,28 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// true, e.g. `|s| s.is_server_error()`.
     pub fn refund_if(mut self, f: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
         self.settings.refund_if = Some(Arc::new(f));
+        self
+    }
+
+    /// Whether a request answered `405 Method Not Allowed` keeps its charge (default `false`:
+    /// the charge is given back, exactly, on every tier and in every store, when the response
+    /// head arrives).
+    ///
+    /// A 405 says that the resource does not serve the request's method (RFC 9110 §15.5.6):
+    /// in axum it is the router's answer, and axum's `Router::route_layer` puts the layer
+    /// around that answer too (each route's method router, including its method-not-allowed
+    /// fallback, is wrapped), so without this three `GET /login` would spend the budget of
+    /// `POST /login`. The layer sees the request before the router decides, so the 405 is
+    /// charged while it is answered and given back after: a request refused for the limit
+    /// gets 429, and a check made at that moment sees the unit spent. A handler that answers
+    /// 405 itself is not charged either; turn this on if yours answer 405 after doing work.
+    ///
+    /// A `404 Not Found` is charged: a handler's own 404 (a client trying ids) must spend
+    /// the budget, and the layer cannot tell the router's 404 from a handler's. Under
+    /// `route_layer` the router's 404s never reach the layer (only matched routes are
+    /// wrapped); under `Router::layer` they are charged.
+    pub fn charge_method_not_allowed(mut self, charge: bool) -> Self {
+        self.settings.charge_method_not_allowed = charge;
         self
     }
 

@@ -10,7 +10,7 @@ use http_body_util::Full;
 use tower_service::Service;
 
 use super::body::{RequestBody, ResponseBody};
-use super::future::ResponseFuture;
+use super::future::{Refund, ResponseFuture};
 use super::meter::{Counters, Finish, Meter, Needs, content_length};
 use super::scope::Route;
 use super::{Config, Cost, MissingKey, Observed, OnStoreError};
@@ -128,9 +128,14 @@ where
             if let Some(costs) = &costs {
                 check = check.with_costs(costs);
             }
-            check.ticket = config.needs_ticket() || Needs::of(policy_).any();
+            let metered = Needs::of(policy_).any();
+            check.ticket = config.needs_ticket() || metered;
             match limiter.check_sync(check) {
-                Some(Ok(Verdict { decision, ticket: None })) if decision.is_allowed() => {
+                Some(Ok(Verdict { decision, ticket }))
+                    if decision.is_allowed()
+                        && (ticket.is_none()
+                            || (!metered && config.settings.settle_cost.is_none())) =>
+                {
                     if config.observer.active() {
                         config.observe(policy, key, &head, Some(&decision), Observed::Admitted);
                     }
@@ -138,7 +143,23 @@ where
                         limiter.surface().headers.prepare(config.settings.headers, &decision);
                     // Called here and now: the service that was polled ready, no clone.
                     let future = self.inner.call(req);
-                    return ResponseFuture::inner(future, headers);
+                    let Some(ticket) = ticket else {
+                        return ResponseFuture::inner(future, headers);
+                    };
+                    // A charge the response's status may give back (a 405, `refund_if`).
+                    let config = Arc::clone(&self.config);
+                    let refund: Refund = Box::new(move |status| {
+                        // Not given back: dropping the ticket keeps the charge.
+                        config.refunds(status).then(|| {
+                            Box::pin(async move {
+                                let limiter = config.limiter_at(policy);
+                                if let Err(error) = limiter.settle(ticket, 0).await {
+                                    tracing::warn!(%error, "tollgate: could not give a charge back");
+                                }
+                            }) as _
+                        })
+                    });
+                    return ResponseFuture::refundable(future, headers, refund);
                 }
                 Some(Ok(verdict))
                     if !verdict.decision.is_allowed() && config.settings.tarpit.is_none() =>
@@ -209,7 +230,16 @@ impl<K, St: Store> Config<K, St> {
 
     /// Whether the charge may be given back after the response: then checks ask for a ticket.
     fn needs_ticket(&self) -> bool {
-        self.settings.refund_if.is_some() || self.settings.settle_cost.is_some()
+        !self.settings.charge_method_not_allowed
+            || self.settings.refund_if.is_some()
+            || self.settings.settle_cost.is_some()
+    }
+
+    /// Whether a response of `status` gives its request's charge back: a `405 Method Not
+    /// Allowed` (unless charged by choice), or a status of `refund_if`.
+    pub(super) fn refunds(&self, status: http::StatusCode) -> bool {
+        (status == http::StatusCode::METHOD_NOT_ALLOWED && !self.settings.charge_method_not_allowed)
+            || self.settings.refund_if.as_ref().is_some_and(|f| f(status))
     }
 
     /// The request's cost in units.
@@ -439,7 +469,7 @@ fn settled_by_head<K, St: Store>(
     head: &http::response::Parts,
 ) -> Vec<(Unit, u64)> {
     let settings = &config.settings;
-    if settings.refund_if.as_ref().is_some_and(|f| f(head.status)) {
+    if config.refunds(head.status) {
         return vec![
             (Unit::Requests, 0),
             (Unit::RequestBytes, 0),
@@ -460,7 +490,7 @@ async fn settle<K, St: Store>(
     head: &http::response::Parts,
 ) {
     let settings = &config.settings;
-    let refund = settings.refund_if.as_ref().is_some_and(|f| f(head.status));
+    let refund = config.refunds(head.status);
     let cost = if refund { Some(0) } else { settings.settle_cost.as_ref().and_then(|f| f(head)) };
     let Some(cost) = cost else { return reservation.commit() };
     if let Err(error) = reservation.settle(cost).await {

@@ -37,11 +37,15 @@ pub fn available(bin: &str) -> bool {
         "`{bin}` is not installed, and CI=true requires the Redis tests to run \
          (.ci/run installs it with apt-get)"
     );
-    // Straight to stderr: the test harness captures print macros, not this.
+    // Straight to stderr: the test harness captures print macros, not this. The harness names
+    // each test's thread after the test.
+    let test = std::thread::current().name().unwrap_or("a test").to_owned();
+    let why =
+        if optional { " (TOLLGATE_VALKEY_OPTIONAL=1: .ci/run could not install it)" } else { "" };
     let _ = writeln!(
         std::io::stderr(),
-        "SKIPPED: `{bin}` is not on PATH; install it (apt-get install redis-server / \
-         valkey-server) to run this test"
+        "SKIPPED {test}: `{bin}` is not on PATH{why}; install it (apt-get install redis-server / \
+         valkey-server) to run it; it passes without having run"
     );
     false
 }

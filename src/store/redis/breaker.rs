@@ -43,6 +43,9 @@ pub(crate) struct Breaker {
     open_until: AtomicU64,
     /// A probe is in flight.
     probing: AtomicBool,
+    /// Whether the store decides on its local fallback while this breaker is open (for the
+    /// log: what an open breaker means for the limits).
+    fallback: bool,
 }
 
 /// Whether a call may go to Redis.
@@ -65,7 +68,14 @@ impl Breaker {
             failures: AtomicU32::new(0),
             open_until: AtomicU64::new(0),
             probing: AtomicBool::new(false),
+            fallback: true,
         }
+    }
+
+    /// Says whether the store has a local fallback (the default), for the log.
+    pub(crate) fn with_fallback(mut self, fallback: bool) -> Self {
+        self.fallback = fallback;
+        self
     }
 
     fn now(&self) -> u64 {
@@ -112,12 +122,29 @@ impl Breaker {
                 .compare_exchange(0, until, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok()
             {
-                tracing::warn!(
-                    node = %self.node,
-                    failures = n,
-                    open_for = ?Duration::from_nanos(self.open_for),
-                    "tollgate: redis circuit breaker opened; calls are not attempted"
-                );
+                let open_for = Duration::from_nanos(self.open_for);
+                if self.fallback {
+                    tracing::warn!(
+                        node = %self.node,
+                        failures = n,
+                        ?open_for,
+                        "tollgate: redis circuit breaker opened: this server's keys are now \
+                         limited by this instance's local fallback, so the limits are \
+                         per instance (N instances admit up to N times each limit) until the \
+                         server answers again; calls are not attempted for `open_for`, then \
+                         one probe is sent"
+                    );
+                } else {
+                    tracing::warn!(
+                        node = %self.node,
+                        failures = n,
+                        ?open_for,
+                        "tollgate: redis circuit breaker opened: with no fallback, this \
+                         server's checks fail until it answers again, and the layer answers \
+                         them as `on_store_error` says (503 by default); calls are not \
+                         attempted for `open_for`, then one probe is sent"
+                    );
+                }
             }
         }
     }
@@ -214,6 +241,46 @@ mod tests {
         assert_eq!(b.state(), BreakerState::Open);
         tokio::time::advance(OPEN_FOR).await;
         assert!(matches!(b.admit(), Admit::Probe(_)));
+    }
+
+    /// The warning an open breaker logs says what it means for the limits.
+    #[test]
+    fn the_opening_warning_says_what_the_limits_become() {
+        use std::sync::{Arc, Mutex};
+        #[derive(Clone, Default)]
+        struct Buffer(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Buffer {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        let _entered = runtime.enter();
+        for (fallback, says) in [
+            (true, "limited by this instance's local fallback, so the limits are per instance"),
+            (false, "with no fallback, this server's checks fail"),
+        ] {
+            let buffer = Buffer::default();
+            let writer = buffer.clone();
+            let subscriber = tracing_subscriber::fmt()
+                .with_ansi(false)
+                .with_writer(move || writer.clone())
+                .finish();
+            tracing::subscriber::with_default(subscriber, || {
+                let b = Breaker::new("127.0.0.1:1".into(), 2, OPEN_FOR).with_fallback(fallback);
+                b.failure();
+                b.failure();
+                b.failure(); // already open: not logged again
+            });
+            let logged = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
+            assert_eq!(logged.matches("WARN").count(), 1, "{logged}");
+            assert!(logged.contains(says), "{logged}");
+            assert!(logged.contains("node=127.0.0.1:1 failures=2 open_for=500ms"), "{logged}");
+        }
     }
 
     #[tokio::test(start_paused = true)]

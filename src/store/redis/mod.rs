@@ -431,6 +431,11 @@ impl RedisStore {
     /// logs each server's kind and version. Through Redis Sentinel, asks the sentinels for the
     /// master first, and connects to it.
     ///
+    /// Call it at startup to fail fast. Without it an unreachable server shows only when
+    /// traffic arrives: its checks are then decided by the local fallback, so each instance
+    /// enforces the limits on its own (N instances admit up to N times each limit), and after
+    /// a few failures the circuit breaker opens with a warning that says so.
+    ///
     /// # Errors
     /// [`StoreError::Backend`] when a server refuses (or no sentinel names the master),
     /// [`StoreError::Timeout`] when one does not answer within the store's timeout.
@@ -1191,6 +1196,7 @@ impl RedisStoreBuilder {
             clock: self.clock,
             threshold: self.threshold,
             open_for: self.open_for,
+            fallback: self.fallback.is_some(),
             io: io::Io::new(),
         });
         let servers = match (&self.sentinel, &self.master_url) {

@@ -103,6 +103,8 @@ pub(crate) struct Settings {
     pub(crate) clock: Option<AnyClock>,
     pub(crate) threshold: u32,
     pub(crate) open_for: Duration,
+    /// Whether checks Redis cannot decide go to a local fallback (for the breaker's log).
+    pub(crate) fallback: bool,
     /// The thread the nodes' calls and connections run on.
     pub(crate) io: Io,
 }
@@ -189,7 +191,8 @@ impl ServerInfo {
 
 impl Node {
     pub(crate) fn new(addr: Arc<str>, client: redis::Client, settings: Arc<Settings>) -> Self {
-        let breaker = Breaker::new(Arc::clone(&addr), settings.threshold, settings.open_for);
+        let breaker = Breaker::new(Arc::clone(&addr), settings.threshold, settings.open_for)
+            .with_fallback(settings.fallback);
         let metrics = NodeMetrics::new(&addr);
         let health = Health::new(settings.timeout);
         Self {
@@ -635,6 +638,7 @@ mod tests {
             clock: None,
             threshold: 5,
             open_for: Duration::from_millis(500),
+            fallback: true,
             io: Io::new(),
         });
         let client = redis::Client::open("redis://127.0.0.1:1/").unwrap();
