@@ -407,6 +407,18 @@ impl<St: Store> Limiter<St> {
         self.inner.store.check_sync(&self.inner.bound, check)
     }
 
+    /// Whether [`refund_sync`](Self::refund_sync) gives back this policy's charges.
+    #[inline]
+    pub(crate) fn refunds_sync(&self) -> bool {
+        self.inner.store.refunds_sync(&self.inner.bound)
+    }
+
+    /// Gives back at once `cost` units charged to `key` without a ticket (see
+    /// [`Store::refund_sync`]).
+    pub(crate) fn refund_sync(&self, key: &Key, cost: u64) {
+        self.inner.store.refund_sync(&self.inner.bound, key, cost);
+    }
+
     /// Decides `check`.
     pub(crate) async fn decide(&self, check: Check<'_>) -> Result<Verdict<St::Ticket>, StoreError> {
         self.inner.store.check(&self.inner.bound, check).await

@@ -3,6 +3,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use http::{Response, StatusCode};
@@ -10,10 +11,27 @@ use pin_project_lite::pin_project;
 
 use super::body::ResponseBody;
 use crate::headers::Prepared;
+use crate::key::Key;
 
 /// A boxed response future, for the paths that wait (store I/O, shaping, tarpit, settlement).
 pub(crate) type Slow<B, E> =
     Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
+
+/// Gives back, at once, the charge of a request admitted without a ticket when its response's
+/// status says so (a `405`, a status of `refund_if`): the layer's settings and the store's
+/// [`refund_sync`](crate::store::Store::refund_sync), behind one shared pointer.
+pub(crate) trait RefundByStatus: Send + Sync {
+    /// Gives back `cost` units of `key` under policy `policy` if `status` says so.
+    fn refund_by_status(&self, status: StatusCode, policy: usize, key: &Key, cost: u64);
+}
+
+/// What a request admitted without a ticket needs to give its charge back: no allocation.
+pub(crate) struct Untracked {
+    pub(crate) hook: Arc<dyn RefundByStatus>,
+    pub(crate) policy: usize,
+    pub(crate) key: Key,
+    pub(crate) cost: u64,
+}
 
 /// What an admitted request's response status does to its charge: `None` once it is kept,
 /// or the settlement that gives it back, to finish before the response is handed on.
@@ -43,6 +61,7 @@ pin_project! {
     enum State<F, B, E> {
         Inner { #[pin] future: F, headers: Prepared },
         Refundable { #[pin] future: F, headers: Prepared, refund: Option<Refund> },
+        Untracked { #[pin] future: F, headers: Prepared, charge: Option<Untracked> },
         Settling {
             settle: Pin<Box<dyn Future<Output = ()> + Send>>,
             response: Option<Response<ResponseBody<B>>>,
@@ -65,6 +84,12 @@ impl<F, B, E> ResponseFuture<F, B, E> {
         Self { state: State::Refundable { future, headers, refund: Some(refund) } }
     }
 
+    /// The inner service's response, with `headers` added, after its status has had the chance
+    /// to give `charge` back.
+    pub(crate) fn untracked(future: F, headers: Prepared, charge: Untracked) -> Self {
+        Self { state: State::Untracked { future, headers, charge: Some(charge) } }
+    }
+
     /// A response made without the inner service.
     pub(crate) fn ready(response: Response<ResponseBody<B>>) -> Self {
         Self { state: State::Ready { response: Some(response) } }
@@ -81,6 +106,7 @@ impl<F, B, E> fmt::Debug for ResponseFuture<F, B, E> {
         let state = match self.state {
             State::Inner { .. } => "inner",
             State::Refundable { .. } => "refundable",
+            State::Untracked { .. } => "untracked",
             State::Settling { .. } => "settling",
             State::Ready { .. } => "ready",
             State::Slow { .. } => "slow",
@@ -119,6 +145,14 @@ where
                         Ok(res)
                     }
                 }
+            }
+            StateProj::Untracked { future, headers, charge } => {
+                let mut res = ready!(future.poll(cx))?;
+                std::mem::take(headers).insert(res.headers_mut());
+                if let Some(c) = charge.take() {
+                    c.hook.refund_by_status(res.status(), c.policy, &c.key, c.cost);
+                }
+                Ok(res.map(ResponseBody::inner))
             }
             StateProj::Settling { settle, response } => {
                 ready!(settle.as_mut().poll(cx));

@@ -10,7 +10,7 @@ use http_body_util::Full;
 use tower_service::Service;
 
 use super::body::{RequestBody, ResponseBody};
-use super::future::{Refund, ResponseFuture};
+use super::future::{Refund, RefundByStatus, ResponseFuture, Untracked};
 use super::meter::{Counters, Finish, Meter, Needs, content_length};
 use super::scope::Route;
 use super::{Config, Cost, MissingKey, Observed, OnStoreError};
@@ -129,7 +129,12 @@ where
                 check = check.with_costs(costs);
             }
             let metered = Needs::of(policy_).any();
-            check.ticket = config.needs_ticket() || metered;
+            // Given back by status only: without a ticket where the store can (no allocation).
+            let untracked = !metered
+                && config.settings.settle_cost.is_none()
+                && config.refunds_by_status()
+                && limiter.refunds_sync();
+            check.ticket = (config.needs_ticket() && !untracked) || metered;
             match limiter.check_sync(check) {
                 Some(Ok(Verdict { decision, ticket }))
                     if decision.is_allowed()
@@ -144,6 +149,15 @@ where
                     // Called here and now: the service that was polled ready, no clone.
                     let future = self.inner.call(req);
                     let Some(ticket) = ticket else {
+                        if untracked {
+                            let charge = Untracked {
+                                hook: Arc::clone(&self.config) as Arc<dyn RefundByStatus>,
+                                policy,
+                                key: key.clone(),
+                                cost,
+                            };
+                            return ResponseFuture::untracked(future, headers, charge);
+                        }
                         return ResponseFuture::inner(future, headers);
                     };
                     // A charge the response's status may give back (a 405, `refund_if`).
@@ -230,9 +244,12 @@ impl<K, St: Store> Config<K, St> {
 
     /// Whether the charge may be given back after the response: then checks ask for a ticket.
     fn needs_ticket(&self) -> bool {
-        !self.settings.charge_method_not_allowed
-            || self.settings.refund_if.is_some()
-            || self.settings.settle_cost.is_some()
+        self.refunds_by_status() || self.settings.settle_cost.is_some()
+    }
+
+    /// Whether a response's status may give its request's charge back.
+    fn refunds_by_status(&self) -> bool {
+        !self.settings.charge_method_not_allowed || self.settings.refund_if.is_some()
     }
 
     /// Whether a response of `status` gives its request's charge back: a `405 Method Not
@@ -495,5 +512,17 @@ async fn settle<K, St: Store>(
     let Some(cost) = cost else { return reservation.commit() };
     if let Err(error) = reservation.settle(cost).await {
         tracing::warn!(%error, "tollgate: could not settle a charge");
+    }
+}
+
+impl<K, St> RefundByStatus for Config<K, St>
+where
+    K: Send + Sync,
+    St: Store,
+{
+    fn refund_by_status(&self, status: http::StatusCode, policy: usize, key: &Key, cost: u64) {
+        if self.refunds(status) {
+            self.limiter_at(policy).refund_sync(key, cost);
+        }
     }
 }

@@ -320,6 +320,23 @@ pub trait Store: Clone + Send + Sync + 'static {
         None
     }
 
+    /// Whether [`refund_sync`](Self::refund_sync) gives back the charges of `bound`'s policy
+    /// (default `false`). The layer then checks without a ticket when only the response's
+    /// status may give a charge back (a `405`, `refund_if`), so an admitted request costs no
+    /// allocation for it.
+    fn refunds_sync(&self, bound: &Self::Bound) -> bool {
+        let _ = bound;
+        false
+    }
+
+    /// Gives back at once `cost` units that an admitted check of `key` charged without a
+    /// ticket, where [`refunds_sync`](Self::refunds_sync) says the store can do so exactly
+    /// without one; does nothing otherwise (the default). A refund never gives back more than
+    /// the key has used.
+    fn refund_sync(&self, bound: &Self::Bound, key: &Key, cost: u64) {
+        let _ = (bound, key, cost);
+    }
+
     /// Decides one request, charging every tier when it is admitted.
     ///
     /// # Errors

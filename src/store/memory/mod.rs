@@ -607,6 +607,21 @@ impl MemoryStore {
         }
     }
 
+    /// Gives back at once `cost` units charged to `key` by an admitted check of a policy of one
+    /// GCRA tier decided in whole nanoseconds (the compact form; see [`Store::refund_sync`]):
+    /// as settling its ticket at 0 would. Any other policy is left unchanged. A key whose
+    /// check went to the overflow bucket of a full store has nothing of its own to give back.
+    pub fn refund_now(&self, bound: &MemoryPolicy, key: &Key, cost: u64) {
+        if bound.core.whole.is_none() || cost == 0 {
+            return;
+        }
+        let fp = bound.inner.fingerprint(key);
+        // A GCRA refund needs no instant: the TAT moves back by the cost.
+        let charges = std::iter::once(Charge { at: 0, cost, id: 0 }).collect();
+        let mut ticket = Charged { fp, cost, charges, overflow: false, holding: None };
+        bound.inner.settle(&bound.core, bound.id, &mut ticket, &|_| Some(0), false);
+    }
+
     /// Settles at once; see [`Store::settle`].
     pub fn settle_now(&self, bound: &MemoryPolicy, mut ticket: MemoryTicket, cost: u64) {
         let home = ticket.0.holding.take();
@@ -1451,6 +1466,14 @@ impl Store for MemoryStore {
         check: Check<'_>,
     ) -> impl Future<Output = Result<Verdict<MemoryTicket>, StoreError>> + Send {
         std::future::ready(Ok(self.check_now(bound, check)))
+    }
+
+    fn refunds_sync(&self, bound: &MemoryPolicy) -> bool {
+        bound.core.whole.is_some()
+    }
+
+    fn refund_sync(&self, bound: &MemoryPolicy, key: &Key, cost: u64) {
+        self.refund_now(bound, key, cost);
     }
 
     fn settle(
