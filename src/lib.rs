@@ -99,7 +99,7 @@ pub use limiter::{Held, Limiter, Reservation};
 pub use quota::{
     Algorithm, Calendar, CalendarPeriod, Concurrency, Costs, DEFAULT_LEASE, DEFAULT_TYPICAL_HOLD,
     MAX_COUNT, MAX_PENALTY_REFUSALS, MAX_SLIDING_LOG, MAX_SPAN, Penalty, Policy, PolicyBuilder,
-    Quota, Tier, TierKind, Unit,
+    Priority, Quota, Reserve, Tier, TierKind, Unit,
 };
 pub use rejection::{QUOTA_EXCEEDED_TYPE, RateLimited, Rejection};
 
