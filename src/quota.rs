@@ -707,6 +707,12 @@ impl Priority {
 ///   admitted), and its `remaining` and `limit` (the `RateLimit` headers) are what that class
 ///   sees: `C - r_c` is a standard request's limit. A request whose cost exceeds its class's
 ///   capacity is [`CostExceedsCapacity`](crate::Outcome::CostExceedsCapacity).
+/// - a reserve is kept, not lent: while no critical request comes, the lower classes leave
+///   `r_c` units unused however much they ask. So over a span `s` in which the lower classes
+///   saturate the tier, all classes together are admitted between `C + rate * s - r_c` and
+///   `C + rate * s` (the tier's limit); at three times the limit's rate for 30 s with
+///   `C` = 1,000 a second and `r_c` = 200, within 1 % of the limit, and no critical request
+///   (300 a second) refused, on both stores (the crate's tests hold this).
 ///
 /// Reserves run on GCRA rate tiers (the default algorithm); `r_c + r_s` must be less than the
 /// tier's capacity, so that every class can be admitted. A policy with a reserve is decided

@@ -42,7 +42,8 @@ async fn three_times_overload_refuses_no_critical_request_in_memory() {
     // test above holds is the reserve's doing.
     let clock = FakeClock::new();
     clock.set(HOUR);
-    let plain = memory_limiter(&clock, Policy::single("overload", Quota::per_second(1000)).unwrap());
+    let plain =
+        memory_limiter(&clock, Policy::single("overload", Quota::per_second(1000)).unwrap());
     let without = scenarios::overload(&clock, &plain, 30).await;
     assert!(without.critical_refused > 1000, "{without:?}");
     // One limit either way; without a reserve none of it is kept back.
@@ -64,7 +65,10 @@ fn reserves_that_cannot_work_are_refused_at_their_field() {
     );
     assert_eq!(
         err(base().reserve("t", Reserve::new().critical(u64::MAX).standard(1))),
-        format!("tier `t`: reserve: critical {} + standard 1 must be less than the capacity 10", u64::MAX)
+        format!(
+            "tier `t`: reserve: critical {} + standard 1 must be less than the capacity 10",
+            u64::MAX
+        )
     );
     assert_eq!(
         err(base().reserve("t", Reserve::new()).reserve("t", Reserve::new())),

@@ -148,14 +148,7 @@ impl<'a> Check<'a> {
     /// Polices `cost` units for `key`, without a ticket.
     #[must_use]
     pub const fn new(key: &'a Key, cost: u64) -> Self {
-        Self {
-            key,
-            cost,
-            costs: &[],
-            max_delay: None,
-            ticket: false,
-            priority: Priority::Standard,
-        }
+        Self { key, cost, costs: &[], max_delay: None, ticket: false, priority: Priority::Standard }
     }
 
     /// Gives the request's class (see [`priority`](Self::priority)).

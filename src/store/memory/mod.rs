@@ -499,7 +499,14 @@ impl MemoryStore {
                     let boxes = fresh_boxes(before);
                     let mut states: Box<[TierState]> =
                         states.iter().take(tiers).cloned().chain(boxes).collect();
-                    let (d, _) = decide_kinds(before, &mut states, now, &zeros, Mode::Police, Priority::Critical);
+                    let (d, _) = decide_kinds(
+                        before,
+                        &mut states,
+                        now,
+                        &zeros,
+                        Mode::Police,
+                        Priority::Critical,
+                    );
                     d.tiers().iter().map(crate::TierDecision::remaining).collect()
                 }
                 (Was::Tat(_), None) => continue,
@@ -555,7 +562,8 @@ impl MemoryStore {
             for (i, units) in costs.iter().enumerate().filter(|(_, u)| **u > 0) {
                 let mut one = vec![0; costs.len()];
                 one[i] = *units;
-                let _ = decide_kinds(after, &mut states, now, &one, Mode::Police, Priority::Critical);
+                let _ =
+                    decide_kinds(after, &mut states, now, &one, Mode::Police, Priority::Critical);
             }
             if let Was::States(old_states) = &state {
                 for (to, from) in boxes {

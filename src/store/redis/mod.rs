@@ -950,8 +950,9 @@ impl RedisStore {
         let record =
             prepared.check_kinds(&costs, check.max_delay, lease, check.priority, inner.app_now());
         let answered = inner.submit(prepared, keys, record, prepared.check_reply_len()).await;
-        let decided = answered
-            .and_then(|(reply, at)| script::decode_costs(policy, &|i| costs[i], lease, check.priority, at, &reply));
+        let decided = answered.and_then(|(reply, at)| {
+            script::decode_costs(policy, &|i| costs[i], lease, check.priority, at, &reply)
+        });
         let (mut decision, charges) = match decided {
             Ok(decided) => decided,
             Err(error) => return inner.fall_back(error, bound, check),
