@@ -321,7 +321,6 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// [`Priority::Standard`].
     ///
     /// ```
-    /// use tollgate::key::PeerIp;
     /// use tollgate::{Policy, Priority, Quota, RateLimitLayer, Reserve};
     ///
     /// let policy = Policy::builder("api")
@@ -330,13 +329,13 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     ///     .build()
     ///     .unwrap();
     /// let layer = RateLimitLayer::builder(policy)
-    ///     .key(PeerIp)
     ///     .priority(|head| match head.uri.path() {
     ///         "/checkout" => Priority::Critical,
     ///         p if p.starts_with("/recommendations") => Priority::Sheddable,
     ///         _ => Priority::Standard,
     ///     })
-    ///     .build();
+    ///     .build()
+    ///     .unwrap();
     /// ```
     pub fn priority(
         mut self,
