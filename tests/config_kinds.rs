@@ -18,7 +18,7 @@ use tollgate::key::Key;
 use tollgate::store::{Check, MemoryStore};
 use tollgate::{
     Algorithm, Calendar, CalendarPeriod, Concurrency, ConfigError, Decision, Penalty, Policy,
-    Quota, RequestBody, Unit, Usage,
+    Quota, RequestBody, Reserve, Unit, Usage,
 };
 use tower::{Layer, ServiceExt, service_fn};
 
@@ -266,6 +266,58 @@ block_window = "10m"
     );
     assert_eq!(place(&e), (Some(2), Some(58), Some("policies.p.tiers[0].block")));
     assert!(e.to_string().contains("penalty"), "{e}");
+}
+
+/// Reserved capacity (`reserve_critical`, `reserve_standard`) on a rate tier reads as the
+/// policy built with `PolicyBuilder::reserve`, and decides like it; a reserve the builder
+/// refuses is refused at its field, and a calendar tier has no reserve.
+#[test]
+fn a_reserve_reads_as_the_policy_built_in_code() {
+    let config = load(
+        r#"
+[policies.api]
+[[policies.api.tiers]]
+name = "hour"
+count = 4
+period = "1h"
+reserve_critical = 1
+reserve_standard = 1
+"#,
+    );
+    let api = Policy::builder("api")
+        .tier("hour", Quota::per_hour(4))
+        .reserve("hour", Reserve::new().critical(1).standard(1))
+        .build()
+        .unwrap();
+    let read = config.policy("api").unwrap();
+    assert_eq!(read, &api);
+    let decisions = same_decisions(read, &api, "2025-03-30T00:30:00Z", 400);
+    assert!(decisions.iter().any(Decision::is_allowed));
+    assert!(decisions.iter().any(|d| !d.is_allowed()));
+    // One field alone reserves that much, the other nothing.
+    let config = load(
+        "[policies.p]\ntiers = [{ name = \"r\", count = 5, period = \"1m\", reserve_standard = 1 }]\n",
+    );
+    assert_eq!(config.policy("p").unwrap().tiers()[0].reserve(), Some(Reserve::new().standard(1)));
+
+    let e = error(
+        "[policies.p]\ntiers = [{ name = \"r\", count = 5, period = \"1m\", reserve_critical = 5 }]\n",
+    );
+    assert_eq!(place(&e).2, Some("policies.p.tiers[0].reserve_critical"));
+    assert_eq!(
+        e.message(),
+        "tier `r`: reserve: critical 5 + standard 0 must be less than the capacity 5"
+    );
+    let e = error(
+        "[policies.p]\nalgorithm = \"token_bucket\"\ntiers = [{ name = \"r\", count = 5, period = \"1m\", reserve_standard = 1 }]\n",
+    );
+    assert_eq!(place(&e).2, Some("policies.p.tiers[0].reserve_standard"));
+    assert!(e.message().ends_with("reserved capacity runs on gcra only, not token_bucket"), "{e}");
+    let e = error(
+        "[policies.p]\ntiers = [{ name = \"d\", kind = \"calendar\", count = 5, period = \"day\", reserve_critical = 1 }]\n",
+    );
+    assert_eq!(place(&e).2, Some("policies.p.tiers[0].reserve_critical"));
+    assert!(e.message().starts_with("a calendar tier has no `reserve_critical`"), "{e}");
 }
 
 /// A field of another kind, or a kind's required field left out, is refused at its place.

@@ -186,6 +186,13 @@
 //! # Ok::<(), tollgate::ConfigError>(())
 //! ```
 //!
+//! A rate tier of a GCRA policy may reserve part of its capacity for the higher request
+//! classes ([`Reserve`](crate::Reserve)): `reserve_critical`, units only critical requests may
+//! use, and `reserve_standard`, units more that sheddable requests may not use (each 0 when
+//! left out; `reserve_critical = 20, reserve_standard = 30` on a tier of 100 is
+//! `.reserve(tier, Reserve::new().critical(20).standard(30))`). The class of each request is
+//! the layer's ([`RateLimitLayerBuilder::priority`](crate::RateLimitLayerBuilder::priority)).
+//!
 //! A rate or calendar tier may carry a penalty box ([`Penalty`](crate::Penalty)): `block`, how
 //! long a key that breaches the tier is refused (a duration); `block_after`, the breaches that
 //! start a block (default 1), and `block_window`, the window they are counted in (needed when
