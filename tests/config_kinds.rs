@@ -669,6 +669,39 @@ async fn header_format_explain_missing_key_and_refund_on_are_applied() {
     }
 }
 
+/// `priority_header` reads each request's class from that header: with a reserve on the
+/// policy's tier, sheddable requests are refused first and critical ones still served.
+#[tokio::test]
+async fn priority_header_gives_each_request_its_class() {
+    let text = "[policies.p]\ntiers = [{ name = \"m\", count = 4, period = \"1m\", reserve_critical = 1, reserve_standard = 1 }]\n[[rules]]\nname = \"r\"\nkey = \"header:x-api-key\"\npolicy = \"p\"\npriority_header = \"x-priority\"\n";
+    let layer = layer(text);
+    let svc = layer.layer(service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    }));
+    let status = |class: &'static str| {
+        let svc = svc.clone();
+        async move {
+            let req = Request::get("/")
+                .header("x-api-key", "k")
+                .header("x-priority", class)
+                .body(Full::new(Bytes::new()))
+                .unwrap();
+            svc.oneshot(req).await.unwrap().status()
+        }
+    };
+    // 4 a minute: sheddable requests may use 2, standard 3, critical all 4.
+    assert_eq!(status("sheddable").await, StatusCode::OK);
+    assert_eq!(status("sheddable").await, StatusCode::OK);
+    assert_eq!(status("sheddable").await, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(status("standard").await, StatusCode::OK);
+    assert_eq!(status("standard").await, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(status("critical").await, StatusCode::OK);
+    assert_eq!(status("critical").await, StatusCode::TOO_MANY_REQUESTS);
+
+    let e = error(&rule("priority_header = \"bad header\""));
+    assert_eq!(place(&e).2, Some("rules[0].priority_header"));
+}
+
 #[test]
 fn bad_rule_settings_are_refused_at_their_field() {
     let e = error(&rule("refund_on = [\"5xx\", \"6xx\"]"));

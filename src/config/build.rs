@@ -88,6 +88,8 @@ pub(super) struct RuleDef {
     explain_missing_key: Option<bool>,
     /// The statuses whose responses give the charge back.
     refund_on: Option<Arc<[StatusMatch]>>,
+    /// The header the request's class is read from.
+    priority_header: Option<HeaderName>,
 }
 
 #[derive(Debug, Clone)]
@@ -614,6 +616,7 @@ fn rule(
         }),
         explain_missing_key: raw.explain_missing_key,
         refund_on,
+        priority_header: raw.priority_header.map(|h| h.0),
     })
 }
 
@@ -766,6 +769,9 @@ impl RuleDef {
         }
         if let Some(on) = self.explain_missing_key {
             b = b.explain_missing_key(on);
+        }
+        if let Some(header) = &self.priority_header {
+            b = b.priority_header(header.clone());
         }
         if let Some(statuses) = &self.refund_on {
             let statuses = Arc::clone(statuses);

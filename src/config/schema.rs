@@ -196,6 +196,8 @@ pub(super) struct RawRule {
     pub(super) explain_missing_key: Option<bool>,
     #[serde(default)]
     pub(super) refund_on: Option<Spanned<Vec<StatusMatch>>>,
+    #[serde(default)]
+    pub(super) priority_header: Option<HeaderNameValue>,
 }
 
 /// `plan = { header = "x-plan", policies = ["free", "pro"], otherwise = "policy:free" }`.
