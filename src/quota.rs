@@ -711,8 +711,11 @@ impl Priority {
 ///   `r_c` units unused however much they ask. So over a span `s` in which the lower classes
 ///   saturate the tier, all classes together are admitted between `C + rate * s - r_c` and
 ///   `C + rate * s` (the tier's limit); at three times the limit's rate for 30 s with
-///   `C` = 1,000 a second and `r_c` = 200, within 1 % of the limit, and no critical request
-///   (300 a second) refused, on both stores (the crate's tests hold this).
+///   `C` = 100 a second and `r_c` = 20, within 1 % of the limit, and no critical request
+///   (30 a second) refused, on both stores (the crate's tests hold this).
+///
+/// On a tier that also has a [`Penalty`], a request its class may not admit is a breach like
+/// any other refusal of the tier (a sheddable client refused at its threshold can be blocked).
 ///
 /// Reserves run on GCRA rate tiers (the default algorithm); `r_c + r_s` must be less than the
 /// tier's capacity, so that every class can be admitted. A policy with a reserve is decided

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tollgate::clock::FakeClock;
 use tollgate::key::Key;
 use tollgate::store::Store;
-use tollgate::{Decision, Limiter, Outcome, Policy, Priority, Quota, Reserve};
+use tollgate::{Decision, Limiter, Outcome, Penalty, Policy, Priority, Quota, Reserve};
 
 use Priority::{Critical, Sheddable, Standard};
 
@@ -126,6 +126,33 @@ pub async fn lower_classes_never_take_the_critical_reserve<St: Store>(
     assert!(limiter.check_as(&Key::text("big"), 6, Standard).await.unwrap().is_allowed());
 }
 
+/// 10 a minute with the reserves of [`minute_policy`], and a 15-minute penalty box.
+pub fn boxed_policy(name: &str) -> Policy {
+    Policy::builder(name)
+        .tier("minute", Quota::per_minute(10))
+        .reserve("minute", Reserve::new().critical(2).standard(3))
+        .penalty("minute", Penalty::new(15 * 60 * SECOND))
+        .build()
+        .unwrap()
+}
+
+/// With a penalty box on the tier, a request refused at its class's threshold is a breach:
+/// the key is blocked, for every class, with the box's retry.
+pub async fn a_refusal_at_a_class_threshold_is_a_breach<St: Store>(
+    clock: &FakeClock,
+    limiter: &Limiter<St>,
+) {
+    let key = Key::text("boxed");
+    admit(limiter, &key, Sheddable, 5).await;
+    let d = check(limiter, &key, Sheddable).await;
+    assert_refused(&d, 5, 15 * 60 * SECOND, "the breach");
+    clock.advance(60 * SECOND);
+    let d = check(limiter, &key, Critical).await;
+    assert_eq!(d.retry_after(), Some(14 * 60 * SECOND), "{d:?}");
+    clock.advance(14 * 60 * SECOND);
+    admit(limiter, &key, Critical, 1).await;
+}
+
 /// Every scenario, each on a fresh limiter of its own policy from `limiter_of`.
 pub async fn every_scenario<St, F, Fut>(clock: &FakeClock, limiter_of: F)
 where
@@ -135,6 +162,8 @@ where
 {
     each_class_stops_at_its_threshold(clock, &limiter_of(minute_policy("thresholds")).await).await;
     lower_classes_never_take_the_critical_reserve(clock, &limiter_of(minute_policy("flood")).await)
+        .await;
+    a_refusal_at_a_class_threshold_is_a_breach(clock, &limiter_of(boxed_policy("boxed")).await)
         .await;
 }
 
@@ -153,24 +182,27 @@ pub struct Counts {
     pub sheddable_refused: u64,
 }
 
-/// 1,000 a second (burst 1,000); 200 kept for critical requests, 300 more for standard ones.
+/// The rate of [`overload_policy`], a second.
+pub const RATE: u64 = 100;
+
+/// 100 a second (burst 100); 20 kept for critical requests, 30 more for standard ones.
 pub fn overload_policy(name: &str) -> Policy {
     Policy::builder(name)
-        .tier("second", Quota::per_second(1000))
-        .reserve("second", Reserve::new().critical(200).standard(300))
+        .tier("second", Quota::per_second(RATE))
+        .reserve("second", Reserve::new().critical(20).standard(30))
         .build()
         .unwrap()
 }
 
-/// 3x overload for `seconds` on one key: 3,000 requests a second, evenly spaced, each of a
-/// class drawn from a fixed-seed generator: 1 in 10 critical (300 a second, below the limit's
-/// rate, its bursts far below the reserve), 3 in 10 standard, 6 in 10 sheddable.
+/// 3x overload for `seconds` on one key: 300 requests a second, evenly spaced, each of a class
+/// drawn from a fixed-seed generator: 1 in 10 critical (30 a second, below the limit's rate,
+/// its bursts far below the reserve), 3 in 10 standard, 6 in 10 sheddable.
 pub async fn overload<St: Store>(clock: &FakeClock, limiter: &Limiter<St>, seconds: u64) -> Counts {
     let key = Key::text("overload");
     let mut counts = Counts::default();
     let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
-    let gap = 1_000_000_000 / 3000;
-    let n = seconds * 3000;
+    let gap = 1_000_000_000 / (3 * RATE);
+    let n = seconds * 3 * RATE;
     for i in 0..n {
         // xorshift64: the same trace on every run and store.
         x ^= x << 13;
@@ -192,19 +224,19 @@ pub async fn overload<St: Store>(clock: &FakeClock, limiter: &Limiter<St>, secon
             clock.advance(Duration::from_nanos(gap));
         }
     }
-    counts.limit = 1000 + (n - 1) * gap / 1_000_000;
+    counts.limit = RATE + (n - 1) * gap / (1_000_000_000 / RATE);
     counts
 }
 
 /// [`overload`] for 30 s, held to what the limit promises: no critical request refused, and
 /// the total admitted never above the limit and within 1 % of it. What is not admitted is the
-/// critical reserve that critical requests left unused at the end (at most its 200 units, and
+/// critical reserve that critical requests left unused at the end (at most its 20 units, and
 /// the fraction of a unit the last refill had not completed): a reserve is kept, not lent.
 pub async fn three_times_overload<St: Store>(clock: &FakeClock, limiter: &Limiter<St>) -> Counts {
     let counts = overload(clock, limiter, 30).await;
     assert_eq!(counts.critical_refused, 0, "{counts:?}");
     assert!(counts.admitted <= counts.limit, "{counts:?}");
-    assert!(counts.limit - counts.admitted <= 200 + 1, "{counts:?}");
+    assert!(counts.limit - counts.admitted <= 20 + 1, "{counts:?}");
     assert!(counts.admitted >= counts.limit - counts.limit / 100, "{counts:?}");
     // Sheddable requests are refused first: a larger share of them than of standard ones.
     assert!(counts.standard_refused * 2 < counts.sheddable_refused, "{counts:?}");
