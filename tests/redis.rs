@@ -1839,9 +1839,9 @@ async fn three_times_overload_refuses_no_critical_request_on_redis() {
     assert_eq!(on_redis, in_memory);
 }
 
-/// Random traces (GCRA, other kinds now and then) with reserves on their first tier and checks
-/// of every class, through both stores on one fake clock, from a fixed seed: not one decision
-/// differs.
+/// Random traces (GCRA, other kinds and penalty boxes now and then) with reserves on their
+/// first tier and checks of every class, through both stores on one fake clock, from a fixed
+/// seed: not one decision differs.
 #[test]
 fn reserves_decide_exactly_like_memory() {
     use proptest::test_runner::{RngAlgorithm, TestRng};
@@ -1850,15 +1850,22 @@ fn reserves_decide_exactly_like_memory() {
     let url = server.url();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     // Half of them with the clock stepping back between checks.
+    // Now and then a penalty box too: a refusal at a class's threshold is a breach.
+    let penalty = proptest::option::weighted(
+        0.3,
+        (0usize..5, 1_000_000u64..=20_000_000_000, 1u32..=3, 1_000_000u64..=10_000_000_000),
+    );
     let traces = (
         proptest::bool::ANY.prop_flat_map(trace),
         (0u64..=3, 0u64..=3),
         proptest::collection::vec(0u8..3, 80),
+        penalty,
     )
-        .prop_map(|(mut trace, reserve, classes)| {
+        .prop_map(|(mut trace, reserve, classes, penalty)| {
             trace.algorithm = Algorithm::Gcra;
             trace.reserve = Some(reserve);
             trace.classes = classes;
+            trace.penalty = penalty;
             trace
         });
     let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[5; 32]);
