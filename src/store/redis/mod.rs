@@ -947,10 +947,12 @@ impl RedisStore {
         let lease = if takes_slots { fastrand::u64(1..1 << 52) } else { 0 };
         let state_key = bound.state_key(check.key);
         let keys = prepared.keys(state_key.clone());
-        let record = prepared.check_kinds(&costs, check.max_delay, lease, inner.app_now());
+        let record =
+            prepared.check_kinds(&costs, check.max_delay, lease, check.priority, inner.app_now());
         let answered = inner.submit(prepared, keys, record, prepared.check_reply_len()).await;
-        let decided = answered
-            .and_then(|(reply, at)| script::decode_costs(policy, &|i| costs[i], lease, at, &reply));
+        let decided = answered.and_then(|(reply, at)| {
+            script::decode_costs(policy, &|i| costs[i], lease, check.priority, at, &reply)
+        });
         let (mut decision, charges) = match decided {
             Ok(decided) => decided,
             Err(error) => return inner.fall_back(error, bound, check),
