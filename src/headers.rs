@@ -133,7 +133,6 @@ impl Prepared {
     #[inline]
     pub(crate) fn insert(self, headers: &mut HeaderMap) {
         if let Some((policy, state)) = self.ietf {
-            headers.reserve(2);
             headers.insert(RATELIMIT_POLICY, policy.clone());
             if let Some(state) = state {
                 headers.insert(RATELIMIT, state);

@@ -116,40 +116,34 @@ where
             }
         }
         let limiter = config.limiter_at(policy);
+        let plan = config.plan_at(policy);
         // The common case, decided here and now: policing, a key, and a store that answers
         // without I/O. Whatever has to wait goes to `run`, with the decision already made.
         let mut decided = None;
-        if let (Some(key), true) = (&key, config.polices_at_once()) {
+        if let (Some(key), true) = (&key, plan.at_once) {
             let cost = config.cost(&head);
-            let policy_ = limiter.policy();
             // Per-tier costs, for a policy with tiers of other kinds or units only.
-            let costs = (!policy_.is_plain()).then(|| policy_.costs(cost, content_length(&head)));
+            let costs = (!plan.plain)
+                .then(|| limiter.policy().costs(cost, content_length(&head)));
             let mut check = Check::new(key, cost);
             if let Some(costs) = &costs {
                 check = check.with_costs(costs);
             }
-            let metered = Needs::of(policy_).any();
-            // Given back by status only: without a ticket where the store can (no allocation).
-            let untracked = !metered
-                && config.settings.settle_cost.is_none()
-                && config.refunds_by_status()
-                && limiter.refunds_sync();
-            check.ticket = (config.needs_ticket() && !untracked) || metered;
+            check.ticket = plan.ticket;
             match limiter.check_sync(check) {
                 Some(Ok(Verdict { decision, ticket }))
-                    if decision.is_allowed()
-                        && (ticket.is_none()
-                            || (!metered && config.settings.settle_cost.is_none())) =>
+                    if decision.is_allowed() && (ticket.is_none() || plan.answers_with_ticket) =>
                 {
                     if config.observer.active() {
-                        config.observe(policy, key, &head, Some(&decision), Observed::Admitted);
+                        let policy_ = limiter.policy();
+                        config.observer.admitted(policy, policy_, key, &head, &decision);
                     }
                     let headers =
                         limiter.surface().headers.prepare(config.settings.headers, &decision);
                     // Called here and now: the service that was polled ready, no clone.
                     let future = self.inner.call(req);
                     let Some(ticket) = ticket else {
-                        if untracked {
+                        if plan.untracked {
                             let charge = Untracked {
                                 hook: Arc::clone(&self.config) as Arc<dyn RefundByStatus>,
                                 policy,
@@ -237,19 +231,10 @@ impl<K, St: Store> Config<K, St> {
         self.observer.decided(index, policy, key, head, decision, outcome);
     }
 
-    /// Policing, not in dry run: a decision made at once can be answered at once.
-    fn polices_at_once(&self) -> bool {
-        self.settings.max_delay.is_none() && !self.settings.dry_run
-    }
-
-    /// Whether the charge may be given back after the response: then checks ask for a ticket.
-    fn needs_ticket(&self) -> bool {
-        self.refunds_by_status() || self.settings.settle_cost.is_some()
-    }
-
-    /// Whether a response's status may give its request's charge back.
-    fn refunds_by_status(&self) -> bool {
-        !self.settings.charge_method_not_allowed || self.settings.refund_if.is_some()
+    /// The [`Plan`] of the policy at `index` ([`limiter_at`](Self::limiter_at)'s order).
+    #[inline]
+    fn plan_at(&self, index: usize) -> &Plan {
+        self.plans.get(index).unwrap_or(&self.plans[0])
     }
 
     /// Whether a response of `status` gives its request's charge back: a `405 Method Not
@@ -315,6 +300,54 @@ impl<K, St: Store> Config<K, St> {
     }
 }
 
+/// What the requests of one bound policy need, derived from the layer's settings and the
+/// policy's tiers when the layer is built, so that a request only reads it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Plan {
+    /// What a request must have measured while it runs (slots, bytes, reported units).
+    needs: Needs,
+    /// Every tier a rate counting requests: the request's cost is every tier's cost.
+    plain: bool,
+    /// Policing, not in dry run: a decision made at once can be answered at once.
+    at_once: bool,
+    /// Whether a check decided at once asks for a ticket.
+    ticket: bool,
+    /// Admitted without a ticket, its charge given back by key when the response's status
+    /// says so (the store can, exactly, and nothing else needs the ticket).
+    untracked: bool,
+    /// Whether an admission that came with a ticket is still answered at once: nothing is
+    /// metered and no cost is settled from the response head.
+    answers_with_ticket: bool,
+    /// Whether a check that may wait asks for a ticket (beside shaping, which always does).
+    ticket_to_wait: bool,
+}
+
+impl Plan {
+    pub(super) fn new<St: Store>(settings: &super::Settings, limiter: &Limiter<St>) -> Self {
+        let policy = limiter.policy();
+        let needs = Needs::of(policy);
+        let metered = needs.any();
+        // Whether a response's status may give its request's charge back.
+        let refunds_by_status =
+            !settings.charge_method_not_allowed || settings.refund_if.is_some();
+        // Whether the charge may be given back after the response.
+        let needs_ticket = refunds_by_status || settings.settle_cost.is_some();
+        let untracked = !metered
+            && settings.settle_cost.is_none()
+            && refunds_by_status
+            && limiter.refunds_sync();
+        Self {
+            needs,
+            plain: policy.is_plain(),
+            at_once: settings.max_delay.is_none() && !settings.dry_run,
+            ticket: (needs_ticket && !untracked) || metered,
+            untracked,
+            answers_with_ticket: !metered && settings.settle_cost.is_none(),
+            ticket_to_wait: needs_ticket || metered,
+        }
+    }
+}
+
 /// Passes a request on unlimited.
 async fn pass<S, ReqB, ResB>(
     mut inner: S,
@@ -366,8 +399,9 @@ where
         let head = RequestHead::from(&req);
         (config.cost(&head), content_length(&head))
     };
-    let needs = Needs::of(limiter.policy());
-    let costs = (!limiter.policy().is_plain()).then(|| limiter.policy().costs(cost, length));
+    let plan = config.plan_at(policy);
+    let needs = plan.needs;
+    let costs = (!plan.plain).then(|| limiter.policy().costs(cost, length));
 
     // A place in the waiting room, taken before deciding so that a full room polices instead
     // of reserving slots it cannot wait for.
@@ -387,7 +421,7 @@ where
                 check = check.with_costs(costs);
             }
             check.max_delay = budget;
-            check.ticket = budget.is_some() || config.needs_ticket() || needs.any();
+            check.ticket = budget.is_some() || plan.ticket_to_wait;
             if budget.is_some() && limiter.policy().has_concurrency() {
                 // Shaping waits for a free slot too, within the budget.
                 limiter.reserve_with(check).await
