@@ -89,7 +89,8 @@ where
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
-        let req = req.map(RequestBody::new);
+        // The body is wrapped where the request is handed on: built in place there, the
+        // request is not copied once more.
         let config = &*self.config;
         let head = RequestHead::from(&req);
         // Filters, allow-lists and the selector, only when one is set.
@@ -99,7 +100,7 @@ where
                 Route::Limit(i) => policy = i,
                 // Called here and now: the service that was polled ready, no clone.
                 Route::Pass => {
-                    return ResponseFuture::inner(self.inner.call(req), Prepared::default());
+                    return ResponseFuture::inner(self.inner.call(req.map(RequestBody::new)), Prepared::default());
                 }
                 Route::Refuse(status) => {
                     let grpc = is_grpc(req.headers());
@@ -112,7 +113,7 @@ where
         let key = config.key.extract(&head);
         if let (Some(scope), Some(key)) = (&config.scope, &key) {
             if scope.allows(key) {
-                return ResponseFuture::inner(self.inner.call(req), Prepared::default());
+                return ResponseFuture::inner(self.inner.call(req.map(RequestBody::new)), Prepared::default());
             }
         }
         let limiter = config.limiter_at(policy);
@@ -141,7 +142,7 @@ where
                     let headers =
                         limiter.surface().headers.prepare(config.settings.headers, &decision);
                     // Called here and now: the service that was polled ready, no clone.
-                    let future = self.inner.call(req);
+                    let future = self.inner.call(req.map(RequestBody::new));
                     let Some(ticket) = ticket else {
                         if plan.untracked {
                             let charge = Untracked {
@@ -193,6 +194,7 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let config = Arc::clone(&self.config);
+        let req = req.map(RequestBody::new);
         ResponseFuture::slow(Box::pin(run(config, policy, inner, req, key, decided)))
     }
 }
