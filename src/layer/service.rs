@@ -150,6 +150,7 @@ where
                                 policy,
                                 key: key.clone(),
                                 cost,
+                                any_status: plan.refund_if,
                             };
                             return ResponseFuture::untracked(future, headers, charge);
                         }
@@ -322,6 +323,8 @@ pub(super) struct Plan {
     answers_with_ticket: bool,
     /// Whether a check that may wait asks for a ticket (beside shaping, which always does).
     ticket_to_wait: bool,
+    /// Whether a `refund_if` predicate is set (statuses other than 405 may give back).
+    refund_if: bool,
 }
 
 impl Plan {
@@ -346,6 +349,7 @@ impl Plan {
             untracked,
             answers_with_ticket: !metered && settings.settle_cost.is_none(),
             ticket_to_wait: needs_ticket || metered,
+            refund_if: settings.refund_if.is_some(),
         }
     }
 }
