@@ -130,12 +130,16 @@ where
         let output = match state.as_mut().project() {
             StateProj::Inner { future, headers } => {
                 let mut res = ready!(future.poll(cx))?;
-                std::mem::take(headers).insert(res.headers_mut());
+                if !headers.is_empty() {
+                    std::mem::take(headers).insert(res.headers_mut());
+                }
                 Ok(res.map(ResponseBody::inner))
             }
             StateProj::Refundable { future, headers, refund } => {
                 let mut res = ready!(future.poll(cx))?;
-                std::mem::take(headers).insert(res.headers_mut());
+                if !headers.is_empty() {
+                    std::mem::take(headers).insert(res.headers_mut());
+                }
                 let settle = refund.take().and_then(|refund| refund(res.status()));
                 let res = res.map(ResponseBody::inner);
                 match settle {
@@ -151,7 +155,9 @@ where
             }
             StateProj::Untracked { future, headers, charge } => {
                 let mut res = ready!(future.poll(cx))?;
-                std::mem::take(headers).insert(res.headers_mut());
+                if !headers.is_empty() {
+                    std::mem::take(headers).insert(res.headers_mut());
+                }
                 let status = res.status();
                 if let Some(c) = charge.take() {
                     if c.any_status || status == StatusCode::METHOD_NOT_ALLOWED {
