@@ -102,6 +102,24 @@ impl Observer {
         }
     }
 
+    /// Reports a refusal decided at once by the policy at `index`, like
+    /// [`admitted`](Self::admitted).
+    #[inline]
+    pub(super) fn limited(
+        &self,
+        index: usize,
+        policy: &Policy,
+        key: &Key,
+        head: &RequestHead<'_>,
+        decision: &Decision,
+    ) {
+        if self.hook.is_some() {
+            self.decided(index, policy, key, head, Some(decision), Observed::Limited);
+        } else if let Some(metrics) = self.metrics.get(index) {
+            metrics.decided(Counted::Limited, decision);
+        }
+    }
+
     /// Reports a decision of the policy at `index`.
     #[inline(never)]
     pub(super) fn decided(

@@ -175,8 +175,8 @@ where
                     if !verdict.decision.is_allowed() && config.settings.tarpit.is_none() =>
                 {
                     if config.observer.active() {
-                        let d = Some(&verdict.decision);
-                        config.observe(policy, key, &head, d, Observed::Limited);
+                        let (policy_, d) = (limiter.policy(), &verdict.decision);
+                        config.observer.limited(policy, policy_, key, &head, d);
                     }
                     let grpc = is_grpc(req.headers());
                     return ResponseFuture::ready(config.reject(
