@@ -100,7 +100,10 @@ where
                 Route::Limit(i) => policy = i,
                 // Called here and now: the service that was polled ready, no clone.
                 Route::Pass => {
-                    return ResponseFuture::inner(self.inner.call(req.map(RequestBody::new)), Prepared::default());
+                    return ResponseFuture::inner(
+                        self.inner.call(req.map(RequestBody::new)),
+                        Prepared::default(),
+                    );
                 }
                 Route::Refuse(status) => {
                     let grpc = is_grpc(req.headers());
@@ -113,7 +116,10 @@ where
         let key = config.key.extract(&head);
         if let (Some(scope), Some(key)) = (&config.scope, &key) {
             if scope.allows(key) {
-                return ResponseFuture::inner(self.inner.call(req.map(RequestBody::new)), Prepared::default());
+                return ResponseFuture::inner(
+                    self.inner.call(req.map(RequestBody::new)),
+                    Prepared::default(),
+                );
             }
         }
         let limiter = config.limiter_at(policy);
@@ -124,8 +130,7 @@ where
         if let (Some(key), true) = (&key, plan.at_once) {
             let cost = config.cost(&head);
             // Per-tier costs, for a policy with tiers of other kinds or units only.
-            let costs = (!plan.plain)
-                .then(|| limiter.policy().costs(cost, content_length(&head)));
+            let costs = (!plan.plain).then(|| limiter.policy().costs(cost, content_length(&head)));
             let mut check = Check::new(key, cost);
             if let Some(costs) = &costs {
                 check = check.with_costs(costs);
@@ -333,8 +338,7 @@ impl Plan {
         let needs = Needs::of(policy);
         let metered = needs.any();
         // Whether a response's status may give its request's charge back.
-        let refunds_by_status =
-            !settings.charge_method_not_allowed || settings.refund_if.is_some();
+        let refunds_by_status = !settings.charge_method_not_allowed || settings.refund_if.is_some();
         // Whether the charge may be given back after the response.
         let needs_ticket = refunds_by_status || settings.settle_cost.is_some();
         let untracked = !metered
