@@ -117,39 +117,52 @@ const X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-r
 const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 
 /// The rate-limit headers of one response, rendered when it was decided and inserted when the
-/// response is ready. Small, because the response future carries it.
+/// response is ready. Small, because the response future carries it; the fields of draft 6 and
+/// the legacy family, rarely asked for, are behind one pointer.
 #[derive(Debug, Default)]
 pub(crate) struct Prepared {
     /// `RateLimit-Policy`, and `RateLimit` (none in draft 6).
     ietf: Option<(&'static HeaderValue, Option<HeaderValue>)>,
-    /// Draft 6's `RateLimit-Limit`, `-Remaining`, `-Reset`.
-    draft6: Option<Box<[HeaderValue; 3]>>,
-    /// `X-RateLimit-Limit`, `-Remaining`, `-Reset`.
-    legacy: Option<Box<[HeaderValue; 3]>>,
+    /// Draft 6's `RateLimit-Limit`, `-Remaining`, `-Reset`, and `X-RateLimit-Limit`,
+    /// `-Remaining`, `-Reset`.
+    more: Option<Box<More>>,
+}
+
+/// The header fields of [`Prepared`] other than the current draft's.
+#[derive(Debug, Default)]
+struct More {
+    draft6: Option<[HeaderValue; 3]>,
+    legacy: Option<[HeaderValue; 3]>,
 }
 
 impl Prepared {
+    /// Whether there is nothing to insert (the layer writes no rate-limit headers).
+    #[inline]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.ietf.is_none() && self.more.is_none()
+    }
+
     /// Inserts the headers into `headers`.
     #[inline]
     pub(crate) fn insert(self, headers: &mut HeaderMap) {
         if let Some((policy, state)) = self.ietf {
-            headers.reserve(2);
             headers.insert(RATELIMIT_POLICY, policy.clone());
             if let Some(state) = state {
                 headers.insert(RATELIMIT, state);
             }
         }
-        if let Some(draft6) = self.draft6 {
-            let [limit, remaining, reset] = *draft6;
-            headers.insert(RATELIMIT_LIMIT, limit);
-            headers.insert(RATELIMIT_REMAINING, remaining);
-            headers.insert(RATELIMIT_RESET, reset);
-        }
-        if let Some(legacy) = self.legacy {
-            let [limit, remaining, reset] = *legacy;
-            headers.insert(X_RATELIMIT_LIMIT, limit);
-            headers.insert(X_RATELIMIT_REMAINING, remaining);
-            headers.insert(X_RATELIMIT_RESET, reset);
+        if let Some(more) = self.more {
+            let More { draft6, legacy } = *more;
+            if let Some([limit, remaining, reset]) = draft6 {
+                headers.insert(RATELIMIT_LIMIT, limit);
+                headers.insert(RATELIMIT_REMAINING, remaining);
+                headers.insert(RATELIMIT_RESET, reset);
+            }
+            if let Some([limit, remaining, reset]) = legacy {
+                headers.insert(X_RATELIMIT_LIMIT, limit);
+                headers.insert(X_RATELIMIT_REMAINING, remaining);
+                headers.insert(X_RATELIMIT_RESET, reset);
+            }
         }
     }
 }
@@ -233,11 +246,16 @@ impl Headers {
     /// The header fields of `fields` for `decision`.
     #[inline]
     pub(crate) fn prepare(&self, fields: Fields, decision: &Decision) -> Prepared {
+        if decision.tiers.is_empty() || fields.style == HeaderStyle::None {
+            return Prepared::default();
+        }
+        self.render(fields, decision)
+    }
+
+    /// [`prepare`](Self::prepare) for a layer that writes headers.
+    fn render(&self, fields: Fields, decision: &Decision) -> Prepared {
         let mut out = Prepared::default();
         let style = fields.style;
-        if decision.tiers.is_empty() || style == HeaderStyle::None {
-            return out;
-        }
         if matches!(style, HeaderStyle::Ietf | HeaderStyle::Both) {
             match fields.format {
                 HeaderFormat::Draft10 => out.ietf = Some((self.policy, Some(self.state(decision)))),
@@ -251,13 +269,16 @@ impl Headers {
                 }
                 HeaderFormat::Draft6 => {
                     out.ietf = Some((self.unnamed_policy, None));
-                    out.draft6 =
-                        self.tightest(decision).map(|t| Box::new(t.map(HeaderValue::from)));
+                    if let Some(t) = self.tightest(decision) {
+                        out.more.get_or_insert_default().draft6 = Some(t.map(HeaderValue::from));
+                    }
                 }
             }
         }
         if matches!(style, HeaderStyle::Legacy | HeaderStyle::Both) {
-            out.legacy = self.tightest(decision).map(|t| Box::new(t.map(HeaderValue::from)));
+            if let Some(t) = self.tightest(decision) {
+                out.more.get_or_insert_default().legacy = Some(t.map(HeaderValue::from));
+            }
         }
         out
     }

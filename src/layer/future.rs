@@ -31,6 +31,9 @@ pub(crate) struct Untracked {
     pub(crate) policy: usize,
     pub(crate) key: Key,
     pub(crate) cost: u64,
+    /// Whether a status other than `405 Method Not Allowed` may give the charge back (a
+    /// `refund_if` is set): without one, any other status keeps it without asking `hook`.
+    pub(crate) any_status: bool,
 }
 
 /// What an admitted request's response status does to its charge: `None` once it is kept,
@@ -127,12 +130,16 @@ where
         let output = match state.as_mut().project() {
             StateProj::Inner { future, headers } => {
                 let mut res = ready!(future.poll(cx))?;
-                std::mem::take(headers).insert(res.headers_mut());
+                if !headers.is_empty() {
+                    std::mem::take(headers).insert(res.headers_mut());
+                }
                 Ok(res.map(ResponseBody::inner))
             }
             StateProj::Refundable { future, headers, refund } => {
                 let mut res = ready!(future.poll(cx))?;
-                std::mem::take(headers).insert(res.headers_mut());
+                if !headers.is_empty() {
+                    std::mem::take(headers).insert(res.headers_mut());
+                }
                 let settle = refund.take().and_then(|refund| refund(res.status()));
                 let res = res.map(ResponseBody::inner);
                 match settle {
@@ -148,9 +155,14 @@ where
             }
             StateProj::Untracked { future, headers, charge } => {
                 let mut res = ready!(future.poll(cx))?;
-                std::mem::take(headers).insert(res.headers_mut());
+                if !headers.is_empty() {
+                    std::mem::take(headers).insert(res.headers_mut());
+                }
+                let status = res.status();
                 if let Some(c) = charge.take() {
-                    c.hook.refund_by_status(res.status(), c.policy, &c.key, c.cost);
+                    if c.any_status || status == StatusCode::METHOD_NOT_ALLOWED {
+                        c.hook.refund_by_status(status, c.policy, &c.key, c.cost);
+                    }
                 }
                 Ok(res.map(ResponseBody::inner))
             }

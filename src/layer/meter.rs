@@ -54,7 +54,7 @@ impl Usage {
     }
 }
 
-/// What a policy needs measured, decided once per request from its tiers.
+/// What a policy needs measured, decided from its tiers once, when the layer is built.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct Needs {
     /// Concurrency slots to hold until the response ends.

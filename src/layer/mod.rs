@@ -97,6 +97,9 @@ pub(crate) struct Config<K, St: Store> {
     failing: Failing,
     /// Whether a request without a key was refused yet (the first is logged as a warning).
     missing: MissingKeys,
+    /// Per policy, in [`limiter_at`](Config::limiter_at)'s order: what its requests need,
+    /// decided once here instead of on every request.
+    plans: Box<[service::Plan]>,
 }
 
 /// The settings that do not change the layer's type.
@@ -727,6 +730,8 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         let others = scope.as_ref().map_or(&[][..], |s| &s.others[..]);
         let policies = std::iter::once(limiter.policy()).chain(others.iter().map(Limiter::policy));
         let observer = Observer::new(policies, settings.hook.clone(), settings.log_keys);
+        let limiters = std::iter::once(&limiter).chain(others);
+        let plans = limiters.map(|l| service::Plan::new(&settings, l)).collect();
         Ok(RateLimitLayer {
             config: Arc::new(Config {
                 limiter,
@@ -737,6 +742,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
                 observer,
                 failing: Failing::default(),
                 missing: MissingKeys::default(),
+                plans,
             }),
         })
     }

@@ -84,7 +84,44 @@ impl Observer {
         cfg!(feature = "metrics") || self.hook.is_some()
     }
 
+    /// Reports an admission decided at once by the policy at `index`: with no hook, only its
+    /// counters are touched (each a pointer test when no recorder is installed).
+    #[inline]
+    pub(super) fn admitted(
+        &self,
+        index: usize,
+        policy: &Policy,
+        key: &Key,
+        head: &RequestHead<'_>,
+        decision: &Decision,
+    ) {
+        if self.hook.is_some() {
+            self.decided(index, policy, key, head, Some(decision), Observed::Admitted);
+        } else if let Some(metrics) = self.metrics.get(index) {
+            metrics.decided(Counted::Admitted, decision);
+        }
+    }
+
+    /// Reports a refusal decided at once by the policy at `index`, like
+    /// [`admitted`](Self::admitted).
+    #[inline]
+    pub(super) fn limited(
+        &self,
+        index: usize,
+        policy: &Policy,
+        key: &Key,
+        head: &RequestHead<'_>,
+        decision: &Decision,
+    ) {
+        if self.hook.is_some() {
+            self.decided(index, policy, key, head, Some(decision), Observed::Limited);
+        } else if let Some(metrics) = self.metrics.get(index) {
+            metrics.decided(Counted::Limited, decision);
+        }
+    }
+
     /// Reports a decision of the policy at `index`.
+    #[inline(never)]
     pub(super) fn decided(
         &self,
         index: usize,

@@ -89,7 +89,8 @@ where
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
-        let req = req.map(RequestBody::new);
+        // The body is wrapped where the request is handed on: built in place there, the
+        // request is not copied once more.
         let config = &*self.config;
         let head = RequestHead::from(&req);
         // Filters, allow-lists and the selector, only when one is set.
@@ -99,7 +100,10 @@ where
                 Route::Limit(i) => policy = i,
                 // Called here and now: the service that was polled ready, no clone.
                 Route::Pass => {
-                    return ResponseFuture::inner(self.inner.call(req), Prepared::default());
+                    return ResponseFuture::inner(
+                        self.inner.call(req.map(RequestBody::new)),
+                        Prepared::default(),
+                    );
                 }
                 Route::Refuse(status) => {
                     let grpc = is_grpc(req.headers());
@@ -112,49 +116,46 @@ where
         let key = config.key.extract(&head);
         if let (Some(scope), Some(key)) = (&config.scope, &key) {
             if scope.allows(key) {
-                return ResponseFuture::inner(self.inner.call(req), Prepared::default());
+                return ResponseFuture::inner(
+                    self.inner.call(req.map(RequestBody::new)),
+                    Prepared::default(),
+                );
             }
         }
         let limiter = config.limiter_at(policy);
+        let plan = config.plan_at(policy);
         // The common case, decided here and now: policing, a key, and a store that answers
         // without I/O. Whatever has to wait goes to `run`, with the decision already made.
         let mut decided = None;
-        if let (Some(key), true) = (&key, config.polices_at_once()) {
+        if let (Some(key), true) = (&key, plan.at_once) {
             let cost = config.cost(&head);
-            let policy_ = limiter.policy();
             // Per-tier costs, for a policy with tiers of other kinds or units only.
-            let costs = (!policy_.is_plain()).then(|| policy_.costs(cost, content_length(&head)));
+            let costs = (!plan.plain).then(|| limiter.policy().costs(cost, content_length(&head)));
             let mut check = Check::new(key, cost).with_priority(config.priority(&head));
             if let Some(costs) = &costs {
                 check = check.with_costs(costs);
             }
-            let metered = Needs::of(policy_).any();
-            // Given back by status only: without a ticket where the store can (no allocation).
-            let untracked = !metered
-                && config.settings.settle_cost.is_none()
-                && config.refunds_by_status()
-                && limiter.refunds_sync();
-            check.ticket = (config.needs_ticket() && !untracked) || metered;
+            check.ticket = plan.ticket;
             match limiter.check_sync(check) {
                 Some(Ok(Verdict { decision, ticket }))
-                    if decision.is_allowed()
-                        && (ticket.is_none()
-                            || (!metered && config.settings.settle_cost.is_none())) =>
+                    if decision.is_allowed() && (ticket.is_none() || plan.answers_with_ticket) =>
                 {
                     if config.observer.active() {
-                        config.observe(policy, key, &head, Some(&decision), Observed::Admitted);
+                        let policy_ = limiter.policy();
+                        config.observer.admitted(policy, policy_, key, &head, &decision);
                     }
                     let headers =
                         limiter.surface().headers.prepare(config.settings.headers, &decision);
                     // Called here and now: the service that was polled ready, no clone.
-                    let future = self.inner.call(req);
+                    let future = self.inner.call(req.map(RequestBody::new));
                     let Some(ticket) = ticket else {
-                        if untracked {
+                        if plan.untracked {
                             let charge = Untracked {
                                 hook: Arc::clone(&self.config) as Arc<dyn RefundByStatus>,
                                 policy,
                                 key: key.clone(),
                                 cost,
+                                any_status: plan.refund_if,
                             };
                             return ResponseFuture::untracked(future, headers, charge);
                         }
@@ -179,8 +180,8 @@ where
                     if !verdict.decision.is_allowed() && config.settings.tarpit.is_none() =>
                 {
                     if config.observer.active() {
-                        let d = Some(&verdict.decision);
-                        config.observe(policy, key, &head, d, Observed::Limited);
+                        let (policy_, d) = (limiter.policy(), &verdict.decision);
+                        config.observer.limited(policy, policy_, key, &head, d);
                     }
                     let grpc = is_grpc(req.headers());
                     return ResponseFuture::ready(config.reject(
@@ -199,6 +200,7 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let config = Arc::clone(&self.config);
+        let req = req.map(RequestBody::new);
         ResponseFuture::slow(Box::pin(run(config, policy, inner, req, key, decided)))
     }
 }
@@ -237,19 +239,10 @@ impl<K, St: Store> Config<K, St> {
         self.observer.decided(index, policy, key, head, decision, outcome);
     }
 
-    /// Policing, not in dry run: a decision made at once can be answered at once.
-    fn polices_at_once(&self) -> bool {
-        self.settings.max_delay.is_none() && !self.settings.dry_run
-    }
-
-    /// Whether the charge may be given back after the response: then checks ask for a ticket.
-    fn needs_ticket(&self) -> bool {
-        self.refunds_by_status() || self.settings.settle_cost.is_some()
-    }
-
-    /// Whether a response's status may give its request's charge back.
-    fn refunds_by_status(&self) -> bool {
-        !self.settings.charge_method_not_allowed || self.settings.refund_if.is_some()
+    /// The [`Plan`] of the policy at `index` ([`limiter_at`](Self::limiter_at)'s order).
+    #[inline]
+    fn plan_at(&self, index: usize) -> &Plan {
+        self.plans.get(index).unwrap_or(&self.plans[0])
     }
 
     /// Whether a response of `status` gives its request's charge back: a `405 Method Not
@@ -321,6 +314,56 @@ impl<K, St: Store> Config<K, St> {
     }
 }
 
+/// What the requests of one bound policy need, derived from the layer's settings and the
+/// policy's tiers when the layer is built, so that a request only reads it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Plan {
+    /// What a request must have measured while it runs (slots, bytes, reported units).
+    needs: Needs,
+    /// Every tier a rate counting requests: the request's cost is every tier's cost.
+    plain: bool,
+    /// Policing, not in dry run: a decision made at once can be answered at once.
+    at_once: bool,
+    /// Whether a check decided at once asks for a ticket.
+    ticket: bool,
+    /// Admitted without a ticket, its charge given back by key when the response's status
+    /// says so (the store can, exactly, and nothing else needs the ticket).
+    untracked: bool,
+    /// Whether an admission that came with a ticket is still answered at once: nothing is
+    /// metered and no cost is settled from the response head.
+    answers_with_ticket: bool,
+    /// Whether a check that may wait asks for a ticket (beside shaping, which always does).
+    ticket_to_wait: bool,
+    /// Whether a `refund_if` predicate is set (statuses other than 405 may give back).
+    refund_if: bool,
+}
+
+impl Plan {
+    pub(super) fn new<St: Store>(settings: &super::Settings, limiter: &Limiter<St>) -> Self {
+        let policy = limiter.policy();
+        let needs = Needs::of(policy);
+        let metered = needs.any();
+        // Whether a response's status may give its request's charge back.
+        let refunds_by_status = !settings.charge_method_not_allowed || settings.refund_if.is_some();
+        // Whether the charge may be given back after the response.
+        let needs_ticket = refunds_by_status || settings.settle_cost.is_some();
+        let untracked = !metered
+            && settings.settle_cost.is_none()
+            && refunds_by_status
+            && limiter.refunds_sync();
+        Self {
+            needs,
+            plain: policy.is_plain(),
+            at_once: settings.max_delay.is_none() && !settings.dry_run,
+            ticket: (needs_ticket && !untracked) || metered,
+            untracked,
+            answers_with_ticket: !metered && settings.settle_cost.is_none(),
+            ticket_to_wait: needs_ticket || metered,
+            refund_if: settings.refund_if.is_some(),
+        }
+    }
+}
+
 /// Passes a request on unlimited.
 async fn pass<S, ReqB, ResB>(
     mut inner: S,
@@ -372,8 +415,9 @@ where
         let head = RequestHead::from(&req);
         (config.cost(&head), content_length(&head), config.priority(&head))
     };
-    let needs = Needs::of(limiter.policy());
-    let costs = (!limiter.policy().is_plain()).then(|| limiter.policy().costs(cost, length));
+    let plan = config.plan_at(policy);
+    let needs = plan.needs;
+    let costs = (!plan.plain).then(|| limiter.policy().costs(cost, length));
 
     // A place in the waiting room, taken before deciding so that a full room polices instead
     // of reserving slots it cannot wait for.
@@ -393,7 +437,7 @@ where
                 check = check.with_costs(costs);
             }
             check.max_delay = budget;
-            check.ticket = budget.is_some() || config.needs_ticket() || needs.any();
+            check.ticket = budget.is_some() || plan.ticket_to_wait;
             if budget.is_some() && limiter.policy().has_concurrency() {
                 // Shaping waits for a free slot too, within the budget.
                 limiter.reserve_with(check).await
