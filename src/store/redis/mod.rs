@@ -108,6 +108,11 @@ const DEFAULT_LOCAL_REFUSALS: usize = 4096;
 ///   Redis has charged it (the fallback or the layer's failure policy decided the request; the
 ///   charge is not undone, and the request is not decided twice). A check that gave up before
 ///   its call was sent is not sent.
+/// - **Refusals stay local.** A key Redis refused until an instant (a rate or calendar tier
+///   with its exact `retry_after`) is refused by this process until then, with the decision
+///   Redis would give and no call: a key under attack costs Redis about one call per refusal
+///   period per instance. Exact, bounded in memory, forgotten when this process gives units
+///   back; see [`RedisStoreBuilder::local_refusals`] for what is kept and for how long.
 /// - **Failures, per node.** Each server (each Cluster master) has its own circuit breaker: after
 ///   [`failure_threshold`](RedisStoreBuilder::circuit_breaker) consecutive failed calls it stops
 ///   calling that server for `open_for`, then probes it with one call. A call fails when the
@@ -304,12 +309,19 @@ impl RedisPolicy {
         self.refusals.as_ref().map_or(0, |r| r.hash(key))
     }
 
-    /// Forgets the refusal of the key of `hash`: a settlement or release through this
-    /// process may have given units back.
-    fn forget_refusal(&self, hash: u64) {
+    /// Forgets the refusal of the key of `hash` now and again when the guard is dropped: a
+    /// settlement or release through this process, made while the guard lives, may give
+    /// units back.
+    fn forgetting(&self, hash: u64) -> Forgetting<'_> {
         if let Some(r) = &self.refusals {
             r.forget(hash);
         }
+        Forgetting { refusals: self.refusals.as_ref(), hash }
+    }
+
+    /// Read before a check is sent, for [`learn`](Self::learn).
+    fn refusal_epoch(&self, key: &Key) -> u64 {
+        self.refusals.as_ref().map_or(0, |r| r.epoch(key))
     }
 
     /// The refusal this process holds for `check`, counted down to now.
@@ -320,10 +332,32 @@ impl RedisPolicy {
         Some(Verdict { decision, ticket: None })
     }
 
-    /// Keeps (or drops) `check`'s refusal after Redis decided it at `at`.
-    fn learn(&self, check: &Check<'_>, decision: &Decision, at: u64, sent: Option<Instant>) {
+    /// Keeps (or drops) `check`'s refusal after Redis decided it at `at`; `epoch` is
+    /// [`refusal_epoch`](Self::refusal_epoch) read before it was sent.
+    fn learn(
+        &self,
+        check: &Check<'_>,
+        decision: &Decision,
+        at: u64,
+        sent: Option<Instant>,
+        epoch: u64,
+    ) {
         if let Some(r) = &self.refusals {
-            r.learn(&self.policy, check, decision, at, sent);
+            r.learn(&self.policy, check, decision, at, sent, epoch);
+        }
+    }
+}
+
+/// Forgets a key's local refusal again when dropped ([`RedisPolicy::forgetting`]).
+struct Forgetting<'a> {
+    refusals: Option<&'a Refusals>,
+    hash: u64,
+}
+
+impl Drop for Forgetting<'_> {
+    fn drop(&mut self) {
+        if let Some(r) = self.refusals {
+            r.forget(self.hash);
         }
     }
 }
@@ -820,6 +854,7 @@ impl Store for RedisStore {
         let ticket_key = (check.ticket && check.cost > 0).then(|| state_key.clone());
         let keys = prepared.keys(state_key);
         let record = prepared.check(check.cost, check.max_delay);
+        let epoch = bound.refusal_epoch(check.key);
         let sent = inner.settings.clock.is_none().then(Instant::now);
         let answered = inner.submit(prepared, keys, record, prepared.check_reply_len()).await;
         let decided = answered.and_then(|(reply, at)| {
@@ -827,7 +862,7 @@ impl Store for RedisStore {
         });
         match decided {
             Ok(((decision, charges), at)) => {
-                bound.learn(&check, &decision, at, sent);
+                bound.learn(&check, &decision, at, sent, epoch);
                 let ticket = charges.zip(ticket_key).map(|(charges, state_key)| {
                     RedisTicket(Charged::Remote(Box::new(Remote {
                         state_key,
@@ -858,7 +893,7 @@ impl Store for RedisStore {
                 Ok(())
             }
             Charged::Remote(mut remote) => {
-                bound.forget_refusal(remote.refusal);
+                let _forgetting = bound.forgetting(remote.refusal);
                 let prepared = &bound.prepared;
                 if prepared.is_kinds() {
                     let lease = remote.lease.take();
@@ -918,7 +953,7 @@ impl Store for RedisStore {
             }
             Charged::Remote(remote) => remote,
         };
-        bound.forget_refusal(remote.refusal);
+        let _forgetting = bound.forgetting(remote.refusal);
         let tiers = bound.policy.tiers();
         let target = |i: usize| costs.iter().rev().find(|(t, _)| *t == i).map(|(_, c)| *c);
         let new: Vec<u64> = tiers
@@ -967,8 +1002,8 @@ impl Store for RedisStore {
 
     async fn release(&self, bound: &RedisPolicy, ticket: RedisTicket) -> Result<(), StoreError> {
         let Charged::Remote(mut remote) = ticket.0 else { return Ok(()) };
-        bound.forget_refusal(remote.refusal);
         let Some(lease) = remote.lease.take() else { return Ok(()) };
+        let _forgetting = bound.forgetting(remote.refusal);
         let new: Vec<u64> = remote.charges.iter().map(|c| c.cost).collect();
         let state_key = std::mem::take(&mut remote.state_key);
         let prepared = &bound.prepared;
@@ -1024,6 +1059,7 @@ impl RedisStore {
         let state_key = bound.state_key(check.key);
         let keys = prepared.keys(state_key.clone());
         let record = prepared.check_kinds(&costs, check.max_delay, lease, inner.app_now());
+        let epoch = bound.refusal_epoch(check.key);
         let sent = inner.settings.clock.is_none().then(Instant::now);
         let answered = inner.submit(prepared, keys, record, prepared.check_reply_len()).await;
         let decided = answered.and_then(|(reply, at)| {
@@ -1033,7 +1069,7 @@ impl RedisStore {
             Ok(decided) => decided,
             Err(error) => return inner.fall_back(error, bound, check),
         };
-        bound.learn(&check, &decision, at, sent);
+        bound.learn(&check, &decision, at, sent, epoch);
         if policy.has_concurrency() {
             slots::fill(policy, &bound.holds, &mut decision);
         }
@@ -1249,7 +1285,11 @@ impl RedisStoreBuilder {
     /// when they are neither full nor refusing a cost of 1) keep no such refusal. With Redis
     /// time (the default), now is the server's instant of the decision plus the time since the
     /// check was sent, never earlier than the server's clock, so a refusal ends here at its
-    /// instant or a round trip early, never late.
+    /// instant or a round trip early, never late. A decision made at an instant before one
+    /// already seen (the clock stepped back) is not kept: Redis may then decide at the key's
+    /// last charge, later than now. If a server's clock steps back behind a charge made by
+    /// another instance, a kept refusal still ends no later than Redis's, but its durations may
+    /// count down where Redis's stand still until the clock catches up.
     ///
     /// **Other instances.** They can only spend more of a key, which keeps a refusal true (a
     /// client retrying after `retry_after` may then be refused by Redis again, as after any

@@ -37,6 +37,9 @@ use super::Check;
 
 const NANOS_PER_SEC: u64 = 1_000_000_000;
 
+/// Stripes of keys counting their give-backs ([`Refusals::epoch`]).
+const STRIPES: usize = 256;
+
 /// Shards of a binding's map, so that checks on many cores lock different mutexes.
 const SHARDS: usize = 16;
 
@@ -110,6 +113,9 @@ pub(crate) struct Refusals {
     answered: AtomicU64,
     /// The latest instant Redis decided a check of this binding at.
     latest: AtomicU64,
+    /// Give-backs begun or ended, per stripe of keys ([`STRIPES`]): a refusal is kept only if
+    /// none began or ended on its stripe while its check was in flight.
+    gives: Box<[AtomicU64]>,
 }
 
 impl std::fmt::Debug for Refusals {
@@ -139,12 +145,25 @@ impl Refusals {
             ),
             answered: AtomicU64::new(0),
             latest: AtomicU64::new(0),
+            gives: (0..STRIPES).map(|_| AtomicU64::new(0)).collect(),
         })
     }
 
     /// What the entry of `key` is found by (and what a ticket keeps, to forget it).
     pub(crate) fn hash(&self, key: &Key) -> u64 {
         self.hasher.hash_one(key)
+    }
+
+    fn stripe(&self, hash: u64) -> &AtomicU64 {
+        #[allow(clippy::cast_possible_truncation)]
+        &self.gives[((hash >> 32) % STRIPES as u64) as usize]
+    }
+
+    /// Read before a check is sent and handed to [`learn`](Self::learn): a refund of the key
+    /// sent before the check may be applied after it, making its refusal false by the time
+    /// its answer comes back.
+    pub(crate) fn epoch(&self, key: &Key) -> u64 {
+        self.stripe(self.hash(key)).load(Ordering::Acquire)
     }
 
     fn shard(&self, hash: u64) -> &Shard {
@@ -160,9 +179,7 @@ impl Refusals {
     fn now(entry: &Entry, clock_now: Option<u64>) -> u64 {
         match (clock_now, entry.sent) {
             (Some(now), _) => now,
-            (None, Some(sent)) => {
-                entry.decided.saturating_add(duration_to_nanos(sent.elapsed()))
-            }
+            (None, Some(sent)) => entry.decided.saturating_add(duration_to_nanos(sent.elapsed())),
             (None, None) => u64::MAX,
         }
     }
@@ -207,6 +224,7 @@ impl Refusals {
         decision: &Decision,
         decided: u64,
         sent: Option<Instant>,
+        epoch: u64,
     ) {
         let hash = self.hash(check.key);
         let asked = Asked::of(policy, check);
@@ -216,7 +234,7 @@ impl Refusals {
         let behind = self.latest.fetch_max(decided, Ordering::Relaxed) > decided;
         let kept = if behind { None } else { stable_for(policy, &asked.costs, decision, decided) };
         let Some(span) = kept else {
-            self.forget(hash);
+            self.drop_entry(hash);
             return;
         };
         let shard = self.shard(hash);
@@ -229,6 +247,13 @@ impl Refusals {
             sent,
         };
         let mut map = shard.map.lock().unwrap_or_else(PoisonError::into_inner);
+        // Under the lock, which `forget` takes after counting: a give-back that began or ended
+        // since the check was sent either shows here or removes the entry after.
+        if self.stripe(hash).load(Ordering::Acquire) != epoch {
+            map.remove(&hash);
+            shard.len.store(map.len(), Ordering::Relaxed);
+            return;
+        }
         if map.len() >= self.per_shard && !map.contains_key(&hash) {
             // An entry that ended before this decision, or else any: a flood of distinct
             // refused keys replaces entries, it never grows the map.
@@ -246,8 +271,18 @@ impl Refusals {
     }
 
     /// Forgets the refusal of the key of `hash` ([`hash`](Self::hash)): a refund, a
-    /// settlement or a release through this process could make it false.
+    /// settlement or a release through this process could make it false. Called when a
+    /// give-back begins and again when it ends, so that no check in flight meanwhile keeps a
+    /// refusal.
     pub(crate) fn forget(&self, hash: u64) {
+        self.stripe(hash).fetch_add(1, Ordering::AcqRel);
+        let shard = self.shard(hash);
+        let mut map = shard.map.lock().unwrap_or_else(PoisonError::into_inner);
+        map.remove(&hash);
+        shard.len.store(map.len(), Ordering::Relaxed);
+    }
+
+    fn drop_entry(&self, hash: u64) {
         let shard = self.shard(hash);
         if shard.len.load(Ordering::Relaxed) == 0 {
             return;
@@ -347,4 +382,121 @@ fn stable_for(policy: &Policy, costs: &[u64], d: &Decision, decided: u64) -> Opt
         return None;
     }
     (span > 0).then_some(span)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decision::{TierDecision, Tiers};
+    use crate::{Concurrency, Penalty, Quota};
+
+    const S: u64 = 1_000_000_000;
+
+    fn refused(retry: u64, tiers: &[(u64, u64, u64, Option<u64>)]) -> Decision {
+        let tiers: Tiers = tiers
+            .iter()
+            .map(|&(limit, remaining, reset, r)| {
+                TierDecision::new(limit, remaining, reset, r, r.is_some())
+            })
+            .collect();
+        Decision::new(Outcome::Limited, 0, Some(retry), tiers)
+    }
+
+    #[test]
+    fn a_refusal_is_kept_until_any_part_of_it_could_change() {
+        // GCRA, 2 per second and 100 per hour: refused by the second until 0.5 s; the hour
+        // tier has 98 left with 72 s of backlog (36 s per unit): its `remaining` grows at
+        // 36 s, after the refusal ends.
+        let p = Policy::builder("p")
+            .tier("second", Quota::per_second(2))
+            .tier("hour", Quota::per_hour(100))
+            .build()
+            .unwrap();
+        let d = refused(S / 2, &[(2, 0, S, Some(S / 2)), (100, 98, 72 * S, None)]);
+        assert_eq!(stable_for(&p, &[1, 1], &d, 10 * S), Some(S / 2));
+        // The hour tier's next unit comes back in under 0.5 s: kept until just before.
+        let d = refused(S / 2, &[(2, 0, S, Some(S / 2)), (100, 98, 36 * S + S / 4, None)]);
+        assert_eq!(stable_for(&p, &[1, 1], &d, 10 * S), Some(S / 4 - 1));
+        // A token bucket's `remaining` grows at instants the decision does not tell.
+        let tb = Policy::builder("tb")
+            .algorithm(Algorithm::TokenBucket)
+            .tier("second", Quota::per_second(2))
+            .tier("hour", Quota::per_hour(100))
+            .build()
+            .unwrap();
+        assert_eq!(stable_for(&tb, &[1, 1], &d, 10 * S), None);
+        // ... unless it is full, or refuses a cost of 1 with nothing left.
+        let full = refused(S / 2, &[(2, 0, S, Some(S / 2)), (100, 100, 0, None)]);
+        assert_eq!(stable_for(&tb, &[1, 1], &full, 10 * S), Some(S / 2));
+        assert_eq!(stable_for(&tb, &[2, 2], &full, 10 * S), None);
+        // A fixed window: until its window ends (at 11 s), whatever its `reset_after` says.
+        let fw = Policy::builder("fw")
+            .algorithm(Algorithm::FixedWindow)
+            .tier("minute", Quota::per_minute(5))
+            .tier("second", Quota::per_second(3))
+            .build()
+            .unwrap();
+        let d = refused(50 * S, &[(5, 0, 50 * S, Some(50 * S)), (3, 2, 2 * S, None)]);
+        assert_eq!(stable_for(&fw, &[1, 1], &d, 10 * S + S / 4), Some(3 * S / 4));
+        // Admitted, or a cost above capacity: nothing to keep.
+        let mut admitted = d.clone();
+        admitted.outcome = Outcome::Allowed;
+        assert_eq!(stable_for(&fw, &[1, 1], &admitted, 0), None);
+    }
+
+    #[test]
+    fn concurrency_and_penalty_policies_keep_no_refusal() {
+        let slots = Policy::builder("c")
+            .tier("second", Quota::per_second(2))
+            .concurrency("slots", Concurrency::new(2))
+            .build()
+            .unwrap();
+        assert!(Refusals::new(&slots, 64).is_none());
+        let boxed = Policy::builder("b")
+            .tier("second", Quota::per_second(2))
+            .penalty("second", Penalty::new(Duration::from_secs(60)))
+            .build()
+            .unwrap();
+        assert!(Refusals::new(&boxed, 64).is_none());
+        let plain = Policy::single("p", Quota::per_second(2)).unwrap();
+        assert!(Refusals::new(&plain, 0).is_none());
+    }
+
+    #[test]
+    fn answers_count_down_and_give_backs_in_flight_keep_nothing() {
+        let p = Policy::single("p", Quota::per_second(2)).unwrap();
+        let r = Refusals::new(&p, 64).unwrap();
+        let key = Key::text("k");
+        let check = Check::new(&key, 1);
+        let d = refused(S / 2, &[(2, 0, S, Some(S / 2))]);
+        r.learn(&p, &check, &d, 10 * S, None, r.epoch(&key));
+        let a = r.answer(&p, &check, Some(10 * S + S / 8)).unwrap();
+        assert_eq!(a.retry_after(), Some(Duration::from_nanos(3 * S / 8)));
+        assert_eq!(a.tiers()[0].reset_after(), Duration::from_nanos(7 * S / 8));
+        assert_eq!(a.tiers()[0].retry_after(), Some(Duration::from_nanos(3 * S / 8)));
+        assert!(r.answer(&p, &Check::new(&key, 2), Some(10 * S + 1)).is_none());
+        assert!(r.answer(&p, &check, Some(10 * S + S / 2)).is_none());
+        assert_eq!((r.answered(), r.len()), (1, 0));
+        // A give-back begun while the check was in flight: its refusal is not kept.
+        let epoch = r.epoch(&key);
+        r.forget(r.hash(&key));
+        r.learn(&p, &check, &d, 11 * S, None, epoch);
+        assert_eq!(r.len(), 0);
+        // A decision older than one already seen (the clock stepped back): not kept.
+        r.learn(&p, &check, &d, 10 * S, None, r.epoch(&key));
+        assert_eq!(r.len(), 0);
+    }
+
+    #[test]
+    fn a_flood_of_keys_never_holds_more_than_the_capacity() {
+        let p = Policy::single("p", Quota::per_hour(1)).unwrap();
+        let r = Refusals::new(&p, 64).unwrap();
+        let d = refused(3600 * S, &[(1, 0, 3600 * S, Some(3600 * S))]);
+        for i in 0..10_000u64 {
+            let key = Key::text(format!("k{i}"));
+            r.learn(&p, &Check::new(&key, 1), &d, S + i, None, r.epoch(&key));
+            assert!(r.len() <= 64);
+        }
+        assert_eq!(r.len(), 64);
+    }
 }
