@@ -2058,7 +2058,9 @@ async fn on_server_time_a_refusal_is_answered_locally_until_it_ends() {
     loop {
         let d = store.check(&bound, Check::new(&key, 1)).await.unwrap().decision;
         let Some(retry) = d.retry_after() else { break };
-        assert!(retry <= last, "{retry:?} after {last:?}");
+        // Local answers count on an estimate of the server's clock that leads it by up to a
+        // round trip, so Redis's next answer may be that much longer.
+        assert!(retry <= last + Duration::from_millis(20), "{retry:?} after {last:?}");
         last = retry;
         tokio::task::yield_now().await;
     }

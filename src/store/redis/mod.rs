@@ -1285,11 +1285,12 @@ impl RedisStoreBuilder {
     /// when they are neither full nor refusing a cost of 1) keep no such refusal. With Redis
     /// time (the default), now is the server's instant of the decision plus the time since the
     /// check was sent, never earlier than the server's clock, so a refusal ends here at its
-    /// instant or a round trip early, never late. A decision made at an instant before one
-    /// already seen (the clock stepped back) is not kept: Redis may then decide at the key's
-    /// last charge, later than now. If a server's clock steps back behind a charge made by
-    /// another instance, a kept refusal still ends no later than Redis's, but its durations may
-    /// count down where Redis's stand still until the clock catches up.
+    /// instant or a round trip early, never late. With an injected [`clock`](Self::clock), a
+    /// decision made at an instant before one already seen (the clock stepped back) is not
+    /// kept: Redis may then decide at the key's last charge, later than now. If the server's
+    /// clock steps back behind a key's last charge (a failover to a replica whose clock is
+    /// behind), a kept refusal still ends no later than Redis's, but its durations count down
+    /// where Redis's stand still until the clock catches up.
     ///
     /// **Other instances.** They can only spend more of a key, which keeps a refusal true (a
     /// client retrying after `retry_after` may then be refused by Redis again, as after any
@@ -1303,8 +1304,8 @@ impl RedisStoreBuilder {
     /// as a breach in Redis, which a local answer would not count), for decisions of the local
     /// fallback, and for rejections of a cost above capacity (not refusals until an instant).
     ///
-    /// **Memory.** At most `capacity` entries per binding, each about 200 bytes plus the key
-    /// (the default holds about 1 MB per policy at most), in 16 shards of `capacity / 16`
+    /// **Memory.** At most `capacity` entries per binding, each about 250 bytes plus the key's
+    /// text (the default holds about 1 MB per policy at most), in 16 shards of `capacity / 16`
     /// (rounded up): a full shard evicts an ended entry, or else a random one, so a flood of
     /// distinct refused keys replaces entries and never grows memory. Checks of a binding
     /// with no refusal held cost one atomic load. [`RedisPolicy::refused_locally`] counts the

@@ -228,13 +228,23 @@ impl Refusals {
     ) {
         let hash = self.hash(check.key);
         let asked = Asked::of(policy, check);
-        // A decision made before one already seen: the clock stepped back (or calls crossed).
-        // Redis then decides window and log tiers at a key's last charge, which may be later
-        // than `decided`, and its decision does not count down until the clock gets there.
-        let behind = self.latest.fetch_max(decided, Ordering::Relaxed) > decided;
+        // With an injected clock every instance shares one time base, so a decision made
+        // before one already seen means that the clock stepped back: Redis then decides window
+        // and log tiers at a key's last charge, which may be later than `decided`, and its
+        // decision does not count down until the clock gets there.
+        let behind = sent.is_none() && self.latest.fetch_max(decided, Ordering::Relaxed) > decided;
         let kept = if behind { None } else { stable_for(policy, &asked.costs, decision, decided) };
         let Some(span) = kept else {
-            self.drop_entry(hash);
+            // Only an admission changes the key (a refusal charges nothing): refusals in
+            // flight meanwhile are not kept, and one held is dropped unless Redis decided it
+            // after this (later, or at this instant for the same request, which cannot have
+            // been refused before it was admitted).
+            if decision.outcome == Outcome::Allowed {
+                self.stripe(hash).fetch_add(1, Ordering::AcqRel);
+                self.drop_entry(hash, |e| {
+                    behind || e.decided < decided || (e.decided == decided && e.asked != asked)
+                });
+            }
             return;
         };
         let shard = self.shard(hash);
@@ -247,11 +257,14 @@ impl Refusals {
             sent,
         };
         let mut map = shard.map.lock().unwrap_or_else(PoisonError::into_inner);
-        // Under the lock, which `forget` takes after counting: a give-back that began or ended
-        // since the check was sent either shows here or removes the entry after.
+        // Under the lock, which `forget` takes after counting: a give-back (or an admission)
+        // that began or ended since the check was sent either shows here or removes the
+        // entry after.
         if self.stripe(hash).load(Ordering::Acquire) != epoch {
-            map.remove(&hash);
-            shard.len.store(map.len(), Ordering::Relaxed);
+            return;
+        }
+        if map.get(&hash).is_some_and(|e| e.decided > decided) {
+            // A later refusal of the key is already held.
             return;
         }
         if map.len() >= self.per_shard && !map.contains_key(&hash) {
@@ -282,14 +295,17 @@ impl Refusals {
         shard.len.store(map.len(), Ordering::Relaxed);
     }
 
-    fn drop_entry(&self, hash: u64) {
+    /// Drops the entry of `hash` if `stale` says so.
+    fn drop_entry(&self, hash: u64, stale: impl FnOnce(&Entry) -> bool) {
         let shard = self.shard(hash);
         if shard.len.load(Ordering::Relaxed) == 0 {
             return;
         }
         let mut map = shard.map.lock().unwrap_or_else(PoisonError::into_inner);
-        map.remove(&hash);
-        shard.len.store(map.len(), Ordering::Relaxed);
+        if map.get(&hash).is_some_and(stale) {
+            map.remove(&hash);
+            shard.len.store(map.len(), Ordering::Relaxed);
+        }
     }
 
     /// Checks answered here so far.
