@@ -117,6 +117,16 @@ pub enum ConfigError {
         /// Why it is refused.
         reason: String,
     },
+    /// A [`Reserve`](crate::Reserve) that names no tier of the policy, a tier that is not a
+    /// rate or has one already, a policy that does not run GCRA, or reserves as large as the
+    /// tier's capacity.
+    #[error("tier `{tier}`: reserve: {reason}")]
+    Reserve {
+        /// The tier's name, as the reserve gave it.
+        tier: String,
+        /// Why it is refused.
+        reason: String,
+    },
     /// Two tiers of one policy share a name.
     #[error("duplicate tier name `{0}`")]
     DuplicateTier(String),

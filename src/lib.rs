@@ -38,7 +38,11 @@
 //! requests (request or response bytes, tokens a handler reports): "5 requests/s **and**
 //! 1 MB/s per client". A request is admitted by every tier of its policy, and charged on every
 //! one, or refused and charged on none. A tier may also shut out a client that breaches it for
-//! a while ([`Penalty`]: "refused 3 times within a minute, blocked for 15 minutes").
+//! a while ([`Penalty`]: "refused 3 times within a minute, blocked for 15 minutes"), or keep
+//! part of its capacity for the more important requests ([`Reserve`]: requests carry a
+//! [`Priority`], critical, standard or sheddable, and as the one shared limit nears, sheddable
+//! requests are refused first, while critical ones are never refused until their reserve is
+//! used).
 //!
 //! Stores: [`MemoryStore`](store::MemoryStore) (default) keeps state in the process;
 //! `RedisStore` (cargo feature `redis`) shares it across a fleet through Redis, Redis Cluster or
@@ -99,7 +103,7 @@ pub use limiter::{Held, Limiter, Reservation};
 pub use quota::{
     Algorithm, Calendar, CalendarPeriod, Concurrency, Costs, DEFAULT_LEASE, DEFAULT_TYPICAL_HOLD,
     MAX_COUNT, MAX_PENALTY_REFUSALS, MAX_SLIDING_LOG, MAX_SPAN, Penalty, Policy, PolicyBuilder,
-    Quota, Tier, TierKind, Unit,
+    Priority, Quota, Reserve, Tier, TierKind, Unit,
 };
 pub use rejection::{QUOTA_EXCEEDED_TYPE, RateLimited, Rejection};
 

@@ -13,7 +13,7 @@ use tokio::sync::oneshot;
 use crate::decision::{Decision, Outcome};
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
-use crate::quota::{Policy, TierKind, Unit};
+use crate::quota::{Policy, Priority, TierKind, Unit};
 use crate::rejection::{RateLimited, Rejection, Surface};
 use crate::store::{Carry, Check, MemoryStore, Store, Verdict};
 
@@ -178,7 +178,41 @@ impl<St: Store> Limiter<St> {
     /// # Errors
     /// [`StoreError`] when the store cannot decide.
     pub async fn check(&self, key: &Key, cost: u64) -> Result<Decision, StoreError> {
-        let verdict = self.decide(Check::new(key, cost)).await?;
+        self.check_as(key, cost, Priority::Standard).await
+    }
+
+    /// Like [`check`](Self::check), for a request of class `priority`: tiers with a
+    /// [`Reserve`](crate::Reserve) admit it only as far as they let its class (see there).
+    ///
+    /// ```
+    /// use tollgate::{Limiter, Policy, Priority, Quota, Reserve, key::Key};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let policy = Policy::builder("api")
+    ///     .tier("minute", Quota::per_minute(3))
+    ///     .reserve("minute", Reserve::new().critical(1))
+    ///     .build()
+    ///     .unwrap();
+    /// let limiter = Limiter::new(policy);
+    /// let key = Key::text("k");
+    /// for _ in 0..2 {
+    ///     assert!(limiter.check_as(&key, 1, Priority::Standard).await.unwrap().is_allowed());
+    /// }
+    /// // The last unit is the critical reserve.
+    /// assert!(!limiter.check_as(&key, 1, Priority::Standard).await.unwrap().is_allowed());
+    /// assert!(limiter.check_as(&key, 1, Priority::Critical).await.unwrap().is_allowed());
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot decide.
+    pub async fn check_as(
+        &self,
+        key: &Key,
+        cost: u64,
+        priority: Priority,
+    ) -> Result<Decision, StoreError> {
+        let verdict = self.decide(Check::new(key, cost).with_priority(priority)).await?;
         if let Some(ticket) = verdict.ticket {
             // Slots taken: given back before returning, so that the next check sees them free.
             let shared = &self.inner;

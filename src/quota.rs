@@ -623,6 +623,179 @@ impl Penalty {
     }
 }
 
+/// The class of a request, for tiers that reserve part of their capacity ([`Reserve`]): one
+/// limit shared by three classes, refused from the lowest up as it nears. Carried by each
+/// check ([`Check::priority`](crate::store::Check::priority)); the layer picks it per request
+/// ([`RateLimitLayerBuilder::priority`](crate::RateLimitLayerBuilder::priority)). On a tier
+/// without a reserve every class decides alike.
+///
+/// The three classes are Envoy's and Armeria's request priorities, and the "critical /
+/// standard / sheddable" classes of load-shedding literature (Google SRE book, "Handling
+/// Overload": criticality).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Priority {
+    /// May use the whole capacity, the reserves included.
+    Critical,
+    /// May use the capacity but the critical reserve (the default).
+    #[default]
+    Standard,
+    /// May use the capacity but both reserves: refused first.
+    Sheddable,
+}
+
+impl Priority {
+    /// The class named `name`: `critical`, `standard` or `sheddable` (ASCII case ignored), as
+    /// a header or a configuration file spells it; `None` for anything else.
+    ///
+    /// ```
+    /// use tollgate::Priority;
+    ///
+    /// assert_eq!(Priority::from_name("Sheddable"), Some(Priority::Sheddable));
+    /// assert_eq!(Priority::from_name("urgent"), None);
+    /// ```
+    #[must_use]
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::Critical, Self::Standard, Self::Sheddable]
+            .into_iter()
+            .find(|p| p.name().eq_ignore_ascii_case(name))
+    }
+
+    /// The class's name: `critical`, `standard` or `sheddable`.
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Critical => "critical",
+            Self::Standard => "standard",
+            Self::Sheddable => "sheddable",
+        }
+    }
+
+    /// The class's number in the Redis script's arguments (0 critical, 1 standard, 2
+    /// sheddable).
+    pub(crate) const fn index(self) -> u64 {
+        match self {
+            Self::Critical => 0,
+            Self::Standard => 1,
+            Self::Sheddable => 2,
+        }
+    }
+}
+
+/// Capacity of a tier reserved for the higher [`Priority`] classes (Envoy's and Armeria's
+/// "reserved capacity"). Set with [`PolicyBuilder::reserve`].
+///
+/// Exactly, on a tier of capacity `C` (its burst) with reserves `r_c` (critical) and `r_s`
+/// (standard), all classes share the tier's one state and one limit, and a request of cost
+/// `n` is admitted only if, once charged, the tier keeps at least
+///
+/// - `0` units of room for a [`Critical`](Priority::Critical) request,
+/// - `r_c` units for a [`Standard`](Priority::Standard) request,
+/// - `r_c + r_s` units for a [`Sheddable`](Priority::Sheddable) request.
+///
+/// So each class decides as GCRA would on the same theoretical arrival time with a burst of
+/// its own, `C`, `C - r_c` and `C - r_c - r_s` (the tolerance `tau` reduced by the reserve
+/// withheld from it; the sustained rate is the tier's for every class):
+///
+/// - what all classes together are admitted never exceeds the tier's limit (one state, charged
+///   by every admitted request whatever its class);
+/// - sheddable requests are refused first as the limit nears, then standard ones;
+/// - a critical request is refused only once less than its cost is left, which lower classes
+///   cannot bring about: they stop `r_c` units short. So a critical request is never refused
+///   while the critical reserve is unused, and critical traffic within `r_c` units of burst
+///   above its share of the rate is never refused, whatever the other classes send;
+/// - each class's `retry_after` is exact for that class (when a request of its class would be
+///   admitted), and its `remaining` and `limit` (the `RateLimit` headers) are what that class
+///   sees: `C - r_c` is a standard request's limit. A request whose cost exceeds its class's
+///   capacity is [`CostExceedsCapacity`](crate::Outcome::CostExceedsCapacity).
+/// - a reserve is kept, not lent: while no critical request comes, the lower classes leave
+///   `r_c` units unused however much they ask. So over a span `s` in which the lower classes
+///   saturate the tier, all classes together are admitted between `C + rate * s - r_c` and
+///   `C + rate * s` (the tier's limit); at three times the limit's rate for 30 s with
+///   `C` = 100 a second and `r_c` = 20, within 1 % of the limit, and no critical request
+///   (30 a second) refused, on both stores (the crate's tests hold this).
+///
+/// On a tier that also has a [`Penalty`], a request its class may not admit is a breach like
+/// any other refusal of the tier (a sheddable client refused at its threshold can be blocked).
+///
+/// Reserves run on GCRA rate tiers (the default algorithm); `r_c + r_s` must be less than the
+/// tier's capacity, so that every class can be admitted. A policy with a reserve is decided
+/// on the stores' general path (with the other tier kinds), atomically with the check (in the
+/// same Redis script).
+///
+/// ```
+/// use tollgate::{Policy, Priority, Quota, Reserve};
+///
+/// // 100 a second shared; 20 kept for critical requests, 30 more for standard ones.
+/// let policy = Policy::builder("api")
+///     .tier("second", Quota::per_second(100))
+///     .reserve("second", Reserve::new().critical(20).standard(30))
+///     .build()
+///     .unwrap();
+/// let tier = &policy.tiers()[0];
+/// assert_eq!(tier.capacity_for(Priority::Critical), 100);
+/// assert_eq!(tier.capacity_for(Priority::Standard), 80);
+/// assert_eq!(tier.capacity_for(Priority::Sheddable), 50);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Reserve {
+    critical: u64,
+    standard: u64,
+}
+
+impl Reserve {
+    /// Reserves nothing.
+    #[must_use]
+    pub const fn new() -> Self {
+        Self { critical: 0, standard: 0 }
+    }
+
+    /// Reserves `units` of the tier's capacity for critical requests.
+    #[must_use]
+    pub const fn critical(mut self, units: u64) -> Self {
+        self.critical = units;
+        self
+    }
+
+    /// Reserves `units` more for standard (and critical) requests: sheddable requests stop
+    /// `critical + standard` units short of the capacity.
+    #[must_use]
+    pub const fn standard(mut self, units: u64) -> Self {
+        self.standard = units;
+        self
+    }
+
+    /// Units reserved for critical requests.
+    #[must_use]
+    pub const fn critical_units(&self) -> u64 {
+        self.critical
+    }
+
+    /// Units reserved for standard and critical requests, beyond the critical reserve.
+    #[must_use]
+    pub const fn standard_units(&self) -> u64 {
+        self.standard
+    }
+
+    /// The units of capacity a request of class `class` may not use.
+    ///
+    /// ```
+    /// use tollgate::{Priority, Reserve};
+    ///
+    /// let r = Reserve::new().critical(20).standard(30);
+    /// assert_eq!(r.withheld_from(Priority::Critical), 0);
+    /// assert_eq!(r.withheld_from(Priority::Standard), 20);
+    /// assert_eq!(r.withheld_from(Priority::Sheddable), 50);
+    /// ```
+    #[must_use]
+    pub const fn withheld_from(&self, class: Priority) -> u64 {
+        match class {
+            Priority::Critical => 0,
+            Priority::Standard => self.critical,
+            Priority::Sheddable => self.critical.saturating_add(self.standard),
+        }
+    }
+}
+
 /// What kind of limit a [`Tier`] is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -710,6 +883,8 @@ pub struct Tier {
     pub(crate) kind: Kind,
     /// The tier's penalty box, if any.
     pub(crate) penalty: Option<Block>,
+    /// The capacity the tier reserves for higher classes, if any.
+    pub(crate) reserve: Option<Reserve>,
 }
 
 /// A validated [`Penalty`], in the policy's time unit.
@@ -831,6 +1006,30 @@ impl Tier {
         self.penalty.map(|b| b.spec)
     }
 
+    /// The capacity the tier reserves for higher classes, if any ([`PolicyBuilder::reserve`]).
+    #[must_use]
+    pub fn reserve(&self) -> Option<Reserve> {
+        self.reserve
+    }
+
+    /// The most units a request of class `class` can ever consume on this tier:
+    /// [`capacity`](Self::capacity) less what the tier's [`Reserve`] withholds from the class.
+    #[must_use]
+    pub fn capacity_for(&self, class: Priority) -> u64 {
+        let withheld = self.reserve.map_or(0, |r| r.withheld_from(class));
+        self.rate.burst.saturating_sub(withheld)
+    }
+
+    /// The tier's rate as a request of class `class` sees it: the burst less what the reserve
+    /// withholds from the class.
+    #[inline]
+    pub(crate) fn rate_for(&self, class: Priority) -> Rate {
+        match self.reserve {
+            None => self.rate,
+            Some(_) => Rate { burst: self.capacity_for(class), ..self.rate },
+        }
+    }
+
     /// The calendar quota, for a calendar tier.
     #[must_use]
     pub fn calendar(&self) -> Option<&Calendar> {
@@ -922,6 +1121,7 @@ impl Policy {
             algorithm: Algorithm::default(),
             tiers: Vec::new(),
             penalties: Vec::new(),
+            reserves: Vec::new(),
         }
     }
 
@@ -1054,6 +1254,7 @@ pub struct PolicyBuilder {
     algorithm: Algorithm,
     tiers: Vec<(String, Spec)>,
     penalties: Vec<(String, Penalty)>,
+    reserves: Vec<(String, Reserve)>,
 }
 
 /// A tier as given to the builder.
@@ -1111,6 +1312,35 @@ impl PolicyBuilder {
         self
     }
 
+    /// Reserves part of the capacity of the rate tier named `tier` for the higher
+    /// [`Priority`] classes (see [`Reserve`] for exactly what each class is admitted). The tier
+    /// may be added before or after this call.
+    ///
+    /// ```
+    /// use tollgate::{Algorithm, Policy, Quota, Reserve};
+    ///
+    /// let policy = Policy::builder("api")
+    ///     .tier("second", Quota::per_second(100))
+    ///     .reserve("second", Reserve::new().critical(20))
+    ///     .build()
+    ///     .unwrap();
+    /// assert_eq!(policy.tiers()[0].reserve(), Some(Reserve::new().critical(20)));
+    ///
+    /// let err = Policy::builder("api")
+    ///     .tier("second", Quota::per_second(100))
+    ///     .reserve("second", Reserve::new().critical(60).standard(40))
+    ///     .build()
+    ///     .unwrap_err();
+    /// assert_eq!(
+    ///     err.to_string(),
+    ///     "tier `second`: reserve: critical 60 + standard 40 must be less than the capacity 100"
+    /// );
+    /// ```
+    pub fn reserve(mut self, tier: impl Into<String>, reserve: Reserve) -> Self {
+        self.reserves.push((tier.into(), reserve));
+        self
+    }
+
     /// Sets the algorithm (default [`Algorithm::Gcra`]).
     pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
         self.algorithm = algorithm;
@@ -1126,7 +1356,9 @@ impl PolicyBuilder {
     /// range, when a calendar tier's time zone is unknown, when tier names repeat, when there
     /// are no tiers, when a name is empty or not printable ASCII, or when a [`Penalty`] names
     /// no tier, a concurrency tier, or a tier that has one already, or is out of range
-    /// ([`ConfigError::Penalty`]).
+    /// ([`ConfigError::Penalty`]), or when a [`Reserve`] names no tier, a tier that is not a
+    /// rate, a tier that has one already, a policy whose algorithm is not GCRA, or reserves
+    /// as large as the tier's capacity ([`ConfigError::Reserve`]).
     pub fn build(self) -> Result<Policy, ConfigError> {
         check_name(&self.name)?;
         if self.tiers.is_empty() {
@@ -1143,7 +1375,7 @@ impl PolicyBuilder {
                 Spec::Concurrency(c) => concurrency(&name, c)?,
                 Spec::Calendar(c) => calendar(&name, c)?,
             };
-            tiers.push(Tier { name: name.into(), quota, rate, kind, penalty: None });
+            tiers.push(Tier { name: name.into(), quota, rate, kind, penalty: None, reserve: None });
         }
         // Only rates set the policy's precision: concurrency and calendar tiers count whole
         // slots and windows that start on whole seconds, exact in either unit.
@@ -1167,9 +1399,37 @@ impl PolicyBuilder {
             }
             t.penalty = Some(block(&name, p, unit)?);
         }
-        // A penalty box is decided with the other kinds (its state is a key's too).
+        for (name, r) in self.reserves {
+            let err = |reason: String| Err(reserve_error(name.clone(), reason));
+            let Some(t) = tiers.iter_mut().find(|t| *t.name == *name) else {
+                return err("the policy has no tier of this name".into());
+            };
+            if t.kind != Kind::Rate {
+                return err("only a rate tier can reserve capacity".into());
+            }
+            if self.algorithm != Algorithm::Gcra {
+                return err(format!(
+                    "reserved capacity runs on gcra only, not {}",
+                    self.algorithm.name()
+                ));
+            }
+            if t.reserve.is_some() {
+                return err("the tier has one already".into());
+            }
+            let (c, s, cap) = (r.critical, r.standard, t.capacity());
+            if c.checked_add(s).is_none_or(|sum| sum >= cap) {
+                return err(format!(
+                    "critical {c} + standard {s} must be less than the capacity {cap}"
+                ));
+            }
+            t.reserve = Some(r);
+        }
+        // A penalty box is decided with the other kinds (its state is a key's too), and so
+        // is a reserve (its decision depends on the request's class).
         let penalized = tiers.iter().any(|t| t.penalty.is_some());
+        let reserved = tiers.iter().any(|t| t.reserve.is_some());
         let plain = !penalized
+            && !reserved
             && tiers.iter().all(|t| t.kind == Kind::Rate && t.quota.unit == Unit::Requests);
         Ok(Policy {
             name: self.name.into(),
@@ -1180,6 +1440,10 @@ impl PolicyBuilder {
             penalized,
         })
     }
+}
+
+fn reserve_error(tier: String, reason: String) -> ConfigError {
+    ConfigError::Reserve { tier, reason }
 }
 
 fn penalty_error(tier: String, reason: impl Into<String>) -> ConfigError {

@@ -18,7 +18,7 @@ use tollgate::key::Key;
 use tollgate::store::{Check, MemoryStore};
 use tollgate::{
     Algorithm, Calendar, CalendarPeriod, Concurrency, ConfigError, Decision, Penalty, Policy,
-    Quota, RequestBody, Unit, Usage,
+    Quota, RequestBody, Reserve, Unit, Usage,
 };
 use tower::{Layer, ServiceExt, service_fn};
 
@@ -266,6 +266,58 @@ block_window = "10m"
     );
     assert_eq!(place(&e), (Some(2), Some(58), Some("policies.p.tiers[0].block")));
     assert!(e.to_string().contains("penalty"), "{e}");
+}
+
+/// Reserved capacity (`reserve_critical`, `reserve_standard`) on a rate tier reads as the
+/// policy built with `PolicyBuilder::reserve`, and decides like it; a reserve the builder
+/// refuses is refused at its field, and a calendar tier has no reserve.
+#[test]
+fn a_reserve_reads_as_the_policy_built_in_code() {
+    let config = load(
+        r#"
+[policies.api]
+[[policies.api.tiers]]
+name = "hour"
+count = 4
+period = "1h"
+reserve_critical = 1
+reserve_standard = 1
+"#,
+    );
+    let api = Policy::builder("api")
+        .tier("hour", Quota::per_hour(4))
+        .reserve("hour", Reserve::new().critical(1).standard(1))
+        .build()
+        .unwrap();
+    let read = config.policy("api").unwrap();
+    assert_eq!(read, &api);
+    let decisions = same_decisions(read, &api, "2025-03-30T00:30:00Z", 400);
+    assert!(decisions.iter().any(Decision::is_allowed));
+    assert!(decisions.iter().any(|d| !d.is_allowed()));
+    // One field alone reserves that much, the other nothing.
+    let config = load(
+        "[policies.p]\ntiers = [{ name = \"r\", count = 5, period = \"1m\", reserve_standard = 1 }]\n",
+    );
+    assert_eq!(config.policy("p").unwrap().tiers()[0].reserve(), Some(Reserve::new().standard(1)));
+
+    let e = error(
+        "[policies.p]\ntiers = [{ name = \"r\", count = 5, period = \"1m\", reserve_critical = 5 }]\n",
+    );
+    assert_eq!(place(&e).2, Some("policies.p.tiers[0].reserve_critical"));
+    assert_eq!(
+        e.message(),
+        "tier `r`: reserve: critical 5 + standard 0 must be less than the capacity 5"
+    );
+    let e = error(
+        "[policies.p]\nalgorithm = \"token_bucket\"\ntiers = [{ name = \"r\", count = 5, period = \"1m\", reserve_standard = 1 }]\n",
+    );
+    assert_eq!(place(&e).2, Some("policies.p.tiers[0].reserve_standard"));
+    assert!(e.message().ends_with("reserved capacity runs on gcra only, not token_bucket"), "{e}");
+    let e = error(
+        "[policies.p]\ntiers = [{ name = \"d\", kind = \"calendar\", count = 5, period = \"day\", reserve_critical = 1 }]\n",
+    );
+    assert_eq!(place(&e).2, Some("policies.p.tiers[0].reserve_critical"));
+    assert!(e.message().starts_with("a calendar tier has no `reserve_critical`"), "{e}");
 }
 
 /// A field of another kind, or a kind's required field left out, is refused at its place.
@@ -615,6 +667,39 @@ async fn header_format_explain_missing_key_and_refund_on_are_applied() {
         let body = String::from_utf8_lossy(&body);
         assert_eq!(body.contains("x-api-key"), explained, "{body}");
     }
+}
+
+/// `priority_header` reads each request's class from that header: with a reserve on the
+/// policy's tier, sheddable requests are refused first and critical ones still served.
+#[tokio::test]
+async fn priority_header_gives_each_request_its_class() {
+    let text = "[policies.p]\ntiers = [{ name = \"m\", count = 4, period = \"1m\", reserve_critical = 1, reserve_standard = 1 }]\n[[rules]]\nname = \"r\"\nkey = \"header:x-api-key\"\npolicy = \"p\"\npriority_header = \"x-priority\"\n";
+    let layer = layer(text);
+    let svc = layer.layer(service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    }));
+    let status = |class: &'static str| {
+        let svc = svc.clone();
+        async move {
+            let req = Request::get("/")
+                .header("x-api-key", "k")
+                .header("x-priority", class)
+                .body(Full::new(Bytes::new()))
+                .unwrap();
+            svc.oneshot(req).await.unwrap().status()
+        }
+    };
+    // 4 a minute: sheddable requests may use 2, standard 3, critical all 4.
+    assert_eq!(status("sheddable").await, StatusCode::OK);
+    assert_eq!(status("sheddable").await, StatusCode::OK);
+    assert_eq!(status("sheddable").await, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(status("standard").await, StatusCode::OK);
+    assert_eq!(status("standard").await, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(status("critical").await, StatusCode::OK);
+    assert_eq!(status("critical").await, StatusCode::TOO_MANY_REQUESTS);
+
+    let e = error(&rule("priority_header = \"bad header\""));
+    assert_eq!(place(&e).2, Some("rules[0].priority_header"));
 }
 
 #[test]

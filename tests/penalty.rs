@@ -8,14 +8,12 @@ mod support;
 
 use std::time::Duration;
 
-use axum::Router;
-use axum::routing::get;
 use tollgate::clock::{Clock, FakeClock};
 use tollgate::key::Key;
 use tollgate::store::MemoryStore;
-use tollgate::{Limiter, Penalty, Policy, Quota, RateLimitLayer};
+use tollgate::{Limiter, Penalty, Policy, Quota};
 
-use scenarios::{MINUTE, fifteen_minute_policy};
+use scenarios::MINUTE;
 
 const HOUR: u64 = 3_600_000_000_000;
 
@@ -113,8 +111,15 @@ fn penalties_that_cannot_work_are_refused_by_tier() {
 /// Over HTTP through the layer: the breaching request and every one during the block get a 429
 /// whose `Retry-After` is the time left in the block (in whole seconds, rounded up) and whose
 /// `RateLimit` header says nothing remains until then; another client is served.
+/// (With axum's `ConnectInfo`: the peer's address is the key.)
+#[cfg(feature = "axum")]
 #[tokio::test]
 async fn a_blocked_client_gets_429_with_the_time_left_over_http() {
+    use axum::Router;
+    use axum::routing::get;
+    use scenarios::fifteen_minute_policy;
+    use tollgate::RateLimitLayer;
+
     let clock = FakeClock::new();
     clock.set(HOUR);
     let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();

@@ -3,6 +3,8 @@
 //! concurrency, TTLs, script reloads, restarts and the failure policy.
 #![cfg(feature = "redis")]
 
+#[path = "support/priority.rs"]
+mod priorities;
 #[path = "support/penalty.rs"]
 mod scenarios;
 mod support;
@@ -19,7 +21,7 @@ use tollgate::store::{
 };
 use tollgate::{
     Algorithm, Calendar, CalendarPeriod, Concurrency, Decision, Limiter, OnStoreError, Penalty,
-    Policy, Quota, RateLimitLayer, Source, StoreError, TierKind, Unit,
+    Policy, Priority, Quota, RateLimitLayer, Reserve, Source, StoreError, TierKind, Unit,
 };
 
 /// One check of `cost` units for `key` under `policy`, through `store`.
@@ -84,6 +86,12 @@ struct Trace {
     /// the rates then the other kinds (a concurrency tier, which cannot have one, gives it to
     /// the first rate).
     penalty: Option<(usize, u64, u32, u64)>,
+    /// Reserves on the first rate tier, in eighths of its capacity: `(critical, standard)`
+    /// (each 0 to 3, so at most 6/8 of it; the trace then runs GCRA).
+    reserve: Option<(u64, u64)>,
+    /// The class of the check at each step (0 critical, 1 standard, 2 sheddable; standard
+    /// past the end).
+    classes: Vec<u8>,
 }
 
 /// Long enough that no lease expires within a trace (in memory slots do not expire).
@@ -128,6 +136,11 @@ impl Trace {
             };
             let (block, within) = (Duration::from_nanos(block), Duration::from_nanos(within));
             b = b.penalty(name, Penalty::new(block).after(refusals, within));
+        }
+        if let Some((critical, standard)) = self.reserve {
+            let burst = self.tiers[0].2;
+            let r = Reserve::new().critical(burst * critical / 8).standard(burst * standard / 8);
+            b = b.reserve("t0", r);
         }
         b.build().expect("generated policies are valid")
     }
@@ -248,6 +261,8 @@ fn trace(back: bool) -> impl Strategy<Value = Trace> {
                     start,
                     steps,
                     penalty: None,
+                    reserve: None,
+                    classes: Vec::new(),
                 })
         },
     )
@@ -278,7 +293,13 @@ async fn replay(store: RedisStore, clock: FakeClock, trace: &Trace) -> Result<u6
             Step::Back(by) => clock.set(clock_now(&clock).saturating_sub(*by).max(trace.start)),
             Step::Check { key, cost, costs, shape } => {
                 let key = &keys[usize::from(*key)];
-                let mut check = Check::new(key, *cost).with_costs(costs).with_ticket();
+                let class = match trace.classes.get(i) {
+                    Some(0) => Priority::Critical,
+                    Some(2) => Priority::Sheddable,
+                    _ => Priority::Standard,
+                };
+                let mut check =
+                    Check::new(key, *cost).with_costs(costs).with_ticket().with_priority(class);
                 if let Some(max) = shape {
                     check = check.shape(Duration::from_nanos(*max));
                 }
@@ -1618,6 +1639,8 @@ fn shaping_trace(algorithm: Algorithm) -> impl Strategy<Value = Trace> {
             start,
             steps,
             penalty: None,
+            reserve: None,
+            classes: Vec::new(),
         })
 }
 
@@ -1837,6 +1860,8 @@ fn hot_trace() -> impl Strategy<Value = Trace> {
                     start,
                     steps,
                     penalty: None,
+                    reserve: None,
+                    classes: Vec::new(),
                 })
         })
 }
@@ -2065,4 +2090,122 @@ async fn on_server_time_a_refusal_is_answered_locally_until_it_ends() {
         tokio::task::yield_now().await;
     }
     assert!(bound.refused_locally() > 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reserved capacity by priority.
+
+/// The reserve scenarios decide on Redis (the store's injected clock) exactly as they say: each
+/// class refused at its own threshold with its own retry, the critical reserve never taken by
+/// the lower classes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_class_decides_exactly_at_its_threshold_on_redis() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(3_600_000_000_000);
+    let url = server.url();
+    priorities::every_scenario(&clock, |policy| {
+        let store = fake_clock_store(RedisStore::builder(&url), clock.clone(), "class:".into());
+        async move { Limiter::with_store(policy, store).unwrap() }
+    })
+    .await;
+}
+
+/// 3x overload with a mix of classes on Redis: no critical request refused, the total within
+/// 1 % of the limit; and the same counts as in memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_times_overload_refuses_no_critical_request_on_redis() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(3_600_000_000_000);
+    let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "ov:".into());
+    let limiter = Limiter::with_store(priorities::overload_policy("overload"), store).unwrap();
+    let on_redis = priorities::three_times_overload(&clock, &limiter).await;
+    let clock = FakeClock::new();
+    clock.set(3_600_000_000_000);
+    let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let limiter = Limiter::with_store(priorities::overload_policy("overload"), memory).unwrap();
+    let in_memory = priorities::overload(&clock, &limiter, 30).await;
+    assert_eq!(on_redis, in_memory);
+}
+
+/// Random traces (GCRA, other kinds and penalty boxes now and then) with reserves on their
+/// first tier and checks of every class, through both stores on one fake clock, from a fixed
+/// seed: not one decision differs.
+#[test]
+fn reserves_decide_exactly_like_memory() {
+    use proptest::test_runner::{RngAlgorithm, TestRng};
+
+    let Some(server) = Server::start("redis-server") else { return };
+    let url = server.url();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    // Half of them with the clock stepping back between checks.
+    // Now and then a penalty box too: a refusal at a class's threshold is a breach.
+    let penalty = proptest::option::weighted(
+        0.3,
+        (0usize..5, 1_000_000u64..=20_000_000_000, 1u32..=3, 1_000_000u64..=10_000_000_000),
+    );
+    let traces = (
+        proptest::bool::ANY.prop_flat_map(trace),
+        (0u64..=3, 0u64..=3),
+        proptest::collection::vec(0u8..3, 80),
+        penalty,
+    )
+        .prop_map(|(mut trace, reserve, classes, penalty)| {
+            trace.algorithm = Algorithm::Gcra;
+            trace.reserve = Some(reserve);
+            trace.classes = classes;
+            trace.penalty = penalty;
+            trace
+        });
+    let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[5; 32]);
+    let config = Config { cases: 256, failure_persistence: None, ..Config::default() };
+    let mut runner = TestRunner::new_with_rng(config, rng);
+    let case = std::sync::atomic::AtomicU64::new(0);
+    let result = runner.run(&traces, |trace| {
+        let n = case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let clock = FakeClock::new();
+        clock.set(trace.start);
+        let prefix = format!("reserve{n}:");
+        let store = fake_clock_store(RedisStore::builder(&url), clock.clone(), prefix);
+        rt.block_on(replay(store, clock, &trace))
+            .map(drop)
+            .map_err(|e| TestCaseError::fail(format!("{e}\n{trace:?}")))
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+}
+
+/// A refusal of one priority class is not the answer for another: a standard request refused
+/// at the critical reserve is refused locally for standard requests only, and a critical one
+/// asks Redis, which admits it.
+#[tokio::test]
+async fn a_local_refusal_is_kept_per_priority_class() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let mut conn = server.conn();
+    let clock = FakeClock::new();
+    clock.set(1_000_000_000_000);
+    let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "prio:".into());
+    let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let policy = Policy::builder("prio")
+        .tier("second", Quota::per_second(10))
+        .reserve("second", Reserve::new().critical(5))
+        .build()
+        .unwrap();
+    let (bound, m_bound) = (store.bind(&policy).unwrap(), memory.bind(&policy).unwrap());
+    let pair = (&store, &bound, &memory, &m_bound);
+    let key = Key::text("alice");
+    let standard = Check::new(&key, 1);
+    let critical = Check::new(&key, 1).with_priority(Priority::Critical);
+    for _ in 0..5 {
+        assert!(same(pair, standard).await.is_allowed());
+    }
+    assert!(!same(pair, standard).await.is_allowed());
+    assert!(!same(pair, standard).await.is_allowed());
+    assert_eq!(bound.refused_locally(), 1);
+    let calls = script_calls(&mut conn);
+    assert!(same(pair, critical).await.is_allowed());
+    assert_eq!(script_calls(&mut conn), calls + 1);
+    assert_eq!(bound.refused_locally(), 1);
 }

@@ -16,7 +16,7 @@ mod window;
 use smallvec::SmallVec;
 
 use crate::decision::{Decision, Outcome, TierDecision, Tiers};
-use crate::quota::{Algorithm, Kind, Policy, Rate, Tier};
+use crate::quota::{Algorithm, Kind, Policy, Priority, Rate, Tier};
 
 pub(crate) use bucket::Level;
 pub(crate) use gcra::{Step as GcraStep, WholeGcra};
@@ -407,23 +407,28 @@ fn decide_in_units(
 /// The policy's plain tiers decide exactly as in [`decide`]. Tiers with a penalty box (see
 /// [`Penalty`](crate::Penalty)) keep it in `states` after the tiers' own states
 /// ([`Policy::penalty_slot`]): a blocked key is refused, and a breach of such a tier counts.
+///
+/// A rate tier with a [`Reserve`](crate::Reserve) decides and reports as the request's
+/// `class` sees it: on the same state, with the burst less what the reserve withholds from
+/// the class (see [`Tier::rate_for`]); it is charged as any tier.
 pub(crate) fn decide_kinds(
     policy: &Policy,
     states: &mut [TierState],
     now: u64,
     costs: &[u64],
     mode: Mode,
+    class: Priority,
 ) -> (Decision, Option<Charges>) {
     let unit = policy.unit();
     if unit == 1 {
-        return decide_kinds_in_units(policy, states, now, costs, mode);
+        return decide_kinds_in_units(policy, states, now, costs, mode, class);
     }
     let at = now / unit;
     let mode = match mode {
         Mode::Police => Mode::Police,
         Mode::Shape(budget) => Mode::Shape(budget / unit),
     };
-    let (mut decision, charges) = decide_kinds_in_units(policy, states, at, costs, mode);
+    let (mut decision, charges) = decide_kinds_in_units(policy, states, at, costs, mode, class);
     decision.rescale(at, unit, now);
     (decision, charges)
 }
@@ -433,6 +438,7 @@ pub(crate) fn decide_kinds(
 fn departure_kind(
     policy: &Policy,
     tier: &Tier,
+    class: Priority,
     state: &TierState,
     from: u64,
     cost: u64,
@@ -442,7 +448,9 @@ fn departure_kind(
         (Kind::Calendar(_), TierState::Calendar(c)) => {
             calendar::earliest(c, tier.capacity(), policy.unit(), from, cost)
         }
-        (Kind::Rate, s) => s.departure(policy.algorithm(), tier.rate, from, cost, shaping),
+        (Kind::Rate, s) => {
+            s.departure(policy.algorithm(), tier.rate_for(class), from, cost, shaping)
+        }
         // Pruning gave every tier a state of its kind; a fresh calendar tier has room.
         _ => from,
     }
@@ -455,6 +463,7 @@ fn decide_kinds_in_units(
     now: u64,
     costs: &[u64],
     mode: Mode,
+    class: Priority,
 ) -> (Decision, Option<Charges>) {
     let alg = policy.algorithm();
     let unit = policy.unit();
@@ -479,13 +488,13 @@ fn decide_kinds_in_units(
     let cost = |i: usize| costs.get(i).copied().unwrap_or(0);
     if (0..tiers.len()).all(|i| cost(i) == 0) {
         let decision =
-            report_kinds(policy, states, now, Outcome::Allowed, 0, None, |_| (false, None));
+            report_kinds(policy, class, states, now, Outcome::Allowed, 0, None, |_| (false, None));
         return (decision, None);
     }
-    if tiers.iter().enumerate().any(|(i, t)| cost(i) > t.capacity()) {
-        let over = |i: usize| (cost(i) > tiers[i].capacity(), None);
+    if tiers.iter().enumerate().any(|(i, t)| cost(i) > t.capacity_for(class)) {
+        let over = |i: usize| (cost(i) > tiers[i].capacity_for(class), None);
         let decision =
-            report_kinds(policy, states, now, Outcome::CostExceedsCapacity, 0, None, over);
+            report_kinds(policy, class, states, now, Outcome::CostExceedsCapacity, 0, None, over);
         return (decision, None);
     }
 
@@ -496,7 +505,7 @@ fn decide_kinds_in_units(
     let departure = converge(now, rounds(states), |t| {
         (0..tiers.len())
             .filter(|&i| cost(i) > 0)
-            .map(|i| departure_kind(policy, &tiers[i], &states[i], t, cost(i), shaping))
+            .map(|i| departure_kind(policy, &tiers[i], class, &states[i], t, cost(i), shaping))
             .fold(t, u64::max)
     });
     let full = |i: usize| match (&tiers[i].kind, &states[i]) {
@@ -540,12 +549,13 @@ fn decide_kinds_in_units(
                 (Kind::Calendar(_), TierState::Calendar(c)) => {
                     calendar::earliest(c, tiers[i].capacity(), unit, now, cost(i))
                 }
-                (_, s) => s.earliest(alg, tiers[i].rate, now, cost(i)),
+                (_, s) => s.earliest(alg, tiers[i].rate_for(class), now, cost(i)),
             } - now;
             (own > 0, (own > 0).then_some(own))
         };
         if !boxes {
-            let decision = report_kinds(policy, states, now, Outcome::Limited, 0, retry, per_tier);
+            let decision =
+                report_kinds(policy, class, states, now, Outcome::Limited, 0, retry, per_tier);
             return (decision, None);
         }
         let mut per: SmallVec<[(bool, Option<u64>); 4]> = (0..tiers.len()).map(per_tier).collect();
@@ -571,7 +581,8 @@ fn decide_kinds_in_units(
                 }
             }
         }
-        let decision = report_kinds(policy, states, now, Outcome::Limited, 0, retry, |i| per[i]);
+        let decision =
+            report_kinds(policy, class, states, now, Outcome::Limited, 0, retry, |i| per[i]);
         return (decision, None);
     }
     let wait = at - now;
@@ -601,7 +612,7 @@ fn decide_kinds_in_units(
         })
         .collect();
     let decision =
-        report_kinds(policy, states, now, Outcome::Allowed, wait, None, |_| (false, None));
+        report_kinds(policy, class, states, now, Outcome::Allowed, wait, None, |_| (false, None));
     (decision, Some(charges))
 }
 
@@ -641,9 +652,12 @@ pub(crate) fn release(state: &mut TierState, charge: Charge) {
 }
 
 /// Builds the decision of a policy of any kinds from the states after any charge (durations
-/// in units; a concurrency tier's reset is left at 0 for [`slots::fill`]).
+/// in units; a concurrency tier's reset is left at 0 for [`slots::fill`]), as a request of
+/// `class` sees each tier (its limit and remaining less what a reserve withholds from it).
+#[allow(clippy::too_many_arguments)]
 fn report_kinds(
     policy: &Policy,
+    class: Priority,
     states: &[TierState],
     now: u64,
     outcome: Outcome,
@@ -660,7 +674,7 @@ fn report_kinds(
         .enumerate()
         .map(|(i, (tier, s))| {
             let (remaining, reset) = match (&tier.kind, s) {
-                (Kind::Rate, s) => s.status(alg, tier.rate, now),
+                (Kind::Rate, s) => s.status(alg, tier.rate_for(class), now),
                 (Kind::Calendar(_), TierState::Calendar(c)) => {
                     calendar::status(c, tier.capacity(), unit, now)
                 }
@@ -675,7 +689,7 @@ fn report_kinds(
                 None => (remaining, reset),
             };
             let (violated, retry_after) = per_tier(i);
-            TierDecision::new(tier.capacity(), remaining, reset, retry_after, violated)
+            TierDecision::new(tier.capacity_for(class), remaining, reset, retry_after, violated)
         })
         .collect();
     Decision::new(outcome, delay, retry_after, tiers)

@@ -366,7 +366,7 @@ mod shaping {
     use super::super::{Mode, TierState, decide_kinds};
     use super::S;
     use crate::decision::Outcome;
-    use crate::quota::{Algorithm, Calendar, Kind, Policy, Quota};
+    use crate::quota::{Algorithm, Calendar, Kind, Policy, Priority, Quota};
 
     const MINUTE: u64 = 60 * S;
 
@@ -388,7 +388,7 @@ mod shaping {
 
     fn decide(policy: &Policy, states: &mut [TierState], now: u64, max: u64) -> crate::Decision {
         let costs = vec![1; policy.tiers().len()];
-        decide_kinds(policy, states, now, &costs, Mode::Shape(max)).0
+        decide_kinds(policy, states, now, &costs, Mode::Shape(max), Priority::Standard).0
     }
 
     #[test]

@@ -20,7 +20,9 @@ use crate::headers::{HeaderFormat, HeaderStyle};
 use crate::key::ForwardedHeader;
 use crate::layer::{LogKeys, MissingKey, OnStoreError, RateLimitLayer, Unselected};
 use crate::limiter::Limiter;
-use crate::quota::{Algorithm, Calendar, Concurrency, Penalty, Policy, PolicyBuilder, Quota, Unit};
+use crate::quota::{
+    Algorithm, Calendar, Concurrency, Penalty, Policy, PolicyBuilder, Quota, Reserve, Unit,
+};
 use crate::store::{Carry, Store};
 
 /// A checked policy, with the places of its values.
@@ -86,6 +88,8 @@ pub(super) struct RuleDef {
     explain_missing_key: Option<bool>,
     /// The statuses whose responses give the charge back.
     refund_on: Option<Arc<[StatusMatch]>>,
+    /// The header the request's class is read from.
+    priority_header: Option<HeaderName>,
 }
 
 #[derive(Debug, Clone)]
@@ -174,9 +178,17 @@ fn policy(
 /// The fields each kind of tier takes, after `name` and `kind`.
 const fn kind_fields(kind: TierKindName) -> &'static [&'static str] {
     match kind {
-        TierKindName::Rate => {
-            &["count", "period", "burst", "unit", "block", "block_after", "block_window"]
-        }
+        TierKindName::Rate => &[
+            "count",
+            "period",
+            "burst",
+            "unit",
+            "block",
+            "block_after",
+            "block_window",
+            "reserve_critical",
+            "reserve_standard",
+        ],
         TierKindName::Concurrency => &["max", "lease", "typical_hold"],
         TierKindName::Calendar => {
             &["count", "period", "time_zone", "unit", "block", "block_after", "block_window"]
@@ -213,6 +225,8 @@ fn tier(
         ("block", t.block.as_ref().map(Spanned::span)),
         ("block_after", t.block_after.as_ref().map(Spanned::span)),
         ("block_window", t.block_window.as_ref().map(Spanned::span)),
+        ("reserve_critical", t.reserve_critical.as_ref().map(Spanned::span)),
+        ("reserve_standard", t.reserve_standard.as_ref().map(Spanned::span)),
     ];
     let takes = kind_fields(kind);
     for (field, span) in given {
@@ -310,6 +324,15 @@ fn tier(
         Some(p) => builder.penalty(name.clone(), p),
         None => builder,
     };
+    // Reserved capacity of a rate tier: either field alone reserves that much, the other 0.
+    let builder = match (t.reserve_critical, t.reserve_standard) {
+        (None, None) => builder,
+        (critical, standard) => {
+            let units = |v: Option<Spanned<u64>>| v.map_or(0, Spanned::into_inner);
+            let r = Reserve::new().critical(units(critical)).standard(units(standard));
+            builder.reserve(name.clone(), r)
+        }
+    };
     Ok((builder, TierSpans { name, kind, fields }))
 }
 
@@ -351,6 +374,9 @@ impl PolicyPlaces {
             ConfigError::UnknownTimeZone { tier, .. } => at(tier, 0, &["time_zone"]),
             ConfigError::Penalty { tier, .. } => {
                 at(tier, 0, &["block", "block_after", "block_window"])
+            }
+            ConfigError::Reserve { tier, .. } => {
+                at(tier, 0, &["reserve_critical", "reserve_standard"])
             }
             ConfigError::DuplicateTier(tier) => at(tier, 1, &["name"]),
             ConfigError::NoTiers(_) => {
@@ -590,6 +616,7 @@ fn rule(
         }),
         explain_missing_key: raw.explain_missing_key,
         refund_on,
+        priority_header: raw.priority_header.map(|h| h.0),
     })
 }
 
@@ -742,6 +769,9 @@ impl RuleDef {
         }
         if let Some(on) = self.explain_missing_key {
             b = b.explain_missing_key(on);
+        }
+        if let Some(header) = &self.priority_header {
+            b = b.priority_header(header.clone());
         }
         if let Some(statuses) = &self.refund_on {
             let statuses = Arc::clone(statuses);

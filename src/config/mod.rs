@@ -96,6 +96,7 @@
 //! | `header_format` | `"draft10"` (default), `"draft7"`, `"draft6"`: the revision of the IETF draft the `RateLimit*` fields follow | [`header_format`](crate::RateLimitLayerBuilder::header_format) |
 //! | `explain_missing_key` | `true`: a refusal for a missing key says what the extractor looked for; default: on in debug builds | [`explain_missing_key`](crate::RateLimitLayerBuilder::explain_missing_key) |
 //! | `refund_on` | statuses (`"503"`) and classes (`"5xx"`) whose responses give the charge back | [`refund_if`](crate::RateLimitLayerBuilder::refund_if) |
+//! | `priority_header` | a header whose value, `critical`, `standard` or `sheddable`, is the request's class for reserved capacity (missing or unknown: standard) | [`priority_header`](crate::RateLimitLayerBuilder::priority_header) |
 //!
 //! Durations (`period` of a rate tier, `lease`, `typical_hold`, `max_delay`, `tarpit`) are
 //! written in humantime's form: `"250ms"`, `"1m"`, `"1h 30m"`.
@@ -185,6 +186,13 @@
 //!     .build()?;
 //! # Ok::<(), tollgate::ConfigError>(())
 //! ```
+//!
+//! A rate tier of a GCRA policy may reserve part of its capacity for the higher request
+//! classes ([`Reserve`](crate::Reserve)): `reserve_critical`, units only critical requests may
+//! use, and `reserve_standard`, units more that sheddable requests may not use (each 0 when
+//! left out; `reserve_critical = 20, reserve_standard = 30` on a tier of 100 is
+//! `.reserve(tier, Reserve::new().critical(20).standard(30))`). The class of each request is
+//! the layer's ([`RateLimitLayerBuilder::priority`](crate::RateLimitLayerBuilder::priority)).
 //!
 //! A rate or calendar tier may carry a penalty box ([`Penalty`](crate::Penalty)): `block`, how
 //! long a key that breaches the tier is refused (a duration); `block_after`, the breaches that

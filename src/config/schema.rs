@@ -76,6 +76,12 @@ pub(super) struct RawTier {
     /// Penalty box: the window those breaches are counted in.
     #[serde(default)]
     pub(super) block_window: Option<Spanned<HumanDuration>>,
+    /// Reserved capacity: units only critical requests may use.
+    #[serde(default)]
+    pub(super) reserve_critical: Option<Spanned<u64>>,
+    /// Reserved capacity: units more that sheddable requests may not use.
+    #[serde(default)]
+    pub(super) reserve_standard: Option<Spanned<u64>>,
 }
 
 /// A tier's `kind`: `rate` (default), `concurrency`, `calendar`.
@@ -190,6 +196,8 @@ pub(super) struct RawRule {
     pub(super) explain_missing_key: Option<bool>,
     #[serde(default)]
     pub(super) refund_on: Option<Spanned<Vec<StatusMatch>>>,
+    #[serde(default)]
+    pub(super) priority_header: Option<HeaderNameValue>,
 }
 
 /// `plan = { header = "x-plan", policies = ["free", "pro"], otherwise = "policy:free" }`.

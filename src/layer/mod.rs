@@ -30,7 +30,7 @@ use crate::error::ConfigError;
 use crate::headers::{Fields, HeaderFormat, HeaderStyle};
 use crate::key::{Key, KeyExtractor, PeerIp, RequestHead};
 use crate::limiter::Limiter;
-use crate::quota::Policy;
+use crate::quota::{Policy, Priority};
 use crate::rejection::RateLimited;
 use crate::store::{MemoryStore, Store};
 
@@ -69,6 +69,7 @@ pub enum OnStoreError {
 }
 
 type CostFn = Arc<dyn Fn(&RequestHead<'_>) -> u64 + Send + Sync>;
+type PriorityFn = Arc<dyn Fn(&RequestHead<'_>) -> Priority + Send + Sync>;
 type RefundFn = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 type SettleFn = Arc<dyn Fn(&http::response::Parts) -> Option<u64> + Send + Sync>;
 type RejectFn = Arc<dyn Fn(&RateLimited) -> Response<Bytes> + Send + Sync>;
@@ -102,6 +103,8 @@ pub(crate) struct Config<K, St: Store> {
 #[derive(Clone)]
 struct Settings {
     cost: Cost,
+    /// The request's class, when picked per request (else every request is standard).
+    priority: Option<PriorityFn>,
     max_delay: Option<Duration>,
     max_waiters: usize,
     headers: Fields,
@@ -122,6 +125,7 @@ impl Default for Settings {
     fn default() -> Self {
         Self {
             cost: Cost::Fixed(1),
+            priority: None,
             max_delay: None,
             max_waiters: 1024,
             headers: Fields::default(),
@@ -309,6 +313,50 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     pub fn cost_fn(mut self, f: impl Fn(&RequestHead<'_>) -> u64 + Send + Sync + 'static) -> Self {
         self.settings.cost = Cost::PerRequest(Arc::new(f));
         self
+    }
+
+    /// Picks each request's class ([`Priority`]) from its head: from a header, the route, an
+    /// authenticated user. Tiers with a [`Reserve`](crate::Reserve) give each class what it
+    /// reserves; other tiers ignore the class. Without this, every request is
+    /// [`Priority::Standard`].
+    ///
+    /// ```
+    /// use tollgate::{Policy, Priority, Quota, RateLimitLayer, Reserve};
+    ///
+    /// let policy = Policy::builder("api")
+    ///     .tier("second", Quota::per_second(100))
+    ///     .reserve("second", Reserve::new().critical(20).standard(30))
+    ///     .build()
+    ///     .unwrap();
+    /// let layer = RateLimitLayer::builder(policy)
+    ///     .priority(|head| match head.uri.path() {
+    ///         "/checkout" => Priority::Critical,
+    ///         p if p.starts_with("/recommendations") => Priority::Sheddable,
+    ///         _ => Priority::Standard,
+    ///     })
+    ///     .build()
+    ///     .unwrap();
+    /// ```
+    pub fn priority(
+        mut self,
+        f: impl Fn(&RequestHead<'_>) -> Priority + Send + Sync + 'static,
+    ) -> Self {
+        self.settings.priority = Some(Arc::new(f));
+        self
+    }
+
+    /// Reads each request's class from the header `name`: `critical`, `standard` or
+    /// `sheddable` ([`Priority::from_name`]); a missing or unknown value is standard (so a
+    /// client cannot claim more than standard by sending garbage; strip the header at your
+    /// edge if clients may not choose `critical`). Shorthand for [`priority`](Self::priority).
+    pub fn priority_header(self, name: http::HeaderName) -> Self {
+        self.priority(move |head| {
+            head.headers
+                .get(&name)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| Priority::from_name(v.trim()))
+                .unwrap_or_default()
+        })
     }
 
     /// Shapes instead of policing: a request that would conform within `max_delay` reserves

@@ -124,7 +124,7 @@ where
             let policy_ = limiter.policy();
             // Per-tier costs, for a policy with tiers of other kinds or units only.
             let costs = (!policy_.is_plain()).then(|| policy_.costs(cost, content_length(&head)));
-            let mut check = Check::new(key, cost);
+            let mut check = Check::new(key, cost).with_priority(config.priority(&head));
             if let Some(costs) = &costs {
                 check = check.with_costs(costs);
             }
@@ -268,6 +268,12 @@ impl<K, St: Store> Config<K, St> {
         }
     }
 
+    /// The request's class ([`Priority::Standard`] unless the layer picks it).
+    #[inline]
+    fn priority(&self, head: &RequestHead<'_>) -> crate::Priority {
+        self.settings.priority.as_ref().map_or(crate::Priority::Standard, |f| f(head))
+    }
+
     /// The response to a request `limiter` refused; `budget` is the shaping budget it
     /// exceeded; `grpc` whether the request is a gRPC call, answered in gRPC form (never
     /// through the custom rejection: a gRPC client could not read it).
@@ -362,9 +368,9 @@ where
     };
 
     // What the policy needs measured, and the request's costs per tier.
-    let (cost, length) = {
+    let (cost, length, priority) = {
         let head = RequestHead::from(&req);
-        (config.cost(&head), content_length(&head))
+        (config.cost(&head), content_length(&head), config.priority(&head))
     };
     let needs = Needs::of(limiter.policy());
     let costs = (!limiter.policy().is_plain()).then(|| limiter.policy().costs(cost, length));
@@ -382,7 +388,7 @@ where
                 permit = Arc::clone(room).try_acquire_owned().ok();
             }
             budget = permit.as_ref().and(settings.max_delay);
-            let mut check = Check::new(&key, cost);
+            let mut check = Check::new(&key, cost).with_priority(priority);
             if let Some(costs) = &costs {
                 check = check.with_costs(costs);
             }

@@ -61,7 +61,7 @@ pub use memory::{MemoryPolicy, MemoryStore, MemoryStoreBuilder, MemoryTicket};
 use crate::decision::Decision;
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
-use crate::quota::Policy;
+use crate::quota::{Policy, Priority};
 
 /// Where a reload starts a tier whose definition changed ([`Store::rebind`],
 /// [`Limiter::rebind_with`](crate::Limiter::rebind_with)), key by key. Tiers are matched by
@@ -139,13 +139,32 @@ pub struct Check<'a> {
     /// took concurrency slots always comes with one: the slots are held until it is released
     /// or dropped.)
     pub ticket: bool,
+    /// The request's class ([`Priority::Standard`] unless set): what part of the capacity of
+    /// tiers with a [`Reserve`](crate::Reserve) it may use. Tiers without one ignore it.
+    pub priority: Priority,
 }
 
 impl<'a> Check<'a> {
     /// Polices `cost` units for `key`, without a ticket.
     #[must_use]
     pub const fn new(key: &'a Key, cost: u64) -> Self {
-        Self { key, cost, costs: &[], max_delay: None, ticket: false }
+        Self { key, cost, costs: &[], max_delay: None, ticket: false, priority: Priority::Standard }
+    }
+
+    /// Gives the request's class (see [`priority`](Self::priority)).
+    ///
+    /// ```
+    /// use tollgate::key::Key;
+    /// use tollgate::store::Check;
+    /// use tollgate::Priority;
+    ///
+    /// let key = Key::text("alice");
+    /// assert_eq!(Check::new(&key, 1).with_priority(Priority::Critical).priority, Priority::Critical);
+    /// ```
+    #[must_use]
+    pub const fn with_priority(mut self, priority: Priority) -> Self {
+        self.priority = priority;
+        self
     }
 
     /// Gives the cost of each tier (see [`costs`](Self::costs)).

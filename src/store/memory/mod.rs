@@ -25,7 +25,7 @@ use crate::clock::{AnyClock, Clock, duration_to_nanos};
 use crate::decision::Decision;
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
-use crate::quota::{Kind, Policy, TierKind};
+use crate::quota::{Kind, Policy, Priority, TierKind};
 
 /// How often a full shard may be scanned for idle keys to make room for a new key, in
 /// nanoseconds of the store's clock (100 ms). Between scans, new keys of a full shard go to the
@@ -499,7 +499,14 @@ impl MemoryStore {
                     let boxes = fresh_boxes(before);
                     let mut states: Box<[TierState]> =
                         states.iter().take(tiers).cloned().chain(boxes).collect();
-                    let (d, _) = decide_kinds(before, &mut states, now, &zeros, Mode::Police);
+                    let (d, _) = decide_kinds(
+                        before,
+                        &mut states,
+                        now,
+                        &zeros,
+                        Mode::Police,
+                        Priority::Critical,
+                    );
                     d.tiers().iter().map(crate::TierDecision::remaining).collect()
                 }
                 (Was::Tat(_), None) => continue,
@@ -555,7 +562,8 @@ impl MemoryStore {
             for (i, units) in costs.iter().enumerate().filter(|(_, u)| **u > 0) {
                 let mut one = vec![0; costs.len()];
                 one[i] = *units;
-                let _ = decide_kinds(after, &mut states, now, &one, Mode::Police);
+                let _ =
+                    decide_kinds(after, &mut states, now, &one, Mode::Police, Priority::Critical);
             }
             if let Was::States(old_states) = &state {
                 for (to, from) in boxes {
@@ -837,7 +845,7 @@ fn decide_core(
         let costs: SmallVec<[u64; 4]> = (0..policy.tiers().len())
             .map(|i| policy.tier_cost(i, check.cost, check.costs))
             .collect();
-        decide_kinds(policy, key, at, &costs, mode)
+        decide_kinds(policy, key, at, &costs, mode, check.priority)
     };
     if !core.wakers.is_empty() {
         slots::fill(policy, &core.holds, &mut decision);

@@ -1058,12 +1058,14 @@ impl RedisStore {
         let lease = if takes_slots { fastrand::u64(1..1 << 52) } else { 0 };
         let state_key = bound.state_key(check.key);
         let keys = prepared.keys(state_key.clone());
-        let record = prepared.check_kinds(&costs, check.max_delay, lease, inner.app_now());
+        let record =
+            prepared.check_kinds(&costs, check.max_delay, lease, check.priority, inner.app_now());
         let epoch = bound.refusal_epoch(check.key);
         let sent = inner.settings.clock.is_none().then(Instant::now);
         let answered = inner.submit(prepared, keys, record, prepared.check_reply_len()).await;
         let decided = answered.and_then(|(reply, at)| {
-            script::decode_costs(policy, &|i| costs[i], lease, at, &reply).map(|d| (d, at))
+            script::decode_costs(policy, &|i| costs[i], lease, check.priority, at, &reply)
+                .map(|d| (d, at))
         });
         let ((mut decision, charges), at) = match decided {
             Ok(decided) => decided,
@@ -1280,9 +1282,10 @@ impl RedisStoreBuilder {
     /// long as only time passes: a refusal is kept only until the first instant any part of
     /// it could change (a refused tier's own `retry_after`, the end of a fixed or calendar
     /// window, the instant a GCRA tier's `remaining` grows), and only for checks asking the
-    /// same (cost, costs per tier, shaping budget). Policies with tiers whose `remaining` grows
-    /// at instants a decision does not tell (token and leaky buckets, sliding windows and logs,
-    /// when they are neither full nor refusing a cost of 1) keep no such refusal. With Redis
+    /// same (cost, costs per tier, shaping budget, priority class). Policies with tiers whose
+    /// `remaining` grows at instants a decision does not tell (token and leaky buckets, sliding
+    /// windows and logs, when they are neither full nor refusing a cost of 1) keep no such
+    /// refusal. With Redis
     /// time (the default), now is the server's instant of the decision plus the time since the
     /// check was sent, never earlier than the server's clock, so a refusal ends here at its
     /// instant or a round trip early, never late. With an injected [`clock`](Self::clock), a

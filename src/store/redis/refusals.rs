@@ -31,7 +31,7 @@ use crate::algorithm::calendar;
 use crate::clock::duration_to_nanos;
 use crate::decision::{Decision, NONE, Outcome};
 use crate::key::Key;
-use crate::quota::{Algorithm, Kind, Policy};
+use crate::quota::{Algorithm, Kind, Policy, Priority};
 
 use super::Check;
 
@@ -48,6 +48,7 @@ const SHARDS: usize = 16;
 struct Asked {
     costs: SmallVec<[u64; 4]>,
     max_delay: Option<Duration>,
+    priority: Priority,
 }
 
 impl Asked {
@@ -57,6 +58,7 @@ impl Asked {
                 .map(|i| policy.tier_cost(i, check.cost, check.costs))
                 .collect(),
             max_delay: check.max_delay,
+            priority: check.priority,
         }
     }
 }

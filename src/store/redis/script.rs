@@ -18,7 +18,7 @@ use crate::clock::duration_to_nanos;
 use crate::decision::{Decision, Outcome, TierDecision, Tiers};
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
-use crate::quota::{Algorithm, CalendarSpec, Kind, Policy};
+use crate::quota::{Algorithm, CalendarSpec, Kind, Policy, Priority};
 
 /// The longest span (period, burst x period / count, shaping budget) a script represents, in
 /// the policy's unit: 2^50. Scripts compute in Lua's doubles, exact below 2^53, relative to now.
@@ -233,6 +233,14 @@ fn meaning(policy: &Policy) -> u64 {
                 feed(&v.to_le_bytes());
             }
         }
+        // So is a reserve, in memory: a policy whose reserves differ is another budget on
+        // both stores (tiers without one hash as before).
+        if let Some(r) = t.reserve {
+            feed(b"reserve");
+            for v in [r.critical_units(), r.standard_units()] {
+                feed(&v.to_le_bytes());
+            }
+        }
     }
     h
 }
@@ -435,6 +443,8 @@ impl Prepared {
                     Some(b) => args.extend([f(b.block), f(b.refusals), f(b.within)]),
                     None => args.extend([0.0; 3]),
                 }
+                let r = t.reserve.unwrap_or_default();
+                args.extend([f(r.critical_units()), f(r.standard_units())]);
                 kinds.tags.push(match t.kind {
                     Kind::Rate => 0,
                     Kind::Concurrency(_) => 1,
@@ -491,19 +501,21 @@ impl Prepared {
     }
 
     /// A check of a policy of several kinds: `costs` per tier (resolved), `max_delay` as for
-    /// [`check`](Self::check), the lease id of its slots, and `now` (this process's clock, for
-    /// the calendar bounds).
+    /// [`check`](Self::check), the lease id of its slots, the request's class, and `now` (this
+    /// process's clock, for the calendar bounds).
     pub(crate) fn check_kinds(
         &self,
         costs: &[u64],
         max_delay: Option<Duration>,
         lease: u64,
+        class: Priority,
         now: u64,
     ) -> Vec<f64> {
         let budget =
             max_delay.map_or(-1.0, |d| f((duration_to_nanos(d) / self.unit).min(MAX_SPAN_UNITS)));
         let mut record = vec![1.0, 0.0, 0.0, 0.0, budget, f(lease)];
         record.extend(costs.iter().map(|c| f(*c)));
+        record.push(f(class.index()));
         self.bounds(&mut record, now);
         record[3] = f(record.len() as u64);
         record
@@ -654,15 +666,17 @@ pub(crate) fn decode(
     now: u64,
     reply: &[i64],
 ) -> Result<(Decision, Option<Charges>), StoreError> {
-    decode_costs(policy, &|_| cost, 0, now, reply)
+    decode_costs(policy, &|_| cost, 0, Priority::Standard, now, reply)
 }
 
 /// [`decode`] with a cost per tier, and the lease id of the concurrency tiers' slots (charged
-/// at the decision's instant, not after its delay: they are held from then on).
+/// at the decision's instant, not after its delay: they are held from then on), for a request
+/// of `class` (each tier's limit is what the class may use of it).
 pub(crate) fn decode_costs(
     policy: &Policy,
     cost: &dyn Fn(usize) -> u64,
     lease: u64,
+    class: Priority,
     now: u64,
     reply: &[i64],
 ) -> Result<(Decision, Option<Charges>), StoreError> {
@@ -683,7 +697,7 @@ pub(crate) fn decode_costs(
     let mut charges = Charges::with_capacity(tiers.len());
     for (i, (tier, r)) in tiers.iter().zip(reply[HEAD..].chunks_exact(PER_TIER)).enumerate() {
         decided.push(TierDecision::new(
-            tier.capacity(),
+            tier.capacity_for(class),
             units(r[0])?,
             units(r[1])?,
             optional(r[2])?,
@@ -821,14 +835,41 @@ mod tests {
         assert_eq!(fps.len(), 4);
         assert_eq!(family(&boxed), Family::KindsRate);
         // Per tier of a policy of several kinds: kind, three parameters, then the box (block,
-        // refusals, window; zeros for none).
+        // refusals, window; zeros for none), then the reserves (critical, standard).
         let args = |p: &Policy| Prepared::new(p, 0).policy.args.clone();
         let block = 900_000_000_000.0;
-        assert_eq!(args(&boxed), [1.0, 0.0, 0.0, 1.0, 0.0, 10.0, 6e10, 10.0, block, 3.0, 6e10]);
+        assert_eq!(
+            args(&boxed),
+            [1.0, 0.0, 0.0, 1.0, 0.0, 10.0, 6e10, 10.0, block, 3.0, 6e10, 0.0, 0.0]
+        );
         assert_eq!(
             args(&calendar)[4..],
-            [0.0, 10.0, 6e10, 10.0, 0.0, 0.0, 0.0, 2.0, 5.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+            [
+                0.0, 10.0, 6e10, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0, 5.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+                0.0, 0.0
+            ]
         );
+    }
+
+    #[test]
+    fn a_reserve_gets_its_own_keys_its_numbers_and_the_class_in_the_record() {
+        use crate::quota::Reserve;
+        let base = || Policy::builder("api").tier("a", Quota::per_minute(10));
+        let plain = base().build().unwrap();
+        let reserved = base().reserve("a", Reserve::new().critical(2).standard(3)).build().unwrap();
+        let other = base().reserve("a", Reserve::new().critical(3).standard(2)).build().unwrap();
+        let fps: std::collections::HashSet<_> =
+            [&plain, &reserved, &other].into_iter().map(fingerprint).collect();
+        assert_eq!(fps.len(), 3);
+        assert_eq!(family(&reserved), Family::KindsRate);
+        let prepared = Prepared::new(&reserved, 0);
+        assert_eq!(
+            prepared.policy.args,
+            [1.0, 0.0, 0.0, 1.0, 0.0, 10.0, 6e10, 10.0, 0.0, 0.0, 0.0, 2.0, 3.0]
+        );
+        // op, key, policy, length, budget, lease, the costs, then the class (2 sheddable).
+        let record = prepared.check_kinds(&[1], None, 0, Priority::Sheddable, 0);
+        assert_eq!(record, [1.0, 0.0, 0.0, 8.0, -1.0, 0.0, 1.0, 2.0]);
     }
 
     #[test]

@@ -2,12 +2,14 @@
 -- calendar tiers and concurrency tiers, all or nothing in one check. Mirrors `decide_kinds`
 -- in src/algorithm/mod.rs and src/algorithm/calendar.rs.
 --
--- ARGV[2] per policy: unit, grace, algorithm, tiers, then per tier 7 numbers: kind (0 rate,
+-- ARGV[2] per policy: unit, grace, algorithm, tiers, then per tier 9 numbers: kind (0 rate,
 --         1 concurrency, 2 calendar) and its parameters: a rate's count, period, burst; a
 --         concurrency tier's slots and lease (ms); a calendar tier's count; then its penalty
---         box: block (units; 0 for none), refusals, window (units).
+--         box: block (units; 0 for none), refusals, window (units); then its reserves
+--         (`Reserve`): critical and standard units (0 for none).
 -- ARGV[3] every record starts op, key index, policy index, record length:
---         op 1, a check: budget (-1 polices), lease id, each tier's cost, then per calendar
+--         op 1, a check: budget (-1 polices), lease id, each tier's cost, the request's class
+--           (`Priority`: 0 critical, 1 standard, 2 sheddable), then per calendar
 --           tier the bounds of its windows (their number, then the seconds: each window's
 --           start and the last one's end), from before `now` to the lookahead after it;
 --         op 2, a settlement: release (1 gives the slots back), then per tier the old and new
@@ -37,7 +39,7 @@ local function kpolicies()
     local n = P[i + 3]
     local tiers, nrate, nconc, ncal, npen = {}, 0, 0, 0, 0
     for t = 1, n do
-      local j = i + 4 + (t - 1) * 7
+      local j = i + 4 + (t - 1) * 9
       local kind = P[j]
       local tier = { kind = kind }
       if P[j + 4] > 0 then
@@ -47,6 +49,10 @@ local function kpolicies()
       if kind == 0 then
         nrate = nrate + 1
         tier.c, tier.p, tier.b, tier.r = P[j + 1], P[j + 2], P[j + 3], nrate
+        -- What a reserve withholds from each class (`Reserve::withheld_from`), by class + 1.
+        if P[j + 7] + P[j + 8] > 0 then
+          tier.withheld = { 0, P[j + 7], P[j + 7] + P[j + 8] }
+        end
       elseif kind == 1 then
         nconc = nconc + 1
         tier.max, tier.lease, tier.q = P[j + 1], P[j + 2], nconc
@@ -58,7 +64,7 @@ local function kpolicies()
     end
     out[#out + 1] = { unit = P[i], grace = P[i + 1], alg = P[i + 2], n = n, tiers = tiers,
                       nrate = nrate, nconc = nconc, ncal = ncal, npen = npen }
-    i = i + 4 + n * 7
+    i = i + 4 + n * 9
   end
   return out
 end
@@ -269,8 +275,12 @@ local function bounds(pol, p)
   return out, p
 end
 
-local function capacity(tier)
-  if tier.kind == 0 then return F.capacity(tier) end
+-- The capacity of `tier` for a request of class `class` (`Tier::capacity_for`).
+local function capacity(tier, class)
+  if tier.kind == 0 then
+    if tier.withheld then return F.capacity(tier) - tier.withheld[class + 1] end
+    return F.capacity(tier)
+  end
   if tier.kind == 1 then return tier.max end
   return tier.count
 end
@@ -278,6 +288,16 @@ end
 -- The rate tier of `tier` as F knows it.
 local function rt(st, tier)
   return st.rs.tiers[tier.r]
+end
+
+-- The rate tier of `tier` as a request of class `class` sees it: the burst less what a reserve
+-- withholds from the class (`Tier::rate_for`): a copy of its state, only read (earliest,
+-- status), never charged; charges go to the tier itself.
+local function rt_for(st, tier, class)
+  local r = st.rs.tiers[tier.r]
+  if not tier.withheld then return r end
+  return { c = r.c, p = r.p, b = r.b - tier.withheld[class + 1], xn = r.xn, xf = r.xf,
+           last = r.last }
 end
 
 -- Penalty boxes (`Strikes` in src/algorithm/penalty.rs).
@@ -324,17 +344,18 @@ local function check(st, i)
   local n, tiers = pol.n, pol.tiers
   local budget_arg, id = C[i + 4], C[i + 5]
   local cost = {}
+  local class = C[i + 6 + n]
   local zero, over = true, false
   for t = 1, n do
     cost[t] = C[i + 5 + t]
     if cost[t] > 0 then zero = false end
-    if cost[t] > capacity(tiers[t]) then over = true end
+    if cost[t] > capacity(tiers[t], class) then over = true end
   end
-  local B = bounds(pol, i + 6 + n)
+  local B = bounds(pol, i + 7 + n)
   local per, head = {}, nil
   local earliest = function(t, from)
     local tier = tiers[t]
-    if tier.kind == 0 then return F.earliest(st.rs, rt(st, tier), from, cost[t]) end
+    if tier.kind == 0 then return F.earliest(st.rs, rt_for(st, tier, class), from, cost[t]) end
     if tier.kind == 2 then return cal_earliest(st, tier, from, cost[t]) end
     return from
   end
@@ -343,7 +364,9 @@ local function check(st, i)
   local shaping = budget_arg >= 0
   local depart = function(t, from)
     local e = earliest(t, from)
-    if shaping and tiers[t].kind == 0 then e = e + F.queue_wait(st.rs, rt(st, tiers[t]), e) end
+    if shaping and tiers[t].kind == 0 then
+      e = e + F.queue_wait(st.rs, rt_for(st, tiers[t], class), e)
+    end
     return e
   end
   if zero then
@@ -352,7 +375,7 @@ local function check(st, i)
   elseif over then
     for t = 1, n do
       local v = 0
-      if cost[t] > capacity(tiers[t]) then v = 1 end
+      if cost[t] > capacity(tiers[t], class) then v = 1 end
       per[t] = { -1, v, 0 }
     end
     head = { 2, 0, -1 }
@@ -462,7 +485,7 @@ local function check(st, i)
     local tier = tiers[t]
     local remaining, reset
     if tier.kind == 0 then
-      remaining, reset = F.status(st.rs, rt(st, tier))
+      remaining, reset = F.status(st.rs, rt_for(st, tier, class))
     elseif tier.kind == 2 then
       remaining, reset = cal_status(st, tier)
     else
