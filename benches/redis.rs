@@ -9,7 +9,10 @@
 //! `$CRITERION_HOME/redis/cpu-<baseline>.json` (else `target/criterion/redis/cpu-latest.json`),
 //! with the client's CPU per check (this process) and the checks per script call.
 //!
-//! Also the cost of naming a key's state (`redis_key_names`: hashed, the default, and raw).
+//! Also the cost of naming a key's state (`redis_key_names`: hashed, the default, and raw),
+//! and a flood of checks of one key far over its limit (`redis_refused`), with the store's
+//! local refusals on (the default) and off: checks/s, then script calls per second and the
+//! server's CPU per check, printed.
 //!
 //! `cargo bench --bench redis --features redis` (needs `redis-server` on `PATH`).
 
@@ -250,5 +253,64 @@ fn key_names(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, key_names, bench);
+/// One hot key far over its limit (1 per second), checked by 64 tasks: with local refusals
+/// each instance asks Redis about once per refusal period, without them once per check.
+fn refused(c: &mut Criterion) {
+    let Some(server) = redis_server::Server::start("redis-server") else { return };
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let policy = Policy::single("flood", Quota::per_second(1)).expect("valid");
+    let key = Arc::new(Key::text("under-attack"));
+    let mut cases: Vec<(&str, Op)> = Vec::new();
+    for (id, capacity) in [("local_refusals", 4096), ("no_local_refusals", 0)] {
+        let store = RedisStore::builder(server.url())
+            .prefix(format!("{id}:"))
+            .timeout(Duration::from_secs(10))
+            .local_refusals(capacity)
+            .build()
+            .unwrap();
+        rt.block_on(store.connect()).unwrap();
+        let limiter = Limiter::with_store(policy.clone(), store).unwrap();
+        let key = Arc::clone(&key);
+        cases.push((
+            id,
+            Arc::new(move |_| {
+                let (limiter, key) = (limiter.clone(), Arc::clone(&key));
+                Box::pin(async move {
+                    let d = limiter.check(&key, 1).await.unwrap();
+                    assert_eq!(d.source(), tollgate::Source::Store);
+                })
+            }),
+        ));
+    }
+    let mut g = c.benchmark_group("redis_refused");
+    g.throughput(Throughput::Elements(1));
+    g.sample_size(10).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
+    for (id, op) in &cases {
+        g.bench_function(*id, |b| b.iter_custom(|iters| concurrently(&rt, iters, op)));
+    }
+    g.finish();
+    let mut inspect = server.conn();
+    // At least 3 s each, so that refusal periods (1 s) end and start over.
+    for (id, op) in &cases {
+        const N: u64 = 100_000;
+        let (before, calls) = (server_cpu(&mut inspect), script_calls(&mut inspect));
+        let (mut checks, mut wall) = (0, Duration::ZERO);
+        while wall < Duration::from_secs(3) {
+            wall += concurrently(&rt, N, op);
+            checks += N;
+        }
+        let per = (server_cpu(&mut inspect) - before) / checks as f64 * 1e6;
+        let scripts = script_calls(&mut inspect) - calls;
+        let secs = wall.as_secs_f64();
+        println!(
+            "redis_refused/{id:<18} {:9.0} checks/s, {:6.1} script calls/s, server CPU {per:6.3} µs per check",
+            checks as f64 / secs,
+            scripts as f64 / secs,
+        );
+    }
+    drop(server);
+}
+
+criterion_group!(benches, key_names, bench, refused);
 criterion_main!(benches);

@@ -5,13 +5,14 @@ mod cluster;
 mod health;
 mod io;
 mod node;
+mod refusals;
 mod script;
 mod sentinel;
 
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, PoisonError, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use redis::sentinel::SentinelNodeConnectionInfo;
 use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo};
@@ -21,6 +22,7 @@ pub use breaker::BreakerState;
 use cluster::SlotMap;
 use node::{Item, Node, Settings};
 pub use node::{ServerInfo, ServerKind};
+use refusals::Refusals;
 use script::{KeyNames, Prepared};
 
 use smallvec::SmallVec;
@@ -30,10 +32,13 @@ use super::{Check, MemoryStore, Store, Verdict};
 use crate::algorithm::Charges;
 use crate::algorithm::slots::{self, Holds};
 use crate::clock::{AnyClock, Clock, duration_to_nanos};
-use crate::decision::Source;
+use crate::decision::{Decision, Source};
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
 use crate::quota::{Kind, Policy};
+
+/// Refusals kept per binding by default ([`RedisStoreBuilder::local_refusals`]).
+const DEFAULT_LOCAL_REFUSALS: usize = 4096;
 
 /// A [`Store`] in Redis: every instance of a service that uses the same Redis shares one limit.
 ///
@@ -103,6 +108,11 @@ use crate::quota::{Kind, Policy};
 ///   Redis has charged it (the fallback or the layer's failure policy decided the request; the
 ///   charge is not undone, and the request is not decided twice). A check that gave up before
 ///   its call was sent is not sent.
+/// - **Refusals stay local.** A key Redis refused until an instant (a rate or calendar tier
+///   with its exact `retry_after`) is refused by this process until then, with the decision
+///   Redis would give and no call: a key under attack costs Redis about one call per refusal
+///   period per instance. Exact, bounded in memory, forgotten when this process gives units
+///   back; see [`RedisStoreBuilder::local_refusals`] for what is kept and for how long.
 /// - **Failures, per node.** Each server (each Cluster master) has its own circuit breaker: after
 ///   [`failure_threshold`](RedisStoreBuilder::circuit_breaker) consecutive failed calls it stops
 ///   calling that server for `open_for`, then probes it with one call. A call fails when the
@@ -182,6 +192,8 @@ struct Inner {
     key_names: KeyNames,
     grace_ms: u64,
     fallback: Option<MemoryStore>,
+    /// Entries of each binding's local refusals (0: none).
+    refusals: usize,
 }
 
 enum Topology {
@@ -226,6 +238,8 @@ pub struct RedisPolicy {
     /// The typical hold of each concurrency tier, learnt from this binding's releases.
     holds: Arc<Holds>,
     local: Option<MemoryPolicy>,
+    /// Refusals answered without asking Redis (see [`RedisStoreBuilder::local_refusals`]).
+    refusals: Option<Refusals>,
 }
 
 impl fmt::Debug for RedisPolicy {
@@ -273,6 +287,79 @@ impl RedisPolicy {
     pub fn state_key(&self, key: &Key) -> String {
         script::state_key(&self.key_parts, &self.key_names, key)
     }
+
+    /// Checks of this binding answered by this process without asking Redis, as refusals
+    /// Redis made earlier that still hold (see [`RedisStoreBuilder::local_refusals`]). A
+    /// count since the binding was made.
+    #[must_use]
+    pub fn refused_locally(&self) -> u64 {
+        self.refusals.as_ref().map_or(0, Refusals::answered)
+    }
+
+    /// Refusals this binding holds now, at most the capacity given to
+    /// [`RedisStoreBuilder::local_refusals`] (ended ones count until they are looked up or
+    /// evicted).
+    #[must_use]
+    pub fn local_refusals(&self) -> usize {
+        self.refusals.as_ref().map_or(0, Refusals::len)
+    }
+
+    /// The hash a ticket keeps to forget its key's refusal when it gives charges back.
+    fn refusal_hash(&self, key: &Key) -> u64 {
+        self.refusals.as_ref().map_or(0, |r| r.hash(key))
+    }
+
+    /// Forgets the refusal of the key of `hash` now and again when the guard is dropped: a
+    /// settlement or release through this process, made while the guard lives, may give
+    /// units back.
+    fn forgetting(&self, hash: u64) -> Forgetting<'_> {
+        if let Some(r) = &self.refusals {
+            r.forget(hash);
+        }
+        Forgetting { refusals: self.refusals.as_ref(), hash }
+    }
+
+    /// Read before a check is sent, for [`learn`](Self::learn).
+    fn refusal_epoch(&self, key: &Key) -> u64 {
+        self.refusals.as_ref().map_or(0, |r| r.epoch(key))
+    }
+
+    /// The refusal this process holds for `check`, counted down to now.
+    fn local_refusal(&self, inner: &Inner, check: &Check<'_>) -> Option<Verdict<RedisTicket>> {
+        let refusals = self.refusals.as_ref()?;
+        let now = inner.settings.clock.as_ref().map(AnyClock::now);
+        let decision = refusals.answer(&self.policy, check, now)?;
+        Some(Verdict { decision, ticket: None })
+    }
+
+    /// Keeps (or drops) `check`'s refusal after Redis decided it at `at`; `epoch` is
+    /// [`refusal_epoch`](Self::refusal_epoch) read before it was sent.
+    fn learn(
+        &self,
+        check: &Check<'_>,
+        decision: &Decision,
+        at: u64,
+        sent: Option<Instant>,
+        epoch: u64,
+    ) {
+        if let Some(r) = &self.refusals {
+            r.learn(&self.policy, check, decision, at, sent, epoch);
+        }
+    }
+}
+
+/// Forgets a key's local refusal again when dropped ([`RedisPolicy::forgetting`]).
+struct Forgetting<'a> {
+    refusals: Option<&'a Refusals>,
+    hash: u64,
+}
+
+impl Drop for Forgetting<'_> {
+    fn drop(&mut self) {
+        if let Some(r) = self.refusals {
+            r.forget(self.hash);
+        }
+    }
 }
 
 /// What an admitted request was charged through a [`RedisStore`] (see [`Store::Ticket`]): in
@@ -289,6 +376,8 @@ enum Charged {
 #[derive(Debug)]
 struct Remote {
     state_key: String,
+    /// The key's hash in the binding's local refusals, forgotten when charges come back.
+    refusal: u64,
     cost: u64,
     charges: Charges,
     /// The concurrency slots it holds: released when it is dropped.
@@ -734,7 +823,18 @@ impl Store for RedisStore {
             prepared: Arc::new(Prepared::new(policy, inner.grace_ms)),
             holds: Arc::new(Holds::new(policy)),
             local: inner.fallback.as_ref().map(|local| local.bind_policy(policy)),
+            refusals: Refusals::new(policy, inner.refusals),
         })
+    }
+
+    /// Answers at once the checks this process holds a refusal for (see
+    /// [`RedisStoreBuilder::local_refusals`]); `None` for the others, which ask Redis.
+    fn check_sync(
+        &self,
+        bound: &RedisPolicy,
+        check: Check<'_>,
+    ) -> Option<Result<Verdict<RedisTicket>, StoreError>> {
+        bound.local_refusal(&self.inner, &check).map(Ok)
     }
 
     async fn check(
@@ -743,6 +843,9 @@ impl Store for RedisStore {
         check: Check<'_>,
     ) -> Result<Verdict<RedisTicket>, StoreError> {
         let inner = &*self.inner;
+        if let Some(verdict) = bound.local_refusal(inner, &check) {
+            return Ok(verdict);
+        }
         let prepared = &bound.prepared;
         if prepared.is_kinds() {
             return self.check_kinds(bound, check).await;
@@ -751,14 +854,19 @@ impl Store for RedisStore {
         let ticket_key = (check.ticket && check.cost > 0).then(|| state_key.clone());
         let keys = prepared.keys(state_key);
         let record = prepared.check(check.cost, check.max_delay);
+        let epoch = bound.refusal_epoch(check.key);
+        let sent = inner.settings.clock.is_none().then(Instant::now);
         let answered = inner.submit(prepared, keys, record, prepared.check_reply_len()).await;
-        let decided =
-            answered.and_then(|(reply, at)| script::decode(&bound.policy, check.cost, at, &reply));
+        let decided = answered.and_then(|(reply, at)| {
+            script::decode(&bound.policy, check.cost, at, &reply).map(|d| (d, at))
+        });
         match decided {
-            Ok((decision, charges)) => {
+            Ok(((decision, charges), at)) => {
+                bound.learn(&check, &decision, at, sent, epoch);
                 let ticket = charges.zip(ticket_key).map(|(charges, state_key)| {
                     RedisTicket(Charged::Remote(Box::new(Remote {
                         state_key,
+                        refusal: bound.refusal_hash(check.key),
                         cost: check.cost,
                         charges,
                         lease: None,
@@ -785,6 +893,7 @@ impl Store for RedisStore {
                 Ok(())
             }
             Charged::Remote(mut remote) => {
+                let _forgetting = bound.forgetting(remote.refusal);
                 let prepared = &bound.prepared;
                 if prepared.is_kinds() {
                     let lease = remote.lease.take();
@@ -844,6 +953,7 @@ impl Store for RedisStore {
             }
             Charged::Remote(remote) => remote,
         };
+        let _forgetting = bound.forgetting(remote.refusal);
         let tiers = bound.policy.tiers();
         let target = |i: usize| costs.iter().rev().find(|(t, _)| *t == i).map(|(_, c)| *c);
         let new: Vec<u64> = tiers
@@ -893,6 +1003,7 @@ impl Store for RedisStore {
     async fn release(&self, bound: &RedisPolicy, ticket: RedisTicket) -> Result<(), StoreError> {
         let Charged::Remote(mut remote) = ticket.0 else { return Ok(()) };
         let Some(lease) = remote.lease.take() else { return Ok(()) };
+        let _forgetting = bound.forgetting(remote.refusal);
         let new: Vec<u64> = remote.charges.iter().map(|c| c.cost).collect();
         let state_key = std::mem::take(&mut remote.state_key);
         let prepared = &bound.prepared;
@@ -949,14 +1060,18 @@ impl RedisStore {
         let keys = prepared.keys(state_key.clone());
         let record =
             prepared.check_kinds(&costs, check.max_delay, lease, check.priority, inner.app_now());
+        let epoch = bound.refusal_epoch(check.key);
+        let sent = inner.settings.clock.is_none().then(Instant::now);
         let answered = inner.submit(prepared, keys, record, prepared.check_reply_len()).await;
         let decided = answered.and_then(|(reply, at)| {
             script::decode_costs(policy, &|i| costs[i], lease, check.priority, at, &reply)
+                .map(|d| (d, at))
         });
-        let (mut decision, charges) = match decided {
+        let ((mut decision, charges), at) = match decided {
             Ok(decided) => decided,
             Err(error) => return inner.fall_back(error, bound, check),
         };
+        bound.learn(&check, &decision, at, sent, epoch);
         if policy.has_concurrency() {
             slots::fill(policy, &bound.holds, &mut decision);
         }
@@ -972,6 +1087,7 @@ impl RedisStore {
             (slots.is_some() || wanted).then(|| {
                 RedisTicket(Charged::Remote(Box::new(Remote {
                     state_key,
+                    refusal: bound.refusal_hash(check.key),
                     cost: check.cost,
                     charges,
                     lease: slots,
@@ -1003,6 +1119,7 @@ pub struct RedisStoreBuilder {
     threshold: u32,
     open_for: Duration,
     fallback: Option<MemoryStore>,
+    local_refusals: usize,
 }
 
 impl fmt::Debug for RedisStoreBuilder {
@@ -1032,6 +1149,7 @@ impl RedisStoreBuilder {
             threshold: 5,
             open_for: Duration::from_millis(500),
             fallback: Some(MemoryStore::new()),
+            local_refusals: DEFAULT_LOCAL_REFUSALS,
         }
     }
 
@@ -1154,6 +1272,52 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// How many refusals each policy bound to the store keeps in this process (default
+    /// 4,096; 0 turns them off). A key Redis refused until an instant is then refused here,
+    /// with no call to Redis, until that instant: a key under attack costs Redis one call per
+    /// refusal period per instance, not one per request.
+    ///
+    /// **Exact.** The answer is the decision Redis gave, every duration counted down from the
+    /// instant Redis made it, which is the decision Redis makes at each instant until then as
+    /// long as only time passes: a refusal is kept only until the first instant any part of
+    /// it could change (a refused tier's own `retry_after`, the end of a fixed or calendar
+    /// window, the instant a GCRA tier's `remaining` grows), and only for checks asking the
+    /// same (cost, costs per tier, shaping budget, priority class). Policies with tiers whose
+    /// `remaining` grows at instants a decision does not tell (token and leaky buckets, sliding
+    /// windows and logs, when they are neither full nor refusing a cost of 1) keep no such
+    /// refusal. With Redis
+    /// time (the default), now is the server's instant of the decision plus the time since the
+    /// check was sent, never earlier than the server's clock, so a refusal ends here at its
+    /// instant or a round trip early, never late. With an injected [`clock`](Self::clock), a
+    /// decision made at an instant before one already seen (the clock stepped back) is not
+    /// kept: Redis may then decide at the key's last charge, later than now. If the server's
+    /// clock steps back behind a key's last charge (a failover to a replica whose clock is
+    /// behind), a kept refusal still ends no later than Redis's, but its durations count down
+    /// where Redis's stand still until the clock catches up.
+    ///
+    /// **Other instances.** They can only spend more of a key, which keeps a refusal true (a
+    /// client retrying after `retry_after` may then be refused by Redis again, as after any
+    /// refusal). What this instance gives back (a settlement, a refund, a released ticket)
+    /// forgets the key's refusal; what another instance gives back cannot be seen here, so a
+    /// refusal may outlast a refund made elsewhere by at most its `retry_after`. Reloading a
+    /// policy binds it anew, with no refusal kept.
+    ///
+    /// **Not kept** for policies with a concurrency tier (a slot released on another instance
+    /// frees the key before `retry_after`) or a penalty box (a refusal outside a block counts
+    /// as a breach in Redis, which a local answer would not count), for decisions of the local
+    /// fallback, and for rejections of a cost above capacity (not refusals until an instant).
+    ///
+    /// **Memory.** At most `capacity` entries per binding, each about 250 bytes plus the key's
+    /// text (the default holds about 1 MB per policy at most), in 16 shards of `capacity / 16`
+    /// (rounded up): a full shard evicts an ended entry, or else a random one, so a flood of
+    /// distinct refused keys replaces entries and never grows memory. Checks of a binding
+    /// with no refusal held cost one atomic load. [`RedisPolicy::refused_locally`] counts the
+    /// checks answered here.
+    pub fn local_refusals(mut self, capacity: usize) -> Self {
+        self.local_refusals = capacity;
+        self
+    }
+
     /// Builds the store. Connects nothing yet.
     ///
     /// # Errors
@@ -1253,6 +1417,7 @@ impl RedisStoreBuilder {
                 key_names,
                 grace_ms: duration_to_nanos(self.ttl_grace).div_ceil(1_000_000),
                 fallback: self.fallback,
+                refusals: self.local_refusals,
             }),
         })
     }
