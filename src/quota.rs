@@ -672,6 +672,7 @@ impl Priority {
 
     /// The class's number in the Redis script's arguments (0 critical, 1 standard, 2
     /// sheddable).
+    #[cfg(feature = "redis")]
     pub(crate) const fn index(self) -> u64 {
         match self {
             Self::Critical => 0,

@@ -538,6 +538,65 @@ async fn method_not_allowed_under_route_layer_gives_its_charge_back_on_redis() {
     .await;
 }
 
+/// The 405 is given back whatever decides the policy: the memory store's compact form (given
+/// back by key, without a ticket), its general tables (a ticket: other algorithms, a calendar
+/// tier beside the rate, a penalty box), and a shaping layer (decided on the slow path).
+#[tokio::test]
+async fn a_405_is_given_back_on_every_path_of_the_memory_store() {
+    use axum::routing::post;
+    use tollgate::clock::FakeClock;
+    use tollgate::store::MemoryStore;
+    use tollgate::{Calendar, Penalty};
+    let hour = Duration::from_secs(3600);
+    let policies = [
+        ("gcra", Policy::builder("p").tier("t", Quota::per_hour(3)), None),
+        (
+            "token bucket",
+            Policy::builder("p").algorithm(Algorithm::TokenBucket).tier("t", Quota::per_hour(3)),
+            None,
+        ),
+        (
+            "sliding log",
+            Policy::builder("p").algorithm(Algorithm::SlidingLog).tier("t", Quota::per_hour(3)),
+            None,
+        ),
+        (
+            "calendar beside",
+            Policy::builder("p")
+                .tier("t", Quota::per_hour(3))
+                .calendar("d", Calendar::per_day(100)),
+            None,
+        ),
+        (
+            "penalty box",
+            Policy::builder("p").tier("t", Quota::per_hour(3)).penalty("t", Penalty::new(hour)),
+            None,
+        ),
+        (
+            "shaping",
+            Policy::builder("p").tier("t", Quota::per_hour(3)),
+            Some(Duration::from_millis(1)),
+        ),
+    ]
+    .map(|(name, p, shape)| (name, p.build().unwrap(), shape));
+    let c = client();
+    for (name, policy, shape) in policies {
+        let store = MemoryStore::builder().clock(FakeClock::new()).build().unwrap();
+        let mut builder = RateLimitLayer::builder(policy).store(store);
+        if let Some(max) = shape {
+            builder = builder.shape(max);
+        }
+        let layer = builder.build().unwrap();
+        let app = Router::new().route("/login", post(|| async { "welcome" })).route_layer(layer);
+        let server = serve(app).await;
+        let mut seen = Vec::new();
+        for method in ["GET", "GET", "GET", "POST", "POST", "POST", "POST"] {
+            seen.push(call(&c, &server, method, "/login").await.0);
+        }
+        assert_eq!(seen, [405, 405, 405, 200, 200, 200, 429], "{name}");
+    }
+}
+
 /// Under `Router::layer` the 405 reaches the layer with its `Allow` header, and is given back
 /// too; the router's 404 for an unknown path cannot be told from a handler's, and is charged.
 #[tokio::test]

@@ -14,13 +14,9 @@ use tollgate::store::MemoryStore;
 use tollgate::{Limiter, Penalty, Policy, Quota};
 
 use scenarios::MINUTE;
+use support::memory_limiter;
 
 const HOUR: u64 = 3_600_000_000_000;
-
-fn memory_limiter(clock: &FakeClock, policy: Policy) -> Limiter {
-    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
-    Limiter::with_store(policy, store).unwrap()
-}
 
 #[tokio::test]
 async fn a_breach_blocks_the_key_for_exactly_the_block_in_memory() {

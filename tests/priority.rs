@@ -12,14 +12,11 @@ use axum::Router;
 use axum::routing::get;
 use tollgate::clock::FakeClock;
 use tollgate::store::MemoryStore;
-use tollgate::{Algorithm, Limiter, Policy, Quota, RateLimitLayer, Reserve};
+use tollgate::{Algorithm, Policy, Quota, RateLimitLayer, Reserve};
+
+use support::memory_limiter;
 
 const HOUR: u64 = 3_600_000_000_000;
-
-fn memory_limiter(clock: &FakeClock, policy: Policy) -> Limiter {
-    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
-    Limiter::with_store(policy, store).unwrap()
-}
 
 #[tokio::test]
 async fn each_class_decides_exactly_at_its_threshold_in_memory() {

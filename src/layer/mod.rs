@@ -454,6 +454,15 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// the budget, and the layer cannot tell the router's 404 from a handler's. Under
     /// `route_layer` the router's 404s never reach the layer (only matched routes are
     /// wrapped); under `Router::layer` they are charged.
+    ///
+    /// ```
+    /// use tollgate::{Policy, Quota, RateLimitLayer};
+    ///
+    /// let policy = Policy::single("login", Quota::per_hour(3)).unwrap();
+    /// // Handlers here answer 405 after doing work: keep its charge.
+    /// let layer = RateLimitLayer::builder(policy).charge_method_not_allowed(true).build().unwrap();
+    /// # let _ = layer;
+    /// ```
     pub fn charge_method_not_allowed(mut self, charge: bool) -> Self {
         self.settings.charge_method_not_allowed = charge;
         self

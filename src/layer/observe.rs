@@ -84,39 +84,23 @@ impl Observer {
         cfg!(feature = "metrics") || self.hook.is_some()
     }
 
-    /// Reports an admission decided at once by the policy at `index`: with no hook, only its
-    /// counters are touched (each a pointer test when no recorder is installed).
+    /// Reports a decision made at once by the policy at `index`, `outcome` being
+    /// [`Observed::Admitted`] or [`Observed::Limited`]: with no hook, only its counters are
+    /// touched (each a pointer test when no recorder is installed).
     #[inline]
-    pub(super) fn admitted(
+    pub(super) fn at_once(
         &self,
         index: usize,
-        policy: &Policy,
-        key: &Key,
-        head: &RequestHead<'_>,
+        (policy, key, head): (&Policy, &Key, &RequestHead<'_>),
         decision: &Decision,
+        outcome: Observed,
     ) {
         if self.hook.is_some() {
-            self.decided(index, policy, key, head, Some(decision), Observed::Admitted);
+            self.decided(index, policy, key, head, Some(decision), outcome);
         } else if let Some(metrics) = self.metrics.get(index) {
-            metrics.decided(Counted::Admitted, decision);
-        }
-    }
-
-    /// Reports a refusal decided at once by the policy at `index`, like
-    /// [`admitted`](Self::admitted).
-    #[inline]
-    pub(super) fn limited(
-        &self,
-        index: usize,
-        policy: &Policy,
-        key: &Key,
-        head: &RequestHead<'_>,
-        decision: &Decision,
-    ) {
-        if self.hook.is_some() {
-            self.decided(index, policy, key, head, Some(decision), Observed::Limited);
-        } else if let Some(metrics) = self.metrics.get(index) {
-            metrics.decided(Counted::Limited, decision);
+            let counted =
+                if outcome == Observed::Limited { Counted::Limited } else { Counted::Admitted };
+            metrics.decided(counted, decision);
         }
     }
 

@@ -142,7 +142,12 @@ where
                 {
                     if config.observer.active() {
                         let policy_ = limiter.policy();
-                        config.observer.admitted(policy, policy_, key, &head, &decision);
+                        config.observer.at_once(
+                            policy,
+                            (policy_, key, &head),
+                            &decision,
+                            Observed::Admitted,
+                        );
                     }
                     let headers =
                         limiter.surface().headers.prepare(config.settings.headers, &decision);
@@ -181,7 +186,12 @@ where
                 {
                     if config.observer.active() {
                         let (policy_, d) = (limiter.policy(), &verdict.decision);
-                        config.observer.limited(policy, policy_, key, &head, d);
+                        config.observer.at_once(
+                            policy,
+                            (policy_, key, &head),
+                            d,
+                            Observed::Limited,
+                        );
                     }
                     let grpc = is_grpc(req.headers());
                     return ResponseFuture::ready(config.reject(

@@ -106,3 +106,12 @@ pub fn ok_service() -> impl tower::Service<
         Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::from("ok")))
     })
 }
+
+/// A limiter of `policy` on a memory store of its own, on `clock`.
+pub fn memory_limiter(
+    clock: &tollgate::clock::FakeClock,
+    policy: tollgate::Policy,
+) -> tollgate::Limiter {
+    let store = tollgate::store::MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    tollgate::Limiter::with_store(policy, store).unwrap()
+}
