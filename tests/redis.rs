@@ -200,7 +200,8 @@ fn extra(algorithm: Algorithm, grid: bool) -> impl Strategy<Value = Extra> {
 }
 
 /// `grid`: every advance a multiple of 10 ms, like the periods, so that instants land exactly
-/// on window and expiry edges. `back`: checks and clock steps both ways, no settlements.
+/// on window and expiry edges. `back`: clock steps both ways between checks, settlements
+/// and releases.
 fn step(grid: bool, back: bool) -> impl Strategy<Value = Step> {
     let round = (0u64..=100).prop_map(|k| k * 10_000_000);
     let advance = if grid {
@@ -230,6 +231,10 @@ fn step(grid: bool, back: bool) -> impl Strategy<Value = Step> {
             2 => advance.prop_map(Step::Advance),
             2 => back.prop_map(Step::Back),
             7 => check,
+            1 => (0usize..64, 0u64..=8).prop_map(|(which, cost)| Step::Settle { which, cost }),
+            1 => (0usize..64, 0usize..8, 0u64..=8)
+                .prop_map(|(which, tier, cost)| Step::SettleTier { which, tier, cost }),
+            1 => (0usize..64).prop_map(|which| Step::Release { which }),
         ]
         .boxed();
     }
@@ -434,8 +439,9 @@ fn standalone_decides_exactly_like_memory_store() {
     differential(256, |clock, prefix| fake_clock_store(RedisStore::builder(&url), clock, prefix));
 }
 
-/// Clock steps back (NTP, a failover to a server whose clock is behind) between checks: a key
-/// decides at the later of now and its last charge on both stores, so they answer alike.
+/// Clock steps back (NTP, a failover to a server whose clock is behind) between checks,
+/// settlements and releases: a key decides at the later of now and its last charge (or
+/// settlement of units) on both stores, so they answer alike.
 #[test]
 fn a_clock_stepping_back_decides_exactly_like_memory_store() {
     let Some(server) = Server::start("redis-server") else { return };

@@ -456,15 +456,10 @@ fn departure_kind(
     }
 }
 
-/// [`decide_kinds`] with `now` and the mode's budget in the policy's unit.
-fn decide_kinds_in_units(
-    policy: &Policy,
-    states: &mut [TierState],
-    now: u64,
-    costs: &[u64],
-    mode: Mode,
-    class: Priority,
-) -> (Decision, Option<Charges>) {
+/// Forgets what no longer matters at `now` (in the policy's unit) in a key's `states`: windows
+/// and log entries that ended, penalty blocks and breaches that expired; gives each tier a
+/// state of its kind. The Redis scripts prune the same whenever they read a key.
+pub(crate) fn prune_kinds(policy: &Policy, states: &mut [TierState], now: u64) {
     let alg = policy.algorithm();
     let unit = policy.unit();
     let tiers = policy.tiers();
@@ -477,14 +472,29 @@ fn decide_kinds_in_units(
             (Kind::Concurrency(_), s) => *s = TierState::Slots(0),
         }
     }
-    let boxes = policy.has_penalty();
-    if boxes {
+    if policy.has_penalty() {
         for (i, t) in tiers.iter().enumerate() {
             if let (Some(b), Some(s)) = (t.penalty, strikes_mut(policy, states, i)) {
                 s.prune(&b, now);
             }
         }
     }
+}
+
+/// [`decide_kinds`] with `now` and the mode's budget in the policy's unit.
+fn decide_kinds_in_units(
+    policy: &Policy,
+    states: &mut [TierState],
+    now: u64,
+    costs: &[u64],
+    mode: Mode,
+    class: Priority,
+) -> (Decision, Option<Charges>) {
+    let alg = policy.algorithm();
+    let unit = policy.unit();
+    let tiers = policy.tiers();
+    prune_kinds(policy, states, now);
+    let boxes = policy.has_penalty();
     let cost = |i: usize| costs.get(i).copied().unwrap_or(0);
     if (0..tiers.len()).all(|i| cost(i) == 0) {
         let decision =

@@ -19,7 +19,7 @@ use super::{Carry, Check, Store, Verdict};
 use crate::algorithm::slots;
 use crate::algorithm::{
     Charge, Charges, GcraStep, Mode, TierState, WholeGcra, budget, decide, decide_kinds,
-    fresh_boxes, in_units, release as release_slots, settle_tier, whole_decision,
+    fresh_boxes, in_units, prune_kinds, release as release_slots, settle_tier, whole_decision,
 };
 use crate::clock::{AnyClock, Clock, duration_to_nanos};
 use crate::decision::Decision;
@@ -854,15 +854,18 @@ fn decide_core(
         let tiers = policy.tiers();
         charges.iter().zip(tiers).any(|(c, t)| c.cost > 0 && t.kind() != TierKind::Concurrency)
     };
-    if let Some(charges) = charges.as_mut().filter(|c| core.guarded && units(c)) {
-        // Units charged to a rate or calendar tier move the guard; slots taken alone do not.
-        key.guard = at;
+    if let Some(charges) = charges.as_mut().filter(|_| at != now) {
         // A ticket's charges are stamped on the caller's clock, its delay after `now`, as the
-        // Redis store stamps them (its guard lives in the server's script).
+        // Redis store stamps them (its guard lives in the server's script): slots taken alone
+        // too, whose hold is measured from then.
         let shift = in_units(policy, at) - in_units(policy, now);
         for c in charges.iter_mut() {
             c.at = c.at.saturating_sub(shift);
         }
+    }
+    if charges.as_ref().is_some_and(|c| core.guarded && units(c)) {
+        // Units charged to a rate or calendar tier move the guard; slots taken alone do not.
+        key.guard = at;
     } else if entries {
         // Windows or entries that ended, pruned to nothing: the key is forgotten with its
         // guard, as the Redis store deletes a key whose pruned state is idle.
@@ -1176,6 +1179,10 @@ impl Inner {
         let apply = |states: &mut KeyState| {
             let at = core.guarded(states.guard, now);
             let now_units = in_units(policy, at);
+            // What ended is forgotten first, as the Redis scripts do on reading the key.
+            if core.guarded {
+                prune_kinds(policy, states, now_units);
+            }
             for &(i, units, extra) in &changes {
                 settle_tier(policy, i, &mut states[i], ticket.charges[i], now_units, units, extra);
             }
@@ -1233,11 +1240,13 @@ impl Inner {
             if Arc::ptr_eq(&table.core, core) {
                 match table.map.get_mut(&fp) {
                     Some(states) => {
+                        let entries = core.guarded && states.iter().any(TierState::has_entries);
                         apply(states);
-                        // Settled to idle: forgotten, as on the Redis store (see above), which
-                        // writes (or deletes) a key's state when units were settled, not when
-                        // only slots were released.
-                        if !changes.is_empty() {
+                        // Idle once settled (or once its windows ended, slots released):
+                        // forgotten, as on the Redis store, whose script writes a key back
+                        // when units were settled or when it pruned windows or entries that
+                        // ended, and deletes it when nothing is left (see above).
+                        if !changes.is_empty() || entries {
                             core.forget_if_idle(states, now);
                         }
                     }

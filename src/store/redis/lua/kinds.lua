@@ -577,8 +577,10 @@ while i <= #C do
 end
 
 -- Write every changed state back, with a TTL equal to what it needs.
+-- A settlement that changed nothing stored (a refund to a window that ended) still moves the
+-- guard, as in memory.
 for _, st in ipairs(order) do
-  if st.dirty or st.rs.dirty then
+  if st.dirty or st.rs.dirty or st.charged then
     local pol = st.pol
     local ttl = 0
     for _, tier in ipairs(pol.tiers) do

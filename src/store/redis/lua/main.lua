@@ -122,8 +122,10 @@ while i <= #C do
 end
 
 -- Write every changed state back, with a TTL equal to what it needs.
+-- A settlement that changed nothing stored (a refund to a window that ended) still moves the
+-- guard, as in memory.
 for _, st in ipairs(order) do
-  if st.dirty then
+  if st.dirty or (st.charged and CLOCK_GUARD) then
     local ttl = 0
     for t = 1, st.n do
       local _, reset = F.status(st, st.tiers[t])
