@@ -1072,6 +1072,24 @@ impl Costs {
     }
 }
 
+impl Costs {
+    /// Charges nothing at admission to the tiers whose bytes are charged as the body streams:
+    /// those counting response bytes, and those counting request bytes when the length is not
+    /// known (`length_known` false).
+    pub(crate) fn unstream(&mut self, policy: &Policy, length_known: bool) {
+        for (cost, tier) in self.0.iter_mut().zip(policy.tiers()) {
+            let streamed = match tier.unit() {
+                Unit::ResponseBytes => true,
+                Unit::RequestBytes => !length_known,
+                _ => false,
+            };
+            if streamed && tier.kind() != TierKind::Concurrency {
+                *cost = 0;
+            }
+        }
+    }
+}
+
 impl Deref for Costs {
     type Target = [u64];
 
