@@ -283,14 +283,32 @@ where
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
-            Kind::Inner { body } => body.is_end_stream(),
+            Kind::Inner { body } => match self.meter.as_deref().filter(|m| m.streams()) {
+                // A frame's rest still to send, or stopped by policing.
+                Some(meter) => {
+                    meter.stream.ended || (meter.stream.rest.is_empty() && body.is_end_stream())
+                }
+                None => body.is_end_stream(),
+            },
             Kind::Own { body } => body.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            Kind::Inner { body } => body.size_hint(),
+            Kind::Inner { body } => match self.meter.as_deref().filter(|m| m.streams()) {
+                Some(meter) => {
+                    let rest = meter.stream.rest.len() as u64;
+                    let inner = body.size_hint();
+                    let mut hint = SizeHint::new();
+                    hint.set_lower(inner.lower().saturating_add(rest));
+                    if let Some(upper) = inner.upper() {
+                        hint.set_upper(upper.saturating_add(rest));
+                    }
+                    hint
+                }
+                None => body.size_hint(),
+            },
             Kind::Own { body } => body.size_hint(),
         }
     }

@@ -648,7 +648,9 @@ mod tests {
         let res = svc.oneshot(Request::new(Full::default())).await.unwrap();
         let mut body = res.into_body();
         let (mut read, mut largest) = (0, 0);
-        while let Some(frame) = body.frame().await {
+        // As hyper does: nothing more is polled once the body says it ended.
+        while !body.is_end_stream() {
+            let frame = body.frame().await.unwrap();
             let len = frame.unwrap().into_data().unwrap().len() as u64;
             read += len;
             largest = largest.max(len);
@@ -691,5 +693,92 @@ mod tests {
         assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
         // Two admissions, no lease.
         assert_eq!(store.checks(), 2);
+    }
+
+    fn grpc_layer(policy: Policy, store: &Counted) -> RateLimitLayer<GlobalKey, Counted> {
+        RateLimitLayer::builder(policy)
+            .key(GlobalKey)
+            .store(store.clone())
+            .on_stream(StreamMode::Police)
+            .build()
+            .unwrap()
+    }
+
+    fn grpc_call<B>(body: B) -> Request<B> {
+        Request::post("/pkg.Service/Method")
+            .header("content-type", "application/grpc")
+            .body(body)
+            .unwrap()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_grpc_upload_stopped_before_the_answer_gets_resource_exhausted() {
+        let store = Counted::new();
+        let svc = grpc_layer(upload_policy(), &store).layer(service_fn(
+            |req: Request<RequestBody<Frames>>| async move {
+                req.into_body().collect().await.unwrap();
+                Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+            },
+        ));
+        let body = Frames { left: 2 * MB as usize, frame: 4_096, sized: false };
+        let res = svc.oneshot(grpc_call(body)).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(res.headers()["grpc-status"], "8");
+        assert!(res.headers().contains_key("grpc-retry-pushback-ms"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_grpc_response_past_its_tier_ends_with_resource_exhausted_trailers() {
+        let store = Counted::new();
+        let policy = Policy::builder("download")
+            .tier("bytes", Quota::per_second(MB).counting(Unit::ResponseBytes))
+            .build()
+            .unwrap();
+        let svc = grpc_layer(policy, &store).layer(service_fn(
+            |_req: Request<RequestBody<Full<Bytes>>>| async {
+                let body = Frames { left: 2 * MB as usize, frame: 16_384, sized: false };
+                Ok::<_, Infallible>(Response::new(body))
+            },
+        ));
+        let res = svc.oneshot(grpc_call(Full::default())).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        let mut body = res.into_body();
+        let (mut read, mut trailers) = (0, None);
+        while !body.is_end_stream() {
+            match body.frame().await.unwrap().unwrap().into_data() {
+                Ok(data) => read += data.len() as u64,
+                Err(frame) => trailers = frame.into_trailers().ok(),
+            }
+        }
+        // The burst, in whole leases (time stands still), then the trailers.
+        assert_eq!(read, MB / STREAM_LEASE * STREAM_LEASE);
+        let trailers = trailers.expect("trailers end the response");
+        assert_eq!(trailers["grpc-status"], "8");
+        assert!(trailers.contains_key("grpc-retry-pushback-ms"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_plain_http_response_under_policing_is_shaped() {
+        let store = Counted::new();
+        let policy = Policy::builder("download")
+            .tier("bytes", Quota::per_second(MB).counting(Unit::ResponseBytes))
+            .build()
+            .unwrap();
+        let svc = grpc_layer(policy, &store).layer(service_fn(
+            |_req: Request<RequestBody<Full<Bytes>>>| async {
+                let body = Frames { left: 2 * MB as usize, frame: 16_384, sized: false };
+                Ok::<_, Infallible>(Response::new(body))
+            },
+        ));
+        let start = Instant::now();
+        let res = svc.oneshot(Request::new(Full::default())).await.unwrap();
+        let read = res.into_body().collect().await.unwrap().to_bytes().len() as u64;
+        assert_eq!(read, 2 * MB);
+        // 1 MB of burst (less the admission unit), then 1 MB/s.
+        let elapsed = start.elapsed();
+        assert!(
+            elapsed >= Duration::from_millis(900) && elapsed <= Duration::from_millis(1_100),
+            "{elapsed:?}"
+        );
     }
 }
