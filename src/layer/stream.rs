@@ -307,6 +307,15 @@ impl<St: Store> Leases<St> {
                 Ok(())
             }
             Ok(verdict) => match verdict.decision.retry_after() {
+                // Policing: a smaller lease of what the tier has left, when that pays what is
+                // owed and lets a byte through (asked once per refusal).
+                _ if self.police && self.smaller(size, &verdict.decision).is_some() => {
+                    let smaller = self.smaller(size, &verdict.decision).unwrap_or(size);
+                    match self.ask(smaller) {
+                        Some(answer) => self.answered(smaller, answer),
+                        None => Ok(()),
+                    }
+                }
                 Some(wait) if !self.police => {
                     self.state = State::Sleeping(Box::pin(tokio::time::sleep(wait)));
                     Ok(())
@@ -325,6 +334,14 @@ impl<St: Store> Leases<St> {
                 Err(Stopped::Unavailable(Arc::new(error)))
             }
         }
+    }
+
+    /// What the tiers have left after refusing a lease of `size`, when it is less than
+    /// `size` and more than what the body owes.
+    fn smaller(&self, size: u64, refusal: &Decision) -> Option<u64> {
+        let tiers = refusal.tiers();
+        let left = self.tiers.iter().filter_map(|&i| tiers.get(i)).map(|t| t.remaining()).min()?;
+        (left < size && left > self.owed).then_some(left)
     }
 
     /// A lease of `size` bytes was granted: it pays what is owed first.
@@ -384,13 +401,15 @@ impl<St: Store> Gate for Leases<St> {
 
 impl<St: Store> Drop for Leases<St> {
     /// Gives back the part of the last lease the body did not use (all of it when the body
-    /// was dropped while waiting for its reserved instant).
+    /// was dropped while waiting for its reserved instant), or charges what it let through
+    /// past it.
     fn drop(&mut self) {
         let Some(mut lease) = self.lease.take() else { return };
-        if self.left == 0 {
+        // What passed past the leases (the part of a last frame beyond them) is charged too.
+        let used = (self.leased - self.left).saturating_add(self.owed);
+        if used == self.leased {
             return;
         }
-        let used = self.leased - self.left;
         let settled: SmallVec<[(usize, u64); 2]> = self.tiers.iter().map(|&i| (i, used)).collect();
         crate::limiter::run_or_spawn(async move {
             if let Err(error) = lease.settle_tiers(&settled).await {
@@ -426,6 +445,34 @@ mod tests {
         left: usize,
         frame: usize,
         sized: bool,
+    }
+
+    /// A [`Frames`] that is pending once before each frame (waking itself), as a body read
+    /// from a connection is, so that concurrent streams take turns.
+    struct Turns {
+        frames: Frames,
+        ready: bool,
+    }
+
+    impl Body for Turns {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            if !std::mem::replace(&mut self.ready, false) {
+                self.ready = true;
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            Pin::new(&mut self.frames).poll_frame(cx)
+        }
+
+        fn is_end_stream(&self) -> bool {
+            self.frames.is_end_stream()
+        }
     }
 
     impl Body for Frames {
@@ -541,7 +588,7 @@ mod tests {
         let log: Log = Arc::default();
         let start = Instant::now();
         let handler_log = Arc::clone(&log);
-        let svc = layer.layer(service_fn(move |req: Request<RequestBody<Frames>>| {
+        let svc = layer.layer(service_fn(move |req: Request<RequestBody<Turns>>| {
             let log = Arc::clone(&handler_log);
             async move {
                 let mut body = req.into_body();
@@ -554,7 +601,10 @@ mod tests {
         }));
         let uploads: Vec<_> = (0..10)
             .map(|_| {
-                let body = Frames { left: MB as usize, frame, sized: false };
+                let body = Turns {
+                    frames: Frames { left: MB as usize, frame, sized: false },
+                    ready: false,
+                };
                 tokio::spawn(svc.clone().oneshot(Request::post("/").body(body).unwrap()))
             })
             .collect();
@@ -599,19 +649,22 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn policing_stops_uploads_past_the_burst_and_gives_the_unused_leases_back() {
         let (statuses, log, store) = ten_uploads(StreamMode::Police, 4_096).await;
-        // No stream can have its 16 leases from a 1 MB burst: each is refused mid-way and
-        // the layer answers in its handler's place.
+        // The streams take turns: each is refused mid-way, none having its 1 MB from a 1 MB
+        // burst, and the layer answers in its handler's place.
         assert_eq!(statuses, vec![StatusCode::TOO_MANY_REQUESTS; 10]);
         let read: u64 = log.lock().unwrap().iter().map(|(_, len)| len).sum();
-        // Time stood still (nothing slept): what was read fits in the burst, less the ten
-        // admission units, and frames of 4 KiB fill the leases exactly, so nothing is owed.
-        assert!(read <= MB - 10, "{read}");
-        assert!(read >= MB - 10 - 10 * STREAM_LEASE, "{read}");
+        // Time stood still (nothing slept): the burst, less the ten admission units, plus
+        // less than a frame per stream past its last lease (cut to what the tier had left).
+        assert!(read > MB - 10 - 10 * 4_096 && read < MB - 10 + 10 * 4_096, "{read}");
         assert_bound(&log, 10, 4_096);
-        // The leases' unread parts came back: the tier has exactly what was not read.
+        // Exactly what was read is charged: the unread parts of the leases came back, and
+        // what passed beyond them was charged when the bodies were dropped. At 1 byte/us, the
+        // next byte fits once that debt is paid.
         let limiter = Limiter::with_store(upload_policy(), store.clone()).unwrap();
-        let now = limiter.check(&Key::Global, 0).await.unwrap();
-        assert_eq!(now.tiers()[0].remaining(), MB - 10 - read);
+        let charged = read + 10;
+        let now = limiter.check(&Key::Global, 1).await.unwrap();
+        let expected = charged.checked_sub(MB).map(|over| Duration::from_micros(over + 1));
+        assert_eq!(now.retry_after(), expected, "{read} read");
     }
 
     #[tokio::test(start_paused = true)]
@@ -750,8 +803,9 @@ mod tests {
                 Err(frame) => trailers = frame.into_trailers().ok(),
             }
         }
-        // The burst, in whole leases (time stands still), then the trailers.
-        assert_eq!(read, MB / STREAM_LEASE * STREAM_LEASE);
+        // The burst less the unit charged at admission (time stands still: nothing refills),
+        // the last lease cut to what the tier had left; then the trailers.
+        assert_eq!(read, MB - 1);
         let trailers = trailers.expect("trailers end the response");
         assert_eq!(trailers["grpc-status"], "8");
         assert!(trailers.contains_key("grpc-retry-pushback-ms"));
