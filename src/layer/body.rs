@@ -27,7 +27,12 @@ pin_project! {
     /// a request without a valid `Content-Length` is charged the bytes of the data frames that
     /// pass through this body as the handler reads them (settled when the response ends); a
     /// request with one is charged its `Content-Length` at admission. No other work is done
-    /// per frame, and nothing is allocated for a request that is not counted.
+    /// per frame, and nothing is allocated for a request that is not counted. Under a layer
+    /// metering streams ([`StreamMode::Shape`](crate::StreamMode::Shape),
+    /// [`Police`](crate::StreamMode::Police)), the next frame of such a body waits for the
+    /// tier's next lease: its frames, errors and end are still the body's own, delivered
+    /// later, and a body stopped by policing yields nothing more (the layer answers in the
+    /// handler's place).
     ///
     /// With a body-size limit, put tower-http's `RequestBodyLimitLayer` outside the rate limit
     /// in the same `ServiceBuilder` (`ServiceBuilder::new().layer(limit).layer(rate_limit)`),
