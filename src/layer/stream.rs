@@ -22,7 +22,10 @@ use crate::store::{Check, Store, Verdict};
 /// A body metered with [`StreamMode::Shape`] or [`StreamMode::Police`] asks the store for
 /// this many bytes (fewer when the tier's capacity, or the bytes the body has left, are
 /// fewer) when it has spent its previous lease: one store call per lease, whatever the size
-/// of its frames.
+/// of its frames (two when the store refuses it first: policing, a tier with less than a
+/// lease left, asked again for what it has; shaping, more than a second of leases reserved
+/// ahead, asked again when it is within a second). When the body ends, or is dropped, one
+/// more settles the last lease at what it carried, unless it carried exactly its size.
 pub const STREAM_LEASE: u64 = 64 * 1024;
 
 /// How long a shaped lease may be reserved ahead: a lease that would have to wait longer is
