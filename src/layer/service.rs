@@ -405,6 +405,7 @@ impl Plan {
             && refunds_by_status
             && limiter.refunds_sync();
         let shape_streams = settings.stream == StreamMode::Shape
+            && !settings.dry_run
             && (needs.request_bytes() || needs.response_bytes());
         Self {
             needs,
@@ -587,7 +588,8 @@ where
     // panics, or a client that disconnects, drops the hold: the slots are released and the
     // estimates kept.
     let mut req = req;
-    let mode = settings.stream;
+    // A dry run never stops nor slows a stream: its bodies are settled when they end.
+    let mode = if settings.dry_run { StreamMode::Settle } else { settings.stream };
     let grpc = is_grpc(req.headers());
     let fail_open = settings.on_store_error == OnStoreError::FailOpen;
     // A request body of unknown length, metered as it streams: its leases, and where

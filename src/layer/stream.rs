@@ -438,6 +438,7 @@ mod tests {
     use crate::clock::TokioClock;
     use crate::error::ConfigError;
     use crate::key::GlobalKey;
+    use crate::limiter::Limiter;
     use crate::quota::{Policy, Quota};
     use crate::store::{MemoryStore, MemoryTicket};
     use crate::{RateLimitLayer, RequestBody};
@@ -837,5 +838,61 @@ mod tests {
             elapsed >= Duration::from_millis(900) && elapsed <= Duration::from_millis(1_100),
             "{elapsed:?}"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dry_run_neither_stops_nor_slows_a_stream() {
+        let store = Counted::new();
+        let layer = RateLimitLayer::builder(upload_policy())
+            .key(GlobalKey)
+            .store(store.clone())
+            .on_stream(StreamMode::Police)
+            .dry_run(true)
+            .build()
+            .unwrap();
+        let svc = layer.layer(service_fn(|req: Request<RequestBody<Frames>>| async move {
+            let read = req.into_body().collect().await.unwrap().to_bytes().len();
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(read.to_string()))))
+        }));
+        let start = Instant::now();
+        let body = Frames { left: 2 * MB as usize, frame: 4_096, sized: false };
+        let res = svc.oneshot(Request::post("/").body(body).unwrap()).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "2000000");
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        // The admission, and no lease: the bytes are settled when the body ends.
+        assert_eq!(store.checks(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_dropped_while_its_lease_is_reserved_ahead_gives_it_back() {
+        let store = Counted::new();
+        let policy = Policy::builder("upload")
+            .tier(
+                "bytes",
+                Quota::per_second(MB).with_burst(STREAM_LEASE).counting(Unit::RequestBytes),
+            )
+            .build()
+            .unwrap();
+        let limiter = Limiter::with_store(policy, store.clone()).unwrap();
+        let mut leases = Leases::new(
+            &limiter,
+            Key::Global,
+            Priority::Standard,
+            Unit::RequestBytes,
+            StreamMode::Shape,
+            false,
+        );
+        let mut cx = Context::from_waker(Waker::noop());
+        // The burst: one lease at once, spent whole.
+        assert!(matches!(leases.poll_room(&mut cx, None), Poll::Ready(Ok(STREAM_LEASE))));
+        leases.spend(STREAM_LEASE);
+        // The next lease is reserved 65,536 us ahead: the body waits for it.
+        assert!(leases.poll_room(&mut cx, None).is_pending());
+        assert_eq!(store.checks(), 2);
+        drop(leases);
+        // Given back: the next byte fits after 1 us, as after the first lease alone.
+        let next = limiter.check(&Key::Global, 1).await.unwrap();
+        assert_eq!(next.retry_after(), Some(Duration::from_micros(1)));
     }
 }
