@@ -52,7 +52,8 @@ const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 /// less than one frame (hyper's HTTP/2 frames are at most 16 KiB; on HTTP/1 a frame is at most
 /// one chunk of a chunked upload and what one read of the connection returned). A request
 /// with a valid `Content-Length` is charged it at admission, as in
-/// [`Settle`](Self::Settle).
+/// [`Settle`](Self::Settle). A [dry run](crate::RateLimitLayerBuilder::dry_run) meters every
+/// body as `Settle` does: it never slows nor stops a stream.
 ///
 /// ```
 /// use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};
