@@ -243,6 +243,50 @@ async fn an_upload_with_a_content_length_is_charged_at_admission() {
     assert_eq!(read, 600_000);
 }
 
+/// A chunked upload of 200,000 bytes against a slow tier (burst 1 MB, 10 MB an hour) is
+/// charged exactly its bytes: its leases took 4 x 64 KiB, and the part of the last one it did
+/// not use came back when the body ended.
+async fn an_upload_is_charged_exactly_its_bytes<St: Store>(store: St) {
+    let policy = Policy::builder("slow-upload")
+        .tier("bytes", Quota::per_hour(10 * MB).with_burst(MB).counting(Unit::RequestBytes))
+        .build()
+        .unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .key(tollgate::key::GlobalKey)
+        .store(store)
+        .on_stream(StreamMode::Police)
+        .build()
+        .unwrap();
+    let limiter = layer.limiter().clone();
+    let app = Router::new()
+        .route("/upload", post(|body: Bytes| async move { body.len().to_string() }))
+        .layer(layer);
+    let server = serve(app).await;
+    let client: Client<_, Frames> = Client::builder(TokioExecutor::new()).build_http();
+    let start = Instant::now();
+    let req = http::Request::post(server.url("/upload"))
+        .body(Frames::new(200_000, 16 * 1024, false))
+        .unwrap();
+    let res = client.request(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "200000");
+    // The settlement of the last lease may still be on its way to a remote store.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let left = limiter.check(&tollgate::key::Key::Global, 0).await.unwrap().tiers()[0].remaining();
+    // 2,778 bytes a second refill meanwhile.
+    let refilled = (2_778.0 * start.elapsed().as_secs_f64()).ceil() as u64;
+    assert!(
+        (MB - 200_000..=MB - 200_000 + refilled).contains(&left),
+        "{left} bytes left (4 leases kept whole would leave {})",
+        MB - 4 * STREAM_LEASE
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_is_charged_exactly_its_bytes_in_memory() {
+    an_upload_is_charged_exactly_its_bytes(tollgate::store::MemoryStore::new()).await;
+}
+
 /// A 100 MB download shaped to 10 MB/s (burst one lease) arrives in 10 s ± 5 %.
 async fn shaped_download<St: Store>(store: St) {
     let policy = Policy::builder("download")
@@ -301,6 +345,12 @@ mod redis {
     async fn policing_stops_ten_chunked_uploads_of_one_key_on_redis() {
         let Some(server) = support::redis::Server::start("redis-server") else { return };
         policing_stops_ten_chunked_uploads(store(&server.url(), "police:")).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_upload_is_charged_exactly_its_bytes_on_redis() {
+        let Some(server) = support::redis::Server::start("redis-server") else { return };
+        an_upload_is_charged_exactly_its_bytes(store(&server.url(), "exact:")).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
