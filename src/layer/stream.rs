@@ -53,7 +53,13 @@ const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 /// one chunk of a chunked upload and what one read of the connection returned). A request
 /// with a valid `Content-Length` is charged it at admission, as in
 /// [`Settle`](Self::Settle). A [dry run](crate::RateLimitLayerBuilder::dry_run) meters every
-/// body as `Settle` does: it never slows nor stops a stream.
+/// body as `Settle` does: it never slows nor stops a stream. A response whose status gives
+/// the charge back (a `405`, [`refund_if`](crate::RateLimitLayerBuilder::refund_if)) gives
+/// back what was charged at admission; the leases of bytes that did stream stay charged.
+/// The store errors of a lease follow
+/// [`on_store_error`](crate::RateLimitLayerBuilder::on_store_error): failing open lets the
+/// lease through uncharged, failing closed stops the stream as policing does (a plain HTTP
+/// response under way is let through).
 ///
 /// ```
 /// use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};
