@@ -97,7 +97,8 @@ pub use error::{ConfigError, StoreError};
 pub use headers::{HeaderFormat, HeaderStyle};
 pub use layer::{
     DecisionEvent, LogKeys, MissingKey, Observed, OnStoreError, RateLimit, RateLimitLayer,
-    RateLimitLayerBuilder, RequestBody, ResponseBody, ResponseFuture, Unselected, Usage,
+    RateLimitLayerBuilder, RequestBody, ResponseBody, ResponseFuture, STREAM_LEASE, StreamMode,
+    Unselected, Usage,
 };
 pub use limiter::{Held, Limiter, Reservation};
 pub use quota::{

@@ -827,7 +827,7 @@ async fn keep<St: Store>(
 
 /// Runs `work` to completion now if it needs no waiting (a [`MemoryStore`]'s work), else on a
 /// spawned task; dropped without a runtime.
-fn run_or_spawn(work: impl Future<Output = ()> + Send + 'static) {
+pub(crate) fn run_or_spawn(work: impl Future<Output = ()> + Send + 'static) {
     let mut work = Box::pin(work);
     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
     if work.as_mut().poll(&mut cx).is_ready() {

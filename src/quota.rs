@@ -217,9 +217,13 @@ pub enum Unit {
     #[default]
     Requests,
     /// Bytes of the request body: its `Content-Length` when the request has one; otherwise one
-    /// unit at admission, settled at the bytes counted while the body streams.
+    /// unit at admission, settled at the bytes counted while the body streams (or, with a
+    /// layer's [`StreamMode::Shape`](crate::StreamMode::Shape) or
+    /// [`Police`](crate::StreamMode::Police), charged in leases as the body streams, the
+    /// stream paused or stopped when the tier runs out).
     RequestBytes,
-    /// Bytes of the response body: one unit at admission, settled at the bytes sent.
+    /// Bytes of the response body: one unit at admission, settled at the bytes sent (or
+    /// charged in leases as they are sent, as for [`RequestBytes`](Self::RequestBytes)).
     ResponseBytes,
     /// A cost the handler reports (for example the tokens an LLM call used): one unit at
     /// admission, settled at what the handler reports.
@@ -1069,6 +1073,24 @@ impl Costs {
     #[must_use]
     pub fn from_slice(costs: &[u64]) -> Self {
         Self(SmallVec::from_slice(costs))
+    }
+}
+
+impl Costs {
+    /// Charges nothing at admission to the tiers whose bytes are charged as the body streams:
+    /// those counting response bytes, and those counting request bytes when the length is not
+    /// known (`length_known` false).
+    pub(crate) fn unstream(&mut self, policy: &Policy, length_known: bool) {
+        for (cost, tier) in self.0.iter_mut().zip(policy.tiers()) {
+            let streamed = match tier.unit() {
+                Unit::ResponseBytes => true,
+                Unit::RequestBytes => !length_known,
+                _ => false,
+            };
+            if streamed && tier.kind() != TierKind::Concurrency {
+                *cost = 0;
+            }
+        }
     }
 }
 

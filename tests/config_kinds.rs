@@ -819,3 +819,44 @@ proptest! {
         }
     }
 }
+
+/// `on_stream` read from the file meters response bytes as they stream: policed, a gRPC
+/// response past its tier ends with `RESOURCE_EXHAUSTED` trailers instead of its data; the
+/// default settles when the body ends. A bad mode is refused at its place.
+#[tokio::test]
+async fn on_stream_from_the_file_polices_a_grpc_response() {
+    let text = |extra: &str| {
+        format!(
+            "[policies.dl]\ntiers = [{{ name = \"bytes\", count = 1, period = \"1h\", unit = \"response_bytes\" }}]\n[[rules]]\nname = \"r\"\nkey = \"header:x-api-key\"\npolicy = \"dl\"\n{extra}\n"
+        )
+    };
+    for (extra, policed) in
+        [("", false), ("on_stream = \"settle\"", false), ("on_stream = \"police\"", true)]
+    {
+        let layer = layer(&text(extra));
+        let svc = layer.layer(service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
+        }));
+        let req = Request::post("/pkg.Files/Get")
+            .header("x-api-key", "k")
+            .header("content-type", "application/grpc")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let res = svc.oneshot(req).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        let body = res.into_body().collect().await.unwrap();
+        let trailers = body.trailers().cloned();
+        let data = body.to_bytes();
+        if policed {
+            // The unit charged at admission took the tier's only byte.
+            assert_eq!(data, "", "{extra}");
+            assert_eq!(trailers.expect("trailers")["grpc-status"], "8", "{extra}");
+        } else {
+            assert_eq!(data, "ok", "{extra}");
+            assert!(trailers.is_none(), "{extra}");
+        }
+    }
+    let e = error(&text("on_stream = \"throttle\""));
+    assert_eq!(place(&e), (Some(7), Some(13), Some("rules[0].on_stream")));
+    assert!(e.message().starts_with("unknown variant `throttle`"), "{e}");
+}

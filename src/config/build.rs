@@ -12,13 +12,13 @@ use super::error::{ConfigFileError, Source, Span, toml_key};
 use super::key::{ConfKey, KeySpec};
 use super::schema::{
     ForwardedName, HeaderFormatName, HeaderStyleName, KeyPart, LogKeysName, OnStoreErrorName,
-    Otherwise, PathPattern, RawFile, RawPolicy, RawRule, RawTier, StatusMatch, TierKindName,
-    calendar_period, rate_period,
+    Otherwise, PathPattern, RawFile, RawPolicy, RawRule, RawTier, StatusMatch, StreamModeName,
+    TierKindName, calendar_period, rate_period,
 };
 use crate::error::ConfigError;
 use crate::headers::{HeaderFormat, HeaderStyle};
 use crate::key::ForwardedHeader;
-use crate::layer::{LogKeys, MissingKey, OnStoreError, RateLimitLayer, Unselected};
+use crate::layer::{LogKeys, MissingKey, OnStoreError, RateLimitLayer, StreamMode, Unselected};
 use crate::limiter::Limiter;
 use crate::quota::{
     Algorithm, Calendar, Concurrency, Penalty, Policy, PolicyBuilder, Quota, Reserve, Unit,
@@ -83,6 +83,7 @@ pub(super) struct RuleDef {
     tarpit: Option<Duration>,
     headers: Option<HeaderStyle>,
     on_store_error: Option<OnStoreError>,
+    on_stream: Option<StreamMode>,
     log_keys: Option<LogKeys>,
     header_format: Option<HeaderFormat>,
     explain_missing_key: Option<bool>,
@@ -605,6 +606,11 @@ fn rule(
             OnStoreErrorName::FailOpen => OnStoreError::FailOpen,
             OnStoreErrorName::FailClosed => OnStoreError::FailClosed,
         }),
+        on_stream: raw.on_stream.map(|m| match m {
+            StreamModeName::Settle => StreamMode::Settle,
+            StreamModeName::Shape => StreamMode::Shape,
+            StreamModeName::Police => StreamMode::Police,
+        }),
         log_keys: raw.log_keys.map(|k| match k {
             LogKeysName::Redacted => LogKeys::Redacted,
             LogKeysName::Raw => LogKeys::Raw,
@@ -760,6 +766,9 @@ impl RuleDef {
         }
         if let Some(on_error) = self.on_store_error {
             b = b.on_store_error(on_error);
+        }
+        if let Some(mode) = self.on_stream {
+            b = b.on_stream(mode);
         }
         if let Some(keys) = self.log_keys {
             b = b.log_keys(keys);

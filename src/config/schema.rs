@@ -189,6 +189,8 @@ pub(super) struct RawRule {
     #[serde(default)]
     pub(super) on_store_error: Option<OnStoreErrorName>,
     #[serde(default)]
+    pub(super) on_stream: Option<StreamModeName>,
+    #[serde(default)]
     pub(super) log_keys: Option<LogKeysName>,
     #[serde(default)]
     pub(super) header_format: Option<HeaderFormatName>,
@@ -579,6 +581,16 @@ impl TryFrom<String> for StatusMatch {
 pub(super) enum OnStoreErrorName {
     FailOpen,
     FailClosed,
+}
+
+/// [`StreamMode`](crate::StreamMode) by name: `on_stream = "settle"`, `"shape"` or
+/// `"police"`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum StreamModeName {
+    Settle,
+    Shape,
+    Police,
 }
 
 /// [`Carry`](crate::store::Carry) by name: `changed_tiers = "start_full"` or

@@ -14,6 +14,7 @@ use pin_project_lite::pin_project;
 use smallvec::SmallVec;
 
 use super::meter::Meter;
+use super::stream::{Gate, Signal, Stopped};
 
 pin_project! {
     /// The request body that the service inside [`RateLimit`](crate::RateLimit) (and
@@ -26,7 +27,12 @@ pin_project! {
     /// a request without a valid `Content-Length` is charged the bytes of the data frames that
     /// pass through this body as the handler reads them (settled when the response ends); a
     /// request with one is charged its `Content-Length` at admission. No other work is done
-    /// per frame, and nothing is allocated for a request that is not counted.
+    /// per frame, and nothing is allocated for a request that is not counted. Under a layer
+    /// metering streams ([`StreamMode::Shape`](crate::StreamMode::Shape),
+    /// [`Police`](crate::StreamMode::Police)), the next frame of such a body waits for the
+    /// tier's next lease: its frames, errors and end are still the body's own, delivered
+    /// later, and a body stopped by policing yields nothing more (the layer answers in the
+    /// handler's place).
     ///
     /// With a body-size limit, put tower-http's `RequestBodyLimitLayer` outside the rate limit
     /// in the same `ServiceBuilder` (`ServiceBuilder::new().layer(limit).layer(rate_limit)`),
@@ -61,13 +67,23 @@ pin_project! {
         inner: B,
         // Where the bytes of data frames are added: one counter per layer counting them.
         counters: SmallVec<[Arc<AtomicU64>; 1]>,
+        // The leases of the layers metering the body as it streams; `None` (one pointer, no
+        // allocation) for every other request.
+        gates: Option<Box<SmallVec<[Gated; 1]>>>,
     }
+}
+
+/// One layer's leases on a request body, and where a stop by policing is told.
+pub(crate) struct Gated {
+    gate: Box<dyn Gate>,
+    signal: Arc<Signal>,
+    stopped: bool,
 }
 
 impl<B> RequestBody<B> {
     /// `body`, counted by no one (until a layer counts it).
     pub fn new(body: B) -> Self {
-        Self { inner: body, counters: SmallVec::new() }
+        Self { inner: body, counters: SmallVec::new(), gates: None }
     }
 
     /// The request's own body.
@@ -90,12 +106,21 @@ impl<B> RequestBody<B> {
         self.counters.push(counter);
     }
 
+    /// Meters the data frames from now on with `gate`, telling `signal` when policing stops
+    /// the body.
+    pub(crate) fn gate(&mut self, gate: Box<dyn Gate>, signal: Arc<Signal>) {
+        self.gates.get_or_insert_with(Box::default).push(Gated { gate, signal, stopped: false });
+    }
+
     /// One body counted by both layers of a body wrapped twice (nested layers), so that
     /// nesting does not nest types.
     #[cfg(feature = "config")]
     pub(crate) fn flatten(nested: RequestBody<RequestBody<B>>) -> Self {
-        let RequestBody { inner: mut body, counters } = nested;
+        let RequestBody { inner: mut body, counters, gates } = nested;
         body.counters.extend(counters);
+        if let Some(gates) = gates {
+            body.gates.get_or_insert_with(Box::default).extend(*gates);
+        }
         body
     }
 }
@@ -108,7 +133,10 @@ impl<B: Default> Default for RequestBody<B> {
 
 impl<B> fmt::Debug for RequestBody<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RequestBody").field("counted", &!self.counters.is_empty()).finish()
+        f.debug_struct("RequestBody")
+            .field("counted", &!self.counters.is_empty())
+            .field("streamed", &self.gates.is_some())
+            .finish()
     }
 }
 
@@ -121,7 +149,34 @@ impl<B: Body> Body for RequestBody<B> {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
         let this = self.project();
+        if let Some(gates) = this.gates.as_deref_mut() {
+            if !this.inner.is_end_stream() {
+                let remaining = this.inner.size_hint().exact();
+                for gated in gates.iter_mut() {
+                    // Stopped by policing: nothing more is read (the layer answers, or ends a
+                    // gRPC response, in the handler's place).
+                    if gated.stopped {
+                        return Poll::Pending;
+                    }
+                    match gated.gate.poll_room(cx, remaining) {
+                        Poll::Ready(Ok(_)) => {}
+                        Poll::Pending => return Poll::Pending,
+                        Poll::Ready(Err(why)) => {
+                            gated.stopped = true;
+                            gated.signal.stop(why);
+                            return Poll::Pending;
+                        }
+                    }
+                }
+            }
+        }
         let frame = this.inner.poll_frame(cx);
+        if let (Some(gates), Poll::Ready(Some(Ok(frame)))) = (this.gates.as_deref_mut(), &frame) {
+            if let Some(data) = frame.data_ref() {
+                let len = bytes::Buf::remaining(data) as u64;
+                gates.iter_mut().for_each(|gated| gated.gate.spend(len));
+            }
+        }
         if !this.counters.is_empty() {
             if let Poll::Ready(Some(Ok(frame))) = &frame {
                 if let Some(data) = frame.data_ref() {
@@ -205,6 +260,9 @@ where
         let this = self.project();
         match this.kind.project() {
             KindProj::Inner { mut body } => {
+                if let Some(meter) = this.meter.as_deref_mut().filter(|m| m.streams()) {
+                    return poll_streamed(meter, body, cx);
+                }
                 let frame = body.as_mut().poll_frame(cx);
                 if let Some(meter) = this.meter {
                     match &frame {
@@ -230,15 +288,109 @@ where
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
-            Kind::Inner { body } => body.is_end_stream(),
+            Kind::Inner { body } => match self.meter.as_deref().filter(|m| m.streams()) {
+                // A frame's rest still to send, or stopped by policing.
+                Some(meter) => {
+                    meter.stream.ended || (meter.stream.rest.is_empty() && body.is_end_stream())
+                }
+                None => body.is_end_stream(),
+            },
             Kind::Own { body } => body.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            Kind::Inner { body } => body.size_hint(),
+            Kind::Inner { body } => match self.meter.as_deref().filter(|m| m.streams()) {
+                Some(meter) => {
+                    let rest = meter.stream.rest.len() as u64;
+                    let inner = body.size_hint();
+                    let mut hint = SizeHint::new();
+                    hint.set_lower(inner.lower().saturating_add(rest));
+                    if let Some(upper) = inner.upper() {
+                        hint.set_upper(upper.saturating_add(rest));
+                    }
+                    hint
+                }
+                None => body.size_hint(),
+            },
             Kind::Own { body } => body.size_hint(),
         }
+    }
+}
+
+/// A response body metered as it streams: each data frame waits for its lease (cut to what
+/// the lease covers, the rest kept for the next call), and a gRPC response ends with
+/// `RESOURCE_EXHAUSTED` trailers when policing stops its request or its response.
+fn poll_streamed<B>(
+    meter: &mut Meter,
+    mut body: Pin<&mut B>,
+    cx: &mut Context<'_>,
+) -> Poll<Option<Result<Frame<Bytes>, B::Error>>>
+where
+    B: Body<Data = Bytes>,
+{
+    if meter.stream.ended {
+        return Poll::Ready(None);
+    }
+    if let Some(signal) = meter.stream.signal.clone() {
+        if let Poll::Ready(why) = signal.poll_stopped(cx) {
+            return end_stopped(meter, &why);
+        }
+    }
+    if meter.stream.rest.is_empty() {
+        match body.as_mut().poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                Ok(data) if data.is_empty() => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                Ok(data) => meter.stream.rest = data,
+                Err(frame) => {
+                    if body.is_end_stream() {
+                        meter.done();
+                    }
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+            },
+            Poll::Ready(end) => {
+                meter.done();
+                return Poll::Ready(end);
+            }
+            Poll::Pending => return Poll::Pending,
+        }
+    }
+    let Some(gate) = meter.stream.gate.as_mut() else {
+        return Poll::Ready(Some(Ok(Frame::data(std::mem::take(&mut meter.stream.rest)))));
+    };
+    let rest = meter.stream.rest.len() as u64;
+    let remaining = body.size_hint().exact().map(|left| left.saturating_add(rest));
+    match gate.poll_room(cx, remaining) {
+        Poll::Pending => Poll::Pending,
+        Poll::Ready(Err(why)) => end_stopped(meter, &why),
+        Poll::Ready(Ok(room)) => {
+            let data = if rest <= room {
+                std::mem::take(&mut meter.stream.rest)
+            } else {
+                // `room` < `rest`, a `usize`.
+                meter.stream.rest.split_to(room as usize)
+            };
+            gate.spend(data.len() as u64);
+            meter.sent(data.len());
+            if meter.stream.rest.is_empty() && body.is_end_stream() {
+                meter.done();
+            }
+            Poll::Ready(Some(Ok(Frame::data(data))))
+        }
+    }
+}
+
+/// Ends a gRPC response stopped by policing: its trailers say `RESOURCE_EXHAUSTED` (or
+/// `UNAVAILABLE`, when failing closed), and the request is settled.
+fn end_stopped<E>(meter: &mut Meter, why: &Stopped) -> Poll<Option<Result<Frame<Bytes>, E>>> {
+    meter.stream.ended = true;
+    meter.stream.rest = Bytes::new();
+    let trailers = meter.stream.trailers.as_ref().map(|f| f(why));
+    meter.done();
+    match trailers {
+        Some(trailers) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
+        None => Poll::Ready(None),
     }
 }

@@ -6,9 +6,11 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use http::Request;
+use bytes::Bytes;
+use http::{HeaderMap, Request};
 
 use super::body::RequestBody;
+use super::stream::{Gate, Signal, Stopped};
 use crate::key::RequestHead;
 use crate::quota::{Policy, TierKind, Unit};
 
@@ -86,6 +88,16 @@ impl Needs {
     pub(super) fn any(self) -> bool {
         self.slots || self.request_bytes || self.response_bytes || self.reported
     }
+
+    /// Whether some tier counts request bytes.
+    pub(super) fn request_bytes(self) -> bool {
+        self.request_bytes
+    }
+
+    /// Whether some tier counts response bytes.
+    pub(super) fn response_bytes(self) -> bool {
+        self.response_bytes
+    }
 }
 
 /// The request's `Content-Length`, when it has exactly one valid one.
@@ -105,6 +117,9 @@ pub(super) struct Counters {
     /// Counting response bytes.
     response_bytes: bool,
     usage: Option<Usage>,
+    /// The request body is metered as it streams ([`StreamMode`](super::StreamMode)): its
+    /// tiers are charged by leases, and the unit charged at admission is given back.
+    request_streamed: bool,
 }
 
 impl Counters {
@@ -114,6 +129,7 @@ impl Counters {
         needs: Needs,
         req: &mut Request<RequestBody<B>>,
         length_known: bool,
+        streamed: Option<(Box<dyn Gate>, Arc<Signal>)>,
     ) -> Self {
         let mut counters = Self { response_bytes: needs.response_bytes, ..Self::default() };
         if needs.reported {
@@ -121,7 +137,10 @@ impl Counters {
             req.extensions_mut().insert(usage.clone());
             counters.usage = Some(usage);
         }
-        if needs.request_bytes && !length_known {
+        if let Some((gate, signal)) = streamed {
+            req.body_mut().gate(gate, signal);
+            counters.request_streamed = true;
+        } else if needs.request_bytes && !length_known {
             let counter = Arc::new(AtomicU64::new(0));
             req.body_mut().count_into(Arc::clone(&counter));
             counters.request_bytes = Some(counter);
@@ -134,11 +153,30 @@ impl Counters {
 /// [`Held::finish`](crate::limiter::Held::finish)).
 pub(super) type Finish = Box<dyn FnOnce(&[(Unit, u64)]) + Send>;
 
+/// Renders the trailers that end a gRPC response stopped by policing.
+pub(super) type StopTrailers = Box<dyn Fn(&Stopped) -> HeaderMap + Send>;
+
+/// What a response body metered as it streams needs.
+#[derive(Default)]
+pub(crate) struct Streamed {
+    /// The response bytes' leases.
+    pub(crate) gate: Option<Box<dyn Gate>>,
+    /// Where the request body tells that policing stopped it (a gRPC call only).
+    pub(crate) signal: Option<Arc<Signal>>,
+    /// The trailers of a gRPC response stopped by policing.
+    pub(crate) trailers: Option<StopTrailers>,
+    /// The part of a data frame past its lease, handed on when the next lease comes.
+    pub(crate) rest: Bytes,
+    /// Stopped: nothing more is sent.
+    pub(crate) ended: bool,
+}
+
 /// The measuring part of a response body: counts response bytes, and when the body ends or is
 /// dropped (a client disconnect), settles the request's counted units and releases its slots.
 pub(crate) struct Meter {
     finish: Option<Finish>,
     counters: Counters,
+    pub(crate) stream: Streamed,
     /// Response bytes so far.
     sent: u64,
     /// Settlements decided from the response head (a refund, a settled cost), applied with
@@ -154,7 +192,19 @@ impl fmt::Debug for Meter {
 
 impl Meter {
     pub(super) fn new(finish: Finish, counters: Counters, from_head: Vec<(Unit, u64)>) -> Self {
-        Self { finish: Some(finish), counters, sent: 0, from_head }
+        Self { finish: Some(finish), counters, sent: 0, from_head, stream: Streamed::default() }
+    }
+
+    /// Meters the response as it streams.
+    pub(super) fn streamed(mut self, stream: Streamed) -> Self {
+        self.stream = stream;
+        self
+    }
+
+    /// Whether the response is metered as it streams.
+    #[inline]
+    pub(super) fn streams(&self) -> bool {
+        self.stream.gate.is_some() || self.stream.signal.is_some()
     }
 
     /// A data frame of `len` bytes went out.
@@ -170,10 +220,16 @@ impl Meter {
         // A refund from the head settles every unit at 0: counts do not apply.
         let refunded = |unit: Unit| settled.iter().any(|(u, _)| *u == unit);
         let mut counted = Vec::with_capacity(3);
+        // A streamed body's bytes were charged by its leases: the unit charged at admission
+        // is given back.
         if let Some(bytes) = &self.counters.request_bytes {
             counted.push((Unit::RequestBytes, bytes.load(Ordering::Relaxed)));
+        } else if self.counters.request_streamed {
+            counted.push((Unit::RequestBytes, 0));
         }
-        if self.counters.response_bytes {
+        if self.stream.gate.is_some() {
+            counted.push((Unit::ResponseBytes, 0));
+        } else if self.counters.response_bytes {
             counted.push((Unit::ResponseBytes, self.sent));
         }
         if let Some(usage) = &self.counters.usage {

@@ -6,6 +6,7 @@ mod meter;
 mod observe;
 mod scope;
 mod service;
+mod stream;
 
 use std::fmt;
 use std::sync::Arc;
@@ -22,6 +23,7 @@ pub use meter::Usage;
 pub use observe::{DecisionEvent, LogKeys, Observed};
 pub use scope::Unselected;
 pub use service::RateLimit;
+pub use stream::{STREAM_LEASE, StreamMode};
 
 use observe::{Failing, HookFn, MissingKeys, Observer};
 use scope::{Added, Condition, Scope, ScopeBuilder};
@@ -122,6 +124,7 @@ struct Settings {
     hook: Option<HookFn>,
     log_keys: LogKeys,
     explain_missing: bool,
+    stream: StreamMode,
 }
 
 impl Default for Settings {
@@ -143,6 +146,7 @@ impl Default for Settings {
             hook: None,
             log_keys: LogKeys::default(),
             explain_missing: cfg!(debug_assertions),
+            stream: StreamMode::Settle,
         }
     }
 }
@@ -370,6 +374,30 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// dropped while waiting gives its slot back.
     pub fn shape(mut self, max_delay: Duration) -> Self {
         self.settings.max_delay = Some(max_delay);
+        self
+    }
+
+    /// How tiers counting request or response bytes meter a body whose length was not charged
+    /// at admission (a request body without a `Content-Length`, every response body):
+    /// [`StreamMode::Settle`] (the default) charges one unit at admission and settles when the
+    /// body ends; [`StreamMode::Shape`] and [`StreamMode::Police`] charge the bytes as they
+    /// pass, in leases of at most 64 KiB, and pause or stop a stream that runs out (see
+    /// [`StreamMode`] for what the client sees, and the bound).
+    ///
+    /// ```
+    /// use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};
+    ///
+    /// # fn main() -> Result<(), tollgate::ConfigError> {
+    /// // Downloads of one key at 10 MB/s together, paced like nginx `limit_rate`.
+    /// let policy = Policy::builder("download")
+    ///     .tier("bytes", Quota::per_second(10_000_000).counting(Unit::ResponseBytes))
+    ///     .build()?;
+    /// let layer = RateLimitLayer::builder(policy).on_stream(StreamMode::Shape).build()?;
+    /// # let _ = layer;
+    /// # Ok(()) }
+    /// ```
+    pub fn on_stream(mut self, mode: StreamMode) -> Self {
+        self.settings.stream = mode;
         self
     }
 

@@ -2,6 +2,7 @@
 //! [`Limiter`](crate::Limiter) and its [`Reservation`](crate::Reservation).
 
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -11,8 +12,9 @@ use tower_service::Service;
 
 use super::body::{RequestBody, ResponseBody};
 use super::future::{Refund, RefundByStatus, ResponseFuture, Untracked};
-use super::meter::{Counters, Finish, Meter, Needs, content_length};
+use super::meter::{Counters, Finish, Meter, Needs, StopTrailers, Streamed, content_length};
 use super::scope::Route;
+use super::stream::{Gate, Leases, Signal, Stopped, StreamMode};
 use super::{Config, Cost, MissingKey, Observed, OnStoreError};
 use crate::decision::Decision;
 use crate::error::StoreError;
@@ -130,7 +132,8 @@ where
         if let (Some(key), true) = (&key, plan.at_once) {
             let cost = config.cost(&head);
             // Per-tier costs, for a policy with tiers of other kinds or units only.
-            let costs = (!plan.plain).then(|| limiter.policy().costs(cost, content_length(&head)));
+            let costs =
+                (!plan.plain).then(|| plan.costs(limiter.policy(), cost, content_length(&head)));
             let mut check = Check::new(key, cost).with_priority(config.priority(&head));
             if let Some(costs) = &costs {
                 check = check.with_costs(costs);
@@ -316,6 +319,43 @@ impl<K, St: Store> Config<K, St> {
         }
     }
 
+    /// The answer to a request whose upload policing stopped before the handler answered: a
+    /// refusal as at admission, or a 503 when the store could not decide (failing closed).
+    fn stopped<B>(
+        &self,
+        limiter: &Limiter<St>,
+        key: &Key,
+        why: Stopped,
+        grpc: bool,
+    ) -> Response<ResponseBody<B>> {
+        match why {
+            Stopped::Limited(decision) => self.reject(limiter, key, decision, None, grpc),
+            Stopped::Unavailable(error) => {
+                let error = StoreError::backend(error.to_string());
+                self.refuse(&Rejection::Unavailable(error), grpc)
+            }
+        }
+    }
+
+    /// The trailers ending a gRPC response of the policy at `index` stopped by policing: the
+    /// status of its refusal (`RESOURCE_EXHAUSTED`, or `UNAVAILABLE` failing closed), its
+    /// message and `grpc-retry-pushback-ms`.
+    fn stop_trailers(&self, index: usize, why: &Stopped) -> http::HeaderMap {
+        let style = self.settings.headers;
+        let res = match why {
+            Stopped::Limited(decision) => {
+                grpc_resource_exhausted(self.limiter_at(index).surface(), decision, style)
+            }
+            Stopped::Unavailable(error) => {
+                let error = StoreError::backend(error.to_string());
+                Rejection::Unavailable(error).grpc_response(style)
+            }
+        };
+        let mut trailers = res.into_parts().0.headers;
+        trailers.remove(header::CONTENT_TYPE);
+        trailers
+    }
+
     /// A refusal other than a 429, in gRPC form for a gRPC call.
     fn refuse<B>(&self, rejection: &Rejection, grpc: bool) -> Response<ResponseBody<B>> {
         let style = self.settings.headers;
@@ -346,6 +386,9 @@ pub(super) struct Plan {
     ticket_to_wait: bool,
     /// Whether a `refund_if` predicate is set (statuses other than 405 may give back).
     refund_if: bool,
+    /// Shaping streamed bodies: their byte tiers are not checked at admission (the body's
+    /// first lease waits for room instead of the request being refused).
+    shape_streams: bool,
 }
 
 impl Plan {
@@ -361,16 +404,32 @@ impl Plan {
             && settings.settle_cost.is_none()
             && refunds_by_status
             && limiter.refunds_sync();
+        let shape_streams = settings.stream == StreamMode::Shape
+            && !settings.dry_run
+            && (needs.request_bytes() || needs.response_bytes());
         Self {
             needs,
             plain: policy.is_plain(),
-            at_once: settings.max_delay.is_none() && !settings.dry_run,
+            // A request whose body is shaped as it streams may be admitted without a ticket
+            // (its byte tiers cost nothing at admission): it always takes the general path.
+            at_once: settings.max_delay.is_none() && !settings.dry_run && !shape_streams,
             ticket: (needs_ticket && !untracked) || metered,
             untracked,
             answers_with_ticket: !metered && settings.settle_cost.is_none(),
             ticket_to_wait: needs_ticket || metered,
             refund_if: settings.refund_if.is_some(),
+            shape_streams,
         }
+    }
+
+    /// The per-tier costs of a request costing `cost` whose body is `length` long, if known.
+    #[inline]
+    fn costs(&self, policy: &crate::Policy, cost: u64, length: Option<u64>) -> crate::Costs {
+        let mut costs = policy.costs(cost, length);
+        if self.shape_streams {
+            costs.unstream(policy, length.is_some());
+        }
+        costs
     }
 }
 
@@ -427,7 +486,7 @@ where
     };
     let plan = config.plan_at(policy);
     let needs = plan.needs;
-    let costs = (!plan.plain).then(|| limiter.policy().costs(cost, length));
+    let costs = (!plan.plain).then(|| plan.costs(limiter.policy(), cost, length));
 
     // A place in the waiting room, taken before deciding so that a full room polices instead
     // of reserving slots it cannot wait for.
@@ -529,13 +588,66 @@ where
     // panics, or a client that disconnects, drops the hold: the slots are released and the
     // estimates kept.
     let mut req = req;
-    let counters = Counters::install(needs, &mut req, length.is_some());
+    // A dry run never stops nor slows a stream: its bodies are settled when they end.
+    let mode = if settings.dry_run { StreamMode::Settle } else { settings.stream };
+    let grpc = is_grpc(req.headers());
+    let fail_open = settings.on_store_error == OnStoreError::FailOpen;
+    // A request body of unknown length, metered as it streams: its leases, and where
+    // policing tells that it stopped the body.
+    let signal = (mode.streams() && needs.request_bytes() && length.is_none())
+        .then(|| Arc::new(Signal::default()));
+    let streamed = signal.as_ref().map(|signal| {
+        let gate = Leases::new(limiter, key.clone(), priority, Unit::RequestBytes, mode, fail_open);
+        (Box::new(gate) as Box<dyn Gate>, Arc::clone(signal))
+    });
+    let counters = Counters::install(needs, &mut req, length.is_some(), streamed);
     let held = reservation.hold();
-    let res = inner.call(req).await?;
+    let call = inner.call(req);
+    let res = match &signal {
+        None => call.await?,
+        Some(signal) => {
+            // The handler may still be reading when policing stops its upload: the layer
+            // answers in its place.
+            let mut call = std::pin::pin!(call);
+            let raced = std::future::poll_fn(|cx| {
+                if let Poll::Ready(res) = call.as_mut().poll(cx) {
+                    return Poll::Ready(Ok(res));
+                }
+                signal.poll_stopped(cx).map(Err)
+            })
+            .await;
+            match raced {
+                Ok(res) => res?,
+                Err(why) => {
+                    drop(held);
+                    return Ok(config.stopped(limiter, &key, why, grpc));
+                }
+            }
+        }
+    };
     let (mut head, body) = res.into_parts();
     headers.insert(&mut head.headers);
     let finish: Finish = Box::new(move |settled: &[(Unit, u64)]| held.finish(settled));
-    let meter = Meter::new(finish, counters, settled_by_head(&config, &head));
+    let mut meter = Meter::new(finish, counters, settled_by_head(&config, &head));
+    if mode.streams() && (needs.response_bytes() || (grpc && signal.is_some())) {
+        // A plain HTTP response under way cannot be failed (its status is sent, its body's
+        // error type is the handler's): policing shapes it, and a store error lets it on.
+        let (mode, fail_open) = match grpc {
+            true => (mode, fail_open),
+            false => (StreamMode::Shape, true),
+        };
+        let gate = needs.response_bytes().then(|| {
+            let gate =
+                Leases::new(limiter, key.clone(), priority, Unit::ResponseBytes, mode, fail_open);
+            Box::new(gate) as Box<dyn Gate>
+        });
+        let trailers = grpc.then(|| {
+            let config = Arc::clone(&config);
+            Box::new(move |why: &Stopped| config.stop_trailers(policy, why)) as StopTrailers
+        });
+        let signal = if grpc { signal } else { None };
+        meter = meter.streamed(Streamed { gate, signal, trailers, ..Streamed::default() });
+    }
     Ok(Response::from_parts(head, ResponseBody::metered(body, meter)))
 }
 

@@ -1,0 +1,905 @@
+//! Byte tiers metered while a body streams ([`StreamMode::Shape`], [`StreamMode::Police`]):
+//! leases of bytes taken from the store chunk by chunk, and what a body does when the tier
+//! has no room for the next one.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use smallvec::SmallVec;
+
+use crate::decision::Decision;
+use crate::error::StoreError;
+use crate::key::Key;
+use crate::limiter::{Limiter, Reservation};
+use crate::quota::{Priority, TierKind, Unit};
+use crate::store::{Check, Store, Verdict};
+
+/// The largest lease of bytes a streamed body takes from the store at once: 64 KiB.
+///
+/// A body metered with [`StreamMode::Shape`] or [`StreamMode::Police`] asks the store for
+/// this many bytes (fewer when the tier's capacity, or the bytes the body has left, are
+/// fewer) when it has spent its previous lease: one store call per lease, whatever the size
+/// of its frames (two when the store refuses it first: policing, a tier with less than a
+/// lease left, asked again for what it has; shaping, more than a second of leases reserved
+/// ahead, asked again when it is within a second). When the body ends, or is dropped, one
+/// more settles the last lease at what it carried, unless it carried exactly its size.
+pub const STREAM_LEASE: u64 = 64 * 1024;
+
+/// How long a shaped lease may be reserved ahead: a lease that would have to wait longer is
+/// not reserved, and asked for again when the store says it would fit.
+const SHAPE_AHEAD: Duration = Duration::from_secs(1);
+
+/// How tiers counting [`Unit::RequestBytes`] or [`Unit::ResponseBytes`] meter a body whose
+/// length was not charged at admission: a request body without a `Content-Length`, and every
+/// response body. Set with
+/// [`RateLimitLayerBuilder::on_stream`](crate::RateLimitLayerBuilder::on_stream).
+///
+/// With [`Shape`](Self::Shape) or [`Police`](Self::Police) the body is charged as its frames
+/// pass, in leases of at most [`STREAM_LEASE`] bytes (64 KiB) taken from the store when the
+/// previous one is spent: one store call per lease, never one per frame. The unit the request
+/// was charged at admission is given back when the body ends, and so is the part of the last
+/// lease it did not use (a body dropped unfinished included).
+///
+/// # The bound
+///
+/// Over any span of time, the bytes that all the streams of one key let through are at most
+/// what the tier admits (for GCRA and the buckets, `burst + rate x elapsed`), plus, per
+/// stream, the part of one frame past the end of its lease: a response body is cut to its
+/// lease, so it adds nothing; a request body is let through a frame at a time, so each adds
+/// less than one frame (hyper's HTTP/2 frames are at most 16 KiB; on HTTP/1 a frame is at most
+/// one chunk of a chunked upload and what one read of the connection returned). A request
+/// with a valid `Content-Length` is charged it at admission, as in
+/// [`Settle`](Self::Settle). A [dry run](crate::RateLimitLayerBuilder::dry_run) meters every
+/// body as `Settle` does: it never slows nor stops a stream. A response whose status gives
+/// the charge back (a `405`, [`refund_if`](crate::RateLimitLayerBuilder::refund_if)) gives
+/// back what was charged at admission; the leases of bytes that did stream stay charged.
+/// The store errors of a lease follow
+/// [`on_store_error`](crate::RateLimitLayerBuilder::on_store_error): failing open lets the
+/// lease through uncharged, failing closed stops the stream as policing does (a plain HTTP
+/// response under way is let through).
+///
+/// ```
+/// use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};
+///
+/// # fn main() -> Result<(), tollgate::ConfigError> {
+/// // Uploads of one key together at 1 MB/s (burst 1 MB): a chunked upload past the rate
+/// // waits, its server no longer reading it, until the tier has room for its next 64 KiB.
+/// let policy = Policy::builder("upload")
+///     .tier("bytes", Quota::per_second(1_000_000).counting(Unit::RequestBytes))
+///     .build()?;
+/// let layer = RateLimitLayer::builder(policy).on_stream(StreamMode::Shape).build()?;
+/// # let _ = layer;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum StreamMode {
+    /// One unit at admission, settled at the bytes counted when the body ends (the default):
+    /// a stream is never slowed or stopped, and what it used past the tier is owed by the
+    /// key's next requests.
+    #[default]
+    Settle,
+    /// Backpressure: when the tier has no room for the next lease, the body's next frame
+    /// waits until it has (a request body is then no longer read from the connection, so
+    /// the client's flow control slows it; a response body is no longer written, as nginx
+    /// `limit_rate` does). A lease is reserved up to 1 s ahead, so concurrent streams of one
+    /// key take turns in the order they asked.
+    Shape,
+    /// The stream is stopped when the tier has no room for its next lease. What the client
+    /// sees:
+    ///
+    /// - a request body that runs out before the handler answered: the handler's future is
+    ///   dropped and the layer answers as for a refused request (`429 Too Many Requests` with
+    ///   `Retry-After`, or the [rejection](crate::RateLimitLayerBuilder::rejection) set; a
+    ///   gRPC call gets `RESOURCE_EXHAUSTED` with `grpc-retry-pushback-ms`); the server stops
+    ///   reading the upload;
+    /// - a gRPC call whose response has started (a request or response body that runs out):
+    ///   the response ends at once with trailers `grpc-status: 8` (`RESOURCE_EXHAUSTED`) and
+    ///   `grpc-retry-pushback-ms`;
+    /// - a plain HTTP response that has started: its status cannot change any more, and its
+    ///   body's error type is the handler's, so the layer cannot fail it; it is shaped
+    ///   instead (as [`Shape`](Self::Shape)), and a request body that runs out stops being
+    ///   read.
+    Police,
+}
+
+impl StreamMode {
+    /// Whether bodies are metered as they stream.
+    pub(crate) fn streams(self) -> bool {
+        self != Self::Settle
+    }
+}
+
+/// Why a stream was stopped.
+#[derive(Debug, Clone)]
+pub(crate) enum Stopped {
+    /// The tier had no room for the next lease: the refusal.
+    Limited(Decision),
+    /// The store could not decide, and the layer fails closed.
+    Unavailable(Arc<StoreError>),
+}
+
+/// Where a request body stopped by policing tells the layer (to answer in its place, if the
+/// handler has not answered yet) and the response body (to end a gRPC response).
+#[derive(Debug, Default)]
+pub(crate) struct Signal {
+    inner: Mutex<SignalState>,
+}
+
+#[derive(Debug, Default)]
+struct SignalState {
+    stopped: Option<Stopped>,
+    wakers: SmallVec<[Waker; 2]>,
+}
+
+impl Signal {
+    /// The stream was stopped: wake whoever waits for it.
+    pub(crate) fn stop(&self, why: Stopped) {
+        let wakers = {
+            let mut state = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if state.stopped.is_none() {
+                state.stopped = Some(why);
+            }
+            std::mem::take(&mut state.wakers)
+        };
+        wakers.into_iter().for_each(Waker::wake);
+    }
+
+    /// Why the stream was stopped, once it was; otherwise `cx` is woken when it is.
+    pub(crate) fn poll_stopped(&self, cx: &mut Context<'_>) -> Poll<Stopped> {
+        let mut state = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(why) = &state.stopped {
+            return Poll::Ready(why.clone());
+        }
+        if !state.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+            state.wakers.push(cx.waker().clone());
+        }
+        Poll::Pending
+    }
+}
+
+/// The bytes of one body, charged to the store in leases as they pass.
+pub(crate) trait Gate: Send {
+    /// Waits until the body may let bytes through: `Ok(n)` with the `n` bytes (at least 1)
+    /// its lease still covers, once the bytes it let through past its leases are paid; the
+    /// refusal when policing stops the stream. `remaining` is the exact number of bytes the
+    /// body has left, when it knows (a lease is no larger).
+    fn poll_room(
+        &mut self,
+        cx: &mut Context<'_>,
+        remaining: Option<u64>,
+    ) -> Poll<Result<u64, Stopped>>;
+
+    /// `len` bytes passed (beyond the room, they are owed to the next leases).
+    fn spend(&mut self, len: u64);
+}
+
+type Asking<T> = Pin<Box<dyn Future<Output = Result<Verdict<T>, StoreError>> + Send>>;
+
+enum State<T> {
+    /// Nothing under way.
+    Idle,
+    /// A lease of `.1` bytes asked for, the store not having answered yet.
+    Asking(Asking<T>, u64),
+    /// Waiting for the instant a shaped lease was reserved at, or for a refused one to fit.
+    Sleeping(Pin<Box<tokio::time::Sleep>>),
+}
+
+/// A [`Gate`] on a store: the leases of one body under one policy and key.
+pub(crate) struct Leases<St: Store> {
+    limiter: Limiter<St>,
+    key: Key,
+    priority: Priority,
+    /// The tiers counting the body's unit, charged each lease.
+    tiers: SmallVec<[usize; 2]>,
+    /// The largest lease the tiers can ever admit.
+    largest: u64,
+    police: bool,
+    fail_open: bool,
+    /// The current lease, to give back what it did not use; `None` when it was given
+    /// uncharged (failing open) or there is none.
+    lease: Option<Reservation<St>>,
+    /// The size of the current lease.
+    leased: u64,
+    /// What the current lease still covers.
+    left: u64,
+    /// Bytes let through past the leases, paid from the next ones.
+    owed: u64,
+    state: State<St::Ticket>,
+}
+
+impl<St: Store> Leases<St> {
+    /// The leases of a body counted in `unit` under `limiter`'s policy, for `key`.
+    pub(crate) fn new(
+        limiter: &Limiter<St>,
+        key: Key,
+        priority: Priority,
+        unit: Unit,
+        mode: StreamMode,
+        fail_open: bool,
+    ) -> Self {
+        let policy = limiter.policy();
+        let counting =
+            |t: &&crate::quota::Tier| t.unit() == unit && t.kind() != TierKind::Concurrency;
+        let tiers: SmallVec<[usize; 2]> = policy
+            .tiers()
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| counting(t))
+            .map(|(i, _)| i)
+            .collect();
+        let largest = policy
+            .tiers()
+            .iter()
+            .filter(counting)
+            .map(|t| t.capacity_for(priority))
+            .min()
+            .unwrap_or(STREAM_LEASE)
+            .min(STREAM_LEASE);
+        Self {
+            limiter: limiter.clone(),
+            key,
+            priority,
+            tiers,
+            largest,
+            police: mode == StreamMode::Police,
+            fail_open,
+            lease: None,
+            leased: 0,
+            left: 0,
+            owed: 0,
+            state: State::Idle,
+        }
+    }
+
+    /// The size of the next lease.
+    fn next_size(&self, remaining: Option<u64>) -> u64 {
+        let wanted = remaining.map_or(u64::MAX, |r| r.max(self.owed));
+        self.largest.min(wanted).max(1)
+    }
+
+    /// Asks the store for a lease of `size` bytes: the answer if it came at once.
+    fn ask(&mut self, size: u64) -> Option<Result<Verdict<St::Ticket>, StoreError>> {
+        let costs = self.costs(size);
+        let mut check = Check::new(&self.key, 1).with_costs(&costs).with_priority(self.priority);
+        check.ticket = true;
+        if !self.police {
+            check.max_delay = Some(SHAPE_AHEAD);
+        }
+        if let Some(answer) = self.limiter.check_sync(check) {
+            return Some(answer);
+        }
+        let (limiter, key, priority, police) =
+            (self.limiter.clone(), self.key.clone(), self.priority, self.police);
+        self.state = State::Asking(
+            Box::pin(async move {
+                let mut check = Check::new(&key, 1).with_costs(&costs).with_priority(priority);
+                check.ticket = true;
+                if !police {
+                    check.max_delay = Some(SHAPE_AHEAD);
+                }
+                limiter.decide(check).await
+            }),
+            size,
+        );
+        None
+    }
+
+    /// Per tier, what a lease of `size` bytes costs: `size` on the tiers counting the unit,
+    /// nothing on the others (neither checked nor charged).
+    fn costs(&self, size: u64) -> SmallVec<[u64; 4]> {
+        let mut costs: SmallVec<[u64; 4]> =
+            SmallVec::from_elem(0, self.limiter.policy().tiers().len());
+        for &i in &self.tiers {
+            costs[i] = size;
+        }
+        costs
+    }
+
+    /// Takes the store's answer to a lease of `size`: `Err` when the stream stops.
+    fn answered(
+        &mut self,
+        size: u64,
+        answer: Result<Verdict<St::Ticket>, StoreError>,
+    ) -> Result<(), Stopped> {
+        match answer {
+            Ok(verdict) if verdict.decision.is_allowed() => {
+                let delay = verdict.decision.delay();
+                // The previous lease is spent: dropping it keeps its charge.
+                self.lease = Some(self.limiter.reservation(verdict));
+                self.grant(size);
+                if !delay.is_zero() {
+                    self.state = State::Sleeping(Box::pin(tokio::time::sleep(delay)));
+                }
+                Ok(())
+            }
+            Ok(verdict) => match verdict.decision.retry_after() {
+                // Policing: a smaller lease of what the tier has left, when that pays what is
+                // owed and lets a byte through (asked once per refusal).
+                _ if self.police && self.smaller(size, &verdict.decision).is_some() => {
+                    let smaller = self.smaller(size, &verdict.decision).unwrap_or(size);
+                    match self.ask(smaller) {
+                        Some(answer) => self.answered(smaller, answer),
+                        None => Ok(()),
+                    }
+                }
+                Some(wait) if !self.police => {
+                    self.state = State::Sleeping(Box::pin(tokio::time::sleep(wait)));
+                    Ok(())
+                }
+                // Policing, or a lease that can never fit (a reserve withholding the tier).
+                _ => Err(Stopped::Limited(verdict.decision)),
+            },
+            Err(error) if self.fail_open => {
+                tracing::warn!(%error, "tollgate: a stream's lease could not be decided; failing open");
+                self.lease = None;
+                self.grant(size);
+                Ok(())
+            }
+            Err(error) => {
+                tracing::warn!(%error, "tollgate: a stream's lease could not be decided; failing closed");
+                Err(Stopped::Unavailable(Arc::new(error)))
+            }
+        }
+    }
+
+    /// What the tiers have left after refusing a lease of `size`, when it is less than
+    /// `size` and more than what the body owes.
+    fn smaller(&self, size: u64, refusal: &Decision) -> Option<u64> {
+        let tiers = refusal.tiers();
+        let left = self.tiers.iter().filter_map(|&i| tiers.get(i)).map(|t| t.remaining()).min()?;
+        (left < size && left > self.owed).then_some(left)
+    }
+
+    /// A lease of `size` bytes was granted: it pays what is owed first.
+    fn grant(&mut self, size: u64) {
+        let paid = size.min(self.owed);
+        self.owed -= paid;
+        self.leased = size;
+        self.left = size - paid;
+    }
+}
+
+impl<St: Store> Gate for Leases<St> {
+    fn poll_room(
+        &mut self,
+        cx: &mut Context<'_>,
+        remaining: Option<u64>,
+    ) -> Poll<Result<u64, Stopped>> {
+        loop {
+            match &mut self.state {
+                State::Sleeping(sleep) => {
+                    if sleep.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                    self.state = State::Idle;
+                }
+                State::Asking(future, size) => {
+                    let size = *size;
+                    let Poll::Ready(answer) = future.as_mut().poll(cx) else {
+                        return Poll::Pending;
+                    };
+                    self.state = State::Idle;
+                    if let Err(stopped) = self.answered(size, answer) {
+                        return Poll::Ready(Err(stopped));
+                    }
+                }
+                State::Idle => {
+                    if self.owed == 0 && self.left > 0 {
+                        return Poll::Ready(Ok(self.left));
+                    }
+                    let size = self.next_size(remaining);
+                    if let Some(answer) = self.ask(size) {
+                        if let Err(stopped) = self.answered(size, answer) {
+                            return Poll::Ready(Err(stopped));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn spend(&mut self, len: u64) {
+        let covered = len.min(self.left);
+        self.left -= covered;
+        self.owed = self.owed.saturating_add(len - covered);
+    }
+}
+
+impl<St: Store> Drop for Leases<St> {
+    /// Gives back the part of the last lease the body did not use (all of it when the body
+    /// was dropped while waiting for its reserved instant), or charges what it let through
+    /// past it.
+    fn drop(&mut self) {
+        let Some(mut lease) = self.lease.take() else { return };
+        // What passed past the leases (the part of a last frame beyond them) is charged too.
+        let used = (self.leased - self.left).saturating_add(self.owed);
+        if used == self.leased {
+            return;
+        }
+        let settled: SmallVec<[(usize, u64); 2]> = self.tiers.iter().map(|&i| (i, used)).collect();
+        crate::limiter::run_or_spawn(async move {
+            if let Err(error) = lease.settle_tiers(&settled).await {
+                tracing::warn!(%error, "tollgate: could not give back the rest of a stream's lease");
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use bytes::Bytes;
+    use http::{Request, Response, StatusCode};
+    use http_body::{Body, Frame, SizeHint};
+    use http_body_util::{BodyExt, Full};
+    use tokio::time::Instant;
+    use tower::{Layer, ServiceExt, service_fn};
+
+    use super::*;
+    use crate::clock::TokioClock;
+    use crate::error::ConfigError;
+    use crate::key::GlobalKey;
+    use crate::limiter::Limiter;
+    use crate::quota::{Policy, Quota};
+    use crate::store::{MemoryStore, MemoryTicket};
+    use crate::{RateLimitLayer, RequestBody};
+
+    /// A body of `left` bytes in frames of `frame` bytes, all ready at once; its length is
+    /// told in its size hint when `sized`.
+    struct Frames {
+        left: usize,
+        frame: usize,
+        sized: bool,
+    }
+
+    /// A [`Frames`] that is pending once before each frame (waking itself), as a body read
+    /// from a connection is, so that concurrent streams take turns.
+    struct Turns {
+        frames: Frames,
+        ready: bool,
+    }
+
+    impl Body for Turns {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            if !std::mem::replace(&mut self.ready, false) {
+                self.ready = true;
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            Pin::new(&mut self.frames).poll_frame(cx)
+        }
+
+        fn is_end_stream(&self) -> bool {
+            self.frames.is_end_stream()
+        }
+    }
+
+    impl Body for Frames {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            if self.left == 0 {
+                return Poll::Ready(None);
+            }
+            let len = self.frame.min(self.left);
+            self.left -= len;
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![7; len])))))
+        }
+
+        fn is_end_stream(&self) -> bool {
+            self.left == 0
+        }
+
+        fn size_hint(&self) -> SizeHint {
+            if self.sized { SizeHint::with_exact(self.left as u64) } else { SizeHint::default() }
+        }
+    }
+
+    /// A memory store on tokio's clock, counting the checks it decides (leases included).
+    #[derive(Clone)]
+    struct Counted {
+        inner: MemoryStore,
+        checks: Arc<AtomicU64>,
+    }
+
+    impl Counted {
+        fn new() -> Self {
+            let inner = MemoryStore::builder().clock(TokioClock::new()).build().unwrap();
+            Self { inner, checks: Arc::default() }
+        }
+
+        fn checks(&self) -> u64 {
+            self.checks.load(Ordering::Relaxed)
+        }
+    }
+
+    impl Store for Counted {
+        type Bound = <MemoryStore as Store>::Bound;
+        type Ticket = MemoryTicket;
+
+        fn bind(&self, policy: &Policy) -> Result<Self::Bound, ConfigError> {
+            self.inner.bind(policy)
+        }
+
+        fn check_sync(
+            &self,
+            bound: &Self::Bound,
+            check: Check<'_>,
+        ) -> Option<Result<Verdict<MemoryTicket>, StoreError>> {
+            self.checks.fetch_add(1, Ordering::Relaxed);
+            self.inner.check_sync(bound, check)
+        }
+
+        async fn check(
+            &self,
+            bound: &Self::Bound,
+            check: Check<'_>,
+        ) -> Result<Verdict<MemoryTicket>, StoreError> {
+            self.checks.fetch_add(1, Ordering::Relaxed);
+            self.inner.check(bound, check).await
+        }
+
+        async fn settle(
+            &self,
+            bound: &Self::Bound,
+            ticket: MemoryTicket,
+            cost: u64,
+        ) -> Result<(), StoreError> {
+            self.inner.settle(bound, ticket, cost).await
+        }
+
+        async fn settle_tiers(
+            &self,
+            bound: &Self::Bound,
+            ticket: &mut MemoryTicket,
+            costs: &[(usize, u64)],
+        ) -> Result<(), StoreError> {
+            self.inner.settle_tiers(bound, ticket, costs).await
+        }
+    }
+
+    const MB: u64 = 1_000_000;
+
+    fn upload_policy() -> Policy {
+        Policy::builder("upload")
+            .tier("bytes", Quota::per_second(MB).counting(Unit::RequestBytes))
+            .build()
+            .unwrap()
+    }
+
+    /// What the handlers read: per frame, when and how many bytes.
+    type Log = Arc<Mutex<Vec<(Duration, u64)>>>;
+
+    /// Ten chunked uploads of 1 MB at once from one key, in frames of `frame` bytes, against
+    /// 1 MB/s (burst 1 MB): the statuses, the log of what the handlers read, the store.
+    async fn ten_uploads(mode: StreamMode, frame: usize) -> (Vec<StatusCode>, Log, Counted) {
+        let store = Counted::new();
+        let layer = RateLimitLayer::builder(upload_policy())
+            .key(GlobalKey)
+            .store(store.clone())
+            .on_stream(mode)
+            .build()
+            .unwrap();
+        let log: Log = Arc::default();
+        let start = Instant::now();
+        let handler_log = Arc::clone(&log);
+        let svc = layer.layer(service_fn(move |req: Request<RequestBody<Turns>>| {
+            let log = Arc::clone(&handler_log);
+            async move {
+                let mut body = req.into_body();
+                while let Some(frame) = body.frame().await {
+                    let len = frame.unwrap().into_data().unwrap().len() as u64;
+                    log.lock().unwrap().push((start.elapsed(), len));
+                }
+                Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("stored"))))
+            }
+        }));
+        let uploads: Vec<_> = (0..10)
+            .map(|_| {
+                let body = Turns {
+                    frames: Frames { left: MB as usize, frame, sized: false },
+                    ready: false,
+                };
+                tokio::spawn(svc.clone().oneshot(Request::post("/").body(body).unwrap()))
+            })
+            .collect();
+        let mut statuses = Vec::new();
+        for upload in uploads {
+            statuses.push(upload.await.unwrap().unwrap().status());
+        }
+        (statuses, log, store)
+    }
+
+    /// At every read, what all streams read so far is within the bound: burst + rate x
+    /// elapsed + one frame per stream.
+    fn assert_bound(log: &Log, streams: u64, frame: u64) {
+        let mut log = log.lock().unwrap().clone();
+        log.sort_by_key(|(at, _)| *at);
+        let mut accepted = 0;
+        for (at, len) in log {
+            accepted += len;
+            let allowed = MB + (MB as f64 * at.as_secs_f64()) as u64 + streams * frame;
+            assert!(accepted <= allowed, "{accepted} bytes read by {at:?}, bound {allowed}");
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn shaping_paces_concurrent_uploads_one_lease_per_store_call() {
+        let start = Instant::now();
+        let (statuses, log, store) = ten_uploads(StreamMode::Shape, 4_096).await;
+        let elapsed = start.elapsed();
+        assert_eq!(statuses, vec![StatusCode::OK; 10]);
+        let read: u64 = log.lock().unwrap().iter().map(|(_, len)| len).sum();
+        assert_eq!(read, 10 * MB);
+        // 1 MB of burst, 9 MB at 1 MB/s (the ten admission units are given back at the end;
+        // the last 64 KiB lease is taken when the body still has 16,960 bytes to go).
+        assert!(elapsed >= Duration::from_secs(9), "{elapsed:?}");
+        assert!(elapsed <= Duration::from_millis(9_700), "{elapsed:?}");
+        assert_bound(&log, 10, 4_096);
+        // Ten admissions, then sixteen 64 KiB leases per 1 MB stream (15 x 65,536 + 16,960):
+        // one store call per lease, none per frame (245 frames per stream).
+        assert_eq!(store.checks(), 10 + 10 * 16);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn policing_stops_uploads_past_the_burst_and_gives_the_unused_leases_back() {
+        let (statuses, log, store) = ten_uploads(StreamMode::Police, 4_096).await;
+        // The streams take turns: each is refused mid-way, none having its 1 MB from a 1 MB
+        // burst, and the layer answers in its handler's place.
+        assert_eq!(statuses, vec![StatusCode::TOO_MANY_REQUESTS; 10]);
+        let read: u64 = log.lock().unwrap().iter().map(|(_, len)| len).sum();
+        // Time stood still (nothing slept): the burst, less the ten admission units, plus
+        // less than a frame per stream past its last lease (cut to what the tier had left).
+        assert!(read > MB - 10 - 10 * 4_096 && read < MB - 10 + 10 * 4_096, "{read}");
+        assert_bound(&log, 10, 4_096);
+        // Exactly what was read is charged: the unread parts of the leases came back, and
+        // what passed beyond them was charged when the bodies were dropped. At 1 byte/us, the
+        // next byte fits once that debt is paid.
+        let limiter = Limiter::with_store(upload_policy(), store.clone()).unwrap();
+        let charged = read + 10;
+        let now = limiter.check(&Key::Global, 1).await.unwrap();
+        let expected = charged.checked_sub(MB).map(|over| Duration::from_micros(over + 1));
+        assert_eq!(now.retry_after(), expected, "{read} read");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn frames_larger_than_a_lease_are_owed_and_paid_before_the_next_read() {
+        // Frames of 100,000 bytes: each overshoots a 64 KiB lease; the debt is paid from the
+        // next leases before the next frame is read, so the bound holds with one frame per
+        // stream.
+        let (statuses, log, _store) = ten_uploads(StreamMode::Shape, 100_000).await;
+        assert_eq!(statuses, vec![StatusCode::OK; 10]);
+        assert_bound(&log, 10, 100_000);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_shaped_download_is_cut_to_its_leases_and_paced() {
+        let store = Counted::new();
+        let policy = Policy::builder("download")
+            .tier(
+                "bytes",
+                Quota::per_second(MB).with_burst(STREAM_LEASE).counting(Unit::ResponseBytes),
+            )
+            .build()
+            .unwrap();
+        let layer = RateLimitLayer::builder(policy)
+            .key(GlobalKey)
+            .store(store.clone())
+            .on_stream(StreamMode::Shape)
+            .build()
+            .unwrap();
+        let svc = layer.layer(service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
+            let body = Frames { left: 2 * MB as usize, frame: 256 * 1024, sized: true };
+            Ok::<_, Infallible>(Response::new(body))
+        }));
+        let start = Instant::now();
+        let res = svc.oneshot(Request::new(Full::default())).await.unwrap();
+        let mut body = res.into_body();
+        let (mut read, mut largest) = (0, 0);
+        // As hyper does: nothing more is polled once the body says it ended.
+        while !body.is_end_stream() {
+            let frame = body.frame().await.unwrap();
+            let len = frame.unwrap().into_data().unwrap().len() as u64;
+            read += len;
+            largest = largest.max(len);
+        }
+        let elapsed = start.elapsed();
+        assert_eq!(read, 2 * MB);
+        assert_eq!(largest, STREAM_LEASE, "frames are cut to their lease");
+        // A burst of one lease, then 1 MB/s: (2 MB - 65,536) / 1 MB/s.
+        let expected = Duration::from_micros(2 * MB - STREAM_LEASE);
+        assert!(
+            elapsed >= expected && elapsed <= expected + Duration::from_millis(70),
+            "{elapsed:?}"
+        );
+        // One admission, then 30 leases of 64 KiB and a last one of the 33,920 bytes left.
+        assert_eq!(store.checks(), 1 + 31);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_upload_with_a_content_length_is_charged_at_admission() {
+        let store = Counted::new();
+        let layer = RateLimitLayer::builder(upload_policy())
+            .key(GlobalKey)
+            .store(store.clone())
+            .on_stream(StreamMode::Police)
+            .build()
+            .unwrap();
+        let svc = layer.layer(service_fn(|req: Request<RequestBody<Frames>>| async move {
+            let read = req.into_body().collect().await.unwrap().to_bytes().len();
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(read.to_string()))))
+        }));
+        let upload = |len: usize| {
+            Request::post("/")
+                .header("content-length", len)
+                .body(Frames { left: len, frame: 4_096, sized: true })
+                .unwrap()
+        };
+        let first = svc.clone().oneshot(upload(600_000)).await.unwrap();
+        assert_eq!(first.status(), StatusCode::OK);
+        let second = svc.clone().oneshot(upload(600_000)).await.unwrap();
+        assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+        // Two admissions, no lease.
+        assert_eq!(store.checks(), 2);
+    }
+
+    fn grpc_layer(policy: Policy, store: &Counted) -> RateLimitLayer<GlobalKey, Counted> {
+        RateLimitLayer::builder(policy)
+            .key(GlobalKey)
+            .store(store.clone())
+            .on_stream(StreamMode::Police)
+            .build()
+            .unwrap()
+    }
+
+    fn grpc_call<B>(body: B) -> Request<B> {
+        Request::post("/pkg.Service/Method")
+            .header("content-type", "application/grpc")
+            .body(body)
+            .unwrap()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_grpc_upload_stopped_before_the_answer_gets_resource_exhausted() {
+        let store = Counted::new();
+        let svc = grpc_layer(upload_policy(), &store).layer(service_fn(
+            |req: Request<RequestBody<Frames>>| async move {
+                req.into_body().collect().await.unwrap();
+                Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+            },
+        ));
+        let body = Frames { left: 2 * MB as usize, frame: 4_096, sized: false };
+        let res = svc.oneshot(grpc_call(body)).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(res.headers()["grpc-status"], "8");
+        assert!(res.headers().contains_key("grpc-retry-pushback-ms"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_grpc_response_past_its_tier_ends_with_resource_exhausted_trailers() {
+        let store = Counted::new();
+        let policy = Policy::builder("download")
+            .tier("bytes", Quota::per_second(MB).counting(Unit::ResponseBytes))
+            .build()
+            .unwrap();
+        let svc = grpc_layer(policy, &store).layer(service_fn(
+            |_req: Request<RequestBody<Full<Bytes>>>| async {
+                let body = Frames { left: 2 * MB as usize, frame: 16_384, sized: false };
+                Ok::<_, Infallible>(Response::new(body))
+            },
+        ));
+        let res = svc.oneshot(grpc_call(Full::default())).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        let mut body = res.into_body();
+        let (mut read, mut trailers) = (0, None);
+        while !body.is_end_stream() {
+            match body.frame().await.unwrap().unwrap().into_data() {
+                Ok(data) => read += data.len() as u64,
+                Err(frame) => trailers = frame.into_trailers().ok(),
+            }
+        }
+        // The burst less the unit charged at admission (time stands still: nothing refills),
+        // the last lease cut to what the tier had left; then the trailers.
+        assert_eq!(read, MB - 1);
+        let trailers = trailers.expect("trailers end the response");
+        assert_eq!(trailers["grpc-status"], "8");
+        assert!(trailers.contains_key("grpc-retry-pushback-ms"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_plain_http_response_under_policing_is_shaped() {
+        let store = Counted::new();
+        let policy = Policy::builder("download")
+            .tier("bytes", Quota::per_second(MB).counting(Unit::ResponseBytes))
+            .build()
+            .unwrap();
+        let svc = grpc_layer(policy, &store).layer(service_fn(
+            |_req: Request<RequestBody<Full<Bytes>>>| async {
+                let body = Frames { left: 2 * MB as usize, frame: 16_384, sized: false };
+                Ok::<_, Infallible>(Response::new(body))
+            },
+        ));
+        let start = Instant::now();
+        let res = svc.oneshot(Request::new(Full::default())).await.unwrap();
+        let read = res.into_body().collect().await.unwrap().to_bytes().len() as u64;
+        assert_eq!(read, 2 * MB);
+        // 1 MB of burst (less the admission unit), then 1 MB/s.
+        let elapsed = start.elapsed();
+        assert!(
+            elapsed >= Duration::from_millis(900) && elapsed <= Duration::from_millis(1_100),
+            "{elapsed:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dry_run_neither_stops_nor_slows_a_stream() {
+        let store = Counted::new();
+        let layer = RateLimitLayer::builder(upload_policy())
+            .key(GlobalKey)
+            .store(store.clone())
+            .on_stream(StreamMode::Police)
+            .dry_run(true)
+            .build()
+            .unwrap();
+        let svc = layer.layer(service_fn(|req: Request<RequestBody<Frames>>| async move {
+            let read = req.into_body().collect().await.unwrap().to_bytes().len();
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(read.to_string()))))
+        }));
+        let start = Instant::now();
+        let body = Frames { left: 2 * MB as usize, frame: 4_096, sized: false };
+        let res = svc.oneshot(Request::post("/").body(body).unwrap()).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "2000000");
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        // The admission, and no lease: the bytes are settled when the body ends.
+        assert_eq!(store.checks(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_dropped_while_its_lease_is_reserved_ahead_gives_it_back() {
+        let store = Counted::new();
+        let policy = Policy::builder("upload")
+            .tier(
+                "bytes",
+                Quota::per_second(MB).with_burst(STREAM_LEASE).counting(Unit::RequestBytes),
+            )
+            .build()
+            .unwrap();
+        let limiter = Limiter::with_store(policy, store.clone()).unwrap();
+        let mut leases = Leases::new(
+            &limiter,
+            Key::Global,
+            Priority::Standard,
+            Unit::RequestBytes,
+            StreamMode::Shape,
+            false,
+        );
+        let mut cx = Context::from_waker(Waker::noop());
+        // The burst: one lease at once, spent whole.
+        assert!(matches!(leases.poll_room(&mut cx, None), Poll::Ready(Ok(STREAM_LEASE))));
+        leases.spend(STREAM_LEASE);
+        // The next lease is reserved 65,536 us ahead: the body waits for it.
+        assert!(leases.poll_room(&mut cx, None).is_pending());
+        assert_eq!(store.checks(), 2);
+        drop(leases);
+        // Given back: the next byte fits after 1 us, as after the first lease alone.
+        let next = limiter.check(&Key::Global, 1).await.unwrap();
+        assert_eq!(next.retry_after(), Some(Duration::from_micros(1)));
+    }
+}
