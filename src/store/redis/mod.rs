@@ -4,6 +4,7 @@ mod breaker;
 mod cluster;
 mod health;
 mod io;
+mod lease;
 mod node;
 mod refusals;
 mod script;
@@ -20,6 +21,8 @@ use tokio::sync::oneshot;
 
 pub use breaker::BreakerState;
 use cluster::SlotMap;
+use lease::Leases;
+pub use lease::{Lease, LeaseStats};
 use node::{Item, Node, Settings};
 pub use node::{ServerInfo, ServerKind};
 use refusals::Refusals;
@@ -194,6 +197,10 @@ struct Inner {
     fallback: Option<MemoryStore>,
     /// Entries of each binding's local refusals (0: none).
     refusals: usize,
+    /// Lease mode for every policy that can lease.
+    lease: Option<Lease>,
+    /// Lease mode by policy name.
+    lease_policies: HashMap<String, Lease>,
 }
 
 enum Topology {
@@ -240,6 +247,8 @@ pub struct RedisPolicy {
     local: Option<MemoryPolicy>,
     /// Refusals answered without asking Redis (see [`RedisStoreBuilder::local_refusals`]).
     refusals: Option<Refusals>,
+    /// Blocks of hot keys held by this process (see [`Lease`]).
+    leases: Option<Arc<Leases>>,
 }
 
 impl fmt::Debug for RedisPolicy {
@@ -302,6 +311,33 @@ impl RedisPolicy {
     #[must_use]
     pub fn local_refusals(&self) -> usize {
         self.refusals.as_ref().map_or(0, Refusals::len)
+    }
+
+    /// The lease mode this binding runs in, if any (see [`Lease`]).
+    #[must_use]
+    pub fn lease(&self) -> Option<Lease> {
+        self.leases.as_ref().map(|l| l.config())
+    }
+
+    /// What this binding's leases have done since it was made (all zeros without lease mode).
+    #[must_use]
+    pub fn lease_stats(&self) -> LeaseStats {
+        self.leases.as_ref().map(|l| l.stats()).unwrap_or_default()
+    }
+
+    /// Keys this binding holds a lease slot for now (a block, or the history that sizes the
+    /// next one; at most 4,096, beyond which keys are checked exactly).
+    #[must_use]
+    pub fn leased_keys(&self) -> usize {
+        self.leases.as_ref().map_or(0, |l| l.len())
+    }
+
+    /// Gives back to Redis now the unspent units of every block that ended (the sweeper does
+    /// so every lease lifetime by itself).
+    pub async fn return_ended_leases(&self) {
+        if let Some(l) = &self.leases {
+            l.sweep().await;
+        }
     }
 
     /// The hash a ticket keeps to forget its key's refusal when it gives charges back.
@@ -381,11 +417,11 @@ struct Remote {
     cost: u64,
     charges: Charges,
     /// The concurrency slots it holds: released when it is dropped.
-    lease: Option<Lease>,
+    lease: Option<Slots>,
 }
 
 /// Leased concurrency slots, and what releasing them needs.
-struct Lease {
+struct Slots {
     id: u64,
     store: Arc<Inner>,
     prepared: Arc<Prepared>,
@@ -393,9 +429,9 @@ struct Lease {
     holds: Arc<Holds>,
 }
 
-impl fmt::Debug for Lease {
+impl fmt::Debug for Slots {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Lease").field("id", &self.id).finish_non_exhaustive()
+        f.debug_struct("Slots").field("id", &self.id).finish_non_exhaustive()
     }
 }
 
@@ -413,7 +449,7 @@ impl Drop for Remote {
     }
 }
 
-impl Lease {
+impl Slots {
     /// Settles `charges` at `new` (per tier) in Redis, releasing the slots with `release`
     /// (and recording their holds).
     async fn settle(
@@ -816,25 +852,36 @@ impl Store for RedisStore {
     fn bind(&self, policy: &Policy) -> Result<RedisPolicy, ConfigError> {
         script::validate(policy)?;
         let inner = &self.inner;
+        let key_parts = script::key_parts(&inner.prefix, policy);
+        let prepared = Arc::new(Prepared::new(policy, inner.grace_ms));
+        let leases = self.leases_for(policy, &key_parts, &prepared)?;
         Ok(RedisPolicy {
             policy: policy.clone(),
-            key_parts: script::key_parts(&inner.prefix, policy),
+            key_parts,
             key_names: inner.key_names,
-            prepared: Arc::new(Prepared::new(policy, inner.grace_ms)),
+            prepared,
             holds: Arc::new(Holds::new(policy)),
             local: inner.fallback.as_ref().map(|local| local.bind_policy(policy)),
             refusals: Refusals::new(policy, inner.refusals),
+            leases,
         })
     }
 
     /// Answers at once the checks this process holds a refusal for (see
-    /// [`RedisStoreBuilder::local_refusals`]); `None` for the others, which ask Redis.
+    /// [`RedisStoreBuilder::local_refusals`]), and in lease mode those its block of the key
+    /// covers (see [`Lease`]); `None` for the others, which ask Redis.
     fn check_sync(
         &self,
         bound: &RedisPolicy,
         check: Check<'_>,
     ) -> Option<Result<Verdict<RedisTicket>, StoreError>> {
-        bound.local_refusal(&self.inner, &check).map(Ok)
+        if let Some(verdict) = bound.local_refusal(&self.inner, &check) {
+            return Some(Ok(verdict));
+        }
+        let leases = bound.leases.as_ref().filter(|_| leases_check(&check))?;
+        let now = self.inner.settings.clock.as_ref().map(AnyClock::now);
+        let decision = leases.spend_key(check.key, check.cost, now)?;
+        Some(Ok(Verdict { decision, ticket: None }))
     }
 
     async fn check(
@@ -845,6 +892,11 @@ impl Store for RedisStore {
         let inner = &*self.inner;
         if let Some(verdict) = bound.local_refusal(inner, &check) {
             return Ok(verdict);
+        }
+        if let Some(leases) = bound.leases.as_ref().filter(|_| leases_check(&check)) {
+            if let Some(slot) = leases.slot(check.key) {
+                return self.check_leased(bound, leases, &slot, check).await;
+            }
         }
         let prepared = &bound.prepared;
         if prepared.is_kinds() {
@@ -1038,7 +1090,106 @@ impl Store for RedisStore {
     }
 }
 
+/// Whether a check on a leasing binding takes units from a block: a policing check of a cost
+/// above 0 without a ticket.
+fn leases_check(check: &Check<'_>) -> bool {
+    check.cost > 0 && check.max_delay.is_none() && !check.ticket
+}
+
 impl RedisStore {
+    /// The leases of `policy` as the builder configured them: `None` without lease mode, or
+    /// for a policy that cannot lease under [`RedisStoreBuilder::lease`] (it stays exact).
+    ///
+    /// # Errors
+    /// [`ConfigError::UnsupportedByStore`] for a policy named by
+    /// [`RedisStoreBuilder::lease_policy`] that cannot lease.
+    fn leases_for(
+        &self,
+        policy: &Policy,
+        key_parts: &(String, String),
+        prepared: &Arc<Prepared>,
+    ) -> Result<Option<Arc<Leases>>, ConfigError> {
+        let inner = &self.inner;
+        let (config, named) = match inner.lease_policies.get(policy.name()) {
+            Some(l) => (*l, true),
+            None => match inner.lease {
+                Some(l) => (l, false),
+                None => return Ok(None),
+            },
+        };
+        if let Some((tier, reason)) = lease::unleasable(policy) {
+            if named {
+                return Err(ConfigError::UnsupportedByStore { store: "RedisStore", tier, reason });
+            }
+            tracing::info!(policy = policy.name(), %tier, %reason, "tollgate: this policy is checked exactly");
+            return Ok(None);
+        }
+        let mut leases = Leases::new(policy, config);
+        leases.back = Some(lease::Back {
+            inner: Arc::clone(inner),
+            prepared: Arc::clone(prepared),
+            key_parts: key_parts.clone(),
+            key_names: inner.key_names,
+        });
+        Ok(Some(Arc::new(leases)))
+    }
+
+    /// [`Store::check`] in lease mode: from this process's block of the key, or with a call
+    /// that gives back the rest of the previous block and takes the next (see [`Lease`]).
+    async fn check_leased(
+        &self,
+        bound: &RedisPolicy,
+        leases: &Arc<Leases>,
+        slot: &lease::Slot,
+        check: Check<'_>,
+    ) -> Result<Verdict<RedisTicket>, StoreError> {
+        let inner = &*self.inner;
+        let clock_now = || inner.settings.clock.as_ref().map(AnyClock::now);
+        // One check at a time takes the key's next block; the others wait for it.
+        let _refill = slot.refill.lock().await;
+        if let Some(decision) = leases.spend(slot, check.cost, clock_now()) {
+            return Ok(Verdict { decision, ticket: None });
+        }
+        if leases.start_sweeper() {
+            if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                handle.spawn(lease::sweeper(Arc::downgrade(leases), leases.lifetime()));
+            }
+        }
+        let begin = leases.begin(slot, check.cost, clock_now());
+        let returned = begin.rest.as_ref().map(|r| r.granted - r.spent);
+        // The rest of the previous block is given back by this call: a give-back, which
+        // refusals held of the key must not outlast.
+        let _forgetting = returned.map(|_| bound.forgetting(bound.refusal_hash(check.key)));
+        let prepared = &bound.prepared;
+        let record = prepared.lease(check.cost, begin.block, begin.rest.as_ref());
+        let keys = prepared.keys(bound.state_key(check.key));
+        let epoch = bound.refusal_epoch(check.key);
+        let sent = inner.settings.clock.is_none().then(Instant::now);
+        leases.called();
+        let answered = inner.submit(prepared, keys, record, prepared.lease_reply_len()).await;
+        let decided = answered.and_then(|(reply, at)| {
+            let (take, reply) =
+                reply.split_last().ok_or_else(|| StoreError::backend("empty lease reply"))?;
+            let take = u64::try_from(*take).map_err(|_| StoreError::backend("negative lease"))?;
+            script::decode(&bound.policy, take, at, reply).map(|d| (d, take, at))
+        });
+        let ((decision, charges), take, at) = match decided {
+            Ok(decided) => decided,
+            // The previous block's rest may or may not have been given back: it stays charged
+            // at worst (see `Lease`, "Faults").
+            Err(error) => return inner.fall_back(error, bound, check),
+        };
+        if let Some(units) = returned {
+            leases.returned(units);
+        }
+        bound.learn(&check, &decision, at, sent, epoch);
+        let decision = match charges {
+            Some(charges) => leases.granted(slot, check.cost, take, decision, charges, at, sent),
+            None => decision,
+        };
+        Ok(Verdict { decision, ticket: None })
+    }
+
     /// [`Store::check`] for a policy of several kinds.
     async fn check_kinds(
         &self,
@@ -1076,7 +1227,7 @@ impl RedisStore {
             slots::fill(policy, &bound.holds, &mut decision);
         }
         let ticket = charges.and_then(|charges| {
-            let slots = takes_slots.then(|| Lease {
+            let slots = takes_slots.then(|| Slots {
                 id: lease,
                 store: Arc::clone(&self.inner),
                 prepared: Arc::clone(prepared),
@@ -1120,6 +1271,8 @@ pub struct RedisStoreBuilder {
     open_for: Duration,
     fallback: Option<MemoryStore>,
     local_refusals: usize,
+    lease: Option<Lease>,
+    lease_policies: HashMap<String, Lease>,
 }
 
 impl fmt::Debug for RedisStoreBuilder {
@@ -1150,6 +1303,8 @@ impl RedisStoreBuilder {
             open_for: Duration::from_millis(500),
             fallback: Some(MemoryStore::new()),
             local_refusals: DEFAULT_LOCAL_REFUSALS,
+            lease: None,
+            lease_policies: HashMap::new(),
         }
     }
 
@@ -1318,6 +1473,23 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Lease mode for the policy named `policy` (see [`Lease`]): this instance takes blocks of
+    /// a key's budget from Redis in one call and spends them locally. Binding that policy fails
+    /// with [`ConfigError::UnsupportedByStore`] when it cannot lease (a sliding window, or a
+    /// concurrency, calendar, penalty or reserve tier). Overrides [`lease`](Self::lease) for
+    /// that policy. Instances in lease mode and in exact mode share one budget.
+    pub fn lease_policy(mut self, policy: impl Into<String>, lease: Lease) -> Self {
+        self.lease_policies.insert(policy.into(), lease);
+        self
+    }
+
+    /// Lease mode for every policy bound to the store that can lease (see [`Lease`]); the
+    /// others stay exact (logged at `info` when bound).
+    pub fn lease(mut self, lease: Lease) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
     /// Builds the store. Connects nothing yet.
     ///
     /// # Errors
@@ -1325,9 +1497,12 @@ impl RedisStoreBuilder {
     /// server, or one the `redis` crate cannot parse), `master_name` (empty), `master_url` (one
     /// the `redis` crate cannot parse, or given without Sentinel), `prefix` (with `{` or `}`),
     /// `timeout` (under 1 ms), `circuit_breaker` (a threshold of 0 or an open period under
-    /// 1 ms), `key_secret` (empty).
+    /// 1 ms), `key_secret` (empty), `lease` (a block of 0 units or a lifetime under 1 ms).
     pub fn build(self) -> Result<RedisStore, ConfigError> {
         let invalid = |setting, reason: String| ConfigError::Invalid { setting, reason };
+        for lease in self.lease.iter().chain(self.lease_policies.values()) {
+            lease.validate()?;
+        }
         if self.prefix.contains(['{', '}']) {
             return Err(invalid(
                 "prefix",
@@ -1418,6 +1593,8 @@ impl RedisStoreBuilder {
                 grace_ms: duration_to_nanos(self.ttl_grace).div_ceil(1_000_000),
                 fallback: self.fallback,
                 refusals: self.local_refusals,
+                lease: self.lease,
+                lease_policies: self.lease_policies,
             }),
         })
     }
