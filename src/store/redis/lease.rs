@@ -450,7 +450,8 @@ impl Leases {
             *held = Held {
                 left,
                 granted: take,
-                charges: Some(charges),
+                // A block spent at once leaves nothing to give back: its slot may be dropped.
+                charges: (left > 0).then_some(charges),
                 decided: at,
                 sent,
                 until,

@@ -894,6 +894,10 @@ impl Store for RedisStore {
             return Ok(verdict);
         }
         if let Some(leases) = bound.leases.as_ref().filter(|_| leases_check(&check)) {
+            let now = inner.settings.clock.as_ref().map(AnyClock::now);
+            if let Some(decision) = leases.spend_key(check.key, check.cost, now) {
+                return Ok(Verdict { decision, ticket: None });
+            }
             if let Some(slot) = leases.slot(check.key) {
                 return self.check_leased(bound, leases, &slot, check).await;
             }
