@@ -279,12 +279,15 @@ pub(crate) struct Begin {
     pub(crate) rest: Option<Rest>,
 }
 
+/// Leased keys by key.
+type Shard = Mutex<HashMap<Key, Arc<Slot>>>;
+
 /// A binding's leases.
 pub(crate) struct Leases {
     config: Lease,
     lifetime_ns: u64,
     policy: Policy,
-    shards: Box<[Mutex<HashMap<Key, Arc<Slot>>>]>,
+    shards: Box<[Shard]>,
     per_shard: usize,
     hasher: ahash::RandomState,
     counters: Counters,
@@ -321,7 +324,7 @@ impl Leases {
         self.config
     }
 
-    fn shard(&self, key: &Key) -> &Mutex<HashMap<Key, Arc<Slot>>> {
+    fn shard(&self, key: &Key) -> &Shard {
         #[allow(clippy::cast_possible_truncation)]
         &self.shards[(self.hasher.hash_one(key) % SHARDS as u64) as usize]
     }
@@ -620,5 +623,148 @@ pub(crate) async fn sweeper(leases: Weak<Leases>, every: Duration) {
         tokio::time::sleep(every).await;
         let Some(leases) = leases.upgrade() else { return };
         leases.sweep().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::Charge;
+    use crate::decision::{TierDecision, Tiers};
+    use crate::quota::{Calendar, Concurrency, Penalty, Quota};
+    use smallvec::smallvec;
+
+    const MS: u64 = 1_000_000;
+    const S: u64 = 1_000 * MS;
+
+    /// What Redis answers to a grant: admitted, with `remaining` left in Redis.
+    fn grant(limit: u64, remaining: u64, reset: u64) -> Decision {
+        let tiers: Tiers = smallvec![TierDecision::new(limit, remaining, reset, None, false)];
+        Decision::new(Outcome::Allowed, 0, None, tiers)
+    }
+
+    fn charges(take: u64, at: u64) -> Charges {
+        smallvec![Charge { at, cost: take, id: 0 }]
+    }
+
+    #[test]
+    fn blocks_double_while_spent_and_shrink_to_what_a_lifetime_spent() {
+        let p = Policy::single("p", Quota::per_second(100)).unwrap();
+        let l = Leases::new(&p, Lease::new().max_block(16).lifetime(Duration::from_millis(10)));
+        let key = Key::text("k");
+        let slot = l.slot(&key).unwrap();
+        let mut sizes = Vec::new();
+        for _ in 0..6 {
+            let b = l.begin(&slot, 1, Some(S));
+            assert!(b.rest.is_none(), "every block was spent");
+            sizes.push(b.block);
+            let d = l.granted(&slot, 1, b.block, grant(100, 50, S), charges(b.block, S), S, None);
+            // What exact mode reports at the grant: Redis's rest plus the block's.
+            assert_eq!(d.tiers()[0].remaining(), (50 + b.block - 1).min(100));
+            for left in (0..b.block - 1).rev() {
+                let d = l.spend(&slot, 1, Some(S + MS)).unwrap();
+                // Then what this instance holds, counted down from the grant.
+                assert_eq!(d.tiers()[0].remaining(), left);
+                assert_eq!(d.tiers()[0].reset_after(), Duration::from_nanos(S - MS));
+            }
+            assert!(l.spend(&slot, 1, Some(S + MS)).is_none());
+        }
+        assert_eq!(sizes, [1, 2, 4, 8, 16, 16]);
+        // A block of 16 with 5 spent when its lifetime ends: the next is 5, and the 11 left
+        // are given back by the call that takes it.
+        let b = l.begin(&slot, 1, Some(S));
+        l.granted(&slot, 1, b.block, grant(100, 50, S), charges(16, S), S, None);
+        for _ in 0..4 {
+            assert!(l.spend(&slot, 1, Some(S + 9 * MS)).is_some());
+        }
+        assert!(l.spend(&slot, 1, Some(S + 10 * MS)).is_none(), "never after its lifetime");
+        assert!(l.spend(&slot, 1, Some(S - 1)).is_none(), "nor before its grant");
+        let b = l.begin(&slot, 1, Some(S + 10 * MS));
+        assert_eq!(b.block, 5);
+        let rest = b.rest.unwrap();
+        assert_eq!((rest.granted, rest.spent), (16, 5));
+        // A check costing more than the largest block asks for its cost.
+        assert_eq!(l.begin(&slot, 40, Some(S + 10 * MS)).block, 40);
+        let stats = l.stats();
+        assert_eq!((stats.grants, stats.units_granted), (7, 1 + 2 + 4 + 8 + 16 + 16 + 16));
+    }
+
+    #[test]
+    fn a_fixed_window_block_ends_with_its_window() {
+        let p = Policy::builder("w")
+            .algorithm(Algorithm::FixedWindow)
+            .tier("second", Quota::per_second(10))
+            .tier("minute", Quota::per_minute(100))
+            .build()
+            .unwrap();
+        let l = Leases::new(&p, Lease::new().max_block(8).lifetime(Duration::from_secs(10)));
+        let slot = l.slot(&Key::text("k")).unwrap();
+        let at = 61 * S + 900 * MS;
+        l.granted(&slot, 1, 8, grant(10, 2, 100 * MS), charges(8, at), at, None);
+        assert!(l.spend(&slot, 1, Some(62 * S - 1)).is_some());
+        assert!(l.spend(&slot, 1, Some(62 * S)).is_none(), "the second's window ended");
+        // The sweeper's part: the rest of an ended block, taken out once.
+        let (ended, _) = l.ended(Some(62 * S), false);
+        assert_eq!(ended.len(), 1);
+        let (_, rests) = l.ended(Some(62 * S), true);
+        assert_eq!(rests.iter().map(|(_, r)| (r.granted, r.spent)).collect::<Vec<_>>(), [(8, 2)]);
+        assert!(l.ended(Some(62 * S), true).1.is_empty());
+    }
+
+    #[test]
+    fn policies_lease_only_where_the_bound_is_stated() {
+        let base = || Policy::builder("p").tier("s", Quota::per_second(10));
+        for alg in [
+            Algorithm::Gcra,
+            Algorithm::TokenBucket,
+            Algorithm::LeakyBucket,
+            Algorithm::FixedWindow,
+        ] {
+            assert_eq!(unleasable(&base().algorithm(alg).build().unwrap()), None);
+        }
+        let exact = [
+            base().algorithm(Algorithm::SlidingCounter).build().unwrap(),
+            base().algorithm(Algorithm::SlidingLog).build().unwrap(),
+            base().calendar("d", Calendar::per_day(100)).build().unwrap(),
+            base().concurrency("c", Concurrency::new(2)).build().unwrap(),
+            base().penalty("s", Penalty::new(Duration::from_secs(60))).build().unwrap(),
+        ];
+        for p in &exact {
+            assert!(unleasable(p).is_some(), "{p:?}");
+        }
+        assert_eq!(unleasable(&exact[2]).unwrap().0, "d");
+        assert!(Lease::new().max_block(0).validate().is_err());
+        assert!(Lease::new().lifetime(Duration::from_micros(999)).validate().is_err());
+        assert_eq!(Lease::new().bound(4), 256);
+    }
+
+    #[test]
+    fn a_full_map_drops_idle_slots_that_hold_nothing() {
+        let p = Policy::single("p", Quota::per_second(100)).unwrap();
+        let l = Leases::new(&p, Lease::new());
+        for i in 0..10_000 {
+            let key = Key::text(format!("k{i}"));
+            let slot = l.slot(&key).unwrap();
+            // Blocks of one unit, spent at once: nothing to give back.
+            l.granted(&slot, 1, 1, grant(100, 99, 0), charges(1, 0), 0, None);
+        }
+        assert!(l.len() <= CAPACITY + SHARDS, "{}", l.len());
+        // A slot holding units is kept: when every slot of a shard holds some, keys past it
+        // are checked exactly.
+        let l = Leases::new(&p, Lease::new());
+        let mut held = Vec::new();
+        let mut refused = 0;
+        for i in 0..10_000 {
+            let key = Key::text(format!("k{i}"));
+            match l.slot(&key) {
+                Some(slot) => {
+                    l.granted(&slot, 1, 4, grant(100, 96, 0), charges(4, 0), 0, None);
+                    held.push(slot);
+                }
+                None => refused += 1,
+            }
+        }
+        assert_eq!(held.len() + refused, 10_000);
+        assert!(held.len() <= CAPACITY + SHARDS && refused > 0);
     }
 }
