@@ -380,3 +380,35 @@ fn policies_that_cannot_lease_are_refused_or_stay_exact() {
     let memory = tollgate::store::MemoryStore::new();
     assert!(memory.bind(&gcra).is_ok());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ticket_from_a_block_settles_in_redis() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let policy = Policy::builder("w")
+        .algorithm(Algorithm::FixedWindow)
+        .tier("minute", Quota::per_minute(100))
+        .build()
+        .unwrap();
+    let lease = Lease::new().max_block(8).lifetime(Duration::from_secs(10));
+    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+    let (s, b) = &nodes[0];
+    let key = Key::text("k");
+    let mut tickets = Vec::new();
+    for _ in 0..5 {
+        let v = s.check(b, Check::new(&key, 1).with_ticket()).await.unwrap();
+        assert!(v.decision.is_allowed());
+        tickets.push(v.ticket.expect("a ticket"));
+    }
+    // Blocks of 1, 2 and 4 (two spent): 7 charged, 5 admitted, checks 3 and 5 from blocks.
+    assert_eq!(b.lease_stats().decided_locally, 2);
+    assert_eq!(left(&exact, &key).await, 93);
+    // Cancelling one decided from a block, and one that took a block, refunds in Redis.
+    let fifth = tickets.pop().unwrap();
+    s.settle(b, fifth, 0).await.unwrap();
+    assert_eq!(left(&exact, &key).await, 94);
+    let fourth = tickets.pop().unwrap();
+    s.settle(b, fourth, 3).await.unwrap();
+    assert_eq!(left(&exact, &key).await, 92, "settled at 3: 2 more charged");
+}

@@ -49,7 +49,7 @@ const CAPACITY: usize = 4096;
 /// leased in large blocks, and near its limit each instance leases one unit at a time, which
 /// is exact.
 ///
-/// # What each mode guarantees
+/// # Scaling past one Redis: what each mode guarantees
 ///
 /// For `N` instances leasing one key, blocks of at most `B` units
 /// ([`max_block`](Self::max_block)), a rate of `R` units per second and a burst (capacity)
@@ -69,6 +69,11 @@ const CAPACITY: usize = 4096;
 /// at most `B` units. Windows lose nothing to this: a block is spent only in the window it
 /// was charged to (its lifetime ends when the window ends).
 ///
+/// Measured with `cargo run --release --example fleet --features redis` (N = 1, 2, 4 and 8
+/// instances in one process, 64 tasks, one hot key and 10,000 cold keys, exact and lease
+/// mode, beside a plain `INCR` loop): it prints, per line, the checks per second, Redis CPU
+/// per admitted check, the worst window against the limit, the over-admission and the bound.
+///
 /// **Faults.** A block is never spent after its lifetime (with Redis time, this process
 /// counts the lifetime from the server's instant of the grant plus the time since the call
 /// was sent, so it ends early by up to a round trip, never late). While Redis fails, units
@@ -80,10 +85,13 @@ const CAPACITY: usize = 4096;
 /// the tier's reset counted down from the grant; a check that took a new block reports what
 /// exact mode would have at that instant (the block's rest plus what Redis has left).
 ///
-/// **Which checks lease.** Policing checks of a cost above 0 without a ticket; shaping checks,
-/// queries and checks with a ticket (which may be settled later) are exact. A check whose
-/// block Redis refuses is refused exactly as in exact mode (the refusal is for its own cost),
-/// and is then kept by the [local refusals](super::RedisStoreBuilder::local_refusals).
+/// **Which checks lease.** Policing checks of a cost above 0; shaping checks and queries are
+/// exact. A check whose block Redis refuses is refused exactly as in exact mode (the refusal
+/// is for its own cost), and is then kept by the
+/// [local refusals](super::RedisStoreBuilder::local_refusals). A check that asks for a ticket
+/// gets one for its units as Redis charged them (at the block's grant): settling it refunds
+/// to, or charges, the key in Redis as it would an exact charge made at that instant (a fixed
+/// window's refund reaches the window only while it lasts).
 ///
 /// ```
 /// use std::time::Duration;
@@ -354,13 +362,14 @@ impl Leases {
     }
 
     /// Takes `cost` units of `key`'s block, if this process holds one that is live and has
-    /// them: the check's decision, made here.
+    /// them: the check's decision, made here, and the instant Redis granted the block (when
+    /// the units were charged).
     pub(crate) fn spend_key(
         &self,
         key: &Key,
         cost: u64,
         clock_now: Option<u64>,
-    ) -> Option<Decision> {
+    ) -> Option<(Decision, u64)> {
         let slot = {
             let map = self.shard(key).lock().unwrap_or_else(PoisonError::into_inner);
             Arc::clone(map.get(key)?)
@@ -369,7 +378,12 @@ impl Leases {
     }
 
     /// [`spend_key`](Self::spend_key) on a slot at hand.
-    pub(crate) fn spend(&self, slot: &Slot, cost: u64, clock_now: Option<u64>) -> Option<Decision> {
+    pub(crate) fn spend(
+        &self,
+        slot: &Slot,
+        cost: u64,
+        clock_now: Option<u64>,
+    ) -> Option<(Decision, u64)> {
         let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
         if held.left < cost || cost == 0 {
             return None;
@@ -380,8 +394,8 @@ impl Leases {
         }
         held.left -= cost;
         let mut d = held.decision.clone()?;
-        let elapsed = now - held.decided;
-        let left = held.left;
+        let (decided, left) = (held.decided, held.left);
+        let elapsed = now - decided;
         drop(held);
         d.outcome = Outcome::Allowed;
         d.delay = 0;
@@ -394,7 +408,7 @@ impl Leases {
         }
         self.counters.local.fetch_add(1, Ordering::Relaxed);
         self.metrics.local();
-        Some(d)
+        Some((d, decided))
     }
 
     /// Before a check of `cost` takes a new block (with the slot's refill lock held): the
@@ -662,7 +676,8 @@ mod tests {
             // What exact mode reports at the grant: Redis's rest plus the block's.
             assert_eq!(d.tiers()[0].remaining(), (50 + b.block - 1).min(100));
             for left in (0..b.block - 1).rev() {
-                let d = l.spend(&slot, 1, Some(S + MS)).unwrap();
+                let (d, granted_at) = l.spend(&slot, 1, Some(S + MS)).unwrap();
+                assert_eq!(granted_at, S);
                 // Then what this instance holds, counted down from the grant.
                 assert_eq!(d.tiers()[0].remaining(), left);
                 assert_eq!(d.tiers()[0].reset_after(), Duration::from_nanos(S - MS));

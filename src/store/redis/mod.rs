@@ -32,8 +32,8 @@ use smallvec::SmallVec;
 
 use super::memory::{MemoryPolicy, MemoryTicket};
 use super::{Check, MemoryStore, Store, Verdict};
-use crate::algorithm::Charges;
 use crate::algorithm::slots::{self, Holds};
+use crate::algorithm::{Charge, Charges};
 use crate::clock::{AnyClock, Clock, duration_to_nanos};
 use crate::decision::{Decision, Source};
 use crate::error::{ConfigError, StoreError};
@@ -116,6 +116,13 @@ const DEFAULT_LOCAL_REFUSALS: usize = 4096;
 ///   Redis would give and no call: a key under attack costs Redis about one call per refusal
 ///   period per instance. Exact, bounded in memory, forgotten when this process gives units
 ///   back; see [`RedisStoreBuilder::local_refusals`] for what is kept and for how long.
+/// - **Lease mode for hot keys (opt-in, per policy).** With
+///   [`lease_policy`](RedisStoreBuilder::lease_policy), an instance takes a block of a key's
+///   budget from Redis in one script call and spends it locally: a hot key costs Redis one
+///   call per block. Fixed windows still admit at most their limit in every window; GCRA and
+///   the buckets at most `N × max_block` beyond theirs over any interval (`N` instances);
+///   sliding windows and policies of several kinds stay exact. See [`Lease`] for the bounds,
+///   block sizing, faults and headers.
 /// - **Failures, per node.** Each server (each Cluster master) has its own circuit breaker: after
 ///   [`failure_threshold`](RedisStoreBuilder::circuit_breaker) consecutive failed calls it stops
 ///   calling that server for `open_for`, then probes it with one call. A call fails when the
@@ -338,6 +345,25 @@ impl RedisPolicy {
         if let Some(l) = &self.leases {
             l.sweep().await;
         }
+    }
+
+    /// For a check that asked for one, the ticket of `check.cost` units taken from a block
+    /// Redis granted at `granted` (nanoseconds): settled in Redis like an exact charge made
+    /// then, since that is when Redis charged them.
+    fn lease_ticket(&self, check: &Check<'_>, granted: u64) -> Option<RedisTicket> {
+        if !check.ticket {
+            return None;
+        }
+        let at = granted / self.policy.unit();
+        let charges =
+            self.policy.tiers().iter().map(|_| Charge { at, cost: check.cost, id: 0 }).collect();
+        Some(RedisTicket(Charged::Remote(Box::new(Remote {
+            state_key: self.state_key(check.key),
+            refusal: self.refusal_hash(check.key),
+            cost: check.cost,
+            charges,
+            lease: None,
+        }))))
     }
 
     /// The hash a ticket keeps to forget its key's refusal when it gives charges back.
@@ -880,8 +906,8 @@ impl Store for RedisStore {
         }
         let leases = bound.leases.as_ref().filter(|_| leases_check(&check))?;
         let now = self.inner.settings.clock.as_ref().map(AnyClock::now);
-        let decision = leases.spend_key(check.key, check.cost, now)?;
-        Some(Ok(Verdict { decision, ticket: None }))
+        let (decision, granted) = leases.spend_key(check.key, check.cost, now)?;
+        Some(Ok(Verdict { decision, ticket: bound.lease_ticket(&check, granted) }))
     }
 
     async fn check(
@@ -895,8 +921,8 @@ impl Store for RedisStore {
         }
         if let Some(leases) = bound.leases.as_ref().filter(|_| leases_check(&check)) {
             let now = inner.settings.clock.as_ref().map(AnyClock::now);
-            if let Some(decision) = leases.spend_key(check.key, check.cost, now) {
-                return Ok(Verdict { decision, ticket: None });
+            if let Some((decision, granted)) = leases.spend_key(check.key, check.cost, now) {
+                return Ok(Verdict { decision, ticket: bound.lease_ticket(&check, granted) });
             }
             if let Some(slot) = leases.slot(check.key) {
                 return self.check_leased(bound, leases, &slot, check).await;
@@ -1095,9 +1121,9 @@ impl Store for RedisStore {
 }
 
 /// Whether a check on a leasing binding takes units from a block: a policing check of a cost
-/// above 0 without a ticket.
+/// above 0.
 fn leases_check(check: &Check<'_>) -> bool {
-    check.cost > 0 && check.max_delay.is_none() && !check.ticket
+    check.cost > 0 && check.max_delay.is_none()
 }
 
 impl RedisStore {
@@ -1151,8 +1177,8 @@ impl RedisStore {
         let clock_now = || inner.settings.clock.as_ref().map(AnyClock::now);
         // One check at a time takes the key's next block; the others wait for it.
         let _refill = slot.refill.lock().await;
-        if let Some(decision) = leases.spend(slot, check.cost, clock_now()) {
-            return Ok(Verdict { decision, ticket: None });
+        if let Some((decision, granted)) = leases.spend(slot, check.cost, clock_now()) {
+            return Ok(Verdict { decision, ticket: bound.lease_ticket(&check, granted) });
         }
         if leases.start_sweeper() {
             if let Ok(handle) = tokio::runtime::Handle::try_current() {
@@ -1189,9 +1215,9 @@ impl RedisStore {
         bound.learn(&check, &decision, at, sent, epoch);
         let decision = match charges {
             Some(charges) => leases.granted(slot, check.cost, take, decision, charges, at, sent),
-            None => decision,
+            None => return Ok(Verdict { decision, ticket: None }),
         };
-        Ok(Verdict { decision, ticket: None })
+        Ok(Verdict { decision, ticket: bound.lease_ticket(&check, at) })
     }
 
     /// [`Store::check`] for a policy of several kinds.
