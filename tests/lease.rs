@@ -412,3 +412,32 @@ async fn a_ticket_from_a_block_settles_in_redis() {
     s.settle(b, fourth, 3).await.unwrap();
     assert_eq!(left(&exact, &key).await, 92, "settled at 3: 2 more charged");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_leasing_instances_keep_a_calendar_day_across_midnight() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    let midnight = 20_000 * 86_400 * S;
+    clock.set(midnight - 40 * MS);
+    // A GCRA tier that never binds, so that only the day ends blocks.
+    let policy = Policy::builder("daily")
+        .tier("second", Quota::per_second(10_000))
+        .calendar("day", tollgate::Calendar::per_day(300))
+        .build()
+        .unwrap();
+    let lease = Lease::new().max_block(32).lifetime(Duration::from_secs(1));
+    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+    let key = Key::text("hot");
+    // Every node asks every millisecond: 160 units in the day's last 40 ms (blocks grow, and
+    // are held at midnight), then 4,000 in the next day's first second for its 300.
+    let admitted = hammer(&nodes, &clock, &key, 1_040, |_, _| true).await;
+    let before = admitted.iter().filter(|t| **t < midnight).count();
+    let after = admitted.len() - before;
+    assert_eq!(before, 160);
+    assert!(after <= 300, "{after} admitted in a day of 300");
+    assert!(after >= 291, "{after} admitted: utilization under 97 %");
+    let day = check(&exact, &key, 0).await.tiers()[1].remaining();
+    assert_eq!(day as usize, 300 - after);
+    let local: u64 = nodes.iter().map(|n| n.1.lease_stats().decided_locally).sum();
+    assert!(local > admitted.len() as u64 / 2, "{local} of {} decided locally", admitted.len());
+}

@@ -16,11 +16,12 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use crate::algorithm::Charges;
+use crate::algorithm::calendar;
 use crate::clock::duration_to_nanos;
 use crate::decision::{Decision, NONE, Outcome};
 use crate::error::ConfigError;
 use crate::key::Key;
-use crate::quota::{Algorithm, Kind, Policy};
+use crate::quota::{Algorithm, Kind, Policy, Unit};
 
 /// Shards of a binding's map of leased keys.
 const SHARDS: usize = 16;
@@ -58,16 +59,22 @@ const CAPACITY: usize = 4096;
 /// | mode, algorithm | admitted beyond the exact limit | an instance that dies |
 /// |---|---|---|
 /// | exact (the default), every algorithm | 0 | strands nothing |
-/// | lease, fixed window | **0**: every unit admitted was charged to the window it is admitted in | its unspent block (≤ `B`) is lost to that window only |
+/// | lease, fixed window, calendar tiers | **0**: every unit admitted was charged to the window it is admitted in | its unspent block (≤ `B`) is lost to that window only |
 /// | lease, GCRA, token bucket, leaky bucket | in any interval of length `L`: at most `b + ⌊R·L⌋ + N·B` admitted, against `b + ⌊R·L⌋` for exact | its unspent block (≤ `B`) comes back as the key refills: within `B / R` |
-/// | lease asked for a sliding window (counter or log), or a policy with concurrency, calendar, penalty or reserve tiers | lease mode is refused when the policy is bound ([`lease_policy`](super::RedisStoreBuilder::lease_policy)), or the policy stays exact ([`lease`](super::RedisStoreBuilder::lease)) | — |
+/// | lease asked for a sliding window (counter or log), or a policy with concurrency, penalty or reserve tiers or tiers counting other units than requests | lease mode is refused when the policy is bound ([`lease_policy`](super::RedisStoreBuilder::lease_policy)), or the policy stays exact ([`lease`](super::RedisStoreBuilder::lease)) | — |
 ///
 /// Why `N·B` for the rate algorithms: a unit is admitted at most one lifetime after Redis
 /// charged it, so the units admitted in an interval are those Redis charged in it (at most
 /// what exact mode admits in it, since given-back units are charged again before they are
 /// admitted again) plus those held at its start, and each instance holds at most one block of
 /// at most `B` units. Windows lose nothing to this: a block is spent only in the window it
-/// was charged to (its lifetime ends when the window ends).
+/// was charged to (its lifetime ends when the first of its windows ends, fixed or calendar).
+/// A policy mixing rate and calendar tiers keeps each tier's own bound.
+///
+/// A policy with calendar tiers gives back the rest of a block with a call of its own, made
+/// before the call that takes the next block; its blocks are sized from what Redis had left
+/// at the last grant (a quarter of it at most), and a block Redis refuses is asked again at
+/// that size, down to the check's own cost.
 ///
 /// Measured with `cargo run --release --example fleet --features redis` (N = 1, 2, 4 and 8
 /// instances in one process, 64 tasks, one hot key and 10,000 cold keys, exact and lease
@@ -168,14 +175,16 @@ impl Lease {
 /// Why `policy` cannot lease: the tier that keeps it exact and the reason; `None` when it can.
 pub(crate) fn unleasable(policy: &Policy) -> Option<(String, String)> {
     let first = || policy.tiers().first().map(|t| t.name().to_owned()).unwrap_or_default();
-    if let Some(t) = policy.tiers().iter().find(|t| t.kind != Kind::Rate) {
-        let what = match t.kind {
-            Kind::Concurrency(_) => "a concurrency tier",
-            _ => "a calendar tier",
-        };
+    if let Some(t) = policy.tiers().iter().find(|t| matches!(t.kind, Kind::Concurrency(_))) {
         return Some((
             t.name().to_owned(),
-            format!("lease mode does not cover {what}; it stays exact"),
+            "lease mode does not cover concurrency tiers (their slots are not units a block can hold); it stays exact".into(),
+        ));
+    }
+    if let Some(t) = policy.tiers().iter().find(|t| t.unit() != Unit::Requests) {
+        return Some((
+            t.name().to_owned(),
+            "lease mode covers tiers counting requests only; it stays exact".into(),
         ));
     }
     if let Some(t) = policy.tiers().iter().find(|t| t.penalty.is_some() || t.reserve.is_some()) {
@@ -183,9 +192,6 @@ pub(crate) fn unleasable(policy: &Policy) -> Option<(String, String)> {
             t.name().to_owned(),
             "lease mode does not cover penalty boxes or priority reserves; they stay exact".into(),
         ));
-    }
-    if !policy.is_plain() {
-        return Some((first(), "lease mode covers tiers counting requests only".into()));
     }
     match policy.algorithm() {
         Algorithm::SlidingCounter | Algorithm::SlidingLog => Some((
@@ -252,6 +258,8 @@ struct Held {
     decision: Option<Decision>,
     /// The size of the next block to ask for (0: a key not leased yet, which asks for 1).
     next: u64,
+    /// What Redis had left of the key (the least over its tiers) at the last grant.
+    room: Option<u64>,
     /// The key, for the sweeper.
     key: Option<Key>,
 }
@@ -285,6 +293,8 @@ pub(crate) struct Begin {
     pub(crate) block: u64,
     /// The previous block's rest, given back by the same call.
     pub(crate) rest: Option<Rest>,
+    /// What Redis had left of the key at the last grant.
+    pub(crate) room: Option<u64>,
 }
 
 /// Leased keys by key.
@@ -430,7 +440,7 @@ impl Leases {
         };
         held.next = next.min(self.config.max_block);
         let rest = self.take_rest(&mut held);
-        Begin { block: held.next.max(cost), rest }
+        Begin { block: held.next.max(cost), rest, room: held.room }
     }
 
     fn take_rest(&self, held: &mut Held) -> Option<Rest> {
@@ -464,6 +474,7 @@ impl Leases {
         {
             let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
             let (next, key) = (held.next, held.key.take());
+            let room = decision.tiers.iter().map(|t| t.remaining).min();
             *held = Held {
                 left,
                 granted: take,
@@ -474,6 +485,7 @@ impl Leases {
                 until,
                 decision: Some(decision.clone()),
                 next,
+                room,
                 key,
             };
         }
@@ -499,20 +511,25 @@ impl Leases {
         self.metrics.returned(units);
     }
 
-    /// The end of the fixed window (of every tier) an instant falls in; `u64::MAX` for the
-    /// other algorithms.
+    /// The earliest end of the window an instant falls in, over the fixed window and
+    /// calendar tiers; `u64::MAX` without any.
     fn window_end(&self, at: u64) -> u64 {
-        if self.policy.algorithm() != Algorithm::FixedWindow {
-            return u64::MAX;
-        }
         let unit = self.policy.unit();
         let units = at / unit;
+        let fixed = self.policy.algorithm() == Algorithm::FixedWindow;
         self.policy
             .tiers()
             .iter()
-            .map(|t| {
-                let p = t.rate.period;
-                (units / p).saturating_add(1).saturating_mul(p).saturating_mul(unit)
+            .filter_map(|t| match &t.kind {
+                Kind::Rate if fixed => {
+                    let p = t.rate.period;
+                    Some((units / p).saturating_add(1).saturating_mul(p).saturating_mul(unit))
+                }
+                Kind::Calendar(spec) => {
+                    let end = u64::try_from(calendar::window_at(spec, at).1).unwrap_or(0);
+                    Some(end.saturating_mul(1_000_000_000))
+                }
+                _ => None,
             })
             .min()
             .unwrap_or(u64::MAX)
@@ -740,14 +757,19 @@ mod tests {
         let exact = [
             base().algorithm(Algorithm::SlidingCounter).build().unwrap(),
             base().algorithm(Algorithm::SlidingLog).build().unwrap(),
-            base().calendar("d", Calendar::per_day(100)).build().unwrap(),
             base().concurrency("c", Concurrency::new(2)).build().unwrap(),
+            base()
+                .tier("b", Quota::per_second(1_000).counting(Unit::RequestBytes))
+                .build()
+                .unwrap(),
             base().penalty("s", Penalty::new(Duration::from_secs(60))).build().unwrap(),
         ];
         for p in &exact {
             assert!(unleasable(p).is_some(), "{p:?}");
         }
-        assert_eq!(unleasable(&exact[2]).unwrap().0, "d");
+        assert_eq!(unleasable(&exact[3]).unwrap().0, "b");
+        let daily = base().algorithm(Algorithm::FixedWindow).calendar("d", Calendar::per_day(100));
+        assert_eq!(unleasable(&daily.build().unwrap()), None);
         assert!(Lease::new().max_block(0).validate().is_err());
         assert!(Lease::new().lifetime(Duration::from_micros(999)).validate().is_err());
         assert_eq!(Lease::new().bound(4), 256);

@@ -1121,9 +1121,9 @@ impl Store for RedisStore {
 }
 
 /// Whether a check on a leasing binding takes units from a block: a policing check of a cost
-/// above 0.
+/// above 0 on every tier.
 fn leases_check(check: &Check<'_>) -> bool {
-    check.cost > 0 && check.max_delay.is_none()
+    check.cost > 0 && check.max_delay.is_none() && check.costs.iter().all(|c| *c == check.cost)
 }
 
 impl RedisStore {
@@ -1186,6 +1186,9 @@ impl RedisStore {
             }
         }
         let begin = leases.begin(slot, check.cost, clock_now());
+        if bound.prepared.is_kinds() {
+            return self.check_leased_kinds(bound, leases, slot, check, begin).await;
+        }
         let returned = begin.rest.as_ref().map(|r| r.granted - r.spent);
         // The rest of the previous block is given back by this call: a give-back, which
         // refusals held of the key must not outlast.
@@ -1218,6 +1221,71 @@ impl RedisStore {
             None => return Ok(Verdict { decision, ticket: None }),
         };
         Ok(Verdict { decision, ticket: bound.lease_ticket(&check, at) })
+    }
+
+    /// [`check_leased`](Self::check_leased) for a policy with calendar tiers: the previous
+    /// block's rest is given back by a call of its own, then the next block is taken by a
+    /// check of its size on every tier (asked again smaller, down to the check's cost, when
+    /// Redis refuses it).
+    async fn check_leased_kinds(
+        &self,
+        bound: &RedisPolicy,
+        leases: &Leases,
+        slot: &lease::Slot,
+        check: Check<'_>,
+        begin: lease::Begin,
+    ) -> Result<Verdict<RedisTicket>, StoreError> {
+        let inner = &*self.inner;
+        let (prepared, policy) = (&bound.prepared, &bound.policy);
+        let n = policy.tiers().len();
+        let state_key = bound.state_key(check.key);
+        if let Some(rest) = &begin.rest {
+            let _forgetting = bound.forgetting(bound.refusal_hash(check.key));
+            let new: SmallVec<[u64; 4]> = (0..n).map(|_| rest.spent).collect();
+            let key = state_key.clone();
+            let holds = &bound.holds;
+            match settle_remote(inner, prepared, policy, holds, key, &rest.charges, &new, false)
+                .await
+            {
+                Ok(()) => leases.returned(rest.granted - rest.spent),
+                // It stays charged, at worst (see `Lease`, "Faults").
+                Err(error) => {
+                    tracing::debug!(%error, "tollgate: could not give a leased block back")
+                }
+            }
+        }
+        let mut block = begin.block;
+        if let Some(room) = begin.room {
+            block = block.min((room / 4).max(check.cost));
+        }
+        loop {
+            let costs: SmallVec<[u64; 4]> = (0..n).map(|_| block).collect();
+            let record = prepared.check_kinds(&costs, None, 0, check.priority, inner.app_now());
+            let keys = prepared.keys(state_key.clone());
+            let epoch = bound.refusal_epoch(check.key);
+            let sent = inner.settings.clock.is_none().then(Instant::now);
+            leases.called();
+            let answered = inner.submit(prepared, keys, record, prepared.check_reply_len()).await;
+            let decided = answered.and_then(|(reply, at)| {
+                script::decode_costs(policy, &|_| block, 0, check.priority, at, &reply)
+                    .map(|d| (d, at))
+            });
+            let ((decision, charges), at) = match decided {
+                Ok(decided) => decided,
+                Err(error) => return inner.fall_back(error, bound, check),
+            };
+            if let Some(charges) = charges {
+                let decision = leases.granted(slot, check.cost, block, decision, charges, at, sent);
+                return Ok(Verdict { decision, ticket: bound.lease_ticket(&check, at) });
+            }
+            if block <= check.cost {
+                // The check's own cost refused: the decision exact mode gives.
+                bound.learn(&check, &decision, at, sent, epoch);
+                return Ok(Verdict { decision, ticket: None });
+            }
+            let room = decision.tiers.iter().map(|t| t.remaining).min().unwrap_or(0);
+            block = (room / 4).max(check.cost).min(block - 1);
+        }
     }
 
     /// [`Store::check`] for a policy of several kinds.
