@@ -3,9 +3,10 @@
 //! exact mode and in lease mode, beside a plain `INCR` loop on one key with the same tasks.
 //!
 //! Run: `cargo run --release --example fleet --features redis -- [seconds per line]`
-//! (default 3; or `FLEET_SECS`; `FLEET_N=1,2,4,8` picks the fleet sizes). It starts its own
-//! `redis-server` (which must be on `PATH`) on a free 127.0.0.1 port with `--save ""` and kills
-//! it at the end.
+//! (default 3; or `FLEET_SECS`; `FLEET_N=1,2,4,8` picks the fleet sizes; `FLEET_DEBUG=1`
+//! prints each instance's lease counts). It exits with an error when a line admitted more
+//! than its bound. It starts its own `redis-server` (which must be on `PATH`) on a free
+//! 127.0.0.1 port with `--save ""` and kills it at the end.
 //!
 //! One line per (mode, tier, n):
 //!
@@ -139,6 +140,7 @@ struct Counts {
     windows: HashMap<u64, u64>,
 }
 
+/// Runs and prints one line; `false` when it admitted more than its bound.
 async fn line(
     url: &str,
     lease: bool,
@@ -146,7 +148,7 @@ async fn line(
     n: usize,
     secs: f64,
     info: &mut redis::Connection,
-) {
+) -> bool {
     let policy = tier.policy();
     let prefix = format!("fleet{}:", fastrand::u64(..));
     let mut limiters = Vec::new();
@@ -269,6 +271,7 @@ async fn line(
         out.push_str(&format!(" redis_cpu_us_per_refused={:.4}", cpu_us / refused.max(1) as f64));
     }
     println!("{out}");
+    over <= bound
 }
 
 async fn incr(url: &str, secs: f64) {
@@ -309,17 +312,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (_server, url) = start_redis()?;
     let mut info = redis::Client::open(url.as_str())?.get_connection()?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(async {
+    let held = rt.block_on(async {
         incr(&url, secs).await;
+        let mut held = true;
         for tier in [Tier::Window, Tier::Gcra, Tier::Attack] {
             for &n in &sizes {
                 // Interleaved: exact, then lease, for each size.
                 for lease in [false, true] {
-                    line(&url, lease, tier, n, secs, &mut info).await;
+                    held &= line(&url, lease, tier, n, secs, &mut info).await;
                 }
             }
         }
         incr(&url, secs).await;
+        held
     });
+    if !held {
+        return Err("a line admitted more than its bound (over_admitted > bound)".into());
+    }
     Ok(())
 }

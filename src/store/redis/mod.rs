@@ -1275,6 +1275,8 @@ impl RedisStore {
                 Err(error) => return inner.fall_back(error, bound, check),
             };
             if let Some(charges) = charges {
+                // An admission: refusals of the key held or in flight are dropped.
+                bound.learn(&check, &decision, at, sent, epoch);
                 let decision = leases.granted(slot, check.cost, block, decision, charges, at, sent);
                 return Ok(Verdict { decision, ticket: bound.lease_ticket(&check, at) });
             }
