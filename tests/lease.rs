@@ -441,3 +441,53 @@ async fn four_leasing_instances_keep_a_calendar_day_across_midnight() {
     let local: u64 = nodes.iter().map(|n| n.1.lease_stats().decided_locally).sum();
     assert!(local > admitted.len() as u64 / 2, "{local} of {} decided locally", admitted.len());
 }
+
+/// Two app instances behind the layer (which checks with a ticket), leasing one key: the fleet
+/// admits the quota once, most checks are decided from blocks, and the metrics say so.
+#[cfg(feature = "metrics")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_leasing_app_instances_enforce_one_limit_over_http_and_count_their_leases() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let prometheus = recorder.handle();
+    metrics::set_global_recorder(recorder).expect("the only recorder of this test binary");
+    let policy = Policy::single("fleet-lease", Quota::per_hour(30)).unwrap();
+    let lease = Lease::new().max_block(8).lifetime(Duration::from_secs(30));
+    let mut apps = Vec::new();
+    for _ in 0..2 {
+        let store = RedisStore::builder(server.url())
+            .lease_policy("fleet-lease", lease)
+            .timeout(Duration::from_secs(5))
+            .build()
+            .unwrap();
+        let layer = tollgate::RateLimitLayer::builder(policy.clone()).store(store).build().unwrap();
+        let app =
+            axum::Router::new().route("/", axum::routing::get(|| async { "ok" })).layer(layer);
+        apps.push(support::serve(app).await);
+    }
+    let client = support::client();
+    let (mut ok, mut limited) = (0, 0);
+    // One at a time, alternately: each instance keeps asking, so what it holds is spent.
+    for i in 0..100 {
+        let reply = support::get(&client, &apps[i % 2].url("/"), &[]).await;
+        match reply.status {
+            http::StatusCode::OK => ok += 1,
+            http::StatusCode::TOO_MANY_REQUESTS => limited += 1,
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert_eq!((ok, limited), (30, 70));
+    let text = prometheus.render();
+    let value = |series: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+    };
+    let grants = value(r#"tollgate_lease_grants_total{policy="fleet-lease"}"#);
+    let local = value(r#"tollgate_lease_checks_total{policy="fleet-lease",decided="local"}"#);
+    // Every admission took a block (its call) or units of one (no call).
+    assert_eq!(grants + local, 30);
+    assert!(local > 0 && grants < 30, "grants {grants}, local {local}");
+    assert!(text.contains(r#"tollgate_lease_block_units_count{policy="fleet-lease"}"#), "{text}");
+}
