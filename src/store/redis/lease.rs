@@ -132,6 +132,9 @@ impl Lease {
     /// The largest block an instance takes for a key, in the policy's units (default 64; at
     /// least 1, checked by [`build`](super::RedisStoreBuilder::build)). It bounds what an
     /// instance can strand and, for the rate algorithms, the extra admissions per instance.
+    /// An instance spends at most about one block per round trip to Redis on a key (its
+    /// checks wait while the next block is taken), so size it to what the key admits per
+    /// instance in a round trip or two: 512 for a key admitting 400,000 a second.
     #[must_use]
     pub const fn max_block(mut self, units: u64) -> Self {
         self.max_block = units;
