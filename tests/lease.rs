@@ -9,7 +9,7 @@ mod support;
 
 use std::time::Duration;
 
-use support::redis::Server;
+use support::redis::{Cluster, Server};
 use tollgate::clock::{Clock, FakeClock};
 use tollgate::key::Key;
 use tollgate::store::{Check, Lease, RedisPolicy, RedisStore, RedisStoreBuilder, Store};
@@ -490,4 +490,39 @@ async fn two_leasing_app_instances_enforce_one_limit_over_http_and_count_their_l
     assert_eq!(grants + local, 30);
     assert!(local > 0 && grants < 30, "grants {grants}, local {local}");
     assert!(text.contains(r#"tollgate_lease_block_units_count{policy="fleet-lease"}"#), "{text}");
+}
+
+/// On Redis Cluster: the lease script names only the key's state, in its slot; two leasing
+/// instances admit each key's limit once, across the three masters, with concurrent checks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leasing_instances_on_a_cluster_admit_each_keys_limit_once() {
+    let Some(cluster) = Cluster::start() else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let policy = Policy::builder("c")
+        .algorithm(Algorithm::FixedWindow)
+        .tier("minute", Quota::per_minute(50))
+        .build()
+        .unwrap();
+    let lease = Lease::new().max_block(16).lifetime(Duration::from_secs(30));
+    let nodes: Vec<_> = (0..2)
+        .map(|_| {
+            let builder = RedisStore::cluster_builder(cluster.urls()).lease_policy("c", lease);
+            let s = store(builder, &clock, "cluster:");
+            let b = s.bind(&policy).unwrap();
+            (s, b)
+        })
+        .collect();
+    let keys: Vec<Key> = (0..6).map(|i| Key::text(format!("k{i}"))).collect();
+    let mut admitted = vec![0u64; keys.len()];
+    for _ in 0..40 {
+        let asks = keys.iter().flat_map(|k| nodes.iter().map(move |n| check(n, k, 1)));
+        let decided = futures_join(asks).await;
+        for (i, d) in decided.iter().enumerate() {
+            admitted[i / nodes.len()] += u64::from(d.is_allowed());
+        }
+    }
+    assert_eq!(admitted, vec![50; keys.len()]);
+    let local: u64 = nodes.iter().map(|n| n.1.lease_stats().decided_locally).sum();
+    assert!(local > 0);
 }
