@@ -11,6 +11,10 @@
 //! | `tollgate_store_call_seconds` | histogram | `node` | Redis script calls, each deciding a batch |
 //! | `tollgate_breaker_state` | gauge | `node` | a Redis server's circuit breaker: 0 closed, 1 half-open, 2 open |
 //! | `tollgate_memory_keys` | gauge | | keys a `MemoryStore` holds (updated by its sweeper) |
+//! | `tollgate_lease_grants_total` | counter | `policy` | blocks Redis granted to this instance (`RedisStore` lease mode) |
+//! | `tollgate_lease_block_units` | histogram | `policy` | units in each block granted |
+//! | `tollgate_lease_returned_units_total` | counter | `policy` | unspent units of blocks given back to Redis |
+//! | `tollgate_lease_checks_total` | counter | `policy`, `decided` | leasing checks: `local` (from a block, no call) or `redis` (a call: a block granted, or refused) |
 //!
 //! ```
 //! use metrics_exporter_prometheus::PrometheusBuilder;
@@ -40,6 +44,78 @@ pub(crate) mod names {
     pub(crate) const STORE_CALL: &str = "tollgate_store_call_seconds";
     pub(crate) const BREAKER_STATE: &str = "tollgate_breaker_state";
     pub(crate) const MEMORY_KEYS: &str = "tollgate_memory_keys";
+    pub(crate) const LEASE_GRANTS: &str = "tollgate_lease_grants_total";
+    pub(crate) const LEASE_BLOCK: &str = "tollgate_lease_block_units";
+    pub(crate) const LEASE_RETURNED: &str = "tollgate_lease_returned_units_total";
+    pub(crate) const LEASE_CHECKS: &str = "tollgate_lease_checks_total";
+}
+
+/// A leasing binding's metrics (`RedisStore` lease mode).
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+pub(crate) struct LeaseMetrics {
+    #[cfg(feature = "metrics")]
+    grants: metrics::Counter,
+    #[cfg(feature = "metrics")]
+    block: metrics::Histogram,
+    #[cfg(feature = "metrics")]
+    returned: metrics::Counter,
+    /// Local, Redis.
+    #[cfg(feature = "metrics")]
+    checks: [metrics::Counter; 2],
+}
+
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+impl LeaseMetrics {
+    pub(crate) fn new(policy: &str) -> Self {
+        #[cfg(feature = "metrics")]
+        {
+            let p = || policy.to_owned();
+            Self {
+                grants: metrics::counter!(names::LEASE_GRANTS, "policy" => p()),
+                block: metrics::histogram!(names::LEASE_BLOCK, "policy" => p()),
+                returned: metrics::counter!(names::LEASE_RETURNED, "policy" => p()),
+                checks: [
+                    metrics::counter!(names::LEASE_CHECKS, "policy" => p(), "decided" => "local"),
+                    metrics::counter!(names::LEASE_CHECKS, "policy" => p(), "decided" => "redis"),
+                ],
+            }
+        }
+        #[cfg(not(feature = "metrics"))]
+        Self {}
+    }
+
+    /// A block of `units` was granted.
+    #[inline]
+    pub(crate) fn granted(&self, units: u64) {
+        #[cfg(feature = "metrics")]
+        {
+            self.grants.increment(1);
+            #[allow(clippy::cast_precision_loss)] // a block is far below 2^53
+            self.block.record(units as f64);
+        }
+    }
+
+    /// `units` were given back.
+    #[inline]
+    pub(crate) fn returned(&self, units: u64) {
+        #[cfg(feature = "metrics")]
+        self.returned.increment(units);
+    }
+
+    /// A check was decided from a block.
+    #[inline]
+    pub(crate) fn local(&self) {
+        #[cfg(feature = "metrics")]
+        self.checks[0].increment(1);
+    }
+
+    /// A leasing check called Redis.
+    #[inline]
+    pub(crate) fn remote(&self) {
+        #[cfg(feature = "metrics")]
+        self.checks[1].increment(1);
+    }
 }
 
 /// A Redis node's metrics.

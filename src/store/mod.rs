@@ -54,7 +54,8 @@ use std::time::Duration;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use self::redis::{
-    BreakerState, RedisPolicy, RedisStore, RedisStoreBuilder, RedisTicket, ServerInfo, ServerKind,
+    BreakerState, Lease, LeaseStats, RedisPolicy, RedisStore, RedisStoreBuilder, RedisTicket,
+    ServerInfo, ServerKind,
 };
 pub use memory::{MemoryPolicy, MemoryStore, MemoryStoreBuilder, MemoryTicket};
 

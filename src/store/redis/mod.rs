@@ -4,6 +4,7 @@ mod breaker;
 mod cluster;
 mod health;
 mod io;
+mod lease;
 mod node;
 mod refusals;
 mod script;
@@ -20,6 +21,8 @@ use tokio::sync::oneshot;
 
 pub use breaker::BreakerState;
 use cluster::SlotMap;
+use lease::Leases;
+pub use lease::{Lease, LeaseStats};
 use node::{Item, Node, Settings};
 pub use node::{ServerInfo, ServerKind};
 use refusals::Refusals;
@@ -29,8 +32,8 @@ use smallvec::SmallVec;
 
 use super::memory::{MemoryPolicy, MemoryTicket};
 use super::{Check, MemoryStore, Store, Verdict};
-use crate::algorithm::Charges;
 use crate::algorithm::slots::{self, Holds};
+use crate::algorithm::{Charge, Charges};
 use crate::clock::{AnyClock, Clock, duration_to_nanos};
 use crate::decision::{Decision, Source};
 use crate::error::{ConfigError, StoreError};
@@ -113,6 +116,13 @@ const DEFAULT_LOCAL_REFUSALS: usize = 4096;
 ///   Redis would give and no call: a key under attack costs Redis about one call per refusal
 ///   period per instance. Exact, bounded in memory, forgotten when this process gives units
 ///   back; see [`RedisStoreBuilder::local_refusals`] for what is kept and for how long.
+/// - **Lease mode for hot keys (opt-in, per policy).** With
+///   [`lease_policy`](RedisStoreBuilder::lease_policy), an instance takes a block of a key's
+///   budget from Redis in one script call and spends it locally: a hot key costs Redis one
+///   call per block. Fixed windows still admit at most their limit in every window; GCRA and
+///   the buckets at most `N × max_block` beyond theirs over any interval (`N` instances);
+///   sliding windows and policies of several kinds stay exact. See [`Lease`] for the bounds,
+///   block sizing, faults and headers.
 /// - **Failures, per node.** Each server (each Cluster master) has its own circuit breaker: after
 ///   [`failure_threshold`](RedisStoreBuilder::circuit_breaker) consecutive failed calls it stops
 ///   calling that server for `open_for`, then probes it with one call. A call fails when the
@@ -194,6 +204,10 @@ struct Inner {
     fallback: Option<MemoryStore>,
     /// Entries of each binding's local refusals (0: none).
     refusals: usize,
+    /// Lease mode for every policy that can lease.
+    lease: Option<Lease>,
+    /// Lease mode by policy name.
+    lease_policies: HashMap<String, Lease>,
 }
 
 enum Topology {
@@ -240,6 +254,8 @@ pub struct RedisPolicy {
     local: Option<MemoryPolicy>,
     /// Refusals answered without asking Redis (see [`RedisStoreBuilder::local_refusals`]).
     refusals: Option<Refusals>,
+    /// Blocks of hot keys held by this process (see [`Lease`]).
+    leases: Option<Arc<Leases>>,
 }
 
 impl fmt::Debug for RedisPolicy {
@@ -302,6 +318,52 @@ impl RedisPolicy {
     #[must_use]
     pub fn local_refusals(&self) -> usize {
         self.refusals.as_ref().map_or(0, Refusals::len)
+    }
+
+    /// The lease mode this binding runs in, if any (see [`Lease`]).
+    #[must_use]
+    pub fn lease(&self) -> Option<Lease> {
+        self.leases.as_ref().map(|l| l.config())
+    }
+
+    /// What this binding's leases have done since it was made (all zeros without lease mode).
+    #[must_use]
+    pub fn lease_stats(&self) -> LeaseStats {
+        self.leases.as_ref().map(|l| l.stats()).unwrap_or_default()
+    }
+
+    /// Keys this binding holds a lease slot for now (a block, or the history that sizes the
+    /// next one; at most 4,096, beyond which keys are checked exactly).
+    #[must_use]
+    pub fn leased_keys(&self) -> usize {
+        self.leases.as_ref().map_or(0, |l| l.len())
+    }
+
+    /// Gives back to Redis now the unspent units of every block that ended (the sweeper does
+    /// so every lease lifetime by itself).
+    pub async fn return_ended_leases(&self) {
+        if let Some(l) = &self.leases {
+            l.sweep().await;
+        }
+    }
+
+    /// For a check that asked for one, the ticket of `check.cost` units taken from a block
+    /// Redis granted at `granted` (nanoseconds): settled in Redis like an exact charge made
+    /// then, since that is when Redis charged them.
+    fn lease_ticket(&self, check: &Check<'_>, granted: u64) -> Option<RedisTicket> {
+        if !check.ticket {
+            return None;
+        }
+        let at = granted / self.policy.unit();
+        let charges =
+            self.policy.tiers().iter().map(|_| Charge { at, cost: check.cost, id: 0 }).collect();
+        Some(RedisTicket(Charged::Remote(Box::new(Remote {
+            state_key: self.state_key(check.key),
+            refusal: self.refusal_hash(check.key),
+            cost: check.cost,
+            charges,
+            lease: None,
+        }))))
     }
 
     /// The hash a ticket keeps to forget its key's refusal when it gives charges back.
@@ -381,11 +443,11 @@ struct Remote {
     cost: u64,
     charges: Charges,
     /// The concurrency slots it holds: released when it is dropped.
-    lease: Option<Lease>,
+    lease: Option<Slots>,
 }
 
 /// Leased concurrency slots, and what releasing them needs.
-struct Lease {
+struct Slots {
     id: u64,
     store: Arc<Inner>,
     prepared: Arc<Prepared>,
@@ -393,9 +455,9 @@ struct Lease {
     holds: Arc<Holds>,
 }
 
-impl fmt::Debug for Lease {
+impl fmt::Debug for Slots {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Lease").field("id", &self.id).finish_non_exhaustive()
+        f.debug_struct("Slots").field("id", &self.id).finish_non_exhaustive()
     }
 }
 
@@ -413,7 +475,7 @@ impl Drop for Remote {
     }
 }
 
-impl Lease {
+impl Slots {
     /// Settles `charges` at `new` (per tier) in Redis, releasing the slots with `release`
     /// (and recording their holds).
     async fn settle(
@@ -816,25 +878,36 @@ impl Store for RedisStore {
     fn bind(&self, policy: &Policy) -> Result<RedisPolicy, ConfigError> {
         script::validate(policy)?;
         let inner = &self.inner;
+        let key_parts = script::key_parts(&inner.prefix, policy);
+        let prepared = Arc::new(Prepared::new(policy, inner.grace_ms));
+        let leases = self.leases_for(policy, &key_parts, &prepared)?;
         Ok(RedisPolicy {
             policy: policy.clone(),
-            key_parts: script::key_parts(&inner.prefix, policy),
+            key_parts,
             key_names: inner.key_names,
-            prepared: Arc::new(Prepared::new(policy, inner.grace_ms)),
+            prepared,
             holds: Arc::new(Holds::new(policy)),
             local: inner.fallback.as_ref().map(|local| local.bind_policy(policy)),
             refusals: Refusals::new(policy, inner.refusals),
+            leases,
         })
     }
 
     /// Answers at once the checks this process holds a refusal for (see
-    /// [`RedisStoreBuilder::local_refusals`]); `None` for the others, which ask Redis.
+    /// [`RedisStoreBuilder::local_refusals`]), and in lease mode those its block of the key
+    /// covers (see [`Lease`]); `None` for the others, which ask Redis.
     fn check_sync(
         &self,
         bound: &RedisPolicy,
         check: Check<'_>,
     ) -> Option<Result<Verdict<RedisTicket>, StoreError>> {
-        bound.local_refusal(&self.inner, &check).map(Ok)
+        if let Some(verdict) = bound.local_refusal(&self.inner, &check) {
+            return Some(Ok(verdict));
+        }
+        let leases = bound.leases.as_ref().filter(|_| leases_check(&check))?;
+        let now = self.inner.settings.clock.as_ref().map(AnyClock::now);
+        let (decision, granted) = leases.spend_key(check.key, check.cost, now)?;
+        Some(Ok(Verdict { decision, ticket: bound.lease_ticket(&check, granted) }))
     }
 
     async fn check(
@@ -845,6 +918,15 @@ impl Store for RedisStore {
         let inner = &*self.inner;
         if let Some(verdict) = bound.local_refusal(inner, &check) {
             return Ok(verdict);
+        }
+        if let Some(leases) = bound.leases.as_ref().filter(|_| leases_check(&check)) {
+            let now = inner.settings.clock.as_ref().map(AnyClock::now);
+            if let Some((decision, granted)) = leases.spend_key(check.key, check.cost, now) {
+                return Ok(Verdict { decision, ticket: bound.lease_ticket(&check, granted) });
+            }
+            if let Some(slot) = leases.slot(check.key) {
+                return self.check_leased(bound, leases, &slot, check).await;
+            }
         }
         let prepared = &bound.prepared;
         if prepared.is_kinds() {
@@ -1038,7 +1120,176 @@ impl Store for RedisStore {
     }
 }
 
+/// Whether a check on a leasing binding takes units from a block: a policing check of a cost
+/// above 0 on every tier.
+fn leases_check(check: &Check<'_>) -> bool {
+    check.cost > 0 && check.max_delay.is_none() && check.costs.iter().all(|c| *c == check.cost)
+}
+
 impl RedisStore {
+    /// The leases of `policy` as the builder configured them: `None` without lease mode, or
+    /// for a policy that cannot lease under [`RedisStoreBuilder::lease`] (it stays exact).
+    ///
+    /// # Errors
+    /// [`ConfigError::UnsupportedByStore`] for a policy named by
+    /// [`RedisStoreBuilder::lease_policy`] that cannot lease.
+    fn leases_for(
+        &self,
+        policy: &Policy,
+        key_parts: &(String, String),
+        prepared: &Arc<Prepared>,
+    ) -> Result<Option<Arc<Leases>>, ConfigError> {
+        let inner = &self.inner;
+        let (config, named) = match inner.lease_policies.get(policy.name()) {
+            Some(l) => (*l, true),
+            None => match inner.lease {
+                Some(l) => (l, false),
+                None => return Ok(None),
+            },
+        };
+        if let Some((tier, reason)) = lease::unleasable(policy) {
+            if named {
+                return Err(ConfigError::UnsupportedByStore { store: "RedisStore", tier, reason });
+            }
+            tracing::info!(policy = policy.name(), %tier, %reason, "tollgate: this policy is checked exactly");
+            return Ok(None);
+        }
+        let mut leases = Leases::new(policy, config);
+        leases.back = Some(lease::Back {
+            inner: Arc::clone(inner),
+            prepared: Arc::clone(prepared),
+            key_parts: key_parts.clone(),
+            key_names: inner.key_names,
+        });
+        Ok(Some(Arc::new(leases)))
+    }
+
+    /// [`Store::check`] in lease mode: from this process's block of the key, or with a call
+    /// that gives back the rest of the previous block and takes the next (see [`Lease`]).
+    async fn check_leased(
+        &self,
+        bound: &RedisPolicy,
+        leases: &Arc<Leases>,
+        slot: &lease::Slot,
+        check: Check<'_>,
+    ) -> Result<Verdict<RedisTicket>, StoreError> {
+        let inner = &*self.inner;
+        let clock_now = || inner.settings.clock.as_ref().map(AnyClock::now);
+        // One check at a time takes the key's next block; the others wait for it.
+        let _refill = slot.refill.lock().await;
+        if let Some((decision, granted)) = leases.spend(slot, check.cost, clock_now()) {
+            return Ok(Verdict { decision, ticket: bound.lease_ticket(&check, granted) });
+        }
+        if leases.start_sweeper() {
+            if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                handle.spawn(lease::sweeper(Arc::downgrade(leases), leases.lifetime()));
+            }
+        }
+        let begin = leases.begin(slot, check.cost, clock_now());
+        if bound.prepared.is_kinds() {
+            return self.check_leased_kinds(bound, leases, slot, check, begin).await;
+        }
+        let returned = begin.rest.as_ref().map(|r| r.granted - r.spent);
+        // The rest of the previous block is given back by this call: a give-back, which
+        // refusals held of the key must not outlast.
+        let _forgetting = returned.map(|_| bound.forgetting(bound.refusal_hash(check.key)));
+        let prepared = &bound.prepared;
+        let record = prepared.lease(check.cost, begin.block, begin.rest.as_ref());
+        let keys = prepared.keys(bound.state_key(check.key));
+        let epoch = bound.refusal_epoch(check.key);
+        let sent = inner.settings.clock.is_none().then(Instant::now);
+        leases.called();
+        let answered = inner.submit(prepared, keys, record, prepared.lease_reply_len()).await;
+        let decided = answered.and_then(|(reply, at)| {
+            let (take, reply) =
+                reply.split_last().ok_or_else(|| StoreError::backend("empty lease reply"))?;
+            let take = u64::try_from(*take).map_err(|_| StoreError::backend("negative lease"))?;
+            script::decode(&bound.policy, take, at, reply).map(|d| (d, take, at))
+        });
+        let ((decision, charges), take, at) = match decided {
+            Ok(decided) => decided,
+            // The previous block's rest may or may not have been given back: it stays charged
+            // at worst (see `Lease`, "Faults").
+            Err(error) => return inner.fall_back(error, bound, check),
+        };
+        if let Some(units) = returned {
+            leases.returned(units);
+        }
+        bound.learn(&check, &decision, at, sent, epoch);
+        let decision = match charges {
+            Some(charges) => leases.granted(slot, check.cost, take, decision, charges, at, sent),
+            None => return Ok(Verdict { decision, ticket: None }),
+        };
+        Ok(Verdict { decision, ticket: bound.lease_ticket(&check, at) })
+    }
+
+    /// [`check_leased`](Self::check_leased) for a policy with calendar tiers: the previous
+    /// block's rest is given back by a call of its own, then the next block is taken by a
+    /// check of its size on every tier (asked again smaller, down to the check's cost, when
+    /// Redis refuses it).
+    async fn check_leased_kinds(
+        &self,
+        bound: &RedisPolicy,
+        leases: &Leases,
+        slot: &lease::Slot,
+        check: Check<'_>,
+        begin: lease::Begin,
+    ) -> Result<Verdict<RedisTicket>, StoreError> {
+        let inner = &*self.inner;
+        let (prepared, policy) = (&bound.prepared, &bound.policy);
+        let n = policy.tiers().len();
+        let state_key = bound.state_key(check.key);
+        if let Some(rest) = &begin.rest {
+            let _forgetting = bound.forgetting(bound.refusal_hash(check.key));
+            let new: SmallVec<[u64; 4]> = (0..n).map(|_| rest.spent).collect();
+            let key = state_key.clone();
+            let holds = &bound.holds;
+            match settle_remote(inner, prepared, policy, holds, key, &rest.charges, &new, false)
+                .await
+            {
+                Ok(()) => leases.returned(rest.granted - rest.spent),
+                // It stays charged, at worst (see `Lease`, "Faults").
+                Err(error) => {
+                    tracing::debug!(%error, "tollgate: could not give a leased block back")
+                }
+            }
+        }
+        let mut block = begin.block;
+        if let Some(room) = begin.room {
+            block = block.min((room / 4).max(check.cost));
+        }
+        loop {
+            let costs: SmallVec<[u64; 4]> = (0..n).map(|_| block).collect();
+            let record = prepared.check_kinds(&costs, None, 0, check.priority, inner.app_now());
+            let keys = prepared.keys(state_key.clone());
+            let epoch = bound.refusal_epoch(check.key);
+            let sent = inner.settings.clock.is_none().then(Instant::now);
+            leases.called();
+            let answered = inner.submit(prepared, keys, record, prepared.check_reply_len()).await;
+            let decided = answered.and_then(|(reply, at)| {
+                script::decode_costs(policy, &|_| block, 0, check.priority, at, &reply)
+                    .map(|d| (d, at))
+            });
+            let ((decision, charges), at) = match decided {
+                Ok(decided) => decided,
+                Err(error) => return inner.fall_back(error, bound, check),
+            };
+            if let Some(charges) = charges {
+                // An admission: refusals of the key held or in flight are dropped.
+                bound.learn(&check, &decision, at, sent, epoch);
+                let decision = leases.granted(slot, check.cost, block, decision, charges, at, sent);
+                return Ok(Verdict { decision, ticket: bound.lease_ticket(&check, at) });
+            }
+            if block <= check.cost {
+                // The check's own cost refused: the decision exact mode gives.
+                bound.learn(&check, &decision, at, sent, epoch);
+                return Ok(Verdict { decision, ticket: None });
+            }
+            let room = decision.tiers.iter().map(|t| t.remaining).min().unwrap_or(0);
+            block = (room / 4).max(check.cost).min(block - 1);
+        }
+    }
+
     /// [`Store::check`] for a policy of several kinds.
     async fn check_kinds(
         &self,
@@ -1076,7 +1327,7 @@ impl RedisStore {
             slots::fill(policy, &bound.holds, &mut decision);
         }
         let ticket = charges.and_then(|charges| {
-            let slots = takes_slots.then(|| Lease {
+            let slots = takes_slots.then(|| Slots {
                 id: lease,
                 store: Arc::clone(&self.inner),
                 prepared: Arc::clone(prepared),
@@ -1120,6 +1371,8 @@ pub struct RedisStoreBuilder {
     open_for: Duration,
     fallback: Option<MemoryStore>,
     local_refusals: usize,
+    lease: Option<Lease>,
+    lease_policies: HashMap<String, Lease>,
 }
 
 impl fmt::Debug for RedisStoreBuilder {
@@ -1150,6 +1403,8 @@ impl RedisStoreBuilder {
             open_for: Duration::from_millis(500),
             fallback: Some(MemoryStore::new()),
             local_refusals: DEFAULT_LOCAL_REFUSALS,
+            lease: None,
+            lease_policies: HashMap::new(),
         }
     }
 
@@ -1318,6 +1573,23 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Lease mode for the policy named `policy` (see [`Lease`]): this instance takes blocks of
+    /// a key's budget from Redis in one call and spends them locally. Binding that policy fails
+    /// with [`ConfigError::UnsupportedByStore`] when it cannot lease (a sliding window, or a
+    /// concurrency, calendar, penalty or reserve tier). Overrides [`lease`](Self::lease) for
+    /// that policy. Instances in lease mode and in exact mode share one budget.
+    pub fn lease_policy(mut self, policy: impl Into<String>, lease: Lease) -> Self {
+        self.lease_policies.insert(policy.into(), lease);
+        self
+    }
+
+    /// Lease mode for every policy bound to the store that can lease (see [`Lease`]); the
+    /// others stay exact (logged at `info` when bound).
+    pub fn lease(mut self, lease: Lease) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
     /// Builds the store. Connects nothing yet.
     ///
     /// # Errors
@@ -1325,9 +1597,12 @@ impl RedisStoreBuilder {
     /// server, or one the `redis` crate cannot parse), `master_name` (empty), `master_url` (one
     /// the `redis` crate cannot parse, or given without Sentinel), `prefix` (with `{` or `}`),
     /// `timeout` (under 1 ms), `circuit_breaker` (a threshold of 0 or an open period under
-    /// 1 ms), `key_secret` (empty).
+    /// 1 ms), `key_secret` (empty), `lease` (a block of 0 units or a lifetime under 1 ms).
     pub fn build(self) -> Result<RedisStore, ConfigError> {
         let invalid = |setting, reason: String| ConfigError::Invalid { setting, reason };
+        for lease in self.lease.iter().chain(self.lease_policies.values()) {
+            lease.validate()?;
+        }
         if self.prefix.contains(['{', '}']) {
             return Err(invalid(
                 "prefix",
@@ -1418,6 +1693,8 @@ impl RedisStoreBuilder {
                 grace_ms: duration_to_nanos(self.ttl_grace).div_ceil(1_000_000),
                 fallback: self.fallback,
                 refusals: self.local_refusals,
+                lease: self.lease,
+                lease_policies: self.lease_policies,
             }),
         })
     }

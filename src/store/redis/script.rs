@@ -586,6 +586,35 @@ impl Prepared {
         record
     }
 
+    /// A lease: at least `cost` units and at most `block` (Redis grants at most a quarter of
+    /// what the key has left beyond `cost`), after settling the previous block `rest` at what
+    /// was spent of it.
+    pub(crate) fn lease(
+        &self,
+        cost: u64,
+        block: u64,
+        rest: Option<&super::lease::Rest>,
+    ) -> Vec<f64> {
+        let per_sec = NANOS_PER_SEC / self.unit;
+        let mut record = Vec::with_capacity(7 + 3 * self.ntiers);
+        record.extend([3.0, 0.0, 0.0, f(cost), f(block)]);
+        match rest {
+            Some(rest) => {
+                record.extend([f(rest.granted), f(rest.spent)]);
+                for c in &rest.charges {
+                    record.extend([f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
+                }
+            }
+            None => record.extend(std::iter::repeat_n(0.0, 2 + 3 * self.ntiers)),
+        }
+        record
+    }
+
+    /// The numbers a lease adds to the reply: a check's, then the units granted.
+    pub(crate) fn lease_reply_len(&self) -> usize {
+        self.check_reply_len() + 1
+    }
+
     /// The numbers a check adds to the reply.
     pub(crate) fn check_reply_len(&self) -> usize {
         HEAD + PER_TIER * self.ntiers

@@ -31,24 +31,50 @@ while i <= nc do
     TAT[name], KPOL[name] = tat, pol
     order[#order + 1] = name
   end
-  if op == 2 then
-    local old, new = C[i + 3], C[i + 4]
-    -- Every tier was charged at the same instant.
-    local c = clock_of(pol.unit)
-    local at = (C[i + 5] - c.s) * c.per + (C[i + 6] - c.u)
-    if at < 0 then at = 0 end
-    for t = 1, n do
-      local T = tiers[t].T
-      if new < old then
-        tat[t] = tat[t] - (old - new) * T
-      else
-        tat[t] = max(tat[t], at) + (new - old) * T
+  if op ~= 1 then
+    -- A settlement (op 2), or the lease of op 3 settling the node's previous lease first.
+    local s = i + 3
+    if op == 3 then s = i + 5 end
+    local old, new = C[s], C[s + 1]
+    if old ~= new then
+      -- Every tier was charged at the same instant.
+      local c = clock_of(pol.unit)
+      local at = (C[s + 2] - c.s) * c.per + (C[s + 3] - c.u)
+      if at < 0 then at = 0 end
+      for t = 1, n do
+        local T = tiers[t].T
+        if new < old then
+          tat[t] = tat[t] - (old - new) * T
+        else
+          tat[t] = max(tat[t], at) + (new - old) * T
+        end
       end
+      DIRTY[name] = true
     end
-    DIRTY[name] = true
+  end
+  if op == 2 then
     i = i + 5 + 3 * n
   else
     local cost, budget = C[i + 3], C[i + 4]
+    if op == 3 then
+      -- A lease: up to `budget` units (at least `cost`) of what every tier has now, a quarter
+      -- of it at most, so that a key near its limit is leased a unit at a time.
+      local block = budget
+      budget = 0
+      local avail = nil
+      for t = 1, n do
+        local tier = tiers[t]
+        local b = tat[t]
+        if b < 0 then b = 0 end
+        local room = tier.tau - b
+        local q = floor(room / tier.T)
+        if q * tier.T > room then q = q - 1 elseif (q + 1) * tier.T <= room then q = q + 1 end
+        if not avail or q < avail then avail = q end
+      end
+      local take = floor(avail / 4)
+      if take > block then take = block end
+      if take > cost then cost = take end
+    end
     if budget < 0 then budget = 0 end
     local over, wait = false, 0
     for t = 1, n do
@@ -96,8 +122,14 @@ while i <= nc do
       reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4], reply[r + 5] = q, b, own, violated, 0
       r = r + 5
     end
+    if op == 3 then
+      r = r + 1
+      reply[r] = cost
+      i = i + 7 + 3 * n
+    else
+      i = i + 5
+    end
     nreply = r
-    i = i + 5
   end
 end
 

@@ -50,12 +50,15 @@ while i <= #C do
     order[#order + 1] = st
   end
   local tiers = st.tiers
-  if op == 2 then
-    local old, new = C[i + 3], C[i + 4]
+  if op ~= 1 then
+    -- A settlement (op 2), or the lease of op 3 settling the node's previous lease first.
+    local s = i + 3
+    if op == 3 then s = i + 5 end
+    local old, new = C[s], C[s + 1]
     -- A settlement that changes what was charged moves the guard, as a charge does.
     if new ~= old then st.charged = true end
     for t = 1, n do
-      local j = i + 5 + (t - 1) * 3
+      local j = s + 2 + (t - 1) * 3
       local at = rel(st.c, C[j], C[j + 1])
       if new < old then
         F.refund(st, tiers[t], at, C[j + 2], old, old - new)
@@ -63,8 +66,23 @@ while i <= #C do
         F.charge(st, tiers[t], max(at, 0), new - old)
       end
     end
-  else
+  end
+  if op ~= 2 then
     local cost, max_delay = C[i + 3], C[i + 4]
+    if op == 3 then
+      -- A lease (fixed windows, GCRA and the buckets, policing): up to `max_delay` units (at
+      -- least `cost`) of what every tier has now, a quarter of it at most, so that a key near
+      -- its limit is leased a unit at a time.
+      local avail = nil
+      for t = 1, n do
+        local remaining = F.status(st, tiers[t])
+        if not avail or remaining < avail then avail = remaining end
+      end
+      local take = floor(avail / 4)
+      if take > max_delay then take = max_delay end
+      if take > cost then cost = take end
+      max_delay = -1
+    end
     local per = {}
     local over = false
     for t = 1, n do
@@ -117,6 +135,7 @@ while i <= #C do
       local p = per[t]
       out(remaining); out(reset); out(p[1]); out(p[2]); out(p[3])
     end
+    if op == 3 then out(cost) end
   end
   i = next_check(C, i, POL)
 end

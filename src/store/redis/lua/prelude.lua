@@ -12,13 +12,16 @@
 -- ARGV[1] struct '<ddd': clock (0 = the server's TIME, 1 = given), seconds, nanoseconds
 -- ARGV[2] the policies of the batch, doubles: unit (ns), ttl grace (ms), algorithm, tiers, then
 --         each tier's parameters
--- ARGV[3] the checks, doubles: op (1 check, 2 settle), key index, policy index, then for a
---         check its cost and shaping budget (-1 polices), for a settlement the old and new
---         cost and per tier the charge's instant (seconds, units) and entry id
+-- ARGV[3] the checks, doubles: op (1 check, 2 settle, 3 lease), key index, policy index, then
+--         for a check its cost and shaping budget (-1 polices), for a settlement the old and
+--         new cost and per tier the charge's instant (seconds, units) and entry id, for a
+--         lease its least cost and largest block, then a settlement of the previous lease
+--         (old cost, new cost, per tier instant and id: equal costs settle nothing)
 -- reply   packed doubles: per check, outcome (1 allowed, 0 limited, 2 cost above capacity),
 --         delay, retry (-1 none), then per tier remaining, reset, own retry (-1 none),
---         violated, entry id (nothing per settlement); durations in units from the unit `now`
---         falls in; last, the instant decided at (seconds, nanoseconds).
+--         violated, entry id (nothing per settlement), and for a lease the units charged;
+--         durations in units from the unit `now` falls in; last, the instant decided at
+--         (seconds, nanoseconds).
 
 local call, tonumber, floor, ceil, max, min = redis.call, tonumber, math.floor, math.ceil, math.max, math.min
 local sunpack, spack, srep, sformat = struct.unpack, struct.pack, string.rep, string.format
@@ -186,6 +189,7 @@ end
 -- The index of the check after the one at `i` in the checks `C`.
 local function next_check(C, i, POL)
   if C[i] == 2 then return i + 5 + 3 * POL[C[i + 2]].n end
+  if C[i] == 3 then return i + 7 + 3 * POL[C[i + 2]].n end
   return i + 5
 end
 

@@ -1,0 +1,810 @@
+//! Leases: blocks of a key's budget taken from Redis in one script call and spent by this
+//! process, so that a hot key costs Redis one call per block instead of one per check.
+//!
+//! Per key, this process holds at most one block at a time. A block is charged in Redis when
+//! it is granted (to every tier, at the grant's instant, as a check of its size would be);
+//! checks then take units from it here until it is spent or its lifetime ends. Whatever is
+//! left when it ends is given back to Redis: by the call that takes the next block (the same
+//! script call settles the old block first), by a sweeper that runs every lifetime, or when
+//! the binding is dropped. Taking the next block waits for that give-back, so a key never has
+//! two blocks of this process outstanding.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+
+use std::time::{Duration, Instant};
+
+use crate::algorithm::Charges;
+use crate::algorithm::calendar;
+use crate::clock::duration_to_nanos;
+use crate::decision::{Decision, NONE, Outcome};
+use crate::error::ConfigError;
+use crate::key::Key;
+use crate::quota::{Algorithm, Kind, Policy, Unit};
+
+/// Shards of a binding's map of leased keys.
+const SHARDS: usize = 16;
+
+/// Keys a binding holds leases for at most (a key past it is checked exactly).
+const CAPACITY: usize = 4096;
+
+/// Lease mode for hot keys on a [`RedisStore`](super::RedisStore), opted into per policy with
+/// [`RedisStoreBuilder::lease_policy`](super::RedisStoreBuilder::lease_policy) (or for every
+/// policy that can lease with [`RedisStoreBuilder::lease`](super::RedisStoreBuilder::lease)).
+/// Exact checks stay the default.
+///
+/// In lease mode an instance takes a **block** of units for a key from Redis in one script
+/// call and spends it locally, so Redis sees one call per block instead of one per check.
+/// The block is charged in Redis when it is granted; checks then take units from it in this
+/// process, with no call, until it is spent or its [lifetime](Self::lifetime) ends. What is
+/// left of it is then given back to Redis (settled like a refund): by the call that takes the
+/// key's next block, which settles the old one first, by a sweeper that runs every lifetime,
+/// or when the binding is dropped. An instance holds at most one block per key.
+///
+/// **Block size.** A key's first block is one unit (a key seen once costs what it costs in
+/// exact mode and leaves nothing behind). A block spent within its lifetime doubles the next
+/// one (up to [`max_block`](Self::max_block)); a block that ends unspent sizes the next one
+/// to what was spent of it. Redis grants at most a quarter of what the key has left on every
+/// tier (and at least the check's cost, if the key has it): a key far from its limit is
+/// leased in large blocks, and near its limit each instance leases one unit at a time, which
+/// is exact.
+///
+/// # Scaling past one Redis: what each mode guarantees
+///
+/// For `N` instances leasing one key, blocks of at most `B` units
+/// ([`max_block`](Self::max_block)), a rate of `R` units per second and a burst (capacity)
+/// of `b` units:
+///
+/// | mode, algorithm | admitted beyond the exact limit | an instance that dies |
+/// |---|---|---|
+/// | exact (the default), every algorithm | 0 | strands nothing |
+/// | lease, fixed window, calendar tiers | **0**: every unit admitted was charged to the window it is admitted in | its unspent block (≤ `B`) is lost to that window only |
+/// | lease, GCRA, token bucket, leaky bucket | in any interval of length `L`: at most `b + ⌊R·L⌋ + N·B` admitted, against `b + ⌊R·L⌋` for exact | its unspent block (≤ `B`) comes back as the key refills: within `B / R` |
+/// | lease asked for a sliding window (counter or log), or a policy with concurrency, penalty or reserve tiers or tiers counting other units than requests | lease mode is refused when the policy is bound ([`lease_policy`](super::RedisStoreBuilder::lease_policy)), or the policy stays exact ([`lease`](super::RedisStoreBuilder::lease)) | — |
+///
+/// Why `N·B` for the rate algorithms: a unit is admitted at most one lifetime after Redis
+/// charged it, so the units admitted in an interval are those Redis charged in it (at most
+/// what exact mode admits in it, since given-back units are charged again before they are
+/// admitted again) plus those held at its start, and each instance holds at most one block of
+/// at most `B` units. Windows lose nothing to this: a block is spent only in the window it
+/// was charged to (its lifetime ends when the first of its windows ends, fixed or calendar).
+/// A policy mixing rate and calendar tiers keeps each tier's own bound.
+///
+/// A policy with calendar tiers gives back the rest of a block with a call of its own, made
+/// before the call that takes the next block; its blocks are sized from what Redis had left
+/// at the last grant (a quarter of it at most), and a block Redis refuses is asked again at
+/// that size, down to the check's own cost.
+///
+/// Measured with `cargo run --release --example fleet --features redis` (N = 1, 2, 4 and 8
+/// instances in one process, 64 tasks, one hot key and 10,000 cold keys, exact and lease
+/// mode, beside a plain `INCR` loop): it prints, per line, the checks per second, Redis CPU
+/// per admitted check, the worst window against the limit, the over-admission and the bound.
+///
+/// **Faults.** A block is never spent after its lifetime (with Redis time, this process
+/// counts the lifetime from the server's instant of the grant plus the time since the call
+/// was sent, so it ends early by up to a round trip, never late). While Redis fails, units
+/// already granted are still spent (Redis charged them), and every check that needs a new
+/// block is decided as in exact mode: by the local fallback, or the layer's failure policy.
+///
+/// **Headers.** A check decided from a block reports, per tier, `remaining` as the units this
+/// instance still holds of the block (what it can promise; never more than the key has), and
+/// the tier's reset counted down from the grant; a check that took a new block reports what
+/// exact mode would have at that instant (the block's rest plus what Redis has left).
+///
+/// **Which checks lease.** Policing checks of a cost above 0; shaping checks and queries are
+/// exact. A check whose block Redis refuses is refused exactly as in exact mode (the refusal
+/// is for its own cost), and is then kept by the
+/// [local refusals](super::RedisStoreBuilder::local_refusals). A check that asks for a ticket
+/// gets one for its units as Redis charged them (at the block's grant): settling it refunds
+/// to, or charges, the key in Redis as it would an exact charge made at that instant (a fixed
+/// window's refund reaches the window only while it lasts).
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::store::{Lease, RedisStore};
+///
+/// # fn main() -> Result<(), tollgate::ConfigError> {
+/// let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100));
+/// assert_eq!(lease.bound(8), 512); // 8 instances: at most 512 units beyond GCRA's limit
+/// let store = RedisStore::builder("redis://127.0.0.1:6380/").lease_policy("search", lease).build()?;
+/// # let _ = store; Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    max_block: u64,
+    lifetime: Duration,
+}
+
+impl Default for Lease {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Lease {
+    /// Blocks of at most 64 units, each spent within 100 ms of its grant.
+    #[must_use]
+    pub const fn new() -> Self {
+        Self { max_block: 64, lifetime: Duration::from_millis(100) }
+    }
+
+    /// The largest block an instance takes for a key, in the policy's units (default 64; at
+    /// least 1, checked by [`build`](super::RedisStoreBuilder::build)). It bounds what an
+    /// instance can strand and, for the rate algorithms, the extra admissions per instance.
+    /// An instance spends at most about one block per round trip to Redis on a key (its
+    /// checks wait while the next block is taken), so size it to what the key admits per
+    /// instance in a round trip or two: 512 for a key admitting 400,000 a second.
+    #[must_use]
+    pub const fn max_block(mut self, units: u64) -> Self {
+        self.max_block = units;
+        self
+    }
+
+    /// How long after its grant a block may be spent (default 100 ms; at least 1 ms, checked
+    /// by [`build`](super::RedisStoreBuilder::build)). A fixed window's block also ends with
+    /// its window.
+    #[must_use]
+    pub const fn lifetime(mut self, lifetime: Duration) -> Self {
+        self.lifetime = lifetime;
+        self
+    }
+
+    /// The largest block, in units.
+    #[must_use]
+    pub const fn block(&self) -> u64 {
+        self.max_block
+    }
+
+    /// The stated bound on admissions beyond the exact limit for GCRA and the buckets with
+    /// `instances` instances leasing one key, in units: `instances × max_block` (saturating).
+    /// Fixed windows admit nothing beyond their limit.
+    #[must_use]
+    pub const fn bound(&self, instances: u64) -> u64 {
+        instances.saturating_mul(self.max_block)
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        if self.max_block == 0 || self.lifetime < Duration::from_millis(1) {
+            return Err(ConfigError::Invalid {
+                setting: "lease",
+                reason: "the block must be at least 1 unit and the lifetime at least 1 ms".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Why `policy` cannot lease: the tier that keeps it exact and the reason; `None` when it can.
+pub(crate) fn unleasable(policy: &Policy) -> Option<(String, String)> {
+    let first = || policy.tiers().first().map(|t| t.name().to_owned()).unwrap_or_default();
+    if let Some(t) = policy.tiers().iter().find(|t| matches!(t.kind, Kind::Concurrency(_))) {
+        return Some((
+            t.name().to_owned(),
+            "lease mode does not cover concurrency tiers (their slots are not units a block can hold); it stays exact".into(),
+        ));
+    }
+    if let Some(t) = policy.tiers().iter().find(|t| t.unit() != Unit::Requests) {
+        return Some((
+            t.name().to_owned(),
+            "lease mode covers tiers counting requests only; it stays exact".into(),
+        ));
+    }
+    if let Some(t) = policy.tiers().iter().find(|t| t.penalty.is_some() || t.reserve.is_some()) {
+        return Some((
+            t.name().to_owned(),
+            "lease mode does not cover penalty boxes or priority reserves; they stay exact".into(),
+        ));
+    }
+    match policy.algorithm() {
+        Algorithm::SlidingCounter | Algorithm::SlidingLog => Some((
+            first(),
+            "sliding windows stay exact: a block charged ahead of its admissions has no stated bound there"
+                .into(),
+        )),
+        Algorithm::Gcra | Algorithm::TokenBucket | Algorithm::LeakyBucket | Algorithm::FixedWindow => {
+            None
+        }
+    }
+}
+
+/// What a binding's leases have done, since it was made ([`RedisPolicy::lease_stats`]).
+///
+/// [`RedisPolicy::lease_stats`]: super::RedisPolicy::lease_stats
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LeaseStats {
+    /// Blocks granted by Redis.
+    pub grants: u64,
+    /// Units granted in them.
+    pub units_granted: u64,
+    /// Unspent units given back to Redis (a fixed window's units given back after their
+    /// window ended count here too; Redis drops them).
+    pub units_returned: u64,
+    /// Checks decided here, from a block, with no call.
+    pub decided_locally: u64,
+    /// Leasing checks that called Redis (granted a block, or refused).
+    pub decided_on_redis: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    grants: AtomicU64,
+    units_granted: AtomicU64,
+    units_returned: AtomicU64,
+    local: AtomicU64,
+    remote: AtomicU64,
+}
+
+/// One key's block, and the lock that makes one check at a time take the next one.
+#[derive(Default)]
+pub(crate) struct Slot {
+    held: Mutex<Held>,
+    pub(crate) refill: tokio::sync::Mutex<()>,
+}
+
+#[derive(Default)]
+struct Held {
+    /// Units of the block not spent yet.
+    left: u64,
+    /// Units the block was granted with.
+    granted: u64,
+    /// What Redis charged for it (to give back the rest); `None` once given back.
+    charges: Option<Charges>,
+    /// The instant Redis granted it (nanoseconds, on the clock the scripts decide with).
+    decided: u64,
+    /// Without an injected clock: this process's instant the call was sent.
+    sent: Option<Instant>,
+    /// The end of its lifetime (same clock as `decided`).
+    until: u64,
+    /// The grant's decision (limits and resets), for the checks decided from the block.
+    decision: Option<Decision>,
+    /// The size of the next block to ask for (0: a key not leased yet, which asks for 1).
+    next: u64,
+    /// What Redis had left of the key (the least over its tiers) at the last grant.
+    room: Option<u64>,
+    /// The key, for the sweeper.
+    key: Option<Key>,
+}
+
+impl Held {
+    /// Now on the clock the block was granted on (see `Refusals::now`): never earlier than
+    /// the server's clock, so a block ends early rather than late.
+    fn now(&self, clock_now: Option<u64>) -> u64 {
+        match (clock_now, self.sent) {
+            (Some(now), _) => now,
+            (None, Some(sent)) => self.decided.saturating_add(duration_to_nanos(sent.elapsed())),
+            (None, None) => u64::MAX,
+        }
+    }
+
+    fn live(&self, now: u64) -> bool {
+        now < self.until && now >= self.decided
+    }
+}
+
+/// What is left of a block, to be given back: the units granted, the units spent, the charges.
+pub(crate) struct Rest {
+    pub(crate) granted: u64,
+    pub(crate) spent: u64,
+    pub(crate) charges: Charges,
+}
+
+/// What a check that takes a new block asks for.
+pub(crate) struct Begin {
+    /// The largest block to take.
+    pub(crate) block: u64,
+    /// The previous block's rest, given back by the same call.
+    pub(crate) rest: Option<Rest>,
+    /// What Redis had left of the key at the last grant.
+    pub(crate) room: Option<u64>,
+}
+
+/// Leased keys by key.
+type Shard = Mutex<HashMap<Key, Arc<Slot>>>;
+
+/// A binding's leases.
+pub(crate) struct Leases {
+    config: Lease,
+    lifetime_ns: u64,
+    policy: Policy,
+    shards: Box<[Shard]>,
+    per_shard: usize,
+    hasher: ahash::RandomState,
+    counters: Counters,
+    metrics: crate::metrics::LeaseMetrics,
+    /// Whether the sweeper runs.
+    sweeping: AtomicBool,
+    /// How blocks are given back (by the sweeper, and when the binding is dropped).
+    pub(crate) back: Option<Back>,
+}
+
+impl std::fmt::Debug for Leases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Leases").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+impl Leases {
+    pub(crate) fn new(policy: &Policy, config: Lease) -> Self {
+        Self {
+            config,
+            lifetime_ns: duration_to_nanos(config.lifetime),
+            policy: policy.clone(),
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            per_shard: CAPACITY.div_ceil(SHARDS),
+            hasher: ahash::RandomState::new(),
+            counters: Counters::default(),
+            metrics: crate::metrics::LeaseMetrics::new(policy.name()),
+            sweeping: AtomicBool::new(false),
+            back: None,
+        }
+    }
+
+    pub(crate) fn config(&self) -> Lease {
+        self.config
+    }
+
+    fn shard(&self, key: &Key) -> &Shard {
+        #[allow(clippy::cast_possible_truncation)]
+        &self.shards[(self.hasher.hash_one(key) % SHARDS as u64) as usize]
+    }
+
+    /// The slot of `key`, made if needed; `None` when the binding holds as many keys as it
+    /// may and none can be dropped (the check is then exact).
+    pub(crate) fn slot(&self, key: &Key) -> Option<Arc<Slot>> {
+        let mut map = self.shard(key).lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(slot) = map.get(key) {
+            return Some(Arc::clone(slot));
+        }
+        if map.len() >= self.per_shard {
+            // A slot nobody uses that holds nothing to give back.
+            let idle = map
+                .iter()
+                .find(|(_, s)| {
+                    Arc::strong_count(s) == 1
+                        && s.held.lock().unwrap_or_else(PoisonError::into_inner).charges.is_none()
+                })
+                .map(|(k, _)| k.clone())?;
+            map.remove(&idle);
+        }
+        let slot = Arc::new(Slot::default());
+        slot.held.lock().unwrap_or_else(PoisonError::into_inner).key = Some(key.clone());
+        map.insert(key.clone(), Arc::clone(&slot));
+        Some(slot)
+    }
+
+    /// Takes `cost` units of `key`'s block, if this process holds one that is live and has
+    /// them: the check's decision, made here, and the instant Redis granted the block (when
+    /// the units were charged).
+    pub(crate) fn spend_key(
+        &self,
+        key: &Key,
+        cost: u64,
+        clock_now: Option<u64>,
+    ) -> Option<(Decision, u64)> {
+        let slot = {
+            let map = self.shard(key).lock().unwrap_or_else(PoisonError::into_inner);
+            Arc::clone(map.get(key)?)
+        };
+        self.spend(&slot, cost, clock_now)
+    }
+
+    /// [`spend_key`](Self::spend_key) on a slot at hand.
+    pub(crate) fn spend(
+        &self,
+        slot: &Slot,
+        cost: u64,
+        clock_now: Option<u64>,
+    ) -> Option<(Decision, u64)> {
+        let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
+        if held.left < cost || cost == 0 {
+            return None;
+        }
+        let now = held.now(clock_now);
+        if !held.live(now) {
+            return None;
+        }
+        held.left -= cost;
+        let mut d = held.decision.clone()?;
+        let (decided, left) = (held.decided, held.left);
+        let elapsed = now - decided;
+        drop(held);
+        d.outcome = Outcome::Allowed;
+        d.delay = 0;
+        d.retry_after = NONE;
+        for t in &mut d.tiers {
+            t.remaining = left;
+            t.reset_after = t.reset_after.saturating_sub(elapsed);
+            t.retry_after = NONE;
+            t.violated = false;
+        }
+        self.counters.local.fetch_add(1, Ordering::Relaxed);
+        self.metrics.local();
+        Some((d, decided))
+    }
+
+    /// Before a check of `cost` takes a new block (with the slot's refill lock held): the
+    /// size to ask for, and the rest of the previous block, taken out so that nothing spends
+    /// it while it is given back.
+    pub(crate) fn begin(&self, slot: &Slot, cost: u64, clock_now: Option<u64>) -> Begin {
+        let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = held.now(clock_now);
+        let next = if held.granted == 0 {
+            held.next.max(1)
+        } else if held.left < cost || held.left == 0 {
+            // Spent (or too little left for this check): demand outran the block.
+            held.granted.saturating_mul(2)
+        } else if held.live(now) {
+            held.granted
+        } else {
+            // Ended with units left: what this process spent of it in a lifetime.
+            (held.granted - held.left).max(1)
+        };
+        held.next = next.min(self.config.max_block);
+        let rest = self.take_rest(&mut held);
+        Begin { block: held.next.max(cost), rest, room: held.room }
+    }
+
+    fn take_rest(&self, held: &mut Held) -> Option<Rest> {
+        let charges = held.charges.take()?;
+        let rest = (held.left > 0).then(|| Rest {
+            granted: held.granted,
+            spent: held.granted - held.left,
+            charges,
+        });
+        held.left = 0;
+        held.granted = 0;
+        held.decision = None;
+        rest
+    }
+
+    /// Redis granted `take` units at `at` for a check of `cost` (which takes its part now):
+    /// keeps the rest as the slot's block and returns the check's decision.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn granted(
+        &self,
+        slot: &Slot,
+        cost: u64,
+        take: u64,
+        mut decision: Decision,
+        charges: Charges,
+        at: u64,
+        sent: Option<Instant>,
+    ) -> Decision {
+        let left = take.saturating_sub(cost);
+        let until = at.saturating_add(self.lifetime_ns).min(self.window_end(at));
+        {
+            let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
+            let (next, key) = (held.next, held.key.take());
+            let room = decision.tiers.iter().map(|t| t.remaining).min();
+            *held = Held {
+                left,
+                granted: take,
+                // A block spent at once leaves nothing to give back: its slot may be dropped.
+                charges: (left > 0).then_some(charges),
+                decided: at,
+                sent,
+                until,
+                decision: Some(decision.clone()),
+                next,
+                room,
+                key,
+            };
+        }
+        self.counters.grants.fetch_add(1, Ordering::Relaxed);
+        self.counters.units_granted.fetch_add(take, Ordering::Relaxed);
+        self.metrics.granted(take);
+        // What exact mode reports at this instant: what Redis has left plus the block's rest.
+        for t in &mut decision.tiers {
+            t.remaining = t.remaining.saturating_add(left).min(u64::from(t.limit));
+        }
+        decision
+    }
+
+    /// A leasing check called Redis.
+    pub(crate) fn called(&self) {
+        self.counters.remote.fetch_add(1, Ordering::Relaxed);
+        self.metrics.remote();
+    }
+
+    /// `units` were given back to Redis.
+    pub(crate) fn returned(&self, units: u64) {
+        self.counters.units_returned.fetch_add(units, Ordering::Relaxed);
+        self.metrics.returned(units);
+    }
+
+    /// The earliest end of the window an instant falls in, over the fixed window and
+    /// calendar tiers; `u64::MAX` without any.
+    fn window_end(&self, at: u64) -> u64 {
+        let unit = self.policy.unit();
+        let units = at / unit;
+        let fixed = self.policy.algorithm() == Algorithm::FixedWindow;
+        self.policy
+            .tiers()
+            .iter()
+            .filter_map(|t| match &t.kind {
+                Kind::Rate if fixed => {
+                    let p = t.rate.period;
+                    Some((units / p).saturating_add(1).saturating_mul(p).saturating_mul(unit))
+                }
+                Kind::Calendar(spec) => {
+                    let end = u64::try_from(calendar::window_at(spec, at).1).unwrap_or(0);
+                    Some(end.saturating_mul(1_000_000_000))
+                }
+                _ => None,
+            })
+            .min()
+            .unwrap_or(u64::MAX)
+    }
+
+    /// The slots whose block ended (every slot holding a block, with `all`), and with `all`
+    /// their rests taken out; idle slots holding nothing are dropped.
+    fn ended(&self, clock_now: Option<u64>, all: bool) -> (Vec<Arc<Slot>>, Vec<(Key, Rest)>) {
+        let (mut slots, mut rests) = (Vec::new(), Vec::new());
+        for shard in &*self.shards {
+            let mut map = shard.lock().unwrap_or_else(PoisonError::into_inner);
+            map.retain(|key, slot| {
+                let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
+                let now = held.now(clock_now);
+                if all {
+                    if let Some(rest) = self.take_rest(&mut held) {
+                        rests.push((key.clone(), rest));
+                    }
+                } else if held.charges.is_some() && !held.live(now) {
+                    slots.push(Arc::clone(slot));
+                }
+                // Kept while in use, or while its block (or its history) may still matter.
+                Arc::strong_count(slot) > 1 || held.charges.is_some() || held.live(now)
+            });
+        }
+        (slots, rests)
+    }
+
+    /// Gives back the rests of the blocks that ended, each with its slot's refill lock held
+    /// until Redis answers, so that the key's next block is taken after it.
+    pub(crate) async fn sweep(&self) {
+        let Some(back) = &self.back else { return };
+        let clock_now = || back.inner.settings.clock.as_ref().map(crate::clock::AnyClock::now);
+        let (slots, _) = self.ended(clock_now(), false);
+        for slot in slots {
+            let _refill = slot.refill.lock().await;
+            let rest = {
+                let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
+                let now = held.now(clock_now());
+                if held.live(now) {
+                    None
+                } else {
+                    // The next block: what was spent of this one in its lifetime.
+                    held.next = (held.granted - held.left).clamp(1, self.config.max_block);
+                    self.take_rest(&mut held).map(|r| (held.key.clone(), r))
+                }
+            };
+            if let Some((Some(key), rest)) = rest {
+                let units = rest.granted - rest.spent;
+                if back.give(&key, &rest).await.is_ok() {
+                    self.returned(units);
+                }
+            }
+        }
+    }
+
+    /// Whether the sweeper must be started (once).
+    pub(crate) fn start_sweeper(&self) -> bool {
+        !self.sweeping.swap(true, Ordering::AcqRel)
+    }
+
+    pub(crate) fn lifetime(&self) -> Duration {
+        self.config.lifetime
+    }
+
+    pub(crate) fn stats(&self) -> LeaseStats {
+        let c = &self.counters;
+        LeaseStats {
+            grants: c.grants.load(Ordering::Relaxed),
+            units_granted: c.units_granted.load(Ordering::Relaxed),
+            units_returned: c.units_returned.load(Ordering::Relaxed),
+            decided_locally: c.local.load(Ordering::Relaxed),
+            decided_on_redis: c.remote.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Keys holding a slot now.
+    pub(crate) fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.lock().unwrap_or_else(PoisonError::into_inner).len()).sum()
+    }
+}
+
+impl Drop for Leases {
+    fn drop(&mut self) {
+        let Some(back) = self.back.take() else { return };
+        let (_, rests) = self.ended(None, true);
+        if rests.is_empty() {
+            return;
+        }
+        let Ok(handle) = tokio::runtime::Handle::try_current() else { return };
+        handle.spawn(async move {
+            for (key, rest) in rests {
+                if let Err(error) = back.give(&key, &rest).await {
+                    tracing::debug!(%error, "tollgate: could not give a leased block back; its units come back with the key's state");
+                }
+            }
+        });
+    }
+}
+
+/// What giving a block back needs.
+pub(crate) struct Back {
+    pub(crate) inner: Arc<super::Inner>,
+    pub(crate) prepared: Arc<super::Prepared>,
+    pub(crate) key_parts: (String, String),
+    pub(crate) key_names: super::KeyNames,
+}
+
+impl Back {
+    /// Settles the block of `key` at what was spent of it.
+    async fn give(&self, key: &Key, rest: &Rest) -> Result<(), crate::StoreError> {
+        let record = self.prepared.settle(rest.granted, &rest.charges, rest.spent);
+        let state_key = super::script::state_key(&self.key_parts, &self.key_names, key);
+        let keys = self.prepared.keys(state_key);
+        self.inner.submit(&self.prepared, keys, record, 0).await.map(drop)
+    }
+}
+
+/// Gives back ended blocks every lifetime while the binding lives.
+pub(crate) async fn sweeper(leases: Weak<Leases>, every: Duration) {
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(leases) = leases.upgrade() else { return };
+        leases.sweep().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::Charge;
+    use crate::decision::{TierDecision, Tiers};
+    use crate::quota::{Calendar, Concurrency, Penalty, Quota};
+    use smallvec::smallvec;
+
+    const MS: u64 = 1_000_000;
+    const S: u64 = 1_000 * MS;
+
+    /// What Redis answers to a grant: admitted, with `remaining` left in Redis.
+    fn grant(limit: u64, remaining: u64, reset: u64) -> Decision {
+        let tiers: Tiers = smallvec![TierDecision::new(limit, remaining, reset, None, false)];
+        Decision::new(Outcome::Allowed, 0, None, tiers)
+    }
+
+    fn charges(take: u64, at: u64) -> Charges {
+        smallvec![Charge { at, cost: take, id: 0 }]
+    }
+
+    #[test]
+    fn blocks_double_while_spent_and_shrink_to_what_a_lifetime_spent() {
+        let p = Policy::single("p", Quota::per_second(100)).unwrap();
+        let l = Leases::new(&p, Lease::new().max_block(16).lifetime(Duration::from_millis(10)));
+        let key = Key::text("k");
+        let slot = l.slot(&key).unwrap();
+        let mut sizes = Vec::new();
+        for _ in 0..6 {
+            let b = l.begin(&slot, 1, Some(S));
+            assert!(b.rest.is_none(), "every block was spent");
+            sizes.push(b.block);
+            let d = l.granted(&slot, 1, b.block, grant(100, 50, S), charges(b.block, S), S, None);
+            // What exact mode reports at the grant: Redis's rest plus the block's.
+            assert_eq!(d.tiers()[0].remaining(), (50 + b.block - 1).min(100));
+            for left in (0..b.block - 1).rev() {
+                let (d, granted_at) = l.spend(&slot, 1, Some(S + MS)).unwrap();
+                assert_eq!(granted_at, S);
+                // Then what this instance holds, counted down from the grant.
+                assert_eq!(d.tiers()[0].remaining(), left);
+                assert_eq!(d.tiers()[0].reset_after(), Duration::from_nanos(S - MS));
+            }
+            assert!(l.spend(&slot, 1, Some(S + MS)).is_none());
+        }
+        assert_eq!(sizes, [1, 2, 4, 8, 16, 16]);
+        // A block of 16 with 5 spent when its lifetime ends: the next is 5, and the 11 left
+        // are given back by the call that takes it.
+        let b = l.begin(&slot, 1, Some(S));
+        l.granted(&slot, 1, b.block, grant(100, 50, S), charges(16, S), S, None);
+        for _ in 0..4 {
+            assert!(l.spend(&slot, 1, Some(S + 9 * MS)).is_some());
+        }
+        assert!(l.spend(&slot, 1, Some(S + 10 * MS)).is_none(), "never after its lifetime");
+        assert!(l.spend(&slot, 1, Some(S - 1)).is_none(), "nor before its grant");
+        let b = l.begin(&slot, 1, Some(S + 10 * MS));
+        assert_eq!(b.block, 5);
+        let rest = b.rest.unwrap();
+        assert_eq!((rest.granted, rest.spent), (16, 5));
+        // A check costing more than the largest block asks for its cost.
+        assert_eq!(l.begin(&slot, 40, Some(S + 10 * MS)).block, 40);
+        let stats = l.stats();
+        assert_eq!((stats.grants, stats.units_granted), (7, 1 + 2 + 4 + 8 + 16 + 16 + 16));
+    }
+
+    #[test]
+    fn a_fixed_window_block_ends_with_its_window() {
+        let p = Policy::builder("w")
+            .algorithm(Algorithm::FixedWindow)
+            .tier("second", Quota::per_second(10))
+            .tier("minute", Quota::per_minute(100))
+            .build()
+            .unwrap();
+        let l = Leases::new(&p, Lease::new().max_block(8).lifetime(Duration::from_secs(10)));
+        let slot = l.slot(&Key::text("k")).unwrap();
+        let at = 61 * S + 900 * MS;
+        l.granted(&slot, 1, 8, grant(10, 2, 100 * MS), charges(8, at), at, None);
+        assert!(l.spend(&slot, 1, Some(62 * S - 1)).is_some());
+        assert!(l.spend(&slot, 1, Some(62 * S)).is_none(), "the second's window ended");
+        // The sweeper's part: the rest of an ended block, taken out once.
+        let (ended, _) = l.ended(Some(62 * S), false);
+        assert_eq!(ended.len(), 1);
+        let (_, rests) = l.ended(Some(62 * S), true);
+        assert_eq!(rests.iter().map(|(_, r)| (r.granted, r.spent)).collect::<Vec<_>>(), [(8, 2)]);
+        assert!(l.ended(Some(62 * S), true).1.is_empty());
+    }
+
+    #[test]
+    fn policies_lease_only_where_the_bound_is_stated() {
+        let base = || Policy::builder("p").tier("s", Quota::per_second(10));
+        for alg in [
+            Algorithm::Gcra,
+            Algorithm::TokenBucket,
+            Algorithm::LeakyBucket,
+            Algorithm::FixedWindow,
+        ] {
+            assert_eq!(unleasable(&base().algorithm(alg).build().unwrap()), None);
+        }
+        let exact = [
+            base().algorithm(Algorithm::SlidingCounter).build().unwrap(),
+            base().algorithm(Algorithm::SlidingLog).build().unwrap(),
+            base().concurrency("c", Concurrency::new(2)).build().unwrap(),
+            base()
+                .tier("b", Quota::per_second(1_000).counting(Unit::RequestBytes))
+                .build()
+                .unwrap(),
+            base().penalty("s", Penalty::new(Duration::from_secs(60))).build().unwrap(),
+        ];
+        for p in &exact {
+            assert!(unleasable(p).is_some(), "{p:?}");
+        }
+        assert_eq!(unleasable(&exact[3]).unwrap().0, "b");
+        let daily = base().algorithm(Algorithm::FixedWindow).calendar("d", Calendar::per_day(100));
+        assert_eq!(unleasable(&daily.build().unwrap()), None);
+        assert!(Lease::new().max_block(0).validate().is_err());
+        assert!(Lease::new().lifetime(Duration::from_micros(999)).validate().is_err());
+        assert_eq!(Lease::new().bound(4), 256);
+    }
+
+    #[test]
+    fn a_full_map_drops_idle_slots_that_hold_nothing() {
+        let p = Policy::single("p", Quota::per_second(100)).unwrap();
+        let l = Leases::new(&p, Lease::new());
+        for i in 0..10_000 {
+            let key = Key::text(format!("k{i}"));
+            let slot = l.slot(&key).unwrap();
+            // Blocks of one unit, spent at once: nothing to give back.
+            l.granted(&slot, 1, 1, grant(100, 99, 0), charges(1, 0), 0, None);
+        }
+        assert!(l.len() <= CAPACITY + SHARDS, "{}", l.len());
+        // A slot holding units is kept: when every slot of a shard holds some, keys past it
+        // are checked exactly.
+        let l = Leases::new(&p, Lease::new());
+        let mut held = Vec::new();
+        let mut refused = 0;
+        for i in 0..10_000 {
+            let key = Key::text(format!("k{i}"));
+            match l.slot(&key) {
+                Some(slot) => {
+                    l.granted(&slot, 1, 4, grant(100, 96, 0), charges(4, 0), 0, None);
+                    held.push(slot);
+                }
+                None => refused += 1,
+            }
+        }
+        assert_eq!(held.len() + refused, 10_000);
+        assert!(held.len() <= CAPACITY + SHARDS && refused > 0);
+    }
+}

@@ -1,0 +1,528 @@
+//! `RedisStore` lease mode against a real redis-server: four leasing instances (each its own
+//! store and connection) on one hot key, on one fake clock. Fixed windows admit at most their
+//! limit in every window; GCRA admits at most `burst + ⌊L / T⌋ + N·B` in every interval of
+//! length `L`; unspent units come back when a block ends or its binding is dropped; a block is
+//! never spent after its lifetime; an outage is decided per check as in exact mode.
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::time::Duration;
+
+use support::redis::{Cluster, Server};
+use tollgate::clock::{Clock, FakeClock};
+use tollgate::key::Key;
+use tollgate::store::{Check, Lease, RedisPolicy, RedisStore, RedisStoreBuilder, Store};
+use tollgate::{Algorithm, ConfigError, Decision, Outcome, Policy, Quota, Source};
+
+const MS: u64 = 1_000_000;
+const S: u64 = 1_000_000_000;
+/// Instances leasing the hot key.
+const N: usize = 4;
+
+fn store(builder: RedisStoreBuilder, clock: &FakeClock, prefix: &str) -> RedisStore {
+    builder
+        .clock(clock.clone())
+        .prefix(prefix)
+        // The fake clock stands still in real time: keep keys for the whole test.
+        .ttl_grace(Duration::from_secs(3600))
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap()
+}
+
+/// `N` leasing instances of `policy` and one exact instance, sharing one budget.
+fn fleet(
+    url: &str,
+    clock: &FakeClock,
+    policy: &Policy,
+    lease: Lease,
+) -> (Vec<(RedisStore, RedisPolicy)>, (RedisStore, RedisPolicy)) {
+    let prefix = format!("lease{}:", fastrand::u32(..));
+    let leasing = (0..N)
+        .map(|_| {
+            let s =
+                store(RedisStore::builder(url).lease_policy(policy.name(), lease), clock, &prefix);
+            let b = s.bind(policy).unwrap();
+            assert_eq!(b.lease(), Some(lease));
+            (s, b)
+        })
+        .collect();
+    let s = store(RedisStore::builder(url), clock, &prefix);
+    let b = s.bind(policy).unwrap();
+    assert_eq!(b.lease(), None);
+    (leasing, (s, b))
+}
+
+async fn check(node: &(RedisStore, RedisPolicy), key: &Key, cost: u64) -> Decision {
+    node.0.check(&node.1, Check::new(key, cost)).await.expect("redis answers").decision
+}
+
+/// What the key has left in Redis, by a query of the exact instance.
+async fn left(exact: &(RedisStore, RedisPolicy), key: &Key) -> u64 {
+    check(exact, key, 0).await.tiers()[0].remaining()
+}
+
+/// Whether node `i` asks for a unit at step `step` (1 ms each): every node asks often but not
+/// always, and node 3 pauses for 40 ms of every 250, so blocks end unspent and come back.
+/// For 380 ms of every 500 the fleet is quiet (node 0 asks every 3 ms), so that buckets
+/// refill while it holds a block, and then all ask at once.
+fn demands(i: usize, step: u64) -> bool {
+    let every = [1, 2, 3, 1][i];
+    if (100..480).contains(&(step % 500)) {
+        return i == 0 && step % 3 == 0;
+    }
+    step % every == 0 && !(i == 3 && step % 250 < 40)
+}
+
+/// Runs the fleet for `steps` ms of fake time, every node checking concurrently within a
+/// step; returns the admission instants (ns) of each node.
+async fn hammer(
+    nodes: &[(RedisStore, RedisPolicy)],
+    clock: &FakeClock,
+    key: &Key,
+    steps: u64,
+    demands: fn(usize, u64) -> bool,
+) -> Vec<u64> {
+    let mut admitted = Vec::new();
+    for step in 0..steps {
+        let now = clock.now();
+        let asks = (0..N).filter(|&i| demands(i, step)).map(|i| check(&nodes[i], key, 1));
+        let decided = futures_join(asks).await;
+        for d in decided {
+            if d.is_allowed() {
+                assert_eq!(d.source(), Source::Store);
+                admitted.push(now);
+            }
+        }
+        clock.advance(Duration::from_millis(1));
+    }
+    admitted
+}
+
+/// Awaits every future, polled together (so the nodes' calls overlap).
+async fn futures_join<F: std::future::Future>(futures: impl Iterator<Item = F>) -> Vec<F::Output> {
+    let mut set = Vec::new();
+    for f in futures {
+        set.push(Box::pin(f));
+    }
+    let mut out: Vec<Option<F::Output>> = set.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, o) in set.iter_mut().zip(out.iter_mut()) {
+            if o.is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => *o = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending { std::task::Poll::Pending } else { std::task::Poll::Ready(()) }
+    })
+    .await;
+    out.into_iter().map(|o| o.expect("ready")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_leasing_instances_admit_at_most_the_limit_in_every_fixed_window() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let policy = Policy::builder("hot")
+        .algorithm(Algorithm::FixedWindow)
+        .tier("second", Quota::per_second(1_000))
+        .build()
+        .unwrap();
+    let lease = Lease::new().max_block(32).lifetime(Duration::from_millis(100));
+    let (nodes, _exact) = fleet(&server.url(), &clock, &policy, lease);
+    let key = Key::text("hot");
+    // Even windows: quiet until their last 40 ms, when every node asks every millisecond (so
+    // blocks grow, and are held when the window ends); odd windows: every node asks every
+    // millisecond, 4,000 units for a limit of 1,000.
+    let demands = |_: usize, step: u64| (step / 1_000) % 2 == 1 || step % 1_000 >= 960;
+    let admitted = hammer(&nodes, &clock, &key, 6_000, demands).await;
+    let mut per_window = std::collections::BTreeMap::new();
+    for t in &admitted {
+        *per_window.entry((t / S) % 1_000).or_insert(0u64) += 1;
+    }
+    assert_eq!(per_window.len(), 6, "{per_window:?}");
+    for (window, n) in &per_window {
+        assert!(*n <= 1_000, "window {window}: {n} admitted, limit 1,000");
+        if window % 2 == 1 {
+            // Demand exceeds the limit: what blocks strand at the window's end is under 3 %.
+            assert!(*n >= 970, "window {window}: {n} admitted, utilization under 97 %");
+        } else {
+            assert_eq!(*n, 160, "window {window}: every ask of the last 40 ms admitted");
+        }
+    }
+    let stats: Vec<_> = nodes.iter().map(|n| n.1.lease_stats()).collect();
+    let local: u64 = stats.iter().map(|s| s.decided_locally).sum();
+    assert!(local > admitted.len() as u64 / 2, "{stats:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_leasing_instances_keep_gcra_within_the_stated_bound() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    // T = 2 ms, burst 50.
+    let policy = Policy::single("hot", Quota::per_second(500).with_burst(50)).unwrap();
+    let lease = Lease::new().max_block(8).lifetime(Duration::from_millis(30));
+    let (nodes, _exact) = fleet(&server.url(), &clock, &policy, lease);
+    let key = Key::text("hot");
+    let admitted = hammer(&nodes, &clock, &key, 3_000, demands).await;
+    let (burst, t) = (50u64, 2 * MS);
+    let bound = lease.bound(N as u64);
+    assert_eq!(bound, 32);
+    let mut worst_extra = 0i64;
+    for i in 0..admitted.len() {
+        for j in i..admitted.len() {
+            let count = (j - i + 1) as u64;
+            let exact = burst + (admitted[j] - admitted[i]) / t;
+            worst_extra = worst_extra.max(count as i64 - exact as i64);
+            assert!(
+                count <= exact + bound,
+                "{count} admitted in [{}, {}] ns: GCRA allows {exact}, the bound {bound} more",
+                admitted[i],
+                admitted[j]
+            );
+        }
+    }
+    let run = burst + 2_999 * MS / t;
+    assert!(admitted.len() as u64 <= run + bound, "{} admitted", admitted.len());
+    let local: u64 = nodes.iter().map(|n| n.1.lease_stats().decided_locally).sum();
+    assert!(local > 0);
+    eprintln!(
+        "gcra: {} admitted, worst extra over any interval {worst_extra} (bound {bound})",
+        admitted.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_grow_with_demand_and_come_back_when_dropped() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let policy = Policy::builder("w")
+        .algorithm(Algorithm::FixedWindow)
+        .tier("minute", Quota::per_minute(100))
+        .build()
+        .unwrap();
+    let lease = Lease::new().max_block(16).lifetime(Duration::from_secs(10));
+    let (mut nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+    let key = Key::text("k");
+    // Blocks of 1, 2, 4 and 8 units for 8 checks: 15 charged, 8 spent, 7 held.
+    let mut remaining = Vec::new();
+    for _ in 0..8 {
+        let d = check(&nodes[0], &key, 1).await;
+        assert!(d.is_allowed());
+        remaining.push(d.tiers()[0].remaining());
+    }
+    // A check that took a block reports what exact mode would (Redis's rest plus the
+    // block's); one decided from the block, what this instance still holds of it.
+    assert_eq!(remaining, [99, 98, 0, 96, 2, 1, 0, 92]);
+    let stats = nodes[0].1.lease_stats();
+    assert_eq!((stats.grants, stats.units_granted, stats.decided_locally), (4, 15, 4));
+    assert_eq!(left(&exact, &key).await, 85);
+    // Dropping the binding gives the 7 unspent units back.
+    let (store, bound) = nodes.remove(0);
+    drop(bound);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while left(&exact, &key).await != 92 {
+        assert!(std::time::Instant::now() < deadline, "the block was not given back");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    drop(store);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_is_never_spent_after_its_lifetime_and_its_rest_comes_back() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let policy = Policy::builder("w")
+        .algorithm(Algorithm::FixedWindow)
+        .tier("minute", Quota::per_minute(100))
+        .build()
+        .unwrap();
+    let lease = Lease::new().max_block(4).lifetime(Duration::from_millis(50));
+    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+    let key = Key::text("k");
+    for _ in 0..4 {
+        assert!(check(&nodes[0], &key, 1).await.is_allowed());
+    }
+    // Blocks of 1, 2, then 4 (one spent): 3 held.
+    assert_eq!(left(&exact, &key).await, 93);
+    let before = nodes[0].1.lease_stats();
+    // Within the lifetime, from the block; at its end, not.
+    clock.advance(Duration::from_millis(49));
+    assert!(check(&nodes[0], &key, 1).await.is_allowed());
+    assert_eq!(nodes[0].1.lease_stats().decided_locally, before.decided_locally + 1);
+    clock.advance(Duration::from_millis(1));
+    let now = clock.now();
+    assert_eq!(
+        nodes[0].0.check_sync(&nodes[0].1, Check::new(&key, 1)).map(|v| v.unwrap().decision),
+        None,
+        "a block is not spent at the end of its lifetime ({now} ns)"
+    );
+    // The sweeper's work, done now: the 2 units left come back.
+    nodes[0].1.return_ended_leases().await;
+    assert_eq!(left(&exact, &key).await, 95);
+    assert_eq!(nodes[0].1.lease_stats().units_returned, 2);
+    // The next block is sized to what was spent of the last (2 of 4).
+    assert!(check(&nodes[0], &key, 1).await.is_allowed());
+    assert_eq!(left(&exact, &key).await, 93);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_block_gives_back_the_rest_of_the_last_in_the_same_call() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let policy = Policy::single("g", Quota::per_minute(60)).unwrap();
+    let lease = Lease::new().max_block(8).lifetime(Duration::from_millis(10));
+    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+    let key = Key::text("k");
+    for _ in 0..4 {
+        assert!(check(&nodes[0], &key, 1).await.is_allowed());
+    }
+    assert_eq!(left(&exact, &key).await, 53, "blocks of 1, 2 and 4: 3 held");
+    clock.advance(Duration::from_millis(10));
+    // The block ended with 3 units left: given back, and a block of 1 (what was spent of the
+    // last) taken, in one call. GCRA: 60 a minute refills a unit a second, none in 10 ms.
+    let d = check(&nodes[0], &key, 1).await;
+    assert!(d.is_allowed());
+    assert_eq!(left(&exact, &key).await, 55);
+    assert_eq!(d.tiers()[0].remaining(), 55);
+    let stats = nodes[0].1.lease_stats();
+    assert_eq!((stats.grants, stats.units_returned), (4, 3));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn near_the_limit_blocks_shrink_to_one_unit_and_refusals_are_exact() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let policy = Policy::builder("w")
+        .algorithm(Algorithm::FixedWindow)
+        .tier("minute", Quota::per_minute(10))
+        .build()
+        .unwrap();
+    let lease = Lease::new().max_block(64).lifetime(Duration::from_secs(30));
+    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+    let key = Key::text("k");
+    // A quarter of 10 at most: blocks of 1, 2, 1, 1, ... as the key runs down.
+    for i in 0..10 {
+        let node = &nodes[i % 2];
+        assert!(check(node, &key, 1).await.is_allowed(), "check {i}");
+    }
+    assert_eq!(left(&exact, &key).await, 0);
+    let d = check(&nodes[2], &key, 1).await;
+    assert_eq!(d.outcome(), Outcome::Limited);
+    let reference = check(&exact, &key, 1).await;
+    assert_eq!(d.retry_after(), reference.retry_after());
+    assert_eq!(d.tiers()[0].remaining(), 0);
+    let granted: u64 = nodes.iter().map(|n| n.1.lease_stats().units_granted).sum();
+    assert_eq!(granted, 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_is_decided_per_check_as_in_exact_mode() {
+    let Some(mut server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let policy = Policy::single("g", Quota::per_minute(600)).unwrap();
+    let lease = Lease::new().max_block(4).lifetime(Duration::from_secs(30));
+    let s = RedisStore::builder(server.url())
+        .lease_policy("g", lease)
+        .clock(clock.clone())
+        .ttl_grace(Duration::from_secs(3600))
+        .timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let b = s.bind(&policy).unwrap();
+    let key = Key::text("k");
+    for _ in 0..4 {
+        assert!(s.check(&b, Check::new(&key, 1)).await.unwrap().decision.is_allowed());
+    }
+    // Blocks of 1, 2 and 4: 3 units held when Redis dies. They were charged: still spent.
+    server.kill();
+    for _ in 0..3 {
+        let d = s.check(&b, Check::new(&key, 1)).await.unwrap().decision;
+        assert_eq!((d.is_allowed(), d.source()), (true, Source::Store));
+    }
+    // The next block cannot be taken: the fallback decides, as in exact mode.
+    let d = s.check(&b, Check::new(&key, 1)).await.unwrap().decision;
+    assert_eq!((d.is_allowed(), d.source()), (true, Source::Fallback));
+}
+
+#[test]
+fn policies_that_cannot_lease_are_refused_or_stay_exact() {
+    let log = Policy::builder("log")
+        .algorithm(Algorithm::SlidingLog)
+        .tier("minute", Quota::per_minute(10))
+        .build()
+        .unwrap();
+    let named = RedisStore::builder("redis://127.0.0.1:1/")
+        .lease_policy("log", Lease::new())
+        .build()
+        .unwrap();
+    assert!(matches!(named.bind(&log), Err(ConfigError::UnsupportedByStore { .. })));
+    let every = RedisStore::builder("redis://127.0.0.1:1/").lease(Lease::new()).build().unwrap();
+    assert_eq!(every.bind(&log).unwrap().lease(), None);
+    let gcra = Policy::single("g", Quota::per_second(5)).unwrap();
+    assert_eq!(every.bind(&gcra).unwrap().lease(), Some(Lease::new()));
+    for bad in [Lease::new().max_block(0), Lease::new().lifetime(Duration::from_micros(10))] {
+        let built = RedisStore::builder("redis://127.0.0.1:1/").lease(bad).build();
+        assert!(matches!(built, Err(ConfigError::Invalid { setting: "lease", .. })));
+    }
+    // A policy with a lease on a `MemoryStore`: the memory store is local already.
+    let memory = tollgate::store::MemoryStore::new();
+    assert!(memory.bind(&gcra).is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ticket_from_a_block_settles_in_redis() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let policy = Policy::builder("w")
+        .algorithm(Algorithm::FixedWindow)
+        .tier("minute", Quota::per_minute(100))
+        .build()
+        .unwrap();
+    let lease = Lease::new().max_block(8).lifetime(Duration::from_secs(10));
+    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+    let (s, b) = &nodes[0];
+    let key = Key::text("k");
+    let mut tickets = Vec::new();
+    for _ in 0..5 {
+        let v = s.check(b, Check::new(&key, 1).with_ticket()).await.unwrap();
+        assert!(v.decision.is_allowed());
+        tickets.push(v.ticket.expect("a ticket"));
+    }
+    // Blocks of 1, 2 and 4 (two spent): 7 charged, 5 admitted, checks 3 and 5 from blocks.
+    assert_eq!(b.lease_stats().decided_locally, 2);
+    assert_eq!(left(&exact, &key).await, 93);
+    // Cancelling one decided from a block, and one that took a block, refunds in Redis.
+    let fifth = tickets.pop().unwrap();
+    s.settle(b, fifth, 0).await.unwrap();
+    assert_eq!(left(&exact, &key).await, 94);
+    let fourth = tickets.pop().unwrap();
+    s.settle(b, fourth, 3).await.unwrap();
+    assert_eq!(left(&exact, &key).await, 92, "settled at 3: 2 more charged");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_leasing_instances_keep_a_calendar_day_across_midnight() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    let midnight = 20_000 * 86_400 * S;
+    clock.set(midnight - 40 * MS);
+    // A GCRA tier that never binds, so that only the day ends blocks.
+    let policy = Policy::builder("daily")
+        .tier("second", Quota::per_second(10_000))
+        .calendar("day", tollgate::Calendar::per_day(300))
+        .build()
+        .unwrap();
+    let lease = Lease::new().max_block(32).lifetime(Duration::from_secs(1));
+    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+    let key = Key::text("hot");
+    // Every node asks every millisecond: 160 units in the day's last 40 ms (blocks grow, and
+    // are held at midnight), then 4,000 in the next day's first second for its 300.
+    let admitted = hammer(&nodes, &clock, &key, 1_040, |_, _| true).await;
+    let before = admitted.iter().filter(|t| **t < midnight).count();
+    let after = admitted.len() - before;
+    assert_eq!(before, 160);
+    assert!(after <= 300, "{after} admitted in a day of 300");
+    assert!(after >= 291, "{after} admitted: utilization under 97 %");
+    let day = check(&exact, &key, 0).await.tiers()[1].remaining();
+    assert_eq!(day as usize, 300 - after);
+    let local: u64 = nodes.iter().map(|n| n.1.lease_stats().decided_locally).sum();
+    assert!(local > admitted.len() as u64 / 2, "{local} of {} decided locally", admitted.len());
+}
+
+/// Two app instances behind the layer (which checks with a ticket), leasing one key: the fleet
+/// admits the quota once, most checks are decided from blocks, and the metrics say so.
+#[cfg(feature = "metrics")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_leasing_app_instances_enforce_one_limit_over_http_and_count_their_leases() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let prometheus = recorder.handle();
+    metrics::set_global_recorder(recorder).expect("the only recorder of this test binary");
+    let policy = Policy::single("fleet-lease", Quota::per_hour(30)).unwrap();
+    let lease = Lease::new().max_block(8).lifetime(Duration::from_secs(30));
+    let mut apps = Vec::new();
+    for _ in 0..2 {
+        let store = RedisStore::builder(server.url())
+            .lease_policy("fleet-lease", lease)
+            .timeout(Duration::from_secs(5))
+            .build()
+            .unwrap();
+        let layer = tollgate::RateLimitLayer::builder(policy.clone()).store(store).build().unwrap();
+        let app =
+            axum::Router::new().route("/", axum::routing::get(|| async { "ok" })).layer(layer);
+        apps.push(support::serve(app).await);
+    }
+    let client = support::client();
+    let (mut ok, mut limited) = (0, 0);
+    // One at a time, alternately: each instance keeps asking, so what it holds is spent.
+    for i in 0..100 {
+        let reply = support::get(&client, &apps[i % 2].url("/"), &[]).await;
+        match reply.status {
+            http::StatusCode::OK => ok += 1,
+            http::StatusCode::TOO_MANY_REQUESTS => limited += 1,
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert_eq!((ok, limited), (30, 70));
+    let text = prometheus.render();
+    let value = |series: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+    };
+    let grants = value(r#"tollgate_lease_grants_total{policy="fleet-lease"}"#);
+    let local = value(r#"tollgate_lease_checks_total{policy="fleet-lease",decided="local"}"#);
+    // Every admission took a block (its call) or units of one (no call).
+    assert_eq!(grants + local, 30);
+    assert!(local > 0 && grants < 30, "grants {grants}, local {local}");
+    assert!(text.contains(r#"tollgate_lease_block_units_count{policy="fleet-lease"}"#), "{text}");
+}
+
+/// On Redis Cluster: the lease script names only the key's state, in its slot; two leasing
+/// instances admit each key's limit once, across the three masters, with concurrent checks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leasing_instances_on_a_cluster_admit_each_keys_limit_once() {
+    let Some(cluster) = Cluster::start() else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let policy = Policy::builder("c")
+        .algorithm(Algorithm::FixedWindow)
+        .tier("minute", Quota::per_minute(50))
+        .build()
+        .unwrap();
+    let lease = Lease::new().max_block(16).lifetime(Duration::from_secs(30));
+    let nodes: Vec<_> = (0..2)
+        .map(|_| {
+            let builder = RedisStore::cluster_builder(cluster.urls()).lease_policy("c", lease);
+            let s = store(builder, &clock, "cluster:");
+            let b = s.bind(&policy).unwrap();
+            (s, b)
+        })
+        .collect();
+    let keys: Vec<Key> = (0..6).map(|i| Key::text(format!("k{i}"))).collect();
+    let mut admitted = vec![0u64; keys.len()];
+    for _ in 0..40 {
+        let asks = keys.iter().flat_map(|k| nodes.iter().map(move |n| check(n, k, 1)));
+        let decided = futures_join(asks).await;
+        for (i, d) in decided.iter().enumerate() {
+            admitted[i / nodes.len()] += u64::from(d.is_allowed());
+        }
+    }
+    assert_eq!(admitted, vec![50; keys.len()]);
+    let local: u64 = nodes.iter().map(|n| n.1.lease_stats().decided_locally).sum();
+    assert!(local > 0);
+}
