@@ -1,0 +1,178 @@
+#![allow(missing_docs)] // criterion_group! generates undocumented items.
+//! The cost of metering a streamed response: a 100 MB body (frames of 16 KiB) through an axum
+//! `Router` with the layer, driven as a `tower::Service` (no network) on a current-thread
+//! runtime, the body read to its end. Every case admits the request and lets every byte
+//! through (the byte tier is far from its limit), so the difference is the metering alone:
+//!
+//! - `no-byte-tier`: a policy with one rate tier (the reference);
+//! - `bytes-settle`: the same policy plus a response-bytes tier, settled once when the body
+//!   ends (the default, `StreamMode::Settle`);
+//! - `bytes-shape` / `bytes-police`: the byte tier charged as the body streams, one store call
+//!   per lease of 64 KiB (`StreamMode::Shape`, `StreamMode::Police`);
+//! - `bare`: the router without the layer.
+//!
+//! `streams/loopback-100MB/*`: the same cases served by `axum::serve` on a loopback port and
+//! downloaded with hyper's client, so that the socket's cost is counted too (what a server
+//! pays per streamed byte).
+//!
+//! `cargo bench --bench streams`
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body as AxumBody;
+use axum::routing::get;
+use bytes::Bytes;
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use http::Request;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tollgate::key::GlobalKey;
+use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};
+use tower::ServiceExt;
+
+/// Bytes per response.
+const LEN: u64 = 100 * 1024 * 1024;
+/// Bytes per frame.
+const FRAME: usize = 16 * 1024;
+
+/// `left` bytes in frames of [`FRAME`] (one shared buffer, sliced: no copy per frame).
+struct Frames {
+    left: u64,
+    frame: Bytes,
+}
+
+impl Body for Frames {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if self.left == 0 {
+            return Poll::Ready(None);
+        }
+        let len = self.left.min(FRAME as u64);
+        self.left -= len;
+        Poll::Ready(Some(Ok(Frame::data(self.frame.slice(..len as usize)))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.left == 0
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+fn router() -> Router {
+    let frame = Bytes::from(vec![b'x'; FRAME]);
+    Router::new().route(
+        "/",
+        get(move || {
+            let frame = frame.clone();
+            async move { AxumBody::new(Frames { left: LEN, frame }) }
+        }),
+    )
+}
+
+fn layered(bytes: bool, mode: StreamMode) -> Router {
+    let mut policy = Policy::builder("download").tier("requests", Quota::per_second(1_000_000));
+    if bytes {
+        // 4 GB a millisecond (a burst of 4 GB): never the limit here.
+        policy = policy.tier(
+            "response-bytes",
+            Quota::new(4_000_000_000, Duration::from_millis(1)).counting(Unit::ResponseBytes),
+        );
+    }
+    let layer = RateLimitLayer::builder(policy.build().unwrap())
+        .key(GlobalKey)
+        .on_stream(mode)
+        .build()
+        .unwrap();
+    router().layer(layer)
+}
+
+fn streams(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let mut g = c.benchmark_group("streams/100MB");
+    g.throughput(Throughput::Bytes(LEN))
+        .sample_size(10)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(5));
+    let cases = [
+        ("bare", router()),
+        ("no-byte-tier", layered(false, StreamMode::Settle)),
+        ("bytes-settle", layered(true, StreamMode::Settle)),
+        ("bytes-shape", layered(true, StreamMode::Shape)),
+        ("bytes-police", layered(true, StreamMode::Police)),
+    ];
+    for (name, app) in cases {
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                rt.block_on(async {
+                    let req = Request::get("/").body(AxumBody::empty()).unwrap();
+                    let res = app.clone().oneshot(req).await.unwrap();
+                    assert!(res.status().is_success());
+                    let mut body = res.into_body();
+                    let mut read = 0u64;
+                    while let Some(frame) = body.frame().await {
+                        read += frame.unwrap().data_ref().map_or(0, |d| d.len() as u64);
+                    }
+                    assert_eq!(read, LEN);
+                });
+            });
+        });
+    }
+    g.finish();
+
+    // Over loopback HTTP/1.1, a multi-thread runtime as a server has.
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let mut g = c.benchmark_group("streams/loopback-100MB");
+    g.throughput(Throughput::Bytes(LEN))
+        .sample_size(10)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(8));
+    let cases = [
+        ("bare", router()),
+        ("no-byte-tier", layered(false, StreamMode::Settle)),
+        ("bytes-settle", layered(true, StreamMode::Settle)),
+        ("bytes-shape", layered(true, StreamMode::Shape)),
+        ("bytes-police", layered(true, StreamMode::Police)),
+    ];
+    let client: Client<_, AxumBody> = Client::builder(TokioExecutor::new()).build_http();
+    for (name, app) in cases {
+        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = rt.spawn(async move { axum::serve(listener, app).await });
+        let url: http::Uri = format!("http://{addr}/").parse().unwrap();
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                rt.block_on(async {
+                    let req = Request::get(url.clone()).body(AxumBody::empty()).unwrap();
+                    let res = client.request(req).await.unwrap();
+                    assert!(res.status().is_success());
+                    let mut body = res.into_body();
+                    let mut read = 0u64;
+                    while let Some(frame) = body.frame().await {
+                        read += frame.unwrap().data_ref().map_or(0, |d| d.len() as u64);
+                    }
+                    assert_eq!(read, LEN);
+                });
+            });
+        });
+        server.abort();
+    }
+    g.finish();
+}
+
+criterion_group!(benches, streams);
+criterion_main!(benches);
