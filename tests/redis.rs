@@ -2010,6 +2010,38 @@ async fn a_settlement_through_this_instance_clears_the_refusal() {
     }
 }
 
+/// A task looping on checks that the instance answers itself (a refused key) yields now and
+/// then, as a check sent to Redis would: on a one-thread runtime, another task runs while the
+/// loop is still going.
+#[tokio::test]
+async fn a_loop_of_checks_answered_locally_lets_other_tasks_run() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000_000_000_000);
+    let store = fake_clock_store(RedisStore::builder(server.url()), clock, "coop:".into());
+    let policy = Policy::single("coop", Quota::per_minute(1)).unwrap();
+    let limiter = Limiter::with_store(policy, store).unwrap();
+    let key = Key::text("alice");
+    assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+    assert!(!limiter.check(&key, 1).await.unwrap().is_allowed());
+    let ran = Arc::new(AtomicBool::new(false));
+    let other = tokio::spawn({
+        let ran = Arc::clone(&ran);
+        async move { ran.store(true, Ordering::SeqCst) }
+    });
+    let mut ran_during = false;
+    for _ in 0..1_000 {
+        assert!(!limiter.check(&key, 1).await.unwrap().is_allowed());
+        ran_during |= ran.load(Ordering::SeqCst);
+    }
+    assert!(ran_during, "the other task never ran during 1,000 local refusals");
+    assert_eq!(limiter.bound().refused_locally(), 1_000);
+    other.await.unwrap();
+}
+
 /// A concurrency tier's slot can come back early (released on another instance): its
 /// refusals are never answered locally, and neither are those of a policy that has one.
 #[tokio::test]

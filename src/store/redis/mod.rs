@@ -916,12 +916,17 @@ impl Store for RedisStore {
         check: Check<'_>,
     ) -> Result<Verdict<RedisTicket>, StoreError> {
         let inner = &*self.inner;
+        // Answered here without waiting on anything: a unit of the task's cooperative budget
+        // is spent, so that a task looping on checks answered locally yields now and then
+        // instead of starving the others on its worker (as a check sent to Redis would).
         if let Some(verdict) = bound.local_refusal(inner, &check) {
+            tokio::task::coop::consume_budget().await;
             return Ok(verdict);
         }
         if let Some(leases) = bound.leases.as_ref().filter(|_| leases_check(&check)) {
             let now = inner.settings.clock.as_ref().map(AnyClock::now);
             if let Some((decision, granted)) = leases.spend_key(check.key, check.cost, now) {
+                tokio::task::coop::consume_budget().await;
                 return Ok(Verdict { decision, ticket: bound.lease_ticket(&check, granted) });
             }
             if let Some(slot) = leases.slot(check.key) {
