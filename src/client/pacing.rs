@@ -25,8 +25,11 @@ const MAX_PARTITIONS: usize = 4096;
 /// [`Instant`], and no server means them.
 const MAX_WAIT: Duration = Duration::from_secs(365 * 86_400);
 
-/// The shortest time between two responses from which a refill rate is learned: over shorter
-/// spans a difference in the responses' latency would weigh too much.
+/// The reports a quota keeps for the requests in flight, at most.
+const MAX_RECENT: usize = 64;
+
+/// The shortest span from which a refill rate is learned: over a shorter one the anchor's round
+/// trip (in the span) and the unit given up for the whole part of `r` leave a weak bound.
 const MIN_LEARNING_SPAN: Duration = Duration::from_secs(1);
 
 /// The default partition key of [`PacingLayer`]: the URI's authority (host, lower-cased, and
@@ -68,8 +71,9 @@ impl KeyExtractor for AuthorityKey {
 ///
 /// **What it keeps**, per partition (a [`KeyExtractor`] over the request; default
 /// [`AuthorityKey`], one partition per server): for each quota, the units believed left, when
-/// it is full again, and the refill rate learned so far; until when a 429 asked to wait; the
-/// requests in flight, numbered in the order they were sent.
+/// it is full again, the refill rate learned so far, and the reports read while requests are
+/// in flight; until when a 429 asked to wait; the requests in flight, numbered in the order
+/// they were sent.
 ///
 /// **Before the first response** of a partition, its requests go one at a time: the first
 /// answer says how many may follow (a server that sends no rate-limit fields then limits
@@ -80,34 +84,45 @@ impl KeyExtractor for AuthorityKey {
 /// is believed left, less the requests still in flight), or sooner by the refill rate it has
 /// learned. A request that goes reserves one unit of every quota before it is sent, so
 /// concurrent requests never send more than the server last allowed. Every response replaces
-/// the count: the units it reports left (`r`), less the requests sent after it and not yet
-/// answered. The server is taken to decide requests in the order they are sent, so the ones
-/// sent before have been counted in `r` and the ones sent after are counted once, as
-/// reserved. A response older than one already read (answered out of order) is not read, so
-/// a late answer cannot bring back units already spent. A quota reported without a reset
+/// the count, and no order is assumed: requests on separate connections overtake one
+/// another on the way to the server and back. The count is the least `r` among this response
+/// and those read while its request was in flight, less every request still in flight.
+/// Whichever of those responses the server decided last, the requests decided after it are
+/// all still in flight (the ones answered before this request was sent were decided before
+/// it), and its `r` is that least `r` or above (a refill can only raise a later `r`): the count
+/// is never more than the server has once the requests in flight are decided. A request in
+/// flight that was decided earlier is subtracted although `r` counted it, until its own
+/// answer arrives: once every request is answered the count is the server's last `r`
+/// exactly. After the layer refilled a quota at its reset, answers to requests sent before
+/// describe the window before and do not set the count. A quota reported without a reset
 /// time (`t`) and with nothing left is forgotten when no request is in flight to tell more.
 ///
 /// **How the rate is learned**: the headers give whole seconds (`w`, `t`), which hide a refill
-/// faster than a window (tollgate renders 50 per second with a burst of 10 as `q=10;w=1`). From
-/// the first response of a quota (its anchor: `r_a` units left at instant `a`) to a later
-/// response at `b` (`r_b` left) with `n` admitted responses in between and in order, the
-/// server refilled more than `r_b + n - r_a - 1` units in `b - a` seconds (`r` is the whole
-/// part of what is left; a quota that was full meanwhile refilled less, so this stays a lower
-/// bound). The learned rate is the largest such bound, in units per second, over spans of at
-/// least one second, measured between the responses' arrivals: when the later response took
-/// `d` seconds less to arrive than the anchor, a bound over `s` seconds is at most
-/// `(s + d) / s` times the true rate (1.1 times for `d` = 100 ms over the shortest span). A quota with no unit left then has one `1 / rate` seconds after the
-/// last response (capped at `q`), instead of at its reset; as the refill is underestimated,
-/// the server holds more than the layer believes, reports it in `r`, and the layer sends it:
-/// the rate the server allows is reached even while the estimate is low. Units are requests
-/// and seconds throughout.
+/// faster than a window (tollgate renders 50 per second with a burst of 10 as `q=10;w=1`). The
+/// learning starts at a response read with no other request in flight and none answered
+/// while it was (its anchor: `r_a` units left; its request sent at instant `a`), usually the
+/// first. At a later response arriving at `b` with `r_b` left, the server has spent at least
+/// `n` units since the anchor (the admitted requests answered before this one was sent, and
+/// this one: all decided between the two), so it refilled more than `r_b + n - r_a - 1` units
+/// in `b - a` seconds (`r` is the whole part of what is left; a quota that was full meanwhile
+/// refilled less, and a request decided between the two but answered later is not in `n`, so
+/// this stays a lower bound). The span runs from the anchor's sending to the later answer's
+/// arrival, so it holds the time between the two decisions whatever the latencies: the bound
+/// never exceeds the true rate. The learned rate is the largest such bound, in units per
+/// second, over spans of at least one second. A quota with no unit left then has one
+/// `1 / rate` seconds after the last response (capped at `q`), instead of at its reset; as
+/// the refill is underestimated, the server holds more than the layer believes, reports it in
+/// `r`, and the layer sends it: the rate the server allows is reached even while the estimate
+/// is low. Units are requests and seconds throughout.
 ///
 /// **Quotas that refill all at once** (a fixed window, a sliding log) look, across their
 /// reset, like a bucket that refilled: the rate learned from them can let one request go too
 /// early. The server refuses it (429), and from then on the layer learns no rate for that
-/// quota and waits for its resets. The same happens when other clients spend the same quota.
-/// Against a bucket (tollgate's GCRA, token and leaky buckets) that this layer alone spends
-/// and that decides requests in the order sent, no request is refused.
+/// quota and waits for its resets. The same happens when other clients spend the same quota,
+/// and when a request that ended without an answer (an error, a dropped future) is decided
+/// after a later answer was read. Against a bucket (tollgate's GCRA, token and leaky buckets)
+/// that this layer alone spends, no request is refused, in whatever order the requests reach
+/// the server and their answers come back.
 ///
 /// Waits are not bounded by the layer: bound them with a timeout (`tower::timeout`) where a
 /// server's daily quota could hold requests for hours. A request dropped while it waits takes
@@ -453,11 +468,23 @@ impl Quota {
         self.prune();
     }
 
-    /// Drops the reads no request in flight needs.
+    /// Drops the reads no request in flight needs, and merges the oldest two while more than
+    /// [`MAX_RECENT`] are kept (a request in flight that long then compares with the lower
+    /// of them, and the later reset: less exact, never more).
     fn prune(&mut self) {
         let oldest = self.sent.values().map(|s| s.reads).min().unwrap_or(self.reads);
         while self.recent.front().is_some_and(|r| r.index <= oldest) {
             self.recent.pop_front();
+        }
+        while self.recent.len() > MAX_RECENT {
+            let (Some(a), Some(b)) = (self.recent.pop_front(), self.recent.pop_front()) else {
+                break;
+            };
+            self.recent.push_front(Read {
+                index: b.index,
+                remaining: a.remaining.min(b.remaining),
+                reset_at: later_of(a.reset_at, b.reset_at),
+            });
         }
     }
 
@@ -484,10 +511,7 @@ impl Quota {
         let since = sent.map_or(0, |s| s.reads);
         for read in self.recent.iter().filter(|read| read.index > since) {
             least = least.min(read.remaining);
-            reset = match (reset, read.reset_at) {
-                (Some(a), Some(b)) => Some(a.max(b)),
-                (a, b) => a.or(b),
-            };
+            reset = later_of(reset, read.reset_at);
         }
         let overlapped = since + 1 < self.reads;
         if admitted {
@@ -560,6 +584,14 @@ struct Answer {
     in_flight: u64,
     /// Not refused: its request spent a unit.
     admitted: bool,
+}
+
+/// The later of two resets, or the one that is known.
+fn later_of(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    }
 }
 
 /// A count of units as a signed number, saturating.
@@ -964,6 +996,25 @@ mod tests {
             }
             assert_eq!(remaining(&state), [5], "{order:?}: exact once all are answered");
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_long_request_compares_with_every_answer_read_meanwhile_in_bounded_memory() {
+        let now = Instant::now();
+        let mut state = State::default();
+        let first = state.try_reserve(now).unwrap();
+        state.observe(now, first, StatusCode::OK, vec![quota(200, None)], None);
+        let long = state.try_reserve(now).unwrap();
+        for i in 0..100 {
+            let seq = state.try_reserve(now).unwrap();
+            let r = if i == 3 { 5 } else { 150 };
+            state.observe(now, seq, StatusCode::OK, vec![quota(r, None)], None);
+            assert!(state.quotas[0].recent.len() <= MAX_RECENT);
+        }
+        // The long request may have been decided after the one that said 5.
+        state.observe(now, long, StatusCode::OK, vec![quota(150, None)], None);
+        assert_eq!(remaining(&state), [5]);
+        assert!(state.quotas[0].recent.is_empty() && state.quotas[0].sent.is_empty());
     }
 
     #[tokio::test(start_paused = true)]
