@@ -110,7 +110,8 @@ impl KeyExtractor for AuthorityKey {
 /// arrival, so it holds the time between the two decisions whatever the latencies: the bound
 /// never exceeds the true rate. The learned rate is the largest such bound, in units per
 /// second, over spans of at least one second. A quota with no unit left then has one
-/// `1 / rate` seconds after the last response (capped at `q`), instead of at its reset; as
+/// `1 / rate` seconds after the last response (up to `q` less the requests in flight, which
+/// may not be decided yet), instead of at its reset; as
 /// the refill is underestimated, the server holds more than the layer believes, reports it in
 /// `r`, and the layer sends it: the rate the server allows is reached even while the estimate
 /// is low. Units are requests and seconds throughout.
@@ -403,7 +404,7 @@ impl Quota {
     }
 
     /// Brings `remaining` up to `now`: full again at the reset (less what is in flight), or
-    /// one unit per learned interval up to the limit. `false` when the quota is full again
+    /// one unit per learned interval up to the limit (less what is in flight). `false` when the quota is full again
     /// but its limit is unknown: it should be forgotten.
     fn settle(&mut self, now: Instant, in_flight: u64, last_seq: u64) -> bool {
         if self.reset_at.is_some_and(|at| now >= at) {
@@ -417,7 +418,9 @@ impl Quota {
             return true;
         }
         if let Some((interval, limit)) = self.refill() {
-            let limit = units(limit);
+            // The server holds at most `limit`, and the requests in flight may not be decided
+            // yet: the count, which has them taken off, refills up to `limit` less them.
+            let limit = units(limit).saturating_sub(units(in_flight));
             if self.remaining >= limit {
                 self.as_of = now;
             } else {
@@ -1015,6 +1018,23 @@ mod tests {
         state.observe(now, long, StatusCode::OK, vec![quota(150, None)], None);
         assert_eq!(remaining(&state), [5]);
         assert!(state.quotas[0].recent.is_empty() && state.quotas[0].sent.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_learned_refill_stops_at_the_limit_less_the_requests_in_flight() {
+        let now = Instant::now();
+        let mut state = State::default();
+        let first = state.try_reserve(now).unwrap();
+        state.observe(now, first, StatusCode::OK, vec![quota(3, None)], None);
+        state.quotas[0].interval = Some(Duration::from_millis(100));
+        for _ in 0..3 {
+            state.try_reserve(now).unwrap();
+        }
+        // Ten seconds later the server holds at most 10 units, and the three requests in
+        // flight may still take three of them.
+        let later = now + Duration::from_secs(10);
+        let sent = std::iter::from_fn(|| state.try_reserve(later).ok()).count();
+        assert_eq!(sent, 7);
     }
 
     #[tokio::test(start_paused = true)]
