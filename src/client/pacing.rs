@@ -446,11 +446,11 @@ impl Quota {
         true
     }
 
-    /// When this quota, with no unit left, has one again: its reset, or the learned refill's
-    /// next unit (whichever is sooner); `None` when neither is known.
-    fn next_unit(&self) -> Option<Instant> {
+    /// When this quota, with fewer than `needed` units left, has them: its reset, or the
+    /// learned refill's next units (whichever is sooner); `None` when neither is known.
+    fn next_unit(&self, needed: i64) -> Option<Instant> {
         let refill = self.refill().map(|(interval, _)| {
-            let owed = u32::try_from(1i64.saturating_sub(self.remaining)).unwrap_or(u32::MAX);
+            let owed = u32::try_from(needed.saturating_sub(self.remaining)).unwrap_or(u32::MAX);
             after(self.as_of, interval.saturating_mul(owed))
         });
         match (self.reset_at, refill) {
@@ -647,13 +647,17 @@ impl State {
             }
             // Nothing left, nothing that brings units back, no response to come: nothing to
             // wait on.
-            !(q.remaining <= 0 && q.next_unit().is_none() && in_flight == 0)
+            !(q.remaining <= 0 && q.next_unit(1).is_none() && in_flight == 0)
         });
+        // With requests in flight, one unit stays: a server can decide a request at an instant
+        // before one it decided earlier (it read its clock, then waited for a lock), which
+        // costs that request the refill of the delay.
+        let needed = if in_flight > 0 { 2 } else { 1 };
         let mut exhausted = false;
         let mut until: Option<Instant> = None;
-        for q in self.quotas.iter().filter(|q| q.remaining <= 0) {
+        for q in self.quotas.iter().filter(|q| q.remaining < needed) {
             exhausted = true;
-            if let Some(at) = q.next_unit() {
+            if let Some(at) = q.next_unit(needed) {
                 until = Some(until.map_or(at, |u| u.max(at)));
             }
         }
@@ -1025,16 +1029,34 @@ mod tests {
         let now = Instant::now();
         let mut state = State::default();
         let first = state.try_reserve(now).unwrap();
-        state.observe(now, first, StatusCode::OK, vec![quota(3, None)], None);
+        state.observe(now, first, StatusCode::OK, vec![quota(4, None)], None);
         state.quotas[0].interval = Some(Duration::from_millis(100));
         for _ in 0..3 {
             state.try_reserve(now).unwrap();
         }
         // Ten seconds later the server holds at most 10 units, and the three requests in
-        // flight may still take three of them.
+        // flight may still take three of them; one stays while requests are in flight.
         let later = now + Duration::from_secs(10);
         let sent = std::iter::from_fn(|| state.try_reserve(later).ok()).count();
-        assert_eq!(sent, 7);
+        assert_eq!(sent, 6);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn with_requests_in_flight_the_last_unit_waits_for_them() {
+        let now = Instant::now();
+        let mut state = State::default();
+        let first = state.try_reserve(now).unwrap();
+        state.observe(now, first, StatusCode::OK, vec![quota(3, None)], None);
+        assert_eq!(state.try_reserve(now), Ok(2));
+        assert_eq!(state.try_reserve(now), Ok(3));
+        // One unit left and two requests in flight: it waits for them.
+        assert_eq!(state.try_reserve(now), Err(None));
+        state.observe(now, 2, StatusCode::OK, vec![quota(2, None)], None);
+        assert_eq!(state.try_reserve(now), Err(None));
+        state.observe(now, 3, StatusCode::OK, vec![quota(1, None)], None);
+        // Alone, a request may take the last unit.
+        assert_eq!(state.try_reserve(now), Ok(4));
+        assert_eq!(remaining(&state), [0]);
     }
 
     #[tokio::test(start_paused = true)]
