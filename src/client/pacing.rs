@@ -83,9 +83,14 @@ impl KeyExtractor for AuthorityKey {
 /// its partition has no unit left, until the quota has one again: at its reset (`t`, when `q`
 /// is believed left, less the requests still in flight), or sooner by the refill rate it has
 /// learned. A request that goes reserves one unit of every quota before it is sent, so
-/// concurrent requests never send more than the server last allowed. Every response replaces
-/// the count, and no order is assumed: requests on separate connections overtake one
-/// another on the way to the server and back. The count is the least `r` among this response
+/// concurrent requests never send more than the server last allowed. While others are in
+/// flight, a request goes only if a unit would be left after it: a server can decide a
+/// request at an instant before one it decided earlier (it read its clock, then waited for a
+/// lock, as tollgate's memory store can under contention), which costs that request the
+/// refill of the delay; the unit kept covers a delay of up to one emission interval
+/// (`1 / rate`). A request with nothing in flight may take the last unit. Every response
+/// replaces the count, and no order is assumed: requests on separate connections overtake
+/// one another on the way to the server and back. The count is the least `r` among this response
 /// and those read while its request was in flight, less every request still in flight.
 /// Whichever of those responses the server decided last, the requests decided after it are
 /// all still in flight (the ones answered before this request was sent were decided before
@@ -404,8 +409,8 @@ impl Quota {
     }
 
     /// Brings `remaining` up to `now`: full again at the reset (less what is in flight), or
-    /// one unit per learned interval up to the limit (less what is in flight). `false` when the quota is full again
-    /// but its limit is unknown: it should be forgotten.
+    /// one unit per learned interval up to the limit (less what is in flight). `false` when
+    /// the quota is full again but its limit is unknown: it should be forgotten.
     fn settle(&mut self, now: Instant, in_flight: u64, last_seq: u64) -> bool {
         if self.reset_at.is_some_and(|at| now >= at) {
             let Some(limit) = self.limit else { return false };
