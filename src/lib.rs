@@ -97,7 +97,7 @@ pub use error::{ConfigError, StoreError};
 pub use headers::{HeaderFormat, HeaderStyle};
 pub use layer::{
     DecisionEvent, LogKeys, MissingKey, Observed, OnStoreError, RateLimit, RateLimitLayer,
-    RateLimitLayerBuilder, RequestBody, ResponseBody, ResponseFuture, STREAM_LEASE, StreamMode,
+    RateLimitLayerBuilder, RequestBody, ResponseBody, ResponseFuture, MESSAGE_LEASE, STREAM_LEASE, StreamMode,
     Unselected, Usage,
 };
 pub use limiter::{Held, Limiter, Reservation};

@@ -108,7 +108,14 @@ impl TierKindName {
 pub(super) struct UnitName(pub(super) Unit);
 
 /// Every unit a tier may count, in the order the messages list them.
-const UNITS: [Unit; 4] = [Unit::Requests, Unit::RequestBytes, Unit::ResponseBytes, Unit::Reported];
+const UNITS: [Unit; 6] = [
+    Unit::Requests,
+    Unit::RequestBytes,
+    Unit::ResponseBytes,
+    Unit::Reported,
+    Unit::RequestMessages,
+    Unit::ResponseMessages,
+];
 
 impl TryFrom<String> for UnitName {
     type Error = String;

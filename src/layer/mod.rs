@@ -6,6 +6,7 @@ mod meter;
 mod observe;
 mod scope;
 mod service;
+mod messages;
 mod stream;
 
 use std::fmt;
@@ -23,7 +24,7 @@ pub use meter::Usage;
 pub use observe::{DecisionEvent, LogKeys, Observed};
 pub use scope::Unselected;
 pub use service::RateLimit;
-pub use stream::{STREAM_LEASE, StreamMode};
+pub use stream::{MESSAGE_LEASE, STREAM_LEASE, StreamMode};
 
 use observe::{Failing, HookFn, MissingKeys, Observer};
 use scope::{Added, Condition, Scope, ScopeBuilder};

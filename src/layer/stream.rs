@@ -28,6 +28,15 @@ use crate::store::{Check, Store, Verdict};
 /// more settles the last lease at what it carried, unless it carried exactly its size.
 pub const STREAM_LEASE: u64 = 64 * 1024;
 
+/// The largest lease of messages a gRPC stream takes from the store at once: 16.
+///
+/// A gRPC call metered with [`StreamMode::Shape`] or [`StreamMode::Police`] under a tier
+/// counting [`Unit::RequestMessages`] or [`Unit::ResponseMessages`] asks the store for this
+/// many messages (fewer when the tier's capacity is smaller, or, policing, when the tier has
+/// fewer left) when it has spent its previous lease: one store call per lease, never one per
+/// message. The part of the last lease the stream did not use is given back when it ends.
+pub const MESSAGE_LEASE: u64 = 16;
+
 /// How long a shaped lease may be reserved ahead: a lease that would have to wait longer is
 /// not reserved, and asked for again when the store says it would fit.
 const SHAPE_AHEAD: Duration = Duration::from_secs(1);
@@ -238,7 +247,10 @@ impl<St: Store> Leases<St> {
             .map(|t| t.capacity_for(priority))
             .min()
             .unwrap_or(STREAM_LEASE)
-            .min(STREAM_LEASE);
+            .min(match unit {
+                Unit::RequestMessages | Unit::ResponseMessages => MESSAGE_LEASE,
+                _ => STREAM_LEASE,
+            });
         Self {
             limiter: limiter.clone(),
             key,
@@ -253,6 +265,13 @@ impl<St: Store> Leases<St> {
             owed: 0,
             state: State::Idle,
         }
+    }
+
+    /// The first `units` were charged at admission: they pass without a lease (a call's
+    /// first message each way, charged as a unary call's).
+    pub(crate) fn prepaid(mut self, units: u64) -> Self {
+        self.left = units;
+        self
     }
 
     /// The size of the next lease.
