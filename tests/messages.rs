@@ -2,7 +2,8 @@
 //! tonic's client over real HTTP/2 on 127.0.0.1. The service (`test.Messages`) is written
 //! against tonic's generic server and client with a codec of raw bytes, so no protobuf code
 //! is generated: `Upload` is client-streaming (answers how many messages it read), `Download`
-//! server-streaming (sends as many messages as the request's 8-byte count), `Echo` unary.
+//! server-streaming (sends as many messages as the request's 8-byte count), `Chat`
+//! bidirectional (answers each message with how many came), `Echo` unary.
 #![cfg(feature = "tonic")]
 
 use std::convert::Infallible;
@@ -25,6 +26,7 @@ use tonic::server::NamedService;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Server};
 use tonic::{Code, Status, Streaming};
+use tokio_stream::StreamExt;
 use tower::{Service, service_fn};
 
 /// Messages as raw bytes. Each message the client encodes is sent as its own chunk (a yield
@@ -119,6 +121,19 @@ impl Service<http::Request<tonic::body::Body>> for Messages {
                     });
                     grpc.server_streaming(download, req).await
                 }
+                "/test.Messages/Chat" => {
+                    let chat = service_fn(move |req: tonic::Request<Streaming<Bytes>>| {
+                        let received = Arc::clone(&received);
+                        async move {
+                            // Each message read is answered at once, with how many came.
+                            let answers = req.into_inner().map(move |message| {
+                                message.map(|_| count(received.fetch_add(1, Ordering::SeqCst) + 1))
+                            });
+                            Ok::<_, Status>(tonic::Response::new(answers))
+                        }
+                    });
+                    grpc.streaming(chat, req).await
+                }
                 "/test.Messages/Echo" => {
                     let echo = service_fn(|req: tonic::Request<Bytes>| async move {
                         Ok::<_, Status>(tonic::Response::new(req.into_inner()))
@@ -192,6 +207,29 @@ impl GrpcServer {
                 Ok(Some(message)) => {
                     assert_eq!(message, count(came), "in order, whole");
                     came += 1;
+                }
+                Ok(None) => return (came, Ok(())),
+                Err(status) => return (came, Err(status)),
+            }
+        }
+    }
+
+    /// Sends `n` messages to `Chat`: the answers that came, then how the stream ended.
+    async fn chat(&mut self, n: u64) -> (u64, Result<(), Status>) {
+        self.client.ready().await.expect("ready");
+        let messages = tokio_stream::iter((0..n).map(count));
+        let path = PathAndQuery::from_static("/test.Messages/Chat");
+        let res = match self.client.streaming(tonic::Request::new(messages), path, Raw).await {
+            Ok(res) => res,
+            Err(status) => return (0, Err(status)),
+        };
+        let mut answers = res.into_inner();
+        let mut came = 0;
+        loop {
+            match answers.message().await {
+                Ok(Some(answer)) => {
+                    came += 1;
+                    assert_eq!(answer, count(came), "in order");
                 }
                 Ok(None) => return (came, Ok(())),
                 Err(status) => return (came, Err(status)),
@@ -291,4 +329,18 @@ async fn a_server_stream_is_counted_per_message_and_ends_with_resource_exhausted
     clock.advance(Duration::from_secs(1));
     let (came, end) = server.download(40).await;
     assert_eq!((came, end.map_err(|s| s.code())), (40, Ok(())));
+}
+
+#[tokio::test]
+async fn policing_ends_a_bidirectional_stream_with_resource_exhausted_trailers() {
+    let clock = FakeClock::new();
+    let mut server = serve(layer(Unit::RequestMessages, StreamMode::Police, frozen(&clock))).await;
+    // The handler answered (its response streams) before the budget ran out: the response
+    // ends with the status in its trailers, after the answers to the messages it read.
+    let (came, end) = server.chat(1_000).await;
+    assert_eq!(server.received.load(Ordering::SeqCst), 100);
+    assert_eq!(came, 100);
+    let refused = end.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("160"));
 }

@@ -33,8 +33,8 @@ pub(crate) struct Scan {
 
 impl Framer {
     /// Scans `data` (the bytes that follow those already seen), letting through as many as
-    /// complete at most `room` prefixes: it stops before the byte that would complete one
-    /// more. A message split across frames counts once, in the frame where its prefix ends;
+    /// complete at most `room` prefixes: it stops at the start of the message past them (or,
+    /// within a prefix begun before, before its last byte). A message split across frames counts once, in the frame where its prefix ends;
     /// several messages in one frame each count; a zero-length message counts when its prefix
     /// ends. The compressed flag is not looked at.
     pub(crate) fn scan(self, data: &[u8], room: u64) -> Scan {
@@ -58,7 +58,8 @@ impl Framer {
                     state = if left == 0 { Self::default() } else { Self::Payload { left } };
                 }
                 Self::Prefix { have, len } => {
-                    if have == 4 && messages == room {
+                    // At a message's start (or, resuming a prefix, before its last byte).
+                    if messages == room && (have == 0 || have == 4) {
                         break;
                     }
                     let byte = data[at];
@@ -190,16 +191,22 @@ mod tests {
         let mut frame = message(false, b"aa");
         frame.extend(message(false, b"bbb"));
         frame.extend(message(false, b""));
-        // Room for one: the first message whole and the next prefix up to its last byte.
+        // Room for one: the first message whole, up to the start of the next.
         let one = Framer::default().scan(&frame, 1);
-        assert_eq!((one.bytes, one.messages), (7 + 4, 1));
+        assert_eq!((one.bytes, one.messages), (7, 1));
+        assert_eq!(one.next, Framer::default());
         // Then the rest, with room for two.
         let rest = one.next.scan(&frame[one.bytes..], 2);
-        assert_eq!((rest.bytes, rest.messages), (frame.len() - 11, 2));
+        assert_eq!((rest.bytes, rest.messages), (frame.len() - 7, 2));
         assert_eq!(rest.next, Framer::default());
-        // No room: a payload's bytes still pass, a prefix does not end.
+        // No room: a payload's bytes still pass, the next message does not start.
         let payload = Framer::Payload { left: 3 }.scan(&frame, 0);
-        assert_eq!((payload.bytes, payload.messages), (3 + 4, 0));
+        assert_eq!((payload.bytes, payload.messages), (3, 0));
+        // A prefix begun in an earlier frame stops before its last byte.
+        let begun = Framer::Prefix { have: 2, len: 0 }.scan(&[0, 0, 0], 0);
+        assert_eq!((begun.bytes, begun.messages), (2, 0));
+        let ended = begun.next.scan(&[0, 0, 0], 1);
+        assert_eq!((ended.bytes, ended.messages, ended.next), (1, 1, Framer::default()));
     }
 
     #[test]
