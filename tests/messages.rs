@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use bytes::{Buf, BufMut, Bytes};
 use http::uri::PathAndQuery;
 use tokio::net::TcpListener;
+use tokio_stream::StreamExt;
 use tollgate::clock::FakeClock;
 use tollgate::key::{GlobalKey, KeyExtractor};
 use tollgate::store::{MemoryStore, Store};
@@ -26,7 +27,6 @@ use tonic::server::NamedService;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Server};
 use tonic::{Code, Status, Streaming};
-use tokio_stream::StreamExt;
 use tower::{Service, service_fn};
 
 /// Messages as raw bytes. Each message the client encodes is sent as its own chunk (a yield
@@ -251,7 +251,11 @@ fn meta<'a>(status: &'a Status, name: &str) -> Option<&'a str> {
 }
 
 /// 100 messages per second, burst 100, of `unit`, on one key for every call.
-fn layer(unit: Unit, mode: StreamMode, store: MemoryStore) -> RateLimitLayer<GlobalKey, MemoryStore> {
+fn layer(
+    unit: Unit,
+    mode: StreamMode,
+    store: MemoryStore,
+) -> RateLimitLayer<GlobalKey, MemoryStore> {
     let policy = Policy::builder("messages")
         .tier("messages", Quota::per_second(100).counting(unit))
         .build()
@@ -314,8 +318,7 @@ async fn shaping_paces_a_client_stream_to_the_rate() {
 #[tokio::test]
 async fn a_server_stream_is_counted_per_message_and_ends_with_resource_exhausted() {
     let clock = FakeClock::new();
-    let mut server =
-        serve(layer(Unit::ResponseMessages, StreamMode::Police, frozen(&clock))).await;
+    let mut server = serve(layer(Unit::ResponseMessages, StreamMode::Police, frozen(&clock))).await;
     // The server's messages go out many to a DATA frame: they are cut at the message past
     // the budget.
     let (came, end) = server.download(250).await;

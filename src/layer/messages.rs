@@ -147,9 +147,10 @@ mod tests {
     fn a_message_split_across_frames_counts_once_where_its_prefix_ends() {
         let bytes = message(false, &[9; 100]);
         // The prefix itself split after 2 bytes, then the payload in three frames.
-        assert_eq!(count(&[&bytes[..2], &bytes[2..40], &bytes[40..70], &bytes[70..]]), vec![
-            0, 1, 0, 0
-        ]);
+        assert_eq!(
+            count(&[&bytes[..2], &bytes[2..40], &bytes[40..70], &bytes[70..]]),
+            vec![0, 1, 0, 0]
+        );
         // Split after each byte of the prefix.
         let frames: Vec<&[u8]> = (0..5).map(|i| &bytes[i..=i]).chain([&bytes[5..]]).collect();
         assert_eq!(count(&frames), vec![0, 0, 0, 0, 1, 0]);

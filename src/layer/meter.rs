@@ -227,9 +227,7 @@ impl Meter {
     /// Whether the response is metered as it streams.
     #[inline]
     pub(super) fn streams(&self) -> bool {
-        self.stream.gate.is_some()
-            || self.stream.signal.is_some()
-            || self.stream.messages.is_some()
+        self.stream.gate.is_some() || self.stream.signal.is_some() || self.stream.messages.is_some()
     }
 
     /// A data frame of `len` bytes went out.

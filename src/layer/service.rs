@@ -133,8 +133,8 @@ where
         if let (Some(key), true) = (&key, plan.at_once) {
             let cost = config.cost(&head);
             // Per-tier costs, for a policy with tiers of other kinds or units only.
-            let costs =
-                (!plan.plain).then(|| plan.costs(limiter.policy(), cost, content_length(&head), &head));
+            let costs = (!plan.plain)
+                .then(|| plan.costs(limiter.policy(), cost, content_length(&head), &head));
             let mut check = Check::new(key, cost).with_priority(config.priority(&head));
             if let Some(costs) = &costs {
                 check = check.with_costs(costs);
@@ -497,7 +497,8 @@ where
     };
     let plan = config.plan_at(policy);
     let needs = plan.needs;
-    let costs = (!plan.plain).then(|| plan.costs(limiter.policy(), cost, length, &RequestHead::from(&req)));
+    let costs =
+        (!plan.plain).then(|| plan.costs(limiter.policy(), cost, length, &RequestHead::from(&req)));
 
     // A place in the waiting room, taken before deciding so that a full room polices instead
     // of reserving slots it cannot wait for.
@@ -674,7 +675,8 @@ where
             (Box::new(gate.prepaid(prepaid)) as Box<dyn Gate>, Framer::default())
         });
         let signal = if grpc { signal } else { None };
-        meter = meter.streamed(Streamed { gate, messages, signal, trailers, ..Streamed::default() });
+        meter =
+            meter.streamed(Streamed { gate, messages, signal, trailers, ..Streamed::default() });
     }
     Ok(Response::from_parts(head, ResponseBody::metered(body, meter)))
 }

@@ -43,7 +43,8 @@ const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 
 /// How tiers counting [`Unit::RequestBytes`] or [`Unit::ResponseBytes`] meter a body whose
 /// length was not charged at admission: a request body without a `Content-Length`, and every
-/// response body. Set with
+/// response body; and how tiers counting [`Unit::RequestMessages`] or
+/// [`Unit::ResponseMessages`] meter the messages of a gRPC call (see [Messages](#messages)). Set with
 /// [`RateLimitLayerBuilder::on_stream`](crate::RateLimitLayerBuilder::on_stream).
 ///
 /// With [`Shape`](Self::Shape) or [`Police`](Self::Police) the body is charged as its frames
@@ -83,6 +84,28 @@ const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 /// # let _ = layer;
 /// # Ok(()) }
 /// ```
+///
+/// # Messages
+///
+/// Tiers counting [`Unit::RequestMessages`] or [`Unit::ResponseMessages`] meter the messages
+/// of a gRPC call the same way (a request that is not a gRPC call counts as one message,
+/// charged at admission). Each length-prefixed message of the HTTP/2 body counts once, read
+/// from its 5-byte prefix (the payload is never decoded, compressed or not; a message split
+/// across frames counts once, several in one frame each count), in leases of at most
+/// [`MESSAGE_LEASE`] (16) messages: one store call per lease, never one per message.
+/// Policing charges the call's first message each way at admission, as a unary call's (so a
+/// unary call costs one message each way, and is refused at once when its key has spent the
+/// tier); shaping charges none there and lets the first lease wait. Shaping delays the next
+/// message: a request frame is not read, a response frame not sent, until the tier has room.
+/// Policing stops the stream at the first message past the tier (what the client sees: see
+/// [`Police`](Self::Police)). The bound: a response is cut at the start of the first message
+/// past its lease, so the messages sent are exactly what the tier admits; a request's frame
+/// cannot be cut, and is read when the lease has room for at least one message, so each
+/// stream adds at most the messages of one HTTP/2 DATA frame, less one (none when each
+/// message comes in a frame of its own). The end of a stream is never refused: a lease
+/// refused after the last message is only held against a next one. A dry run, and
+/// [`Settle`](Self::Settle), count a
+/// call as one message each way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum StreamMode {
@@ -112,6 +135,10 @@ pub enum StreamMode {
     ///   body's error type is the handler's, so the layer cannot fail it; it is shaped
     ///   instead (as [`Shape`](Self::Shape)), and a request body that runs out stops being
     ///   read.
+    ///
+    /// The `grpc-retry-pushback-ms` of a stream stopped mid-way is the wait until the tier
+    /// has room for the lease it refused (at most [`STREAM_LEASE`] bytes or
+    /// [`MESSAGE_LEASE`] messages), not for one more byte or message.
     Police,
 }
 
