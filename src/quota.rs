@@ -235,8 +235,9 @@ pub enum Unit {
     /// counted as they stream (each length-prefixed message of gRPC over HTTP/2, read from its
     /// 5-byte prefix, the payload never decoded) and charged in leases of at most
     /// [`MESSAGE_LEASE`](crate::MESSAGE_LEASE) messages, the stream paused or stopped when the
-    /// tier runs out. Under [`StreamMode::Settle`](crate::StreamMode::Settle) a call counts
-    /// as one message, however many it streams.
+    /// tier runs out. Under [`StreamMode::Settle`](crate::StreamMode::Settle) (the default)
+    /// a gRPC call is charged one message at admission and settled at the messages counted
+    /// when its response ends.
     RequestMessages,
     /// Messages the server sends: as [`RequestMessages`](Self::RequestMessages), for the
     /// response body.

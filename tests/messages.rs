@@ -347,3 +347,18 @@ async fn policing_ends_a_bidirectional_stream_with_resource_exhausted_trailers()
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
     assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("160"));
 }
+
+#[tokio::test]
+async fn settling_lets_a_stream_run_and_charges_its_messages_when_it_ends() {
+    let clock = FakeClock::new();
+    let mut server = serve(layer(Unit::RequestMessages, StreamMode::Settle, frozen(&clock))).await;
+    // Never stopped: 250 messages against a budget of 100.
+    assert_eq!(server.upload(250).await.unwrap(), 250);
+    // Charged 250: 150 past the burst are owed, at 100/s, then one more message fits after
+    // 10 ms.
+    clock.advance(Duration::from_millis(1_500));
+    let refused = server.echo().await.unwrap_err();
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("10"));
+    clock.advance(Duration::from_millis(10));
+    assert_eq!(server.echo().await.unwrap(), count(7));
+}

@@ -140,6 +140,10 @@ pub(super) struct Counters {
     /// The request body is metered as it streams ([`StreamMode`](super::StreamMode)): its
     /// tiers are charged by leases, and the unit charged at admission is given back.
     request_streamed: bool,
+    /// The messages of a gRPC call counted as its bodies stream, under
+    /// [`StreamMode::Settle`](super::StreamMode::Settle): settled when the response ends.
+    pub(super) request_messages: Option<Arc<AtomicU64>>,
+    pub(super) response_messages: Option<Arc<AtomicU64>>,
 }
 
 impl Counters {
@@ -254,6 +258,12 @@ impl Meter {
             counted.push((Unit::ResponseBytes, 0));
         } else if self.counters.response_bytes {
             counted.push((Unit::ResponseBytes, self.sent));
+        }
+        if let Some(messages) = &self.counters.request_messages {
+            counted.push((Unit::RequestMessages, messages.load(Ordering::Relaxed)));
+        }
+        if let Some(messages) = &self.counters.response_messages {
+            counted.push((Unit::ResponseMessages, messages.load(Ordering::Relaxed)));
         }
         if let Some(usage) = &self.counters.usage {
             counted.push((Unit::Reported, usage.reported()));

@@ -4,6 +4,7 @@
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::task::{Context, Poll};
 
 use http::{Request, Response, header};
@@ -15,7 +16,7 @@ use super::future::{Refund, RefundByStatus, ResponseFuture, Untracked};
 use super::messages::Framer;
 use super::meter::{Counters, Finish, Meter, Needs, StopTrailers, Streamed, content_length};
 use super::scope::Route;
-use super::stream::{Gate, Leases, Signal, Stopped, StreamMode};
+use super::stream::{Gate, Leases, Signal, Stopped, StreamMode, Tally};
 use super::{Config, Cost, MissingKey, Observed, OnStoreError};
 use crate::decision::Decision;
 use crate::error::StoreError;
@@ -617,12 +618,30 @@ where
         let gate = Leases::new(limiter, key.clone(), priority, Unit::RequestBytes, mode, fail_open);
         (Box::new(gate) as Box<dyn Gate>, Arc::clone(signal))
     });
-    let counters = Counters::install(needs, &mut req, length.is_some(), streamed);
+    let mut counters = Counters::install(needs, &mut req, length.is_some(), streamed);
     if let (true, Some(signal)) = (request_messages, &signal) {
         let unit = Unit::RequestMessages;
         let gate = Leases::new(limiter, key.clone(), priority, unit, mode, fail_open);
         req.body_mut().gate_messages(Box::new(gate.prepaid(prepaid)), Arc::clone(signal));
     }
+    // Settling (or a dry run): a gRPC call's messages are counted, and the message each way
+    // charged at admission settled at the count when the response ends.
+    let tally = !mode.streams() && grpc;
+    if tally && needs.request_messages() {
+        let counted = Arc::new(AtomicU64::new(0));
+        let gate = Box::new(Tally(Arc::clone(&counted)));
+        // Nothing waits for this signal: a tally never stops the body.
+        req.body_mut().gate_messages(gate, Arc::default());
+        counters.request_messages = Some(counted);
+    }
+    let response_tally = (tally && needs.response_messages()).then(|| {
+        let counted = Arc::new(AtomicU64::new(0));
+        counters.response_messages = Some(Arc::clone(&counted));
+        Streamed {
+            messages: Some((Box::new(Tally(counted)) as Box<dyn Gate>, Framer::default())),
+            ..Streamed::default()
+        }
+    });
     let held = reservation.hold();
     let call = inner.call(req);
     let res = match &signal {
@@ -677,6 +696,8 @@ where
         let signal = if grpc { signal } else { None };
         meter =
             meter.streamed(Streamed { gate, messages, signal, trailers, ..Streamed::default() });
+    } else if let Some(streamed) = response_tally {
+        meter = meter.streamed(streamed);
     }
     Ok(Response::from_parts(head, ResponseBody::metered(body, meter)))
 }

@@ -104,8 +104,8 @@ const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 /// stream adds at most the messages of one HTTP/2 DATA frame, less one (none when each
 /// message comes in a frame of its own). The end of a stream is never refused: a lease
 /// refused after the last message is only held against a next one. A dry run, and
-/// [`Settle`](Self::Settle), count a
-/// call as one message each way.
+/// [`Settle`](Self::Settle), charge a call one message each way at admission and settle it
+/// at the messages counted when the call ends, never slowing nor stopping it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum StreamMode {
@@ -211,6 +211,20 @@ pub(crate) trait Gate: Send {
 
     /// `len` bytes passed (beyond the room, they are owed to the next leases).
     fn spend(&mut self, len: u64);
+}
+
+/// A [`Gate`] that only counts: the messages of a gRPC call under
+/// [`StreamMode::Settle`], settled when the call ends. It never waits nor stops.
+pub(crate) struct Tally(pub(crate) Arc<std::sync::atomic::AtomicU64>);
+
+impl Gate for Tally {
+    fn poll_room(&mut self, _: &mut Context<'_>, _: Option<u64>) -> Poll<Result<u64, Stopped>> {
+        Poll::Ready(Ok(u64::MAX))
+    }
+
+    fn spend(&mut self, len: u64) {
+        self.0.fetch_add(len, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 type Asking<T> = Pin<Box<dyn Future<Output = Result<Verdict<T>, StoreError>> + Send>>;
