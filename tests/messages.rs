@@ -6,6 +6,8 @@
 //! bidirectional (answers each message with how many came), `Echo` unary.
 #![cfg(feature = "tonic")]
 
+mod support;
+
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
@@ -361,4 +363,52 @@ async fn settling_lets_a_stream_run_and_charges_its_messages_when_it_ends() {
     assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("10"));
     clock.advance(Duration::from_millis(10));
     assert_eq!(server.echo().await.unwrap(), count(7));
+}
+
+/// A stream within the budget is charged exactly its messages (the unused part of its last
+/// lease comes back), and a stream past it gets exactly what is left; the tier refills one
+/// message every 36 s, so nothing refills meanwhile.
+async fn a_stream_is_charged_exactly_its_messages<St: Store>(store: St) {
+    let policy = Policy::builder("slow")
+        .tier("messages", Quota::per_hour(100).counting(Unit::RequestMessages))
+        .build()
+        .unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .key(GlobalKey)
+        .store(store)
+        .on_stream(StreamMode::Police)
+        .build()
+        .unwrap();
+    let limiter = layer.limiter().clone();
+    let mut server = serve(layer).await;
+    let left = || async {
+        // The settlement of the last lease may still be on its way to a remote store.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        limiter.check(&tollgate::key::Key::Global, 0).await.unwrap().tiers()[0].remaining()
+    };
+    // 40 messages: the first charged at admission, then three leases of 16, nine of them
+    // unused and given back.
+    assert_eq!(server.upload(40).await.unwrap(), 40);
+    assert_eq!(left().await, 60);
+    let refused = server.upload(1_000).await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted);
+    assert_eq!(server.received.load(Ordering::SeqCst), 60);
+    assert_eq!(left().await, 0);
+}
+
+#[tokio::test]
+async fn a_stream_is_charged_exactly_its_messages_in_memory() {
+    a_stream_is_charged_exactly_its_messages(MemoryStore::new()).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_stream_is_charged_exactly_its_messages_on_redis() {
+    let Some(server) = support::redis::Server::start("redis-server") else { return };
+    let store = tollgate::store::RedisStore::builder(server.url())
+        .prefix("messages:")
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    a_stream_is_charged_exactly_its_messages(store).await;
 }

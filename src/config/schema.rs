@@ -712,6 +712,14 @@ mod tests {
         assert!(!rate_period("1 fortnight").unwrap_err().contains("calendar"));
         assert!(rate_period("day").unwrap_err().contains("kind = \"calendar\""));
         assert_eq!(UnitName::try_from("response_bytes".to_owned()).unwrap().0, Unit::ResponseBytes);
+        assert_eq!(
+            UnitName::try_from("request_messages".to_owned()).unwrap().0,
+            Unit::RequestMessages
+        );
+        assert_eq!(
+            UnitName::try_from("response_messages".to_owned()).unwrap().0,
+            Unit::ResponseMessages
+        );
 
         assert_eq!(
             HumanDuration::try_from("1h 30m".to_owned()).unwrap().0,
