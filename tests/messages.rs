@@ -412,3 +412,17 @@ async fn a_stream_is_charged_exactly_its_messages_on_redis() {
         .unwrap();
     a_stream_is_charged_exactly_its_messages(store).await;
 }
+
+#[tokio::test]
+async fn settling_counts_a_server_stream_and_charges_it_when_it_ends() {
+    let clock = FakeClock::new();
+    let mut server = serve(layer(Unit::ResponseMessages, StreamMode::Settle, frozen(&clock))).await;
+    let (came, end) = server.download(250).await;
+    assert_eq!((came, end.map_err(|s| s.code())), (250, Ok(())));
+    // Charged 250, as for the upload above.
+    clock.advance(Duration::from_millis(1_500));
+    let refused = server.echo().await.unwrap_err();
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("10"));
+    clock.advance(Duration::from_millis(10));
+    assert_eq!(server.echo().await.unwrap(), count(7));
+}

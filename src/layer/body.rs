@@ -33,7 +33,9 @@ pin_project! {
     /// [`Police`](crate::StreamMode::Police)), the next frame of such a body waits for the
     /// tier's next lease: its frames, errors and end are still the body's own, delivered
     /// later, and a body stopped by policing yields nothing more (the layer answers in the
-    /// handler's place).
+    /// handler's place). Under tiers counting [`Unit::RequestMessages`](crate::Unit), the
+    /// gRPC messages of a call's body are counted from their 5-byte prefixes as the frames
+    /// pass (read in place, never copied nor decoded), and metered the same way.
     ///
     /// With a body-size limit, put tower-http's `RequestBodyLimitLayer` outside the rate limit
     /// in the same `ServiceBuilder` (`ServiceBuilder::new().layer(limit).layer(rate_limit)`),
