@@ -289,6 +289,8 @@ async fn policing_stops_a_client_stream_after_exactly_the_budget_shared_with_una
     let refused = server.echo().await.unwrap_err();
     assert_eq!(refused.code(), Code::ResourceExhausted);
     assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("10"));
+    // The quota unit is told (not one the IETF draft registers).
+    assert_eq!(meta(&refused, "ratelimit-policy"), Some(r#""messages";q=100;w=1;qu="messages""#));
     // Ten messages' worth later, a stream gets exactly ten.
     clock.advance(Duration::from_millis(100));
     server.received.store(0, Ordering::SeqCst);
