@@ -181,7 +181,8 @@ fn window_secs(policy: &Policy, tier: &Tier) -> u64 {
 
 /// The draft's quota unit (`qu`) of a tier that does not count requests per window:
 /// `content-bytes` for request or response bytes, `concurrent-requests` for a concurrency tier,
-/// and (not registered by the draft) `reported` for units a handler reports.
+/// and (not registered by the draft) `reported` for units a handler reports and `messages` for
+/// gRPC messages.
 fn quota_unit(tier: &Tier) -> Option<&'static str> {
     if tier.kind() == TierKind::Concurrency {
         return Some("concurrent-requests");
@@ -190,6 +191,7 @@ fn quota_unit(tier: &Tier) -> Option<&'static str> {
         Unit::Requests => None,
         Unit::RequestBytes | Unit::ResponseBytes => Some("content-bytes"),
         Unit::Reported => Some("reported"),
+        Unit::RequestMessages | Unit::ResponseMessages => Some("messages"),
     }
 }
 

@@ -228,10 +228,25 @@ pub enum Unit {
     /// A cost the handler reports (for example the tokens an LLM call used): one unit at
     /// admission, settled at what the handler reports.
     Reported,
+    /// Messages the client sends: a request counts as one message, charged at admission (so
+    /// a unary gRPC call, or a plain HTTP request, costs one and shares the budget with the
+    /// streams of its key). With a layer's [`StreamMode::Shape`](crate::StreamMode::Shape) or
+    /// [`Police`](crate::StreamMode::Police), the messages of a gRPC call's request body are
+    /// counted as they stream (each length-prefixed message of gRPC over HTTP/2, read from its
+    /// 5-byte prefix, the payload never decoded) and charged in leases of at most
+    /// [`MESSAGE_LEASE`](crate::MESSAGE_LEASE) messages, the stream paused or stopped when the
+    /// tier runs out. Under [`StreamMode::Settle`](crate::StreamMode::Settle) (the default)
+    /// a gRPC call is charged one message at admission and settled at the messages counted
+    /// when its response ends.
+    RequestMessages,
+    /// Messages the server sends: as [`RequestMessages`](Self::RequestMessages), for the
+    /// response body.
+    ResponseMessages,
 }
 
 impl Unit {
-    /// The unit's name (`"requests"`, `"request_bytes"`, `"response_bytes"`, `"reported"`).
+    /// The unit's name (`"requests"`, `"request_bytes"`, `"response_bytes"`, `"reported"`,
+    /// `"request_messages"`, `"response_messages"`).
     #[must_use]
     pub const fn name(self) -> &'static str {
         match self {
@@ -239,6 +254,8 @@ impl Unit {
             Self::RequestBytes => "request_bytes",
             Self::ResponseBytes => "response_bytes",
             Self::Reported => "reported",
+            Self::RequestMessages => "request_messages",
+            Self::ResponseMessages => "response_messages",
         }
     }
 }
@@ -1079,12 +1096,13 @@ impl Costs {
 impl Costs {
     /// Charges nothing at admission to the tiers whose bytes are charged as the body streams:
     /// those counting response bytes, and those counting request bytes when the length is not
-    /// known (`length_known` false).
-    pub(crate) fn unstream(&mut self, policy: &Policy, length_known: bool) {
+    /// known (`length_known` false), and, for a gRPC call (`grpc`), those counting messages.
+    pub(crate) fn unstream(&mut self, policy: &Policy, length_known: bool, grpc: bool) {
         for (cost, tier) in self.0.iter_mut().zip(policy.tiers()) {
             let streamed = match tier.unit() {
                 Unit::ResponseBytes => true,
                 Unit::RequestBytes => !length_known,
+                Unit::RequestMessages | Unit::ResponseMessages => grpc,
                 _ => false,
             };
             if streamed && tier.kind() != TierKind::Concurrency {
@@ -1154,6 +1172,7 @@ impl Policy {
     /// - tiers counting [`Unit::Requests`]: `requests`;
     /// - [`Unit::RequestBytes`]: `request_bytes`, or one unit when unknown (settled later);
     /// - [`Unit::ResponseBytes`], [`Unit::Reported`]: one unit, settled later;
+    /// - [`Unit::RequestMessages`], [`Unit::ResponseMessages`]: one message;
     /// - concurrency tiers: one slot.
     ///
     /// ```

@@ -451,7 +451,7 @@ fn bad_values_of_each_kind_are_refused_at_their_field() {
     assert_eq!(
         e.to_string(),
         "tollgate.toml:6:8: policies.p.tiers[0].unit: unknown unit \"tokens\"; expected one of \
-         requests, request_bytes, response_bytes, reported"
+         requests, request_bytes, response_bytes, reported, request_messages, response_messages"
     );
 
     // A burst beside a window algorithm is refused at the burst, as before; and a duplicate

@@ -121,8 +121,10 @@
 //! `unit` says what a rate or calendar tier counts, and so what a request costs on it
 //! ([`Unit`](crate::Unit)): `"requests"` (default: the rule's `cost`, 1 unless set),
 //! `"request_bytes"` (the body's `Content-Length`, or its bytes counted as it streams),
-//! `"response_bytes"` (settled when the response body ends) or `"reported"` (what the handler
-//! reports through the [`Usage`](crate::Usage) request extension, e.g. an LLM call's tokens).
+//! `"response_bytes"` (settled when the response body ends), `"reported"` (what the handler
+//! reports through the [`Usage`](crate::Usage) request extension, e.g. an LLM call's tokens),
+//! `"request_messages"` or `"response_messages"` (gRPC messages each way: one per call, or
+//! each message of a stream with the layer's `on_stream`).
 //! A concurrency tier takes one slot per request.
 //!
 //! ```toml

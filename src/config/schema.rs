@@ -108,7 +108,14 @@ impl TierKindName {
 pub(super) struct UnitName(pub(super) Unit);
 
 /// Every unit a tier may count, in the order the messages list them.
-const UNITS: [Unit; 4] = [Unit::Requests, Unit::RequestBytes, Unit::ResponseBytes, Unit::Reported];
+const UNITS: [Unit; 6] = [
+    Unit::Requests,
+    Unit::RequestBytes,
+    Unit::ResponseBytes,
+    Unit::Reported,
+    Unit::RequestMessages,
+    Unit::ResponseMessages,
+];
 
 impl TryFrom<String> for UnitName {
     type Error = String;
@@ -705,6 +712,14 @@ mod tests {
         assert!(!rate_period("1 fortnight").unwrap_err().contains("calendar"));
         assert!(rate_period("day").unwrap_err().contains("kind = \"calendar\""));
         assert_eq!(UnitName::try_from("response_bytes".to_owned()).unwrap().0, Unit::ResponseBytes);
+        assert_eq!(
+            UnitName::try_from("request_messages".to_owned()).unwrap().0,
+            Unit::RequestMessages
+        );
+        assert_eq!(
+            UnitName::try_from("response_messages".to_owned()).unwrap().0,
+            Unit::ResponseMessages
+        );
 
         assert_eq!(
             HumanDuration::try_from("1h 30m".to_owned()).unwrap().0,

@@ -13,6 +13,7 @@ use http_body_util::Full;
 use pin_project_lite::pin_project;
 use smallvec::SmallVec;
 
+use super::messages::Framer;
 use super::meter::Meter;
 use super::stream::{Gate, Signal, Stopped};
 
@@ -32,7 +33,9 @@ pin_project! {
     /// [`Police`](crate::StreamMode::Police)), the next frame of such a body waits for the
     /// tier's next lease: its frames, errors and end are still the body's own, delivered
     /// later, and a body stopped by policing yields nothing more (the layer answers in the
-    /// handler's place).
+    /// handler's place). Under tiers counting [`Unit::RequestMessages`](crate::Unit), the
+    /// gRPC messages of a call's body are counted from their 5-byte prefixes as the frames
+    /// pass (read in place, never copied nor decoded), and metered the same way.
     ///
     /// With a body-size limit, put tower-http's `RequestBodyLimitLayer` outside the rate limit
     /// in the same `ServiceBuilder` (`ServiceBuilder::new().layer(limit).layer(rate_limit)`),
@@ -78,6 +81,11 @@ pub(crate) struct Gated {
     gate: Box<dyn Gate>,
     signal: Arc<Signal>,
     stopped: bool,
+    /// Counting gRPC messages rather than bytes: where the body stands in its messages.
+    framer: Option<Framer>,
+    /// Policing messages: the tier refused the next lease; the stream stops at its next
+    /// message.
+    refused: Option<Stopped>,
 }
 
 impl<B> RequestBody<B> {
@@ -109,7 +117,16 @@ impl<B> RequestBody<B> {
     /// Meters the data frames from now on with `gate`, telling `signal` when policing stops
     /// the body.
     pub(crate) fn gate(&mut self, gate: Box<dyn Gate>, signal: Arc<Signal>) {
-        self.gates.get_or_insert_with(Box::default).push(Gated { gate, signal, stopped: false });
+        let gated = Gated { gate, signal, stopped: false, framer: None, refused: None };
+        self.gates.get_or_insert_with(Box::default).push(gated);
+    }
+
+    /// Meters the gRPC messages of the data frames from now on with `gate` (a lease of
+    /// messages), telling `signal` when policing stops the body.
+    pub(crate) fn gate_messages(&mut self, gate: Box<dyn Gate>, signal: Arc<Signal>) {
+        let framer = Some(Framer::default());
+        let gated = Gated { gate, signal, stopped: false, framer, refused: None };
+        self.gates.get_or_insert_with(Box::default).push(gated);
     }
 
     /// One body counted by both layers of a body wrapped twice (nested layers), so that
@@ -158,9 +175,19 @@ impl<B: Body> Body for RequestBody<B> {
                     if gated.stopped {
                         return Poll::Pending;
                     }
+                    // Messages: a refused lease stops the stream at the next message only
+                    // (what comes first may be the end of the stream, or the rest of a
+                    // message already counted).
+                    if gated.refused.is_some() {
+                        continue;
+                    }
+                    let remaining = if gated.framer.is_some() { None } else { remaining };
                     match gated.gate.poll_room(cx, remaining) {
                         Poll::Ready(Ok(_)) => {}
                         Poll::Pending => return Poll::Pending,
+                        Poll::Ready(Err(why)) if gated.framer.is_some() => {
+                            gated.refused = Some(why);
+                        }
                         Poll::Ready(Err(why)) => {
                             gated.stopped = true;
                             gated.signal.stop(why);
@@ -174,7 +201,23 @@ impl<B: Body> Body for RequestBody<B> {
         if let (Some(gates), Poll::Ready(Some(Ok(frame)))) = (this.gates.as_deref_mut(), &frame) {
             if let Some(data) = frame.data_ref() {
                 let len = bytes::Buf::remaining(data) as u64;
-                gates.iter_mut().for_each(|gated| gated.gate.spend(len));
+                for gated in gates.iter_mut() {
+                    let Some(framer) = &mut gated.framer else {
+                        gated.gate.spend(len);
+                        continue;
+                    };
+                    let messages = framer.count(data);
+                    match gated.refused.take() {
+                        // A message the tier had no room for: the stream stops before it.
+                        Some(why) if messages > 0 => {
+                            gated.stopped = true;
+                            gated.signal.stop(why);
+                            return Poll::Pending;
+                        }
+                        refused => gated.refused = refused,
+                    }
+                    gated.gate.spend(messages);
+                }
             }
         }
         if !this.counters.is_empty() {
@@ -320,7 +363,8 @@ where
 }
 
 /// A response body metered as it streams: each data frame waits for its lease (cut to what
-/// the lease covers, the rest kept for the next call), and a gRPC response ends with
+/// the lease covers, the rest kept for the next call; with message tiers, cut before the
+/// prefix of the first message past the lease), and a gRPC response ends with
 /// `RESOURCE_EXHAUSTED` trailers when policing stops its request or its response.
 fn poll_streamed<B>(
     meter: &mut Meter,
@@ -357,29 +401,48 @@ where
             Poll::Pending => return Poll::Pending,
         }
     }
-    let Some(gate) = meter.stream.gate.as_mut() else {
-        return Poll::Ready(Some(Ok(Frame::data(std::mem::take(&mut meter.stream.rest)))));
-    };
     let rest = meter.stream.rest.len() as u64;
-    let remaining = body.size_hint().exact().map(|left| left.saturating_add(rest));
-    match gate.poll_room(cx, remaining) {
-        Poll::Pending => Poll::Pending,
-        Poll::Ready(Err(why)) => end_stopped(meter, &why),
-        Poll::Ready(Ok(room)) => {
-            let data = if rest <= room {
-                std::mem::take(&mut meter.stream.rest)
-            } else {
-                // `room` < `rest`, a `usize`.
-                meter.stream.rest.split_to(room as usize)
-            };
-            gate.spend(data.len() as u64);
-            meter.sent(data.len());
-            if meter.stream.rest.is_empty() && body.is_end_stream() {
-                meter.done();
-            }
-            Poll::Ready(Some(Ok(Frame::data(data))))
+    // What may pass: the bytes the byte tiers' lease covers, cut at the message past the
+    // message tiers' lease.
+    let mut room = rest;
+    if let Some(gate) = meter.stream.gate.as_mut() {
+        let remaining = body.size_hint().exact().map(|left| left.saturating_add(rest));
+        match gate.poll_room(cx, remaining) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(Err(why)) => return end_stopped(meter, &why),
+            Poll::Ready(Ok(bytes)) => room = room.min(bytes),
         }
     }
+    // `room` <= `rest`, a `usize`.
+    let mut take = room as usize;
+    if let Some((gate, framer)) = meter.stream.messages.as_mut() {
+        let window = &meter.stream.rest[..take];
+        // Bytes that end no prefix (a payload's rest) pass without a lease.
+        let mut scan = framer.scan(window, 0);
+        if scan.bytes < window.len() {
+            match gate.poll_room(cx, None) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(why)) => return end_stopped(meter, &why),
+                Poll::Ready(Ok(messages)) => scan = framer.scan(window, messages),
+            }
+        }
+        *framer = scan.next;
+        gate.spend(scan.messages);
+        take = scan.bytes;
+    }
+    let data = if take == meter.stream.rest.len() {
+        std::mem::take(&mut meter.stream.rest)
+    } else {
+        meter.stream.rest.split_to(take)
+    };
+    if let Some(gate) = meter.stream.gate.as_mut() {
+        gate.spend(data.len() as u64);
+    }
+    meter.sent(data.len());
+    if meter.stream.rest.is_empty() && body.is_end_stream() {
+        meter.done();
+    }
+    Poll::Ready(Some(Ok(Frame::data(data))))
 }
 
 /// Ends a gRPC response stopped by policing: its trailers say `RESOURCE_EXHAUSTED` (or

@@ -10,6 +10,7 @@ use bytes::Bytes;
 use http::{HeaderMap, Request};
 
 use super::body::RequestBody;
+use super::messages::Framer;
 use super::stream::{Gate, Signal, Stopped};
 use crate::key::RequestHead;
 use crate::quota::{Policy, TierKind, Unit};
@@ -63,6 +64,8 @@ pub(super) struct Needs {
     slots: bool,
     request_bytes: bool,
     response_bytes: bool,
+    request_messages: bool,
+    response_messages: bool,
     reported: bool,
 }
 
@@ -78,6 +81,8 @@ impl Needs {
                 (_, Unit::RequestBytes) => needs.request_bytes = true,
                 (_, Unit::ResponseBytes) => needs.response_bytes = true,
                 (_, Unit::Reported) => needs.reported = true,
+                (_, Unit::RequestMessages) => needs.request_messages = true,
+                (_, Unit::ResponseMessages) => needs.response_messages = true,
                 (_, _) => {}
             }
         }
@@ -86,7 +91,12 @@ impl Needs {
 
     /// Whether the request must be held (and its reservation kept) until its response ends.
     pub(super) fn any(self) -> bool {
-        self.slots || self.request_bytes || self.response_bytes || self.reported
+        self.slots
+            || self.request_bytes
+            || self.response_bytes
+            || self.request_messages
+            || self.response_messages
+            || self.reported
     }
 
     /// Whether some tier counts request bytes.
@@ -97,6 +107,16 @@ impl Needs {
     /// Whether some tier counts response bytes.
     pub(super) fn response_bytes(self) -> bool {
         self.response_bytes
+    }
+
+    /// Whether some tier counts request messages.
+    pub(super) fn request_messages(self) -> bool {
+        self.request_messages
+    }
+
+    /// Whether some tier counts response messages.
+    pub(super) fn response_messages(self) -> bool {
+        self.response_messages
     }
 }
 
@@ -120,6 +140,10 @@ pub(super) struct Counters {
     /// The request body is metered as it streams ([`StreamMode`](super::StreamMode)): its
     /// tiers are charged by leases, and the unit charged at admission is given back.
     request_streamed: bool,
+    /// The messages of a gRPC call counted as its bodies stream, under
+    /// [`StreamMode::Settle`](super::StreamMode::Settle): settled when the response ends.
+    pub(super) request_messages: Option<Arc<AtomicU64>>,
+    pub(super) response_messages: Option<Arc<AtomicU64>>,
 }
 
 impl Counters {
@@ -161,6 +185,9 @@ pub(super) type StopTrailers = Box<dyn Fn(&Stopped) -> HeaderMap + Send>;
 pub(crate) struct Streamed {
     /// The response bytes' leases.
     pub(crate) gate: Option<Box<dyn Gate>>,
+    /// The response messages' leases (a gRPC call), and where the response stands in its
+    /// messages.
+    pub(crate) messages: Option<(Box<dyn Gate>, Framer)>,
     /// Where the request body tells that policing stopped it (a gRPC call only).
     pub(crate) signal: Option<Arc<Signal>>,
     /// The trailers of a gRPC response stopped by policing.
@@ -204,7 +231,7 @@ impl Meter {
     /// Whether the response is metered as it streams.
     #[inline]
     pub(super) fn streams(&self) -> bool {
-        self.stream.gate.is_some() || self.stream.signal.is_some()
+        self.stream.gate.is_some() || self.stream.signal.is_some() || self.stream.messages.is_some()
     }
 
     /// A data frame of `len` bytes went out.
@@ -231,6 +258,12 @@ impl Meter {
             counted.push((Unit::ResponseBytes, 0));
         } else if self.counters.response_bytes {
             counted.push((Unit::ResponseBytes, self.sent));
+        }
+        if let Some(messages) = &self.counters.request_messages {
+            counted.push((Unit::RequestMessages, messages.load(Ordering::Relaxed)));
+        }
+        if let Some(messages) = &self.counters.response_messages {
+            counted.push((Unit::ResponseMessages, messages.load(Ordering::Relaxed)));
         }
         if let Some(usage) = &self.counters.usage {
             counted.push((Unit::Reported, usage.reported()));

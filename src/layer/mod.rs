@@ -2,6 +2,7 @@
 
 mod body;
 mod future;
+mod messages;
 mod meter;
 mod observe;
 mod scope;
@@ -23,7 +24,7 @@ pub use meter::Usage;
 pub use observe::{DecisionEvent, LogKeys, Observed};
 pub use scope::Unselected;
 pub use service::RateLimit;
-pub use stream::{STREAM_LEASE, StreamMode};
+pub use stream::{MESSAGE_LEASE, STREAM_LEASE, StreamMode};
 
 use observe::{Failing, HookFn, MissingKeys, Observer};
 use scope::{Added, Condition, Scope, ScopeBuilder};
@@ -382,7 +383,10 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// [`StreamMode::Settle`] (the default) charges one unit at admission and settles when the
     /// body ends; [`StreamMode::Shape`] and [`StreamMode::Police`] charge the bytes as they
     /// pass, in leases of at most 64 KiB, and pause or stop a stream that runs out (see
-    /// [`StreamMode`] for what the client sees, and the bound).
+    /// [`StreamMode`] for what the client sees, and the bound). The same goes for the
+    /// messages of a gRPC call under tiers counting [`Unit::RequestMessages`](crate::Unit) or
+    /// [`Unit::ResponseMessages`](crate::Unit), in leases of at most
+    /// [`MESSAGE_LEASE`](crate::MESSAGE_LEASE) (16) messages.
     ///
     /// ```
     /// use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};

@@ -4,6 +4,7 @@
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::task::{Context, Poll};
 
 use http::{Request, Response, header};
@@ -12,9 +13,10 @@ use tower_service::Service;
 
 use super::body::{RequestBody, ResponseBody};
 use super::future::{Refund, RefundByStatus, ResponseFuture, Untracked};
+use super::messages::Framer;
 use super::meter::{Counters, Finish, Meter, Needs, StopTrailers, Streamed, content_length};
 use super::scope::Route;
-use super::stream::{Gate, Leases, Signal, Stopped, StreamMode};
+use super::stream::{Gate, Leases, Signal, Stopped, StreamMode, Tally};
 use super::{Config, Cost, MissingKey, Observed, OnStoreError};
 use crate::decision::Decision;
 use crate::error::StoreError;
@@ -132,8 +134,8 @@ where
         if let (Some(key), true) = (&key, plan.at_once) {
             let cost = config.cost(&head);
             // Per-tier costs, for a policy with tiers of other kinds or units only.
-            let costs =
-                (!plan.plain).then(|| plan.costs(limiter.policy(), cost, content_length(&head)));
+            let costs = (!plan.plain)
+                .then(|| plan.costs(limiter.policy(), cost, content_length(&head), &head));
             let mut check = Check::new(key, cost).with_priority(config.priority(&head));
             if let Some(costs) = &costs {
                 check = check.with_costs(costs);
@@ -386,8 +388,9 @@ pub(super) struct Plan {
     ticket_to_wait: bool,
     /// Whether a `refund_if` predicate is set (statuses other than 405 may give back).
     refund_if: bool,
-    /// Shaping streamed bodies: their byte tiers are not checked at admission (the body's
-    /// first lease waits for room instead of the request being refused).
+    /// Shaping streamed bodies: their byte tiers (and a gRPC call's message tiers) are not
+    /// checked at admission (the body's first lease waits for room instead of the request
+    /// being refused).
     shape_streams: bool,
 }
 
@@ -406,7 +409,10 @@ impl Plan {
             && limiter.refunds_sync();
         let shape_streams = settings.stream == StreamMode::Shape
             && !settings.dry_run
-            && (needs.request_bytes() || needs.response_bytes());
+            && (needs.request_bytes()
+                || needs.response_bytes()
+                || needs.request_messages()
+                || needs.response_messages());
         Self {
             needs,
             plain: policy.is_plain(),
@@ -424,10 +430,16 @@ impl Plan {
 
     /// The per-tier costs of a request costing `cost` whose body is `length` long, if known.
     #[inline]
-    fn costs(&self, policy: &crate::Policy, cost: u64, length: Option<u64>) -> crate::Costs {
+    fn costs(
+        &self,
+        policy: &crate::Policy,
+        cost: u64,
+        length: Option<u64>,
+        head: &RequestHead<'_>,
+    ) -> crate::Costs {
         let mut costs = policy.costs(cost, length);
         if self.shape_streams {
-            costs.unstream(policy, length.is_some());
+            costs.unstream(policy, length.is_some(), is_grpc(head.headers));
         }
         costs
     }
@@ -486,7 +498,8 @@ where
     };
     let plan = config.plan_at(policy);
     let needs = plan.needs;
-    let costs = (!plan.plain).then(|| plan.costs(limiter.policy(), cost, length));
+    let costs =
+        (!plan.plain).then(|| plan.costs(limiter.policy(), cost, length, &RequestHead::from(&req)));
 
     // A place in the waiting room, taken before deciding so that a full room polices instead
     // of reserving slots it cannot wait for.
@@ -594,13 +607,41 @@ where
     let fail_open = settings.on_store_error == OnStoreError::FailOpen;
     // A request body of unknown length, metered as it streams: its leases, and where
     // policing tells that it stopped the body.
-    let signal = (mode.streams() && needs.request_bytes() && length.is_none())
-        .then(|| Arc::new(Signal::default()));
-    let streamed = signal.as_ref().map(|signal| {
+    let stream_bytes = mode.streams() && needs.request_bytes() && length.is_none();
+    // A gRPC call's messages, metered as they stream. Policing charged the first message
+    // each way at admission (as for a unary call); shaping charged none.
+    let stream_messages = mode.streams() && grpc;
+    let prepaid = u64::from(mode == StreamMode::Police);
+    let request_messages = stream_messages && needs.request_messages();
+    let signal = (stream_bytes || request_messages).then(|| Arc::new(Signal::default()));
+    let streamed = signal.as_ref().filter(|_| stream_bytes).map(|signal| {
         let gate = Leases::new(limiter, key.clone(), priority, Unit::RequestBytes, mode, fail_open);
         (Box::new(gate) as Box<dyn Gate>, Arc::clone(signal))
     });
-    let counters = Counters::install(needs, &mut req, length.is_some(), streamed);
+    let mut counters = Counters::install(needs, &mut req, length.is_some(), streamed);
+    if let (true, Some(signal)) = (request_messages, &signal) {
+        let unit = Unit::RequestMessages;
+        let gate = Leases::new(limiter, key.clone(), priority, unit, mode, fail_open);
+        req.body_mut().gate_messages(Box::new(gate.prepaid(prepaid)), Arc::clone(signal));
+    }
+    // Settling (or a dry run): a gRPC call's messages are counted, and the message each way
+    // charged at admission settled at the count when the response ends.
+    let tally = !mode.streams() && grpc;
+    if tally && needs.request_messages() {
+        let counted = Arc::new(AtomicU64::new(0));
+        let gate = Box::new(Tally(Arc::clone(&counted)));
+        // Nothing waits for this signal: a tally never stops the body.
+        req.body_mut().gate_messages(gate, Arc::default());
+        counters.request_messages = Some(counted);
+    }
+    let response_tally = (tally && needs.response_messages()).then(|| {
+        let counted = Arc::new(AtomicU64::new(0));
+        counters.response_messages = Some(Arc::clone(&counted));
+        Streamed {
+            messages: Some((Box::new(Tally(counted)) as Box<dyn Gate>, Framer::default())),
+            ..Streamed::default()
+        }
+    });
     let held = reservation.hold();
     let call = inner.call(req);
     let res = match &signal {
@@ -629,7 +670,9 @@ where
     headers.insert(&mut head.headers);
     let finish: Finish = Box::new(move |settled: &[(Unit, u64)]| held.finish(settled));
     let mut meter = Meter::new(finish, counters, settled_by_head(&config, &head));
-    if mode.streams() && (needs.response_bytes() || (grpc && signal.is_some())) {
+    let response_messages = stream_messages && needs.response_messages();
+    if mode.streams() && (needs.response_bytes() || (grpc && signal.is_some()) || response_messages)
+    {
         // A plain HTTP response under way cannot be failed (its status is sent, its body's
         // error type is the handler's): policing shapes it, and a store error lets it on.
         let (mode, fail_open) = match grpc {
@@ -645,8 +688,16 @@ where
             let config = Arc::clone(&config);
             Box::new(move |why: &Stopped| config.stop_trailers(policy, why)) as StopTrailers
         });
+        let messages = response_messages.then(|| {
+            let unit = Unit::ResponseMessages;
+            let gate = Leases::new(limiter, key.clone(), priority, unit, mode, fail_open);
+            (Box::new(gate.prepaid(prepaid)) as Box<dyn Gate>, Framer::default())
+        });
         let signal = if grpc { signal } else { None };
-        meter = meter.streamed(Streamed { gate, signal, trailers, ..Streamed::default() });
+        meter =
+            meter.streamed(Streamed { gate, messages, signal, trailers, ..Streamed::default() });
+    } else if let Some(streamed) = response_tally {
+        meter = meter.streamed(streamed);
     }
     Ok(Response::from_parts(head, ResponseBody::metered(body, meter)))
 }
@@ -664,6 +715,8 @@ fn settled_by_head<K, St: Store>(
             (Unit::RequestBytes, 0),
             (Unit::ResponseBytes, 0),
             (Unit::Reported, 0),
+            (Unit::RequestMessages, 0),
+            (Unit::ResponseMessages, 0),
         ];
     }
     match settings.settle_cost.as_ref().and_then(|f| f(head)) {

@@ -28,13 +28,23 @@ use crate::store::{Check, Store, Verdict};
 /// more settles the last lease at what it carried, unless it carried exactly its size.
 pub const STREAM_LEASE: u64 = 64 * 1024;
 
+/// The largest lease of messages a gRPC stream takes from the store at once: 16.
+///
+/// A gRPC call metered with [`StreamMode::Shape`] or [`StreamMode::Police`] under a tier
+/// counting [`Unit::RequestMessages`] or [`Unit::ResponseMessages`] asks the store for this
+/// many messages (fewer when the tier's capacity is smaller, or, policing, when the tier has
+/// fewer left) when it has spent its previous lease: one store call per lease, never one per
+/// message. The part of the last lease the stream did not use is given back when it ends.
+pub const MESSAGE_LEASE: u64 = 16;
+
 /// How long a shaped lease may be reserved ahead: a lease that would have to wait longer is
 /// not reserved, and asked for again when the store says it would fit.
 const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 
 /// How tiers counting [`Unit::RequestBytes`] or [`Unit::ResponseBytes`] meter a body whose
 /// length was not charged at admission: a request body without a `Content-Length`, and every
-/// response body. Set with
+/// response body; and how tiers counting [`Unit::RequestMessages`] or
+/// [`Unit::ResponseMessages`] meter the messages of a gRPC call (see [Messages](#messages)). Set with
 /// [`RateLimitLayerBuilder::on_stream`](crate::RateLimitLayerBuilder::on_stream).
 ///
 /// With [`Shape`](Self::Shape) or [`Police`](Self::Police) the body is charged as its frames
@@ -74,6 +84,28 @@ const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 /// # let _ = layer;
 /// # Ok(()) }
 /// ```
+///
+/// # Messages
+///
+/// Tiers counting [`Unit::RequestMessages`] or [`Unit::ResponseMessages`] meter the messages
+/// of a gRPC call the same way (a request that is not a gRPC call counts as one message,
+/// charged at admission). Each length-prefixed message of the HTTP/2 body counts once, read
+/// from its 5-byte prefix (the payload is never decoded, compressed or not; a message split
+/// across frames counts once, several in one frame each count), in leases of at most
+/// [`MESSAGE_LEASE`] (16) messages: one store call per lease, never one per message.
+/// Policing charges the call's first message each way at admission, as a unary call's (so a
+/// unary call costs one message each way, and is refused at once when its key has spent the
+/// tier); shaping charges none there and lets the first lease wait. Shaping delays the next
+/// message: a request frame is not read, a response frame not sent, until the tier has room.
+/// Policing stops the stream at the first message past the tier (what the client sees: see
+/// [`Police`](Self::Police)). The bound: a response is cut at the start of the first message
+/// past its lease, so the messages sent are exactly what the tier admits; a request's frame
+/// cannot be cut, and is read when the lease has room for at least one message, so each
+/// stream adds at most the messages of one HTTP/2 DATA frame, less one (none when each
+/// message comes in a frame of its own). The end of a stream is never refused: a lease
+/// refused after the last message is only held against a next one. A dry run, and
+/// [`Settle`](Self::Settle), charge a call one message each way at admission and settle it
+/// at the messages counted when the call ends, never slowing nor stopping it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum StreamMode {
@@ -103,6 +135,10 @@ pub enum StreamMode {
     ///   body's error type is the handler's, so the layer cannot fail it; it is shaped
     ///   instead (as [`Shape`](Self::Shape)), and a request body that runs out stops being
     ///   read.
+    ///
+    /// The `grpc-retry-pushback-ms` of a stream stopped mid-way is the wait until the tier
+    /// has room for the lease it refused (at most [`STREAM_LEASE`] bytes or
+    /// [`MESSAGE_LEASE`] messages), not for one more byte or message.
     Police,
 }
 
@@ -177,6 +213,20 @@ pub(crate) trait Gate: Send {
     fn spend(&mut self, len: u64);
 }
 
+/// A [`Gate`] that only counts: the messages of a gRPC call under
+/// [`StreamMode::Settle`], settled when the call ends. It never waits nor stops.
+pub(crate) struct Tally(pub(crate) Arc<std::sync::atomic::AtomicU64>);
+
+impl Gate for Tally {
+    fn poll_room(&mut self, _: &mut Context<'_>, _: Option<u64>) -> Poll<Result<u64, Stopped>> {
+        Poll::Ready(Ok(u64::MAX))
+    }
+
+    fn spend(&mut self, len: u64) {
+        self.0.fetch_add(len, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 type Asking<T> = Pin<Box<dyn Future<Output = Result<Verdict<T>, StoreError>> + Send>>;
 
 enum State<T> {
@@ -238,7 +288,10 @@ impl<St: Store> Leases<St> {
             .map(|t| t.capacity_for(priority))
             .min()
             .unwrap_or(STREAM_LEASE)
-            .min(STREAM_LEASE);
+            .min(match unit {
+                Unit::RequestMessages | Unit::ResponseMessages => MESSAGE_LEASE,
+                _ => STREAM_LEASE,
+            });
         Self {
             limiter: limiter.clone(),
             key,
@@ -253,6 +306,13 @@ impl<St: Store> Leases<St> {
             owed: 0,
             state: State::Idle,
         }
+    }
+
+    /// The first `units` were charged at admission: they pass without a lease (a call's
+    /// first message each way, charged as a unary call's).
+    pub(crate) fn prepaid(mut self, units: u64) -> Self {
+        self.left = units;
+        self
     }
 
     /// The size of the next lease.
@@ -901,5 +961,239 @@ mod tests {
         // Given back: the next byte fits after 1 us, as after the first lease alone.
         let next = limiter.check(&Key::Global, 1).await.unwrap();
         assert_eq!(next.retry_after(), Some(Duration::from_micros(1)));
+    }
+}
+
+#[cfg(test)]
+mod message_tests {
+    //! Tiers counting gRPC messages, metered as bodies stream (paused time).
+    use std::collections::VecDeque;
+    use std::convert::Infallible;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use bytes::{BufMut, Bytes, BytesMut};
+    use http::{Request, Response};
+    use http_body::{Body, Frame};
+    use http_body_util::{BodyExt, Full};
+    use tokio::time::Instant;
+    use tower::{Layer, ServiceExt, service_fn};
+
+    use super::*;
+    use crate::clock::TokioClock;
+    use crate::error::ConfigError;
+    use crate::key::GlobalKey;
+    use crate::quota::{Policy, Quota};
+    use crate::store::{MemoryStore, MemoryTicket};
+    use crate::{RateLimitLayer, RequestBody};
+
+    /// The bytes of one gRPC message: 8 bytes of payload, 13 in all.
+    const MESSAGE: usize = 13;
+
+    /// A gRPC body: `frames` frames of `per_frame` messages each, all ready at once.
+    struct Grpc(VecDeque<Bytes>);
+
+    impl Grpc {
+        fn new(frames: usize, per_frame: usize) -> Self {
+            let mut n = 0u64;
+            Self(
+                (0..frames)
+                    .map(|_| {
+                        let mut frame = BytesMut::new();
+                        for _ in 0..per_frame {
+                            frame.put_u8(0);
+                            frame.put_u32(8);
+                            frame.put_u64(n);
+                            n += 1;
+                        }
+                        frame.freeze()
+                    })
+                    .collect(),
+            )
+        }
+    }
+
+    impl Body for Grpc {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            Poll::Ready(self.0.pop_front().map(|f| Ok(Frame::data(f))))
+        }
+
+        fn is_end_stream(&self) -> bool {
+            self.0.is_empty()
+        }
+    }
+
+    /// A memory store on tokio's clock, counting the checks it decides (leases included).
+    #[derive(Clone)]
+    struct Counted {
+        inner: MemoryStore,
+        checks: Arc<AtomicU64>,
+    }
+
+    impl Counted {
+        fn new() -> Self {
+            let inner = MemoryStore::builder().clock(TokioClock::new()).build().unwrap();
+            Self { inner, checks: Arc::default() }
+        }
+    }
+
+    impl Store for Counted {
+        type Bound = <MemoryStore as Store>::Bound;
+        type Ticket = MemoryTicket;
+
+        fn bind(&self, policy: &Policy) -> Result<Self::Bound, ConfigError> {
+            self.inner.bind(policy)
+        }
+
+        fn check_sync(
+            &self,
+            bound: &Self::Bound,
+            check: Check<'_>,
+        ) -> Option<Result<Verdict<MemoryTicket>, StoreError>> {
+            self.checks.fetch_add(1, Ordering::Relaxed);
+            self.inner.check_sync(bound, check)
+        }
+
+        async fn check(
+            &self,
+            bound: &Self::Bound,
+            check: Check<'_>,
+        ) -> Result<Verdict<MemoryTicket>, StoreError> {
+            self.checks.fetch_add(1, Ordering::Relaxed);
+            self.inner.check(bound, check).await
+        }
+
+        async fn settle(
+            &self,
+            bound: &Self::Bound,
+            ticket: MemoryTicket,
+            cost: u64,
+        ) -> Result<(), StoreError> {
+            self.inner.settle(bound, ticket, cost).await
+        }
+
+        async fn settle_tiers(
+            &self,
+            bound: &Self::Bound,
+            ticket: &mut MemoryTicket,
+            costs: &[(usize, u64)],
+        ) -> Result<(), StoreError> {
+            self.inner.settle_tiers(bound, ticket, costs).await
+        }
+    }
+
+    fn layer(unit: Unit, mode: StreamMode, store: &Counted) -> RateLimitLayer<GlobalKey, Counted> {
+        let policy = Policy::builder("messages")
+            .tier("messages", Quota::per_second(100).counting(unit))
+            .build()
+            .unwrap();
+        RateLimitLayer::builder(policy)
+            .key(GlobalKey)
+            .store(store.clone())
+            .on_stream(mode)
+            .build()
+            .unwrap()
+    }
+
+    fn grpc_call<B>(body: B) -> Request<B> {
+        Request::post("/pkg.Service/Method")
+            .header("content-type", "application/grpc")
+            .body(body)
+            .unwrap()
+    }
+
+    /// Polices a gRPC upload of 40 frames of `per_frame` messages against 100 messages
+    /// (burst 100): the messages the handler read, the status, the store's checks.
+    async fn police_upload(per_frame: usize) -> (u64, String, u64) {
+        let store = Counted::new();
+        let read = Arc::new(AtomicU64::new(0));
+        let handler_read = Arc::clone(&read);
+        let svc = layer(Unit::RequestMessages, StreamMode::Police, &store).layer(service_fn(
+            move |req: Request<RequestBody<Grpc>>| {
+                let read = Arc::clone(&handler_read);
+                async move {
+                    let mut body = req.into_body();
+                    while let Some(frame) = body.frame().await {
+                        let len = frame.unwrap().into_data().unwrap().len();
+                        read.fetch_add((len / MESSAGE) as u64, Ordering::SeqCst);
+                    }
+                    Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+                }
+            },
+        ));
+        let res = svc.oneshot(grpc_call(Grpc::new(40, per_frame))).await.unwrap();
+        let status = res.headers()["grpc-status"].to_str().unwrap().to_owned();
+        (read.load(Ordering::SeqCst), status, store.checks.load(Ordering::Relaxed))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn policing_an_upload_stops_it_at_the_budget_with_one_store_call_per_lease() {
+        // Five messages to a frame: a frame is read only while the tier has room for its
+        // first message, so exactly the budget (20 frames) is read.
+        let (read, status, checks) = police_upload(5).await;
+        assert_eq!((read, status.as_str()), (100, "8"));
+        // The admission (the first message), six leases of 16 (97 charged, 100 read: 3
+        // owed), and the refused lease that stops the stream: the 3 the tier has left would
+        // pay the debt but leave no room (the debt is charged when the body is dropped).
+        assert_eq!(checks, 1 + 6 + 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn several_messages_in_one_frame_pass_the_budget_by_less_than_a_frame() {
+        // Seven to a frame: the 15th frame is read with 1 message of room left and lets 6
+        // more through (a request's frame cannot be split): the bound is the budget plus
+        // one frame's messages less one.
+        let (read, status, _) = police_upload(7).await;
+        assert_eq!((read, status.as_str()), (105, "8"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_shaped_server_stream_is_cut_at_message_boundaries_and_paced() {
+        let store = Counted::new();
+        let svc = layer(Unit::ResponseMessages, StreamMode::Shape, &store).layer(service_fn(
+            |_req: Request<RequestBody<Full<Bytes>>>| async {
+                // 250 messages, 50 to a frame.
+                Ok::<_, Infallible>(Response::new(Grpc::new(5, 50)))
+            },
+        ));
+        let start = Instant::now();
+        let res = svc.oneshot(grpc_call(Full::default())).await.unwrap();
+        let mut body = res.into_body();
+        let (mut messages, mut largest) = (0, 0);
+        while !body.is_end_stream() {
+            let data = body.frame().await.unwrap().unwrap().into_data().unwrap();
+            assert_eq!(data.len() % MESSAGE, 0, "whole messages");
+            messages += data.len() / MESSAGE;
+            largest = largest.max(data.len() / MESSAGE);
+        }
+        assert_eq!((messages, largest), (250, 16));
+        // A burst of 100, then 100/s: the last lease (messages 241 to 256) fits at
+        // (256 - 100) / 100 s.
+        assert_eq!(start.elapsed(), Duration::from_millis(1_560));
+        // The admission (which charged no message: shaping), then 16 leases of 16.
+        assert_eq!(store.checks.load(Ordering::Relaxed), 1 + 16);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_plain_http_request_counts_as_one_message() {
+        let store = Counted::new();
+        let svc = layer(Unit::RequestMessages, StreamMode::Police, &store).layer(service_fn(
+            |req: Request<RequestBody<Grpc>>| async move {
+                req.into_body().collect().await.unwrap();
+                Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+            },
+        ));
+        // Not gRPC: its body is not framed, and it costs one message at admission.
+        for _ in 0..100 {
+            let req = Request::post("/").body(Grpc::new(3, 5)).unwrap();
+            assert_eq!(svc.clone().oneshot(req).await.unwrap().status(), 200);
+        }
+        let req = Request::post("/").body(Grpc::new(3, 5)).unwrap();
+        assert_eq!(svc.oneshot(req).await.unwrap().status(), 429);
     }
 }

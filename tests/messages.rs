@@ -1,0 +1,430 @@
+//! gRPC messages as a tier's unit, end to end: a tonic server behind the layer, called by
+//! tonic's client over real HTTP/2 on 127.0.0.1. The service (`test.Messages`) is written
+//! against tonic's generic server and client with a codec of raw bytes, so no protobuf code
+//! is generated: `Upload` is client-streaming (answers how many messages it read), `Download`
+//! server-streaming (sends as many messages as the request's 8-byte count), `Chat`
+//! bidirectional (answers each message with how many came), `Echo` unary.
+#![cfg(feature = "tonic")]
+
+mod support;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, BufMut, Bytes};
+use http::uri::PathAndQuery;
+use tokio::net::TcpListener;
+use tokio_stream::StreamExt;
+use tollgate::clock::FakeClock;
+use tollgate::key::{GlobalKey, KeyExtractor};
+use tollgate::store::{MemoryStore, Store};
+use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};
+use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+use tonic::server::NamedService;
+use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Channel, Server};
+use tonic::{Code, Status, Streaming};
+use tower::{Service, service_fn};
+
+/// Messages as raw bytes. Each message the client encodes is sent as its own chunk (a yield
+/// threshold of one byte), so that each reaches the server in its own HTTP/2 DATA frame.
+#[derive(Clone, Copy, Default)]
+struct Raw;
+
+impl Codec for Raw {
+    type Encode = Bytes;
+    type Decode = Bytes;
+    type Encoder = Raw;
+    type Decoder = Raw;
+
+    fn encoder(&mut self) -> Raw {
+        Raw
+    }
+
+    fn decoder(&mut self) -> Raw {
+        Raw
+    }
+}
+
+impl Encoder for Raw {
+    type Item = Bytes;
+    type Error = Status;
+
+    fn encode(&mut self, item: Bytes, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
+        dst.put_slice(&item);
+        Ok(())
+    }
+
+    fn buffer_settings(&self) -> BufferSettings {
+        BufferSettings::new(64, 1)
+    }
+}
+
+impl Decoder for Raw {
+    type Item = Bytes;
+    type Error = Status;
+
+    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, Status> {
+        Ok(Some(src.copy_to_bytes(src.remaining())))
+    }
+}
+
+/// The `test.Messages` service; `received` is how many messages `Upload` read so far.
+#[derive(Clone, Default)]
+struct Messages {
+    received: Arc<AtomicU64>,
+}
+
+impl NamedService for Messages {
+    const NAME: &'static str = "test.Messages";
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl Service<http::Request<tonic::body::Body>> for Messages {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        let received = Arc::clone(&self.received);
+        Box::pin(async move {
+            let mut grpc = tonic::server::Grpc::new(Raw);
+            Ok(match req.uri().path() {
+                "/test.Messages/Upload" => {
+                    let upload = service_fn(move |req: tonic::Request<Streaming<Bytes>>| {
+                        let received = Arc::clone(&received);
+                        async move {
+                            let mut messages = req.into_inner();
+                            let mut read = 0u64;
+                            while messages.message().await?.is_some() {
+                                read += 1;
+                                received.store(read, Ordering::SeqCst);
+                            }
+                            Ok::<_, Status>(tonic::Response::new(count(read)))
+                        }
+                    });
+                    grpc.client_streaming(upload, req).await
+                }
+                "/test.Messages/Download" => {
+                    let download = service_fn(|req: tonic::Request<Bytes>| async move {
+                        let n = req.into_inner().get_u64();
+                        let messages = (0..n).map(|i| Ok::<_, Status>(count(i)));
+                        Ok::<_, Status>(tonic::Response::new(tokio_stream::iter(messages)))
+                    });
+                    grpc.server_streaming(download, req).await
+                }
+                "/test.Messages/Chat" => {
+                    let chat = service_fn(move |req: tonic::Request<Streaming<Bytes>>| {
+                        let received = Arc::clone(&received);
+                        async move {
+                            // Each message read is answered at once, with how many came.
+                            let answers = req.into_inner().map(move |message| {
+                                message.map(|_| count(received.fetch_add(1, Ordering::SeqCst) + 1))
+                            });
+                            Ok::<_, Status>(tonic::Response::new(answers))
+                        }
+                    });
+                    grpc.streaming(chat, req).await
+                }
+                "/test.Messages/Echo" => {
+                    let echo = service_fn(|req: tonic::Request<Bytes>| async move {
+                        Ok::<_, Status>(tonic::Response::new(req.into_inner()))
+                    });
+                    grpc.unary(echo, req).await
+                }
+                _ => Status::unimplemented("no such method").into_http(),
+            })
+        })
+    }
+}
+
+fn count(n: u64) -> Bytes {
+    Bytes::copy_from_slice(&n.to_be_bytes())
+}
+
+/// A tonic server on a free loopback port, stopped when this is dropped.
+struct GrpcServer {
+    client: tonic::client::Grpc<Channel>,
+    received: Arc<AtomicU64>,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+async fn serve<K: KeyExtractor, St: Store>(layer: RateLimitLayer<K, St>) -> GrpcServer {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
+    let addr = listener.local_addr().expect("local addr");
+    let service = Messages::default();
+    let received = Arc::clone(&service.received);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        Server::builder()
+            .layer(layer)
+            .add_service(service)
+            .serve_with_incoming_shutdown(TcpIncoming::from(listener), async {
+                let _ = stopped.await;
+            })
+            .await
+            .expect("serve");
+    });
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    GrpcServer { client: tonic::client::Grpc::new(channel), received, _stop: stop }
+}
+
+impl GrpcServer {
+    /// Streams `n` messages of 8 bytes to `Upload`: the count it answers.
+    async fn upload(&mut self, n: u64) -> Result<u64, Status> {
+        self.client.ready().await.expect("ready");
+        let messages = tokio_stream::iter((0..n).map(count));
+        let path = PathAndQuery::from_static("/test.Messages/Upload");
+        let res = self.client.client_streaming(tonic::Request::new(messages), path, Raw).await?;
+        Ok(res.into_inner().get_u64())
+    }
+
+    /// Asks `Download` for `n` messages: those that came, then how the stream ended.
+    async fn download(&mut self, n: u64) -> (u64, Result<(), Status>) {
+        self.client.ready().await.expect("ready");
+        let path = PathAndQuery::from_static("/test.Messages/Download");
+        let res = match self.client.server_streaming(tonic::Request::new(count(n)), path, Raw).await
+        {
+            Ok(res) => res,
+            Err(status) => return (0, Err(status)),
+        };
+        let mut messages = res.into_inner();
+        let mut came = 0;
+        loop {
+            match messages.message().await {
+                Ok(Some(message)) => {
+                    assert_eq!(message, count(came), "in order, whole");
+                    came += 1;
+                }
+                Ok(None) => return (came, Ok(())),
+                Err(status) => return (came, Err(status)),
+            }
+        }
+    }
+
+    /// Sends `n` messages to `Chat`: the answers that came, then how the stream ended.
+    async fn chat(&mut self, n: u64) -> (u64, Result<(), Status>) {
+        self.client.ready().await.expect("ready");
+        let messages = tokio_stream::iter((0..n).map(count));
+        let path = PathAndQuery::from_static("/test.Messages/Chat");
+        let res = match self.client.streaming(tonic::Request::new(messages), path, Raw).await {
+            Ok(res) => res,
+            Err(status) => return (0, Err(status)),
+        };
+        let mut answers = res.into_inner();
+        let mut came = 0;
+        loop {
+            match answers.message().await {
+                Ok(Some(answer)) => {
+                    came += 1;
+                    assert_eq!(answer, count(came), "in order");
+                }
+                Ok(None) => return (came, Ok(())),
+                Err(status) => return (came, Err(status)),
+            }
+        }
+    }
+
+    async fn echo(&mut self) -> Result<Bytes, Status> {
+        self.client.ready().await.expect("ready");
+        let path = PathAndQuery::from_static("/test.Messages/Echo");
+        let res = self.client.unary(tonic::Request::new(count(7)), path, Raw).await?;
+        Ok(res.into_inner())
+    }
+}
+
+/// A metadata entry of a status, as text.
+fn meta<'a>(status: &'a Status, name: &str) -> Option<&'a str> {
+    status.metadata().get(name).map(|v| v.to_str().expect("ascii metadata"))
+}
+
+/// 100 messages per second, burst 100, of `unit`, on one key for every call.
+fn layer(
+    unit: Unit,
+    mode: StreamMode,
+    store: MemoryStore,
+) -> RateLimitLayer<GlobalKey, MemoryStore> {
+    let policy = Policy::builder("messages")
+        .tier("messages", Quota::per_second(100).counting(unit))
+        .build()
+        .unwrap();
+    RateLimitLayer::builder(policy).key(GlobalKey).store(store).on_stream(mode).build().unwrap()
+}
+
+fn frozen(clock: &FakeClock) -> MemoryStore {
+    MemoryStore::builder().clock(clock.clone()).build().unwrap()
+}
+
+#[tokio::test]
+async fn policing_stops_a_client_stream_after_exactly_the_budget_shared_with_unary_calls() {
+    // Time stands still: nothing refills while the test runs.
+    let clock = FakeClock::new();
+    let mut server = serve(layer(Unit::RequestMessages, StreamMode::Police, frozen(&clock))).await;
+    // Thirty unary calls take one request message each from the budget of 100.
+    for _ in 0..30 {
+        assert_eq!(server.echo().await.unwrap(), count(7));
+    }
+    // A stream of 1,000 messages: the handler reads exactly the 70 left, then the layer
+    // answers in its place.
+    let refused = server.upload(1_000).await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert_eq!(server.received.load(Ordering::SeqCst), 70);
+    // The pushback is the wait for the refused lease: 16 messages at 100/s.
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("160"));
+    // A unary call of the same key is refused while the budget is spent.
+    let refused = server.echo().await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted);
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("10"));
+    // The quota unit is told (not one the IETF draft registers).
+    assert_eq!(meta(&refused, "ratelimit-policy"), Some(r#""messages";q=100;w=1;qu="messages""#));
+    // Ten messages' worth later, a stream gets exactly ten.
+    clock.advance(Duration::from_millis(100));
+    server.received.store(0, Ordering::SeqCst);
+    assert_eq!(server.upload(1_000).await.unwrap_err().code(), Code::ResourceExhausted);
+    assert_eq!(server.received.load(Ordering::SeqCst), 10);
+}
+
+#[tokio::test]
+async fn a_client_stream_within_the_budget_is_not_stopped_at_its_end() {
+    let clock = FakeClock::new();
+    let mut server = serve(layer(Unit::RequestMessages, StreamMode::Police, frozen(&clock))).await;
+    // Exactly the budget: the stream ends when the last message leaves nothing.
+    assert_eq!(server.upload(100).await.unwrap(), 100);
+    assert_eq!(server.echo().await.unwrap_err().code(), Code::ResourceExhausted);
+}
+
+#[tokio::test]
+async fn shaping_paces_a_client_stream_to_the_rate() {
+    // The store on the real clock: 300 messages at 100/s after a burst of 100.
+    let mut server =
+        serve(layer(Unit::RequestMessages, StreamMode::Shape, MemoryStore::new())).await;
+    let start = Instant::now();
+    assert_eq!(server.upload(300).await.unwrap(), 300);
+    let elapsed = start.elapsed();
+    // (300 - 100) / 100 per second = 2 s, less the lease taken ahead of the last message.
+    assert!(elapsed >= Duration::from_millis(1_900), "{elapsed:?}");
+}
+
+#[tokio::test]
+async fn a_server_stream_is_counted_per_message_and_ends_with_resource_exhausted() {
+    let clock = FakeClock::new();
+    let mut server = serve(layer(Unit::ResponseMessages, StreamMode::Police, frozen(&clock))).await;
+    // The server's messages go out many to a DATA frame: they are cut at the message past
+    // the budget.
+    let (came, end) = server.download(250).await;
+    assert_eq!(came, 100);
+    let refused = end.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("160"));
+    // A unary call of the same key is refused at once.
+    assert_eq!(server.echo().await.unwrap_err().code(), Code::ResourceExhausted);
+    // Within the budget, a stream runs to its end.
+    clock.advance(Duration::from_secs(1));
+    let (came, end) = server.download(40).await;
+    assert_eq!((came, end.map_err(|s| s.code())), (40, Ok(())));
+}
+
+#[tokio::test]
+async fn policing_ends_a_bidirectional_stream_with_resource_exhausted_trailers() {
+    let clock = FakeClock::new();
+    let mut server = serve(layer(Unit::RequestMessages, StreamMode::Police, frozen(&clock))).await;
+    // The handler answered (its response streams) before the budget ran out: the response
+    // ends with the status in its trailers, after the answers to the messages it read.
+    let (came, end) = server.chat(1_000).await;
+    assert_eq!(server.received.load(Ordering::SeqCst), 100);
+    assert_eq!(came, 100);
+    let refused = end.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("160"));
+}
+
+#[tokio::test]
+async fn settling_lets_a_stream_run_and_charges_its_messages_when_it_ends() {
+    let clock = FakeClock::new();
+    let mut server = serve(layer(Unit::RequestMessages, StreamMode::Settle, frozen(&clock))).await;
+    // Never stopped: 250 messages against a budget of 100.
+    assert_eq!(server.upload(250).await.unwrap(), 250);
+    // Charged 250: 150 past the burst are owed, at 100/s, then one more message fits after
+    // 10 ms.
+    clock.advance(Duration::from_millis(1_500));
+    let refused = server.echo().await.unwrap_err();
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("10"));
+    clock.advance(Duration::from_millis(10));
+    assert_eq!(server.echo().await.unwrap(), count(7));
+}
+
+/// A stream within the budget is charged exactly its messages (the unused part of its last
+/// lease comes back), and a stream past it gets exactly what is left; the tier refills one
+/// message every 36 s, so nothing refills meanwhile.
+async fn a_stream_is_charged_exactly_its_messages<St: Store>(store: St) {
+    let policy = Policy::builder("slow")
+        .tier("messages", Quota::per_hour(100).counting(Unit::RequestMessages))
+        .build()
+        .unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .key(GlobalKey)
+        .store(store)
+        .on_stream(StreamMode::Police)
+        .build()
+        .unwrap();
+    let limiter = layer.limiter().clone();
+    let mut server = serve(layer).await;
+    let left = || async {
+        // The settlement of the last lease may still be on its way to a remote store.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        limiter.check(&tollgate::key::Key::Global, 0).await.unwrap().tiers()[0].remaining()
+    };
+    // 40 messages: the first charged at admission, then three leases of 16, nine of them
+    // unused and given back.
+    assert_eq!(server.upload(40).await.unwrap(), 40);
+    assert_eq!(left().await, 60);
+    let refused = server.upload(1_000).await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted);
+    assert_eq!(server.received.load(Ordering::SeqCst), 60);
+    assert_eq!(left().await, 0);
+}
+
+#[tokio::test]
+async fn a_stream_is_charged_exactly_its_messages_in_memory() {
+    a_stream_is_charged_exactly_its_messages(MemoryStore::new()).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_stream_is_charged_exactly_its_messages_on_redis() {
+    let Some(server) = support::redis::Server::start("redis-server") else { return };
+    let store = tollgate::store::RedisStore::builder(server.url())
+        .prefix("messages:")
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    a_stream_is_charged_exactly_its_messages(store).await;
+}
+
+#[tokio::test]
+async fn settling_counts_a_server_stream_and_charges_it_when_it_ends() {
+    let clock = FakeClock::new();
+    let mut server = serve(layer(Unit::ResponseMessages, StreamMode::Settle, frozen(&clock))).await;
+    let (came, end) = server.download(250).await;
+    assert_eq!((came, end.map_err(|s| s.code())), (250, Ok(())));
+    // Charged 250, as for the upload above.
+    clock.advance(Duration::from_millis(1_500));
+    let refused = server.echo().await.unwrap_err();
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("10"));
+    clock.advance(Duration::from_millis(10));
+    assert_eq!(server.echo().await.unwrap(), count(7));
+}
