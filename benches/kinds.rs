@@ -18,8 +18,8 @@
 //! of `used_cpu_user + used_cpu_sys` (`INFO cpu`, the whole server: scripts, commands and
 //! networking) and of the scripts' own time (`usec` of `EVALSHA` in `INFO commandstats`), per
 //! check, a concurrency check counting its release, printed as `kinds/cpu/...` lines with the
-//! ratio to the one-GCRA-tier policy. A filter matching no timed bench (`-- kinds/cpu`) runs
-//! only this part.
+//! ratio to the first case measured. A filter matching no timed bench (`-- kinds/cpu`) runs
+//! only this part, and one naming cases (`-- kinds/cpu/gcra+`) only those.
 //!
 //! `cargo bench --bench kinds [--features redis]`
 
@@ -174,7 +174,12 @@ fn redis(c: &mut Criterion) {
     };
     let mut inspect = server.conn();
     let mut base = None;
+    // A filter naming some `kinds/cpu/...` cases measures only them.
+    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     for (name, policy) in policies() {
+        if filter.as_ref().is_some_and(|f| !format!("kinds/cpu/{name}").contains(f.as_str())) {
+            continue;
+        }
         let limiter = Limiter::with_store(policy, store.clone()).unwrap();
         run(&limiter, CPU_KEYS);
         let (cpu, (calls, usec)) = (server_cpu(&mut inspect), evalsha(&mut inspect));

@@ -32,8 +32,9 @@ const MIN_WINDOW_PERIOD_NANOS: u64 = 1_000_000;
 const NANOS_PER_SEC: u64 = 1_000_000_000;
 
 /// How far (seconds) the Redis server's clock may be from this process's for calendar tiers:
-/// each check sends the bounds of the calendar windows from `now - 60 s` to the lookahead
-/// after `now + 60 s`, and the script decides in the window its own clock falls in.
+/// each check sends the bounds of the calendar windows from `now - 60 s` to the window holding
+/// `now + 60 s` (and, when it shapes, the lookahead after it), and the script decides in the
+/// window its own clock falls in.
 const CALENDAR_MARGIN_SECS: u64 = 60;
 
 /// The scripts' families: a batch holds checks of one family.
@@ -489,11 +490,15 @@ impl Prepared {
         self.kinds.is_some()
     }
 
-    /// The calendar bounds of a record made at `now` (nanoseconds of this process's clock).
-    fn bounds(&self, record: &mut Vec<f64>, now: u64) {
+    /// The calendar bounds of a record made at `now` (nanoseconds of this process's clock),
+    /// through `lookahead` windows after the one holding `now + margin`. Only a shaped check
+    /// can leave in a later window than the one holding the server's now (a policed request
+    /// leaves now or not at all, and a settlement names its charge's window), so only it sends
+    /// the whole lookahead: the others send one or two windows.
+    fn bounds(&self, record: &mut Vec<f64>, now: u64, lookahead: usize) {
         let Some(kinds) = &self.kinds else { return };
         for spec in &kinds.calendars {
-            let b = calendar::bounds(spec, now, CALENDAR_MARGIN_SECS, LOOKAHEAD);
+            let b = calendar::bounds(spec, now, CALENDAR_MARGIN_SECS, lookahead);
             record.push(f(b.len() as u64));
             #[allow(clippy::cast_precision_loss)] // seconds since the epoch, below 2^53
             record.extend(b.iter().map(|s| *s as f64));
@@ -516,7 +521,7 @@ impl Prepared {
         let mut record = vec![1.0, 0.0, 0.0, 0.0, budget, f(lease)];
         record.extend(costs.iter().map(|c| f(*c)));
         record.push(f(class.index()));
-        self.bounds(&mut record, now);
+        self.bounds(&mut record, now, if max_delay.is_some() { LOOKAHEAD } else { 1 });
         record[3] = f(record.len() as u64);
         record
     }
@@ -536,7 +541,7 @@ impl Prepared {
         for (c, new) in charges.iter().zip(new) {
             record.extend([f(c.cost), f(*new), f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
         }
-        self.bounds(&mut record, now);
+        self.bounds(&mut record, now, 1);
         // The window holding each calendar tier's charge: a tier that cost nothing when the
         // request was decided did not hold its departure to the lookahead, and what it is
         // charged now belongs to the window the request left in, wherever that is.
