@@ -491,10 +491,8 @@ impl Prepared {
     }
 
     /// The calendar bounds of a record made at `now` (nanoseconds of this process's clock),
-    /// through `lookahead` windows after the one holding `now + margin`. Only a shaped check
-    /// can leave in a later window than the one holding the server's now (a policed request
-    /// leaves now or not at all, and a settlement names its charge's window), so only it sends
-    /// the whole lookahead: the others send one or two windows.
+    /// through `lookahead` - 1 windows after the one holding `now + margin`. A policed check
+    /// leaves now or not at all, so it needs no lookahead: it sends one or two windows.
     fn bounds(&self, record: &mut Vec<f64>, now: u64, lookahead: usize) {
         let Some(kinds) = &self.kinds else { return };
         for spec in &kinds.calendars {
@@ -541,7 +539,9 @@ impl Prepared {
         for (c, new) in charges.iter().zip(new) {
             record.extend([f(c.cost), f(*new), f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
         }
-        self.bounds(&mut record, now, 1);
+        // The whole lookahead: a charge grown after a step back of the server's clock goes to
+        // the window holding the key's later now, which may lie in it.
+        self.bounds(&mut record, now, LOOKAHEAD);
         // The window holding each calendar tier's charge: a tier that cost nothing when the
         // request was decided did not hold its departure to the lookahead, and what it is
         // charged now belongs to the window the request left in, wherever that is.

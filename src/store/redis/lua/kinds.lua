@@ -15,7 +15,7 @@
 --           check (budget >= 0) the lookahead after that;
 --         op 2, a settlement: release (1 gives the slots back), then per tier the old and new
 --           cost, the charge's instant (seconds, units) and entry id (the lease id for a
---           concurrency tier), then the calendar bounds as for a policed check, then per calendar
+--           concurrency tier), then the calendar bounds as for a shaped check, then per calendar
 --           tier the start and end (seconds) of the window holding its charge's instant;
 --         op 4, a refresh: lease id, then per concurrency tier its slots.
 -- KEYS    per record: the state key, the sliding-log sets of the rate tiers (log family
@@ -63,8 +63,10 @@ local function kpolicies()
       end
       tiers[t] = tier
     end
+    -- Lean: loading the key's state changes nothing stored (rate.lua's F prunes nothing).
+    local lean = F.rate == true and ncal == 0 and npen == 0
     out[#out + 1] = { unit = P[i], grace = P[i + 1], alg = P[i + 2], n = n, tiers = tiers,
-                      nrate = nrate, nconc = nconc, ncal = ncal, npen = npen }
+                      nrate = nrate, nconc = nconc, ncal = ncal, npen = npen, lean = lean }
     i = i + 4 + n * 9
   end
   return out
@@ -88,8 +90,11 @@ end
 local function load(k, pol)
   local name = KEYS[k]
   local c = clock_of(pol.unit)
+  -- Every field named in the constructor: a table sized once (one per key per batch), not
+  -- grown field by field.
   local st = { k = k, name = name, unit = pol.unit, grace = pol.grace, n = pol.n, pol = pol,
-               c = c, cal = {} }
+               c = c, cal = false, pen = false, held = false, rs = false, g1 = false,
+               g2 = false, dirty = false, charged = false }
   local raw = nil
   local packed = STORED[name]
   if packed then
@@ -99,51 +104,59 @@ local function load(k, pol)
     st.g1, st.g2 = raw[1], raw[2]
   end
   local j = 2
-  for w = 1, pol.ncal do
-    local list = {}
-    if raw then
-      j = j + 1
-      for _ = 1, raw[j] do
-        list[#list + 1] = { raw[j + 1], raw[j + 2], raw[j + 3] }
-        j = j + 3
+  if pol.ncal > 0 then
+    local cal = {}
+    for w = 1, pol.ncal do
+      -- The windows counted, less those that ended.
+      local kept = {}
+      if raw then
+        j = j + 1
+        for _ = 1, raw[j] do
+          if brel(st.c, raw[j + 2]) > 0 then
+            kept[#kept + 1] = { raw[j + 1], raw[j + 2], raw[j + 3] }
+          else
+            st.dirty = true
+          end
+          j = j + 3
+        end
       end
+      cal[w] = kept
     end
-    -- Forget the windows that ended.
-    local kept = {}
-    for _, win in ipairs(list) do
-      if brel(st.c, win[2]) > 0 then kept[#kept + 1] = win else st.dirty = true end
-    end
-    st.cal[w] = kept
+    st.cal = cal
   end
   -- The penalty boxes (`Strikes::prune`): a block that ended and the breaches that left the
   -- window are forgotten. Instants relative to the key's now.
-  st.pen = {}
-  if pol.npen > 0 then for _, tier in ipairs(pol.tiers) do
-    local p = tier.pen
-    if p then
-      local box = { at = {} }
-      if raw then
-        if raw[j + 1] == 1 then
-          box.till = rel(st.c, raw[j + 2], raw[j + 3])
-          if box.till <= 0 then box.till = nil; st.dirty = true end
+  if pol.npen > 0 then
+    st.pen = {}
+    for _, tier in ipairs(pol.tiers) do
+      local p = tier.pen
+      if p then
+        local box = { at = {}, till = nil }
+        if raw then
+          if raw[j + 1] == 1 then
+            box.till = rel(st.c, raw[j + 2], raw[j + 3])
+            if box.till <= 0 then box.till = nil; st.dirty = true end
+          end
+          local m = raw[j + 4]
+          j = j + 4
+          for _ = 1, m do
+            local a = rel(st.c, raw[j + 1], raw[j + 2])
+            if a + p.within > 0 then box.at[#box.at + 1] = a else st.dirty = true end
+            j = j + 2
+          end
         end
-        local m = raw[j + 4]
-        j = j + 4
-        for _ = 1, m do
-          local a = rel(st.c, raw[j + 1], raw[j + 2])
-          if a + p.within > 0 then box.at[#box.at + 1] = a else st.dirty = true end
-          j = j + 2
-        end
+        st.pen[p.x] = box
       end
-      st.pen[p.x] = box
     end
-  end end
+  end
   local rate_tiers = {}
   for _, tier in ipairs(pol.tiers) do
-    if tier.kind == 0 then rate_tiers[#rate_tiers + 1] = { c = tier.c, p = tier.p, b = tier.b } end
+    if tier.kind == 0 then
+      rate_tiers[#rate_tiers + 1] = { c = tier.c, p = tier.p, b = tier.b, xn = 0, xf = 0, last = 0 }
+    end
   end
   st.rs = { k = k, name = name, unit = pol.unit, alg = pol.alg, n = pol.nrate, tiers = rate_tiers,
-            c = st.c }
+            c = st.c, dirty = false }
   local rest = nil
   if raw then
     rest = {}
@@ -151,7 +164,7 @@ local function load(k, pol)
   end
   F.load(st.rs, rest)
   -- The slots held per concurrency tier, counted once per batch (see `held`).
-  st.held = {}
+  if pol.nconc > 0 then st.held = {} end
   return st
 end
 
@@ -550,6 +563,26 @@ local function check(st, i)
   end
 end
 
+-- Whether the settlement at `i` (of policy `pol`) changes what a rate or calendar tier was
+-- charged: else it only gives slots back.
+local function changes(pol, i)
+  for t = 1, pol.n do
+    local j = i + 5 + (t - 1) * 5
+    if pol.tiers[t].kind ~= 1 and C[j] ~= C[j + 1] then return true end
+  end
+  return false
+end
+
+-- A settlement that only gives slots back, of a key the batch has not loaded.
+local function release_only(k, pol, i)
+  if C[i + 4] ~= 1 then return end
+  for t = 1, pol.n do
+    local tier = pol.tiers[t]
+    local j = i + 5 + (t - 1) * 5
+    if tier.kind == 1 and C[j] > 0 then give_back(zkey(k, pol, tier), C[j + 4], C[j]) end
+  end
+end
+
 local function settle(st, i)
   local pol = st.pol
   local n, tiers = pol.n, pol.tiers
@@ -610,19 +643,25 @@ while i <= #C do
   local op, k, pol = C[i], C[i + 1], POL[C[i + 2]]
   local name = KEYS[k]
   -- A settlement that only gives slots back loads the state too: as in memory, it prunes
-  -- what has ended (observable when the clock steps back).
+  -- what has ended (observable when the clock steps back); unless nothing of it can end
+  -- (rate tiers of GCRA or the buckets, no calendar tier, no penalty box), when the state
+  -- would be neither read nor written.
   local st = cache[name]
-  if not st then
-    st = load(k, pol)
-    cache[name] = st
-    order[#order + 1] = st
-  end
-  if op == 1 then
-    check(st, i)
-  elseif op == 2 then
-    settle(st, i)
+  if not st and op == 2 and pol.lean and not changes(pol, i) then
+    release_only(k, pol, i)
   else
-    refresh(st, i)
+    if not st then
+      st = load(k, pol)
+      cache[name] = st
+      order[#order + 1] = st
+    end
+    if op == 1 then
+      check(st, i)
+    elseif op == 2 then
+      settle(st, i)
+    else
+      refresh(st, i)
+    end
   end
   i = i + C[i + 3]
 end
