@@ -878,6 +878,38 @@ mod tests {
     }
 
     #[test]
+    fn a_policed_calendar_check_sends_the_windows_around_now_and_a_shaped_one_the_lookahead() {
+        use crate::quota::Calendar;
+        let p = Policy::builder("api")
+            .tier("a", Quota::per_minute(10))
+            .calendar("d", Calendar::per_day(5))
+            .build()
+            .unwrap();
+        let prepared = Prepared::new(&p, 0);
+        // 2025-06-15 15:06:40 UTC: the day holds now - 60 s and now + 60 s.
+        let now = 1_750_000_000 * NANOS_PER_SEC;
+        let (start, end) = (1_749_945_600.0, 1_750_032_000.0);
+        // op, key, policy, length, budget, lease, the costs, the class, then the bounds.
+        let policed = prepared.check_kinds(&[1, 1], None, 0, Priority::Standard, now);
+        assert_eq!(policed, [1.0, 0.0, 0.0, 12.0, -1.0, 0.0, 1.0, 1.0, 1.0, 2.0, start, end]);
+        // Shaped: the day and the seven after it.
+        let shaped =
+            prepared.check_kinds(&[1, 1], Some(Duration::from_secs(1)), 0, Priority::Standard, now);
+        let days: Vec<f64> = (0..9).map(|d| start + f64::from(d) * 86_400.0).collect();
+        assert_eq!(shaped[9], 9.0);
+        assert_eq!(shaped[10..], days[..]);
+        // Near midnight, a policed check sends both days the server's clock may be in.
+        let late = prepared.check_kinds(
+            &[1, 1],
+            None,
+            0,
+            Priority::Standard,
+            (end as u64 - 30) * NANOS_PER_SEC,
+        );
+        assert_eq!(late[9..], [3.0, start, end, end + 86_400.0]);
+    }
+
+    #[test]
     fn windows_below_a_millisecond_are_refused() {
         let tiny = Policy::builder("p")
             .algorithm(Algorithm::FixedWindow)
