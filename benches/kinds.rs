@@ -8,9 +8,18 @@
 //!   over 10,000 keys. A concurrency slot costs two calls: taken, then released.
 //!
 //! Cases: `gcra` (one GCRA tier: the compact path in memory, `gcra.lua` on Redis),
+//! `gcra+rate` (a second, hourly rate tier: the yardstick of what another tier costs),
 //! `gcra+concurrency`, `gcra+calendar` (a daily quota in Europe/Berlin), `gcra+penalty` (the
 //! GCRA tier with a penalty box, never breached: the cost of keeping one), `concurrency`,
 //! `calendar`.
+//!
+//! After the timed Redis runs, the server's CPU per check is measured for each case (200,000
+//! checks over 100,000 keys, after one pass over them that creates their state): the growth
+//! of `used_cpu_user + used_cpu_sys` (`INFO cpu`, the whole server: scripts, commands and
+//! networking) and of the scripts' own time (`usec` of `EVALSHA` in `INFO commandstats`), per
+//! check, a concurrency check counting its release, printed as `kinds/cpu/...` lines with the
+//! ratio to the first case measured. A filter matching no timed bench (`-- kinds/cpu`) runs
+//! only this part, and one naming cases (`-- kinds/cpu/gcra+`) only those.
 //!
 //! `cargo bench --bench kinds [--features redis]`
 
@@ -35,9 +44,11 @@ fn policies() -> Vec<(&'static str, Policy)> {
     let gcra = || Quota::per_second(1_000_000).with_burst(1_000_000);
     let slots = || Concurrency::new(1_000);
     let daily = || Calendar::per_day(4_000_000_000).in_time_zone("Europe/Berlin");
+    let hourly = || Quota::per_hour(4_000_000_000).with_burst(4_000_000_000);
     let build = |b: tollgate::PolicyBuilder| b.build().expect("valid policy");
     vec![
         ("gcra", build(Policy::builder("g").tier("rate", gcra()))),
+        ("gcra+rate", build(Policy::builder("gr").tier("rate", gcra()).tier("hour", hourly()))),
         (
             "gcra+concurrency",
             build(Policy::builder("gc").tier("rate", gcra()).concurrency("slots", slots())),
@@ -95,6 +106,8 @@ fn redis(c: &mut Criterion) {
     use tollgate::store::RedisStore;
 
     const TASKS: u64 = 64;
+    /// Keys of the server CPU measurement (as `benches/redis.rs`).
+    const CPU_KEYS: u64 = 100_000;
     let Some(server) = redis_server::Server::start("redis-server") else { return };
     let rt =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
@@ -133,7 +146,84 @@ fn redis(c: &mut Criterion) {
         });
     }
     g.finish();
+
+    // The server's CPU per check, per case.
+    let ids: Arc<Vec<Key>> =
+        Arc::new((0..CPU_KEYS).map(|i| Key::text(format!("cpu-{i}"))).collect());
+    let run = |limiter: &Limiter<RedisStore>, n: u64| {
+        let per = n.div_ceil(TASKS);
+        rt.block_on(async {
+            let tasks: Vec<_> = (0..TASKS)
+                .map(|t| {
+                    let (limiter, ids) = (limiter.clone(), Arc::clone(&ids));
+                    tokio::spawn(async move {
+                        for i in 0..per {
+                            let key = &ids[((t * 7_919 + i * 64) % CPU_KEYS) as usize];
+                            let d = limiter.check(key, 1).await.unwrap();
+                            assert_eq!(d.source(), tollgate::Source::Store);
+                            assert!(d.is_allowed());
+                        }
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.expect("task");
+            }
+        });
+        per * TASKS
+    };
+    let mut inspect = server.conn();
+    let mut base = None;
+    // A filter naming some `kinds/cpu/...` cases measures only them.
+    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    for (name, policy) in policies() {
+        if filter.as_ref().is_some_and(|f| !format!("kinds/cpu/{name}").contains(f.as_str())) {
+            continue;
+        }
+        let limiter = Limiter::with_store(policy, store.clone()).unwrap();
+        run(&limiter, CPU_KEYS);
+        let (cpu, (calls, usec)) = (server_cpu(&mut inspect), evalsha(&mut inspect));
+        let start = Instant::now();
+        let n = run(&limiter, 200_000);
+        let wall = start.elapsed().as_secs_f64();
+        let cpu = (server_cpu(&mut inspect) - cpu) * 1e6 / n as f64;
+        let (calls2, usec2) = evalsha(&mut inspect);
+        let script = (usec2 - usec) as f64 / n as f64;
+        let batch = n as f64 / (calls2 - calls).max(1) as f64;
+        let (b_cpu, b_script) = *base.get_or_insert((cpu, script));
+        println!(
+            "kinds/cpu/{name:<17} server CPU {cpu:6.2} µs ({:4.2}x), scripts {script:6.2} µs \
+             ({:4.2}x) per check; {batch:5.1} checks per script call; {:7.0} checks/s",
+            cpu / b_cpu,
+            script / b_script,
+            n as f64 / wall,
+        );
+    }
     drop(server);
+}
+
+/// `used_cpu_user + used_cpu_sys` of the server, in seconds.
+#[cfg(feature = "redis")]
+fn server_cpu(conn: &mut redis::Connection) -> f64 {
+    let info: String = redis::cmd("INFO").arg("cpu").query(conn).expect("INFO cpu");
+    ["used_cpu_user:", "used_cpu_sys:"]
+        .iter()
+        .filter_map(|f| info.lines().find_map(|l| l.strip_prefix(f))?.trim().parse::<f64>().ok())
+        .sum()
+}
+
+/// Script calls and their time (µs) so far: `calls` and `usec` of `EVALSHA` in
+/// `INFO commandstats`.
+#[cfg(feature = "redis")]
+fn evalsha(conn: &mut redis::Connection) -> (u64, u64) {
+    let info: String = redis::cmd("INFO").arg("commandstats").query(conn).expect("INFO");
+    let Some(line) = info.lines().find_map(|l| l.strip_prefix("cmdstat_evalsha:")) else {
+        return (0, 0);
+    };
+    let field = |name: &str| {
+        line.split(',').find_map(|f| f.strip_prefix(name)?.parse::<u64>().ok()).unwrap_or(0)
+    };
+    (field("calls="), field("usec="))
 }
 
 #[cfg(not(feature = "redis"))]

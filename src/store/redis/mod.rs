@@ -63,9 +63,9 @@ const DEFAULT_LOCAL_REFUSALS: usize = 4096;
 ///   every third of the lease ([`Reservation::hold`](crate::Reservation::hold) does). A request
 ///   waiting for a slot polls, every 2 ms to 100 ms. Calendar windows are computed here (Lua has
 ///   no time zone data) and sent with each check: those from 60 s before this process's clock
-///   to eight windows after 60 s past it (a settlement adds the window each calendar tier's
-///   charge fell in). A server clock further off fails the call (and the local fallback
-///   decides).
+///   to the one holding 60 s past it, and for a shaped check or a settlement the seven after
+///   that (a settlement adds the window each calendar tier's charge fell in). A server clock
+///   further off fails the call (and the local fallback decides).
 /// - **Long horizons.** State is packed binary, instants as (seconds, units), so periods up to
 ///   [`MAX_SPAN`](crate::MAX_SPAN) work (yearly quotas), at the policy's
 ///   [`precision`](Policy::precision).

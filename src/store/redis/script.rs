@@ -32,8 +32,9 @@ const MIN_WINDOW_PERIOD_NANOS: u64 = 1_000_000;
 const NANOS_PER_SEC: u64 = 1_000_000_000;
 
 /// How far (seconds) the Redis server's clock may be from this process's for calendar tiers:
-/// each check sends the bounds of the calendar windows from `now - 60 s` to the lookahead
-/// after `now + 60 s`, and the script decides in the window its own clock falls in.
+/// each check sends the bounds of the calendar windows from `now - 60 s` to the window holding
+/// `now + 60 s` (and, when it shapes, the lookahead after it), and the script decides in the
+/// window its own clock falls in.
 const CALENDAR_MARGIN_SECS: u64 = 60;
 
 /// The scripts' families: a batch holds checks of one family.
@@ -489,11 +490,13 @@ impl Prepared {
         self.kinds.is_some()
     }
 
-    /// The calendar bounds of a record made at `now` (nanoseconds of this process's clock).
-    fn bounds(&self, record: &mut Vec<f64>, now: u64) {
+    /// The calendar bounds of a record made at `now` (nanoseconds of this process's clock),
+    /// through `lookahead` - 1 windows after the one holding `now + margin`. A policed check
+    /// leaves now or not at all, so it needs no lookahead: it sends one or two windows.
+    fn bounds(&self, record: &mut Vec<f64>, now: u64, lookahead: usize) {
         let Some(kinds) = &self.kinds else { return };
         for spec in &kinds.calendars {
-            let b = calendar::bounds(spec, now, CALENDAR_MARGIN_SECS, LOOKAHEAD);
+            let b = calendar::bounds(spec, now, CALENDAR_MARGIN_SECS, lookahead);
             record.push(f(b.len() as u64));
             #[allow(clippy::cast_precision_loss)] // seconds since the epoch, below 2^53
             record.extend(b.iter().map(|s| *s as f64));
@@ -516,7 +519,7 @@ impl Prepared {
         let mut record = vec![1.0, 0.0, 0.0, 0.0, budget, f(lease)];
         record.extend(costs.iter().map(|c| f(*c)));
         record.push(f(class.index()));
-        self.bounds(&mut record, now);
+        self.bounds(&mut record, now, if max_delay.is_some() { LOOKAHEAD } else { 1 });
         record[3] = f(record.len() as u64);
         record
     }
@@ -536,7 +539,9 @@ impl Prepared {
         for (c, new) in charges.iter().zip(new) {
             record.extend([f(c.cost), f(*new), f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
         }
-        self.bounds(&mut record, now);
+        // The whole lookahead: a charge grown after a step back of the server's clock goes to
+        // the window holding the key's later now, which may lie in it.
+        self.bounds(&mut record, now, LOOKAHEAD);
         // The window holding each calendar tier's charge: a tier that cost nothing when the
         // request was decided did not hold its departure to the lookahead, and what it is
         // charged now belongs to the window the request left in, wherever that is.
@@ -899,6 +904,38 @@ mod tests {
         // op, key, policy, length, budget, lease, the costs, then the class (2 sheddable).
         let record = prepared.check_kinds(&[1], None, 0, Priority::Sheddable, 0);
         assert_eq!(record, [1.0, 0.0, 0.0, 8.0, -1.0, 0.0, 1.0, 2.0]);
+    }
+
+    #[test]
+    fn a_policed_calendar_check_sends_the_windows_around_now_and_a_shaped_one_the_lookahead() {
+        use crate::quota::Calendar;
+        let p = Policy::builder("api")
+            .tier("a", Quota::per_minute(10))
+            .calendar("d", Calendar::per_day(5))
+            .build()
+            .unwrap();
+        let prepared = Prepared::new(&p, 0);
+        // 2025-06-15 15:06:40 UTC: the day holds now - 60 s and now + 60 s.
+        let now = 1_750_000_000 * NANOS_PER_SEC;
+        let (start, end) = (1_749_945_600.0, 1_750_032_000.0);
+        // op, key, policy, length, budget, lease, the costs, the class, then the bounds.
+        let policed = prepared.check_kinds(&[1, 1], None, 0, Priority::Standard, now);
+        assert_eq!(policed, [1.0, 0.0, 0.0, 12.0, -1.0, 0.0, 1.0, 1.0, 1.0, 2.0, start, end]);
+        // Shaped: the day and the seven after it.
+        let shaped =
+            prepared.check_kinds(&[1, 1], Some(Duration::from_secs(1)), 0, Priority::Standard, now);
+        let days: Vec<f64> = (0..9).map(|d| start + f64::from(d) * 86_400.0).collect();
+        assert_eq!(shaped[9], 9.0);
+        assert_eq!(shaped[10..], days[..]);
+        // Near midnight, a policed check sends both days the server's clock may be in.
+        let late = prepared.check_kinds(
+            &[1, 1],
+            None,
+            0,
+            Priority::Standard,
+            (end as u64 - 30) * NANOS_PER_SEC,
+        );
+        assert_eq!(late[9..], [3.0, start, end, end + 86_400.0]);
     }
 
     #[test]

@@ -11,10 +11,11 @@
 --         op 1, a check: budget (-1 polices), lease id, each tier's cost, the request's class
 --           (`Priority`: 0 critical, 1 standard, 2 sheddable), then per calendar
 --           tier the bounds of its windows (their number, then the seconds: each window's
---           start and the last one's end), from before `now` to the lookahead after it;
+--           start and the last one's end), from before `now` to after it, and for a shaped
+--           check (budget >= 0) the lookahead after that;
 --         op 2, a settlement: release (1 gives the slots back), then per tier the old and new
 --           cost, the charge's instant (seconds, units) and entry id (the lease id for a
---           concurrency tier), then the calendar bounds as for a check, then per calendar
+--           concurrency tier), then the calendar bounds as for a shaped check, then per calendar
 --           tier the start and end (seconds) of the window holding its charge's instant;
 --         op 4, a refresh: lease id, then per concurrency tier its slots.
 -- KEYS    per record: the state key, the sliding-log sets of the rate tiers (log family
@@ -62,8 +63,10 @@ local function kpolicies()
       end
       tiers[t] = tier
     end
+    -- Lean: loading the key's state changes nothing stored (rate.lua's F prunes nothing).
+    local lean = F.rate == true and ncal == 0 and npen == 0
     out[#out + 1] = { unit = P[i], grace = P[i + 1], alg = P[i + 2], n = n, tiers = tiers,
-                      nrate = nrate, nconc = nconc, ncal = ncal, npen = npen }
+                      nrate = nrate, nconc = nconc, ncal = ncal, npen = npen, lean = lean }
     i = i + 4 + n * 9
   end
   return out
@@ -87,91 +90,125 @@ end
 local function load(k, pol)
   local name = KEYS[k]
   local c = clock_of(pol.unit)
+  -- Every field named in the constructor: a table sized once (one per key per batch), not
+  -- grown field by field.
   local st = { k = k, name = name, unit = pol.unit, grace = pol.grace, n = pol.n, pol = pol,
-               c = c, cal = {} }
+               c = c, cal = false, pen = false, held = false, rs = false, g1 = false,
+               g2 = false, dirty = false, charged = false }
   local raw = nil
   local packed = STORED[name]
   if packed then
     raw = doubles(packed)
     -- Time never goes back for a key (see main.lua).
     if rel(c, raw[1], raw[2]) > 0 then st.c = { per = c.per, s = raw[1], u = raw[2] } end
-    st.guard = { raw[1], raw[2] }
+    st.g1, st.g2 = raw[1], raw[2]
   end
   local j = 2
-  for w = 1, pol.ncal do
-    local list = {}
-    if raw then
-      j = j + 1
-      for _ = 1, raw[j] do
-        list[#list + 1] = { raw[j + 1], raw[j + 2], raw[j + 3] }
-        j = j + 3
+  if pol.ncal > 0 then
+    local cal = {}
+    for w = 1, pol.ncal do
+      -- The windows counted, less those that ended.
+      local kept = {}
+      if raw then
+        j = j + 1
+        for _ = 1, raw[j] do
+          if brel(st.c, raw[j + 2]) > 0 then
+            kept[#kept + 1] = { raw[j + 1], raw[j + 2], raw[j + 3] }
+          else
+            st.dirty = true
+          end
+          j = j + 3
+        end
       end
+      cal[w] = kept
     end
-    -- Forget the windows that ended.
-    local kept = {}
-    for _, win in ipairs(list) do
-      if brel(st.c, win[2]) > 0 then kept[#kept + 1] = win else st.dirty = true end
-    end
-    st.cal[w] = kept
+    st.cal = cal
   end
   -- The penalty boxes (`Strikes::prune`): a block that ended and the breaches that left the
   -- window are forgotten. Instants relative to the key's now.
-  st.pen = {}
-  for _, tier in ipairs(pol.tiers) do
-    local p = tier.pen
-    if p then
-      local box = { at = {} }
-      if raw then
-        if raw[j + 1] == 1 then
-          box.till = rel(st.c, raw[j + 2], raw[j + 3])
-          if box.till <= 0 then box.till = nil; st.dirty = true end
+  if pol.npen > 0 then
+    st.pen = {}
+    for _, tier in ipairs(pol.tiers) do
+      local p = tier.pen
+      if p then
+        local box = { at = {}, till = nil }
+        if raw then
+          if raw[j + 1] == 1 then
+            box.till = rel(st.c, raw[j + 2], raw[j + 3])
+            if box.till <= 0 then box.till = nil; st.dirty = true end
+          end
+          local m = raw[j + 4]
+          j = j + 4
+          for _ = 1, m do
+            local a = rel(st.c, raw[j + 1], raw[j + 2])
+            if a + p.within > 0 then box.at[#box.at + 1] = a else st.dirty = true end
+            j = j + 2
+          end
         end
-        local m = raw[j + 4]
-        j = j + 4
-        for _ = 1, m do
-          local a = rel(st.c, raw[j + 1], raw[j + 2])
-          if a + p.within > 0 then box.at[#box.at + 1] = a else st.dirty = true end
-          j = j + 2
-        end
+        st.pen[p.x] = box
       end
-      st.pen[p.x] = box
     end
   end
   local rate_tiers = {}
   for _, tier in ipairs(pol.tiers) do
-    if tier.kind == 0 then rate_tiers[#rate_tiers + 1] = { c = tier.c, p = tier.p, b = tier.b } end
+    if tier.kind == 0 then
+      rate_tiers[#rate_tiers + 1] = { c = tier.c, p = tier.p, b = tier.b, xn = 0, xf = 0, last = 0 }
+    end
   end
   st.rs = { k = k, name = name, unit = pol.unit, alg = pol.alg, n = pol.nrate, tiers = rate_tiers,
-            c = st.c }
+            c = st.c, dirty = false }
   local rest = nil
   if raw then
     rest = {}
     for x = j + 1, #raw do rest[#rest + 1] = raw[x] end
   end
   F.load(st.rs, rest)
-  -- The concurrency sets: expired leases go first.
-  local first = k + 1
-  if F.log then first = first + pol.nrate end
-  st.z = {}
-  for q = 1, pol.nconc do
-    st.z[q] = KEYS[first + q - 1]
-  end
-  st.zpruned = {}
+  -- The slots held per concurrency tier, counted once per batch (see `held`).
+  if pol.nconc > 0 then st.held = {} end
   return st
 end
 
--- The lease set of concurrency tier `tier`, pruned of expired leases; and the slots held.
+-- The lease set of concurrency tier `tier` of the key at `k` (after the state key and the
+-- sliding-log sets).
+local function zkey(k, pol, tier)
+  if F.log then return KEYS[k + pol.nrate + tier.q] end
+  return KEYS[k + tier.q]
+end
+
+-- The lease set of concurrency tier `tier`, and the slots held. Expired leases are dropped
+-- and the rest counted on the first look of the batch; then the count follows what the
+-- batch adds and removes (every batch decides at one instant, so nothing expires meanwhile).
 local function held(st, tier)
-  local z = st.z[tier.q]
-  if not st.zpruned[tier.q] then
+  local z = zkey(st.k, st.pol, tier)
+  local h = st.held[tier.q]
+  if not h then
     call('ZREMRANGEBYSCORE', z, '-inf', num(now_ms(st)))
-    st.zpruned[tier.q] = true
+    h = call('ZCARD', z)
+    st.held[tier.q] = h
   end
-  return z, call('ZCARD', z)
+  return z, h
 end
 
 local function slot(id, j)
   return spack('<dd', id, j)
+end
+
+-- Every slot of lease `id` in tier `tier` (`c` of them) scored `expiry`, in one ZADD; the
+-- count of `st` follows the members added.
+local function take(st, tier, z, id, c, expiry)
+  local args, e = {}, num(expiry)
+  for j = 0, c - 1 do
+    args[2 * j + 1], args[2 * j + 2] = e, slot(id, j)
+  end
+  st.held[tier.q] = st.held[tier.q] + call('ZADD', z, unpack(args))
+end
+
+-- Gives back the `c` slots of lease `id` in the set `z`, in one ZREM (Redis deletes a set
+-- that becomes empty); returns how many were held.
+local function give_back(z, id, c)
+  local args = {}
+  for j = 0, c - 1 do args[j + 1] = slot(id, j) end
+  return call('ZREM', z, unpack(args))
 end
 
 -- Calendar: the window list of tier `tier`, and the bounds `B` of the record.
@@ -199,6 +236,15 @@ local function cal_earliest(st, tier, from, cost)
     end
   end
   return from
+end
+
+-- That the bounds `B` cover the key's now, as `locate` does for bounds of a policed check
+-- (no lookahead: any window of them may hold it).
+local function cover(st, B)
+  for x = 1, #B - 1 do
+    if brel(st.c, B[x]) <= 0 and brel(st.c, B[x + 1]) > 0 then return end
+  end
+  return error('tollgate: the calendar windows sent do not cover the server clock (clock skew above 60 s?)')
 end
 
 -- When `at` lies after the lookahead (the LOOKAHEAD windows from the one holding the key's
@@ -339,11 +385,32 @@ local function breach(st, p)
   return p.block
 end
 
+-- The earliest instant >= from at which tier `tier` admits `cost` for class `class`.
+local function earliest(st, tier, class, from, cost)
+  if tier.kind == 0 then return F.earliest(st.rs, rt_for(st, tier, class), from, cost) end
+  if tier.kind == 2 then return cal_earliest(st, tier, from, cost) end
+  return from
+end
+
+-- ... and when shaping, after a leaky bucket's queue: it holds the request until the water
+-- ahead of it has drained (`TierState::departure`).
+local function depart(st, tier, class, from, cost, shaping)
+  local e = earliest(st, tier, class, from, cost)
+  if shaping and tier.kind == 0 then
+    e = e + F.queue_wait(st.rs, rt_for(st, tier, class), e)
+  end
+  return e
+end
+
+-- Per check, reused (a check fills them for its tiers before reading them): each tier's
+-- cost, own retry (-1 none), violated (0 or 1), entry id, and whether its slots are full.
+local COST, OWN, VIOL, ENTRY, FULL = {}, {}, {}, {}, {}
+
 local function check(st, i)
   local pol = st.pol
   local n, tiers = pol.n, pol.tiers
   local budget_arg, id = C[i + 4], C[i + 5]
-  local cost = {}
+  local cost, own, viol, entry = COST, OWN, VIOL, ENTRY
   local class = C[i + 6 + n]
   local zero, over = true, false
   for t = 1, n do
@@ -351,34 +418,20 @@ local function check(st, i)
     if cost[t] > 0 then zero = false end
     if cost[t] > capacity(tiers[t], class) then over = true end
   end
-  local B = bounds(pol, i + 7 + n)
-  local per, head = {}, nil
-  local earliest = function(t, from)
-    local tier = tiers[t]
-    if tier.kind == 0 then return F.earliest(st.rs, rt_for(st, tier, class), from, cost[t]) end
-    if tier.kind == 2 then return cal_earliest(st, tier, from, cost[t]) end
-    return from
-  end
-  -- When shaping, a leaky bucket holds the request until the water ahead of it has drained
-  -- (`TierState::departure`).
+  local B = nil
+  if pol.ncal > 0 then B = bounds(pol, i + 7 + n) end
+  local h1, h2, h3
   local shaping = budget_arg >= 0
-  local depart = function(t, from)
-    local e = earliest(t, from)
-    if shaping and tiers[t].kind == 0 then
-      e = e + F.queue_wait(st.rs, rt_for(st, tiers[t], class), e)
-    end
-    return e
-  end
   if zero then
-    for t = 1, n do per[t] = { -1, 0, 0 } end
-    head = { 1, 0, -1 }
+    for t = 1, n do own[t], viol[t], entry[t] = -1, 0, 0 end
+    h1, h2, h3 = 1, 0, -1
   elseif over then
     for t = 1, n do
       local v = 0
       if cost[t] > capacity(tiers[t], class) then v = 1 end
-      per[t] = { -1, v, 0 }
+      own[t], viol[t], entry[t] = -1, v, 0
     end
-    head = { 2, 0, -1 }
+    h1, h2, h3 = 2, 0, -1
   else
     -- The instant the request leaves: the earliest at which every rate and calendar tier
     -- admits it together, where each is charged (`converge` and `rounds` in
@@ -390,14 +443,15 @@ local function check(st, i)
     for _ = 1, rounds do
       local nxt = at
       for t = 1, n do
-        if cost[t] > 0 then nxt = max(nxt, depart(t, at)) end
+        if cost[t] > 0 then nxt = max(nxt, depart(st, tiers[t], class, at, cost[t], shaping)) end
       end
       if nxt == at then settled = true; break end
       at = nxt
     end
-    local full, any_full = {}, false
+    local full, any_full = FULL, false
     for t = 1, n do
       local tier = tiers[t]
+      full[t] = false
       if tier.kind == 1 and cost[t] > 0 then
         local _, h = held(st, tier)
         if h + cost[t] > tier.max then full[t] = true; any_full = true end
@@ -412,12 +466,18 @@ local function check(st, i)
       retry = at - budget
     end
     -- A departure after a calendar tier's lookahead is refused too: not before the lookahead
-    -- moves on, when the current window ends.
+    -- moves on, when the current window ends. A policed request leaves now or is refused
+    -- (with a retry after its departure, later than the current window's end when the
+    -- departure is beyond the lookahead): its bounds need only cover now.
     for t = 1, n do
       local tier = tiers[t]
       if tier.kind == 2 and cost[t] > 0 then
-        local current = cal_beyond(st, B[tier.w], at)
-        if current then retry = max(retry, current) end
+        if shaping then
+          local current = cal_beyond(st, B[tier.w], at)
+          if current then retry = max(retry, current) end
+        else
+          cover(st, B[tier.w])
+        end
       end
     end
     -- A blocked key is refused whatever its tiers say, until the latest of its blocks ends.
@@ -425,12 +485,16 @@ local function check(st, i)
     if retry ~= -1 or any_full or till then
       for t = 1, n do
         if full[t] then
-          per[t] = { -1, 1, 0 }
+          own[t], viol[t], entry[t] = -1, 1, 0
         elseif cost[t] == 0 or tiers[t].kind == 1 then
-          per[t] = { -1, 0, 0 }
+          own[t], viol[t], entry[t] = -1, 0, 0
         else
-          local own = earliest(t, 0)
-          if own > 0 then per[t] = { own, 1, 0 } else per[t] = { -1, 0, 0 } end
+          local e = earliest(st, tiers[t], class, 0, cost[t])
+          if e > 0 then
+            own[t], viol[t], entry[t] = e, 1, 0
+          else
+            own[t], viol[t], entry[t] = -1, 0, 0
+          end
         end
       end
       if till then
@@ -438,7 +502,7 @@ local function check(st, i)
         -- ends, nor before the tiers admit the request.
         for t = 1, n do
           local left = blocked(st, tiers[t])
-          if left then per[t] = { later(per[t][1], left), 1, 0 } end
+          if left then own[t], viol[t], entry[t] = later(own[t], left), 1, 0 end
         end
         retry = later(retry, till)
       else
@@ -446,41 +510,41 @@ local function check(st, i)
         -- is then refused until it ends, or until its tiers admit it if that is later.
         for t = 1, n do
           local p = tiers[t].pen
-          if p and per[t][2] == 1 then
+          if p and viol[t] == 1 then
             local left = breach(st, p)
             if left then
-              per[t][1] = later(per[t][1], left)
+              own[t] = later(own[t], left)
               retry = later(retry, left)
             end
           end
         end
       end
-      head = { 0, 0, retry }
+      h1, h2, h3 = 0, 0, retry
     else
       local expiry = nil
       for t = 1, n do
         local tier, c = tiers[t], cost[t]
-        local entry = 0
+        local e = 0
         -- Units charged to a rate or calendar tier move the guard; slots taken alone do not.
         if c > 0 and tier.kind ~= 1 then st.charged = true end
         if c > 0 then
           if tier.kind == 0 then
-            entry = F.charge(st.rs, rt(st, tier), at, c)
+            e = F.charge(st.rs, rt(st, tier), at, c)
           elseif tier.kind == 2 then
             cal_charge(st, tier, B[tier.w], at, c)
           else
             local z = held(st, tier)
             expiry = now_ms(st) + tier.lease
-            for j = 0, c - 1 do call('ZADD', z, num(expiry), slot(id, j)) end
+            take(st, tier, z, id, c, expiry)
             call('PEXPIRE', z, num(tier.lease + st.grace))
           end
         end
-        per[t] = { -1, 0, entry }
+        own[t], viol[t], entry[t] = -1, 0, e
       end
-      head = { 1, at, -1 }
+      h1, h2, h3 = 1, at, -1
     end
   end
-  out(head[1]); out(head[2]); out(head[3])
+  out(h1); out(h2); out(h3)
   for t = 1, n do
     local tier = tiers[t]
     local remaining, reset
@@ -495,8 +559,27 @@ local function check(st, i)
     -- A blocked tier has nothing left until the block ends.
     local left = blocked(st, tier)
     if left then remaining, reset = 0, max(reset, left) end
-    local p = per[t]
-    out(remaining); out(reset); out(p[1]); out(p[2]); out(p[3])
+    out(remaining); out(reset); out(own[t]); out(viol[t]); out(entry[t])
+  end
+end
+
+-- Whether the settlement at `i` (of policy `pol`) changes what a rate or calendar tier was
+-- charged: else it only gives slots back.
+local function changes(pol, i)
+  for t = 1, pol.n do
+    local j = i + 5 + (t - 1) * 5
+    if pol.tiers[t].kind ~= 1 and C[j] ~= C[j + 1] then return true end
+  end
+  return false
+end
+
+-- A settlement that only gives slots back, of a key the batch has not loaded.
+local function release_only(k, pol, i)
+  if C[i + 4] ~= 1 then return end
+  for t = 1, pol.n do
+    local tier = pol.tiers[t]
+    local j = i + 5 + (t - 1) * 5
+    if tier.kind == 1 and C[j] > 0 then give_back(zkey(k, pol, tier), C[j + 4], C[j]) end
   end
 end
 
@@ -527,9 +610,8 @@ local function settle(st, i)
         cal_charge(st, tier, B[tier.w], max(at, 0), new - old, W)
       end
     elseif release == 1 and old > 0 then
-      local z = st.z[tier.q]
-      for s = 0, old - 1 do call('ZREM', z, slot(id, s)) end
-      if call('ZCARD', z) == 0 then call('DEL', z) end
+      local gone = give_back(zkey(st.k, pol, tier), id, old)
+      if st.held[tier.q] then st.held[tier.q] = st.held[tier.q] - gone end
     end
   end
 end
@@ -560,18 +642,26 @@ local i = 1
 while i <= #C do
   local op, k, pol = C[i], C[i + 1], POL[C[i + 2]]
   local name = KEYS[k]
+  -- A settlement that only gives slots back loads the state too: as in memory, it prunes
+  -- what has ended (observable when the clock steps back); unless nothing of it can end
+  -- (rate tiers of GCRA or the buckets, no calendar tier, no penalty box), when the state
+  -- would be neither read nor written.
   local st = cache[name]
-  if not st then
-    st = load(k, pol)
-    cache[name] = st
-    order[#order + 1] = st
-  end
-  if op == 1 then
-    check(st, i)
-  elseif op == 2 then
-    settle(st, i)
+  if not st and op == 2 and pol.lean and not changes(pol, i) then
+    release_only(k, pol, i)
   else
-    refresh(st, i)
+    if not st then
+      st = load(k, pol)
+      cache[name] = st
+      order[#order + 1] = st
+    end
+    if op == 1 then
+      check(st, i)
+    elseif op == 2 then
+      settle(st, i)
+    else
+      refresh(st, i)
+    end
   end
   i = i + C[i + 3]
 end
@@ -610,7 +700,7 @@ for _, st in ipairs(order) do
     else
       -- The guard moves with charges only (see main.lua).
       local v = { st.c.s, st.c.u }
-      if st.guard and not st.charged then v = { st.guard[1], st.guard[2] } end
+      if st.g1 and not st.charged then v = { st.g1, st.g2 } end
       for w = 1, pol.ncal do
         local list = st.cal[w]
         v[#v + 1] = #list
