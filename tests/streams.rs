@@ -4,6 +4,10 @@
 //!
 //! These tests take real seconds (about 10 s each for the paced ones, run in parallel): the
 //! rates are those of the use case (1 MB/s uploads, a 100 MB download at 10 MB/s).
+//!
+//! The apps are axum routers keyed by the peer address that axum's `ConnectInfo` gives: with
+//! the `axum` feature only.
+#![cfg(feature = "axum")]
 
 mod support;
 
