@@ -242,8 +242,8 @@ async fn a_burst_of_two_thousand_on_a_busy_machine_is_decided_by_redis() {
 /// `TOLLGATE_LOAD_TESTS=0` skips them.
 fn asked_for() -> bool {
     let var = |name: &str, value: &str| std::env::var(name).is_ok_and(|v| v == value);
-    let asked = !var("TOLLGATE_LOAD_TESTS", "0")
-        && (var("TOLLGATE_LOAD_TESTS", "1") || var("CI", "true"));
+    let asked =
+        !var("TOLLGATE_LOAD_TESTS", "0") && (var("TOLLGATE_LOAD_TESTS", "1") || var("CI", "true"));
     if !asked {
         note("SKIPPED: a busy-machine scenario; set TOLLGATE_LOAD_TESTS=1 to run it");
     }
