@@ -573,18 +573,18 @@ mod tests {
 
     /// A memory store on tokio's clock, counting the checks it decides (leases included).
     #[derive(Clone)]
-    struct Counted {
+    pub(super) struct Counted {
         inner: MemoryStore,
         checks: Arc<AtomicU64>,
     }
 
     impl Counted {
-        fn new() -> Self {
+        pub(super) fn new() -> Self {
             let inner = MemoryStore::builder().clock(TokioClock::new()).build().unwrap();
             Self { inner, checks: Arc::default() }
         }
 
-        fn checks(&self) -> u64 {
+        pub(super) fn checks(&self) -> u64 {
             self.checks.load(Ordering::Relaxed)
         }
     }
@@ -979,11 +979,8 @@ mod message_tests {
     use tower::{Layer, ServiceExt, service_fn};
 
     use super::*;
-    use crate::clock::TokioClock;
-    use crate::error::ConfigError;
     use crate::key::GlobalKey;
     use crate::quota::{Policy, Quota};
-    use crate::store::{MemoryStore, MemoryTicket};
     use crate::{RateLimitLayer, RequestBody};
 
     /// The bytes of one gRPC message: 8 bytes of payload, 13 in all.
@@ -1028,64 +1025,7 @@ mod message_tests {
         }
     }
 
-    /// A memory store on tokio's clock, counting the checks it decides (leases included).
-    #[derive(Clone)]
-    struct Counted {
-        inner: MemoryStore,
-        checks: Arc<AtomicU64>,
-    }
-
-    impl Counted {
-        fn new() -> Self {
-            let inner = MemoryStore::builder().clock(TokioClock::new()).build().unwrap();
-            Self { inner, checks: Arc::default() }
-        }
-    }
-
-    impl Store for Counted {
-        type Bound = <MemoryStore as Store>::Bound;
-        type Ticket = MemoryTicket;
-
-        fn bind(&self, policy: &Policy) -> Result<Self::Bound, ConfigError> {
-            self.inner.bind(policy)
-        }
-
-        fn check_sync(
-            &self,
-            bound: &Self::Bound,
-            check: Check<'_>,
-        ) -> Option<Result<Verdict<MemoryTicket>, StoreError>> {
-            self.checks.fetch_add(1, Ordering::Relaxed);
-            self.inner.check_sync(bound, check)
-        }
-
-        async fn check(
-            &self,
-            bound: &Self::Bound,
-            check: Check<'_>,
-        ) -> Result<Verdict<MemoryTicket>, StoreError> {
-            self.checks.fetch_add(1, Ordering::Relaxed);
-            self.inner.check(bound, check).await
-        }
-
-        async fn settle(
-            &self,
-            bound: &Self::Bound,
-            ticket: MemoryTicket,
-            cost: u64,
-        ) -> Result<(), StoreError> {
-            self.inner.settle(bound, ticket, cost).await
-        }
-
-        async fn settle_tiers(
-            &self,
-            bound: &Self::Bound,
-            ticket: &mut MemoryTicket,
-            costs: &[(usize, u64)],
-        ) -> Result<(), StoreError> {
-            self.inner.settle_tiers(bound, ticket, costs).await
-        }
-    }
+    use super::tests::Counted;
 
     fn layer(unit: Unit, mode: StreamMode, store: &Counted) -> RateLimitLayer<GlobalKey, Counted> {
         let policy = Policy::builder("messages")
@@ -1128,7 +1068,7 @@ mod message_tests {
         ));
         let res = svc.oneshot(grpc_call(Grpc::new(40, per_frame))).await.unwrap();
         let status = res.headers()["grpc-status"].to_str().unwrap().to_owned();
-        (read.load(Ordering::SeqCst), status, store.checks.load(Ordering::Relaxed))
+        (read.load(Ordering::SeqCst), status, store.checks())
     }
 
     #[tokio::test(start_paused = true)]
@@ -1176,7 +1116,7 @@ mod message_tests {
         // (256 - 100) / 100 s.
         assert_eq!(start.elapsed(), Duration::from_millis(1_560));
         // The admission (which charged no message: shaping), then 16 leases of 16.
-        assert_eq!(store.checks.load(Ordering::Relaxed), 1 + 16);
+        assert_eq!(store.checks(), 1 + 16);
     }
 
     #[tokio::test(start_paused = true)]
