@@ -100,6 +100,32 @@ fn layered(bytes: bool, mode: StreamMode) -> Router {
     router().layer(layer)
 }
 
+/// The cases compared, by name.
+fn cases() -> [(&'static str, Router); 5] {
+    [
+        ("bare", router()),
+        ("no-byte-tier", layered(false, StreamMode::Settle)),
+        ("bytes-settle", layered(true, StreamMode::Settle)),
+        ("bytes-shape", layered(true, StreamMode::Shape)),
+        ("bytes-police", layered(true, StreamMode::Police)),
+    ]
+}
+
+/// Reads a successful response's body to its end, checking that every byte came.
+async fn read_all<B>(res: http::Response<B>)
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Debug,
+{
+    assert!(res.status().is_success());
+    let mut body = res.into_body();
+    let mut read = 0u64;
+    while let Some(frame) = body.frame().await {
+        read += frame.unwrap().data_ref().map_or(0, |d| d.len() as u64);
+    }
+    assert_eq!(read, LEN);
+}
+
 fn streams(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let mut g = c.benchmark_group("streams/100MB");
@@ -107,26 +133,12 @@ fn streams(c: &mut Criterion) {
         .sample_size(10)
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(5));
-    let cases = [
-        ("bare", router()),
-        ("no-byte-tier", layered(false, StreamMode::Settle)),
-        ("bytes-settle", layered(true, StreamMode::Settle)),
-        ("bytes-shape", layered(true, StreamMode::Shape)),
-        ("bytes-police", layered(true, StreamMode::Police)),
-    ];
-    for (name, app) in cases {
+    for (name, app) in cases() {
         g.bench_function(name, |b| {
             b.iter(|| {
                 rt.block_on(async {
                     let req = Request::get("/").body(AxumBody::empty()).unwrap();
-                    let res = app.clone().oneshot(req).await.unwrap();
-                    assert!(res.status().is_success());
-                    let mut body = res.into_body();
-                    let mut read = 0u64;
-                    while let Some(frame) = body.frame().await {
-                        read += frame.unwrap().data_ref().map_or(0, |d| d.len() as u64);
-                    }
-                    assert_eq!(read, LEN);
+                    read_all(app.clone().oneshot(req).await.unwrap()).await;
                 });
             });
         });
@@ -141,15 +153,8 @@ fn streams(c: &mut Criterion) {
         .sample_size(10)
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(8));
-    let cases = [
-        ("bare", router()),
-        ("no-byte-tier", layered(false, StreamMode::Settle)),
-        ("bytes-settle", layered(true, StreamMode::Settle)),
-        ("bytes-shape", layered(true, StreamMode::Shape)),
-        ("bytes-police", layered(true, StreamMode::Police)),
-    ];
     let client: Client<_, AxumBody> = Client::builder(TokioExecutor::new()).build_http();
-    for (name, app) in cases {
+    for (name, app) in cases() {
         let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
         let addr = listener.local_addr().unwrap();
         let server = rt.spawn(async move { axum::serve(listener, app).await });
@@ -158,14 +163,7 @@ fn streams(c: &mut Criterion) {
             b.iter(|| {
                 rt.block_on(async {
                     let req = Request::get(url.clone()).body(AxumBody::empty()).unwrap();
-                    let res = client.request(req).await.unwrap();
-                    assert!(res.status().is_success());
-                    let mut body = res.into_body();
-                    let mut read = 0u64;
-                    while let Some(frame) = body.frame().await {
-                        read += frame.unwrap().data_ref().map_or(0, |d| d.len() as u64);
-                    }
-                    assert_eq!(read, LEN);
+                    read_all(client.request(req).await.unwrap()).await;
                 });
             });
         });
