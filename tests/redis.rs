@@ -397,9 +397,32 @@ fn differential_of(
     cases: u32,
     connect: impl Fn(FakeClock, String) -> RedisStore,
 ) -> u64 {
+    let runner = TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
+    differential_in(runner, traces, connect)
+}
+
+/// [`differential_of`] from a fixed seed (`seed` in each of the RNG's 32 bytes): the same
+/// traces on every run.
+fn seeded_differential(
+    traces: impl Strategy<Value = Trace>,
+    seed: u8,
+    cases: u32,
+    connect: impl Fn(FakeClock, String) -> RedisStore,
+) -> u64 {
+    use proptest::test_runner::{RngAlgorithm, TestRng};
+    let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[seed; 32]);
+    let config = Config { cases, failure_persistence: None, ..Config::default() };
+    differential_in(TestRunner::new_with_rng(config, rng), traces, connect)
+}
+
+/// Replays the traces `runner` draws through both stores (see [`replay`]): panics at the first
+/// difference; returns how many checks the Redis stores answered from their local refusals.
+fn differential_in(
+    mut runner: TestRunner,
+    traces: impl Strategy<Value = Trace>,
+    connect: impl Fn(FakeClock, String) -> RedisStore,
+) -> u64 {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let mut runner =
-        TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
     let case = std::sync::atomic::AtomicU64::new(0);
     let local = std::sync::atomic::AtomicU64::new(0);
     let result = runner.run(&traces, |trace| {
@@ -1653,30 +1676,13 @@ fn shaping_trace(algorithm: Algorithm) -> impl Strategy<Value = Trace> {
 
 #[test]
 fn shaping_with_long_and_calendar_tiers_decides_exactly_like_memory_for_every_algorithm() {
-    use proptest::test_runner::{RngAlgorithm, TestRng};
-
     let Some(server) = Server::start("redis-server") else { return };
     let url = server.url();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     for (a, algorithm) in Algorithm::ALL.into_iter().enumerate() {
-        let seed = [u8::try_from(a).unwrap() + 1; 32];
-        let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &seed);
-        let config = Config { cases: 64, failure_persistence: None, ..Config::default() };
-        let mut runner = TestRunner::new_with_rng(config, rng);
-        let case = std::sync::atomic::AtomicU64::new(0);
-        let result = runner.run(&shaping_trace(algorithm), |trace| {
-            let n = case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let clock = FakeClock::new();
-            clock.set(trace.start);
-            let prefix = format!("shape{a}-{n}:");
-            let store = fake_clock_store(RedisStore::builder(&url), clock.clone(), prefix);
-            rt.block_on(replay(store, clock, &trace))
-                .map(drop)
-                .map_err(|e| TestCaseError::fail(format!("{e}\n{trace:?}")))
+        let seed = u8::try_from(a).unwrap() + 1;
+        seeded_differential(shaping_trace(algorithm), seed, 64, |clock, prefix| {
+            fake_clock_store(RedisStore::builder(&url), clock, format!("shape{a}-{prefix}"))
         });
-        if let Err(e) = result {
-            panic!("{algorithm:?}: {e}");
-        }
     }
 }
 
@@ -1790,11 +1796,8 @@ async fn a_breach_blocks_the_key_for_exactly_the_block_on_redis() {
 /// stores on one fake clock, from a fixed seed: not one decision differs.
 #[test]
 fn penalty_boxes_decide_exactly_like_memory() {
-    use proptest::test_runner::{RngAlgorithm, TestRng};
-
     let Some(server) = Server::start("redis-server") else { return };
     let url = server.url();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let penalty = (
         0usize..5,
         prop_oneof![
@@ -1815,23 +1818,9 @@ fn penalty_boxes_decide_exactly_like_memory() {
             trace.penalty = Some(penalty);
             trace
         });
-    let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[24; 32]);
-    let config = Config { cases: 256, failure_persistence: None, ..Config::default() };
-    let mut runner = TestRunner::new_with_rng(config, rng);
-    let case = std::sync::atomic::AtomicU64::new(0);
-    let result = runner.run(&traces, |trace| {
-        let n = case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let clock = FakeClock::new();
-        clock.set(trace.start);
-        let prefix = format!("penalty{n}:");
-        let store = fake_clock_store(RedisStore::builder(&url), clock.clone(), prefix);
-        rt.block_on(replay(store, clock, &trace))
-            .map(drop)
-            .map_err(|e| TestCaseError::fail(format!("{e}\n{trace:?}")))
+    seeded_differential(traces, 24, 256, |clock, prefix| {
+        fake_clock_store(RedisStore::builder(&url), clock, format!("penalty{prefix}"))
     });
-    if let Err(e) = result {
-        panic!("{e}");
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2186,11 +2175,8 @@ async fn three_times_overload_refuses_no_critical_request_on_redis() {
 /// seed: not one decision differs.
 #[test]
 fn reserves_decide_exactly_like_memory() {
-    use proptest::test_runner::{RngAlgorithm, TestRng};
-
     let Some(server) = Server::start("redis-server") else { return };
     let url = server.url();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     // Half of them with the clock stepping back between checks.
     // Now and then a penalty box too: a refusal at a class's threshold is a breach.
     let penalty = proptest::option::weighted(
@@ -2210,23 +2196,9 @@ fn reserves_decide_exactly_like_memory() {
             trace.penalty = penalty;
             trace
         });
-    let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[5; 32]);
-    let config = Config { cases: 256, failure_persistence: None, ..Config::default() };
-    let mut runner = TestRunner::new_with_rng(config, rng);
-    let case = std::sync::atomic::AtomicU64::new(0);
-    let result = runner.run(&traces, |trace| {
-        let n = case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let clock = FakeClock::new();
-        clock.set(trace.start);
-        let prefix = format!("reserve{n}:");
-        let store = fake_clock_store(RedisStore::builder(&url), clock.clone(), prefix);
-        rt.block_on(replay(store, clock, &trace))
-            .map(drop)
-            .map_err(|e| TestCaseError::fail(format!("{e}\n{trace:?}")))
+    seeded_differential(traces, 5, 256, |clock, prefix| {
+        fake_clock_store(RedisStore::builder(&url), clock, format!("reserve{prefix}"))
     });
-    if let Err(e) = result {
-        panic!("{e}");
-    }
 }
 
 /// A refusal of one priority class is not the answer for another: a standard request refused
