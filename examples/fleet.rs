@@ -28,8 +28,10 @@
 //!
 //! The attack tier is one key far over its limit (100 a second), every check on it.
 
+#[path = "common/redis_server.rs"]
+mod redis_server;
+
 use std::collections::HashMap;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -47,36 +49,6 @@ const GCRA_BURST: u64 = 4_000;
 /// The attack tier: 100 a second.
 const ATTACK_LIMIT: u64 = 100;
 const LEASE: Lease = Lease::new().max_block(512).lifetime(Duration::from_millis(100));
-
-/// A `redis-server` this example started; killed on drop.
-struct ThrowAwayRedis(Child);
-
-impl Drop for ThrowAwayRedis {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_redis() -> Result<(ThrowAwayRedis, String), Box<dyn std::error::Error>> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let child = Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
-        .args(["--appendonly", "no", "--dir"])
-        .arg(std::env::temp_dir())
-        .stdout(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("cannot start redis-server ({e}); install it"))?;
-    let server = ThrowAwayRedis(child);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        if Instant::now() > deadline {
-            return Err("redis-server did not start within 10 s".into());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok((server, format!("redis://127.0.0.1:{port}/")))
-}
 
 /// `used_cpu_user + used_cpu_sys` of the server, in seconds.
 fn server_cpu(conn: &mut redis::Connection) -> f64 {
@@ -309,7 +281,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .split(',')
         .map(|s| s.trim().parse())
         .collect::<Result<_, _>>()?;
-    let (_server, url) = start_redis()?;
+    let (_server, url) = redis_server::start_redis()?;
     let mut info = redis::Client::open(url.as_str())?.get_connection()?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let held = rt.block_on(async {

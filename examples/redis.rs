@@ -9,8 +9,10 @@
 //! outage part; otherwise it starts a throw-away `redis-server` (which must be on `PATH`) on a
 //! free 127.0.0.1 port with `--save ""` and kills it at the end.
 
+#[path = "common/redis_server.rs"]
+mod redis_server;
+
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use axum::{Router, routing::get};
@@ -23,36 +25,6 @@ use tollgate::store::{MemoryStore, RedisStore};
 use tollgate::{Policy, Quota, RateLimitLayer};
 
 type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
-
-/// A `redis-server` this example started; killed on drop.
-struct ThrowAwayRedis(Child);
-
-impl Drop for ThrowAwayRedis {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_redis() -> Result<(ThrowAwayRedis, String), Box<dyn std::error::Error>> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let child = Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
-        .args(["--appendonly", "no", "--dir"])
-        .arg(std::env::temp_dir())
-        .stdout(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("cannot start redis-server ({e}); install it or set REDIS_URL"))?;
-    let server = ThrowAwayRedis(child);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        if Instant::now() > deadline {
-            return Err("redis-server did not start within 10 s".into());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok((server, format!("redis://127.0.0.1:{port}/")))
-}
 
 /// One app instance: its own store (own connection, breaker and fallback), same policy.
 async fn instance(
@@ -92,7 +64,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (mut server, url) = match std::env::var("REDIS_URL") {
         Ok(url) => (None, url),
         Err(_) => {
-            let (server, url) = start_redis()?;
+            // Without `REDIS_URL`, a throw-away server (`redis-server` on `PATH`).
+            let (server, url) = redis_server::start_redis()?;
             (Some(server), url)
         }
     };
