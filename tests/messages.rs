@@ -166,7 +166,13 @@ async fn serve<K: KeyExtractor, St: Store>(layer: RateLimitLayer<K, St>) -> Grpc
     let received = Arc::clone(&service.received);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
+        // A shaped request stream is paused by not reading it, and only HTTP/2 flow control
+        // stops the client: h2 ends a connection that buffers too many small DATA frames
+        // unread (about half the connection window's worth of framing overhead), so the
+        // stream's window is kept small enough for a client sending one 13-byte frame per
+        // message to be stopped first.
         Server::builder()
+            .initial_stream_window_size(16 * 1024)
             .layer(layer)
             .add_service(service)
             .serve_with_incoming_shutdown(TcpIncoming::from(listener), async {
@@ -239,6 +245,39 @@ impl GrpcServer {
         }
     }
 
+    /// Offers `n` messages to `Chat` at `per_ms` messages each millisecond: the instant each
+    /// answer came, then how the stream ended.
+    async fn chat_offered(&mut self, n: u64, per_ms: u64) -> (Vec<Instant>, Result<(), Status>) {
+        self.client.ready().await.expect("ready");
+        let (offer, offered) = tokio::sync::mpsc::channel(1_024);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(1));
+            for i in 0..n {
+                if i % per_ms == 0 {
+                    tick.tick().await;
+                }
+                if offer.send(count(i)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let messages = tokio_stream::wrappers::ReceiverStream::new(offered);
+        let path = PathAndQuery::from_static("/test.Messages/Chat");
+        let res = match self.client.streaming(tonic::Request::new(messages), path, Raw).await {
+            Ok(res) => res,
+            Err(status) => return (Vec::new(), Err(status)),
+        };
+        let mut answers = res.into_inner();
+        let mut came = Vec::new();
+        loop {
+            match answers.message().await {
+                Ok(Some(_)) => came.push(Instant::now()),
+                Ok(None) => return (came, Ok(())),
+                Err(status) => return (came, Err(status)),
+            }
+        }
+    }
+
     async fn echo(&mut self) -> Result<Bytes, Status> {
         self.client.ready().await.expect("ready");
         let path = PathAndQuery::from_static("/test.Messages/Echo");
@@ -258,8 +297,18 @@ fn layer(
     mode: StreamMode,
     store: MemoryStore,
 ) -> RateLimitLayer<GlobalKey, MemoryStore> {
+    layer_at(100, unit, mode, store)
+}
+
+/// `rate` messages per second, burst `rate`, of `unit`, on one key for every call.
+fn layer_at(
+    rate: u64,
+    unit: Unit,
+    mode: StreamMode,
+    store: MemoryStore,
+) -> RateLimitLayer<GlobalKey, MemoryStore> {
     let policy = Policy::builder("messages")
-        .tier("messages", Quota::per_second(100).counting(unit))
+        .tier("messages", Quota::per_second(rate).counting(unit))
         .build()
         .unwrap();
     RateLimitLayer::builder(policy).key(GlobalKey).store(store).on_stream(mode).build().unwrap()
@@ -350,6 +399,35 @@ async fn policing_ends_a_bidirectional_stream_with_resource_exhausted_trailers()
     let refused = end.unwrap_err();
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
     assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("160"));
+}
+
+#[tokio::test]
+async fn policing_a_bidirectional_stream_offered_ten_times_the_rate_admits_exactly_the_budget() {
+    let clock = FakeClock::new();
+    let store = frozen(&clock);
+    let mut server = serve(layer_at(1_000, Unit::RequestMessages, StreamMode::Police, store)).await;
+    // 10,000 messages offered at 10,000/s against 1,000/s with a burst of 1,000, time frozen.
+    let (came, end) = server.chat_offered(10_000, 10).await;
+    assert_eq!(server.received.load(Ordering::SeqCst), 1_000);
+    assert_eq!(came.len(), 1_000);
+    assert_eq!(end.unwrap_err().code(), Code::ResourceExhausted);
+}
+
+#[tokio::test]
+async fn shaping_paces_a_bidirectional_stream_offered_ten_times_the_rate_to_the_rate() {
+    // The store on the real clock: 4,000 messages offered at 10,000/s against 1,000/s, burst
+    // 1,000. The burst, and what refills while it is offered, pass at once; the rest is paced.
+    let store = MemoryStore::new();
+    let mut server = serve(layer_at(1_000, Unit::RequestMessages, StreamMode::Shape, store)).await;
+    let (came, end) = server.chat_offered(4_000, 10).await;
+    end.unwrap();
+    assert_eq!(came.len(), 4_000);
+    // The rate over the last 2,000 answers, all paced. A lease of 16 messages is taken as a
+    // whole, so a block may pass up to 16 ms early (0.8 % of 2 s); the rest of the ±2 % is
+    // for the loopback and the scheduler.
+    let paced = came[3_999].duration_since(came[1_999]).as_secs_f64();
+    let rate = 2_000.0 / paced;
+    assert!((980.0..=1_020.0).contains(&rate), "{rate:.1} messages/s over {paced:.3} s");
 }
 
 #[tokio::test]

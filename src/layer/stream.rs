@@ -119,6 +119,12 @@ pub enum StreamMode {
     /// the client's flow control slows it; a response body is no longer written, as nginx
     /// `limit_rate` does). A lease is reserved up to 1 s ahead, so concurrent streams of one
     /// key take turns in the order they asked.
+    ///
+    /// Only flow control stops an HTTP/2 client while its stream is not read, and hyper's
+    /// HTTP/2 server ends a connection that holds too many small DATA frames unread (about
+    /// half the connection window's worth of framing overhead): when shaping a stream of
+    /// small messages sent one per frame, keep the stream window small (for tonic,
+    /// `Server::builder().initial_stream_window_size(16 * 1024)`).
     Shape,
     /// The stream is stopped when the tier has no room for its next lease. What the client
     /// sees:
