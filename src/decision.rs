@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
-use crate::quota::Policy;
+use crate::policy::Policy;
 
 /// "No duration" in the nanosecond fields below.
 pub(crate) const NONE: u64 = u64::MAX;
@@ -217,6 +217,6 @@ impl Decision {
 
     /// Names of the tiers of `policy` (the policy decided) that rejected the request.
     pub fn violated_names<'a>(&'a self, policy: &'a Policy) -> impl Iterator<Item = &'a str> {
-        self.violated().filter_map(|i| policy.tiers().get(i).map(crate::quota::Tier::name))
+        self.violated().filter_map(|i| policy.tiers().get(i).map(crate::policy::Tier::name))
     }
 }

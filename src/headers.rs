@@ -10,7 +10,8 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::decision::Decision;
-use crate::quota::{Algorithm, Policy, Tier, TierKind, Unit};
+use crate::policy::{Policy, Tier};
+use crate::quota::{Algorithm, TierKind, Unit};
 
 /// Which rate-limit headers responses carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

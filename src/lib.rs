@@ -84,6 +84,7 @@ mod limiter;
 pub mod metrics;
 #[cfg(not(feature = "metrics"))]
 mod metrics;
+mod policy;
 mod quota;
 pub mod recipes;
 mod rejection;
@@ -101,10 +102,11 @@ pub use layer::{
     StreamMode, Unselected, Usage,
 };
 pub use limiter::{Held, Limiter, Reservation};
+pub use policy::{Costs, Policy, PolicyBuilder, Tier};
 pub use quota::{
-    Algorithm, Calendar, CalendarPeriod, Concurrency, Costs, DEFAULT_LEASE, DEFAULT_TYPICAL_HOLD,
-    MAX_COUNT, MAX_PENALTY_REFUSALS, MAX_SLIDING_LOG, MAX_SPAN, Penalty, Policy, PolicyBuilder,
-    Priority, Quota, Reserve, Tier, TierKind, Unit,
+    Algorithm, Calendar, CalendarPeriod, Concurrency, DEFAULT_LEASE, DEFAULT_TYPICAL_HOLD,
+    MAX_COUNT, MAX_PENALTY_REFUSALS, MAX_SLIDING_LOG, MAX_SPAN, Penalty, Priority, Quota, Reserve,
+    TierKind, Unit,
 };
 pub use rejection::{QUOTA_EXCEEDED_TYPE, RateLimited, Rejection};
 

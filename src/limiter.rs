@@ -13,7 +13,8 @@ use tokio::sync::oneshot;
 use crate::decision::{Decision, Outcome};
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
-use crate::quota::{Policy, Priority, TierKind, Unit};
+use crate::policy::Policy;
+use crate::quota::{Priority, TierKind, Unit};
 use crate::rejection::{RateLimited, Rejection, Surface};
 use crate::store::{Carry, Check, MemoryStore, Store, Verdict};
 

@@ -17,7 +17,7 @@ use crate::error::StoreError;
 use crate::grpc::{self, code};
 use crate::headers::{Fields, Headers, ceil_secs};
 use crate::key::KeyMissing;
-use crate::quota::{Policy, Tier};
+use crate::policy::{Policy, Tier};
 
 /// The problem type of a 429 (IANA HTTP problem types registry, from the IETF httpapi
 /// ratelimit-headers draft).

@@ -5,7 +5,7 @@
 //! instant the level refers to; a shaped reservation may move it into the future, and a query
 //! before `last` projects the level backwards (which can only under-estimate what is free).
 
-use crate::quota::Rate;
+use crate::algorithm::compiled::Rate;
 
 /// `(level, last)`: the level in `units * period` at instant `last` (nanoseconds).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

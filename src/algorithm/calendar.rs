@@ -10,13 +10,14 @@
 //! next [`LOOKAHEAD`] - 1 windows: Redis receives these windows' bounds with each check, and
 //! a request that would leave after them is refused by both stores alike.
 
+use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use jiff::Timestamp;
 use jiff::civil::Date;
 use jiff::tz::TimeZone;
 
-use crate::quota::{CalendarPeriod, CalendarSpec};
+use crate::quota::{Calendar, CalendarPeriod};
 
 /// Windows a shaped request may be reserved in: the current one and the next seven.
 pub(crate) const LOOKAHEAD: usize = 8;
@@ -28,6 +29,30 @@ pub(crate) type Window = (i64, i64);
 pub(crate) type Counted = Vec<(i64, i64, u64)>;
 
 const NANOS_PER_SEC: u64 = 1_000_000_000;
+
+/// A calendar tier, validated: its zone looked up, and the window the clock was last in.
+#[derive(Debug)]
+pub(crate) struct CalendarSpec {
+    pub(crate) calendar: Calendar,
+    pub(crate) zone: jiff::tz::TimeZone,
+    pub(crate) cache: WindowCache,
+}
+
+// A calendar tier is what its `Calendar` says: the zone is looked up from its name, and the
+// cache is only a cache.
+impl PartialEq for CalendarSpec {
+    fn eq(&self, other: &Self) -> bool {
+        self.calendar == other.calendar
+    }
+}
+
+impl Eq for CalendarSpec {}
+
+impl Hash for CalendarSpec {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.calendar.hash(state);
+    }
+}
 
 /// The window the clock was last in, packed in one word so that reading it is one load:
 /// `start + 2^37` in the high 38 bits, the length in the low 26 (a window lasts at most 367

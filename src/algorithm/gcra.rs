@@ -10,7 +10,7 @@
 
 use strength_reduce::StrengthReducedU64;
 
-use crate::quota::Rate;
+use crate::algorithm::compiled::Rate;
 
 /// Scaled TAT (`nanoseconds * count`).
 pub(crate) type Tat = u128;

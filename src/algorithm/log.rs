@@ -15,7 +15,7 @@
 
 use std::collections::VecDeque;
 
-use crate::quota::Rate;
+use crate::algorithm::compiled::Rate;
 
 /// One admitted request (or shaped reservation): instant, running total, unique id.
 #[derive(Debug, Clone, Copy)]

@@ -7,6 +7,7 @@
 
 mod bucket;
 pub(crate) mod calendar;
+pub(crate) mod compiled;
 mod gcra;
 mod log;
 mod penalty;
@@ -16,7 +17,9 @@ mod window;
 use smallvec::SmallVec;
 
 use crate::decision::{Decision, Outcome, TierDecision, Tiers};
-use crate::quota::{Algorithm, Kind, Policy, Priority, Rate, Tier};
+use crate::policy::{Policy, Tier};
+use crate::quota::{Algorithm, Priority};
+use compiled::{Kind, Rate};
 
 pub(crate) use bucket::Level;
 pub(crate) use gcra::{Step as GcraStep, WholeGcra};

@@ -18,8 +18,10 @@
 use proptest::prelude::*;
 
 use super::{Mode, TierState, decide};
+use crate::algorithm::compiled::Rate;
 use crate::decision::{Decision, Outcome};
-use crate::quota::{Algorithm, Policy, Quota, Rate};
+use crate::policy::Policy;
+use crate::quota::{Algorithm, Quota};
 
 /// What a reference says of one tier at `now`.
 #[derive(Debug, PartialEq, Eq)]

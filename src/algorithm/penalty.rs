@@ -1,7 +1,7 @@
 //! A tier's penalty box (see [`Penalty`](crate::Penalty)): until when a key is blocked, and
 //! the breaches counted towards its next block. Instants in the policy's unit.
 
-use crate::quota::Block;
+use crate::algorithm::compiled::Block;
 
 /// One key's box for one tier.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -3,8 +3,9 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::algorithm::compiled::Kind;
 use crate::decision::{Decision, NONE, Outcome};
-use crate::quota::{Kind, Policy};
+use crate::policy::Policy;
 
 /// No hold observed yet.
 const UNSEEN: u64 = u64::MAX;

@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use super::{Mode, TierState, decide};
 use crate::decision::Outcome;
-use crate::quota::{Algorithm, Policy, Quota};
+use crate::policy::Policy;
+use crate::quota::{Algorithm, Quota};
 
 const MS: u64 = 1_000_000;
 const S: u64 = 1_000_000_000;
@@ -365,8 +366,10 @@ mod shaping {
 
     use super::super::{Mode, TierState, decide_kinds};
     use super::S;
+    use crate::algorithm::compiled::Kind;
     use crate::decision::Outcome;
-    use crate::quota::{Algorithm, Calendar, Kind, Policy, Priority, Quota};
+    use crate::policy::Policy;
+    use crate::quota::{Algorithm, Calendar, Priority, Quota};
 
     const MINUTE: u64 = 60 * S;
 

@@ -5,7 +5,7 @@
 //! `[k * period, (k + 1) * period)`. The state is a short ascending list of `(k, used)`, which
 //! usually holds one or two windows; shaping may reserve units in later windows too.
 
-use crate::quota::Rate;
+use crate::algorithm::compiled::Rate;
 
 /// `(window index, units used)`, ascending by index.
 pub(crate) type Windows = Vec<(u64, u64)>;

@@ -20,9 +20,8 @@ use crate::headers::{HeaderFormat, HeaderStyle};
 use crate::key::ForwardedHeader;
 use crate::layer::{LogKeys, MissingKey, OnStoreError, RateLimitLayer, StreamMode, Unselected};
 use crate::limiter::Limiter;
-use crate::quota::{
-    Algorithm, Calendar, Concurrency, Penalty, Policy, PolicyBuilder, Quota, Reserve, Unit,
-};
+use crate::policy::{Policy, PolicyBuilder};
+use crate::quota::{Algorithm, Calendar, Concurrency, Penalty, Quota, Reserve, Unit};
 use crate::store::{Carry, Store};
 
 /// A checked policy, with the places of its values.

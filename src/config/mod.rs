@@ -294,7 +294,7 @@ use build::{PolicyDef, RuleDef};
 use error::{Source, toml_key};
 use schema::RawFile;
 
-use crate::quota::Policy;
+use crate::policy::Policy;
 use crate::store::MemoryStore;
 
 /// A checked configuration file: policies, and the rules that apply them.

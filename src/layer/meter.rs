@@ -13,7 +13,8 @@ use super::body::RequestBody;
 use super::messages::Framer;
 use super::stream::{Gate, Signal, Stopped};
 use crate::key::RequestHead;
-use crate::quota::{Policy, TierKind, Unit};
+use crate::policy::Policy;
+use crate::quota::{TierKind, Unit};
 
 /// Units a handler reports for the request it serves, for a policy's tiers counting
 /// [`Unit::Reported`] (for example the tokens an LLM call used). The layer puts one in the

@@ -33,7 +33,8 @@ use crate::error::ConfigError;
 use crate::headers::{Fields, HeaderFormat, HeaderStyle};
 use crate::key::{Key, KeyExtractor, PeerIp, RequestHead};
 use crate::limiter::Limiter;
-use crate::quota::{Policy, Priority};
+use crate::policy::Policy;
+use crate::quota::Priority;
 use crate::rejection::RateLimited;
 use crate::store::{MemoryStore, Store};
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::decision::Decision;
 use crate::key::{Key, RequestHead};
 use crate::metrics::{Counted, Failed, PolicyMetrics};
-use crate::quota::Policy;
+use crate::policy::Policy;
 
 /// What happened to a request, as the layer reports it to the
 /// [decision hook](super::RateLimitLayerBuilder::on_decision) and to metrics.

@@ -10,7 +10,7 @@ use ipnet::IpNet;
 use crate::error::ConfigError;
 use crate::key::{Key, RequestHead};
 use crate::limiter::Limiter;
-use crate::quota::Policy;
+use crate::policy::Policy;
 use crate::store::Store;
 
 /// What to do with a request the layer's [selector](super::RateLimitLayerBuilder::select)

@@ -279,7 +279,7 @@ impl<St: Store> Leases<St> {
     ) -> Self {
         let policy = limiter.policy();
         let counting =
-            |t: &&crate::quota::Tier| t.unit() == unit && t.kind() != TierKind::Concurrency;
+            |t: &&crate::policy::Tier| t.unit() == unit && t.kind() != TierKind::Concurrency;
         let tiers: SmallVec<[usize; 2]> = policy
             .tiers()
             .iter()
@@ -512,7 +512,8 @@ mod tests {
     use crate::error::ConfigError;
     use crate::key::GlobalKey;
     use crate::limiter::Limiter;
-    use crate::quota::{Policy, Quota};
+    use crate::policy::Policy;
+    use crate::quota::Quota;
     use crate::store::{MemoryStore, MemoryTicket};
     use crate::{RateLimitLayer, RequestBody};
 
@@ -986,7 +987,8 @@ mod message_tests {
 
     use super::*;
     use crate::key::GlobalKey;
-    use crate::quota::{Policy, Quota};
+    use crate::policy::Policy;
+    use crate::quota::Quota;
     use crate::{RateLimitLayer, RequestBody};
 
     /// The bytes of one gRPC message: 8 bytes of payload, 13 in all.

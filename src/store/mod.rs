@@ -62,7 +62,8 @@ pub use memory::{MemoryPolicy, MemoryStore, MemoryStoreBuilder, MemoryTicket};
 use crate::decision::Decision;
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
-use crate::quota::{Policy, Priority};
+use crate::policy::Policy;
+use crate::quota::Priority;
 
 /// Where a reload starts a tier whose definition changed ([`Store::rebind`],
 /// [`Limiter::rebind_with`](crate::Limiter::rebind_with)), key by key. Tiers are matched by

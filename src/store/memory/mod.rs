@@ -16,6 +16,7 @@ use smallvec::SmallVec;
 use table::{Core, Generals, KeyState, Next, Shard, general_mut, lock};
 
 use super::{Carry, Check, Store, Verdict};
+use crate::algorithm::compiled::Kind;
 use crate::algorithm::slots;
 use crate::algorithm::{
     Charge, Charges, GcraStep, Mode, TierState, WholeGcra, budget, decide, decide_kinds,
@@ -25,7 +26,8 @@ use crate::clock::{AnyClock, Clock, duration_to_nanos};
 use crate::decision::Decision;
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
-use crate::quota::{Kind, Policy, Priority, TierKind};
+use crate::policy::Policy;
+use crate::quota::{Priority, TierKind};
 
 /// How often a full shard may be scanned for idle keys to make room for a new key, in
 /// nanoseconds of the store's clock (100 ms). Between scans, new keys of a full shard go to the
@@ -454,7 +456,7 @@ impl MemoryStore {
         let (before, after) = (&from_core.policy, &new.core.policy);
         let same_time = before.algorithm() == after.algorithm() && before.unit() == after.unit();
         let changed_too = carry == Carry::UsedFraction;
-        let rated = |t: &crate::quota::Tier| t.kind() != TierKind::Concurrency;
+        let rated = |t: &crate::policy::Tier| t.kind() != TierKind::Concurrency;
         // For each new tier: the old tier of its name, and whether it is unchanged.
         let matched: Vec<Option<(usize, bool)>> = after
             .tiers()

@@ -20,7 +20,7 @@ use spinning_top::guard::SpinlockGuard;
 use super::compact::Compact;
 use crate::algorithm::slots::Holds;
 use crate::algorithm::{TierState, WholeGcra, boxes_idle, fresh_boxes, in_units};
-use crate::quota::Policy;
+use crate::policy::Policy;
 
 /// Hashes a fingerprint (already uniformly random) by using it as is.
 #[derive(Default)]
@@ -174,7 +174,7 @@ impl Core {
         let unit = self.policy.unit();
         let at = in_units(&self.policy, self.guarded(key.guard, now));
         let tiers = self.policy.tiers();
-        let slots = |t: &crate::quota::Tier| t.kind() == crate::quota::TierKind::Concurrency;
+        let slots = |t: &crate::policy::Tier| t.kind() == crate::quota::TierKind::Concurrency;
         let idle = key.iter().zip(tiers).all(|(s, t)| slots(t) || s.is_idle_for(alg, t, unit, at))
             && boxes_idle(&self.policy, key, at);
         if idle {

@@ -17,11 +17,13 @@ use std::time::{Duration, Instant};
 
 use crate::algorithm::Charges;
 use crate::algorithm::calendar;
+use crate::algorithm::compiled::Kind;
 use crate::clock::duration_to_nanos;
 use crate::decision::{Decision, NONE, Outcome};
 use crate::error::ConfigError;
 use crate::key::Key;
-use crate::quota::{Algorithm, Kind, Policy, Unit};
+use crate::policy::Policy;
+use crate::quota::{Algorithm, Unit};
 
 /// Shards of a binding's map of leased keys.
 const SHARDS: usize = 16;

@@ -32,13 +32,14 @@ use smallvec::SmallVec;
 
 use super::memory::{MemoryPolicy, MemoryTicket};
 use super::{Check, MemoryStore, Store, Verdict};
+use crate::algorithm::compiled::Kind;
 use crate::algorithm::slots::{self, Holds};
 use crate::algorithm::{Charge, Charges};
 use crate::clock::{AnyClock, Clock, duration_to_nanos};
 use crate::decision::{Decision, Source};
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
-use crate::quota::{Kind, Policy};
+use crate::policy::Policy;
 
 /// Refusals kept per binding by default ([`RedisStoreBuilder::local_refusals`]).
 const DEFAULT_LOCAL_REFUSALS: usize = 4096;

@@ -28,10 +28,12 @@ use std::time::{Duration, Instant};
 use smallvec::SmallVec;
 
 use crate::algorithm::calendar;
+use crate::algorithm::compiled::Kind;
 use crate::clock::duration_to_nanos;
 use crate::decision::{Decision, NONE, Outcome};
 use crate::key::Key;
-use crate::quota::{Algorithm, Kind, Policy, Priority};
+use crate::policy::Policy;
+use crate::quota::{Algorithm, Priority};
 
 use super::Check;
 

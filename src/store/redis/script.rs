@@ -12,13 +12,16 @@ use std::time::Duration;
 use redis::Script;
 use siphasher::sip128::{Hasher128 as _, SipHasher24};
 
+use crate::algorithm::calendar::CalendarSpec;
 use crate::algorithm::calendar::{self, LOOKAHEAD};
+use crate::algorithm::compiled::Kind;
 use crate::algorithm::{Charge, Charges};
 use crate::clock::duration_to_nanos;
 use crate::decision::{Decision, Outcome, TierDecision, Tiers};
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
-use crate::quota::{Algorithm, CalendarSpec, Kind, Policy, Priority};
+use crate::policy::Policy;
+use crate::quota::{Algorithm, Priority};
 
 /// The longest span (period, burst x period / count, shaping budget) a script represents, in
 /// the policy's unit: 2^50. Scripts compute in Lua's doubles, exact below 2^53, relative to now.
