@@ -1,46 +1,20 @@
-//! [`LimitsLayer`], its [`ReloadHandle`], and the snapshot they share.
+//! [`LimitsLayer`] and its [`ReloadHandle`].
 
 use std::collections::HashMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, PoisonError, Weak};
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
 use tower_layer::Layer;
 
 use super::LimitsConfig;
-use super::build::{self, BuiltRule};
+use super::build;
 use super::error::ConfigFileError;
 use super::service::Limits;
+use super::state::{Shared, Snapshot};
 use crate::limiter::Limiter;
 use crate::store::{MemoryStore, Store};
-
-/// A configuration bound to a store: what a request reads, all at once.
-pub(super) struct Snapshot<St: Store> {
-    config: Arc<LimitsConfig>,
-    limiters: HashMap<String, Limiter<St>>,
-    pub(super) rules: Box<[BuiltRule<St>]>,
-}
-
-/// What every clone of the layer, its services and its handles share.
-pub(super) struct Shared<St: Store> {
-    /// The running configuration. Requests load it without locking; a reload swaps it.
-    pub(super) current: ArcSwap<Snapshot<St>>,
-    store: St,
-    /// One reload at a time: each builds on the limiters of the configuration it replaces, so
-    /// two at once could bind one policy twice and lose counts.
-    reloading: Mutex<()>,
-}
-
-impl<St: Store> Shared<St> {
-    fn new(config: LimitsConfig, store: St) -> Result<Self, ConfigFileError> {
-        let bound = build::assemble(&config, &store, None)?;
-        let snapshot =
-            Snapshot { config: Arc::new(config), limiters: bound.limiters, rules: bound.rules };
-        Ok(Self { current: ArcSwap::from_pointee(snapshot), store, reloading: Mutex::new(()) })
-    }
-}
 
 /// A Tower layer that limits requests as a [`LimitsConfig`] says, and whose configuration can
 /// be replaced while it serves ([`handle`](Self::handle)).

@@ -281,6 +281,7 @@ mod key;
 mod layer;
 mod schema;
 mod service;
+mod state;
 
 use std::fmt;
 use std::path::{Path, PathBuf};

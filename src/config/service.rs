@@ -17,7 +17,7 @@ use smallvec::SmallVec;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::layer::{Shared, Snapshot};
+use super::state::{Shared, Snapshot};
 use crate::layer::{RequestBody, ResponseBody, ResponseFuture};
 use crate::store::{MemoryStore, Store};
 
