@@ -7,9 +7,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
-use http::{HeaderMap, Request};
+use http::{Extensions, HeaderMap};
 
-use super::body::RequestBody;
 use super::messages::Framer;
 use super::stream::{Gate, Signal, Stopped};
 use crate::key::RequestHead;
@@ -149,28 +148,32 @@ pub(super) struct Counters {
 
 impl Counters {
     /// Prepares the counters `needs` asks for: puts a [`Usage`] in the request's extensions
-    /// and, for a body of unknown length, counts its bytes as it streams, whatever its type.
-    pub(super) fn install<B>(
+    /// and, for a body of unknown length that is not metered as it streams (`streamed`),
+    /// a counter of its bytes, which the caller hands to the body
+    /// ([`request_bytes`](Self::request_bytes)).
+    pub(super) fn install(
         needs: Needs,
-        req: &mut Request<RequestBody<B>>,
+        extensions: &mut Extensions,
         length_known: bool,
-        streamed: Option<(Box<dyn Gate>, Arc<Signal>)>,
+        streamed: bool,
     ) -> Self {
         let mut counters = Self { response_bytes: needs.response_bytes, ..Self::default() };
         if needs.reported {
             let usage = Usage::default();
-            req.extensions_mut().insert(usage.clone());
+            extensions.insert(usage.clone());
             counters.usage = Some(usage);
         }
-        if let Some((gate, signal)) = streamed {
-            req.body_mut().gate(gate, signal);
+        if streamed {
             counters.request_streamed = true;
         } else if needs.request_bytes && !length_known {
-            let counter = Arc::new(AtomicU64::new(0));
-            req.body_mut().count_into(Arc::clone(&counter));
-            counters.request_bytes = Some(counter);
+            counters.request_bytes = Some(Arc::new(AtomicU64::new(0)));
         }
         counters
+    }
+
+    /// The counter the request body adds its bytes to, when they are counted as it streams.
+    pub(super) fn request_bytes(&self) -> Option<Arc<AtomicU64>> {
+        self.request_bytes.clone()
     }
 }
 

@@ -618,7 +618,13 @@ where
         let gate = Leases::new(limiter, key.clone(), priority, Unit::RequestBytes, mode, fail_open);
         (Box::new(gate) as Box<dyn Gate>, Arc::clone(signal))
     });
-    let mut counters = Counters::install(needs, &mut req, length.is_some(), streamed);
+    let mut counters =
+        Counters::install(needs, req.extensions_mut(), length.is_some(), streamed.is_some());
+    if let Some((gate, signal)) = streamed {
+        req.body_mut().gate(gate, signal);
+    } else if let Some(counter) = counters.request_bytes() {
+        req.body_mut().count_into(counter);
+    }
     if let (true, Some(signal)) = (request_messages, &signal) {
         let unit = Unit::RequestMessages;
         let gate = Leases::new(limiter, key.clone(), priority, unit, mode, fail_open);
