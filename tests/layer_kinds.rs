@@ -466,17 +466,18 @@ async fn on_redis_a_long_request_keeps_its_slot_by_refreshing_its_lease() {
     let Some(server) = support::redis::Server::start("redis-server") else { return };
     let store = RedisStore::builder(server.url()).prefix("lease:").no_fallback().build().unwrap();
     let policy = Policy::builder("slow")
-        .concurrency("slots", Concurrency::new(1).with_lease(Duration::from_millis(300)))
+        .concurrency("slots", Concurrency::new(1).with_lease(Duration::from_millis(900)))
         .build()
         .unwrap();
     let layer = RateLimitLayer::builder(policy).store(store).key(GlobalKey).build().unwrap();
     let svc = layer.layer(service_fn(|_req: Request<RequestBody<()>>| async {
-        // Longer than the lease: it is refreshed every 100 ms meanwhile.
-        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        // Longer than the lease: it is refreshed every 300 ms meanwhile (a lease of 900 ms
+        // leaves a busy machine 600 ms of slack for each refresh).
+        tokio::time::sleep(Duration::from_millis(2_500)).await;
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"report"))))
     }));
     let slow = tokio::spawn(svc.clone().oneshot(Request::new(())));
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
     // Past the lease, the slot is still held.
     let refused = svc.clone().oneshot(Request::new(())).await.unwrap();
     assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
