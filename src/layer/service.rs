@@ -642,6 +642,15 @@ where
             ..Streamed::default()
         }
     });
+    #[cfg(feature = "ws")]
+    if !grpc
+        && (needs.request_messages() || needs.response_messages())
+        && super::websocket::is_upgrade(req.method(), req.headers())
+    {
+        // The layer cannot see an upgraded socket's messages: the handler meters them.
+        let budget = super::websocket::MessageBudget::new(limiter, key.clone(), priority, mode, fail_open);
+        req.extensions_mut().insert(budget);
+    }
     let held = reservation.hold();
     let call = inner.call(req);
     let res = match &signal {
