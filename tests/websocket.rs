@@ -7,11 +7,11 @@ mod support;
 
 use std::time::{Duration, Instant};
 
+use axum::Router;
 use axum::extract::ws::{Message, WebSocketUpgrade};
 use axum::extract::{Path, State};
 use axum::response::Response;
 use axum::routing::get;
-use axum::Router;
 use futures_util::{SinkExt, StreamExt};
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message as ClientMessage;
@@ -34,7 +34,11 @@ struct Done {
 type Reports = mpsc::UnboundedSender<Done>;
 
 /// Reads every message until the socket ends, counting the Text ones.
-async fn upload(up: WebSocketUpgrade, budget: MessageBudget, State(done): State<Reports>) -> Response {
+async fn upload(
+    up: WebSocketUpgrade,
+    budget: MessageBudget,
+    State(done): State<Reports>,
+) -> Response {
     up.on_upgrade(move |socket| async move {
         let mut socket = budget.wrap(socket);
         let mut received = 0;
@@ -96,9 +100,8 @@ fn frozen(clock: &FakeClock) -> MemoryStore {
     MemoryStore::builder().clock(clock.clone()).build().unwrap()
 }
 
-type Client = tokio_tungstenite::WebSocketStream<
-    tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
->;
+type Client =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
 async fn connect(server: &support::Server, path: &str) -> Client {
     let url = format!("ws://{}{path}", server.addr);
@@ -244,7 +247,8 @@ async fn control_frames_are_not_counted() {
 #[tokio::test]
 async fn shaping_paces_the_messages_received() {
     // The store on the real clock: 300 messages at 100/s after a burst of 100.
-    let (app, mut reports) = app(layer(Unit::RequestMessages, StreamMode::Shape, MemoryStore::new()));
+    let (app, mut reports) =
+        app(layer(Unit::RequestMessages, StreamMode::Shape, MemoryStore::new()));
     let server = support::serve(app).await;
     let client = connect(&server, "/upload").await;
     let start = Instant::now();
@@ -277,7 +281,8 @@ async fn shaping_paces_the_messages_sent() {
 #[tokio::test]
 async fn a_handler_asking_for_a_budget_the_layer_did_not_give_gets_a_500() {
     // The policy counts requests only: no budget for the socket.
-    let policy = Policy::builder("requests").tier("requests", Quota::per_second(100)).build().unwrap();
+    let policy =
+        Policy::builder("requests").tier("requests", Quota::per_second(100)).build().unwrap();
     let layer = RateLimitLayer::builder(policy).key(GlobalKey).build().unwrap();
     let (app, _reports) = app(layer);
     let server = support::serve(app).await;

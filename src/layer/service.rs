@@ -648,7 +648,8 @@ where
         && super::websocket::is_upgrade(req.method(), req.headers())
     {
         // The layer cannot see an upgraded socket's messages: the handler meters them.
-        let budget = super::websocket::MessageBudget::new(limiter, key.clone(), priority, mode, fail_open);
+        let budget =
+            super::websocket::MessageBudget::new(limiter, key.clone(), priority, mode, fail_open);
         req.extensions_mut().insert(budget);
     }
     let held = reservation.hold();

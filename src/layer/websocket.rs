@@ -275,7 +275,8 @@ impl fmt::Display for BudgetSpent {
         match (self.unavailable, self.retry_after) {
             (true, _) => write!(f, "the rate limit of messages {direction} could not be decided"),
             (false, Some(wait)) => {
-                write!(f, "the budget of messages {direction} is spent; room in {wait:?}")
+                let secs = wait.as_secs_f64();
+                write!(f, "the budget of messages {direction} is spent; room in {secs:.3} s")
             }
             (false, None) => write!(f, "the budget of messages {direction} is spent"),
         }
