@@ -96,8 +96,13 @@ fn layer<St: Store>(unit: Unit, mode: StreamMode, store: St) -> RateLimitLayer<G
     RateLimitLayer::builder(policy).key(GlobalKey).store(store).on_stream(mode).build().unwrap()
 }
 
-fn frozen(clock: &FakeClock) -> MemoryStore {
-    MemoryStore::builder().clock(clock.clone()).build().unwrap()
+/// Serves the app policing `unit` on a store whose clock stands still (nothing refills
+/// unless the test moves it): the clock, the server, the handlers' reports.
+async fn policed(unit: Unit) -> (FakeClock, support::Server, mpsc::UnboundedReceiver<Done>) {
+    let clock = FakeClock::new();
+    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let (app, reports) = app(layer(unit, StreamMode::Police, store));
+    (clock, support::serve(app).await, reports)
 }
 
 type Client =
@@ -157,9 +162,7 @@ fn status_of(res: &support::Reply) -> u16 {
 #[tokio::test]
 async fn policing_delivers_exactly_the_budget_then_closes_with_1008_and_the_wait() {
     // Time stands still: nothing refills while the test runs.
-    let clock = FakeClock::new();
-    let (app, mut reports) = app(layer(Unit::RequestMessages, StreamMode::Police, frozen(&clock)));
-    let server = support::serve(app).await;
+    let (clock, server, mut reports) = policed(Unit::RequestMessages).await;
     let seen = talk(connect(&server, "/upload").await, 300).await;
     let done = report(&mut reports).await;
     assert_eq!(done.received, 100);
@@ -184,9 +187,7 @@ async fn policing_delivers_exactly_the_budget_then_closes_with_1008_and_the_wait
 
 #[tokio::test]
 async fn unary_requests_and_a_socket_share_one_budget() {
-    let clock = FakeClock::new();
-    let (app, mut reports) = app(layer(Unit::RequestMessages, StreamMode::Police, frozen(&clock)));
-    let server = support::serve(app).await;
+    let (_clock, server, mut reports) = policed(Unit::RequestMessages).await;
     let client = support::client();
     // Thirty unary requests take one message each from the budget of 100.
     for _ in 0..30 {
@@ -198,9 +199,7 @@ async fn unary_requests_and_a_socket_share_one_budget() {
 
 #[tokio::test]
 async fn policing_counts_the_messages_sent_likewise() {
-    let clock = FakeClock::new();
-    let (app, mut reports) = app(layer(Unit::ResponseMessages, StreamMode::Police, frozen(&clock)));
-    let server = support::serve(app).await;
+    let (_clock, server, mut reports) = policed(Unit::ResponseMessages).await;
     let seen = talk(connect(&server, "/download/300").await, 0).await;
     assert_eq!(seen.texts, 100);
     let close = seen.close.expect("a Close frame");
@@ -216,9 +215,7 @@ async fn policing_counts_the_messages_sent_likewise() {
 
 #[tokio::test]
 async fn a_socket_within_the_budget_is_not_stopped() {
-    let clock = FakeClock::new();
-    let (app, mut reports) = app(layer(Unit::RequestMessages, StreamMode::Police, frozen(&clock)));
-    let server = support::serve(app).await;
+    let (_clock, server, mut reports) = policed(Unit::RequestMessages).await;
     // Exactly the budget: the client closes normally, and is answered normally.
     let seen = talk(connect(&server, "/upload").await, 100).await;
     let done = report(&mut reports).await;
@@ -231,9 +228,7 @@ async fn a_socket_within_the_budget_is_not_stopped() {
 
 #[tokio::test]
 async fn control_frames_are_not_counted() {
-    let clock = FakeClock::new();
-    let (app, mut reports) = app(layer(Unit::RequestMessages, StreamMode::Police, frozen(&clock)));
-    let server = support::serve(app).await;
+    let (_clock, server, mut reports) = policed(Unit::RequestMessages).await;
     let mut client = connect(&server, "/upload").await;
     // 150 pings (each answered with a pong, not counted), then 100 messages: all delivered.
     for _ in 0..150 {
@@ -244,38 +239,35 @@ async fn control_frames_are_not_counted() {
     assert_ne!(seen.close.map(|c| c.code), Some(CloseCode::Policy));
 }
 
-#[tokio::test]
-async fn shaping_paces_the_messages_received() {
-    // The store on the real clock: 300 messages at 100/s after a burst of 100.
-    let (app, mut reports) =
-        app(layer(Unit::RequestMessages, StreamMode::Shape, MemoryStore::new()));
+/// Shapes 300 messages at 100/s after a burst of 100 on the real clock, in the direction of
+/// `unit`: what the client saw, what the handler did, how long it took.
+async fn shaped(unit: Unit, path: &str, sends: u64) -> (Seen, Done, Duration) {
+    let (app, mut reports) = app(layer(unit, StreamMode::Shape, MemoryStore::new()));
     let server = support::serve(app).await;
-    let client = connect(&server, "/upload").await;
+    let client = connect(&server, path).await;
     let start = Instant::now();
-    let seen = talk(client, 300).await;
+    let seen = talk(client, sends).await;
     let done = report(&mut reports).await;
     let elapsed = start.elapsed();
-    assert_eq!((done.received, done.spent), (300, None));
-    assert_ne!(seen.close.map(|c| c.code), Some(CloseCode::Policy));
+    assert_eq!(done.spent, None);
+    assert_ne!(seen.close.as_ref().map(|c| c.code), Some(CloseCode::Policy));
     // (300 - 100) / 100 per second = 2 s, give or take the lease of 16 taken ahead of the
     // last message.
     assert!(elapsed >= Duration::from_millis(1_900), "{elapsed:?}");
     assert!(elapsed <= Duration::from_millis(2_600), "{elapsed:?}");
+    (seen, done, elapsed)
+}
+
+#[tokio::test]
+async fn shaping_paces_the_messages_received() {
+    let (_, done, _) = shaped(Unit::RequestMessages, "/upload", 300).await;
+    assert_eq!(done.received, 300);
 }
 
 #[tokio::test]
 async fn shaping_paces_the_messages_sent() {
-    let (app, mut reports) =
-        app(layer(Unit::ResponseMessages, StreamMode::Shape, MemoryStore::new()));
-    let server = support::serve(app).await;
-    let client = connect(&server, "/download/300").await;
-    let start = Instant::now();
-    let seen = talk(client, 0).await;
-    let elapsed = start.elapsed();
-    assert_eq!(seen.texts, 300);
-    assert_eq!(report(&mut reports).await.sent, 300);
-    assert!(elapsed >= Duration::from_millis(1_900), "{elapsed:?}");
-    assert!(elapsed <= Duration::from_millis(2_600), "{elapsed:?}");
+    let (seen, done, _) = shaped(Unit::ResponseMessages, "/download/300", 0).await;
+    assert_eq!((seen.texts, done.sent), (300, 300));
 }
 
 #[tokio::test]
@@ -339,10 +331,6 @@ async fn a_socket_is_charged_exactly_its_messages_in_memory() {
 #[tokio::test]
 async fn a_socket_is_charged_exactly_its_messages_on_redis() {
     let Some(server) = support::redis::Server::start("redis-server") else { return };
-    let store = tollgate::store::RedisStore::builder(server.url())
-        .prefix("websocket:")
-        .timeout(Duration::from_secs(5))
-        .build()
-        .unwrap();
+    let store = server.store("websocket:");
     a_socket_is_charged_exactly_its_messages(store).await;
 }
