@@ -21,7 +21,7 @@ use tollgate::clock::FakeClock;
 use tollgate::key::{GlobalKey, Key};
 use tollgate::store::{MemoryStore, Store};
 use tollgate::ws::{BudgetSpent, MessageBudget};
-use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};
+use tollgate::{Concurrency, Policy, Quota, RateLimitLayer, StreamMode, Unit};
 
 /// What a handler did once its socket ended.
 #[derive(Debug)]
@@ -48,6 +48,8 @@ async fn upload(
             }
         }
         let spent = socket.spent().cloned();
+        // The request ends with its socket: reported once it has.
+        drop((socket, budget));
         let _ = done.send(Done { received, sent: 0, spent });
     })
 }
@@ -70,6 +72,7 @@ async fn download(
         }
         while socket.recv().await.is_some() {}
         let spent = socket.spent().cloned();
+        drop((socket, budget));
         let _ = done.send(Done { received: 0, sent, spent });
     })
 }
@@ -237,6 +240,56 @@ async fn control_frames_are_not_counted() {
     let seen = talk(client, 100).await;
     assert_eq!(report(&mut reports).await.received, 100);
     assert_ne!(seen.close.map(|c| c.code), Some(CloseCode::Policy));
+}
+
+#[tokio::test]
+async fn settling_lets_a_socket_run_and_charges_its_messages_when_it_ends() {
+    let clock = FakeClock::new();
+    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let (app, mut reports) = app(layer(Unit::RequestMessages, StreamMode::Settle, store));
+    let server = support::serve(app).await;
+    // Never stopped: 250 messages against a budget of 100.
+    let seen = talk(connect(&server, "/upload").await, 250).await;
+    assert_eq!(report(&mut reports).await.received, 250);
+    assert_ne!(seen.close.map(|c| c.code), Some(CloseCode::Policy));
+    // Charged 250: 150 past the burst are owed, at 100/s, then one more message fits after
+    // 10 ms.
+    let client = support::client();
+    clock.advance(Duration::from_millis(1_500));
+    let refused = support::get(&client, &server.url("/unary"), &[]).await;
+    assert_eq!(status_of(&refused), 429);
+    clock.advance(Duration::from_millis(10));
+    assert_eq!(status_of(&support::get(&client, &server.url("/unary"), &[]).await), 200);
+}
+
+#[tokio::test]
+async fn a_concurrency_tier_holds_a_slot_while_the_socket_is_open() {
+    let policy = Policy::builder("sockets")
+        .tier("messages", Quota::per_second(100).counting(Unit::RequestMessages))
+        .concurrency("open", Concurrency::new(1))
+        .build()
+        .unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .key(GlobalKey)
+        .on_stream(StreamMode::Police)
+        .build()
+        .unwrap();
+    let (app, mut reports) = app(layer);
+    let server = support::serve(app).await;
+    let url = format!("ws://{}/upload", server.addr);
+    let mut first = connect(&server, "/upload").await;
+    // The first socket's `101` went out long ago; its slot is still taken.
+    first.send(ClientMessage::text("hello")).await.unwrap();
+    match tokio_tungstenite::connect_async(url.as_str()).await {
+        Err(tokio_tungstenite::tungstenite::Error::Http(res)) => assert_eq!(res.status(), 429),
+        other => panic!("expected a 429, got {other:?}"),
+    }
+    talk(first, 0).await;
+    assert_eq!(report(&mut reports).await.received, 1);
+    // Closed: the slot is free.
+    let second = connect(&server, "/upload").await;
+    talk(second, 3).await;
+    assert_eq!(report(&mut reports).await.received, 3);
 }
 
 /// Shapes 300 messages at 100/s after a burst of 100 on the real clock, in the direction of

@@ -642,17 +642,30 @@ where
             ..Streamed::default()
         }
     });
+    let held = reservation.hold();
+    let finish: Finish = Box::new(move |settled: &[(Unit, u64)]| held.finish(settled));
     #[cfg(feature = "ws")]
-    if !grpc
+    let finish = if !grpc
         && (needs.request_messages() || needs.response_messages())
         && super::websocket::is_upgrade(req.method(), req.headers())
     {
-        // The layer cannot see an upgraded socket's messages: the handler meters them.
-        let budget =
-            super::websocket::MessageBudget::new(limiter, key.clone(), priority, mode, fail_open);
+        // The layer cannot see an upgraded socket's messages: the handler meters them, and
+        // the request is held until the socket ends.
+        use super::websocket::{Linger, MessageBudget};
+        let linger = Arc::new(Linger::new(finish, !mode.streams()));
+        let budget = MessageBudget::new(
+            limiter,
+            key.clone(),
+            priority,
+            mode,
+            fail_open,
+            Arc::clone(&linger),
+        );
         req.extensions_mut().insert(budget);
-    }
-    let held = reservation.hold();
+        Box::new(move |settled: &[(Unit, u64)]| linger.ended(settled)) as Finish
+    } else {
+        finish
+    };
     let call = inner.call(req);
     let res = match &signal {
         None => call.await?,
@@ -670,7 +683,7 @@ where
             match raced {
                 Ok(res) => res?,
                 Err(why) => {
-                    drop(held);
+                    drop(finish);
                     return Ok(config.stopped(limiter, &key, why, grpc));
                 }
             }
@@ -678,7 +691,6 @@ where
     };
     let (mut head, body) = res.into_parts();
     headers.insert(&mut head.headers);
-    let finish: Finish = Box::new(move |settled: &[(Unit, u64)]| held.finish(settled));
     let mut meter = Meter::new(finish, counters, settled_by_head(&config, &head));
     let response_messages = stream_messages && needs.response_messages();
     if mode.streams() && (needs.response_bytes() || (grpc && signal.is_some()) || response_messages)

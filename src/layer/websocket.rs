@@ -4,7 +4,8 @@
 
 use std::fmt;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
@@ -16,7 +17,8 @@ use futures_core::stream::FusedStream;
 use futures_sink::Sink;
 use http::StatusCode;
 
-use super::stream::{Gate, Leases, Stopped, StreamMode};
+use super::meter::Finish;
+use super::stream::{Gate, Leases, Stopped, StreamMode, Tally};
 use crate::key::Key;
 use crate::limiter::Limiter;
 use crate::quota::{Priority, Unit};
@@ -27,9 +29,63 @@ use crate::store::Store;
 /// the TCP connection, and ends it itself after a reasonable time).
 const CLOSE_WAIT: Duration = Duration::from_secs(5);
 
-/// Makes the leases of one socket direction (`None` when no tier counts it, or the layer
-/// does not meter streams).
+/// Makes the gate of one socket direction (`None` when no tier counts it).
 type MakeGate = dyn Fn(Unit) -> Option<Box<dyn Gate>> + Send + Sync;
+
+/// An admitted upgrade held for as long as its socket lives: the request is finished (its
+/// concurrency slots released, its counted units settled) when the `101` response has ended
+/// and the last [`MessageBudget`] and [`MeteredWebSocket`] of it are dropped, whichever
+/// comes last.
+pub(crate) struct Linger {
+    /// Finishes the held request.
+    finish: Mutex<Option<Finish>>,
+    /// What the end of the response settled, to settle with the socket's counts.
+    settled: Mutex<Vec<(Unit, u64)>>,
+    /// The messages each way, counted under [`StreamMode::Settle`] (and in a dry run), to
+    /// settle the message charged each way at admission at when the socket ends.
+    tallies: Option<[Arc<AtomicU64>; 2]>,
+}
+
+impl Linger {
+    /// Holds `finish` until the socket ends; `tally` counts the socket's messages to settle
+    /// them then.
+    pub(crate) fn new(finish: Finish, tally: bool) -> Self {
+        Self {
+            finish: Mutex::new(Some(finish)),
+            settled: Mutex::default(),
+            tallies: tally.then(Default::default),
+        }
+    }
+
+    /// The response ended, settling `settled`: kept until the socket ends.
+    pub(crate) fn ended(&self, settled: &[(Unit, u64)]) {
+        self.settled.lock().unwrap_or_else(PoisonError::into_inner).extend_from_slice(settled);
+    }
+
+    /// The counter of `unit`'s messages, when they are tallied.
+    fn tally(&self, unit: Unit) -> Option<&Arc<AtomicU64>> {
+        let [received, sent] = self.tallies.as_ref()?;
+        Some(if unit == Unit::RequestMessages { received } else { sent })
+    }
+}
+
+impl Drop for Linger {
+    fn drop(&mut self) {
+        let mut settled =
+            std::mem::take(self.settled.get_mut().unwrap_or_else(PoisonError::into_inner));
+        for unit in [Unit::RequestMessages, Unit::ResponseMessages] {
+            // A refund by the response's status settled every unit at 0 already.
+            if let (Some(count), false) =
+                (self.tally(unit), settled.iter().any(|(u, _)| *u == unit))
+            {
+                settled.push((unit, count.load(Ordering::Relaxed)));
+            }
+        }
+        if let Some(finish) = self.finish.get_mut().unwrap_or_else(PoisonError::into_inner).take() {
+            finish(&settled);
+        }
+    }
+}
 
 /// The message budget of one admitted WebSocket upgrade: the layer's store and policy, the
 /// request's key and [`StreamMode`], to meter the upgraded socket with.
@@ -60,7 +116,9 @@ type MakeGate = dyn Fn(Unit) -> Option<Box<dyn Gate>> + Send + Sync;
 ///   (see [`MeteredWebSocket`]). The message past the budget is not delivered, so the
 ///   handler receives (and the client receives) exactly the messages the tier admits.
 /// - [`StreamMode::Settle`], and a [dry run](crate::RateLimitLayerBuilder::dry_run): the
-///   socket is not metered; only the upgrade's message each way is charged.
+///   socket is never slowed nor stopped; its messages are counted, and the message each way
+///   charged at admission is settled at the count when the socket ends (what it sent past
+///   the tier is owed by the key's next requests).
 ///
 /// Code 1008 rather than 1013 (try again later, IANA WebSocket close code registry): the
 /// client sent, or asked for, more than its policy allows, which is what 1008 says; 1013
@@ -69,8 +127,11 @@ type MakeGate = dyn Fn(Unit) -> Option<Box<dyn Gate>> + Send + Sync;
 /// ([`on_store_error`](crate::RateLimitLayerBuilder::on_store_error)); failing open lets the
 /// lease through uncharged.
 ///
-/// A [concurrency](crate::Concurrency) tier's slot is released when the upgrade's `101`
-/// response ends, not when the socket closes.
+/// The upgrade request is held until its socket ends: when the `101` response has been sent
+/// and the budget and every [`MeteredWebSocket`] wrapped with it are dropped. A
+/// [concurrency](crate::Concurrency) tier's slot ("at most 5 open sockets per key") is taken
+/// for that long. A handler that does not take the budget ends the request with its `101`
+/// response.
 ///
 /// ```
 /// use axum::extract::ws::{Message, WebSocketUpgrade};
@@ -105,6 +166,7 @@ type MakeGate = dyn Fn(Unit) -> Option<Box<dyn Gate>> + Send + Sync;
 pub struct MessageBudget {
     make: Arc<MakeGate>,
     mode: StreamMode,
+    linger: Arc<Linger>,
 }
 
 impl fmt::Debug for MessageBudget {
@@ -115,24 +177,31 @@ impl fmt::Debug for MessageBudget {
 
 impl MessageBudget {
     /// The budget of `key` under `limiter`'s policy; `mode` is already [`StreamMode::Settle`]
-    /// in a dry run.
+    /// in a dry run; `linger` holds the admitted upgrade (tallying its messages under
+    /// `Settle`).
     pub(crate) fn new<St: Store>(
         limiter: &Limiter<St>,
         key: Key,
         priority: Priority,
         mode: StreamMode,
         fail_open: bool,
+        linger: Arc<Linger>,
     ) -> Self {
         let limiter = limiter.clone();
+        let tallies = linger.tallies.clone();
         let make = move |unit: Unit| {
-            let counted = limiter.policy().tiers().iter().any(|t| t.unit() == unit);
-            (mode.streams() && counted).then(|| {
-                let gate = Leases::new(&limiter, key.clone(), priority, unit, mode, fail_open);
-                // The upgrade was charged one message each way at admission.
-                Box::new(gate.prepaid(1)) as Box<dyn Gate>
-            })
+            if !limiter.policy().tiers().iter().any(|t| t.unit() == unit) {
+                return None;
+            }
+            if let Some([received, sent]) = &tallies {
+                let counted = if unit == Unit::RequestMessages { received } else { sent };
+                return Some(Box::new(Tally(Arc::clone(counted))) as Box<dyn Gate>);
+            }
+            let gate = Leases::new(&limiter, key.clone(), priority, unit, mode, fail_open);
+            // The upgrade was charged one message each way at admission.
+            Some(Box::new(gate.prepaid(1)) as Box<dyn Gate>)
         };
-        Self { make: Arc::new(make), mode }
+        Self { make: Arc::new(make), mode, linger }
     }
 
     /// Meters `socket`: each Text or Binary message received is charged to the tiers
@@ -148,6 +217,7 @@ impl MessageBudget {
             outgoing: None,
             state: State::Open,
             spent: None,
+            _linger: Arc::clone(&self.linger),
         }
     }
 
@@ -318,6 +388,8 @@ pub struct MeteredWebSocket {
     outgoing: Option<Message>,
     state: State,
     spent: Option<BudgetSpent>,
+    /// Last: the leases above are settled before the request is finished.
+    _linger: Arc<Linger>,
 }
 
 impl fmt::Debug for MeteredWebSocket {
