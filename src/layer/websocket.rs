@@ -640,3 +640,58 @@ pub(crate) fn is_upgrade(method: &http::Method, headers: &http::HeaderMap) -> bo
             .flat_map(|v| v.split(','))
             .any(|p| p.trim().eq_ignore_ascii_case("websocket"))
 }
+
+#[cfg(test)]
+mod tests {
+    use http::{HeaderMap, HeaderValue, Method};
+
+    use super::*;
+
+    fn spent(retry_after: Option<Duration>, unavailable: bool) -> BudgetSpent {
+        BudgetSpent { unit: Unit::RequestMessages, retry_after, unavailable }
+    }
+
+    #[test]
+    fn the_close_frame_tells_the_wait_in_whole_seconds_rounded_up() {
+        let frame = spent(Some(Duration::from_millis(160)), false).close_frame();
+        assert_eq!((frame.code, frame.reason.as_str()), (1008, "rate limited; retry-after=1"));
+        let frame = spent(Some(Duration::from_millis(2_001)), false).close_frame();
+        assert_eq!(frame.reason.as_str(), "rate limited; retry-after=3");
+        // Never 0: a client told to retry at once would be refused again.
+        let frame = spent(Some(Duration::ZERO), false).close_frame();
+        assert_eq!(frame.reason.as_str(), "rate limited; retry-after=1");
+        // A lease that can never fit has no wait to tell.
+        let frame = spent(None, false).close_frame();
+        assert_eq!((frame.code, frame.reason.as_str()), (1008, "rate limited"));
+        // The store could not decide, failing closed: try again later.
+        let frame = spent(None, true).close_frame();
+        assert_eq!((frame.code, frame.reason.as_str()), (1013, "rate limit unavailable"));
+    }
+
+    #[test]
+    fn the_longest_reason_fits_a_close_frame() {
+        // RFC 6455 §5.5: a control frame's payload is at most 125 bytes, 2 of them the code.
+        let frame = spent(Some(Duration::MAX), false).close_frame();
+        assert!(frame.reason.as_str().len() <= 123, "{}", frame.reason.as_str());
+    }
+
+    fn upgrade(method: Method, values: &[&'static str]) -> bool {
+        let mut headers = HeaderMap::new();
+        for v in values {
+            headers.append(http::header::UPGRADE, HeaderValue::from_static(v));
+        }
+        is_upgrade(&method, &headers)
+    }
+
+    #[test]
+    fn a_websocket_upgrade_is_recognised_by_its_upgrade_header_or_an_extended_connect() {
+        assert!(upgrade(Method::GET, &["websocket"]));
+        assert!(upgrade(Method::GET, &["WebSocket"]));
+        assert!(upgrade(Method::GET, &["h2c, websocket"]));
+        assert!(upgrade(Method::GET, &["h2c", "websocket"]));
+        assert!(upgrade(Method::CONNECT, &[]));
+        assert!(!upgrade(Method::GET, &[]));
+        assert!(!upgrade(Method::GET, &["h2c"]));
+        assert!(!upgrade(Method::POST, &["websockets"]));
+    }
+}
