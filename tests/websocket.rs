@@ -77,17 +77,23 @@ async fn download(
     })
 }
 
-/// The app: `/upload`, `/download/{n}` and a plain `/unary`, behind `layer`; and the
-/// handlers' reports.
-fn app<St: Store>(layer: RateLimitLayer<GlobalKey, St>) -> (Router, mpsc::UnboundedReceiver<Done>) {
-    let (tx, rx) = mpsc::unbounded_channel();
-    let app = Router::new()
+/// The routes: `/upload`, `/download/{n}` and a plain `/unary`.
+fn routes() -> Router<Reports> {
+    Router::new()
         .route("/upload", get(upload))
         .route("/download/{n}", get(download))
         .route("/unary", get(|| async { "ok" }))
-        .route_layer(layer)
-        .with_state(tx);
-    (app, rx)
+}
+
+/// The app made of `routes`, and the handlers' reports.
+fn served(routes: Router<Reports>) -> (Router, mpsc::UnboundedReceiver<Done>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    (routes.with_state(tx), rx)
+}
+
+/// The routes behind `layer`, and the handlers' reports.
+fn app<St: Store>(layer: RateLimitLayer<GlobalKey, St>) -> (Router, mpsc::UnboundedReceiver<Done>) {
+    served(routes().route_layer(layer))
 }
 
 /// 100 messages per second, burst 100, of `unit`, on one key for every request.
@@ -324,12 +330,8 @@ async fn shaping_paces_the_messages_sent() {
 }
 
 #[tokio::test]
-async fn a_handler_asking_for_a_budget_the_layer_did_not_give_gets_a_500() {
-    // The policy counts requests only: no budget for the socket.
-    let policy =
-        Policy::builder("requests").tier("requests", Quota::per_second(100)).build().unwrap();
-    let layer = RateLimitLayer::builder(policy).key(GlobalKey).build().unwrap();
-    let (app, _reports) = app(layer);
+async fn a_handler_asking_for_a_budget_without_a_layer_in_front_gets_a_500() {
+    let (app, _reports) = served(routes());
     let server = support::serve(app).await;
     let url = format!("ws://{}/upload", server.addr);
     match tokio_tungstenite::connect_async(url).await {
@@ -340,6 +342,50 @@ async fn a_handler_asking_for_a_budget_the_layer_did_not_give_gets_a_500() {
         }
         other => panic!("expected a 500, got {other:?}"),
     }
+}
+
+#[tokio::test]
+async fn a_layer_counting_no_messages_gives_a_budget_that_meters_nothing() {
+    let policy =
+        Policy::builder("requests").tier("requests", Quota::per_second(100)).build().unwrap();
+    let layer = RateLimitLayer::builder(policy).key(GlobalKey).build().unwrap();
+    let (app, mut reports) = app(layer);
+    let server = support::serve(app).await;
+    let seen = talk(connect(&server, "/upload").await, 300).await;
+    let done = report(&mut reports).await;
+    assert_eq!((done.received, done.spent), (300, None));
+    assert_ne!(seen.close.map(|c| c.code), Some(CloseCode::Policy));
+}
+
+#[tokio::test]
+async fn stacked_layers_each_charge_every_message() {
+    let clock = FakeClock::new();
+    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let policy = |name: &str, count| {
+        Policy::builder(name)
+            .tier("messages", Quota::per_second(count).counting(Unit::RequestMessages))
+            .build()
+            .unwrap()
+    };
+    let layer = |policy| {
+        RateLimitLayer::builder(policy)
+            .key(GlobalKey)
+            .store(store.clone())
+            .on_stream(StreamMode::Police)
+            .build()
+            .unwrap()
+    };
+    let (outer, inner) = (layer(policy("outer", 100)), layer(policy("inner", 50)));
+    let outer_limiter = outer.limiter().clone();
+    let (app, mut reports) = served(routes().route_layer(inner).route_layer(outer));
+    let server = support::serve(app).await;
+    let seen = talk(connect(&server, "/upload").await, 300).await;
+    // The inner layer's 50 run out first.
+    assert_eq!(report(&mut reports).await.received, 50);
+    assert_eq!(seen.close.map(|c| c.code), Some(CloseCode::Policy));
+    // The outer layer was charged the same 50, the rest of its lease given back.
+    let left = outer_limiter.check(&Key::Global, 0).await.unwrap().tiers()[0].remaining();
+    assert_eq!(left, 50);
 }
 
 /// A socket within the budget is charged exactly its messages (the unused part of its last

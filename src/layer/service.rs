@@ -93,6 +93,12 @@ where
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        #[cfg(feature = "ws")]
+        let req = {
+            let mut req = req;
+            super::websocket::unmetered(&mut req);
+            req
+        };
         // The body is wrapped where the request is handed on: built in place there, the
         // request is not copied once more.
         let config = &*self.config;
@@ -653,12 +659,12 @@ where
         // the request is held until the socket ends.
         use super::websocket::{Linger, MessageBudget};
         let linger = Arc::new(Linger::new(finish, !mode.streams()));
-        let budget = MessageBudget::new(
+        // A layer in front of this one may have given its budget already: both meter.
+        let budget = req.extensions_mut().remove::<MessageBudget>().unwrap_or_default().and(
             limiter,
             key.clone(),
             priority,
-            mode,
-            fail_open,
+            (mode, fail_open),
             Arc::clone(&linger),
         );
         req.extensions_mut().insert(budget);

@@ -16,6 +16,7 @@ use futures_core::Stream;
 use futures_core::stream::FusedStream;
 use futures_sink::Sink;
 use http::StatusCode;
+use smallvec::SmallVec;
 
 use super::meter::Finish;
 use super::stream::{Gate, Leases, Stopped, StreamMode, Tally};
@@ -90,10 +91,14 @@ impl Drop for Linger {
 /// The message budget of one admitted WebSocket upgrade: the layer's store and policy, the
 /// request's key and [`StreamMode`], to meter the upgraded socket with.
 ///
-/// [`RateLimitLayer`](crate::RateLimitLayer) puts one in the extensions of a request that
-/// asks for a WebSocket upgrade (an `Upgrade: websocket` header, or HTTP/2's extended
-/// `CONNECT`, RFC 8441) when its policy has a tier counting [`Unit::RequestMessages`] or
-/// [`Unit::ResponseMessages`]. The layer cannot see the messages of an upgraded connection:
+/// [`RateLimitLayer`](crate::RateLimitLayer) puts one in the extensions of each request it
+/// lets through that asks for a WebSocket upgrade (an `Upgrade: websocket` header, or
+/// HTTP/2's extended `CONNECT`, RFC 8441): metering the socket when the request was admitted
+/// under a policy with a tier counting [`Unit::RequestMessages`] or
+/// [`Unit::ResponseMessages`], and metering nothing otherwise (see
+/// [`is_metered`](Self::is_metered)). Stacked layers each add their tiers to the one budget:
+/// a message is charged to all of them. The layer cannot see the messages of an upgraded
+/// connection:
 /// the handler wraps its socket with [`wrap`](Self::wrap), and the [`MeteredWebSocket`] it
 /// gets charges each Text or Binary message it receives to the tiers counting
 /// `RequestMessages` and each it sends to those counting `ResponseMessages` (Ping, Pong and
@@ -162,29 +167,36 @@ impl Drop for Linger {
 /// # let _ = app;
 /// # Ok(()) }
 /// ```
-#[derive(Clone)]
+#[derive(Clone, Default)]
 pub struct MessageBudget {
-    make: Arc<MakeGate>,
-    mode: StreamMode,
-    linger: Arc<Linger>,
+    /// One per layer that admitted the upgrade under a policy counting messages (layers may
+    /// be stacked): a message is charged to each.
+    parts: Vec<Arc<Part>>,
+}
+
+/// What one layer meters a socket with.
+struct Part {
+    make: Box<MakeGate>,
+    /// Holds the upgrade this layer admitted until the socket ends.
+    _linger: Arc<Linger>,
 }
 
 impl fmt::Debug for MessageBudget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MessageBudget").field("mode", &self.mode).finish_non_exhaustive()
+        f.debug_struct("MessageBudget").field("layers", &self.parts.len()).finish()
     }
 }
 
 impl MessageBudget {
-    /// The budget of `key` under `limiter`'s policy; `mode` is already [`StreamMode::Settle`]
-    /// in a dry run; `linger` holds the admitted upgrade (tallying its messages under
-    /// `Settle`).
-    pub(crate) fn new<St: Store>(
+    /// Adds the budget of `key` under `limiter`'s policy; `mode` is already
+    /// [`StreamMode::Settle`] in a dry run; `linger` holds the admitted upgrade (tallying its
+    /// messages under `Settle`).
+    pub(crate) fn and<St: Store>(
+        mut self,
         limiter: &Limiter<St>,
         key: Key,
         priority: Priority,
-        mode: StreamMode,
-        fail_open: bool,
+        (mode, fail_open): (StreamMode, bool),
         linger: Arc<Linger>,
     ) -> Self {
         let limiter = limiter.clone();
@@ -201,7 +213,18 @@ impl MessageBudget {
             // The upgrade was charged one message each way at admission.
             Some(Box::new(gate.prepaid(1)) as Box<dyn Gate>)
         };
-        Self { make: Arc::new(make), mode, linger }
+        self.parts.push(Arc::new(Part { make: Box::new(make), _linger: linger }));
+        self
+    }
+
+    /// The gate of `unit`'s messages: every layer's that counts them.
+    fn gate(&self, unit: Unit) -> Option<Box<dyn Gate>> {
+        let mut gates: SmallVec<[Box<dyn Gate>; 1]> =
+            self.parts.iter().filter_map(|part| (part.make)(unit)).collect();
+        match gates.len() {
+            0 | 1 => gates.pop(),
+            _ => Some(Box::new(AllOf(gates))),
+        }
     }
 
     /// Meters `socket`: each Text or Binary message received is charged to the tiers
@@ -211,22 +234,56 @@ impl MessageBudget {
     pub fn wrap(&self, socket: WebSocket) -> MeteredWebSocket {
         MeteredWebSocket {
             socket,
-            receiving: (self.make)(Unit::RequestMessages),
-            sending: (self.make)(Unit::ResponseMessages),
+            receiving: self.gate(Unit::RequestMessages),
+            sending: self.gate(Unit::ResponseMessages),
             received: None,
             outgoing: None,
             state: State::Open,
             spent: None,
-            _linger: Arc::clone(&self.linger),
+            _parts: self.parts.clone(),
         }
     }
 
-    /// How the socket is metered: the layer's
-    /// [`on_stream`](crate::RateLimitLayerBuilder::on_stream), or [`StreamMode::Settle`] in a
-    /// dry run.
+    /// Whether the socket is metered at all: `false` when the layer let the upgrade through
+    /// without a policy counting messages (a request passed by a
+    /// [filter](crate::RateLimitLayerBuilder::filter) or an allow-list, a key missing under
+    /// [`MissingKey::Allow`](crate::MissingKey::Allow), a store error failing open, a dry
+    /// run's refusal, or a policy with no tier counting messages).
     #[must_use]
-    pub fn mode(&self) -> StreamMode {
-        self.mode
+    pub fn is_metered(&self) -> bool {
+        !self.parts.is_empty()
+    }
+}
+
+/// The messages of a socket charged to the tiers of several stacked layers: each must have
+/// room.
+struct AllOf(SmallVec<[Box<dyn Gate>; 1]>);
+
+impl Gate for AllOf {
+    fn poll_room(
+        &mut self,
+        cx: &mut Context<'_>,
+        remaining: Option<u64>,
+    ) -> Poll<Result<u64, Stopped>> {
+        let mut room = u64::MAX;
+        for gate in &mut self.0 {
+            room = room.min(ready!(gate.poll_room(cx, remaining))?);
+        }
+        Poll::Ready(Ok(room))
+    }
+
+    fn spend(&mut self, len: u64) {
+        self.0.iter_mut().for_each(|gate| gate.spend(len));
+    }
+}
+
+/// Puts a budget that meters nothing in the extensions of a WebSocket upgrade the layer lets
+/// through without one, so that its handler's [`MessageBudget`] is refused only when no
+/// layer is in front of it.
+pub(crate) fn unmetered<B>(req: &mut http::Request<B>) {
+    if is_upgrade(req.method(), req.headers()) && req.extensions().get::<MessageBudget>().is_none()
+    {
+        req.extensions_mut().insert(MessageBudget::default());
     }
 }
 
@@ -234,8 +291,8 @@ impl MessageBudget {
 ///
 /// # Errors
 /// [`MissingBudget`] (a `500 Internal Server Error`) when there is none: the route is not
-/// behind a [`RateLimitLayer`](crate::RateLimitLayer) whose policy counts messages, or the
-/// request does not ask for a WebSocket upgrade. Use `Option<MessageBudget>` to accept both.
+/// behind a [`RateLimitLayer`](crate::RateLimitLayer), or the request does not ask for a
+/// WebSocket upgrade. `Option<MessageBudget>` is `None` then instead.
 impl<S: Send + Sync> FromRequestParts<S> for MessageBudget {
     type Rejection = MissingBudget;
 
@@ -261,16 +318,15 @@ impl<S: Send + Sync> axum::extract::OptionalFromRequestParts<S> for MessageBudge
 
 /// The refusal of a handler asking for a [`MessageBudget`] that the layer did not give: a
 /// server misconfiguration, answered `500 Internal Server Error` with a plain-text reason
-/// (the route lacks a `RateLimitLayer` whose policy counts messages, or the request is not a
-/// WebSocket upgrade).
+/// (the route is not behind a `RateLimitLayer`, or the request is not a WebSocket upgrade).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MissingBudget;
 
 impl fmt::Display for MissingBudget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(
-            "no message budget: the route is not behind a RateLimitLayer whose policy counts \
-             messages, or the request is not a WebSocket upgrade",
+            "no message budget: the route is not behind a RateLimitLayer, or the request is not \
+             a WebSocket upgrade",
         )
     }
 }
@@ -388,8 +444,8 @@ pub struct MeteredWebSocket {
     outgoing: Option<Message>,
     state: State,
     spent: Option<BudgetSpent>,
-    /// Last: the leases above are settled before the request is finished.
-    _linger: Arc<Linger>,
+    /// Last: the leases above are settled before the requests are finished.
+    _parts: Vec<Arc<Part>>,
 }
 
 impl fmt::Debug for MeteredWebSocket {
