@@ -98,10 +98,19 @@ fn app<St: Store>(layer: RateLimitLayer<GlobalKey, St>) -> (Router, mpsc::Unboun
 
 /// 100 messages per second, burst 100, of `unit`, on one key for every request.
 fn layer<St: Store>(unit: Unit, mode: StreamMode, store: St) -> RateLimitLayer<GlobalKey, St> {
-    let policy = Policy::builder("messages")
-        .tier("messages", Quota::per_second(100).counting(unit))
-        .build()
-        .unwrap();
+    layer_of(messages_per_second("messages", 100, unit), mode, store)
+}
+
+fn messages_per_second(name: &str, count: u64, unit: Unit) -> Policy {
+    Policy::builder(name).tier("messages", Quota::per_second(count).counting(unit)).build().unwrap()
+}
+
+/// `policy` on one key for every request, metering sockets in `mode`.
+fn layer_of<St: Store>(
+    policy: Policy,
+    mode: StreamMode,
+    store: St,
+) -> RateLimitLayer<GlobalKey, St> {
     RateLimitLayer::builder(policy).key(GlobalKey).store(store).on_stream(mode).build().unwrap()
 }
 
@@ -361,21 +370,11 @@ async fn a_layer_counting_no_messages_gives_a_budget_that_meters_nothing() {
 async fn stacked_layers_each_charge_every_message() {
     let clock = FakeClock::new();
     let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
-    let policy = |name: &str, count| {
-        Policy::builder(name)
-            .tier("messages", Quota::per_second(count).counting(Unit::RequestMessages))
-            .build()
-            .unwrap()
+    let layer = |name, count| {
+        let policy = messages_per_second(name, count, Unit::RequestMessages);
+        layer_of(policy, StreamMode::Police, store.clone())
     };
-    let layer = |policy| {
-        RateLimitLayer::builder(policy)
-            .key(GlobalKey)
-            .store(store.clone())
-            .on_stream(StreamMode::Police)
-            .build()
-            .unwrap()
-    };
-    let (outer, inner) = (layer(policy("outer", 100)), layer(policy("inner", 50)));
+    let (outer, inner) = (layer("outer", 100), layer("inner", 50));
     let outer_limiter = outer.limiter().clone();
     let (app, mut reports) = served(routes().route_layer(inner).route_layer(outer));
     let server = support::serve(app).await;
@@ -396,12 +395,7 @@ async fn a_socket_is_charged_exactly_its_messages<St: Store>(store: St) {
         .tier("messages", Quota::per_hour(100).counting(Unit::RequestMessages))
         .build()
         .unwrap();
-    let layer = RateLimitLayer::builder(policy)
-        .key(GlobalKey)
-        .store(store)
-        .on_stream(StreamMode::Police)
-        .build()
-        .unwrap();
+    let layer = layer_of(policy, StreamMode::Police, store);
     let limiter = layer.limiter().clone();
     let (app, mut reports) = app(layer);
     let server = support::serve(app).await;
