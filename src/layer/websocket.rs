@@ -42,8 +42,8 @@ pub(crate) struct Linger {
     finish: Mutex<Option<Finish>>,
     /// What the end of the response settled, to settle with the socket's counts.
     settled: Mutex<Vec<(Unit, u64)>>,
-    /// The messages each way, counted under [`StreamMode::Settle`] (and in a dry run), to
-    /// settle the message charged each way at admission at when the socket ends.
+    /// The messages each way, counted under [`StreamMode::Settle`] (and in a dry run): when
+    /// the socket ends, the message charged each way at admission is settled at its count.
     tallies: Option<[Arc<AtomicU64>; 2]>,
 }
 
@@ -98,14 +98,14 @@ impl Drop for Linger {
 /// [`Unit::ResponseMessages`], and metering nothing otherwise (see
 /// [`is_metered`](Self::is_metered)). Stacked layers each add their tiers to the one budget:
 /// a message is charged to all of them. The layer cannot see the messages of an upgraded
-/// connection:
-/// the handler wraps its socket with [`wrap`](Self::wrap), and the [`MeteredWebSocket`] it
-/// gets charges each Text or Binary message it receives to the tiers counting
+/// connection: the handler wraps its socket with [`wrap`](Self::wrap), and the
+/// [`MeteredWebSocket`] it gets charges each Text or Binary message it receives to the tiers counting
 /// `RequestMessages` and each it sends to those counting `ResponseMessages` (Ping, Pong and
 /// Close frames are not counted). A socket the handler does not wrap is not metered.
 ///
 /// The upgrade request itself is admitted as a unary call is, and charged one message each
-/// way; those are the first message each way on the socket. The messages then share the
+/// way (a key that has spent its tier gets a `429` to the upgrade); those are the first
+/// message each way on the socket. The messages then share the
 /// key's budget with its unary calls and its other sockets, and are charged in leases of at
 /// most [`MESSAGE_LEASE`](crate::MESSAGE_LEASE) (16) messages, exactly as a gRPC stream's:
 /// one store call per lease, never one per message; the unused part of the last lease is
@@ -122,7 +122,7 @@ impl Drop for Linger {
 ///   handler receives (and the client receives) exactly the messages the tier admits.
 /// - [`StreamMode::Settle`], and a [dry run](crate::RateLimitLayerBuilder::dry_run): the
 ///   socket is never slowed nor stopped; its messages are counted, and the message each way
-///   charged at admission is settled at the count when the socket ends (what it sent past
+///   charged at admission is settled at the count when the socket ends (what it used past
 ///   the tier is owed by the key's next requests).
 ///
 /// Code 1008 rather than 1013 (try again later, IANA WebSocket close code registry): the
