@@ -58,7 +58,8 @@
 //! and a layer that paces requests by the servers' rate-limit headers. `config` reads policies
 //! and rules from a TOML file and reloads them while serving (module `config`). `testing` adds
 //! a virtual clock, typed rate-limit headers and one-line assertions for testing an app's limits
-//! (module `testing`).
+//! (module `testing`). `ws` meters the messages of axum WebSockets against tiers counting
+//! messages (module `ws`).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod algorithm;
@@ -92,6 +93,9 @@ pub mod store;
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
+#[cfg(feature = "ws")]
+#[cfg_attr(docsrs, doc(cfg(feature = "ws")))]
+pub mod ws;
 
 pub use decision::{Decision, Outcome, Source, TierDecision};
 pub use error::{ConfigError, StoreError};

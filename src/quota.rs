@@ -230,10 +230,11 @@ pub enum Unit {
     /// [`MESSAGE_LEASE`](crate::MESSAGE_LEASE) messages, the stream paused or stopped when the
     /// tier runs out. Under [`StreamMode::Settle`](crate::StreamMode::Settle) (the default)
     /// a gRPC call is charged one message at admission and settled at the messages counted
-    /// when its response ends.
+    /// when its response ends. The Text and Binary messages a WebSocket receives are counted
+    /// alike by the socket its handler wraps (cargo feature `ws`, module `tollgate::ws`).
     RequestMessages,
     /// Messages the server sends: as [`RequestMessages`](Self::RequestMessages), for the
-    /// response body.
+    /// response body (and the messages a WebSocket sends).
     ResponseMessages,
 }
 

@@ -485,11 +485,7 @@ async fn a_stream_is_charged_exactly_its_messages_in_memory() {
 #[tokio::test]
 async fn a_stream_is_charged_exactly_its_messages_on_redis() {
     let Some(server) = support::redis::Server::start("redis-server") else { return };
-    let store = tollgate::store::RedisStore::builder(server.url())
-        .prefix("messages:")
-        .timeout(Duration::from_secs(5))
-        .build()
-        .unwrap();
+    let store = server.store("messages:");
     a_stream_is_charged_exactly_its_messages(store).await;
 }
 

@@ -8,6 +8,8 @@ mod observe;
 mod scope;
 mod service;
 mod stream;
+#[cfg(feature = "ws")]
+pub(crate) mod websocket;
 
 use std::fmt;
 use std::sync::Arc;

@@ -93,6 +93,12 @@ where
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        #[cfg(feature = "ws")]
+        let req = {
+            let mut req = req;
+            super::websocket::unmetered(&mut req);
+            req
+        };
         // The body is wrapped where the request is handed on: built in place there, the
         // request is not copied once more.
         let config = &*self.config;
@@ -649,6 +655,29 @@ where
         }
     });
     let held = reservation.hold();
+    let finish: Finish = Box::new(move |settled: &[(Unit, u64)]| held.finish(settled));
+    #[cfg(feature = "ws")]
+    let finish = if !grpc
+        && (needs.request_messages() || needs.response_messages())
+        && super::websocket::is_upgrade(req.method(), req.headers())
+    {
+        // The layer cannot see an upgraded socket's messages: the handler meters them, and
+        // the request is held until the socket ends.
+        use super::websocket::{Linger, MessageBudget};
+        let linger = Arc::new(Linger::new(finish, !mode.streams()));
+        // A layer in front of this one may have given its budget already: both meter.
+        let budget = req.extensions_mut().remove::<MessageBudget>().unwrap_or_default().and(
+            limiter,
+            key.clone(),
+            priority,
+            (mode, fail_open),
+            Arc::clone(&linger),
+        );
+        req.extensions_mut().insert(budget);
+        Box::new(move |settled: &[(Unit, u64)]| linger.ended(settled)) as Finish
+    } else {
+        finish
+    };
     let call = inner.call(req);
     let res = match &signal {
         None => call.await?,
@@ -666,7 +695,7 @@ where
             match raced {
                 Ok(res) => res?,
                 Err(why) => {
-                    drop(held);
+                    drop(finish);
                     return Ok(config.stopped(limiter, &key, why, grpc));
                 }
             }
@@ -674,7 +703,6 @@ where
     };
     let (mut head, body) = res.into_parts();
     headers.insert(&mut head.headers);
-    let finish: Finish = Box::new(move |settled: &[(Unit, u64)]| held.finish(settled));
     let mut meter = Meter::new(finish, counters, settled_by_head(&config, &head));
     let response_messages = stream_messages && needs.response_messages();
     if mode.streams() && (needs.response_bytes() || (grpc && signal.is_some()) || response_messages)

@@ -30,7 +30,8 @@ pub const STREAM_LEASE: u64 = 64 * 1024;
 
 /// The largest lease of messages a gRPC stream takes from the store at once: 16.
 ///
-/// A gRPC call metered with [`StreamMode::Shape`] or [`StreamMode::Police`] under a tier
+/// A gRPC call (or a WebSocket metered through `tollgate::ws`, cargo feature `ws`) metered
+/// with [`StreamMode::Shape`] or [`StreamMode::Police`] under a tier
 /// counting [`Unit::RequestMessages`] or [`Unit::ResponseMessages`] asks the store for this
 /// many messages (fewer when the tier's capacity is smaller, or, policing, when the tier has
 /// fewer left) when it has spent its previous lease: one store call per lease, never one per
@@ -88,7 +89,8 @@ const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 /// # Messages
 ///
 /// Tiers counting [`Unit::RequestMessages`] or [`Unit::ResponseMessages`] meter the messages
-/// of a gRPC call the same way (a request that is not a gRPC call counts as one message,
+/// of a gRPC call (and of a WebSocket, through the handler: `tollgate::ws::MessageBudget`,
+/// cargo feature `ws`) the same way (a request that is not a gRPC call counts as one message,
 /// charged at admission). Each length-prefixed message of the HTTP/2 body counts once, read
 /// from its 5-byte prefix (the payload is never decoded, compressed or not; a message split
 /// across frames counts once, several in one frame each count), in leases of at most

@@ -172,6 +172,16 @@ impl Server {
         format!("redis://127.0.0.1:{}/", self.port)
     }
 
+    /// A `RedisStore` on this server, its keys under `prefix`, with a timeout of 5 s (a
+    /// loaded test machine is slow, never the loopback).
+    pub fn store(&self, prefix: &str) -> tollgate::store::RedisStore {
+        tollgate::store::RedisStore::builder(self.url())
+            .prefix(prefix)
+            .timeout(Duration::from_secs(5))
+            .build()
+            .unwrap_or_else(|e| panic!("a store on the test server: {e}"))
+    }
+
     /// The server's log, for panic messages.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default()
