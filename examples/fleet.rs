@@ -3,8 +3,9 @@
 //! exact mode and in lease mode, beside a plain `INCR` loop on one key with the same tasks.
 //!
 //! Run: `cargo run --release --example fleet --features redis -- [seconds per line]`
-//! (default 3; or `FLEET_SECS`; `FLEET_N=1,2,4,8` picks the fleet sizes; `FLEET_DEBUG=1`
-//! prints each instance's lease counts). It exits with an error when a line admitted more
+//! (default 3; or `FLEET_SECS`; `FLEET_N=1,2,4,8` picks the fleet sizes,
+//! `FLEET_TIERS=window,gcra,attack` the tiers; `FLEET_DEBUG=1` prints each instance's lease
+//! counts and the server's `INFO commandstats` per line). It exits with an error when a line admitted more
 //! than its bound. It starts its own `redis-server` (which must be on `PATH`) on a free
 //! 127.0.0.1 port with `--save ""` and kills it at the end.
 //!
@@ -143,6 +144,10 @@ async fn line(
     // An eighth of the tasks check cold keys (one call each in both modes), the others the
     // hot key; on the attack lines every task checks the hot key.
     let cold_task = |t: usize| tier != Tier::Attack && t % 8 == 7;
+    let debug = std::env::var("FLEET_DEBUG").is_ok();
+    if debug {
+        let () = redis::cmd("CONFIG").arg("RESETSTAT").query(info).expect("CONFIG RESETSTAT");
+    }
     let cpu_before = server_cpu(info);
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(secs);
@@ -200,12 +205,18 @@ async fn line(
         }
     }
     let elapsed = start.elapsed().as_secs_f64();
-    if std::env::var("FLEET_DEBUG").is_ok() {
+    if debug {
         for l in &limiters {
             eprintln!("{:?} keys={}", l.bound().lease_stats(), l.bound().leased_keys());
         }
     }
     let cpu_us = (server_cpu(info) - cpu_before) * 1e6;
+    if debug {
+        let stats: String = redis::cmd("INFO").arg("commandstats").query(info).expect("INFO");
+        for l in stats.lines().filter(|l| l.starts_with("cmdstat_")) {
+            eprintln!("  {l}");
+        }
+    }
     let refused = total.checks - total.all_admitted - total.errors;
     let (worst, limit, utilization, over, bound) = match tier {
         Tier::Gcra => {
@@ -287,7 +298,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let held = rt.block_on(async {
         incr(&url, secs).await;
         let mut held = true;
+        let tiers = std::env::var("FLEET_TIERS").unwrap_or_else(|_| "window,gcra,attack".into());
         for tier in [Tier::Window, Tier::Gcra, Tier::Attack] {
+            if !tiers.split(',').any(|t| t.trim() == tier.name()) {
+                continue;
+            }
             for &n in &sizes {
                 // Interleaved: exact, then lease, for each size.
                 for lease in [false, true] {
