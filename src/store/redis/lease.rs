@@ -59,16 +59,24 @@ const CAPACITY: usize = 4096;
 /// block asked for (at least 1 unit). The same call returns the instant a useful block will
 /// be there again (from the tiers' state after the grant, as GCRA's theoretical arrival time
 /// gives it). Once this instance has spent what it got, it refuses the key's checks itself
-/// until that instant, with no call, and with that instant as `retry_after`: the time this
-/// instance will keep refusing (see [`LeaseStats::refused_locally`]). At the key's rate an
-/// instance then calls Redis about once per useful block. The wait admits nothing, so the
-/// bound below is unchanged; what it costs is under-admission, bounded: an instance waits at
-/// most one useful block's refill after its grant (1 ms at the key's rate, or one emission
-/// interval for a key refilling less than a unit a millisecond, which is then the exact
-/// refusal's own wait), and the units that build up meanwhile stay in Redis for the next
-/// call of any instance. A useful block is at most a quarter of the burst, so an instance
-/// that waited finds the key at most a quarter full: with demand above the limit, no refill
-/// is lost to the burst's cap. `examples/fleet.rs` measures the utilization this gives.
+/// until that instant, with no call, and with the rest of the wait as `retry_after`: the time
+/// this instance will keep refusing (see [`LeaseStats::refused_locally`]). A call Redis
+/// refuses (another instance took everything) waits the same way. When other instances take
+/// from the key too, a call gets only a share of what built up: an instance that got `g`
+/// units of a useful block of `u` waits `u / g` times as long (as if for its share), so that
+/// each call finds about a useful block again, but never longer than a quarter of the
+/// burst's refill time (the wait Redis gave, when that is longer). At the key's rate Redis
+/// then sees about one call per useful block, whatever the number of instances.
+///
+/// The wait admits nothing, so the bound below is unchanged. What it costs is
+/// under-admission, and that is bounded: right after a grant the wait for a useful block is
+/// at most its refill (1 ms at the key's rate, or one emission interval for a key refilling
+/// less than a unit a millisecond, which is then the exact refusal's own wait), so every wait
+/// is at most a quarter of the time the key takes to fill from empty. An instance waits only
+/// when the key has less than a useful block (a quarter of the burst at most) left, so the
+/// key is at most half full when the wait ends: the units that build up meanwhile stay in
+/// Redis for the next call of any instance, and with demand above the limit no refill is
+/// lost to the burst's cap. `examples/fleet.rs` measures the utilization this gives.
 ///
 /// # Scaling past one Redis: what each mode guarantees
 ///
@@ -87,7 +95,8 @@ const CAPACITY: usize = 4096;
 /// charged it, so the units admitted in an interval are those Redis charged in it (at most
 /// what exact mode admits in it, since given-back units are charged again before they are
 /// admitted again) plus those held at its start, and each instance holds at most one block of
-/// at most `B` units (a useful block is at most `B` too, and waiting for one only refuses). Windows lose nothing to this: a block is spent only in the window it
+/// at most `B` units (a useful block is at most `B` too, and waiting for one only refuses).
+/// Windows lose nothing to this: a block is spent only in the window it
 /// was charged to (its lifetime ends when the first of its windows ends, fixed or calendar).
 /// A policy mixing rate and calendar tiers keeps each tier's own bound.
 ///
@@ -221,6 +230,26 @@ pub(crate) fn useful_block(policy: &Policy, max_block: u64) -> u64 {
         })
         .fold(max_block, u64::min)
         .max(1)
+}
+
+/// The longest an instance waits for a useful block when other instances take from the key
+/// too, in nanoseconds: the time the fastest-filling rate tier refills a quarter of its burst
+/// (a useful block is at most that much). Waits this short never let a key fill up to its
+/// burst while instances want it, so no refill is lost to the cap.
+fn longest_wait(policy: &Policy) -> u64 {
+    let unit = u128::from(policy.unit());
+    policy
+        .tiers()
+        .iter()
+        .filter(|t| matches!(t.kind, Kind::Rate))
+        .map(|t| {
+            let r = &t.rate;
+            let fill =
+                u128::from(r.burst) * u128::from(r.period) * unit / u128::from(r.count.max(1));
+            u64::try_from(fill / 4).unwrap_or(u64::MAX)
+        })
+        .min()
+        .unwrap_or(0)
 }
 
 /// Why `policy` cannot lease: the tier that keeps it exact and the reason; `None` when it can.
@@ -369,6 +398,8 @@ pub(crate) struct Grant {
     pub(crate) at: u64,
     /// When a useful block will be there again (same clock; 0 for now).
     pub(crate) hold: u64,
+    /// The useful block the call asked for ([`Begin::useful`]).
+    pub(crate) useful: u64,
     /// Without an injected clock: this process's instant the call was sent.
     pub(crate) sent: Option<Instant>,
 }
@@ -382,6 +413,8 @@ pub(crate) struct Leases {
     lifetime_ns: u64,
     /// The useful block of the policy's rate tiers (see [`useful_block`]); 0 for windows.
     useful: u64,
+    /// The longest wait for a useful block, in nanoseconds (see [`longest_wait`]).
+    longest_wait: u64,
     policy: Policy,
     shards: Box<[Shard]>,
     per_shard: usize,
@@ -406,6 +439,7 @@ impl Leases {
             config,
             lifetime_ns: duration_to_nanos(config.lifetime),
             useful: useful_block(policy, config.max_block),
+            longest_wait: longest_wait(policy),
             policy: policy.clone(),
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             per_shard: CAPACITY.div_ceil(SHARDS),
@@ -585,7 +619,8 @@ impl Leases {
         mut decision: Decision,
         grant: Grant,
     ) -> Decision {
-        let Grant { take, charges, at, hold, sent } = grant;
+        let Grant { take, charges, at, hold, useful, sent } = grant;
+        let hold = self.wait_until(at, hold, take, useful);
         let left = take.saturating_sub(cost);
         let until = at.saturating_add(self.lifetime_ns).min(self.window_end(at));
         {
@@ -627,11 +662,13 @@ impl Leases {
         mut decision: Decision,
         at: u64,
         hold: u64,
+        useful: u64,
         sent: Option<Instant>,
     ) -> Decision {
         if hold <= at || decision.outcome != Outcome::Limited {
             return decision;
         }
+        let hold = self.wait_until(at, hold, 0, useful);
         {
             let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
             // What a block held is given back by the call that was refused: none is left.
@@ -651,6 +688,21 @@ impl Leases {
             }
         }
         decision
+    }
+
+    /// Until when this instance waits after a call at `at` that got `took` units where it
+    /// asked for a useful block of `useful`, Redis saying a useful block is back at `hold`.
+    /// Other instances take from the key too: one that got a share of what built up waits in
+    /// proportion (`useful / took` times the wait), so that each call finds about a useful
+    /// block, but never longer than [`longest_wait`] (or the wait Redis said, if longer).
+    fn wait_until(&self, at: u64, hold: u64, took: u64, useful: u64) -> u64 {
+        if hold <= at || took >= useful {
+            return hold;
+        }
+        let wait = hold - at;
+        let longer = u128::from(wait) * u128::from(useful) / u128::from(took.max(1));
+        let longer = u64::try_from(longer).unwrap_or(u64::MAX);
+        at.saturating_add(longer.min(wait.max(self.longest_wait)))
     }
 
     /// A leasing check called Redis.
@@ -835,7 +887,7 @@ mod tests {
 
     /// A grant of `take` units at `at` (charged as `charged` units), waiting until `hold`.
     fn block(take: u64, charged: u64, at: u64, hold: u64) -> Grant {
-        Grant { take, charges: charges(charged, at), at, hold, sent: None }
+        Grant { take, charges: charges(charged, at), at, hold, useful: 1, sent: None }
     }
 
     #[test]
@@ -963,6 +1015,24 @@ mod tests {
     }
 
     #[test]
+    fn an_instance_that_got_a_share_waits_in_proportion_up_to_a_quarter_burst() {
+        // 400,000 a second, a burst of 4,000: a quarter of the burst refills in 2.5 ms.
+        let p = Policy::single("p", Quota::per_second(400_000).with_burst(4_000)).unwrap();
+        let l = Leases::new(&p, Lease::new().max_block(512));
+        assert_eq!(l.longest_wait, 2_500_000);
+        // 200 of a useful 400, a useful block back in 1 ms: 2 ms.
+        assert_eq!(l.wait_until(S, S + MS, 200, 400), S + 2 * MS);
+        // 100 of 400: 4 ms, at most 2.5 ms; nothing (a refusal): the same.
+        assert_eq!(l.wait_until(S, S + MS, 100, 400), S + 2_500_000);
+        assert_eq!(l.wait_until(S, S + MS, 0, 400), S + 2_500_000);
+        // A useful block taken, or none to wait for: as Redis said.
+        assert_eq!(l.wait_until(S, S + MS, 400, 400), S + MS);
+        assert_eq!(l.wait_until(S, 0, 10, 400), 0);
+        // A longer wait (the key in debt) stays as it is.
+        assert_eq!(l.wait_until(S, S + 3 * MS, 100, 400), S + 3 * MS);
+    }
+
+    #[test]
     fn a_refused_lease_call_waits_for_a_useful_block_and_says_so() {
         let p = Policy::single("p", Quota::per_second(400_000).with_burst(4_000)).unwrap();
         let l = Leases::new(&p, Lease::new().max_block(512));
@@ -970,7 +1040,7 @@ mod tests {
         // Redis refused: the next unit in 2.5 µs, a useful block in 1 ms.
         let tiers: Tiers = smallvec![TierDecision::new(4_000, 0, 10 * MS, Some(2_500), true)];
         let refusal = Decision::new(Outcome::Limited, 0, Some(2_500), tiers);
-        let d = l.refused(&slot, refusal.clone(), S, S + MS, None);
+        let d = l.refused(&slot, refusal.clone(), S, S + MS, 1, None);
         assert_eq!(d.retry_after(), Some(Duration::from_millis(1)));
         assert_eq!(d.tiers()[0].retry_after(), Some(Duration::from_millis(1)));
         let (d, granted) = l.spend(&slot, 1, Some(S + 400_000)).unwrap();
@@ -980,7 +1050,7 @@ mod tests {
         assert_eq!(l.stats().refused_locally, 1);
         // No wait beyond the refusal's own: the refusal as Redis made it.
         let other = l.slot(&Key::text("k2")).unwrap();
-        assert_eq!(l.refused(&other, refusal.clone(), S, 0, None), refusal);
+        assert_eq!(l.refused(&other, refusal.clone(), S, 0, 1, None), refusal);
         assert!(l.spend(&other, 1, Some(S)).is_none());
     }
 

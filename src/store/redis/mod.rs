@@ -1215,11 +1215,8 @@ impl RedisStore {
             let hold = u64::try_from(*hold).map_err(|_| StoreError::backend("negative hold"))?;
             // From the unit the decision's instant falls in, as the script counts.
             let unit = prepared.unit();
-            let hold = if hold == 0 {
-                0
-            } else {
-                (at / unit).saturating_add(hold).saturating_mul(unit)
-            };
+            let hold =
+                if hold == 0 { 0 } else { (at / unit).saturating_add(hold).saturating_mul(unit) };
             script::decode(&bound.policy, take, at, reply).map(|d| (d, take, hold, at))
         });
         let ((decision, charges), take, hold, at) = match decided {
@@ -1234,11 +1231,11 @@ impl RedisStore {
         bound.learn(&check, &decision, at, sent, epoch);
         let decision = match charges {
             Some(charges) => {
-                let grant = lease::Grant { take, charges, at, hold, sent };
+                let grant = lease::Grant { take, charges, at, hold, useful: begin.useful, sent };
                 leases.granted(slot, check.cost, decision, grant)
             }
             None => {
-                let decision = leases.refused(slot, decision, at, hold, sent);
+                let decision = leases.refused(slot, decision, at, hold, begin.useful, sent);
                 return Ok(Verdict { decision, ticket: None });
             }
         };
@@ -1299,7 +1296,7 @@ impl RedisStore {
             if let Some(charges) = charges {
                 // An admission: refusals of the key held or in flight are dropped.
                 bound.learn(&check, &decision, at, sent, epoch);
-                let grant = lease::Grant { take: block, charges, at, hold: 0, sent };
+                let grant = lease::Grant { take: block, charges, at, hold: 0, useful: 0, sent };
                 let decision = leases.granted(slot, check.cost, decision, grant);
                 return Ok(Verdict { decision, ticket: bound.lease_ticket(&check, at) });
             }
