@@ -64,17 +64,20 @@ const CAPACITY: usize = 4096;
 /// refuses (another instance took everything) waits the same way. When other instances take
 /// from the key too, a call gets only a share of what built up: an instance that got `g`
 /// units of a useful block of `u` waits `u / g` times as long (as if for its share), so that
-/// each call finds about a useful block again, but never longer than a quarter of the
-/// burst's refill time (the wait Redis gave, when that is longer). At the key's rate Redis
-/// then sees about one call per useful block, whatever the number of instances.
+/// each call finds about a useful block again, but never longer than the time the key takes
+/// to refill half its burst (or the wait Redis gave, when that is longer). At the key's rate
+/// Redis then sees about one call per useful block, up to a number of instances that share
+/// a useful block in half the burst's refill time (at 400,000 a second with a burst of 4,000
+/// and useful blocks of 400: 5, each calling every 5 ms at least), and then one call per
+/// instance every 5 ms.
 ///
 /// The wait admits nothing, so the bound below is unchanged. What it costs is
 /// under-admission, and that is bounded: right after a grant the wait for a useful block is
 /// at most its refill (1 ms at the key's rate, or one emission interval for a key refilling
 /// less than a unit a millisecond, which is then the exact refusal's own wait), so every wait
-/// is at most a quarter of the time the key takes to fill from empty. An instance waits only
-/// when the key has less than a useful block (a quarter of the burst at most) left, so the
-/// key is at most half full when the wait ends: the units that build up meanwhile stay in
+/// is at most half the time the key takes to fill from empty. An instance waits only when
+/// the key has less than a useful block (a quarter of the burst at most) left, so the key is
+/// at most three quarters full when the wait ends: the units that build up meanwhile stay in
 /// Redis for the next call of any instance, and with demand above the limit no refill is
 /// lost to the burst's cap. `examples/fleet.rs` measures the utilization this gives.
 ///
@@ -233,9 +236,10 @@ pub(crate) fn useful_block(policy: &Policy, max_block: u64) -> u64 {
 }
 
 /// The longest an instance waits for a useful block when other instances take from the key
-/// too, in nanoseconds: the time the fastest-filling rate tier refills a quarter of its burst
-/// (a useful block is at most that much). Waits this short never let a key fill up to its
-/// burst while instances want it, so no refill is lost to the cap.
+/// too, in nanoseconds: the time the fastest-filling rate tier refills half its burst. An
+/// instance waits only when the key has less than a useful block (a quarter of the burst at
+/// most) left, so a key that instances want is at most three quarters full when their waits
+/// end, and no refill is lost to the burst's cap.
 fn longest_wait(policy: &Policy) -> u64 {
     let unit = u128::from(policy.unit());
     policy
@@ -246,7 +250,7 @@ fn longest_wait(policy: &Policy) -> u64 {
             let r = &t.rate;
             let fill =
                 u128::from(r.burst) * u128::from(r.period) * unit / u128::from(r.count.max(1));
-            u64::try_from(fill / 4).unwrap_or(u64::MAX)
+            u64::try_from(fill / 2).unwrap_or(u64::MAX)
         })
         .min()
         .unwrap_or(0)
@@ -1015,21 +1019,21 @@ mod tests {
     }
 
     #[test]
-    fn an_instance_that_got_a_share_waits_in_proportion_up_to_a_quarter_burst() {
-        // 400,000 a second, a burst of 4,000: a quarter of the burst refills in 2.5 ms.
+    fn an_instance_that_got_a_share_waits_in_proportion_up_to_half_the_bursts_refill() {
+        // 400,000 a second, a burst of 4,000: half the burst refills in 5 ms.
         let p = Policy::single("p", Quota::per_second(400_000).with_burst(4_000)).unwrap();
         let l = Leases::new(&p, Lease::new().max_block(512));
-        assert_eq!(l.longest_wait, 2_500_000);
+        assert_eq!(l.longest_wait, 5 * MS);
         // 200 of a useful 400, a useful block back in 1 ms: 2 ms.
         assert_eq!(l.wait_until(S, S + MS, 200, 400), S + 2 * MS);
-        // 100 of 400: 4 ms, at most 2.5 ms; nothing (a refusal): the same.
-        assert_eq!(l.wait_until(S, S + MS, 100, 400), S + 2_500_000);
-        assert_eq!(l.wait_until(S, S + MS, 0, 400), S + 2_500_000);
+        // 50 of 400: 8 ms, at most 5 ms; nothing (a refusal): the same.
+        assert_eq!(l.wait_until(S, S + MS, 50, 400), S + 5 * MS);
+        assert_eq!(l.wait_until(S, S + MS, 0, 400), S + 5 * MS);
         // A useful block taken, or none to wait for: as Redis said.
         assert_eq!(l.wait_until(S, S + MS, 400, 400), S + MS);
         assert_eq!(l.wait_until(S, 0, 10, 400), 0);
         // A longer wait (the key in debt) stays as it is.
-        assert_eq!(l.wait_until(S, S + 3 * MS, 100, 400), S + 3 * MS);
+        assert_eq!(l.wait_until(S, S + 6 * MS, 100, 400), S + 6 * MS);
     }
 
     #[test]
