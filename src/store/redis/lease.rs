@@ -130,7 +130,9 @@ const CAPACITY: usize = 4096;
 /// **Which checks lease.** Policing checks of a cost above 0; shaping checks and queries are
 /// exact. A check whose block Redis refuses is refused exactly as in exact mode (the refusal
 /// is for its own cost), and is then kept by the
-/// [local refusals](super::RedisStoreBuilder::local_refusals). A check that asks for a ticket
+/// [local refusals](super::RedisStoreBuilder::local_refusals); for GCRA and the buckets its
+/// `retry_after` is the instance's wait for a useful block when that is longer (above). A
+/// check that asks for a ticket
 /// gets one for its units as Redis charged them (at the block's grant): settling it refunds
 /// to, or charges, the key in Redis as it would an exact charge made at that instant (a fixed
 /// window's refund reaches the window only while it lasts).
