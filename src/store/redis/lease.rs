@@ -46,10 +46,10 @@ const CAPACITY: usize = 4096;
 /// exact mode and leaves nothing behind). A block spent within its lifetime doubles the next
 /// one (up to [`max_block`](Self::max_block)) when that is asked for within the lifetime too
 /// (a key checked again only later keeps the size it had); a block that ends unspent sizes
-/// the next one to what was spent of it. Redis grants at most a quarter of what the key has left on every
-/// tier (and at least the check's cost, if the key has it): a key far from its limit is
-/// leased in large blocks, and near its limit each instance leases one unit at a time, which
-/// is exact.
+/// the next one to what was spent of it. Redis grants at most a quarter of what the key has
+/// left on every tier (and at least the check's cost, if the key has it): a key far from its
+/// limit is leased in large blocks, and near its limit each instance leases one unit at a
+/// time, which is exact.
 ///
 /// **Waiting for a useful block (GCRA, token and leaky bucket).** A key taken at its rate
 /// has little left at any instant, so a quarter of it is a few units and each instance would
@@ -66,10 +66,11 @@ const CAPACITY: usize = 4096;
 /// units of a useful block of `u` waits `u / g` times as long (as if for its share), so that
 /// each call finds about a useful block again, but never longer than the time the key takes
 /// to refill half its burst (or the wait Redis gave, when that is longer). At the key's rate
-/// Redis then sees about one call per useful block, up to a number of instances that share
-/// a useful block in half the burst's refill time (at 400,000 a second with a burst of 4,000
-/// and useful blocks of 400: 5, each calling every 5 ms at least), and then one call per
-/// instance every 5 ms.
+/// Redis then sees about one call per useful block for up to as many instances as useful
+/// blocks refill in half the burst's refill time, and beyond that one call per instance per
+/// half the burst's refill (at 400,000 a second with a burst of 4,000: blocks of 400 refill
+/// in 1 ms and half the burst in 5 ms, so about 1,000 calls a second for up to 5 instances,
+/// then 200 per instance).
 ///
 /// The wait admits nothing, so the bound below is unchanged. What it costs is
 /// under-admission, and that is bounded: right after a grant the wait for a useful block is
