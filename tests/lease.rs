@@ -259,6 +259,46 @@ async fn at_the_keys_rate_an_instance_waits_for_a_useful_block_without_calling()
     }
 }
 
+/// An instance whose lease call Redis refuses (another took everything) while it asks for
+/// blocks of 64 waits for its share: `useful / 0` times the wait for a useful block (640 µs),
+/// at most half the burst's refill (5 ms), and says so in `retry_after`, then and after,
+/// with no call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_lease_call_is_waited_out_with_that_retry() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let policy = Policy::single("hot", Quota::per_second(100_000).with_burst(1_000)).unwrap();
+    let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100));
+    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+    let key = Key::text("hot");
+    // Blocks of 1 to 64, all spent: 127 units.
+    for _ in 0..127 {
+        assert!(check(&nodes[0], &key, 1).await.is_allowed());
+    }
+    // Another instance takes the rest.
+    let mut taken = 0;
+    while check(&exact, &key, 1).await.is_allowed() {
+        taken += 1;
+    }
+    assert_eq!(taken, 1_000 - 127);
+    let d = check(&nodes[0], &key, 1).await;
+    assert_eq!(d.outcome(), Outcome::Limited);
+    assert_eq!(d.retry_after(), Some(Duration::from_millis(5)));
+    assert_eq!(d.tiers()[0].retry_after(), Some(Duration::from_millis(5)));
+    let calls = nodes[0].1.lease_stats().decided_on_redis;
+    // At once: the wait answers, not the exact refusal (the next unit in 10 µs).
+    let d = check(&nodes[0], &key, 1).await;
+    assert_eq!(d.retry_after(), Some(Duration::from_millis(5)));
+    clock.advance(Duration::from_millis(1));
+    let d = check(&nodes[0], &key, 1).await;
+    assert_eq!(d.retry_after(), Some(Duration::from_millis(4)));
+    clock.advance(Duration::from_millis(4));
+    assert!(check(&nodes[0], &key, 1).await.is_allowed());
+    let stats = nodes[0].1.lease_stats();
+    assert_eq!((stats.decided_on_redis, stats.refused_locally), (calls + 1, 2));
+}
+
 /// Four instances at ten times a key's rate (100,000 a second, a burst of 1,000; useful
 /// blocks of 64): the bound holds over every interval, the key's rate is used (≥ 97 %), and
 /// Redis sees about one call per instance per useful block's refill, not one per check.

@@ -1228,7 +1228,12 @@ impl RedisStore {
         if let Some(units) = returned {
             leases.returned(units);
         }
-        bound.learn(&check, &decision, at, sent, epoch);
+        // A refusal this instance waits out (a useful block is further away than the
+        // refusal's own wait) is answered by the wait, whose `retry_after` is the time this
+        // instance refuses for: the local refusals, exact, would say less.
+        if charges.is_some() || hold <= at {
+            bound.learn(&check, &decision, at, sent, epoch);
+        }
         let decision = match charges {
             Some(charges) => {
                 let grant = lease::Grant { take, charges, at, hold, useful: begin.useful, sent };
