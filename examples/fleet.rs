@@ -3,8 +3,9 @@
 //! exact mode and in lease mode, beside a plain `INCR` loop on one key with the same tasks.
 //!
 //! Run: `cargo run --release --example fleet --features redis -- [seconds per line]`
-//! (default 3; or `FLEET_SECS`; `FLEET_N=1,2,4,8` picks the fleet sizes; `FLEET_DEBUG=1`
-//! prints each instance's lease counts). It exits with an error when a line admitted more
+//! (default 3; or `FLEET_SECS`; `FLEET_N=1,2,4,8` picks the fleet sizes,
+//! `FLEET_TIERS=window,gcra,gcra-hot,attack` the tiers; `FLEET_DEBUG=1` prints each instance's lease
+//! counts and the server's `INFO commandstats` per line). It exits with an error when a line admitted more
 //! than its bound. It starts its own `redis-server` (which must be on `PATH`) on a free
 //! 127.0.0.1 port with `--save ""` and kills it at the end.
 //!
@@ -26,7 +27,9 @@
 //! - `errors`: checks Redis did not decide within the timeout (the stores have no local
 //!   fallback here, so that every admission counted is one Redis decided).
 //!
-//! The attack tier is one key far over its limit (100 a second), every check on it.
+//! The `gcra-hot` lines (lease mode only) are the GCRA tier with the 8 cold tasks idle: the
+//! hot key's own share of the Redis CPU, beside the lines of the whole mix. The attack tier is
+//! one key far over its limit (100 a second), every check on it.
 
 #[path = "common/redis_server.rs"]
 mod redis_server;
@@ -68,6 +71,9 @@ fn unix_nanos() -> u64 {
 enum Tier {
     Window,
     Gcra,
+    /// The GCRA tier with the cold tasks idle, lease mode only: the hot key's share of the
+    /// Redis CPU, reported beside the lines of the whole mix (not instead of them).
+    GcraHot,
     Attack,
 }
 
@@ -76,6 +82,7 @@ impl Tier {
         match self {
             Self::Window => "window",
             Self::Gcra => "gcra",
+            Self::GcraHot => "gcra-hot",
             Self::Attack => "attack",
         }
     }
@@ -86,7 +93,7 @@ impl Tier {
             Self::Window => builder
                 .algorithm(Algorithm::FixedWindow)
                 .tier("second", Quota::per_second(WINDOW_LIMIT)),
-            Self::Gcra => {
+            Self::Gcra | Self::GcraHot => {
                 builder.tier("second", Quota::per_second(GCRA_RATE).with_burst(GCRA_BURST))
             }
             Self::Attack => builder
@@ -143,6 +150,10 @@ async fn line(
     // An eighth of the tasks check cold keys (one call each in both modes), the others the
     // hot key; on the attack lines every task checks the hot key.
     let cold_task = |t: usize| tier != Tier::Attack && t % 8 == 7;
+    let debug = std::env::var("FLEET_DEBUG").is_ok();
+    if debug {
+        let () = redis::cmd("CONFIG").arg("RESETSTAT").query(info).expect("CONFIG RESETSTAT");
+    }
     let cpu_before = server_cpu(info);
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(secs);
@@ -151,8 +162,12 @@ async fn line(
         let limiter = limiters[t % n].clone();
         let (cold, hot) = (Arc::clone(&cold), hot.clone());
         let is_cold = cold_task(t);
+        let idle = is_cold && tier == Tier::GcraHot;
         tasks.push(tokio::spawn(async move {
             let mut counts = Counts::default();
+            if idle {
+                return counts;
+            }
             let mut i = 0u64;
             loop {
                 if i % 16 == 0 {
@@ -178,7 +193,7 @@ async fn line(
                 }
                 if d.is_allowed() && !is_cold {
                     counts.admitted += 1;
-                    if tier != Tier::Gcra {
+                    if !matches!(tier, Tier::Gcra | Tier::GcraHot) {
                         // A fixed window's reset is the end of the window it was charged to.
                         let end = unix_nanos() + d.tiers()[0].reset_after().as_nanos() as u64;
                         let window = (end + 500_000_000) / 1_000_000_000;
@@ -200,15 +215,21 @@ async fn line(
         }
     }
     let elapsed = start.elapsed().as_secs_f64();
-    if std::env::var("FLEET_DEBUG").is_ok() {
+    if debug {
         for l in &limiters {
             eprintln!("{:?} keys={}", l.bound().lease_stats(), l.bound().leased_keys());
         }
     }
     let cpu_us = (server_cpu(info) - cpu_before) * 1e6;
+    if debug {
+        let stats: String = redis::cmd("INFO").arg("commandstats").query(info).expect("INFO");
+        for l in stats.lines().filter(|l| l.starts_with("cmdstat_")) {
+            eprintln!("  {l}");
+        }
+    }
     let refused = total.checks - total.all_admitted - total.errors;
     let (worst, limit, utilization, over, bound) = match tier {
-        Tier::Gcra => {
+        Tier::Gcra | Tier::GcraHot => {
             let allowed = GCRA_BURST + (GCRA_RATE as f64 * elapsed) as u64;
             let over = total.admitted.saturating_sub(allowed);
             let bound = if lease { LEASE.bound(n as u64) } else { 0 };
@@ -287,10 +308,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let held = rt.block_on(async {
         incr(&url, secs).await;
         let mut held = true;
-        for tier in [Tier::Window, Tier::Gcra, Tier::Attack] {
+        let tiers =
+            std::env::var("FLEET_TIERS").unwrap_or_else(|_| "window,gcra,gcra-hot,attack".into());
+        for tier in [Tier::Window, Tier::Gcra, Tier::GcraHot, Tier::Attack] {
+            if !tiers.split(',').any(|t| t.trim() == tier.name()) {
+                continue;
+            }
             for &n in &sizes {
                 // Interleaved: exact, then lease, for each size.
                 for lease in [false, true] {
+                    if tier == Tier::GcraHot && !lease {
+                        continue;
+                    }
                     held &= line(&url, lease, tier, n, secs, &mut info).await;
                 }
             }

@@ -14,7 +14,7 @@
 //! | `tollgate_lease_grants_total` | counter | `policy` | blocks Redis granted to this instance (`RedisStore` lease mode) |
 //! | `tollgate_lease_block_units` | histogram | `policy` | units in each block granted |
 //! | `tollgate_lease_returned_units_total` | counter | `policy` | unspent units of blocks given back to Redis |
-//! | `tollgate_lease_checks_total` | counter | `policy`, `decided` | leasing checks: `local` (from a block, no call) or `redis` (a call: a block granted, or refused) |
+//! | `tollgate_lease_checks_total` | counter | `policy`, `decided` | leasing checks: `local` (from a block, no call), `redis` (a call: a block granted, or refused) or `held` (refused with no call while the instance waits for a GCRA or bucket key to refill a useful block) |
 //!
 //! ```
 //! use metrics_exporter_prometheus::PrometheusBuilder;
@@ -59,9 +59,9 @@ pub(crate) struct LeaseMetrics {
     block: metrics::Histogram,
     #[cfg(feature = "metrics")]
     returned: metrics::Counter,
-    /// Local, Redis.
+    /// Local, Redis, held.
     #[cfg(feature = "metrics")]
-    checks: [metrics::Counter; 2],
+    checks: [metrics::Counter; 3],
 }
 
 #[cfg_attr(not(feature = "redis"), allow(dead_code))]
@@ -78,6 +78,7 @@ impl LeaseMetrics {
                 checks: [
                     metrics::counter!(names::LEASE_CHECKS, "policy" => p(), "decided" => "local"),
                     metrics::counter!(names::LEASE_CHECKS, "policy" => p(), "decided" => "redis"),
+                    metrics::counter!(names::LEASE_CHECKS, "policy" => p(), "decided" => "held"),
                 ],
             }
         }
@@ -115,6 +116,13 @@ impl LeaseMetrics {
     pub(crate) fn remote(&self) {
         #[cfg(feature = "metrics")]
         self.checks[1].increment(1);
+    }
+
+    /// A leasing check was refused here while the instance waited for a useful block.
+    #[inline]
+    pub(crate) fn held(&self) {
+        #[cfg(feature = "metrics")]
+        self.checks[2].increment(1);
     }
 }
 

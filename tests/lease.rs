@@ -198,6 +198,157 @@ async fn four_leasing_instances_keep_gcra_within_the_stated_bound() {
     );
 }
 
+/// One instance at a key's rate (100,000 a second, T = 10 µs, a burst of 1,000; a useful
+/// block is 64 units, 640 µs of refill): it takes what the key has, then refuses by itself
+/// until a useful block is back, with that wait as `retry_after`, and calls Redis once per
+/// block. GCRA (whole units) and the buckets (the general script) alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_keys_rate_an_instance_waits_for_a_useful_block_without_calling() {
+    let Some(server) = Server::start("redis-server") else { return };
+    for algorithm in [Algorithm::Gcra, Algorithm::TokenBucket, Algorithm::LeakyBucket] {
+        let clock = FakeClock::new();
+        clock.set(1_000 * S);
+        let policy = Policy::builder("hot")
+            .algorithm(algorithm)
+            .tier("second", Quota::per_second(100_000).with_burst(1_000))
+            .build()
+            .unwrap();
+        let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100));
+        let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+        let node = &nodes[0];
+        let key = Key::text("hot");
+        // Blocks of 1, 2, ... 32, then 64 while the key has 64 (14 of them): 959 units, 20
+        // calls. The last leaves 41 in Redis, a useful block 23 units (230 µs) away.
+        let mut admitted = 0;
+        let refused = loop {
+            let d = check(node, &key, 1).await;
+            if !d.is_allowed() {
+                break d;
+            }
+            admitted += 1;
+        };
+        assert_eq!(admitted, 959, "{algorithm:?}");
+        let stats = node.1.lease_stats();
+        assert_eq!((stats.grants, stats.decided_on_redis, stats.refused_locally), (20, 20, 1));
+        assert_eq!(refused.outcome(), Outcome::Limited);
+        assert_eq!(refused.retry_after(), Some(Duration::from_micros(230)), "{algorithm:?}");
+        assert_eq!(refused.tiers()[0].remaining(), 0);
+        assert!(refused.tiers()[0].is_violated());
+        assert_eq!(refused.source(), Source::Store);
+        // Nothing is lost: the 41 units wait in Redis.
+        assert_eq!(left(&exact, &key).await, 41);
+        // 100 µs on, the same refusal, 100 µs shorter, still with no call.
+        clock.advance(Duration::from_micros(100));
+        let d = check(node, &key, 1).await;
+        assert_eq!(d.retry_after(), Some(Duration::from_micros(130)));
+        assert_eq!(node.1.lease_stats().decided_on_redis, 20);
+        // At the instant, one call takes the useful block: 64 units, then a wait of 640 µs.
+        clock.advance(Duration::from_micros(130));
+        for round in 0..5 {
+            for i in 0..64 {
+                assert!(check(node, &key, 1).await.is_allowed(), "round {round}, check {i}");
+            }
+            let d = check(node, &key, 1).await;
+            assert_eq!(d.retry_after(), Some(Duration::from_micros(640)), "round {round}");
+            assert_eq!(left(&exact, &key).await, 0);
+            clock.advance(Duration::from_micros(640));
+        }
+        let stats = node.1.lease_stats();
+        assert_eq!((stats.decided_on_redis, stats.refused_locally), (25, 7), "{algorithm:?}");
+        assert_eq!(stats.units_granted, 959 + 5 * 64);
+    }
+}
+
+/// An instance whose lease call Redis refuses (another took everything) while it asks for
+/// blocks of 64 waits for its share: `useful / 0` times the wait for a useful block (640 µs),
+/// at most half the burst's refill (5 ms), and says so in `retry_after`, then and after,
+/// with no call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_lease_call_is_waited_out_with_that_retry() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let policy = Policy::single("hot", Quota::per_second(100_000).with_burst(1_000)).unwrap();
+    let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100));
+    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+    let key = Key::text("hot");
+    // Blocks of 1 to 64, all spent: 127 units.
+    for _ in 0..127 {
+        assert!(check(&nodes[0], &key, 1).await.is_allowed());
+    }
+    // Another instance takes the rest.
+    let mut taken = 0;
+    while check(&exact, &key, 1).await.is_allowed() {
+        taken += 1;
+    }
+    assert_eq!(taken, 1_000 - 127);
+    let d = check(&nodes[0], &key, 1).await;
+    assert_eq!(d.outcome(), Outcome::Limited);
+    assert_eq!(d.retry_after(), Some(Duration::from_millis(5)));
+    assert_eq!(d.tiers()[0].retry_after(), Some(Duration::from_millis(5)));
+    let calls = nodes[0].1.lease_stats().decided_on_redis;
+    // At once: the wait answers, not the exact refusal (the next unit in 10 µs).
+    let d = check(&nodes[0], &key, 1).await;
+    assert_eq!(d.retry_after(), Some(Duration::from_millis(5)));
+    clock.advance(Duration::from_millis(1));
+    let d = check(&nodes[0], &key, 1).await;
+    assert_eq!(d.retry_after(), Some(Duration::from_millis(4)));
+    clock.advance(Duration::from_millis(4));
+    assert!(check(&nodes[0], &key, 1).await.is_allowed());
+    let stats = nodes[0].1.lease_stats();
+    assert_eq!((stats.decided_on_redis, stats.refused_locally), (calls + 1, 2));
+}
+
+/// Four instances at ten times a key's rate (100,000 a second, a burst of 1,000; useful
+/// blocks of 64): the bound holds over every interval, the key's rate is used (≥ 97 %), and
+/// Redis sees about one call per instance per useful block's refill, not one per check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_instances_at_the_keys_rate_use_it_within_the_bound_with_few_calls() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let policy = Policy::single("hot", Quota::per_second(100_000).with_burst(1_000)).unwrap();
+    let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100));
+    let (nodes, _exact) = fleet(&server.url(), &clock, &policy, lease);
+    let key = Key::text("hot");
+    // Steps of 100 µs (10 units of refill); each instance asks 25 times a step.
+    let (step, steps, asks) = (100_000u64, 2_000u64, 25);
+    let mut per_step = Vec::new();
+    for _ in 0..steps {
+        let all = (0..N).flat_map(|i| (0..asks).map(move |_| i)).map(|i| check(&nodes[i], &key, 1));
+        let decided = futures_join(all).await;
+        per_step.push(decided.iter().filter(|d| d.is_allowed()).count() as u64);
+        clock.advance(Duration::from_nanos(step));
+    }
+    let (burst, t, bound) = (1_000u64, 10_000u64, lease.bound(N as u64));
+    // Every interval of whole steps [i, j]: at most burst + ⌊L / T⌋ + N·B.
+    let mut prefix = vec![0u64];
+    for a in &per_step {
+        prefix.push(prefix.last().unwrap() + a);
+    }
+    for i in 0..per_step.len() {
+        for j in i..per_step.len() {
+            let count = prefix[j + 1] - prefix[i];
+            let exact = burst + (j - i) as u64 * step / t;
+            assert!(count <= exact + bound, "steps {i}..={j}: {count} admitted, {exact} + {bound}");
+        }
+    }
+    let admitted = prefix[per_step.len()];
+    // What exact GCRA admits over the run: the burst and the refill up to the last step.
+    let allowed = burst + (steps - 1) * step / t;
+    assert!(admitted * 100 >= allowed * 97, "{admitted} admitted of {allowed}: under 97 %");
+    let stats: Vec<_> = nodes.iter().map(|n| n.1.lease_stats()).collect();
+    let calls: u64 = stats.iter().map(|s| s.decided_on_redis).sum();
+    let held: u64 = stats.iter().map(|s| s.refused_locally).sum();
+    // About one call per useful block (64 units: 328 blocks in the run), where one call per
+    // check would be 50,000: at most twice that, and 7 calls per instance while its blocks
+    // double to 64. (Without waiting longer for a share, each instance calls once per useful
+    // block's refill: about 4 × 313.)
+    assert!(calls <= 2 * 328 + 7 * N as u64, "{calls} calls for {admitted} admitted: {stats:?}");
+    assert!(held > admitted, "{stats:?}");
+    eprintln!("{admitted} admitted of {allowed}, {calls} calls, {held} refused while waiting");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocks_grow_with_demand_and_come_back_when_dropped() {
     let Some(server) = Server::start("redis-server") else { return };

@@ -46,11 +46,43 @@ const CAPACITY: usize = 4096;
 ///
 /// **Block size.** A key's first block is one unit (a key seen once costs what it costs in
 /// exact mode and leaves nothing behind). A block spent within its lifetime doubles the next
-/// one (up to [`max_block`](Self::max_block)); a block that ends unspent sizes the next one
-/// to what was spent of it. Redis grants at most a quarter of what the key has left on every
-/// tier (and at least the check's cost, if the key has it): a key far from its limit is
-/// leased in large blocks, and near its limit each instance leases one unit at a time, which
-/// is exact.
+/// one (up to [`max_block`](Self::max_block)) when that is asked for within the lifetime too
+/// (a key checked again only later keeps the size it had); a block that ends unspent sizes
+/// the next one to what was spent of it. Redis grants at most a quarter of what the key has
+/// left on every tier (and at least the check's cost, if the key has it): a key far from its
+/// limit is leased in large blocks, and near its limit each instance leases one unit at a
+/// time, which is exact.
+///
+/// **Waiting for a useful block (GCRA, token and leaky bucket).** A key taken at its rate
+/// has little left at any instant, so a quarter of it is a few units and each instance would
+/// call Redis every few checks, and for every refused check. For these algorithms Redis
+/// grants instead, when it is more, up to a **useful block** of what the key has, however
+/// little: what every tier refills in 1 ms, a quarter of its burst at most, and at most the
+/// block asked for (at least 1 unit). The same call returns the instant a useful block will
+/// be there again (from the tiers' state after the grant, as GCRA's theoretical arrival time
+/// gives it). Once this instance has spent what it got, it refuses the key's checks itself
+/// until that instant, with no call, and with the rest of the wait as `retry_after`: the time
+/// this instance will keep refusing (see [`LeaseStats::refused_locally`]). A call Redis
+/// refuses (another instance took everything) waits the same way. When other instances take
+/// from the key too, a call gets only a share of what built up: an instance that got `g`
+/// units of a useful block of `u` waits `u / g` times as long (as if for its share), so that
+/// each call finds about a useful block again, but never longer than the time the key takes
+/// to refill half its burst (or the wait Redis gave, when that is longer). At the key's rate
+/// Redis then sees about one call per useful block for up to as many instances as useful
+/// blocks refill in half the burst's refill time, and beyond that one call per instance per
+/// half the burst's refill (at 400,000 a second with a burst of 4,000: blocks of 400 refill
+/// in 1 ms and half the burst in 5 ms, so about 1,000 calls a second for up to 5 instances,
+/// then 200 per instance).
+///
+/// The wait admits nothing, so the bound below is unchanged. What it costs is
+/// under-admission, and that is bounded: right after a grant the wait for a useful block is
+/// at most its refill (1 ms at the key's rate, or one emission interval for a key refilling
+/// less than a unit a millisecond, which is then the exact refusal's own wait), so every wait
+/// is at most half the time the key takes to fill from empty. An instance waits only when
+/// the key has less than a useful block (a quarter of the burst at most) left, so the key is
+/// at most three quarters full when the wait ends: the units that build up meanwhile stay in
+/// Redis for the next call of any instance, and with demand above the limit no refill is
+/// lost to the burst's cap. `examples/fleet.rs` measures the utilization this gives.
 ///
 /// # Scaling past one Redis: what each mode guarantees
 ///
@@ -69,7 +101,8 @@ const CAPACITY: usize = 4096;
 /// charged it, so the units admitted in an interval are those Redis charged in it (at most
 /// what exact mode admits in it, since given-back units are charged again before they are
 /// admitted again) plus those held at its start, and each instance holds at most one block of
-/// at most `B` units. Windows lose nothing to this: a block is spent only in the window it
+/// at most `B` units (a useful block is at most `B` too, and waiting for one only refuses).
+/// Windows lose nothing to this: a block is spent only in the window it
 /// was charged to (its lifetime ends when the first of its windows ends, fixed or calendar).
 /// A policy mixing rate and calendar tiers keeps each tier's own bound.
 ///
@@ -92,12 +125,17 @@ const CAPACITY: usize = 4096;
 /// **Headers.** A check decided from a block reports, per tier, `remaining` as the units this
 /// instance still holds of the block (what it can promise; never more than the key has), and
 /// the tier's reset counted down from the grant; a check that took a new block reports what
-/// exact mode would have at that instant (the block's rest plus what Redis has left).
+/// exact mode would have at that instant (the block's rest plus what Redis has left). A check
+/// refused while waiting for a useful block reports `remaining` 0 on every tier, the reset
+/// counted down from the grant, and as violated the tiers that had the least left at the
+/// grant, each with the wait's `retry_after`.
 ///
 /// **Which checks lease.** Policing checks of a cost above 0; shaping checks and queries are
 /// exact. A check whose block Redis refuses is refused exactly as in exact mode (the refusal
 /// is for its own cost), and is then kept by the
-/// [local refusals](super::RedisStoreBuilder::local_refusals). A check that asks for a ticket
+/// [local refusals](super::RedisStoreBuilder::local_refusals); for GCRA and the buckets its
+/// `retry_after` is the instance's wait for a useful block when that is longer (above). A
+/// check that asks for a ticket
 /// gets one for its units as Redis charged them (at the block's grant): settling it refunds
 /// to, or charges, the key in Redis as it would an exact charge made at that instant (a fixed
 /// window's refund reaches the window only while it lasts).
@@ -177,6 +215,52 @@ impl Lease {
     }
 }
 
+/// How long a useful block takes to build up at a key's rate (see [`useful_block`]).
+const USEFUL_SPAN: Duration = Duration::from_millis(1);
+
+/// The block an instance waits for on a GCRA or bucket key, in units: what every rate tier
+/// refills in [`USEFUL_SPAN`], a quarter of its burst at most, and at most `max_block`, but at
+/// least 1 (then it waits for the next unit, exactly as a refusal would). 0 for fixed windows,
+/// which keep the quarter rule alone: a window's units come back only when it ends.
+pub(crate) fn useful_block(policy: &Policy, max_block: u64) -> u64 {
+    if policy.algorithm() == Algorithm::FixedWindow {
+        return 0;
+    }
+    let span = u128::from(duration_to_nanos(USEFUL_SPAN) / policy.unit());
+    policy
+        .tiers()
+        .iter()
+        .filter(|t| matches!(t.kind, Kind::Rate))
+        .map(|t| {
+            let r = &t.rate;
+            let refilled = u128::from(r.count) * span / u128::from(r.period.max(1));
+            u64::try_from(refilled).unwrap_or(u64::MAX).min(r.burst / 4)
+        })
+        .fold(max_block, u64::min)
+        .max(1)
+}
+
+/// The longest an instance waits for a useful block when other instances take from the key
+/// too, in nanoseconds: the time the fastest-filling rate tier refills half its burst. An
+/// instance waits only when the key has less than a useful block (a quarter of the burst at
+/// most) left, so a key that instances want is at most three quarters full when their waits
+/// end, and no refill is lost to the burst's cap.
+fn longest_wait(policy: &Policy) -> u64 {
+    let unit = u128::from(policy.unit());
+    policy
+        .tiers()
+        .iter()
+        .filter(|t| matches!(t.kind, Kind::Rate))
+        .map(|t| {
+            let r = &t.rate;
+            let fill =
+                u128::from(r.burst) * u128::from(r.period) * unit / u128::from(r.count.max(1));
+            u64::try_from(fill / 2).unwrap_or(u64::MAX)
+        })
+        .min()
+        .unwrap_or(0)
+}
+
 /// Why `policy` cannot lease: the tier that keeps it exact and the reason; `None` when it can.
 pub(crate) fn unleasable(policy: &Policy) -> Option<(String, String)> {
     let first = || policy.tiers().first().map(|t| t.name().to_owned()).unwrap_or_default();
@@ -227,6 +311,10 @@ pub struct LeaseStats {
     pub decided_locally: u64,
     /// Leasing checks that called Redis (granted a block, or refused).
     pub decided_on_redis: u64,
+    /// Checks refused here, with no call, while this instance waited for a useful block of a
+    /// GCRA or bucket key to build up again (see [`Lease`], "Block size"). Not counted in
+    /// [`decided_locally`](Self::decided_locally).
+    pub refused_locally: u64,
 }
 
 #[derive(Default)]
@@ -236,6 +324,7 @@ struct Counters {
     units_returned: AtomicU64,
     local: AtomicU64,
     remote: AtomicU64,
+    held: AtomicU64,
 }
 
 /// One key's block, and the lock that makes one check at a time take the next one.
@@ -259,6 +348,9 @@ struct Held {
     sent: Option<Instant>,
     /// The end of its lifetime (same clock as `decided`).
     until: u64,
+    /// Until when (same clock) this instance refuses the checks its block cannot serve,
+    /// waiting for a useful block to build up in Redis; 0 for none.
+    hold: u64,
     /// The grant's decision (limits and resets), for the checks decided from the block.
     decision: Option<Decision>,
     /// The size of the next block to ask for (0: a key not leased yet, which asks for 1).
@@ -296,10 +388,29 @@ pub(crate) struct Rest {
 pub(crate) struct Begin {
     /// The largest block to take.
     pub(crate) block: u64,
+    /// Units Redis grants of what the key has, however little, and the size of the block
+    /// this instance waits for when it got less (0: the quarter rule alone, for windows).
+    pub(crate) useful: u64,
     /// The previous block's rest, given back by the same call.
     pub(crate) rest: Option<Rest>,
     /// What Redis had left of the key at the last grant.
     pub(crate) room: Option<u64>,
+}
+
+/// What Redis granted a lease call.
+pub(crate) struct Grant {
+    /// Units granted (the check's included).
+    pub(crate) take: u64,
+    /// What Redis charged for them.
+    pub(crate) charges: Charges,
+    /// The instant Redis granted them (nanoseconds, on the clock the scripts decide with).
+    pub(crate) at: u64,
+    /// When a useful block will be there again (same clock; 0 for now).
+    pub(crate) hold: u64,
+    /// The useful block the call asked for ([`Begin::useful`]).
+    pub(crate) useful: u64,
+    /// Without an injected clock: this process's instant the call was sent.
+    pub(crate) sent: Option<Instant>,
 }
 
 /// Leased keys by key.
@@ -309,6 +420,10 @@ type Shard = Mutex<HashMap<Key, Arc<Slot>>>;
 pub(crate) struct Leases {
     config: Lease,
     lifetime_ns: u64,
+    /// The useful block of the policy's rate tiers (see [`useful_block`]); 0 for windows.
+    useful: u64,
+    /// The longest wait for a useful block, in nanoseconds (see [`longest_wait`]).
+    longest_wait: u64,
     policy: Policy,
     shards: Box<[Shard]>,
     per_shard: usize,
@@ -332,6 +447,8 @@ impl Leases {
         Self {
             config,
             lifetime_ns: duration_to_nanos(config.lifetime),
+            useful: useful_block(policy, config.max_block),
+            longest_wait: longest_wait(policy),
             policy: policy.clone(),
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             per_shard: CAPACITY.div_ceil(SHARDS),
@@ -378,13 +495,14 @@ impl Leases {
 
     /// Takes `cost` units of `key`'s block, if this process holds one that is live and has
     /// them: the check's decision, made here, and the instant Redis granted the block (when
-    /// the units were charged).
+    /// the units were charged). Or, when the block cannot serve the check and this process
+    /// waits for a useful block, the refusal, with no instant.
     pub(crate) fn spend_key(
         &self,
         key: &Key,
         cost: u64,
         clock_now: Option<u64>,
-    ) -> Option<(Decision, u64)> {
+    ) -> Option<(Decision, Option<u64>)> {
         let slot = {
             let map = self.shard(key).lock().unwrap_or_else(PoisonError::into_inner);
             Arc::clone(map.get(key)?)
@@ -398,12 +516,19 @@ impl Leases {
         slot: &Slot,
         cost: u64,
         clock_now: Option<u64>,
-    ) -> Option<(Decision, u64)> {
+    ) -> Option<(Decision, Option<u64>)> {
         let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
-        if held.left < cost || cost == 0 {
+        if cost == 0 {
             return None;
         }
         let now = held.now(clock_now);
+        if held.left < cost {
+            let refused = self.held_refusal(&held, now)?;
+            drop(held);
+            self.counters.held.fetch_add(1, Ordering::Relaxed);
+            self.metrics.held();
+            return Some((refused, None));
+        }
         if !held.live(now) {
             return None;
         }
@@ -423,7 +548,31 @@ impl Leases {
         }
         self.counters.local.fetch_add(1, Ordering::Relaxed);
         self.metrics.local();
-        Some((d, decided))
+        Some((d, Some(decided)))
+    }
+
+    /// The refusal of a check the block cannot serve while this instance waits for a useful
+    /// block (until `held.hold`): limited, `retry_after` the rest of the wait (when this
+    /// instance asks Redis again), `remaining` 0 on every tier (what it can promise), the
+    /// tiers that had the least left at the grant violated; `None` when it does not wait.
+    fn held_refusal(&self, held: &Held, now: u64) -> Option<Decision> {
+        if now >= held.hold || now < held.decided {
+            return None;
+        }
+        let mut d = held.decision.clone()?;
+        let (elapsed, retry) = (now - held.decided, held.hold - now);
+        let least = d.tiers.iter().map(|t| t.remaining).min().unwrap_or(0);
+        d.outcome = Outcome::Limited;
+        d.delay = 0;
+        d.retry_after = retry;
+        for t in &mut d.tiers {
+            let binding = t.remaining == least;
+            t.remaining = 0;
+            t.reset_after = t.reset_after.saturating_sub(elapsed);
+            t.retry_after = if binding { retry } else { NONE };
+            t.violated = binding;
+        }
+        Some(d)
     }
 
     /// Before a check of `cost` takes a new block (with the slot's refill lock held): the
@@ -435,8 +584,16 @@ impl Leases {
         let next = if held.granted == 0 {
             held.next.max(1)
         } else if held.left < cost || held.left == 0 {
-            // Spent (or too little left for this check): demand outran the block.
-            held.granted.saturating_mul(2)
+            if held.live(now) {
+                // Spent (or too little left for this check) within its lifetime: demand
+                // outran the block. Doubles what was asked for: Redis may have granted less
+                // (what the key had), which says nothing of the demand.
+                held.next.max(held.granted).saturating_mul(2)
+            } else {
+                // Spent, and asked again only after its lifetime (a key checked now and then):
+                // a larger block would only be given back by a call of its own.
+                held.granted
+            }
         } else if held.live(now) {
             held.granted
         } else {
@@ -445,7 +602,8 @@ impl Leases {
         };
         held.next = next.min(self.config.max_block);
         let rest = self.take_rest(&mut held);
-        Begin { block: held.next.max(cost), rest, room: held.room }
+        let block = held.next.max(cost);
+        Begin { block, useful: self.useful.min(block), rest, room: held.room }
     }
 
     fn take_rest(&self, held: &mut Held) -> Option<Rest> {
@@ -461,19 +619,17 @@ impl Leases {
         rest
     }
 
-    /// Redis granted `take` units at `at` for a check of `cost` (which takes its part now):
-    /// keeps the rest as the slot's block and returns the check's decision.
-    #[allow(clippy::too_many_arguments)]
+    /// Redis granted a block for a check of `cost` (which takes its part now): keeps the
+    /// rest as the slot's block and returns the check's decision.
     pub(crate) fn granted(
         &self,
         slot: &Slot,
         cost: u64,
-        take: u64,
         mut decision: Decision,
-        charges: Charges,
-        at: u64,
-        sent: Option<Instant>,
+        grant: Grant,
     ) -> Decision {
+        let Grant { take, charges, at, hold, useful, sent } = grant;
+        let hold = self.wait_until(at, hold, take, useful);
         let left = take.saturating_sub(cost);
         let until = at.saturating_add(self.lifetime_ns).min(self.window_end(at));
         {
@@ -488,6 +644,7 @@ impl Leases {
                 decided: at,
                 sent,
                 until,
+                hold,
                 decision: Some(decision.clone()),
                 next,
                 room,
@@ -502,6 +659,59 @@ impl Leases {
             t.remaining = t.remaining.saturating_add(left).min(u64::from(t.limit));
         }
         decision
+    }
+
+    /// Redis refused a lease call at `at` (its `decision`, exact): when a useful block is
+    /// further away than the refusal's own wait (`hold`, same clock), this instance waits for
+    /// it, refusing the key's checks itself until then, and the decision's `retry_after` says
+    /// so (raised to the wait, on the violated tiers too).
+    pub(crate) fn refused(
+        &self,
+        slot: &Slot,
+        mut decision: Decision,
+        at: u64,
+        hold: u64,
+        useful: u64,
+        sent: Option<Instant>,
+    ) -> Decision {
+        if hold <= at || decision.outcome != Outcome::Limited {
+            return decision;
+        }
+        let hold = self.wait_until(at, hold, 0, useful);
+        {
+            let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
+            // What a block held is given back by the call that was refused: none is left.
+            debug_assert!(held.charges.is_none());
+            held.decided = at;
+            held.sent = sent;
+            held.hold = hold;
+            held.decision = Some(decision.clone());
+        }
+        let wait = hold - at;
+        if decision.retry_after == NONE || decision.retry_after < wait {
+            decision.retry_after = wait;
+        }
+        for t in decision.tiers.iter_mut().filter(|t| t.violated) {
+            if t.retry_after == NONE || t.retry_after < wait {
+                t.retry_after = wait;
+            }
+        }
+        decision
+    }
+
+    /// Until when this instance waits after a call at `at` that got `took` units where it
+    /// asked for a useful block of `useful`, Redis saying a useful block is back at `hold`.
+    /// Other instances take from the key too: one that got a share of what built up waits in
+    /// proportion (`useful / took` times the wait), so that each call finds about a useful
+    /// block, but never longer than [`longest_wait`] (or the wait Redis said, if longer).
+    fn wait_until(&self, at: u64, hold: u64, took: u64, useful: u64) -> u64 {
+        if hold <= at || took >= useful {
+            return hold;
+        }
+        let wait = hold - at;
+        let longer = u128::from(wait) * u128::from(useful) / u128::from(took.max(1));
+        let longer = u64::try_from(longer).unwrap_or(u64::MAX);
+        at.saturating_add(longer.min(wait.max(self.longest_wait)))
     }
 
     /// A leasing check called Redis.
@@ -608,6 +818,7 @@ impl Leases {
             units_returned: c.units_returned.load(Ordering::Relaxed),
             decided_locally: c.local.load(Ordering::Relaxed),
             decided_on_redis: c.remote.load(Ordering::Relaxed),
+            refused_locally: c.held.load(Ordering::Relaxed),
         }
     }
 
@@ -683,6 +894,11 @@ mod tests {
         smallvec![Charge { at, cost: take, id: 0 }]
     }
 
+    /// A grant of `take` units at `at` (charged as `charged` units), waiting until `hold`.
+    fn block(take: u64, charged: u64, at: u64, hold: u64) -> Grant {
+        Grant { take, charges: charges(charged, at), at, hold, useful: 1, sent: None }
+    }
+
     #[test]
     fn blocks_double_while_spent_and_shrink_to_what_a_lifetime_spent() {
         let p = Policy::single("p", Quota::per_second(100)).unwrap();
@@ -694,12 +910,12 @@ mod tests {
             let b = l.begin(&slot, 1, Some(S));
             assert!(b.rest.is_none(), "every block was spent");
             sizes.push(b.block);
-            let d = l.granted(&slot, 1, b.block, grant(100, 50, S), charges(b.block, S), S, None);
+            let d = l.granted(&slot, 1, grant(100, 50, S), block(b.block, b.block, S, 0));
             // What exact mode reports at the grant: Redis's rest plus the block's.
             assert_eq!(d.tiers()[0].remaining(), (50 + b.block - 1).min(100));
             for left in (0..b.block - 1).rev() {
                 let (d, granted_at) = l.spend(&slot, 1, Some(S + MS)).unwrap();
-                assert_eq!(granted_at, S);
+                assert_eq!(granted_at, Some(S));
                 // Then what this instance holds, counted down from the grant.
                 assert_eq!(d.tiers()[0].remaining(), left);
                 assert_eq!(d.tiers()[0].reset_after(), Duration::from_nanos(S - MS));
@@ -710,7 +926,7 @@ mod tests {
         // A block of 16 with 5 spent when its lifetime ends: the next is 5, and the 11 left
         // are given back by the call that takes it.
         let b = l.begin(&slot, 1, Some(S));
-        l.granted(&slot, 1, b.block, grant(100, 50, S), charges(16, S), S, None);
+        l.granted(&slot, 1, grant(100, 50, S), block(b.block, 16, S, 0));
         for _ in 0..4 {
             assert!(l.spend(&slot, 1, Some(S + 9 * MS)).is_some());
         }
@@ -727,6 +943,127 @@ mod tests {
     }
 
     #[test]
+    fn the_useful_block_is_a_millisecond_of_refill_and_a_quarter_of_the_burst_at_most() {
+        let gcra = |rate, burst| Policy::single("p", Quota::per_second(rate).with_burst(burst));
+        assert_eq!(useful_block(&gcra(400_000, 4_000).unwrap(), 512), 400);
+        assert_eq!(useful_block(&gcra(400_000, 4_000).unwrap(), 64), 64);
+        assert_eq!(useful_block(&gcra(400_000, 800).unwrap(), 512), 200);
+        // A slow key waits for its next unit: a refusal's own wait.
+        assert_eq!(useful_block(&gcra(100, 100).unwrap(), 512), 1);
+        let two = Policy::builder("p")
+            .tier("second", Quota::per_second(400_000).with_burst(4_000))
+            .tier("minute", Quota::per_minute(6_000_000).with_burst(1_200))
+            .build()
+            .unwrap();
+        assert_eq!(useful_block(&two, 512), 100);
+        let bucket = Policy::builder("b")
+            .algorithm(Algorithm::TokenBucket)
+            .tier("second", Quota::per_second(50_000).with_burst(10_000))
+            .build()
+            .unwrap();
+        assert_eq!(useful_block(&bucket, 512), 50);
+        let window = Policy::builder("w")
+            .algorithm(Algorithm::FixedWindow)
+            .tier("second", Quota::per_second(400_000))
+            .build()
+            .unwrap();
+        assert_eq!(useful_block(&window, 512), 0);
+    }
+
+    #[test]
+    fn a_key_checked_again_only_after_the_lifetime_keeps_its_block_size() {
+        let p = Policy::single("p", Quota::per_second(100)).unwrap();
+        let l = Leases::new(&p, Lease::new().max_block(16).lifetime(Duration::from_millis(10)));
+        let slot = l.slot(&Key::text("cold")).unwrap();
+        for at in [S, 2 * S, 3 * S] {
+            let b = l.begin(&slot, 1, Some(at));
+            assert_eq!(b.block, 1, "nothing to give back later");
+            l.granted(&slot, 1, grant(100, 99, S), block(1, 1, at, 0));
+        }
+        // Asked again within the lifetime of the spent block: it doubles.
+        assert_eq!(l.begin(&slot, 1, Some(3 * S + 9 * MS)).block, 2);
+    }
+
+    #[test]
+    fn a_spent_block_refuses_until_a_useful_block_is_back_with_that_retry() {
+        let p = Policy::single("p", Quota::per_second(400_000).with_burst(4_000)).unwrap();
+        let l = Leases::new(&p, Lease::new().max_block(512).lifetime(Duration::from_millis(100)));
+        let slot = l.slot(&Key::text("k")).unwrap();
+        let b = l.begin(&slot, 1, Some(S));
+        assert_eq!((b.block, b.useful), (1, 1));
+        // Redis had 3 units: all of them granted, and 400 (a millisecond of refill) there
+        // again 1 ms after the grant.
+        let d = l.granted(&slot, 1, grant(4_000, 0, 10 * MS), block(3, 3, S, S + MS));
+        assert_eq!((d.outcome(), d.tiers()[0].remaining()), (Outcome::Allowed, 2));
+        for _ in 0..2 {
+            let (d, granted_at) = l.spend(&slot, 1, Some(S + 100_000)).unwrap();
+            assert_eq!((d.outcome(), granted_at), (Outcome::Allowed, Some(S)));
+        }
+        let (d, granted_at) = l.spend(&slot, 1, Some(S + 250_000)).unwrap();
+        assert_eq!(granted_at, None, "a refusal holds no units");
+        assert_eq!(d.outcome(), Outcome::Limited);
+        assert_eq!(d.retry_after(), Some(Duration::from_nanos(750_000)));
+        let t = d.tiers()[0];
+        assert_eq!((t.remaining(), t.is_violated()), (0, true));
+        assert_eq!(t.retry_after(), Some(Duration::from_nanos(750_000)));
+        assert_eq!(t.reset_after(), Duration::from_nanos(10 * MS - 250_000));
+        // A check costing more than is left is refused the same way.
+        let (d, _) = l.spend(&slot, 2, Some(S + MS - 1)).unwrap();
+        assert_eq!(d.retry_after(), Some(Duration::from_nanos(1)));
+        // At the instant, Redis is asked again.
+        assert!(l.spend(&slot, 1, Some(S + MS)).is_none());
+        let stats = l.stats();
+        assert_eq!((stats.decided_locally, stats.refused_locally), (2, 2));
+        // The next block doubles: the last was spent.
+        let b = l.begin(&slot, 1, Some(S + MS));
+        assert_eq!((b.block, b.useful), (6, 6));
+        assert!(b.rest.is_none());
+        // A grant that needs no wait: a spent block asks Redis at once.
+        l.granted(&slot, 1, grant(4_000, 3_000, 10 * MS), block(1, 1, S + MS, 0));
+        assert!(l.spend(&slot, 1, Some(S + MS)).is_none());
+    }
+
+    #[test]
+    fn an_instance_that_got_a_share_waits_in_proportion_up_to_half_the_bursts_refill() {
+        // 400,000 a second, a burst of 4,000: half the burst refills in 5 ms.
+        let p = Policy::single("p", Quota::per_second(400_000).with_burst(4_000)).unwrap();
+        let l = Leases::new(&p, Lease::new().max_block(512));
+        assert_eq!(l.longest_wait, 5 * MS);
+        // 200 of a useful 400, a useful block back in 1 ms: 2 ms.
+        assert_eq!(l.wait_until(S, S + MS, 200, 400), S + 2 * MS);
+        // 50 of 400: 8 ms, at most 5 ms; nothing (a refusal): the same.
+        assert_eq!(l.wait_until(S, S + MS, 50, 400), S + 5 * MS);
+        assert_eq!(l.wait_until(S, S + MS, 0, 400), S + 5 * MS);
+        // A useful block taken, or none to wait for: as Redis said.
+        assert_eq!(l.wait_until(S, S + MS, 400, 400), S + MS);
+        assert_eq!(l.wait_until(S, 0, 10, 400), 0);
+        // A longer wait (the key in debt) stays as it is.
+        assert_eq!(l.wait_until(S, S + 6 * MS, 100, 400), S + 6 * MS);
+    }
+
+    #[test]
+    fn a_refused_lease_call_waits_for_a_useful_block_and_says_so() {
+        let p = Policy::single("p", Quota::per_second(400_000).with_burst(4_000)).unwrap();
+        let l = Leases::new(&p, Lease::new().max_block(512));
+        let slot = l.slot(&Key::text("k")).unwrap();
+        // Redis refused: the next unit in 2.5 µs, a useful block in 1 ms.
+        let tiers: Tiers = smallvec![TierDecision::new(4_000, 0, 10 * MS, Some(2_500), true)];
+        let refusal = Decision::new(Outcome::Limited, 0, Some(2_500), tiers);
+        let d = l.refused(&slot, refusal.clone(), S, S + MS, 1, None);
+        assert_eq!(d.retry_after(), Some(Duration::from_millis(1)));
+        assert_eq!(d.tiers()[0].retry_after(), Some(Duration::from_millis(1)));
+        let (d, granted) = l.spend(&slot, 1, Some(S + 400_000)).unwrap();
+        assert_eq!((granted, d.retry_after()), (None, Some(Duration::from_nanos(600_000))));
+        assert_eq!(d.tiers()[0].reset_after(), Duration::from_nanos(10 * MS - 400_000));
+        assert!(l.spend(&slot, 1, Some(S + MS)).is_none());
+        assert_eq!(l.stats().refused_locally, 1);
+        // No wait beyond the refusal's own: the refusal as Redis made it.
+        let other = l.slot(&Key::text("k2")).unwrap();
+        assert_eq!(l.refused(&other, refusal.clone(), S, 0, 1, None), refusal);
+        assert!(l.spend(&other, 1, Some(S)).is_none());
+    }
+
+    #[test]
     fn a_fixed_window_block_ends_with_its_window() {
         let p = Policy::builder("w")
             .algorithm(Algorithm::FixedWindow)
@@ -737,7 +1074,7 @@ mod tests {
         let l = Leases::new(&p, Lease::new().max_block(8).lifetime(Duration::from_secs(10)));
         let slot = l.slot(&Key::text("k")).unwrap();
         let at = 61 * S + 900 * MS;
-        l.granted(&slot, 1, 8, grant(10, 2, 100 * MS), charges(8, at), at, None);
+        l.granted(&slot, 1, grant(10, 2, 100 * MS), block(8, 8, at, 0));
         assert!(l.spend(&slot, 1, Some(62 * S - 1)).is_some());
         assert!(l.spend(&slot, 1, Some(62 * S)).is_none(), "the second's window ended");
         // The sweeper's part: the rest of an ended block, taken out once.
@@ -788,7 +1125,7 @@ mod tests {
             let key = Key::text(format!("k{i}"));
             let slot = l.slot(&key).unwrap();
             // Blocks of one unit, spent at once: nothing to give back.
-            l.granted(&slot, 1, 1, grant(100, 99, 0), charges(1, 0), 0, None);
+            l.granted(&slot, 1, grant(100, 99, 0), block(1, 1, 0, 0));
         }
         assert!(l.len() <= CAPACITY + SHARDS, "{}", l.len());
         // A slot holding units is kept: when every slot of a shard holds some, keys past it
@@ -800,7 +1137,7 @@ mod tests {
             let key = Key::text(format!("k{i}"));
             match l.slot(&key) {
                 Some(slot) => {
-                    l.granted(&slot, 1, 4, grant(100, 96, 0), charges(4, 0), 0, None);
+                    l.granted(&slot, 1, grant(100, 96, 0), block(4, 4, 0, 0));
                     held.push(slot);
                 }
                 None => refused += 1,

@@ -908,7 +908,7 @@ impl Store for RedisStore {
         let leases = bound.leases.as_ref().filter(|_| leases_check(&check))?;
         let now = self.inner.settings.clock.as_ref().map(AnyClock::now);
         let (decision, granted) = leases.spend_key(check.key, check.cost, now)?;
-        Some(Ok(Verdict { decision, ticket: bound.lease_ticket(&check, granted) }))
+        Some(Ok(Verdict { decision, ticket: granted.and_then(|g| bound.lease_ticket(&check, g)) }))
     }
 
     async fn check(
@@ -928,7 +928,8 @@ impl Store for RedisStore {
             let now = inner.settings.clock.as_ref().map(AnyClock::now);
             if let Some((decision, granted)) = leases.spend_key(check.key, check.cost, now) {
                 tokio::task::coop::consume_budget().await;
-                return Ok(Verdict { decision, ticket: bound.lease_ticket(&check, granted) });
+                let ticket = granted.and_then(|g| bound.lease_ticket(&check, g));
+                return Ok(Verdict { decision, ticket });
             }
             if let Some(slot) = leases.slot(check.key) {
                 return self.check_leased(bound, leases, &slot, check).await;
@@ -1184,7 +1185,8 @@ impl RedisStore {
         // One check at a time takes the key's next block; the others wait for it.
         let _refill = slot.refill.lock().await;
         if let Some((decision, granted)) = leases.spend(slot, check.cost, clock_now()) {
-            return Ok(Verdict { decision, ticket: bound.lease_ticket(&check, granted) });
+            let ticket = granted.and_then(|g| bound.lease_ticket(&check, g));
+            return Ok(Verdict { decision, ticket });
         }
         if leases.start_sweeper() {
             if let Ok(handle) = tokio::runtime::Handle::try_current() {
@@ -1200,19 +1202,25 @@ impl RedisStore {
         // refusals held of the key must not outlast.
         let _forgetting = returned.map(|_| bound.forgetting(bound.refusal_hash(check.key)));
         let prepared = &bound.prepared;
-        let record = prepared.lease(check.cost, begin.block, begin.rest.as_ref());
+        let record = prepared.lease(check.cost, begin.block, begin.useful, begin.rest.as_ref());
         let keys = prepared.keys(bound.state_key(check.key));
         let epoch = bound.refusal_epoch(check.key);
         let sent = inner.settings.clock.is_none().then(Instant::now);
         leases.called();
         let answered = inner.submit(prepared, keys, record, prepared.lease_reply_len()).await;
         let decided = answered.and_then(|(reply, at)| {
-            let (take, reply) =
-                reply.split_last().ok_or_else(|| StoreError::backend("empty lease reply"))?;
+            let [reply @ .., take, hold] = reply.as_slice() else {
+                return Err(StoreError::backend("short lease reply"));
+            };
             let take = u64::try_from(*take).map_err(|_| StoreError::backend("negative lease"))?;
-            script::decode(&bound.policy, take, at, reply).map(|d| (d, take, at))
+            let hold = u64::try_from(*hold).map_err(|_| StoreError::backend("negative hold"))?;
+            // From the unit the decision's instant falls in, as the script counts.
+            let unit = prepared.unit();
+            let hold =
+                if hold == 0 { 0 } else { (at / unit).saturating_add(hold).saturating_mul(unit) };
+            script::decode(&bound.policy, take, at, reply).map(|d| (d, take, hold, at))
         });
-        let ((decision, charges), take, at) = match decided {
+        let ((decision, charges), take, hold, at) = match decided {
             Ok(decided) => decided,
             // The previous block's rest may or may not have been given back: it stays charged
             // at worst (see `Lease`, "Faults").
@@ -1221,10 +1229,21 @@ impl RedisStore {
         if let Some(units) = returned {
             leases.returned(units);
         }
-        bound.learn(&check, &decision, at, sent, epoch);
+        // A refusal this instance waits out (a useful block is further away than the
+        // refusal's own wait) is answered by the wait, whose `retry_after` is the time this
+        // instance refuses for: the local refusals, exact, would say less.
+        if charges.is_some() || hold <= at {
+            bound.learn(&check, &decision, at, sent, epoch);
+        }
         let decision = match charges {
-            Some(charges) => leases.granted(slot, check.cost, take, decision, charges, at, sent),
-            None => return Ok(Verdict { decision, ticket: None }),
+            Some(charges) => {
+                let grant = lease::Grant { take, charges, at, hold, useful: begin.useful, sent };
+                leases.granted(slot, check.cost, decision, grant)
+            }
+            None => {
+                let decision = leases.refused(slot, decision, at, hold, begin.useful, sent);
+                return Ok(Verdict { decision, ticket: None });
+            }
         };
         Ok(Verdict { decision, ticket: bound.lease_ticket(&check, at) })
     }
@@ -1283,7 +1302,8 @@ impl RedisStore {
             if let Some(charges) = charges {
                 // An admission: refusals of the key held or in flight are dropped.
                 bound.learn(&check, &decision, at, sent, epoch);
-                let decision = leases.granted(slot, check.cost, block, decision, charges, at, sent);
+                let grant = lease::Grant { take: block, charges, at, hold: 0, useful: 0, sent };
+                let decision = leases.granted(slot, check.cost, decision, grant);
                 return Ok(Verdict { decision, ticket: bound.lease_ticket(&check, at) });
             }
             if block <= check.cost {

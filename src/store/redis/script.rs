@@ -595,17 +595,19 @@ impl Prepared {
     }
 
     /// A lease: at least `cost` units and at most `block` (Redis grants at most a quarter of
-    /// what the key has left beyond `cost`), after settling the previous block `rest` at what
-    /// was spent of it.
+    /// what the key has left beyond `cost`, or up to `useful` of it when that is more), after
+    /// settling the previous block `rest` at what was spent of it. With `useful` above 0 the
+    /// reply also says when `useful` units will be there again.
     pub(crate) fn lease(
         &self,
         cost: u64,
         block: u64,
+        useful: u64,
         rest: Option<&super::lease::Rest>,
     ) -> Vec<f64> {
         let per_sec = NANOS_PER_SEC / self.unit;
-        let mut record = Vec::with_capacity(7 + 3 * self.ntiers);
-        record.extend([3.0, 0.0, 0.0, f(cost), f(block)]);
+        let mut record = Vec::with_capacity(8 + 3 * self.ntiers);
+        record.extend([3.0, 0.0, 0.0, f(cost), f(block), f(useful)]);
         match rest {
             Some(rest) => {
                 record.extend([f(rest.granted), f(rest.spent)]);
@@ -618,9 +620,16 @@ impl Prepared {
         record
     }
 
-    /// The numbers a lease adds to the reply: a check's, then the units granted.
+    /// The numbers a lease adds to the reply: a check's, then the units granted and when a
+    /// useful block will be there again (in the policy's time units from the unit `now` falls
+    /// in; 0 for now).
     pub(crate) fn lease_reply_len(&self) -> usize {
-        self.check_reply_len() + 1
+        self.check_reply_len() + 2
+    }
+
+    /// The policy's time unit, in nanoseconds.
+    pub(crate) fn unit(&self) -> u64 {
+        self.unit
     }
 
     /// The numbers a check adds to the reply.

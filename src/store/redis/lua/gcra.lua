@@ -34,7 +34,7 @@ while i <= nc do
   if op ~= 1 then
     -- A settlement (op 2), or the lease of op 3 settling the node's previous lease first.
     local s = i + 3
-    if op == 3 then s = i + 5 end
+    if op == 3 then s = i + 6 end
     local old, new = C[s], C[s + 1]
     if old ~= new then
       -- Every tier was charged at the same instant.
@@ -56,11 +56,15 @@ while i <= nc do
     i = i + 5 + 3 * n
   else
     local cost, budget = C[i + 3], C[i + 4]
+    local useful = 0
     if op == 3 then
       -- A lease: up to `budget` units (at least `cost`) of what every tier has now, a quarter
-      -- of it at most, so that a key near its limit is leased a unit at a time.
+      -- of it at most, so that a key near its limit is leased a unit at a time; but up to
+      -- `useful` units of what is there, however little, so that a node at the key's rate
+      -- takes what accumulated since the last call instead of a few units per call.
       local block = budget
       budget = 0
+      useful = C[i + 5]
       local avail = nil
       for t = 1, n do
         local tier = tiers[t]
@@ -72,6 +76,10 @@ while i <= nc do
         if not avail or q < avail then avail = q end
       end
       local take = floor(avail / 4)
+      if useful > take then
+        take = useful
+        if take > avail then take = avail end
+      end
       if take > block then take = block end
       if take > cost then cost = take end
     end
@@ -123,9 +131,19 @@ while i <= nc do
       r = r + 5
     end
     if op == 3 then
-      r = r + 1
-      reply[r] = cost
-      i = i + 7 + 3 * n
+      -- When `useful` units will be there again (after this grant, or for a refusal), for the
+      -- node to wait for (0: now).
+      local hold = 0
+      if useful > 0 and outcome ~= 2 then
+        for t = 1, n do
+          local tier = tiers[t]
+          local h = tat[t] + useful * tier.T - tier.tau
+          if h > hold then hold = h end
+        end
+      end
+      reply[r + 1], reply[r + 2] = cost, hold
+      r = r + 2
+      i = i + 8 + 3 * n
     else
       i = i + 5
     end

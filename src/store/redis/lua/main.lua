@@ -53,7 +53,7 @@ while i <= #C do
   if op ~= 1 then
     -- A settlement (op 2), or the lease of op 3 settling the node's previous lease first.
     local s = i + 3
-    if op == 3 then s = i + 5 end
+    if op == 3 then s = i + 6 end
     local old, new = C[s], C[s + 1]
     -- A settlement that changes what was charged moves the guard, as a charge does.
     if new ~= old then st.charged = true end
@@ -69,16 +69,23 @@ while i <= #C do
   end
   if op ~= 2 then
     local cost, max_delay = C[i + 3], C[i + 4]
+    local useful = 0
     if op == 3 then
       -- A lease (fixed windows, GCRA and the buckets, policing): up to `max_delay` units (at
       -- least `cost`) of what every tier has now, a quarter of it at most, so that a key near
-      -- its limit is leased a unit at a time.
+      -- its limit is leased a unit at a time; for the rate algorithms, up to `useful` units
+      -- of what is there, however little (see gcra.lua).
+      useful = C[i + 5]
       local avail = nil
       for t = 1, n do
         local remaining = F.status(st, tiers[t])
         if not avail or remaining < avail then avail = remaining end
       end
       local take = floor(avail / 4)
+      if useful > take then
+        take = useful
+        if take > avail then take = avail end
+      end
       if take > max_delay then take = max_delay end
       if take > cost then cost = take end
       max_delay = -1
@@ -135,7 +142,15 @@ while i <= #C do
       local p = per[t]
       out(remaining); out(reset); out(p[1]); out(p[2]); out(p[3])
     end
-    if op == 3 then out(cost) end
+    if op == 3 then
+      -- When `useful` units will be there again (after this grant, or for a refusal), for the
+      -- node to wait for (0: now).
+      local hold = 0
+      if useful > 0 and head[1] ~= 2 then
+        for t = 1, n do hold = max(hold, F.earliest(st, tiers[t], 0, useful)) end
+      end
+      out(cost); out(hold)
+    end
   end
   i = next_check(C, i, POL)
 end

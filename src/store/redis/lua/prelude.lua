@@ -15,11 +15,13 @@
 -- ARGV[3] the checks, doubles: op (1 check, 2 settle, 3 lease), key index, policy index, then
 --         for a check its cost and shaping budget (-1 polices), for a settlement the old and
 --         new cost and per tier the charge's instant (seconds, units) and entry id, for a
---         lease its least cost and largest block, then a settlement of the previous lease
---         (old cost, new cost, per tier instant and id: equal costs settle nothing)
+--         lease its least cost, largest block and useful block (0: none), then a settlement
+--         of the previous lease (old cost, new cost, per tier instant and id: equal costs
+--         settle nothing)
 -- reply   packed doubles: per check, outcome (1 allowed, 0 limited, 2 cost above capacity),
 --         delay, retry (-1 none), then per tier remaining, reset, own retry (-1 none),
---         violated, entry id (nothing per settlement), and for a lease the units charged;
+--         violated, entry id (nothing per settlement), and for a lease the units charged
+--         and when a useful block will be there again (0: now or never asked);
 --         durations in units from the unit `now` falls in; last, the instant decided at
 --         (seconds, nanoseconds).
 
@@ -189,7 +191,7 @@ end
 -- The index of the check after the one at `i` in the checks `C`.
 local function next_check(C, i, POL)
   if C[i] == 2 then return i + 5 + 3 * POL[C[i + 2]].n end
-  if C[i] == 3 then return i + 7 + 3 * POL[C[i + 2]].n end
+  if C[i] == 3 then return i + 8 + 3 * POL[C[i + 2]].n end
   return i + 5
 end
 
