@@ -201,9 +201,13 @@ impl<B: Body> Body for RequestBody<B> {
         if let (Some(gates), Poll::Ready(Some(Ok(frame)))) = (this.gates.as_deref_mut(), &frame) {
             if let Some(data) = frame.data_ref() {
                 let len = bytes::Buf::remaining(data) as u64;
+                // What each gate spends: the messages the frame starts, or its bytes. Counted
+                // before any is spent: a frame that does not reach the handler is charged to
+                // no tier.
+                let mut spent: SmallVec<[u64; 2]> = SmallVec::new();
                 for gated in gates.iter_mut() {
                     let Some(framer) = &mut gated.framer else {
-                        gated.gate.spend(len);
+                        spent.push(len);
                         continue;
                     };
                     let messages = framer.count(data);
@@ -216,7 +220,10 @@ impl<B: Body> Body for RequestBody<B> {
                         }
                         refused => gated.refused = refused,
                     }
-                    gated.gate.spend(messages);
+                    spent.push(messages);
+                }
+                for (gated, spent) in gates.iter_mut().zip(spent) {
+                    gated.gate.spend(spent);
                 }
             }
         }

@@ -85,6 +85,22 @@ const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 /// # Ok(()) }
 /// ```
 ///
+/// # Concurrency, and streams that end early
+///
+/// A stream paused by shaping is still in flight: the concurrency slots its request took
+/// (a [`Concurrency`](crate::Concurrency) tier) stay taken until it ends, so the key's next
+/// request may be refused meanwhile. A stream that ends early (stopped by policing, or
+/// cancelled: an HTTP/2 stream reset, a connection closed, a response body dropped, a request
+/// timeout that drops the handler) gives its slots back at once, on either store, and its
+/// tiers are charged exactly what streamed: the unused part of its last lease is given back,
+/// and so is the unit charged at admission (a frame read by the layer but never handed to the
+/// handler is charged to no tier). One limit: an HTTP/1.1 upload paused by shaping is not
+/// read, so the server cannot see its client go away (TCP delivers the close only after the
+/// bytes the connection still holds) until the upload resumes and reads to its end; over
+/// HTTP/2, gRPC included, a reset or a closed connection is seen at once. A request timeout
+/// outside the layer (for example tower-http's `TimeoutLayer`) bounds how long a vanished
+/// HTTP/1.1 client holds its slot.
+///
 /// # Messages
 ///
 /// Tiers counting [`Unit::RequestMessages`] or [`Unit::ResponseMessages`] meter the messages
@@ -728,11 +744,12 @@ mod tests {
         // less than a frame per stream past its last lease (cut to what the tier had left).
         assert!(read > MB - 10 - 10 * 4_096 && read < MB - 10 + 10 * 4_096, "{read}");
         assert_bound(&log, 10, 4_096);
-        // Exactly what was read is charged: the unread parts of the leases came back, and
-        // what passed beyond them was charged when the bodies were dropped. At 1 byte/us, the
-        // next byte fits once that debt is paid.
+        // Exactly what was read is charged: the unread parts of the leases came back, what
+        // passed beyond them was charged when the bodies were dropped, and the unit each
+        // request was charged at admission was given back when it was stopped. At 1 byte/us,
+        // the next byte fits once that debt is paid.
         let limiter = Limiter::with_store(upload_policy(), store.clone()).unwrap();
-        let charged = read + 10;
+        let charged = read;
         let now = limiter.check(&Key::Global, 1).await.unwrap();
         let expected = charged.checked_sub(MB).map(|over| Duration::from_micros(over + 1));
         assert_eq!(now.retry_after(), expected, "{read} read");
