@@ -384,10 +384,8 @@ where
     if meter.stream.ended {
         return Poll::Ready(None);
     }
-    if let Some(signal) = meter.stream.signal.clone() {
-        if let Poll::Ready(why) = signal.poll_stopped(cx) {
-            return end_stopped(meter, &why);
-        }
+    if let Some(Poll::Ready(why)) = meter.stream.signal.as_ref().map(|s| s.poll_stopped(cx)) {
+        return end_stopped(meter, &why);
     }
     if meter.stream.rest.is_empty() {
         match body.as_mut().poll_frame(cx) {

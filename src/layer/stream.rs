@@ -13,7 +13,7 @@ use smallvec::SmallVec;
 use crate::decision::Decision;
 use crate::error::StoreError;
 use crate::key::Key;
-use crate::limiter::{Limiter, Reservation};
+use crate::limiter::Limiter;
 use crate::quota::{Priority, TierKind, Unit};
 use crate::store::{Check, Store, Verdict};
 
@@ -261,13 +261,16 @@ pub(crate) struct Leases<St: Store> {
     priority: Priority,
     /// The tiers counting the body's unit, charged each lease.
     tiers: SmallVec<[usize; 2]>,
+    /// Per tier of the policy, what the next lease costs: its size on `tiers`, 0 elsewhere
+    /// (neither checked nor charged); built once, its sizes written per lease.
+    costs: SmallVec<[u64; 4]>,
     /// The largest lease the tiers can ever admit.
     largest: u64,
     police: bool,
     fail_open: bool,
-    /// The current lease, to give back what it did not use; `None` when it was given
-    /// uncharged (failing open) or there is none.
-    lease: Option<Reservation<St>>,
+    /// The ticket of the current lease, to give back what it did not use; `None` when it
+    /// was given uncharged (failing open) or there is none.
+    lease: Option<St::Ticket>,
     /// The size of the current lease.
     leased: u64,
     /// What the current lease still covers.
@@ -308,11 +311,13 @@ impl<St: Store> Leases<St> {
                 Unit::RequestMessages | Unit::ResponseMessages => MESSAGE_LEASE,
                 _ => STREAM_LEASE,
             });
+        let costs = SmallVec::from_elem(0, policy.tiers().len());
         Self {
             limiter: limiter.clone(),
             key,
             priority,
             tiers,
+            costs,
             largest,
             police: mode == StreamMode::Police,
             fail_open,
@@ -339,8 +344,11 @@ impl<St: Store> Leases<St> {
 
     /// Asks the store for a lease of `size` bytes: the answer if it came at once.
     fn ask(&mut self, size: u64) -> Option<Result<Verdict<St::Ticket>, StoreError>> {
-        let costs = self.costs(size);
-        let mut check = Check::new(&self.key, 1).with_costs(&costs).with_priority(self.priority);
+        for &i in &self.tiers {
+            self.costs[i] = size;
+        }
+        let mut check =
+            Check::new(&self.key, 1).with_costs(&self.costs).with_priority(self.priority);
         check.ticket = true;
         if !self.police {
             check.max_delay = Some(SHAPE_AHEAD);
@@ -348,8 +356,13 @@ impl<St: Store> Leases<St> {
         if let Some(answer) = self.limiter.check_sync(check) {
             return Some(answer);
         }
-        let (limiter, key, priority, police) =
-            (self.limiter.clone(), self.key.clone(), self.priority, self.police);
+        let (limiter, key, priority, police, costs) = (
+            self.limiter.clone(),
+            self.key.clone(),
+            self.priority,
+            self.police,
+            self.costs.clone(),
+        );
         self.state = State::Asking(
             Box::pin(async move {
                 let mut check = Check::new(&key, 1).with_costs(&costs).with_priority(priority);
@@ -364,17 +377,6 @@ impl<St: Store> Leases<St> {
         None
     }
 
-    /// Per tier, what a lease of `size` bytes costs: `size` on the tiers counting the unit,
-    /// nothing on the others (neither checked nor charged).
-    fn costs(&self, size: u64) -> SmallVec<[u64; 4]> {
-        let mut costs: SmallVec<[u64; 4]> =
-            SmallVec::from_elem(0, self.limiter.policy().tiers().len());
-        for &i in &self.tiers {
-            costs[i] = size;
-        }
-        costs
-    }
-
     /// Takes the store's answer to a lease of `size`: `Err` when the stream stops.
     fn answered(
         &mut self,
@@ -384,8 +386,8 @@ impl<St: Store> Leases<St> {
         match answer {
             Ok(verdict) if verdict.decision.is_allowed() => {
                 let delay = verdict.decision.delay();
-                // The previous lease is spent: dropping it keeps its charge.
-                self.lease = Some(self.limiter.reservation(verdict));
+                // The previous lease is spent: dropping its ticket keeps its charge.
+                self.lease = verdict.ticket;
                 self.grant(size);
                 if !delay.is_zero() {
                     self.state = State::Sleeping(Box::pin(tokio::time::sleep(delay)));
@@ -490,15 +492,17 @@ impl<St: Store> Drop for Leases<St> {
     /// was dropped while waiting for its reserved instant), or charges what it let through
     /// past it.
     fn drop(&mut self) {
-        let Some(mut lease) = self.lease.take() else { return };
+        let Some(mut ticket) = self.lease.take() else { return };
         // What passed past the leases (the part of a last frame beyond them) is charged too.
         let used = (self.leased - self.left).saturating_add(self.owed);
         if used == self.leased {
             return;
         }
         let settled: SmallVec<[(usize, u64); 2]> = self.tiers.iter().map(|&i| (i, used)).collect();
+        let limiter = self.limiter.clone();
         crate::limiter::run_or_spawn(async move {
-            if let Err(error) = lease.settle_tiers(&settled).await {
+            let settling = limiter.store().settle_tiers(limiter.bound(), &mut ticket, &settled);
+            if let Err(error) = settling.await {
                 tracing::warn!(%error, "tollgate: could not give back the rest of a stream's lease");
             }
         });
