@@ -733,17 +733,18 @@ impl<St: Store> Holding<St> {
     }
 
     /// Settles and releases now.
-    fn finish(mut self) {
-        if let Some(held) = self.held.take() {
-            held.finish(&self.settled);
-        }
+    fn finish(self) {
+        drop(self);
     }
 }
 
 impl<St: Store> Drop for Holding<St> {
     fn drop(&mut self) {
-        if let Some(held) = self.held.take() {
-            held.finish(&self.settled);
+        match self.held.take() {
+            // Nothing metered by leases: dropped as before, keeping every estimate.
+            Some(held) if self.settled.is_empty() => drop(held),
+            Some(held) => held.finish(&self.settled),
+            None => {}
         }
     }
 }
