@@ -93,8 +93,9 @@ const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 /// cancelled: an HTTP/2 stream reset, a connection closed, a response body dropped, a request
 /// timeout that drops the handler) gives its slots back at once, on either store, and its
 /// tiers are charged exactly what streamed: the unused part of its last lease is given back,
-/// and so is the unit charged at admission (a frame read by the layer but never handed to the
-/// handler is charged to no tier). One limit: an HTTP/1.1 upload paused by shaping is not
+/// and so is the unit a byte tier was charged at admission (a frame read by the layer but
+/// never handed to the handler is charged to no tier; a message tier keeps the first message
+/// policing charged at admission, as a unary call's). One limit: an HTTP/1.1 upload paused by shaping is not
 /// read, so the server cannot see its client go away (TCP delivers the close only after the
 /// bytes the connection still holds) until the upload resumes and reads to its end; over
 /// HTTP/2, gRPC included, a reset or a closed connection is seen at once. A request timeout
