@@ -168,7 +168,6 @@ impl<B: Body> Body for RequestBody<B> {
         let this = self.project();
         if let Some(gates) = this.gates.as_deref_mut() {
             if !this.inner.is_end_stream() {
-                let remaining = this.inner.size_hint().exact();
                 for gated in gates.iter_mut() {
                     // Stopped by policing: nothing more is read (the layer answers, or ends a
                     // gRPC response, in the handler's place).
@@ -181,7 +180,12 @@ impl<B: Body> Body for RequestBody<B> {
                     if gated.refused.is_some() {
                         continue;
                     }
-                    let remaining = if gated.framer.is_some() { None } else { remaining };
+                    // Within the lease: nothing to poll.
+                    if gated.gate.ready() > 0 {
+                        continue;
+                    }
+                    let remaining =
+                        if gated.framer.is_some() { None } else { this.inner.size_hint().exact() };
                     match gated.gate.poll_room(cx, remaining) {
                         Poll::Ready(Ok(_)) => {}
                         Poll::Pending => return Poll::Pending,
@@ -411,12 +415,17 @@ where
     // message tiers' lease.
     let mut room = rest;
     if let Some(gate) = meter.stream.gate.as_mut() {
-        let remaining = body.size_hint().exact().map(|left| left.saturating_add(rest));
-        match gate.poll_room(cx, remaining) {
-            Poll::Pending => return Poll::Pending,
-            Poll::Ready(Err(why)) => return end_stopped(meter, &why),
-            Poll::Ready(Ok(bytes)) => room = room.min(bytes),
+        // Within the lease (most frames): a comparison, no size hint, no poll.
+        let mut bytes = gate.ready();
+        if bytes == 0 {
+            let remaining = body.size_hint().exact().map(|left| left.saturating_add(rest));
+            bytes = match gate.poll_room(cx, remaining) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(why)) => return end_stopped(meter, &why),
+                Poll::Ready(Ok(bytes)) => bytes,
+            };
         }
+        room = room.min(bytes);
     }
     // `room` <= `rest`, a `usize`.
     let mut take = room as usize;

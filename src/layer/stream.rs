@@ -228,6 +228,12 @@ pub(crate) trait Gate: Send {
 
     /// `len` bytes passed (beyond the room, they are owed to the next leases).
     fn spend(&mut self, len: u64);
+
+    /// The room the current lease has now, when nothing needs polling (no store call under
+    /// way, no wait, nothing owed): what [`poll_room`](Self::poll_room) would answer at once.
+    /// 0 when it must be polled. Lets a frame within its lease pass without the body's size
+    /// hint or a poll.
+    fn ready(&self) -> u64;
 }
 
 /// A [`Gate`] that only counts: the messages of a gRPC call under
@@ -241,6 +247,10 @@ impl Gate for Tally {
 
     fn spend(&mut self, len: u64) {
         self.0.fetch_add(len, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn ready(&self) -> u64 {
+        u64::MAX
     }
 }
 
@@ -485,6 +495,14 @@ impl<St: Store> Gate for Leases<St> {
         let covered = len.min(self.left);
         self.left -= covered;
         self.owed = self.owed.saturating_add(len - covered);
+    }
+
+    #[inline]
+    fn ready(&self) -> u64 {
+        match self.state {
+            State::Idle if self.owed == 0 => self.left,
+            _ => 0,
+        }
     }
 }
 
