@@ -15,7 +15,17 @@
 //! downloaded with hyper's client, so that the socket's cost is counted too (what a server
 //! pays per streamed byte).
 //!
-//! `cargo bench --bench streams`
+//! `streams/loopback-cpu-100MB/*`: the same download over loopback, timed in CPU time rather
+//! than wall time: `iter_custom` returns the process's user + system time (`getrusage`) spent
+//! while the response was served and read (server and client are in this process, on one
+//! thread, and nothing else runs meanwhile). Each iteration of a case with a byte tier also
+//! downloads from the case without one, just before or just after it (in turn), and the
+//! ratio of each such pair is printed at the end of the group (median and range): pairs taken
+//! moments apart share the machine's load, where criterion's per-case estimates, seconds
+//! apart, may not.
+//!
+//! `cargo bench --bench streams`, or one group:
+//! `cargo bench --bench streams -- loopback-cpu --warm-up-time 1 --measurement-time 3`
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -172,5 +182,97 @@ fn streams(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, streams);
+/// The CPU time this process has used so far, user and system, all threads.
+fn cpu_time() -> Duration {
+    use nix::sys::resource::{UsageWho, getrusage};
+    use nix::sys::time::TimeValLike;
+    let usage = getrusage(UsageWho::RUSAGE_SELF).expect("getrusage");
+    let micros = usage.user_time().num_microseconds() + usage.system_time().num_microseconds();
+    Duration::from_micros(u64::try_from(micros).expect("CPU time is positive"))
+}
+
+/// The CPU time a 100 MB download from `url` costs the process (server and client).
+fn download_cpu(
+    rt: &tokio::runtime::Runtime,
+    client: &Client<hyper_util::client::legacy::connect::HttpConnector, AxumBody>,
+    url: &http::Uri,
+) -> Duration {
+    let start = cpu_time();
+    rt.block_on(async {
+        let req = Request::get(url.clone()).body(AxumBody::empty()).unwrap();
+        read_all(client.request(req).await.unwrap()).await;
+    });
+    cpu_time() - start
+}
+
+/// Median and range of `ratios`.
+fn summary(ratios: &mut [f64]) -> String {
+    ratios.sort_by(f64::total_cmp);
+    let median = ratios[ratios.len() / 2];
+    let (low, high) = (ratios[0], ratios[ratios.len() - 1]);
+    format!("{median:.3}x [{low:.3}–{high:.3}] over {} pairs", ratios.len())
+}
+
+fn streams_cpu(c: &mut Criterion) {
+    // One thread serves and reads: how the socket's buffers fill between the two (so how
+    // many reads and writes 100 MB take) then depends on the runtime alone, not on how a
+    // loaded machine schedules two threads, and the CPU time is comparable from run to run.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let client: Client<_, AxumBody> = Client::builder(TokioExecutor::new()).build_http();
+    // Every case served at once, each on its own port.
+    let mut served = Vec::new();
+    for (name, app) in cases() {
+        if name == "bare" {
+            continue;
+        }
+        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let url: http::Uri = format!("http://{}/", listener.local_addr().unwrap()).parse().unwrap();
+        let server = rt.spawn(async move { axum::serve(listener, app).await });
+        served.push((name, url, server));
+    }
+    let reference = served[0].1.clone();
+    let mut g = c.benchmark_group("streams/loopback-cpu-100MB");
+    g.throughput(Throughput::Bytes(LEN))
+        .sample_size(10)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3));
+    let mut pairs = Vec::new();
+    for (name, url, _) in &served {
+        let mut ratios = Vec::new();
+        g.bench_function(*name, |b| {
+            b.iter_custom(|iters| {
+                let mut spent = Duration::ZERO;
+                for _ in 0..iters {
+                    if *url == reference {
+                        spent += download_cpu(&rt, &client, url);
+                        continue;
+                    }
+                    // Each pair in turn starts with the case or with the reference, so that
+                    // the order within a pair favours neither.
+                    let first = ratios.len() % 2 == 0;
+                    let without =
+                        if first { Duration::ZERO } else { download_cpu(&rt, &client, &reference) };
+                    let cpu = download_cpu(&rt, &client, url);
+                    let without =
+                        if first { download_cpu(&rt, &client, &reference) } else { without };
+                    spent += cpu;
+                    ratios.push(cpu.as_secs_f64() / without.as_secs_f64());
+                }
+                spent
+            });
+        });
+        if !ratios.is_empty() {
+            pairs.push((*name, ratios));
+        }
+    }
+    g.finish();
+    for (name, mut ratios) in pairs {
+        println!("streams/loopback-cpu-100MB/{name}: CPU / no-byte-tier {}", summary(&mut ratios));
+    }
+    for (_, _, server) in served {
+        server.abort();
+    }
+}
+
+criterion_group!(benches, streams, streams_cpu);
 criterion_main!(benches);

@@ -502,3 +502,155 @@ async fn settling_counts_a_server_stream_and_charges_it_when_it_ends() {
     clock.advance(Duration::from_millis(10));
     assert_eq!(server.echo().await.unwrap(), count(7));
 }
+
+// Concurrency while calls are paused or stopped: one call in flight (a concurrency tier of
+// 1) beside a tier of 40 messages and a tier of 1 MB, on a store whose clock stands still,
+// so that what the tiers charged can be read back exactly. The tiers refill one unit a
+// second: a shaped lease past the burst waits more than a second (it is not reserved
+// ahead), and the keys a Redis store expires when a tier would be full again (in real
+// time) outlive the test.
+
+/// The bytes of one message on the wire: the 5-byte prefix and 8 bytes of payload.
+const WIRE: u64 = 13;
+
+fn one_call<St: Store>(unit: Unit, mode: StreamMode, store: St) -> RateLimitLayer<GlobalKey, St> {
+    let bytes = match unit {
+        Unit::RequestMessages => Unit::RequestBytes,
+        _ => Unit::ResponseBytes,
+    };
+    let policy = Policy::builder("one-call")
+        .concurrency("in-flight", tollgate::Concurrency::new(1))
+        .tier("messages", Quota::per_second(1).with_burst(40).counting(unit))
+        .tier("bytes", Quota::per_second(1).with_burst(1_000_000).counting(bytes))
+        .build()
+        .unwrap();
+    RateLimitLayer::builder(policy).key(GlobalKey).store(store).on_stream(mode).build().unwrap()
+}
+
+/// Free slots, messages left, bytes left.
+async fn left<St: Store>(limiter: &tollgate::Limiter<St>) -> (u64, u64, u64) {
+    let peek = limiter.check(&tollgate::key::Key::Global, 0).await.unwrap();
+    let tiers = peek.tiers();
+    (tiers[0].remaining(), tiers[1].remaining(), tiers[2].remaining())
+}
+
+/// Waits until `done` says so, or 10 s (the assertions that follow then say what is
+/// missing).
+async fn until<F: Future<Output = bool>>(mut done: impl FnMut() -> F) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done().await && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A client-streaming call paused by shaping (after two leases of 16 messages, the tier has
+/// 8 left) holds its slot: a unary call of the key is refused. The client cancels the call
+/// (the HTTP/2 stream is reset): the slot comes back, the message tier is charged the 32
+/// messages read and the byte tier their 416 bytes (the rest of its 64 KiB lease given back).
+async fn a_paused_call_holds_its_slot_until_cancelled<St: Store>(store: St) {
+    let layer = one_call(Unit::RequestMessages, StreamMode::Shape, store);
+    let limiter = layer.limiter().clone();
+    let mut server = serve(layer).await;
+    let mut client = server.client.clone();
+    let call = tokio::spawn(async move {
+        client.ready().await.expect("ready");
+        let messages = tokio_stream::iter((0..1_000).map(count));
+        let path = PathAndQuery::from_static("/test.Messages/Upload");
+        let _ = client.client_streaming(tonic::Request::new(messages), path, Raw).await;
+    });
+    until(|| async { server.received.load(Ordering::SeqCst) >= 32 }).await;
+    assert_eq!(server.received.load(Ordering::SeqCst), 32);
+    // Paused, in flight: the one slot is taken.
+    assert_eq!(server.echo().await.unwrap_err().code(), Code::ResourceExhausted);
+    assert_eq!(left(&limiter).await, (0, 8, 1_000_000 - 2 * 16 * WIRE - 65_536 + 32 * WIRE));
+    call.abort();
+    let expected = (1, 8, 1_000_000 - 32 * WIRE);
+    until(|| async { left(&limiter).await == expected }).await;
+    assert_eq!(left(&limiter).await, expected);
+    assert_eq!(server.received.load(Ordering::SeqCst), 32);
+}
+
+/// A server-streaming call paused by shaping (cut to its two leases of 16 messages) holds its
+/// slot; the client drops the stream: the slot comes back, charged exactly the 32 messages
+/// and their bytes.
+async fn a_paused_server_stream_holds_its_slot_until_dropped<St: Store>(store: St) {
+    let layer = one_call(Unit::ResponseMessages, StreamMode::Shape, store);
+    let limiter = layer.limiter().clone();
+    let mut server = serve(layer).await;
+    let path = PathAndQuery::from_static("/test.Messages/Download");
+    let mut client = server.client.clone();
+    client.ready().await.expect("ready");
+    let res = client.server_streaming(tonic::Request::new(count(1_000)), path, Raw).await;
+    let mut messages = res.expect("admitted").into_inner();
+    for i in 0..32 {
+        assert_eq!(messages.message().await.unwrap(), Some(count(i)));
+    }
+    assert_eq!(server.echo().await.unwrap_err().code(), Code::ResourceExhausted);
+    drop(messages);
+    // The unary call above was refused before it was charged anything.
+    let expected = (1, 8, 1_000_000 - 32 * WIRE);
+    until(|| async { left(&limiter).await == expected }).await;
+    assert_eq!(left(&limiter).await, expected);
+}
+
+/// A client-streaming call stopped by policing (`RESOURCE_EXHAUSTED` after exactly the 40
+/// messages) gives its slot back, charged exactly the 40 messages and their bytes.
+async fn a_policed_call_gives_its_slot_back_when_stopped<St: Store>(store: St) {
+    let layer = one_call(Unit::RequestMessages, StreamMode::Police, store);
+    let limiter = layer.limiter().clone();
+    let mut server = serve(layer).await;
+    let refused = server.upload(1_000).await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert_eq!(server.received.load(Ordering::SeqCst), 40);
+    let expected = (1, 0, 1_000_000 - 40 * WIRE);
+    until(|| async { left(&limiter).await == expected }).await;
+    assert_eq!(left(&limiter).await, expected);
+}
+
+#[tokio::test]
+async fn a_paused_call_holds_its_slot_until_cancelled_in_memory() {
+    a_paused_call_holds_its_slot_until_cancelled(frozen(&FakeClock::new())).await;
+}
+
+#[tokio::test]
+async fn a_paused_server_stream_holds_its_slot_until_dropped_in_memory() {
+    a_paused_server_stream_holds_its_slot_until_dropped(frozen(&FakeClock::new())).await;
+}
+
+#[tokio::test]
+async fn a_policed_call_gives_its_slot_back_when_stopped_in_memory() {
+    a_policed_call_gives_its_slot_back_when_stopped(frozen(&FakeClock::new())).await;
+}
+
+#[cfg(feature = "redis")]
+mod paused_on_redis {
+    use super::*;
+
+    /// A Redis store whose clock stands still.
+    fn frozen(server: &support::redis::Server, prefix: &str) -> tollgate::store::RedisStore {
+        tollgate::store::RedisStore::builder(server.url())
+            .prefix(prefix)
+            .clock(FakeClock::new())
+            .timeout(Duration::from_secs(5))
+            .build()
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_paused_call_holds_its_slot_until_cancelled_on_redis() {
+        let Some(server) = support::redis::Server::start("redis-server") else { return };
+        a_paused_call_holds_its_slot_until_cancelled(frozen(&server, "call:")).await;
+    }
+
+    #[tokio::test]
+    async fn a_paused_server_stream_holds_its_slot_until_dropped_on_redis() {
+        let Some(server) = support::redis::Server::start("redis-server") else { return };
+        a_paused_server_stream_holds_its_slot_until_dropped(frozen(&server, "down:")).await;
+    }
+
+    #[tokio::test]
+    async fn a_policed_call_gives_its_slot_back_when_stopped_on_redis() {
+        let Some(server) = support::redis::Server::start("redis-server") else { return };
+        a_policed_call_gives_its_slot_back_when_stopped(frozen(&server, "police:")).await;
+    }
+}

@@ -363,3 +363,311 @@ mod redis {
         shaped_download(store(&server.url(), "download:")).await;
     }
 }
+
+// Concurrency while streams are paused or stopped: one request in flight (a concurrency tier
+// of 1) beside a byte tier, on a store whose clock stands still, so that the bytes charged
+// can be read back exactly.
+
+/// The byte tier's burst: three leases and 20,000 bytes, so that a shaped stream pauses after
+/// three leases (the fourth does not fit), with room for the part of a frame past them.
+const BURST: u64 = 3 * STREAM_LEASE + 20_000;
+
+/// One request in flight of the one key, and a byte tier of `unit`: a burst of [`BURST`]
+/// bytes, refilled at 1,000 bytes a second (on a frozen clock: never).
+fn one_in_flight(unit: Unit) -> Policy {
+    Policy::builder("one-stream")
+        .concurrency("in-flight", tollgate::Concurrency::new(1))
+        .tier("bytes", Quota::per_second(1_000).with_burst(BURST).counting(unit))
+        .build()
+        .unwrap()
+}
+
+/// The free slots of the concurrency tier, and the bytes the byte tier has charged: from
+/// what it has left, or, past its burst, from the wait for one more byte (1 ms a byte).
+async fn slots_and_charged<St: Store>(limiter: &tollgate::Limiter<St>) -> (u64, u64) {
+    let key = tollgate::key::Key::Global;
+    let peek = limiter.check(&key, 0).await.unwrap();
+    let (slots, left) = (peek.tiers()[0].remaining(), peek.tiers()[1].remaining());
+    if left > 0 || slots == 0 {
+        return (slots, BURST - left);
+    }
+    // One byte (and a slot, given back at once) asked for: refused by the byte tier alone.
+    let one = limiter.check(&key, 1).await.unwrap();
+    let wait = one.tiers()[1].retry_after().expect("the byte tier refuses");
+    assert_eq!(wait.subsec_nanos() % 1_000_000, 0, "{wait:?}");
+    (slots, BURST + wait.as_millis() as u64 - 1)
+}
+
+/// Waits until `done` says so, or 10 s (the assertions that follow then say what is
+/// missing).
+async fn until<F: Future<Output = bool>>(what: &str, mut done: impl FnMut() -> F) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done().await {
+        if Instant::now() > deadline {
+            eprintln!("gave up waiting for {what}");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// An app with `/upload` (reads the body, adding what it read to `read`), `/file` (a 1 MB
+/// response in frames of 16 KiB) and `/ping`, behind `layer`.
+fn paused_app<St: Store>(
+    layer: RateLimitLayer<tollgate::key::GlobalKey, St>,
+    read: &Arc<std::sync::atomic::AtomicU64>,
+) -> Router {
+    let read = Arc::clone(read);
+    Router::new()
+        .route(
+            "/upload",
+            post(move |req: AxumRequest| async move {
+                let mut body = req.into_body();
+                // A client that went away ends the body with an error: the handler stops.
+                while let Some(Ok(frame)) = body.frame().await {
+                    if let Ok(data) = frame.into_data() {
+                        read.fetch_add(data.len() as u64, std::sync::atomic::Ordering::SeqCst);
+                    }
+                }
+                "stored"
+            }),
+        )
+        .route("/file", get(|| async { AxumBody::new(Frames::new(MB, 16 * 1024, false)) }))
+        .route("/ping", get(|| async { "pong" }))
+        .layer(layer)
+}
+
+fn paused_layer<St: Store>(
+    unit: Unit,
+    mode: StreamMode,
+    store: St,
+) -> RateLimitLayer<tollgate::key::GlobalKey, St> {
+    RateLimitLayer::builder(one_in_flight(unit))
+        .key(tollgate::key::GlobalKey)
+        .store(store)
+        .on_stream(mode)
+        .build()
+        .unwrap()
+}
+
+/// The status of a `GET /ping` of the same key.
+async fn ping(
+    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Frames>,
+    server: &support::Server,
+) -> StatusCode {
+    let req = http::Request::get(server.url("/ping")).body(Frames::new(0, 1, true)).unwrap();
+    client.request(req).await.unwrap().status()
+}
+
+/// A task serving connections, aborted when this is dropped.
+struct Serving(tokio::task::JoinHandle<()>);
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Serves `app` over HTTP/2 (prior knowledge) on 127.0.0.1: the address, and the task
+/// accepting connections (aborted when the test ends).
+async fn serve_h2(app: Router) -> (std::net::SocketAddr, Serving) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
+    let addr = listener.local_addr().expect("local addr");
+    let task = tokio::spawn(async move {
+        loop {
+            let (stream, _) = listener.accept().await.expect("accept");
+            let service = hyper_util::service::TowerToHyperService::new(app.clone());
+            tokio::spawn(
+                hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service),
+            );
+        }
+    });
+    (addr, Serving(task))
+}
+
+/// A chunked upload of 10 MB over HTTP/2 to `addr`, on a connection of its own: the client
+/// goes away (its connection closed) when the task is aborted.
+fn h2_upload(addr: std::net::SocketAddr) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let (mut send, conn) = hyper::client::conn::http2::handshake(
+            TokioExecutor::new(),
+            hyper_util::rt::TokioIo::new(stream),
+        )
+        .await
+        .expect("handshake");
+        let driver = tokio::spawn(conn);
+        let req = http::Request::post(format!("http://{addr}/upload"))
+            .body(Frames::new(10 * MB, 16 * 1024, false))
+            .unwrap();
+        // Paused: no answer comes before the task is aborted.
+        let _ = send.send_request(req).await;
+        driver.abort();
+    })
+}
+
+/// A chunked upload paused by shaping (its fourth lease does not fit) holds its slot: the
+/// key's next request is refused. The client goes away (its HTTP/2 connection closed): the
+/// slot comes back, and the tier is charged exactly the bytes the handler read.
+async fn a_paused_upload_holds_its_slot_until_the_client_goes<St: Store>(store: St) {
+    let layer = paused_layer(Unit::RequestBytes, StreamMode::Shape, store);
+    let limiter = layer.limiter().clone();
+    let read = Arc::default();
+    let app = paused_app(layer, &read);
+    let (addr, _server) = serve_h2(app.clone()).await;
+    let server = serve(app).await;
+    let client: Client<_, Frames> = Client::builder(TokioExecutor::new()).build_http();
+    let upload = h2_upload(addr);
+    let read_now = || read.load(std::sync::atomic::Ordering::SeqCst);
+    until("three leases read", || async { read_now() >= 3 * STREAM_LEASE }).await;
+    // Paused, in flight: the one slot is taken.
+    assert_eq!(ping(&client, &server).await, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(slots_and_charged(&limiter).await.0, 0);
+    upload.abort();
+    assert!(upload.await.unwrap_err().is_cancelled());
+    until("the slot back", || async { slots_and_charged(&limiter).await == (1, read_now()) }).await;
+    assert_eq!(slots_and_charged(&limiter).await, (1, read_now()));
+    assert!((3 * STREAM_LEASE..BURST).contains(&read_now()), "{}", read_now());
+    assert_eq!(ping(&client, &server).await, StatusCode::OK);
+}
+
+/// A download paused by shaping (cut to its three leases) holds its slot; the client drops
+/// the body: the slot comes back, and the tier is charged exactly the three leases.
+async fn a_paused_download_holds_its_slot_until_the_client_goes<St: Store>(store: St) {
+    let layer = paused_layer(Unit::ResponseBytes, StreamMode::Shape, store);
+    let limiter = layer.limiter().clone();
+    let server = serve(paused_app(layer, &Arc::default())).await;
+    let client: Client<_, Frames> = Client::builder(TokioExecutor::new()).build_http();
+    let req = http::Request::get(server.url("/file")).body(Frames::new(0, 1, true)).unwrap();
+    let res = client.request(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let mut body = res.into_body();
+    let mut came = 0;
+    while came < 3 * STREAM_LEASE {
+        came += body.frame().await.unwrap().unwrap().into_data().unwrap().len() as u64;
+    }
+    assert_eq!(came, 3 * STREAM_LEASE);
+    assert_eq!(ping(&client, &server).await, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(slots_and_charged(&limiter).await, (0, 3 * STREAM_LEASE));
+    drop(body);
+    until("the slot back", || async { slots_and_charged(&limiter).await.0 == 1 }).await;
+    assert_eq!(slots_and_charged(&limiter).await, (1, 3 * STREAM_LEASE));
+    assert_eq!(ping(&client, &server).await, StatusCode::OK);
+}
+
+/// A chunked upload stopped by policing (the layer answers 429 in its handler's place) gives
+/// its slot back, and the tier is charged exactly the bytes the handler read (the part of the
+/// last frame past the burst is owed).
+async fn a_policed_upload_gives_its_slot_back_when_stopped<St: Store>(store: St) {
+    let layer = paused_layer(Unit::RequestBytes, StreamMode::Police, store);
+    let limiter = layer.limiter().clone();
+    let read = Arc::default();
+    let server = serve(paused_app(layer, &read)).await;
+    let client: Client<_, Frames> = Client::builder(TokioExecutor::new()).build_http();
+    let req =
+        http::Request::post(server.url("/upload")).body(Frames::new(MB, 16 * 1024, false)).unwrap();
+    // The layer answers 429 and closes the connection; the client, still sending, may see
+    // the connection closed before it reads the answer.
+    if let Ok(res) = client.request(req).await {
+        assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    }
+    let read = read.load(std::sync::atomic::Ordering::SeqCst);
+    until("the lease settled", || async { slots_and_charged(&limiter).await == (1, read) }).await;
+    assert_eq!(slots_and_charged(&limiter).await, (1, read));
+    // The burst whole, and less than a frame past it.
+    assert!((BURST..BURST + 16 * 1024).contains(&read), "{read}");
+}
+
+/// Over HTTP/1.1 a paused upload is not read, so the server cannot see its client go away; a
+/// request timeout outside the layer ends it: the slot comes back, and the tier is charged
+/// exactly the bytes the handler read.
+async fn a_timeout_ends_a_paused_http1_upload<St: Store>(store: St) {
+    use axum::response::IntoResponse;
+    let layer = paused_layer(Unit::RequestBytes, StreamMode::Shape, store);
+    let limiter = layer.limiter().clone();
+    let read = Arc::default();
+    let timeout = tower::util::MapFutureLayer::new(
+        |call: axum::routing::future::RouteFuture<Infallible>| async move {
+            let timed = tokio::time::timeout(Duration::from_secs(2), call).await;
+            timed.unwrap_or_else(|_| Ok(StatusCode::REQUEST_TIMEOUT.into_response()))
+        },
+    );
+    let server = serve(paused_app(layer, &read).layer(timeout)).await;
+    let client: Client<_, Frames> = Client::builder(TokioExecutor::new()).build_http();
+    let req = http::Request::post(server.url("/upload"))
+        .body(Frames::new(10 * MB, 16 * 1024, false))
+        .unwrap();
+    let res = client.request(req).await.expect("the timeout answers");
+    assert_eq!(res.status(), StatusCode::REQUEST_TIMEOUT);
+    let read = read.load(std::sync::atomic::Ordering::SeqCst);
+    until("the slot back", || async { slots_and_charged(&limiter).await == (1, read) }).await;
+    assert_eq!(slots_and_charged(&limiter).await, (1, read));
+    assert!((3 * STREAM_LEASE..BURST).contains(&read), "{read}");
+}
+
+fn frozen_memory() -> tollgate::store::MemoryStore {
+    tollgate::store::MemoryStore::builder()
+        .clock(tollgate::clock::FakeClock::new())
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_upload_holds_its_slot_until_the_client_goes_in_memory() {
+    a_paused_upload_holds_its_slot_until_the_client_goes(frozen_memory()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_download_holds_its_slot_until_the_client_goes_in_memory() {
+    a_paused_download_holds_its_slot_until_the_client_goes(frozen_memory()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_ends_a_paused_http1_upload_in_memory() {
+    a_timeout_ends_a_paused_http1_upload(frozen_memory()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policed_upload_gives_its_slot_back_when_stopped_in_memory() {
+    a_policed_upload_gives_its_slot_back_when_stopped(frozen_memory()).await;
+}
+
+#[cfg(feature = "redis")]
+mod paused_on_redis {
+    use super::*;
+
+    /// A Redis store whose clock stands still.
+    fn frozen(server: &support::redis::Server, prefix: &str) -> tollgate::store::RedisStore {
+        tollgate::store::RedisStore::builder(server.url())
+            .prefix(prefix)
+            .clock(tollgate::clock::FakeClock::new())
+            .timeout(Duration::from_secs(5))
+            .build()
+            .unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_paused_upload_holds_its_slot_until_the_client_goes_on_redis() {
+        let Some(server) = support::redis::Server::start("redis-server") else { return };
+        a_paused_upload_holds_its_slot_until_the_client_goes(frozen(&server, "up:")).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_paused_download_holds_its_slot_until_the_client_goes_on_redis() {
+        let Some(server) = support::redis::Server::start("redis-server") else { return };
+        a_paused_download_holds_its_slot_until_the_client_goes(frozen(&server, "down:")).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_timeout_ends_a_paused_http1_upload_on_redis() {
+        let Some(server) = support::redis::Server::start("redis-server") else { return };
+        a_timeout_ends_a_paused_http1_upload(frozen(&server, "timeout:")).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_policed_upload_gives_its_slot_back_when_stopped_on_redis() {
+        let Some(server) = support::redis::Server::start("redis-server") else { return };
+        a_policed_upload_gives_its_slot_back_when_stopped(frozen(&server, "police:")).await;
+    }
+}

@@ -168,7 +168,6 @@ impl<B: Body> Body for RequestBody<B> {
         let this = self.project();
         if let Some(gates) = this.gates.as_deref_mut() {
             if !this.inner.is_end_stream() {
-                let remaining = this.inner.size_hint().exact();
                 for gated in gates.iter_mut() {
                     // Stopped by policing: nothing more is read (the layer answers, or ends a
                     // gRPC response, in the handler's place).
@@ -181,7 +180,12 @@ impl<B: Body> Body for RequestBody<B> {
                     if gated.refused.is_some() {
                         continue;
                     }
-                    let remaining = if gated.framer.is_some() { None } else { remaining };
+                    // Within the lease: nothing to poll.
+                    if gated.gate.ready() > 0 {
+                        continue;
+                    }
+                    let remaining =
+                        if gated.framer.is_some() { None } else { this.inner.size_hint().exact() };
                     match gated.gate.poll_room(cx, remaining) {
                         Poll::Ready(Ok(_)) => {}
                         Poll::Pending => return Poll::Pending,
@@ -201,9 +205,13 @@ impl<B: Body> Body for RequestBody<B> {
         if let (Some(gates), Poll::Ready(Some(Ok(frame)))) = (this.gates.as_deref_mut(), &frame) {
             if let Some(data) = frame.data_ref() {
                 let len = bytes::Buf::remaining(data) as u64;
+                // What each gate spends: the messages the frame starts, or its bytes. Counted
+                // before any is spent: a frame that does not reach the handler is charged to
+                // no tier.
+                let mut spent: SmallVec<[u64; 2]> = SmallVec::new();
                 for gated in gates.iter_mut() {
                     let Some(framer) = &mut gated.framer else {
-                        gated.gate.spend(len);
+                        spent.push(len);
                         continue;
                     };
                     let messages = framer.count(data);
@@ -216,7 +224,10 @@ impl<B: Body> Body for RequestBody<B> {
                         }
                         refused => gated.refused = refused,
                     }
-                    gated.gate.spend(messages);
+                    spent.push(messages);
+                }
+                for (gated, spent) in gates.iter_mut().zip(spent) {
+                    gated.gate.spend(spent);
                 }
             }
         }
@@ -377,10 +388,8 @@ where
     if meter.stream.ended {
         return Poll::Ready(None);
     }
-    if let Some(signal) = meter.stream.signal.clone() {
-        if let Poll::Ready(why) = signal.poll_stopped(cx) {
-            return end_stopped(meter, &why);
-        }
+    if let Some(Poll::Ready(why)) = meter.stream.signal.as_ref().map(|s| s.poll_stopped(cx)) {
+        return end_stopped(meter, &why);
     }
     if meter.stream.rest.is_empty() {
         match body.as_mut().poll_frame(cx) {
@@ -406,12 +415,17 @@ where
     // message tiers' lease.
     let mut room = rest;
     if let Some(gate) = meter.stream.gate.as_mut() {
-        let remaining = body.size_hint().exact().map(|left| left.saturating_add(rest));
-        match gate.poll_room(cx, remaining) {
-            Poll::Pending => return Poll::Pending,
-            Poll::Ready(Err(why)) => return end_stopped(meter, &why),
-            Poll::Ready(Ok(bytes)) => room = room.min(bytes),
+        // Within the lease (most frames): a comparison, no size hint, no poll.
+        let mut bytes = gate.ready();
+        if bytes == 0 {
+            let remaining = body.size_hint().exact().map(|left| left.saturating_add(rest));
+            bytes = match gate.poll_room(cx, remaining) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(why)) => return end_stopped(meter, &why),
+                Poll::Ready(Ok(bytes)) => bytes,
+            };
         }
+        room = room.min(bytes);
     }
     // `room` <= `rest`, a `usize`.
     let mut take = room as usize;

@@ -9,6 +9,7 @@ use std::task::{Context, Poll};
 
 use http::{Request, Response, header};
 use http_body_util::Full;
+use smallvec::SmallVec;
 use tower_service::Service;
 
 use super::body::{RequestBody, ResponseBody};
@@ -23,7 +24,7 @@ use crate::error::StoreError;
 use crate::grpc::is_grpc;
 use crate::headers::Prepared;
 use crate::key::{Key, KeyExtractor, RequestHead};
-use crate::limiter::{Limiter, Reservation};
+use crate::limiter::{Held, Limiter, Reservation};
 use crate::quota::Unit;
 use crate::rejection::{Rejection, grpc_resource_exhausted, too_many_requests};
 use crate::store::{Check, Store, Verdict};
@@ -654,16 +655,30 @@ where
             ..Streamed::default()
         }
     });
-    let held = reservation.hold();
-    let finish: Finish = Box::new(move |settled: &[(Unit, u64)]| held.finish(settled));
+    // The tiers metered by leases were charged a unit at admission (policing) that the leases
+    // replace: given back however the request ends, stopped or dropped before its response
+    // (a client gone) included, so that such a tier is charged exactly what streamed.
+    let mut streamed_units = SmallVec::new();
+    if stream_bytes {
+        streamed_units.push((Unit::RequestBytes, 0));
+    }
+    if mode.streams() && needs.response_bytes() {
+        streamed_units.push((Unit::ResponseBytes, 0));
+    }
+    let held = Holding { held: Some(reservation.hold()), settled: streamed_units };
     #[cfg(feature = "ws")]
-    let finish = if !grpc
+    let (held, linger) = if !grpc
         && (needs.request_messages() || needs.response_messages())
         && super::websocket::is_upgrade(req.method(), req.headers())
     {
         // The layer cannot see an upgraded socket's messages: the handler meters them, and
         // the request is held until the socket ends.
         use super::websocket::{Linger, MessageBudget};
+        let finish: Finish = Box::new(move |settled: &[(Unit, u64)]| {
+            if let Some(held) = held.take() {
+                held.finish(settled);
+            }
+        });
         let linger = Arc::new(Linger::new(finish, !mode.streams()));
         // A layer in front of this one may have given its budget already: both meter.
         let budget = req.extensions_mut().remove::<MessageBudget>().unwrap_or_default().and(
@@ -674,9 +689,9 @@ where
             Arc::clone(&linger),
         );
         req.extensions_mut().insert(budget);
-        Box::new(move |settled: &[(Unit, u64)]| linger.ended(settled)) as Finish
+        (Holding { held: None, settled: SmallVec::new() }, Some(linger))
     } else {
-        finish
+        (held, None)
     };
     let call = inner.call(req);
     let res = match &signal {
@@ -695,7 +710,7 @@ where
             match raced {
                 Ok(res) => res?,
                 Err(why) => {
-                    drop(finish);
+                    held.finish();
                     return Ok(config.stopped(limiter, &key, why, grpc));
                 }
             }
@@ -703,6 +718,18 @@ where
     };
     let (mut head, body) = res.into_parts();
     headers.insert(&mut head.headers);
+    let held = held.take();
+    let finish: Finish = Box::new(move |settled: &[(Unit, u64)]| {
+        if let Some(held) = held {
+            held.finish(settled);
+        }
+    });
+    // An upgraded socket's request ends with the socket: the response's end only settles.
+    #[cfg(feature = "ws")]
+    let finish = match linger {
+        Some(linger) => Box::new(move |settled: &[(Unit, u64)]| linger.ended(settled)) as Finish,
+        None => finish,
+    };
     let mut meter = Meter::new(finish, counters, settled_by_head(&config, &head));
     let response_messages = stream_messages && needs.response_messages();
     if mode.streams() && (needs.response_bytes() || (grpc && signal.is_some()) || response_messages)
@@ -734,6 +761,37 @@ where
         meter = meter.streamed(streamed);
     }
     Ok(Response::from_parts(head, ResponseBody::metered(body, meter)))
+}
+
+/// A request held while its handler runs: when it ends before a response (stopped by
+/// policing, or dropped), it settles the tiers metered by leases at nothing (their leases
+/// charged what streamed), then releases its slots.
+struct Holding<St: Store> {
+    held: Option<Held<St>>,
+    settled: SmallVec<[(Unit, u64); 2]>,
+}
+
+impl<St: Store> Holding<St> {
+    /// The hold, for the response body to finish.
+    fn take(mut self) -> Option<Held<St>> {
+        self.held.take()
+    }
+
+    /// Settles and releases now.
+    fn finish(self) {
+        drop(self);
+    }
+}
+
+impl<St: Store> Drop for Holding<St> {
+    fn drop(&mut self) {
+        match self.held.take() {
+            // Nothing metered by leases: dropped as before, keeping every estimate.
+            Some(held) if self.settled.is_empty() => drop(held),
+            Some(held) => held.finish(&self.settled),
+            None => {}
+        }
+    }
 }
 
 /// What the response head settles for a held request: a refund gives back every unit it

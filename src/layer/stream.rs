@@ -13,7 +13,7 @@ use smallvec::SmallVec;
 use crate::decision::Decision;
 use crate::error::StoreError;
 use crate::key::Key;
-use crate::limiter::{Limiter, Reservation};
+use crate::limiter::Limiter;
 use crate::quota::{Priority, TierKind, Unit};
 use crate::store::{Check, Store, Verdict};
 
@@ -85,6 +85,23 @@ const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 /// # let _ = layer;
 /// # Ok(()) }
 /// ```
+///
+/// # Concurrency, and streams that end early
+///
+/// A stream paused by shaping is still in flight: the concurrency slots its request took
+/// (a [`Concurrency`](crate::Concurrency) tier) stay taken until it ends, so the key's next
+/// request may be refused meanwhile. A stream that ends early (stopped by policing, or
+/// cancelled: an HTTP/2 stream reset, a connection closed, a response body dropped, a request
+/// timeout that drops the handler) gives its slots back at once, on either store, and its
+/// tiers are charged exactly what streamed: the unused part of its last lease is given back,
+/// and so is the unit a byte tier was charged at admission (a frame read by the layer but
+/// never handed to the handler is charged to no tier; a message tier keeps the first message
+/// policing charged at admission, as a unary call's). One limit: an HTTP/1.1 upload paused by shaping is not
+/// read, so the server cannot see its client go away (TCP delivers the close only after the
+/// bytes the connection still holds) until the upload resumes and reads to its end; over
+/// HTTP/2, gRPC included, a reset or a closed connection is seen at once. A request timeout
+/// outside the layer (for example tower-http's `TimeoutLayer`) bounds how long a vanished
+/// HTTP/1.1 client holds its slot.
 ///
 /// # Messages
 ///
@@ -219,6 +236,12 @@ pub(crate) trait Gate: Send {
 
     /// `len` bytes passed (beyond the room, they are owed to the next leases).
     fn spend(&mut self, len: u64);
+
+    /// The room the current lease has now, when nothing needs polling (no store call under
+    /// way, no wait, nothing owed): what [`poll_room`](Self::poll_room) would answer at once.
+    /// 0 when it must be polled. Lets a frame within its lease pass without the body's size
+    /// hint or a poll.
+    fn ready(&self) -> u64;
 }
 
 /// A [`Gate`] that only counts: the messages of a gRPC call under
@@ -232,6 +255,10 @@ impl Gate for Tally {
 
     fn spend(&mut self, len: u64) {
         self.0.fetch_add(len, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn ready(&self) -> u64 {
+        u64::MAX
     }
 }
 
@@ -253,13 +280,16 @@ pub(crate) struct Leases<St: Store> {
     priority: Priority,
     /// The tiers counting the body's unit, charged each lease.
     tiers: SmallVec<[usize; 2]>,
+    /// Per tier of the policy, what the next lease costs: its size on `tiers`, 0 elsewhere
+    /// (neither checked nor charged); built once, its sizes written per lease.
+    costs: SmallVec<[u64; 4]>,
     /// The largest lease the tiers can ever admit.
     largest: u64,
     police: bool,
     fail_open: bool,
-    /// The current lease, to give back what it did not use; `None` when it was given
-    /// uncharged (failing open) or there is none.
-    lease: Option<Reservation<St>>,
+    /// The ticket of the current lease, to give back what it did not use; `None` when it
+    /// was given uncharged (failing open) or there is none.
+    lease: Option<St::Ticket>,
     /// The size of the current lease.
     leased: u64,
     /// What the current lease still covers.
@@ -300,11 +330,13 @@ impl<St: Store> Leases<St> {
                 Unit::RequestMessages | Unit::ResponseMessages => MESSAGE_LEASE,
                 _ => STREAM_LEASE,
             });
+        let costs = SmallVec::from_elem(0, policy.tiers().len());
         Self {
             limiter: limiter.clone(),
             key,
             priority,
             tiers,
+            costs,
             largest,
             police: mode == StreamMode::Police,
             fail_open,
@@ -331,8 +363,11 @@ impl<St: Store> Leases<St> {
 
     /// Asks the store for a lease of `size` bytes: the answer if it came at once.
     fn ask(&mut self, size: u64) -> Option<Result<Verdict<St::Ticket>, StoreError>> {
-        let costs = self.costs(size);
-        let mut check = Check::new(&self.key, 1).with_costs(&costs).with_priority(self.priority);
+        for &i in &self.tiers {
+            self.costs[i] = size;
+        }
+        let mut check =
+            Check::new(&self.key, 1).with_costs(&self.costs).with_priority(self.priority);
         check.ticket = true;
         if !self.police {
             check.max_delay = Some(SHAPE_AHEAD);
@@ -340,8 +375,13 @@ impl<St: Store> Leases<St> {
         if let Some(answer) = self.limiter.check_sync(check) {
             return Some(answer);
         }
-        let (limiter, key, priority, police) =
-            (self.limiter.clone(), self.key.clone(), self.priority, self.police);
+        let (limiter, key, priority, police, costs) = (
+            self.limiter.clone(),
+            self.key.clone(),
+            self.priority,
+            self.police,
+            self.costs.clone(),
+        );
         self.state = State::Asking(
             Box::pin(async move {
                 let mut check = Check::new(&key, 1).with_costs(&costs).with_priority(priority);
@@ -356,17 +396,6 @@ impl<St: Store> Leases<St> {
         None
     }
 
-    /// Per tier, what a lease of `size` bytes costs: `size` on the tiers counting the unit,
-    /// nothing on the others (neither checked nor charged).
-    fn costs(&self, size: u64) -> SmallVec<[u64; 4]> {
-        let mut costs: SmallVec<[u64; 4]> =
-            SmallVec::from_elem(0, self.limiter.policy().tiers().len());
-        for &i in &self.tiers {
-            costs[i] = size;
-        }
-        costs
-    }
-
     /// Takes the store's answer to a lease of `size`: `Err` when the stream stops.
     fn answered(
         &mut self,
@@ -376,8 +405,8 @@ impl<St: Store> Leases<St> {
         match answer {
             Ok(verdict) if verdict.decision.is_allowed() => {
                 let delay = verdict.decision.delay();
-                // The previous lease is spent: dropping it keeps its charge.
-                self.lease = Some(self.limiter.reservation(verdict));
+                // The previous lease is spent: dropping its ticket keeps its charge.
+                self.lease = verdict.ticket;
                 self.grant(size);
                 if !delay.is_zero() {
                     self.state = State::Sleeping(Box::pin(tokio::time::sleep(delay)));
@@ -475,6 +504,14 @@ impl<St: Store> Gate for Leases<St> {
         self.left -= covered;
         self.owed = self.owed.saturating_add(len - covered);
     }
+
+    #[inline]
+    fn ready(&self) -> u64 {
+        match self.state {
+            State::Idle if self.owed == 0 => self.left,
+            _ => 0,
+        }
+    }
 }
 
 impl<St: Store> Drop for Leases<St> {
@@ -482,15 +519,17 @@ impl<St: Store> Drop for Leases<St> {
     /// was dropped while waiting for its reserved instant), or charges what it let through
     /// past it.
     fn drop(&mut self) {
-        let Some(mut lease) = self.lease.take() else { return };
+        let Some(mut ticket) = self.lease.take() else { return };
         // What passed past the leases (the part of a last frame beyond them) is charged too.
         let used = (self.leased - self.left).saturating_add(self.owed);
         if used == self.leased {
             return;
         }
         let settled: SmallVec<[(usize, u64); 2]> = self.tiers.iter().map(|&i| (i, used)).collect();
+        let limiter = self.limiter.clone();
         crate::limiter::run_or_spawn(async move {
-            if let Err(error) = lease.settle_tiers(&settled).await {
+            let settling = limiter.store().settle_tiers(limiter.bound(), &mut ticket, &settled);
+            if let Err(error) = settling.await {
                 tracing::warn!(%error, "tollgate: could not give back the rest of a stream's lease");
             }
         });
@@ -737,11 +776,12 @@ mod tests {
         // less than a frame per stream past its last lease (cut to what the tier had left).
         assert!(read > MB - 10 - 10 * 4_096 && read < MB - 10 + 10 * 4_096, "{read}");
         assert_bound(&log, 10, 4_096);
-        // Exactly what was read is charged: the unread parts of the leases came back, and
-        // what passed beyond them was charged when the bodies were dropped. At 1 byte/us, the
-        // next byte fits once that debt is paid.
+        // Exactly what was read is charged: the unread parts of the leases came back, what
+        // passed beyond them was charged when the bodies were dropped, and the unit each
+        // request was charged at admission was given back when it was stopped. At 1 byte/us,
+        // the next byte fits once that debt is paid.
         let limiter = Limiter::with_store(upload_policy(), store.clone()).unwrap();
-        let charged = read + 10;
+        let charged = read;
         let now = limiter.check(&Key::Global, 1).await.unwrap();
         let expected = charged.checked_sub(MB).map(|over| Duration::from_micros(over + 1));
         assert_eq!(now.retry_after(), expected, "{read} read");

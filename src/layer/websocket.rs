@@ -275,6 +275,10 @@ impl Gate for AllOf {
     fn spend(&mut self, len: u64) {
         self.0.iter_mut().for_each(|gate| gate.spend(len));
     }
+
+    fn ready(&self) -> u64 {
+        self.0.iter().map(|gate| gate.ready()).min().unwrap_or(u64::MAX)
+    }
 }
 
 /// Puts a budget that meters nothing in the extensions of a WebSocket upgrade the layer lets
