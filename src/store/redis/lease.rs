@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use std::time::{Duration, Instant};
 
+use super::script::{Rest, state_key};
 use crate::algorithm::Charges;
 use crate::algorithm::calendar;
 use crate::algorithm::compiled::Kind;
@@ -375,13 +376,6 @@ impl Held {
     fn live(&self, now: u64) -> bool {
         now < self.until && now >= self.decided
     }
-}
-
-/// What is left of a block, to be given back: the units granted, the units spent, the charges.
-pub(crate) struct Rest {
-    pub(crate) granted: u64,
-    pub(crate) spent: u64,
-    pub(crate) charges: Charges,
 }
 
 /// What a check that takes a new block asks for.
@@ -858,7 +852,7 @@ impl Back {
     /// Settles the block of `key` at what was spent of it.
     async fn give(&self, key: &Key, rest: &Rest) -> Result<(), crate::StoreError> {
         let record = self.prepared.settle(rest.granted, &rest.charges, rest.spent);
-        let state_key = super::script::state_key(&self.key_parts, &self.key_names, key);
+        let state_key = state_key(&self.key_parts, &self.key_names, key);
         let keys = self.prepared.keys(state_key);
         self.inner.submit(&self.prepared, keys, record, 0).await.map(drop)
     }

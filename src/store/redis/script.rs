@@ -23,6 +23,14 @@ use crate::key::Key;
 use crate::policy::Policy;
 use crate::quota::{Algorithm, Priority};
 
+/// What is left of a lease-mode block, to be given back in the script call that takes the
+/// next one: the units granted, the units spent, the charges.
+pub(crate) struct Rest {
+    pub(crate) granted: u64,
+    pub(crate) spent: u64,
+    pub(crate) charges: Charges,
+}
+
 /// The longest span (period, burst x period / count, shaping budget) a script represents, in
 /// the policy's unit: 2^50. Scripts compute in Lua's doubles, exact below 2^53, relative to now.
 /// Policies keep to it by construction (see `Policy::precision`); shaping budgets are clamped.
@@ -603,7 +611,7 @@ impl Prepared {
         cost: u64,
         block: u64,
         useful: u64,
-        rest: Option<&super::lease::Rest>,
+        rest: Option<&Rest>,
     ) -> Vec<f64> {
         let per_sec = NANOS_PER_SEC / self.unit;
         let mut record = Vec::with_capacity(8 + 3 * self.ntiers);
