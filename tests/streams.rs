@@ -27,7 +27,7 @@ use http::StatusCode;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use support::serve;
 use tollgate::store::Store;
 use tollgate::{Policy, Quota, RateLimitLayer, STREAM_LEASE, StreamMode, Unit};
@@ -199,20 +199,23 @@ async fn policing_stops_ten_chunked_uploads_of_one_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn policing_answers_429_with_retry_after_to_an_upload_past_the_tier() {
     let log = Log::default();
-    let server = serve(upload_app(
-        tollgate::store::MemoryStore::new(),
-        StreamMode::Police,
-        &log,
-        Instant::now(),
-    ))
-    .await;
-    let client: Client<_, Frames> = Client::builder(TokioExecutor::new()).build_http();
+    let app =
+        upload_app(tollgate::store::MemoryStore::new(), StreamMode::Police, &log, Instant::now());
+    // Over HTTP/2: on HTTP/1.1 the server answers and closes the connection while the client
+    // still sends, and the client may see the connection reset before it reads the answer.
+    let (addr, _server) = serve_h2(app).await;
+    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let (mut send, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .expect("handshake");
+    let _driver = tokio::spawn(conn);
     // 2 MB chunked, in frames the server reads one lease at a time: refused after the 1 MB
     // burst, before the handler could answer.
-    let req = http::Request::post(server.url("/upload"))
+    let req = http::Request::post(format!("http://{addr}/upload"))
         .body(Frames::new(2 * MB, 16 * 1024, false))
         .unwrap();
-    let res = client.request(req).await.expect("an answer before the upload ends");
+    let res = send.send_request(req).await.expect("an answer before the upload ends");
     assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
     assert!(res.headers().contains_key("retry-after"));
     // Within the bound (what refilled while it streamed, and less than a frame past it).
@@ -475,8 +478,10 @@ async fn serve_h2(app: Router) -> (std::net::SocketAddr, Serving) {
     let addr = listener.local_addr().expect("local addr");
     let task = tokio::spawn(async move {
         loop {
-            let (stream, _) = listener.accept().await.expect("accept");
-            let service = hyper_util::service::TowerToHyperService::new(app.clone());
+            let (stream, peer) = listener.accept().await.expect("accept");
+            // The peer's address, as `into_make_service_with_connect_info` records it.
+            let app = app.clone().layer(axum::extract::connect_info::MockConnectInfo(peer));
+            let service = hyper_util::service::TowerToHyperService::new(app);
             tokio::spawn(
                 hyper::server::conn::http2::Builder::new(TokioExecutor::new())
                     .serve_connection(hyper_util::rt::TokioIo::new(stream), service),
