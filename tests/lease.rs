@@ -299,6 +299,31 @@ async fn a_refused_lease_call_is_waited_out_with_that_retry() {
     assert_eq!((stats.decided_on_redis, stats.refused_locally), (calls + 1, 2));
 }
 
+/// A weighted check refused while the instance waits for a useful block smaller than its
+/// cost: the instance's own refusals never say less than Redis's exact wait for that cost.
+#[tokio::test]
+async fn a_weighted_check_is_never_told_to_retry_before_redis_would_admit_it() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    // 100 a second: a useful block (1 ms of refill) is one unit.
+    let policy = Policy::single("weighted", Quota::per_second(100)).unwrap();
+    let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100));
+    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+    let key = Key::text("weighted");
+    while check(&exact, &key, 1).await.is_allowed() {}
+    for step in [0, 2, 7, 20] {
+        clock.set(1_000 * S + step * 1_000_000);
+        let leased = check(&nodes[0], &key, 5).await;
+        let told = check(&exact, &key, 5).await;
+        assert_eq!(leased.outcome(), Outcome::Limited, "at {step} ms");
+        assert_eq!(told.outcome(), Outcome::Limited);
+        // Redis admits 5 units 50 ms after the key was emptied.
+        assert_eq!(told.retry_after(), Some(Duration::from_millis(50 - step)));
+        assert!(leased.retry_after() >= told.retry_after(), "at {step} ms: {leased:?}");
+    }
+}
+
 /// Four instances at ten times a key's rate (100,000 a second, a burst of 1,000; useful
 /// blocks of 64): the bound holds over every interval, the key's rate is used (≥ 97 %), and
 /// Redis sees about one call per instance per useful block's refill, not one per check.

@@ -597,7 +597,10 @@ impl Leases {
         held.next = next.min(self.config.max_block);
         let rest = self.take_rest(&mut held);
         let block = held.next.max(cost);
-        Begin { block, useful: self.useful.min(block), rest, room: held.room }
+        // A useful block covers the check asking (a weighted check waits for its own cost,
+        // so a refusal's wait is never shorter than that check's); 0 stays 0 (windows).
+        let useful = if self.useful == 0 { 0 } else { self.useful.max(cost).min(block) };
+        Begin { block, useful, rest, room: held.room }
     }
 
     fn take_rest(&self, held: &mut Held) -> Option<Rest> {
@@ -671,7 +674,11 @@ impl Leases {
         if hold <= at || decision.outcome != Outcome::Limited {
             return decision;
         }
-        let hold = self.wait_until(at, hold, 0, useful);
+        // Never shorter than Redis's own wait for the check refused.
+        let hold = match decision.retry_after {
+            NONE => self.wait_until(at, hold, 0, useful),
+            exact => self.wait_until(at, hold, 0, useful).max(at.saturating_add(exact)),
+        };
         {
             let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
             // What a block held is given back by the call that was refused: none is left.
