@@ -284,6 +284,19 @@ async fn a_concurrency_tier_holds_a_slot_while_the_socket_is_open() {
         .concurrency("open", Concurrency::new(1))
         .build()
         .unwrap();
+    one_open_socket(policy).await;
+}
+
+#[tokio::test]
+async fn a_concurrency_tier_holds_a_slot_while_the_socket_is_open_without_a_message_tier() {
+    let policy =
+        Policy::builder("sockets").concurrency("open", Concurrency::new(1)).build().unwrap();
+    one_open_socket(policy).await;
+}
+
+/// With one slot per key, a second socket is refused while the first is open, and admitted
+/// once it closed.
+async fn one_open_socket(policy: Policy) {
     let layer = RateLimitLayer::builder(policy)
         .key(GlobalKey)
         .on_stream(StreamMode::Police)
@@ -305,6 +318,41 @@ async fn a_concurrency_tier_holds_a_slot_while_the_socket_is_open() {
     let second = connect(&server, "/upload").await;
     talk(second, 3).await;
     assert_eq!(report(&mut reports).await.received, 3);
+}
+
+/// An upgrade whose handler never answers, ended by a timeout outside the layer: the unit its
+/// request-bytes tier was charged at admission (a request of unknown length, policed) is
+/// given back, as for any request that ends before its response.
+#[tokio::test]
+async fn an_upgrade_dropped_before_its_101_gives_back_its_streamed_bytes_unit() {
+    use axum::response::IntoResponse;
+    let clock = FakeClock::new();
+    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let policy = Policy::builder("stuck")
+        .tier("bytes", Quota::per_minute(1_000).counting(Unit::RequestBytes))
+        .tier("messages", Quota::per_second(100).counting(Unit::RequestMessages))
+        .build()
+        .unwrap();
+    let layer = layer_of(policy, StreamMode::Police, store);
+    let limiter = layer.limiter().clone();
+    let timeout = tower::util::MapFutureLayer::new(
+        |call: axum::routing::future::RouteFuture<std::convert::Infallible>| async move {
+            let timed = tokio::time::timeout(Duration::from_millis(200), call).await;
+            timed.unwrap_or_else(|_| Ok(http::StatusCode::REQUEST_TIMEOUT.into_response()))
+        },
+    );
+    let stuck = |_up: WebSocketUpgrade, _budget: MessageBudget| std::future::pending::<Response>();
+    let app = Router::new().route("/stuck", get(stuck)).route_layer(layer).layer(timeout);
+    let server = support::serve(app).await;
+    let url = format!("ws://{}/stuck", server.addr);
+    match tokio_tungstenite::connect_async(url.as_str()).await {
+        Err(tokio_tungstenite::tungstenite::Error::Http(res)) => assert_eq!(res.status(), 408),
+        other => panic!("expected a 408, got {other:?}"),
+    }
+    let peek = limiter.check(&Key::Global, 0).await.unwrap();
+    assert_eq!(peek.tiers()[0].remaining(), 1_000, "the bytes tier is whole again");
+    // The message charged at admission stays charged (an estimate, as for any request).
+    assert_eq!(peek.tiers()[1].remaining(), 99);
 }
 
 /// Shapes 300 messages at 100/s after a burst of 100 on the real clock, in the direction of

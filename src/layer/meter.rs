@@ -110,6 +110,11 @@ impl Needs {
     }
 
     /// Whether some tier counts request messages.
+    /// Whether the policy has concurrency slots to hold.
+    pub(super) fn slots(self) -> bool {
+        self.slots
+    }
+
     pub(super) fn request_messages(self) -> bool {
         self.request_messages
     }

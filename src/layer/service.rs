@@ -668,16 +668,25 @@ where
     let held = Holding { held: Some(reservation.hold()), settled: streamed_units };
     #[cfg(feature = "ws")]
     let (held, linger) = if !grpc
-        && (needs.request_messages() || needs.response_messages())
+        && (needs.request_messages() || needs.response_messages() || needs.slots())
         && super::websocket::is_upgrade(req.method(), req.headers())
     {
         // The layer cannot see an upgraded socket's messages: the handler meters them, and
-        // the request is held until the socket ends.
+        // the request (its concurrency slots too: "N open sockets per key") is held until the
+        // socket ends.
         use super::websocket::{Linger, MessageBudget};
+        // The streamed tiers' admission units are given back however the socket's request
+        // ends, as `Holding` does for other requests (a response that ended settled them).
+        let units = held.settled.clone();
         let finish: Finish = Box::new(move |settled: &[(Unit, u64)]| {
-            if let Some(held) = held.take() {
-                held.finish(settled);
+            let Some(held) = held.take() else { return };
+            let mut settled: SmallVec<[(Unit, u64); 8]> = settled.iter().copied().collect();
+            for &(unit, n) in &units {
+                if !settled.iter().any(|&(u, _)| u == unit) {
+                    settled.push((unit, n));
+                }
             }
+            held.finish(&settled);
         });
         let linger = Arc::new(Linger::new(finish, !mode.streams()));
         // A layer in front of this one may have given its budget already: both meter.

@@ -135,7 +135,7 @@ impl Drop for Linger {
 /// The upgrade request is held until its socket ends: when the `101` response has been sent
 /// and the budget and every [`MeteredWebSocket`] wrapped with it are dropped. A
 /// [concurrency](crate::Concurrency) tier's slot ("at most 5 open sockets per key") is taken
-/// for that long. A handler that does not take the budget ends the request with its `101`
+/// for that long, under a policy counting messages or not. A handler that does not take the budget ends the request with its `101`
 /// response.
 ///
 /// ```
@@ -692,7 +692,9 @@ impl Sink<Message> for MeteredWebSocket {
 /// Whether a request asks for a WebSocket upgrade: HTTP/1.1's `Upgrade: websocket` (RFC 6455
 /// §4.1), or HTTP/2's extended `CONNECT` (RFC 8441).
 pub(crate) fn is_upgrade(method: &http::Method, headers: &http::HeaderMap) -> bool {
-    *method == http::Method::CONNECT
+    // An extended CONNECT for a WebSocket carries `Sec-WebSocket-Version` (RFC 8441 §5); a
+    // proxy's CONNECT does not.
+    (*method == http::Method::CONNECT && headers.contains_key(http::header::SEC_WEBSOCKET_VERSION))
         || headers
             .get_all(http::header::UPGRADE)
             .iter()
@@ -749,7 +751,10 @@ mod tests {
         assert!(upgrade(Method::GET, &["WebSocket"]));
         assert!(upgrade(Method::GET, &["h2c, websocket"]));
         assert!(upgrade(Method::GET, &["h2c", "websocket"]));
-        assert!(upgrade(Method::CONNECT, &[]));
+        let mut connect = HeaderMap::new();
+        connect.insert(http::header::SEC_WEBSOCKET_VERSION, HeaderValue::from_static("13"));
+        assert!(is_upgrade(&Method::CONNECT, &connect));
+        assert!(!upgrade(Method::CONNECT, &[]), "a proxy's CONNECT");
         assert!(!upgrade(Method::GET, &[]));
         assert!(!upgrade(Method::GET, &["h2c"]));
         assert!(!upgrade(Method::POST, &["websockets"]));
