@@ -355,6 +355,27 @@ async fn an_upgrade_dropped_before_its_101_gives_back_its_streamed_bytes_unit() 
     assert_eq!(peek.tiers()[1].remaining(), 99);
 }
 
+/// Settling: a handler that takes the budget but answers without upgrading keeps the
+/// message its request was charged at admission, as any request does (nothing was counted
+/// on a socket, so nothing settles it).
+#[tokio::test]
+async fn settling_an_upgrade_that_never_became_a_socket_keeps_its_admission_charge() {
+    let clock = FakeClock::new();
+    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let layer = layer(Unit::RequestMessages, StreamMode::Settle, store);
+    let limiter = layer.limiter().clone();
+    let refuse = |_up: WebSocketUpgrade, _budget: MessageBudget| async { "no socket today" };
+    let app = Router::new().route("/refuse", get(refuse)).route_layer(layer);
+    let server = support::serve(app).await;
+    let url = format!("ws://{}/refuse", server.addr);
+    match tokio_tungstenite::connect_async(url.as_str()).await {
+        Err(tokio_tungstenite::tungstenite::Error::Http(res)) => assert_eq!(res.status(), 200),
+        other => panic!("expected a 200, got {other:?}"),
+    }
+    let peek = limiter.check(&Key::Global, 0).await.unwrap();
+    assert_eq!(peek.tiers()[0].remaining(), 99);
+}
+
 /// Shapes 300 messages at 100/s after a burst of 100 on the real clock, in the direction of
 /// `unit`: what the client saw, what the handler did, how long it took.
 async fn shaped(unit: Unit, path: &str, sends: u64) -> (Seen, Done, Duration) {

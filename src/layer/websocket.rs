@@ -4,7 +4,7 @@
 
 use std::fmt;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
@@ -45,6 +45,9 @@ pub(crate) struct Linger {
     /// The messages each way, counted under [`StreamMode::Settle`] (and in a dry run): when
     /// the socket ends, the message charged each way at admission is settled at its count.
     tallies: Option<[Arc<AtomicU64>; 2]>,
+    /// Whether a socket was wrapped to count them: a request that ended without one (dropped
+    /// before its response, or a handler that never wrapped its socket) keeps its estimate.
+    wrapped: AtomicBool,
 }
 
 impl Linger {
@@ -55,6 +58,7 @@ impl Linger {
             finish: Mutex::new(Some(finish)),
             settled: Mutex::default(),
             tallies: tally.then(Default::default),
+            wrapped: AtomicBool::new(false),
         }
     }
 
@@ -74,7 +78,9 @@ impl Drop for Linger {
     fn drop(&mut self) {
         let mut settled =
             std::mem::take(self.settled.get_mut().unwrap_or_else(PoisonError::into_inner));
-        for unit in [Unit::RequestMessages, Unit::ResponseMessages] {
+        let wrapped = self.wrapped.load(Ordering::Relaxed);
+        for unit in [Unit::RequestMessages, Unit::ResponseMessages].into_iter().filter(|_| wrapped)
+        {
             // A refund by the response's status settled every unit at 0 already.
             if let (Some(count), false) =
                 (self.tally(unit), settled.iter().any(|(u, _)| *u == unit))
@@ -200,12 +206,13 @@ impl MessageBudget {
         linger: Arc<Linger>,
     ) -> Self {
         let limiter = limiter.clone();
-        let tallies = linger.tallies.clone();
+        let counting = Arc::clone(&linger);
         let make = move |unit: Unit| {
             if !limiter.policy().tiers().iter().any(|t| t.unit() == unit) {
                 return None;
             }
-            if let Some([received, sent]) = &tallies {
+            if let Some([received, sent]) = &counting.tallies {
+                counting.wrapped.store(true, Ordering::Relaxed);
                 let counted = if unit == Unit::RequestMessages { received } else { sent };
                 return Some(Box::new(Tally(Arc::clone(counted))) as Box<dyn Gate>);
             }
