@@ -642,11 +642,15 @@ async fn a_policed_upload_gives_its_slot_back_when_stopped_in_memory() {
 mod paused_on_redis {
     use super::*;
 
-    /// A Redis store whose clock stands still.
+    /// A Redis store whose clock stands still. Redis expires keys on its own clock, when
+    /// their state would be full again on the store's: with that clock frozen, a key charged
+    /// one byte (1 ms of refill) would vanish after 1 ms of real time, so keys are kept a
+    /// minute longer.
     fn frozen(server: &support::redis::Server, prefix: &str) -> tollgate::store::RedisStore {
         tollgate::store::RedisStore::builder(server.url())
             .prefix(prefix)
             .clock(tollgate::clock::FakeClock::new())
+            .ttl_grace(Duration::from_secs(60))
             .timeout(Duration::from_secs(5))
             .build()
             .unwrap()
