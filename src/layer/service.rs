@@ -675,20 +675,8 @@ where
         // the request (its concurrency slots too: "N open sockets per key") is held until the
         // socket ends.
         use super::websocket::{Linger, MessageBudget};
-        // The streamed tiers' admission units are given back however the socket's request
-        // ends, as `Holding` does for other requests (a response that ended settled them).
-        let units = held.settled.clone();
-        let finish: Finish = Box::new(move |settled: &[(Unit, u64)]| {
-            let Some(held) = held.take() else { return };
-            let mut settled: SmallVec<[(Unit, u64); 8]> = settled.iter().copied().collect();
-            for &(unit, n) in &units {
-                if !settled.iter().any(|&(u, _)| u == unit) {
-                    settled.push((unit, n));
-                }
-            }
-            held.finish(&settled);
-        });
-        let linger = Arc::new(Linger::new(finish, !mode.streams()));
+        // Finished when the socket ends, with or without a response before.
+        let linger = Arc::new(Linger::new(held.into_finish(), !mode.streams()));
         // A layer in front of this one may have given its budget already: both meter.
         let budget = req.extensions_mut().remove::<MessageBudget>().unwrap_or_default().and(
             limiter,
@@ -727,12 +715,7 @@ where
     };
     let (mut head, body) = res.into_parts();
     headers.insert(&mut head.headers);
-    let held = held.take();
-    let finish: Finish = Box::new(move |settled: &[(Unit, u64)]| {
-        if let Some(held) = held {
-            held.finish(settled);
-        }
-    });
+    let finish = held.into_finish();
     // An upgraded socket's request ends with the socket: the response's end only settles.
     #[cfg(feature = "ws")]
     let finish = match linger {
@@ -781,9 +764,21 @@ struct Holding<St: Store> {
 }
 
 impl<St: Store> Holding<St> {
-    /// The hold, for the response body to finish.
-    fn take(mut self) -> Option<Held<St>> {
-        self.held.take()
+    /// The hold, finished by whatever ends the request (its response body, or an upgraded
+    /// socket): with what that settles, and the tiers metered by leases at nothing unless it
+    /// settled them itself (a response body that ended does).
+    fn into_finish(mut self) -> Finish {
+        let (held, units) = (self.held.take(), std::mem::take(&mut self.settled));
+        Box::new(move |settled: &[(Unit, u64)]| {
+            let Some(held) = held else { return };
+            if units.iter().all(|&(unit, _)| settled.iter().any(|&(u, _)| u == unit)) {
+                return held.finish(settled);
+            }
+            let missing = |&&(unit, _): &&(Unit, u64)| !settled.iter().any(|&(u, _)| u == unit);
+            let mut all: SmallVec<[(Unit, u64); 8]> = settled.iter().copied().collect();
+            all.extend(units.iter().filter(missing).copied());
+            held.finish(&all);
+        })
     }
 
     /// Settles and releases now.

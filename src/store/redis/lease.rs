@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use super::script::{Rest, state_key};
 use crate::algorithm::Charges;
 use crate::algorithm::calendar;
-use crate::algorithm::compiled::Kind;
+use crate::algorithm::compiled::{Kind, Rate};
 use crate::clock::duration_to_nanos;
 use crate::decision::{Decision, NONE, Outcome};
 use crate::error::ConfigError;
@@ -228,17 +228,18 @@ pub(crate) fn useful_block(policy: &Policy, max_block: u64) -> u64 {
         return 0;
     }
     let span = u128::from(duration_to_nanos(USEFUL_SPAN) / policy.unit());
-    policy
-        .tiers()
-        .iter()
-        .filter(|t| matches!(t.kind, Kind::Rate))
-        .map(|t| {
-            let r = &t.rate;
+    rates(policy)
+        .map(|r| {
             let refilled = u128::from(r.count) * span / u128::from(r.period.max(1));
             u64::try_from(refilled).unwrap_or(u64::MAX).min(r.burst / 4)
         })
         .fold(max_block, u64::min)
         .max(1)
+}
+
+/// The rate tiers' quotas, in the policy's unit.
+fn rates(policy: &Policy) -> impl Iterator<Item = &Rate> {
+    policy.tiers().iter().filter(|t| matches!(t.kind, Kind::Rate)).map(|t| &t.rate)
 }
 
 /// The longest an instance waits for a useful block when other instances take from the key
@@ -248,12 +249,8 @@ pub(crate) fn useful_block(policy: &Policy, max_block: u64) -> u64 {
 /// end, and no refill is lost to the burst's cap.
 fn longest_wait(policy: &Policy) -> u64 {
     let unit = u128::from(policy.unit());
-    policy
-        .tiers()
-        .iter()
-        .filter(|t| matches!(t.kind, Kind::Rate))
-        .map(|t| {
-            let r = &t.rate;
+    rates(policy)
+        .map(|r| {
             let fill =
                 u128::from(r.burst) * u128::from(r.period) * unit / u128::from(r.count.max(1));
             u64::try_from(fill / 2).unwrap_or(u64::MAX)
