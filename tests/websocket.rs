@@ -496,3 +496,14 @@ async fn a_socket_is_charged_exactly_its_messages_on_redis() {
     let store = server.store("websocket:");
     a_socket_is_charged_exactly_its_messages(store).await;
 }
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_socket_is_charged_exactly_its_messages_on_a_redis_cluster() {
+    let Some(cluster) = support::redis::Cluster::start() else { return };
+    let store = tollgate::store::RedisStore::cluster_builder(cluster.urls())
+        .prefix("websocket:")
+        .build()
+        .unwrap();
+    a_socket_is_charged_exactly_its_messages(store).await;
+}
