@@ -311,13 +311,10 @@ pub(crate) fn in_units(policy: &Policy, now: u64) -> u64 {
     now / policy.unit()
 }
 
-/// Decides one request of `cost` over all tiers of `policy` at `now` (nanoseconds), charging
-/// every tier when admitted and none otherwise. Returns the decision (in nanoseconds) and, when
-/// admitted, the charges per tier (instants in the policy's unit).
-///
-/// A policy whose unit is a microsecond decides at the microsecond `now` falls in, and reports
-/// every wait as the nanoseconds from `now` to the start of the microsecond it ends in: a retry
-/// at `now + retry_after` is admitted, one a nanosecond earlier is not.
+/// Decides one request of `cost` over all tiers of a plain policy (every tier a rate counting
+/// requests, see [`Policy::is_plain`]) at `now` (nanoseconds): the all-rate, same-cost case of
+/// [`decide_kinds`], which is the one engine every policy decides with.
+#[cfg(test)]
 pub(crate) fn decide(
     policy: &Policy,
     states: &mut [TierState],
@@ -325,79 +322,8 @@ pub(crate) fn decide(
     cost: u64,
     mode: Mode,
 ) -> (Decision, Option<Charges>) {
-    let unit = policy.unit();
-    if unit == 1 {
-        return decide_in_units(policy, states, now, cost, mode);
-    }
-    let at = now / unit;
-    let mode = match mode {
-        Mode::Police => Mode::Police,
-        Mode::Shape(budget) => Mode::Shape(budget / unit),
-    };
-    let (mut decision, charges) = decide_in_units(policy, states, at, cost, mode);
-    decision.rescale(at, unit, now);
-    (decision, charges)
-}
-
-/// [`decide`] with `now` and the mode's budget in the policy's unit.
-fn decide_in_units(
-    policy: &Policy,
-    states: &mut [TierState],
-    now: u64,
-    cost: u64,
-    mode: Mode,
-) -> (Decision, Option<Charges>) {
-    let alg = policy.algorithm();
-    let tiers = policy.tiers();
-    for (s, t) in states.iter_mut().zip(tiers) {
-        s.prune(alg, t.rate, now);
-    }
-    // Cost 0 is a query: always admitted, charges nothing (not even an empty window or a
-    // zero-weight log entry, which would report a reset for nothing used).
-    if cost == 0 {
-        let decision = report(policy, states, now, Outcome::Allowed, 0, None, |_| (false, None));
-        return (decision, None);
-    }
-    if tiers.iter().any(|t| cost > t.capacity()) {
-        let over = |i: usize| (cost > tiers[i].capacity(), None);
-        let decision = report(policy, states, now, Outcome::CostExceedsCapacity, 0, None, over);
-        return (decision, None);
-    }
-
-    // The instant the request leaves: the earliest at which every tier admits it together.
-    // Every tier is charged there, so a window a shaped request is reserved in is one that
-    // had room for it.
-    let shaping = matches!(mode, Mode::Shape(_));
-    let departure = converge(now, rounds(states), |t| {
-        states
-            .iter()
-            .zip(tiers)
-            .map(|(s, tier)| s.departure(alg, tier.rate, t, cost, shaping))
-            .fold(t, u64::max)
-    });
-    let budget = budget(mode);
-    let per_tier_retry = |i: usize| {
-        let own = states[i].earliest(alg, tiers[i].rate, now, cost) - now;
-        (own > 0, (own > 0).then_some(own))
-    };
-    let t = match departure {
-        Some(t) if t - now <= budget => t,
-        // Unsettled (ruled out by `rounds`): refused, never charged where a tier is full.
-        other => {
-            let wait = other.map_or(1, |t| (t - now).saturating_sub(budget));
-            let decision =
-                report(policy, states, now, Outcome::Limited, 0, Some(wait), per_tier_retry);
-            return (decision, None);
-        }
-    };
-    let wait = t - now;
-    let charges: Charges = states
-        .iter_mut()
-        .zip(tiers)
-        .map(|(s, tier)| s.charge(alg, tier.rate, now, t, cost))
-        .collect();
-    let decision = report(policy, states, now, Outcome::Allowed, wait, None, |_| (false, None));
-    (decision, Some(charges))
+    let costs: SmallVec<[u64; 4]> = smallvec::smallvec![cost; policy.tiers().len()];
+    decide_kinds(policy, states, now, &costs, mode, Priority::Standard)
 }
 
 /// Decides one request over every tier of a policy of any kinds (rates, concurrency, calendar)
@@ -407,7 +333,10 @@ fn decide_in_units(
 /// whatever the shaping budget); their `retry_after` and `reset_after` are left for
 /// [`slots::fill`], which knows the typical holds.
 ///
-/// The policy's plain tiers decide exactly as in [`decide`]. Tiers with a penalty box (see
+/// Every policy decides here: a plain one (rates counting requests) is the case of every tier a
+/// rate with the same cost, and decides as the GCRA, bucket and window literature says (the
+/// memory store's compact path for a single whole-nanosecond GCRA tier, [`WholeGcra`], is the
+/// one specialisation, and decides the same). Tiers with a penalty box (see
 /// [`Penalty`](crate::Penalty)) keep it in `states` after the tiers' own states
 /// ([`Policy::penalty_slot`]): a blocked key is refused, and a breach of such a tier counts.
 ///
@@ -512,8 +441,8 @@ fn decide_kinds_in_units(
     }
 
     // The instant the request leaves: the earliest at which every rate and calendar tier
-    // admits it together (as in `decide_in_units`). It is charged there, in the window holding
-    // that instant, which had room for it.
+    // admits it together. Every tier is charged there, so a window a shaped request is
+    // reserved in is one that had room for it.
     let shaping = matches!(mode, Mode::Shape(_));
     let departure = converge(now, rounds(states), |t| {
         (0..tiers.len())
@@ -761,31 +690,6 @@ pub(crate) fn whole_decision(
             Decision::new(Outcome::CostExceedsCapacity, 0, None, tier(tat, true, None))
         }
     }
-}
-
-/// Builds the decision from the states after any charge. Durations in nanoseconds.
-fn report(
-    policy: &Policy,
-    states: &[TierState],
-    now: u64,
-    outcome: Outcome,
-    delay: u64,
-    retry_after: Option<u64>,
-    per_tier: impl Fn(usize) -> (bool, Option<u64>),
-) -> Decision {
-    let alg = policy.algorithm();
-    let tiers: Tiers = policy
-        .tiers()
-        .iter()
-        .zip(states)
-        .enumerate()
-        .map(|(i, (tier, s))| {
-            let (remaining, reset) = s.status(alg, tier.rate, now);
-            let (violated, retry_after) = per_tier(i);
-            TierDecision::new(tier.capacity(), remaining, reset, retry_after, violated)
-        })
-        .collect();
-    Decision::new(outcome, delay, retry_after, tiers)
 }
 
 #[cfg(test)]

@@ -22,7 +22,7 @@ use super::{Carry, Check, Store, Verdict};
 use crate::algorithm::compiled::Kind;
 use crate::algorithm::slots;
 use crate::algorithm::{
-    Charge, Charges, GcraStep, Mode, TierState, WholeGcra, budget, decide, decide_kinds, in_units,
+    Charge, Charges, GcraStep, Mode, TierState, WholeGcra, budget, decide_kinds, in_units,
     whole_decision,
 };
 use crate::clock::{AnyClock, Clock, duration_to_nanos};
@@ -409,8 +409,8 @@ impl MemoryStore {
 }
 
 /// Decides `check` on `key` under `core`'s policy at `now` (nanoseconds), or at the key's
-/// clock guard when that is later (see [`KeyState::guard`]; an admission moves it): plain
-/// policies as they always were, others tier by tier.
+/// clock guard when that is later (see [`KeyState::guard`]; an admission moves it), tier by
+/// tier (a plain policy's tiers all take the check's cost).
 #[inline]
 fn decide_core(
     core: &Core,
@@ -422,14 +422,9 @@ fn decide_core(
     let mode = mode(check.max_delay);
     let at = core.guarded(key.guard, now);
     let entries = core.guarded && key.iter().any(TierState::has_entries);
-    let (mut decision, mut charges) = if policy.is_plain() {
-        decide(policy, key, at, check.cost, mode)
-    } else {
-        let costs: SmallVec<[u64; 4]> = (0..policy.tiers().len())
-            .map(|i| policy.tier_cost(i, check.cost, check.costs))
-            .collect();
-        decide_kinds(policy, key, at, &costs, mode, check.priority)
-    };
+    let costs: SmallVec<[u64; 4]> =
+        (0..policy.tiers().len()).map(|i| policy.tier_cost(i, check.cost, check.costs)).collect();
+    let (mut decision, mut charges) = decide_kinds(policy, key, at, &costs, mode, check.priority);
     if !core.wakers.is_empty() {
         slots::fill(policy, &core.holds, &mut decision);
     }
