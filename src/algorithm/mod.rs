@@ -351,16 +351,30 @@ pub(crate) fn decide_kinds(
     mode: Mode,
     class: Priority,
 ) -> (Decision, Option<Charges>) {
+    decide_with(policy, states, now, |i| costs.get(i).copied().unwrap_or(0), mode, class)
+}
+
+/// [`decide_kinds`] with the cost of tier `i` given by `cost(i)` (a store computes it from the
+/// check without collecting the costs first).
+#[inline]
+pub(crate) fn decide_with(
+    policy: &Policy,
+    states: &mut [TierState],
+    now: u64,
+    cost: impl Fn(usize) -> u64 + Copy,
+    mode: Mode,
+    class: Priority,
+) -> (Decision, Option<Charges>) {
     let unit = policy.unit();
     if unit == 1 {
-        return decide_kinds_in_units(policy, states, now, costs, mode, class);
+        return decide_kinds_in_units(policy, states, now, cost, mode, class);
     }
     let at = now / unit;
     let mode = match mode {
         Mode::Police => Mode::Police,
         Mode::Shape(budget) => Mode::Shape(budget / unit),
     };
-    let (mut decision, charges) = decide_kinds_in_units(policy, states, at, costs, mode, class);
+    let (mut decision, charges) = decide_kinds_in_units(policy, states, at, cost, mode, class);
     decision.rescale(at, unit, now);
     (decision, charges)
 }
@@ -391,6 +405,7 @@ fn departure_kind(
 /// Forgets what no longer matters at `now` (in the policy's unit) in a key's `states`: windows
 /// and log entries that ended, penalty blocks and breaches that expired; gives each tier a
 /// state of its kind. The Redis scripts prune the same whenever they read a key.
+#[inline]
 pub(crate) fn prune_kinds(policy: &Policy, states: &mut [TierState], now: u64) {
     let alg = policy.algorithm();
     let unit = policy.unit();
@@ -418,7 +433,7 @@ fn decide_kinds_in_units(
     policy: &Policy,
     states: &mut [TierState],
     now: u64,
-    costs: &[u64],
+    cost: impl Fn(usize) -> u64 + Copy,
     mode: Mode,
     class: Priority,
 ) -> (Decision, Option<Charges>) {
@@ -427,7 +442,6 @@ fn decide_kinds_in_units(
     let tiers = policy.tiers();
     prune_kinds(policy, states, now);
     let boxes = policy.has_penalty();
-    let cost = |i: usize| costs.get(i).copied().unwrap_or(0);
     if (0..tiers.len()).all(|i| cost(i) == 0) {
         let decision =
             report_kinds(policy, class, states, now, Outcome::Allowed, 0, None, |_| (false, None));
@@ -457,7 +471,9 @@ fn decide_kinds_in_units(
         _ => false,
     };
     let budget = budget(mode);
-    let any_full = (0..tiers.len()).any(full);
+    // A plain policy (rates counting requests) has no slots, calendars, boxes nor reserves.
+    let plain = policy.is_plain();
+    let any_full = !plain && (0..tiers.len()).any(full);
     // Past the budget, the earliest retry is when the departure is within it.
     let (at, mut retry) = match departure {
         Some(t) => (t, (t - now > budget).then(|| t - now - budget)),
@@ -466,7 +482,7 @@ fn decide_kinds_in_units(
     };
     // A departure after a calendar tier's lookahead is refused too (Redis holds the bounds of
     // no later window): not before the lookahead moves on, when the current window ends.
-    for (i, tier) in tiers.iter().enumerate() {
+    for (i, tier) in tiers.iter().enumerate().filter(|_| !plain) {
         if let (Kind::Calendar(spec), true) = (&tier.kind, cost(i) > 0) {
             if let Some(current) = calendar::beyond(spec, unit, now, at) {
                 retry = Some(retry.unwrap_or(0).max(current - now));
@@ -528,31 +544,25 @@ fn decide_kinds_in_units(
         return (decision, None);
     }
     let wait = at - now;
-    let charges: Charges = states
-        .iter_mut()
-        .zip(tiers)
-        .enumerate()
-        .map(|(i, (s, tier))| {
-            let c = cost(i);
-            if c == 0 {
-                return Charge { at, cost: 0, id: 0 };
+    let mut charges = Charges::new();
+    for (i, (s, tier)) in states.iter_mut().zip(tiers).enumerate() {
+        let c = cost(i);
+        charges.push(match (&tier.kind, &mut *s) {
+            _ if c == 0 => Charge { at, cost: 0, id: 0 },
+            (Kind::Rate, s) => s.charge(alg, tier.rate, now, at, c),
+            (Kind::Calendar(spec), TierState::Calendar(counted)) => {
+                calendar::charge(counted, spec, unit, at, c);
+                Charge { at, cost: c, id: 0 }
             }
-            match (&tier.kind, &mut *s) {
-                (Kind::Rate, s) => s.charge(alg, tier.rate, now, at, c),
-                (Kind::Calendar(spec), TierState::Calendar(counted)) => {
-                    calendar::charge(counted, spec, unit, at, c);
-                    Charge { at, cost: c, id: 0 }
-                }
-                (Kind::Concurrency(_), TierState::Slots(held)) => {
-                    *held += c;
-                    // Held from the decision on (through any shaping delay).
-                    Charge { at: now, cost: c, id: 0 }
-                }
-                // Pruning gave every tier a state of its kind.
-                _ => Charge { at, cost: 0, id: 0 },
+            (Kind::Concurrency(_), TierState::Slots(held)) => {
+                *held += c;
+                // Held from the decision on (through any shaping delay).
+                Charge { at: now, cost: c, id: 0 }
             }
-        })
-        .collect();
+            // Pruning gave every tier a state of its kind.
+            _ => Charge { at, cost: 0, id: 0 },
+        });
+    }
     let decision =
         report_kinds(policy, class, states, now, Outcome::Allowed, wait, None, |_| (false, None));
     (decision, Some(charges))
@@ -609,31 +619,34 @@ fn report_kinds(
 ) -> Decision {
     let alg = policy.algorithm();
     let unit = policy.unit();
-    let tiers: Tiers = policy
-        .tiers()
-        .iter()
-        .zip(states)
-        .enumerate()
-        .map(|(i, (tier, s))| {
-            let (remaining, reset) = match (&tier.kind, s) {
-                (Kind::Rate, s) => s.status(alg, tier.rate_for(class), now),
-                (Kind::Calendar(_), TierState::Calendar(c)) => {
-                    calendar::status(c, tier.capacity(), unit, now)
-                }
-                (Kind::Concurrency(_), TierState::Slots(held)) => {
-                    (tier.capacity().saturating_sub(*held), 0)
-                }
-                _ => (tier.capacity(), 0),
-            };
-            // A blocked tier has nothing left until the block ends.
-            let (remaining, reset) = match blocked(policy, states, i, now) {
-                Some(until) => (0, reset.max(until - now)),
-                None => (remaining, reset),
-            };
-            let (violated, retry_after) = per_tier(i);
-            TierDecision::new(tier.capacity_for(class), remaining, reset, retry_after, violated)
-        })
-        .collect();
+    let boxes = policy.has_penalty();
+    let mut tiers = Tiers::new();
+    for (i, (tier, s)) in policy.tiers().iter().zip(states).enumerate() {
+        let (remaining, reset) = match (&tier.kind, s) {
+            (Kind::Rate, s) => s.status(alg, tier.rate_for(class), now),
+            (Kind::Calendar(_), TierState::Calendar(c)) => {
+                calendar::status(c, tier.capacity(), unit, now)
+            }
+            (Kind::Concurrency(_), TierState::Slots(held)) => {
+                (tier.capacity().saturating_sub(*held), 0)
+            }
+            _ => (tier.capacity(), 0),
+        };
+        // A blocked tier has nothing left until the block ends.
+        let block = if boxes { blocked(policy, states, i, now) } else { None };
+        let (remaining, reset) = match block {
+            Some(until) => (0, reset.max(until - now)),
+            None => (remaining, reset),
+        };
+        let (violated, retry_after) = per_tier(i);
+        tiers.push(TierDecision::new(
+            tier.capacity_for(class),
+            remaining,
+            reset,
+            retry_after,
+            violated,
+        ));
+    }
     Decision::new(outcome, delay, retry_after, tiers)
 }
 

@@ -15,14 +15,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use registry::Registry;
-use smallvec::SmallVec;
 use table::{Core, KeyState, Shard, general_mut, lock};
 
 use super::{Carry, Check, Store, Verdict};
 use crate::algorithm::compiled::Kind;
 use crate::algorithm::slots;
 use crate::algorithm::{
-    Charge, Charges, GcraStep, Mode, TierState, WholeGcra, budget, decide_kinds, in_units,
+    Charge, Charges, GcraStep, Mode, TierState, WholeGcra, budget, decide_with, in_units,
     whole_decision,
 };
 use crate::clock::{AnyClock, Clock, duration_to_nanos};
@@ -422,9 +421,8 @@ fn decide_core(
     let mode = mode(check.max_delay);
     let at = core.guarded(key.guard, now);
     let entries = core.guarded && key.iter().any(TierState::has_entries);
-    let costs: SmallVec<[u64; 4]> =
-        (0..policy.tiers().len()).map(|i| policy.tier_cost(i, check.cost, check.costs)).collect();
-    let (mut decision, mut charges) = decide_kinds(policy, key, at, &costs, mode, check.priority);
+    let cost = |i: usize| policy.tier_cost(i, check.cost, check.costs);
+    let (mut decision, mut charges) = decide_with(policy, key, at, cost, mode, check.priority);
     if !core.wakers.is_empty() {
         slots::fill(policy, &core.holds, &mut decision);
     }
