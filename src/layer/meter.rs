@@ -109,12 +109,13 @@ impl Needs {
         self.response_bytes
     }
 
-    /// Whether some tier counts request messages.
-    /// Whether the policy has concurrency slots to hold.
+    /// Whether the policy has concurrency slots to hold (an upgraded socket holds them).
+    #[cfg(feature = "ws")]
     pub(super) fn slots(self) -> bool {
         self.slots
     }
 
+    /// Whether some tier counts request messages.
     pub(super) fn request_messages(self) -> bool {
         self.request_messages
     }
