@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
-use http::{Extensions, HeaderMap, HeaderName, HeaderValue, Request, Response};
+use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::combinators::UnsyncBoxBody;
 use pin_project_lite::pin_project;
@@ -18,6 +18,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use super::state::{Shared, Snapshot};
+use crate::headers::Collected;
 use crate::layer::{RequestBody, ResponseBody, ResponseFuture};
 use crate::store::{MemoryStore, Store};
 
@@ -156,9 +157,11 @@ where
 {
     let future = chain.call(req);
     Box::pin(async move {
-        let (mut parts, body) = future.await?.into_parts();
-        merge(&mut parts.headers, &mut parts.extensions);
-        Ok(Response::from_parts(parts, body))
+        let mut res = future.await?;
+        if let Some(collected) = res.extensions_mut().remove::<Collected>() {
+            collected.write(res.headers_mut());
+        }
+        Ok(res)
     })
 }
 
@@ -197,95 +200,9 @@ where
             next: self.next + 1,
             inner,
         };
-        let future = self.snapshot.rules[rule].layer.layer(below).call(req);
-        // The rule's headers, kept aside from those of the rule around it, which replaces them.
-        let stash_them = self.next > 0;
-        Box::pin(async move {
-            let mut res = future.await?;
-            if stash_them {
-                let (mut parts, body) = res.into_parts();
-                stash(&mut parts.headers, &mut parts.extensions);
-                res = Response::from_parts(parts, body);
-            }
-            Ok(res.map(UnsyncBoxBody::new))
-        })
-    }
-}
-
-const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
-const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
-const LEGACY: [HeaderName; 3] = [
-    HeaderName::from_static("x-ratelimit-limit"),
-    HeaderName::from_static("x-ratelimit-remaining"),
-    HeaderName::from_static("x-ratelimit-reset"),
-];
-
-/// The rate-limit headers of the inner rules of a request, innermost last, carried out in the
-/// response's extensions past the rules around them.
-#[derive(Clone, Default)]
-struct Stashed {
-    /// `RateLimit-Policy` and `RateLimit` of each rule that wrote them.
-    ietf: Vec<(HeaderValue, HeaderValue)>,
-    /// The legacy headers of the tier with the fewest units left.
-    legacy: Option<[HeaderValue; 3]>,
-}
-
-/// The remaining units of a legacy header set.
-fn remaining(legacy: &[HeaderValue; 3]) -> u64 {
-    legacy[1].to_str().ok().and_then(|s| s.parse().ok()).unwrap_or(u64::MAX)
-}
-
-/// Moves one rule's rate-limit headers from `headers` to the stash in `extensions`, before
-/// those of the rules inside it.
-fn stash(headers: &mut HeaderMap, extensions: &mut Extensions) {
-    let mut stashed = extensions.remove::<Stashed>().unwrap_or_default();
-    if let (Some(policy), Some(state)) =
-        (headers.remove(RATELIMIT_POLICY), headers.remove(RATELIMIT))
-    {
-        stashed.ietf.insert(0, (policy, state));
-    }
-    let [a, b, c] = &LEGACY;
-    if let (Some(limit), Some(left), Some(reset)) =
-        (headers.remove(a), headers.remove(b), headers.remove(c))
-    {
-        let legacy = [limit, left, reset];
-        if stashed.legacy.as_ref().is_none_or(|s| remaining(&legacy) < remaining(s)) {
-            stashed.legacy = Some(legacy);
-        }
-    }
-    extensions.insert(stashed);
-}
-
-/// Adds the stashed headers of the inner rules to those of the outermost one: the IETF lists
-/// joined (RFC 9651 lists combine with `, `), the legacy set with the fewest units left.
-fn merge(headers: &mut HeaderMap, extensions: &mut Extensions) {
-    let Some(stashed) = extensions.remove::<Stashed>() else { return };
-    if !stashed.ietf.is_empty() {
-        let (policies, states): (Vec<_>, Vec<_>) = stashed.ietf.into_iter().unzip();
-        for (name, inner) in [(RATELIMIT_POLICY, policies), (RATELIMIT, states)] {
-            let mut joined = headers.get(&name).map(|v| v.as_bytes().to_vec()).unwrap_or_default();
-            for value in inner {
-                if !joined.is_empty() {
-                    joined.extend_from_slice(b", ");
-                }
-                joined.extend_from_slice(value.as_bytes());
-            }
-            if let Ok(value) = HeaderValue::from_bytes(&joined) {
-                headers.insert(name, value);
-            }
-        }
-    }
-    if let Some(legacy) = stashed.legacy {
-        let [a, b, c] = &LEGACY;
-        let outer = match (headers.get(a), headers.get(b), headers.get(c)) {
-            (Some(x), Some(y), Some(z)) => Some([x.clone(), y.clone(), z.clone()]),
-            _ => None,
-        };
-        if outer.as_ref().is_none_or(|o| remaining(&legacy) < remaining(o)) {
-            for (name, value) in LEGACY.into_iter().zip(legacy) {
-                headers.insert(name, value);
-            }
-        }
+        // Each rule hands its headers on, for `start` to write those of all at once.
+        let future = self.snapshot.rules[rule].layer.layer(below).collecting().call(req);
+        Box::pin(async move { Ok(future.await?.map(UnsyncBoxBody::new)) })
     }
 }
 
@@ -423,81 +340,5 @@ where
             BodyKind::One { body } => body.size_hint(),
             BodyKind::Many { body } => body.size_hint(),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
-        pairs
-            .iter()
-            .map(|(n, v)| {
-                (HeaderName::from_bytes(n.as_bytes()).unwrap(), HeaderValue::from_str(v).unwrap())
-            })
-            .collect()
-    }
-
-    #[test]
-    fn inner_rules_headers_are_listed_after_the_outer_ones() {
-        let mut ext = Extensions::new();
-        // Innermost first, as the responses come back out.
-        let mut inner = headers(&[
-            ("ratelimit-policy", r#""c";q=3;w=3"#),
-            ("ratelimit", r#""c";r=0;t=3"#),
-            ("x-ratelimit-limit", "3"),
-            ("x-ratelimit-remaining", "0"),
-            ("x-ratelimit-reset", "3"),
-        ]);
-        stash(&mut inner, &mut ext);
-        assert!(inner.is_empty(), "{inner:?}");
-        let mut middle = headers(&[
-            ("ratelimit-policy", r#""b";q=2;w=2"#),
-            ("ratelimit", r#""b";r=1;t=1"#),
-            ("x-ratelimit-limit", "2"),
-            ("x-ratelimit-remaining", "1"),
-            ("x-ratelimit-reset", "1"),
-            ("content-type", "text/plain"),
-        ]);
-        stash(&mut middle, &mut ext);
-        assert_eq!(middle.len(), 1);
-        let mut outer = headers(&[
-            ("ratelimit-policy", r#""a";q=9;w=1"#),
-            ("ratelimit", r#""a";r=8;t=1"#),
-            ("x-ratelimit-limit", "9"),
-            ("x-ratelimit-remaining", "8"),
-            ("x-ratelimit-reset", "1"),
-        ]);
-        merge(&mut outer, &mut ext);
-        assert!(ext.get::<Stashed>().is_none());
-        assert_eq!(outer["ratelimit-policy"], r#""a";q=9;w=1, "b";q=2;w=2, "c";q=3;w=3"#);
-        assert_eq!(outer["ratelimit"], r#""a";r=8;t=1, "b";r=1;t=1, "c";r=0;t=3"#);
-        // The legacy set of the tier with the fewest units left.
-        assert_eq!(
-            [
-                &outer["x-ratelimit-limit"],
-                &outer["x-ratelimit-remaining"],
-                &outer["x-ratelimit-reset"]
-            ],
-            ["3", "0", "3"]
-        );
-    }
-
-    #[test]
-    fn an_outer_rule_without_headers_gets_the_inner_ones() {
-        let mut ext = Extensions::new();
-        let mut inner =
-            headers(&[("ratelimit-policy", r#""b";q=2;w=2"#), ("ratelimit", r#""b";r=1;t=1"#)]);
-        stash(&mut inner, &mut ext);
-        let mut outer = HeaderMap::new();
-        merge(&mut outer, &mut ext);
-        assert_eq!(outer["ratelimit-policy"], r#""b";q=2;w=2"#);
-        assert_eq!(outer["ratelimit"], r#""b";r=1;t=1"#);
-        assert!(outer.get("x-ratelimit-limit").is_none());
-        // Nothing stashed: nothing changes.
-        let mut untouched = headers(&[("ratelimit", r#""a";r=1;t=1"#)]);
-        merge(&mut untouched, &mut Extensions::new());
-        assert_eq!(untouched.len(), 1);
     }
 }
