@@ -26,8 +26,9 @@ pin_project! {
     ///
     /// Under a policy with a tier counting [`Unit::RequestBytes`](crate::Unit::RequestBytes),
     /// a request without a valid `Content-Length` is charged the bytes of the data frames that
-    /// pass through this body as the handler reads them (settled when the response ends); a
-    /// request with one is charged its `Content-Length` at admission. No other work is done
+    /// pass through this body as the handler reads them (settled once, when the response body
+    /// finishes or is abandoned: see [`ResponseBody`]); a request with one is charged its
+    /// `Content-Length` at admission. No other work is done
     /// per frame, and nothing is allocated for a request that is not counted. Under a layer
     /// metering streams ([`StreamMode::Shape`](crate::StreamMode::Shape),
     /// [`Police`](crate::StreamMode::Police)), the next frame of such a body waits for the
@@ -259,9 +260,27 @@ pin_project! {
     /// bytes of a response the layer made itself (a 429, a 503, a 400). No boxing either way,
     /// however many layers limited the request.
     ///
-    /// Under a policy with concurrency tiers or tiers counting bytes or reported units, the
-    /// body also ends the request's hold: when it ends, or is dropped unfinished (a client
-    /// disconnect), the request's slots are released and its counted units settled.
+    /// Under a policy with concurrency tiers or tiers counting bytes, messages or reported
+    /// units, the body also ends the request's hold, by one rule for every layer that meters
+    /// it (and for the request's body, counted with it):
+    ///
+    /// - **Finished**: the body handed on its last frame (a data frame after which it
+    ///   reports [`is_end_stream`](Body::is_end_stream), so that a client that saw the end
+    ///   finds the slot free; or its end), or an error, which ends it there.
+    /// - **Abandoned**: the body was dropped before it finished (a client disconnect, an
+    ///   HTTP/2 reset, a timeout, a server that stopped polling it).
+    ///
+    /// Either way, once per request and at that moment: the concurrency slots are released;
+    /// tiers counting response bytes or messages are charged what was handed on, exactly;
+    /// tiers counting request bytes or messages, what the handler read of the request body
+    /// until then (a request with a valid `Content-Length` was charged it at admission);
+    /// tiers counting [`Usage`](crate::Usage), what the handler reported. The units charged
+    /// at admission are replaced by these counts (given back where they are fewer), and a
+    /// body metered as it streams gives back the unused part of its last lease (see
+    /// [`StreamMode`](crate::StreamMode)). A response whose status gives the charge back
+    /// settles every such tier at nothing instead. A request whose handler fails or panics,
+    /// or that is dropped before its response, keeps its admission charge, less the tiers
+    /// metered by leases, which are charged what streamed.
     pub struct ResponseBody<B> {
         #[pin]
         kind: Kind<B>,
