@@ -1,6 +1,6 @@
 //! [`Limits`], the service of a [`LimitsLayer`](super::LimitsLayer): it finds the rules that
 //! match a request in the running configuration and passes the request through their
-//! rate-limit layers; its future and body.
+//! rate-limit layers, answering with their future and body.
 
 use std::fmt;
 use std::future::Future;
@@ -141,7 +141,8 @@ impl<S: Clone, St: Store> Clone for Chain<S, St> {
     }
 }
 
-/// The outermost rule's response, with the rate-limit headers of the rules inside it.
+/// The response of every rule's layer, with the rate-limit headers they handed on written
+/// once.
 fn start<S, St, ReqB, ResB>(
     mut chain: Chain<S, St>,
     req: Request<RequestBody<RequestBody<ReqB>>>,
