@@ -369,18 +369,20 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        let meters = self.meters.as_deref().map_or(&[][..], |m| &m[..]);
-        match &self.kind {
-            Kind::Inner { body } => end(meters, body),
-            Kind::Own { body } => end(meters, body),
+        match (&self.kind, self.meters.as_deref()) {
+            (Kind::Inner { body }, None) => body.is_end_stream(),
+            (Kind::Inner { body }, Some(meters)) => end(meters, body),
+            (Kind::Own { body }, None) => body.is_end_stream(),
+            (Kind::Own { body }, Some(meters)) => end(meters, body),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
-        let meters = self.meters.as_deref().map_or(&[][..], |m| &m[..]);
-        match &self.kind {
-            Kind::Inner { body } => hint(meters, body),
-            Kind::Own { body } => hint(meters, body),
+        match (&self.kind, self.meters.as_deref()) {
+            (Kind::Inner { body }, None) => body.size_hint(),
+            (Kind::Inner { body }, Some(meters)) => hint(meters, body),
+            (Kind::Own { body }, None) => body.size_hint(),
+            (Kind::Own { body }, Some(meters)) => hint(meters, body),
         }
     }
 }
