@@ -902,3 +902,32 @@ async fn two_rules_meter_one_response_body() {
         r#""a-slot";r=0;t=1, "a-out";r=97;t=108, "b-slot";r=0;t=1, "b-out";r=47;t=216"#
     );
 }
+
+/// Two rules writing both header families: a refusal by the second carries the first's items
+/// too, and the legacy set of the tightest tier of both; its `Retry-After` is the refusal's.
+#[tokio::test]
+async fn a_refusal_by_a_later_rule_carries_every_rules_headers() {
+    let layer = layer(concat!(
+        "[policies.a]\ntiers = [{ name = \"a\", count = 10, period = \"1h\" }]\n",
+        "[policies.b]\ntiers = [{ name = \"b\", count = 1, period = \"1h\" }]\n",
+        "[[rules]]\nname = \"a\"\nkey = \"header:x-api-key\"\npolicy = \"a\"\nheaders = \"both\"\n",
+        "[[rules]]\nname = \"b\"\nkey = \"header:x-api-key\"\npolicy = \"b\"\nheaders = \"both\"\n",
+    ));
+    let ok = |_: &Request<_>| StatusCode::OK;
+    let legacy = |res: &Response<_>| {
+        ["x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"]
+            .map(|n| header(res, n).unwrap())
+    };
+    let first = call(&layer, "k", b"", ok).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    assert_eq!(header(&first, "ratelimit-policy").unwrap(), r#""a";q=10;w=3600, "b";q=1;w=3600"#);
+    assert_eq!(header(&first, "ratelimit").unwrap(), r#""a";r=9;t=360, "b";r=0;t=3600"#);
+    assert_eq!(legacy(&first), ["1", "0", "3600"]);
+    assert_eq!(header(&first, "retry-after"), None);
+    // Refused by the second rule, after the first charged it.
+    let second = call(&layer, "k", b"", ok).await;
+    assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&second, "retry-after").unwrap(), "3600");
+    assert_eq!(header(&second, "ratelimit").unwrap(), r#""a";r=8;t=720, "b";r=0;t=3600"#);
+    assert_eq!(legacy(&second), ["1", "0", "3600"]);
+}
