@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue};
+use smallvec::SmallVec;
 
 use crate::decision::Decision;
 use crate::policy::{Policy, Tier};
@@ -120,27 +121,79 @@ const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset
 /// The rate-limit headers of one response, rendered when it was decided and inserted when the
 /// response is ready. Small, because the response future carries it; the fields of draft 6 and
 /// the legacy family, rarely asked for, are behind one pointer.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct Prepared {
     /// `RateLimit-Policy`, and `RateLimit` (none in draft 6).
     ietf: Option<(&'static HeaderValue, Option<HeaderValue>)>,
-    /// Draft 6's `RateLimit-Limit`, `-Remaining`, `-Reset`, and `X-RateLimit-Limit`,
-    /// `-Remaining`, `-Reset`.
+    /// Draft 6's fields, the legacy family, and whether the layer hands them on.
     more: Option<Box<More>>,
 }
 
-/// The header fields of [`Prepared`] other than the current draft's.
-#[derive(Debug, Default)]
+/// The header fields of [`Prepared`] other than the current draft's, as numbers: each set is
+/// the capacity, remaining units and seconds until full of one tier (the tightest), compared
+/// by its remaining units when several layers limited the request.
+#[derive(Debug, Default, Clone)]
 struct More {
-    draft6: Option<[HeaderValue; 3]>,
-    legacy: Option<[HeaderValue; 3]>,
+    /// Draft 6's `RateLimit-Limit`, `-Remaining`, `-Reset`.
+    draft6: Option<[u64; 3]>,
+    /// `X-RateLimit-Limit`, `-Remaining`, `-Reset`.
+    legacy: Option<[u64; 3]>,
+    /// Handed on in the response's [`Collected`] rather than written: the layer is one of
+    /// several that limit the request (the rules of a configuration file).
+    collect: bool,
 }
+
+/// The rate-limit headers of the layers that limited one request, innermost first, carried in
+/// the response's extensions while it passes out through them, and written once, by
+/// [`Collected::write`], where the last of them is passed: the rules of a configuration file
+/// that apply together hand their decisions on as values, never as header text to read back.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Collected(Vec<Prepared>);
 
 impl Prepared {
     /// Whether there is nothing to insert (the layer writes no rate-limit headers).
     #[inline]
     pub(crate) fn is_empty(&self) -> bool {
         self.ietf.is_none() && self.more.is_none()
+    }
+
+    /// These headers, handed on in the response's [`Collected`] instead of written (see
+    /// [`apply`](Self::apply)).
+    pub(crate) fn collected(mut self) -> Self {
+        if !self.is_empty() {
+            self.more.get_or_insert_default().collect = true;
+        }
+        self
+    }
+
+    /// Inserts the headers into `res`, or adds them to its [`Collected`] when they are
+    /// [`collected`](Self::collected).
+    #[inline]
+    pub(crate) fn apply<B>(self, res: &mut http::Response<B>) {
+        if self.more.as_ref().is_some_and(|m| m.collect) {
+            return self.hand_on(res.extensions_mut());
+        }
+        self.insert(res.headers_mut());
+    }
+
+    /// [`apply`](Self::apply) to a response's head.
+    #[inline]
+    pub(crate) fn apply_parts(self, head: &mut http::response::Parts) {
+        if self.more.as_ref().is_some_and(|m| m.collect) {
+            return self.hand_on(&mut head.extensions);
+        }
+        self.insert(&mut head.headers);
+    }
+
+    /// Adds the headers to the response's [`Collected`], after those of the layers inside.
+    #[cold]
+    fn hand_on(self, extensions: &mut http::Extensions) {
+        match extensions.get_mut::<Collected>() {
+            Some(collected) => collected.0.push(self),
+            None => {
+                extensions.insert(Collected(vec![self]));
+            }
+        }
     }
 
     /// Inserts the headers into `headers`.
@@ -153,19 +206,72 @@ impl Prepared {
             }
         }
         if let Some(more) = self.more {
-            let More { draft6, legacy } = *more;
-            if let Some([limit, remaining, reset]) = draft6 {
-                headers.insert(RATELIMIT_LIMIT, limit);
-                headers.insert(RATELIMIT_REMAINING, remaining);
-                headers.insert(RATELIMIT_RESET, reset);
-            }
-            if let Some([limit, remaining, reset]) = legacy {
-                headers.insert(X_RATELIMIT_LIMIT, limit);
-                headers.insert(X_RATELIMIT_REMAINING, remaining);
-                headers.insert(X_RATELIMIT_RESET, reset);
-            }
+            more.insert(headers);
         }
     }
+}
+
+impl More {
+    fn insert(&self, headers: &mut HeaderMap) {
+        if let Some([limit, remaining, reset]) = self.draft6 {
+            headers.insert(RATELIMIT_LIMIT, HeaderValue::from(limit));
+            headers.insert(RATELIMIT_REMAINING, HeaderValue::from(remaining));
+            headers.insert(RATELIMIT_RESET, HeaderValue::from(reset));
+        }
+        if let Some([limit, remaining, reset]) = self.legacy {
+            headers.insert(X_RATELIMIT_LIMIT, HeaderValue::from(limit));
+            headers.insert(X_RATELIMIT_REMAINING, HeaderValue::from(remaining));
+            headers.insert(X_RATELIMIT_RESET, HeaderValue::from(reset));
+        }
+    }
+}
+
+impl Collected {
+    /// Writes the headers of every layer that limited the request, rendered once:
+    /// `RateLimit-Policy` and `RateLimit` list the items of each layer in turn, outermost
+    /// first (RFC 9651 lists combine by joining them with `, `); draft 6's fields and the
+    /// legacy `X-RateLimit-*` are those of the tightest tier of them all, the one with the
+    /// fewest units remaining (the outermost of equals), as they are within one policy.
+    pub(crate) fn write(self, headers: &mut HeaderMap) {
+        let mut policies: SmallVec<[&HeaderValue; 4]> = SmallVec::new();
+        let mut states: SmallVec<[HeaderValue; 4]> = SmallVec::new();
+        let mut more = More::default();
+        let tighter = |now: Option<[u64; 3]>, next: Option<[u64; 3]>| match (now, next) {
+            (Some(now), Some(next)) if next[1] >= now[1] => Some(now),
+            (now, None) => now,
+            (_, next) => next,
+        };
+        // Innermost first, as the response came out: the outermost is the last.
+        for prepared in self.0.into_iter().rev() {
+            if let Some((policy, state)) = prepared.ietf {
+                policies.push(policy);
+                states.extend(state);
+            }
+            if let Some(m) = prepared.more {
+                more.draft6 = tighter(more.draft6, m.draft6);
+                more.legacy = tighter(more.legacy, m.legacy);
+            }
+        }
+        if let Some(policy) = joined(policies.iter().map(|v| v.as_bytes())) {
+            headers.insert(RATELIMIT_POLICY, policy);
+        }
+        if let Some(state) = joined(states.iter().map(HeaderValue::as_bytes)) {
+            headers.insert(RATELIMIT, state);
+        }
+        more.insert(headers);
+    }
+}
+
+/// The values joined with `, `; `None` for no value.
+fn joined<'a>(mut values: impl Iterator<Item = &'a [u8]>) -> Option<HeaderValue> {
+    let first = values.next()?;
+    let mut out = first.to_vec();
+    for value in values {
+        out.extend_from_slice(b", ");
+        out.extend_from_slice(value);
+    }
+    // Visible ASCII joined with visible ASCII and `, `: valid.
+    HeaderValue::from_maybe_shared(Bytes::from(out)).ok()
 }
 
 /// The window `w` of a tier in whole seconds (at least 1): the time to refill its capacity from
@@ -273,14 +379,14 @@ impl Headers {
                 HeaderFormat::Draft6 => {
                     out.ietf = Some((self.unnamed_policy, None));
                     if let Some(t) = self.tightest(decision) {
-                        out.more.get_or_insert_default().draft6 = Some(t.map(HeaderValue::from));
+                        out.more.get_or_insert_default().draft6 = Some(t);
                     }
                 }
             }
         }
         if matches!(style, HeaderStyle::Legacy | HeaderStyle::Both) {
             if let Some(t) = self.tightest(decision) {
-                out.more.get_or_insert_default().legacy = Some(t.map(HeaderValue::from));
+                out.more.get_or_insert_default().legacy = Some(t);
             }
         }
         out
@@ -346,8 +452,10 @@ impl Headers {
 mod tests {
     use super::*;
     use crate::Limiter;
+    use crate::clock::FakeClock;
     use crate::key::Key;
     use crate::quota::Quota;
+    use crate::store::MemoryStore;
 
     #[tokio::test]
     async fn headers_render_every_tier_exactly() {
@@ -385,6 +493,74 @@ mod tests {
         let decision = Limiter::new(policy.clone()).check(&Key::Global, 1).await.unwrap();
         let value = Headers::new(&policy).state(&decision);
         assert_eq!(value, format!("\"{long}\";r=2;t=1, \"b\";r=6;t=515"));
+    }
+
+    /// A limiter of `policy` on a clock that does not move.
+    fn frozen(policy: &Policy) -> Limiter {
+        let store = MemoryStore::builder().clock(FakeClock::new()).build().unwrap();
+        Limiter::with_store(policy.clone(), store).unwrap()
+    }
+
+    /// The headers of three nested layers, handed on and written once: the lists in order,
+    /// outermost first, and the legacy set of the tightest tier of all (the outermost of
+    /// equals).
+    #[tokio::test]
+    async fn collected_headers_are_written_once_outermost_first() {
+        let both = Fields { style: HeaderStyle::Both, ..Fields::default() };
+        let prepared = |name: &'static str, quota: Quota, cost: u64| async move {
+            let policy = Policy::single(name, quota).unwrap();
+            let decision = frozen(&policy).check(&Key::Global, cost).await.unwrap();
+            Headers::new(&policy).prepare(both, &decision).collected()
+        };
+        let outer = prepared("a", Quota::per_hour(3600), 1).await;
+        let middle = prepared("b", Quota::per_hour(2), 1).await;
+        let inner = prepared("c", Quota::per_hour(3), 3).await;
+        // As the response comes out: the innermost layer first.
+        let mut res = http::Response::new(());
+        for p in [inner, middle, outer] {
+            p.apply(&mut res);
+        }
+        assert!(res.headers().is_empty(), "handed on, not written: {:?}", res.headers());
+        let collected = res.extensions_mut().remove::<Collected>().unwrap();
+        collected.write(res.headers_mut());
+        let h = res.headers();
+        assert_eq!(h["ratelimit-policy"], r#""a";q=3600;w=3600, "b";q=2;w=3600, "c";q=3;w=3600"#);
+        assert_eq!(h["ratelimit"], r#""a";r=3599;t=1, "b";r=1;t=1800, "c";r=0;t=3600"#);
+        let legacy = ["x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"];
+        assert_eq!(legacy.map(|n| &h[n]), ["3", "0", "3600"]);
+        assert_eq!(h.len(), 5);
+
+        // Equals: the outermost's set. A layer without headers adds nothing.
+        let mut res = http::Response::new(());
+        prepared("d", Quota::per_hour(5), 4).await.apply(&mut res);
+        Prepared::default().collected().apply(&mut res);
+        prepared("e", Quota::per_minute(1), 0).await.apply(&mut res);
+        prepared("f", Quota::per_hour(7), 6).await.apply(&mut res);
+        res.extensions_mut().remove::<Collected>().unwrap().write(res.headers_mut());
+        let h = res.headers();
+        assert_eq!(h["ratelimit"], r#""f";r=1;t=3086, "e";r=1;t=0, "d";r=1;t=2880"#);
+        assert_eq!(legacy.map(|n| &h[n]), ["7", "1", "3086"]);
+    }
+
+    /// Draft 6 writes one tier's numbers, and each layer's `RateLimit-Policy`: handed on, the
+    /// numbers are the tightest tier's of all layers, and the policies are listed.
+    #[tokio::test]
+    async fn collected_draft6_fields_are_the_tightest_tiers() {
+        let draft6 = Fields { style: HeaderStyle::Ietf, format: HeaderFormat::Draft6 };
+        let mut res = http::Response::new(());
+        for (name, quota, cost) in
+            [("in", Quota::per_minute(4), 1), ("out", Quota::per_minute(10), 9)]
+        {
+            let policy = Policy::single(name, quota).unwrap();
+            let decision = frozen(&policy).check(&Key::Global, cost).await.unwrap();
+            Headers::new(&policy).prepare(draft6, &decision).collected().apply(&mut res);
+        }
+        res.extensions_mut().remove::<Collected>().unwrap().write(res.headers_mut());
+        let h = res.headers();
+        assert_eq!(h["ratelimit-policy"], "10;w=60, 4;w=60");
+        assert!(h.get("ratelimit").is_none());
+        let fields = ["ratelimit-limit", "ratelimit-remaining", "ratelimit-reset"];
+        assert_eq!(fields.map(|n| &h[n]), ["10", "1", "54"]);
     }
 
     #[test]

@@ -860,3 +860,74 @@ async fn on_stream_from_the_file_polices_a_grpc_response() {
     assert_eq!(place(&e), (Some(7), Some(13), Some("rules[0].on_stream")));
     assert!(e.message().starts_with("unknown variant `throttle`"), "{e}");
 }
+
+/// Two rules that meter one response: the body is one, metered by both rules in turn. Each
+/// rule's slot is taken while it streams and freed when it ends, and each rule's byte tier is
+/// charged the bytes sent; a body dropped unfinished frees both slots and charges nothing sent.
+#[tokio::test]
+async fn two_rules_meter_one_response_body() {
+    let layer = layer(concat!(
+        "[policies.a]\ntiers = [\n",
+        "  { name = \"a-slot\", kind = \"concurrency\", max = 1 },\n",
+        "  { name = \"a-out\", count = 100, period = \"1h\", unit = \"response_bytes\" },\n]\n",
+        "[policies.b]\ntiers = [\n",
+        "  { name = \"b-slot\", kind = \"concurrency\", max = 1 },\n",
+        "  { name = \"b-out\", count = 50, period = \"1h\", unit = \"response_bytes\" },\n]\n",
+        "[[rules]]\nname = \"a\"\nkey = \"header:x-api-key\"\npolicy = \"a\"\n",
+        "[[rules]]\nname = \"b\"\nkey = \"header:x-api-key\"\npolicy = \"b\"\n",
+    ));
+    let ok = |_: &Request<_>| StatusCode::OK;
+    let first = call(&layer, "k", b"", ok).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    // One unit of each byte tier at admission; settled when the body ends.
+    assert_eq!(
+        header(&first, "ratelimit").unwrap(),
+        r#""a-slot";r=0;t=1, "a-out";r=99;t=36, "b-slot";r=0;t=1, "b-out";r=49;t=72"#
+    );
+    // Streaming: the first rule's slot is taken.
+    let held = call(&layer, "k", b"", ok).await;
+    assert_eq!(held.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(first.into_body().collect().await.unwrap().to_bytes(), "ok");
+    // Ended: both slots free, each byte tier charged the 2 bytes sent.
+    let second = call(&layer, "k", b"", ok).await;
+    assert_eq!(
+        header(&second, "ratelimit").unwrap(),
+        r#""a-slot";r=0;t=1, "a-out";r=97;t=108, "b-slot";r=0;t=1, "b-out";r=47;t=216"#
+    );
+    // Dropped before a byte was sent: both slots free, nothing charged for it.
+    drop(second);
+    let third = call(&layer, "k", b"", ok).await;
+    assert_eq!(
+        header(&third, "ratelimit").unwrap(),
+        r#""a-slot";r=0;t=1, "a-out";r=97;t=108, "b-slot";r=0;t=1, "b-out";r=47;t=216"#
+    );
+}
+
+/// Two rules writing both header families: a refusal by the second carries the first's items
+/// too, and the legacy set of the tightest tier of both; its `Retry-After` is the refusal's.
+#[tokio::test]
+async fn a_refusal_by_a_later_rule_carries_every_rules_headers() {
+    let layer = layer(concat!(
+        "[policies.a]\ntiers = [{ name = \"a\", count = 10, period = \"1h\" }]\n",
+        "[policies.b]\ntiers = [{ name = \"b\", count = 1, period = \"1h\" }]\n",
+        "[[rules]]\nname = \"a\"\nkey = \"header:x-api-key\"\npolicy = \"a\"\nheaders = \"both\"\n",
+        "[[rules]]\nname = \"b\"\nkey = \"header:x-api-key\"\npolicy = \"b\"\nheaders = \"both\"\n",
+    ));
+    let ok = |_: &Request<_>| StatusCode::OK;
+    let legacy = |res: &Response<_>| {
+        ["x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"]
+            .map(|n| header(res, n).unwrap())
+    };
+    let first = call(&layer, "k", b"", ok).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    assert_eq!(header(&first, "ratelimit-policy").unwrap(), r#""a";q=10;w=3600, "b";q=1;w=3600"#);
+    assert_eq!(header(&first, "ratelimit").unwrap(), r#""a";r=9;t=360, "b";r=0;t=3600"#);
+    assert_eq!(legacy(&first), ["1", "0", "3600"]);
+    assert_eq!(header(&first, "retry-after"), None);
+    // Refused by the second rule, after the first charged it.
+    let second = call(&layer, "k", b"", ok).await;
+    assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&second, "retry-after").unwrap(), "3600");
+    assert_eq!(header(&second, "ratelimit").unwrap(), r#""a";r=8;t=720, "b";r=0;t=3600"#);
+    assert_eq!(legacy(&second), ["1", "0", "3600"]);
+}

@@ -736,3 +736,109 @@ mod every_body_type {
         }
     }
 }
+
+/// A body of `frames` data frames of `len` bytes, then its end: done, an error, or none (it
+/// never ends).
+struct Script {
+    frames: usize,
+    len: usize,
+    end: End,
+}
+
+#[derive(Clone, Copy)]
+enum End {
+    Done,
+    Fail,
+    Hang,
+}
+
+impl Body for Script {
+    type Data = Bytes;
+    type Error = &'static str;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, &'static str>>> {
+        if self.frames > 0 {
+            self.frames -= 1;
+            return Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![b'z'; self.len])))));
+        }
+        match self.end {
+            End::Done => Poll::Ready(None),
+            End::Fail => Poll::Ready(Some(Err("reset"))),
+            End::Hang => Poll::Pending,
+        }
+    }
+}
+
+/// A layer over one concurrency slot and 10,000 bytes an hour of `unit`, on tokio's clock.
+fn slot_and_bytes(unit: Unit) -> RateLimitLayer<GlobalKey> {
+    let policy = Policy::builder("p")
+        .concurrency("slot", Concurrency::new(1))
+        .tier("bytes", Quota::per_hour(10_000).counting(unit))
+        .build()
+        .unwrap();
+    RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap()
+}
+
+/// The free slots and bytes left of [`slot_and_bytes`]'s policy.
+async fn slot_and_bytes_left(layer: &RateLimitLayer<GlobalKey>) -> [u64; 2] {
+    let decision = layer.limiter().check(&Key::Global, 0).await.unwrap();
+    [decision.tiers()[0].remaining(), decision.tiers()[1].remaining()]
+}
+
+/// A response body that fails has finished: its slot is free and its byte tier is charged
+/// the bytes it handed on before the error, exactly.
+#[tokio::test(start_paused = true)]
+async fn a_response_body_that_fails_is_settled_at_the_bytes_it_sent() {
+    let layer = slot_and_bytes(Unit::ResponseBytes);
+    let svc = layer.layer(service_fn(|_req: Request<RequestBody<()>>| async {
+        Ok::<_, Infallible>(Response::new(Script { frames: 2, len: 700, end: End::Fail }))
+    }));
+    let mut body = svc.oneshot(Request::new(())).await.unwrap().into_body();
+    // At admission: the slot, and one byte estimated.
+    assert_eq!(slot_and_bytes_left(&layer).await, [0, 9_999]);
+    for _ in 0..2 {
+        assert_eq!(body.frame().await.unwrap().unwrap().into_data().unwrap().len(), 700);
+    }
+    assert_eq!(slot_and_bytes_left(&layer).await, [0, 9_999]);
+    assert_eq!(body.frame().await.unwrap().unwrap_err(), "reset");
+    assert_eq!(slot_and_bytes_left(&layer).await, [1, 8_600]);
+    drop(body);
+    assert_eq!(slot_and_bytes_left(&layer).await, [1, 8_600], "settled once");
+}
+
+/// A response body dropped before its end (a client gone) is abandoned: its slot is free and
+/// its byte tier charged the bytes it handed on until then, exactly.
+#[tokio::test(start_paused = true)]
+async fn a_response_body_dropped_unfinished_is_settled_at_the_bytes_it_sent() {
+    let layer = slot_and_bytes(Unit::ResponseBytes);
+    let svc = layer.layer(service_fn(|_req: Request<RequestBody<()>>| async {
+        Ok::<_, Infallible>(Response::new(Script { frames: 1, len: 700, end: End::Hang }))
+    }));
+    let mut body = svc.oneshot(Request::new(())).await.unwrap().into_body();
+    assert_eq!(body.frame().await.unwrap().unwrap().into_data().unwrap().len(), 700);
+    assert_eq!(slot_and_bytes_left(&layer).await, [0, 9_999]);
+    drop(body);
+    assert_eq!(slot_and_bytes_left(&layer).await, [1, 9_300]);
+}
+
+/// A request body its handler stops reading (answering before the upload's end) is charged the
+/// bytes that reached the handler, exactly, when the response ends.
+#[tokio::test(start_paused = true)]
+async fn a_request_body_read_in_part_is_charged_the_bytes_read() {
+    let layer = slot_and_bytes(Unit::RequestBytes);
+    let svc = layer.layer(service_fn(|req: Request<RequestBody<Script>>| async move {
+        let mut body = req.into_body();
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        // The rest of the upload is never read.
+        drop(body);
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(first.len().to_string()))))
+    }));
+    let upload = Script { frames: 3, len: 400, end: End::Done };
+    let res = svc.oneshot(Request::new(upload)).await.unwrap();
+    assert_eq!(slot_and_bytes_left(&layer).await, [0, 9_999]);
+    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "400");
+    assert_eq!(slot_and_bytes_left(&layer).await, [1, 9_600]);
+}

@@ -233,8 +233,10 @@
 //! with the first rule outermost: a request refused by a later rule has been charged by the
 //! earlier ones (a client over its plan still spends its per-address budget). The response's
 //! `RateLimit-Policy` and `RateLimit` headers list the tiers of every rule that applied, first
-//! rule first; the legacy `X-RateLimit-*` headers are those of the tier with the fewest units
-//! left.
+//! rule first (RFC 9651 lists combine by joining them); the legacy `X-RateLimit-*` headers, and
+//! draft 6's `RateLimit-Limit` / `-Remaining` / `-Reset`, are those of the tier with the fewest
+//! units left among all the rules' tiers (the first rule's of equals). Each rule writes the
+//! fields of its own `headers` and `header_format`.
 //!
 //! Each policy has one [`Limiter`](crate::Limiter): rules that apply the same policy share its
 //! budget (for the same key). Define two policies for two budgets. A policy that no rule

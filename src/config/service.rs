@@ -1,23 +1,20 @@
 //! [`Limits`], the service of a [`LimitsLayer`](super::LimitsLayer): it finds the rules that
 //! match a request in the running configuration and passes the request through their
-//! rate-limit layers; its future and body.
+//! rate-limit layers, answering with their future and body.
 
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll};
 
-use bytes::Bytes;
-use http::{Extensions, HeaderMap, HeaderName, HeaderValue, Request, Response};
-use http_body::{Body, Frame, SizeHint};
-use http_body_util::combinators::UnsyncBoxBody;
-use pin_project_lite::pin_project;
+use http::{Request, Response};
 use smallvec::SmallVec;
 use tower_layer::Layer;
 use tower_service::Service;
 
 use super::state::{Shared, Snapshot};
+use crate::headers::{Collected, Prepared};
 use crate::layer::{RequestBody, ResponseBody, ResponseFuture};
 use crate::store::{MemoryStore, Store};
 
@@ -26,8 +23,12 @@ use crate::store::{MemoryStore, Store};
 /// Reads the running configuration once per request (without locking), then: no rule matches,
 /// the inner service's future as it is; one rule, that rule's
 /// [`RateLimit`](crate::RateLimit) around the inner service; several, their `RateLimit`s
-/// nested in file order (boxed: one allocation for the future and one for the body per
-/// rule). `poll_ready` is the inner service's; nothing is decided before `call`.
+/// nested in file order (one boxed future per rule). Whichever, the response future is
+/// [`RateLimit`'s](crate::ResponseFuture) and the body [`ResponseBody`]: the rules' bodies
+/// are one body, metered by each rule in turn, and their rate-limit headers are written once,
+/// from the decisions each rule hands on, the first rule's items first (see
+/// [several rules](super#several-rules-one-policy)).
+/// `poll_ready` is the inner service's; nothing is decided before `call`.
 pub struct Limits<S, St: Store = MemoryStore> {
     inner: S,
     shared: Arc<Shared<St>>,
@@ -66,8 +67,8 @@ impl<S, St: Store> Limits<S, St> {
     }
 }
 
-type Boxed<B, E> =
-    Pin<Box<dyn Future<Output = Result<Response<UnsyncBoxBody<Bytes, B>>, E>> + Send>>;
+/// The future of several rules' layers around the inner service.
+type Boxed<B, E> = Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
 
 impl<S, St, ReqB, ResB> Service<Request<ReqB>> for Limits<S, St>
 where
@@ -76,11 +77,11 @@ where
     S::Error: Send + 'static,
     St: Store,
     ReqB: Send + 'static,
-    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB: Send + 'static,
 {
-    type Response = Response<LimitsBody<ResB>>;
+    type Response = Response<ResponseBody<ResB>>;
     type Error = S::Error;
-    type Future = LimitsFuture<S::Future, ResB, S::Error>;
+    type Future = ResponseFuture<S::Future, ResB, S::Error>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -98,14 +99,14 @@ where
             .collect();
         if matched.is_empty() {
             let future = self.inner.call(req.map(RequestBody::new));
-            return LimitsFuture { kind: FutureKind::Pass { future } };
+            return ResponseFuture::inner(future, Prepared::default());
         }
         // The service that was polled ready goes into the rules' layers; a clone stays for the
         // next request.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        let kind = match matched[..] {
-            [one] => FutureKind::One { future: snapshot.rules[one].layer.layer(inner).call(req) },
+        match matched[..] {
+            [one] => snapshot.rules[one].layer.layer(inner).call(req),
             _ => {
                 let chain = Chain {
                     snapshot: arc_swap::Guard::into_inner(snapshot),
@@ -114,10 +115,9 @@ where
                     inner,
                 };
                 let req = req.map(|body| RequestBody::new(RequestBody::new(body)));
-                FutureKind::Many { future: start(chain, req) }
+                ResponseFuture::slow(start(chain, req))
             }
-        };
-        LimitsFuture { kind }
+        }
     }
 }
 
@@ -141,24 +141,27 @@ impl<S: Clone, St: Store> Clone for Chain<S, St> {
     }
 }
 
-/// The outermost rule's response, with the rate-limit headers of the rules inside it.
+/// The response of every rule's layer, with the rate-limit headers they handed on written
+/// once.
 fn start<S, St, ReqB, ResB>(
     mut chain: Chain<S, St>,
     req: Request<RequestBody<RequestBody<ReqB>>>,
-) -> Boxed<ResB::Error, S::Error>
+) -> Boxed<ResB, S::Error>
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Clone + Send + 'static,
     S::Future: Send,
     S::Error: Send + 'static,
     St: Store,
     ReqB: Send + 'static,
-    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB: Send + 'static,
 {
     let future = chain.call(req);
     Box::pin(async move {
-        let (mut parts, body) = future.await?.into_parts();
-        merge(&mut parts.headers, &mut parts.extensions);
-        Ok(Response::from_parts(parts, body))
+        let mut res = future.await?;
+        if let Some(collected) = res.extensions_mut().remove::<Collected>() {
+            collected.write(res.headers_mut());
+        }
+        Ok(res)
     })
 }
 
@@ -172,11 +175,11 @@ where
     S::Error: Send + 'static,
     St: Store,
     ReqB: Send + 'static,
-    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB: Send + 'static,
 {
-    type Response = Response<UnsyncBoxBody<Bytes, ResB::Error>>;
+    type Response = Response<ResponseBody<ResB>>;
     type Error = S::Error;
-    type Future = Boxed<ResB::Error, S::Error>;
+    type Future = Boxed<ResB, S::Error>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -189,7 +192,7 @@ where
         let Some(&rule) = self.matched.get(self.next) else {
             // Inside the innermost rule: the inner service.
             let future = inner.call(req);
-            return Box::pin(async move { Ok(future.await?.map(UnsyncBoxBody::new)) });
+            return Box::pin(async move { Ok(future.await?.map(ResponseBody::inner)) });
         };
         let below = Chain {
             snapshot: Arc::clone(&self.snapshot),
@@ -197,307 +200,17 @@ where
             next: self.next + 1,
             inner,
         };
-        let future = self.snapshot.rules[rule].layer.layer(below).call(req);
-        // The rule's headers, kept aside from those of the rule around it, which replaces them.
-        let stash_them = self.next > 0;
-        Box::pin(async move {
-            let mut res = future.await?;
-            if stash_them {
-                let (mut parts, body) = res.into_parts();
-                stash(&mut parts.headers, &mut parts.extensions);
-                res = Response::from_parts(parts, body);
-            }
-            Ok(res.map(UnsyncBoxBody::new))
-        })
+        // Each rule hands its headers on, for `start` to write those of all at once.
+        let future = self.snapshot.rules[rule].layer.layer(below).collecting().call(req);
+        Box::pin(async move { Ok(future.await?.map(ResponseBody::flatten)) })
     }
 }
 
-const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
-const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
-const LEGACY: [HeaderName; 3] = [
-    HeaderName::from_static("x-ratelimit-limit"),
-    HeaderName::from_static("x-ratelimit-remaining"),
-    HeaderName::from_static("x-ratelimit-reset"),
-];
+/// The response future of [`Limits`]: that of [`RateLimit`](crate::RateLimit), whatever the
+/// number of rules that apply (`F` is the inner service's future, `B` its response body, `E`
+/// its error).
+pub type LimitsFuture<F, B, E> = ResponseFuture<F, B, E>;
 
-/// The rate-limit headers of the inner rules of a request, innermost last, carried out in the
-/// response's extensions past the rules around them.
-#[derive(Clone, Default)]
-struct Stashed {
-    /// `RateLimit-Policy` and `RateLimit` of each rule that wrote them.
-    ietf: Vec<(HeaderValue, HeaderValue)>,
-    /// The legacy headers of the tier with the fewest units left.
-    legacy: Option<[HeaderValue; 3]>,
-}
-
-/// The remaining units of a legacy header set.
-fn remaining(legacy: &[HeaderValue; 3]) -> u64 {
-    legacy[1].to_str().ok().and_then(|s| s.parse().ok()).unwrap_or(u64::MAX)
-}
-
-/// Moves one rule's rate-limit headers from `headers` to the stash in `extensions`, before
-/// those of the rules inside it.
-fn stash(headers: &mut HeaderMap, extensions: &mut Extensions) {
-    let mut stashed = extensions.remove::<Stashed>().unwrap_or_default();
-    if let (Some(policy), Some(state)) =
-        (headers.remove(RATELIMIT_POLICY), headers.remove(RATELIMIT))
-    {
-        stashed.ietf.insert(0, (policy, state));
-    }
-    let [a, b, c] = &LEGACY;
-    if let (Some(limit), Some(left), Some(reset)) =
-        (headers.remove(a), headers.remove(b), headers.remove(c))
-    {
-        let legacy = [limit, left, reset];
-        if stashed.legacy.as_ref().is_none_or(|s| remaining(&legacy) < remaining(s)) {
-            stashed.legacy = Some(legacy);
-        }
-    }
-    extensions.insert(stashed);
-}
-
-/// Adds the stashed headers of the inner rules to those of the outermost one: the IETF lists
-/// joined (RFC 9651 lists combine with `, `), the legacy set with the fewest units left.
-fn merge(headers: &mut HeaderMap, extensions: &mut Extensions) {
-    let Some(stashed) = extensions.remove::<Stashed>() else { return };
-    if !stashed.ietf.is_empty() {
-        let (policies, states): (Vec<_>, Vec<_>) = stashed.ietf.into_iter().unzip();
-        for (name, inner) in [(RATELIMIT_POLICY, policies), (RATELIMIT, states)] {
-            let mut joined = headers.get(&name).map(|v| v.as_bytes().to_vec()).unwrap_or_default();
-            for value in inner {
-                if !joined.is_empty() {
-                    joined.extend_from_slice(b", ");
-                }
-                joined.extend_from_slice(value.as_bytes());
-            }
-            if let Ok(value) = HeaderValue::from_bytes(&joined) {
-                headers.insert(name, value);
-            }
-        }
-    }
-    if let Some(legacy) = stashed.legacy {
-        let [a, b, c] = &LEGACY;
-        let outer = match (headers.get(a), headers.get(b), headers.get(c)) {
-            (Some(x), Some(y), Some(z)) => Some([x.clone(), y.clone(), z.clone()]),
-            _ => None,
-        };
-        if outer.as_ref().is_none_or(|o| remaining(&legacy) < remaining(o)) {
-            for (name, value) in LEGACY.into_iter().zip(legacy) {
-                headers.insert(name, value);
-            }
-        }
-    }
-}
-
-pin_project! {
-    /// The response future of [`Limits`]: `F` is the inner service's future, `B` its
-    /// response body, `E` its error. No rule: `F` itself; one rule: that rule's
-    /// [`ResponseFuture`]; several: boxed.
-    pub struct LimitsFuture<F, B, E>
-    where
-        B: Body,
-    {
-        #[pin]
-        kind: FutureKind<F, B, E>,
-    }
-}
-
-pin_project! {
-    #[project = FutureProj]
-    enum FutureKind<F, B, E>
-    where
-        B: Body,
-    {
-        Pass { #[pin] future: F },
-        One { #[pin] future: ResponseFuture<F, B, E> },
-        Many { future: Boxed<B::Error, E> },
-    }
-}
-
-impl<F, B: Body, E> fmt::Debug for LimitsFuture<F, B, E> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let rules = match self.kind {
-            FutureKind::Pass { .. } => "none",
-            FutureKind::One { .. } => "one",
-            FutureKind::Many { .. } => "several",
-        };
-        f.debug_struct("LimitsFuture").field("rules", &rules).finish()
-    }
-}
-
-impl<F, B, E> Future for LimitsFuture<F, B, E>
-where
-    F: Future<Output = Result<Response<B>, E>>,
-    B: Body<Data = Bytes>,
-{
-    type Output = Result<Response<LimitsBody<B>>, E>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let res = match self.project().kind.project() {
-            FutureProj::Pass { future } => ready!(future.poll(cx))?.map(BodyKind::pass),
-            FutureProj::One { future } => ready!(future.poll(cx))?.map(BodyKind::one),
-            FutureProj::Many { future } => ready!(future.as_mut().poll(cx))?.map(BodyKind::many),
-        };
-        Poll::Ready(Ok(res))
-    }
-}
-
-pin_project! {
-    /// The response body of [`Limits`]: the inner service's body `B` when no rule applied,
-    /// else the body of the rules' [`RateLimit`](crate::RateLimit) (the inner body, or the
-    /// bytes of a refusal), boxed when several rules applied.
-    pub struct LimitsBody<B>
-    where
-        B: Body,
-    {
-        #[pin]
-        kind: BodyKind<B>,
-    }
-}
-
-pin_project! {
-    #[project = BodyProj]
-    enum BodyKind<B>
-    where
-        B: Body,
-    {
-        Pass { #[pin] body: B },
-        One { #[pin] body: ResponseBody<B> },
-        Many { #[pin] body: UnsyncBoxBody<Bytes, B::Error> },
-    }
-}
-
-impl<B: Body> BodyKind<B> {
-    fn pass(body: B) -> LimitsBody<B> {
-        LimitsBody { kind: Self::Pass { body } }
-    }
-
-    fn one(body: ResponseBody<B>) -> LimitsBody<B> {
-        LimitsBody { kind: Self::One { body } }
-    }
-
-    fn many(body: UnsyncBoxBody<Bytes, B::Error>) -> LimitsBody<B> {
-        LimitsBody { kind: Self::Many { body } }
-    }
-}
-
-impl<B: Body> fmt::Debug for LimitsBody<B> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self.kind {
-            BodyKind::Pass { .. } => "LimitsBody::Pass",
-            BodyKind::One { .. } => "LimitsBody::One",
-            BodyKind::Many { .. } => "LimitsBody::Many",
-        })
-    }
-}
-
-impl<B> Body for LimitsBody<B>
-where
-    B: Body<Data = Bytes>,
-{
-    type Data = Bytes;
-    type Error = B::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        match self.project().kind.project() {
-            BodyProj::Pass { body } => body.poll_frame(cx),
-            BodyProj::One { body } => body.poll_frame(cx),
-            BodyProj::Many { body } => body.poll_frame(cx),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        match &self.kind {
-            BodyKind::Pass { body } => body.is_end_stream(),
-            BodyKind::One { body } => body.is_end_stream(),
-            BodyKind::Many { body } => body.is_end_stream(),
-        }
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match &self.kind {
-            BodyKind::Pass { body } => body.size_hint(),
-            BodyKind::One { body } => body.size_hint(),
-            BodyKind::Many { body } => body.size_hint(),
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
-        pairs
-            .iter()
-            .map(|(n, v)| {
-                (HeaderName::from_bytes(n.as_bytes()).unwrap(), HeaderValue::from_str(v).unwrap())
-            })
-            .collect()
-    }
-
-    #[test]
-    fn inner_rules_headers_are_listed_after_the_outer_ones() {
-        let mut ext = Extensions::new();
-        // Innermost first, as the responses come back out.
-        let mut inner = headers(&[
-            ("ratelimit-policy", r#""c";q=3;w=3"#),
-            ("ratelimit", r#""c";r=0;t=3"#),
-            ("x-ratelimit-limit", "3"),
-            ("x-ratelimit-remaining", "0"),
-            ("x-ratelimit-reset", "3"),
-        ]);
-        stash(&mut inner, &mut ext);
-        assert!(inner.is_empty(), "{inner:?}");
-        let mut middle = headers(&[
-            ("ratelimit-policy", r#""b";q=2;w=2"#),
-            ("ratelimit", r#""b";r=1;t=1"#),
-            ("x-ratelimit-limit", "2"),
-            ("x-ratelimit-remaining", "1"),
-            ("x-ratelimit-reset", "1"),
-            ("content-type", "text/plain"),
-        ]);
-        stash(&mut middle, &mut ext);
-        assert_eq!(middle.len(), 1);
-        let mut outer = headers(&[
-            ("ratelimit-policy", r#""a";q=9;w=1"#),
-            ("ratelimit", r#""a";r=8;t=1"#),
-            ("x-ratelimit-limit", "9"),
-            ("x-ratelimit-remaining", "8"),
-            ("x-ratelimit-reset", "1"),
-        ]);
-        merge(&mut outer, &mut ext);
-        assert!(ext.get::<Stashed>().is_none());
-        assert_eq!(outer["ratelimit-policy"], r#""a";q=9;w=1, "b";q=2;w=2, "c";q=3;w=3"#);
-        assert_eq!(outer["ratelimit"], r#""a";r=8;t=1, "b";r=1;t=1, "c";r=0;t=3"#);
-        // The legacy set of the tier with the fewest units left.
-        assert_eq!(
-            [
-                &outer["x-ratelimit-limit"],
-                &outer["x-ratelimit-remaining"],
-                &outer["x-ratelimit-reset"]
-            ],
-            ["3", "0", "3"]
-        );
-    }
-
-    #[test]
-    fn an_outer_rule_without_headers_gets_the_inner_ones() {
-        let mut ext = Extensions::new();
-        let mut inner =
-            headers(&[("ratelimit-policy", r#""b";q=2;w=2"#), ("ratelimit", r#""b";r=1;t=1"#)]);
-        stash(&mut inner, &mut ext);
-        let mut outer = HeaderMap::new();
-        merge(&mut outer, &mut ext);
-        assert_eq!(outer["ratelimit-policy"], r#""b";q=2;w=2"#);
-        assert_eq!(outer["ratelimit"], r#""b";r=1;t=1"#);
-        assert!(outer.get("x-ratelimit-limit").is_none());
-        // Nothing stashed: nothing changes.
-        let mut untouched = headers(&[("ratelimit", r#""a";r=1;t=1"#)]);
-        merge(&mut untouched, &mut Extensions::new());
-        assert_eq!(untouched.len(), 1);
-    }
-}
+/// The response body of [`Limits`]: that of [`RateLimit`](crate::RateLimit), whatever the
+/// number of rules that apply (`B` is the inner service's response body).
+pub type LimitsBody<B> = ResponseBody<B>;

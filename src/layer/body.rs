@@ -26,8 +26,9 @@ pin_project! {
     ///
     /// Under a policy with a tier counting [`Unit::RequestBytes`](crate::Unit::RequestBytes),
     /// a request without a valid `Content-Length` is charged the bytes of the data frames that
-    /// pass through this body as the handler reads them (settled when the response ends); a
-    /// request with one is charged its `Content-Length` at admission. No other work is done
+    /// pass through this body as the handler reads them (settled once, when the response body
+    /// finishes or is abandoned: see [`ResponseBody`]); a request with one is charged its
+    /// `Content-Length` at admission. No other work is done
     /// per frame, and nothing is allocated for a request that is not counted. Under a layer
     /// metering streams ([`StreamMode::Shape`](crate::StreamMode::Shape),
     /// [`Police`](crate::StreamMode::Police)), the next frame of such a body waits for the
@@ -254,19 +255,44 @@ impl<B: Body> Body for RequestBody<B> {
 }
 
 pin_project! {
-    /// The response body of [`RateLimit`](crate::RateLimit): the inner service's body `B`
-    /// unchanged, or the bytes of a response the layer made itself (a 429, a 503, a 400).
-    /// No boxing either way.
+    /// The response body of [`RateLimit`](crate::RateLimit) (and of
+    /// [`Limits`](crate::config::Limits)): the inner service's body `B` unchanged, or the
+    /// bytes of a response the layer made itself (a 429, a 503, a 400). No boxing either way,
+    /// however many layers limited the request.
     ///
-    /// Under a policy with concurrency tiers or tiers counting bytes or reported units, the
-    /// body also ends the request's hold: when it ends, or is dropped unfinished (a client
-    /// disconnect), the request's slots are released and its counted units settled.
+    /// Under a policy with concurrency tiers or tiers counting bytes, messages or reported
+    /// units, the body also ends the request's hold, by one rule for every layer that meters
+    /// it (and for the request's body, counted with it):
+    ///
+    /// - **Finished**: the body handed on its last frame (a data frame after which it
+    ///   reports [`is_end_stream`](Body::is_end_stream), so that a client that saw the end
+    ///   finds the slot free; or its end), or an error, which ends it there.
+    /// - **Abandoned**: the body was dropped before it finished (a client disconnect, an
+    ///   HTTP/2 reset, a timeout, a server that stopped polling it).
+    ///
+    /// Either way, once per request and at that moment: the concurrency slots are released;
+    /// tiers counting response bytes or messages are charged what was handed on, exactly;
+    /// tiers counting request bytes or messages, what the handler read of the request body
+    /// until then (a request with a valid `Content-Length` was charged it at admission);
+    /// tiers counting [`Usage`](crate::Usage), what the handler reported. The units charged
+    /// at admission are replaced by these counts (given back where they are fewer), and a
+    /// body metered as it streams gives back the unused part of its last lease (see
+    /// [`StreamMode`](crate::StreamMode)). A response whose status gives the charge back
+    /// settles every such tier at nothing instead. A request whose handler fails or panics,
+    /// or that is dropped before its response, keeps its admission charge, less the tiers
+    /// metered by leases, which are charged what streamed.
     pub struct ResponseBody<B> {
         #[pin]
         kind: Kind<B>,
-        meter: Option<Box<Meter>>,
+        // What each layer that meters the response measures, innermost first: each sees the
+        // frames as the layers inside it let them out. `None` (one pointer, no allocation)
+        // for a response nothing meters.
+        meters: Option<Box<Meters>>,
     }
 }
+
+/// The meters of one response body, innermost first.
+type Meters = SmallVec<[Meter; 1]>;
 
 pin_project! {
     #[project = KindProj]
@@ -278,16 +304,36 @@ pin_project! {
 
 impl<B> ResponseBody<B> {
     pub(crate) fn inner(body: B) -> Self {
-        Self { kind: Kind::Inner { body }, meter: None }
+        Self { kind: Kind::Inner { body }, meters: None }
     }
 
     pub(crate) fn own(body: Full<Bytes>) -> Self {
-        Self { kind: Kind::Own { body }, meter: None }
+        Self { kind: Kind::Own { body }, meters: None }
     }
 
     /// The inner service's body, measured by `meter`.
     pub(crate) fn metered(body: B, meter: Meter) -> Self {
-        Self { kind: Kind::Inner { body }, meter: Some(Box::new(meter)) }
+        let mut meters = Meters::new();
+        meters.push(meter);
+        Self { kind: Kind::Inner { body }, meters: Some(Box::new(meters)) }
+    }
+
+    /// One body metered by both layers of a body wrapped twice (nested layers), so that
+    /// nesting does not nest types: the outer layer's meter sees what the inner one lets
+    /// out, as it did wrapped.
+    #[cfg(feature = "config")]
+    pub(crate) fn flatten(nested: ResponseBody<ResponseBody<B>>) -> Self {
+        let ResponseBody { kind, meters: outer } = nested;
+        match kind {
+            Kind::Inner { body: mut inner } => {
+                if let Some(outer) = outer {
+                    inner.meters.get_or_insert_with(Box::default).extend(*outer);
+                }
+                inner
+            }
+            // The outer layer answered in the inner one's place.
+            Kind::Own { body } => ResponseBody { kind: Kind::Own { body }, meters: outer },
+        }
     }
 }
 
@@ -312,64 +358,115 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         let this = self.project();
-        match this.kind.project() {
-            KindProj::Inner { mut body } => {
-                if let Some(meter) = this.meter.as_deref_mut().filter(|m| m.streams()) {
-                    return poll_streamed(meter, body, cx);
-                }
-                let frame = body.as_mut().poll_frame(cx);
-                if let Some(meter) = this.meter {
-                    match &frame {
-                        Poll::Ready(Some(Ok(frame))) => {
-                            if let Some(data) = frame.data_ref() {
-                                meter.sent(data.len());
-                            }
-                            // The last frame: the response is complete before the frame is
-                            // handed on, so a client that saw it end finds the slot free.
-                            if body.is_end_stream() {
-                                meter.done();
-                            }
-                        }
-                        Poll::Ready(_) => meter.done(),
-                        Poll::Pending => {}
-                    }
-                }
-                frame
+        match (this.kind.project(), this.meters.as_deref_mut()) {
+            (KindProj::Inner { body }, None) => body.poll_frame(cx),
+            (KindProj::Inner { body }, Some(meters)) => poll_metered(meters, body, cx),
+            (KindProj::Own { body }, None) => body.poll_frame(cx).map_err(|never| match never {}),
+            (KindProj::Own { body }, Some(meters)) => {
+                poll_metered(meters, body, cx).map_err(|never| match never {})
             }
-            KindProj::Own { body } => body.poll_frame(cx).map_err(|never| match never {}),
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        match &self.kind {
-            Kind::Inner { body } => match self.meter.as_deref().filter(|m| m.streams()) {
-                // A frame's rest still to send, or stopped by policing.
-                Some(meter) => {
-                    meter.stream.ended || (meter.stream.rest.is_empty() && body.is_end_stream())
-                }
-                None => body.is_end_stream(),
-            },
-            Kind::Own { body } => body.is_end_stream(),
+        match (&self.kind, self.meters.as_deref()) {
+            (Kind::Inner { body }, None) => body.is_end_stream(),
+            (Kind::Inner { body }, Some(meters)) => end(meters, body),
+            (Kind::Own { body }, None) => body.is_end_stream(),
+            (Kind::Own { body }, Some(meters)) => end(meters, body),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
-        match &self.kind {
-            Kind::Inner { body } => match self.meter.as_deref().filter(|m| m.streams()) {
-                Some(meter) => {
-                    let rest = meter.stream.rest.len() as u64;
-                    let inner = body.size_hint();
-                    let mut hint = SizeHint::new();
-                    hint.set_lower(inner.lower().saturating_add(rest));
-                    if let Some(upper) = inner.upper() {
-                        hint.set_upper(upper.saturating_add(rest));
-                    }
-                    hint
-                }
-                None => body.size_hint(),
-            },
-            Kind::Own { body } => body.size_hint(),
+        match (&self.kind, self.meters.as_deref()) {
+            (Kind::Inner { body }, None) => body.size_hint(),
+            (Kind::Inner { body }, Some(meters)) => hint(meters, body),
+            (Kind::Own { body }, None) => body.size_hint(),
+            (Kind::Own { body }, Some(meters)) => hint(meters, body),
         }
+    }
+}
+
+/// The next frame of `body` as the outermost of `meters` lets it out (each meter reads
+/// what the ones inside it let out).
+fn poll_metered<S>(
+    meters: &mut [Meter],
+    body: Pin<&mut S>,
+    cx: &mut Context<'_>,
+) -> Poll<Option<Result<Frame<Bytes>, S::Error>>>
+where
+    S: Body<Data = Bytes>,
+{
+    let Some((meter, below)) = meters.split_last_mut() else { return body.poll_frame(cx) };
+    let mut source = Below { meters: below, body };
+    if meter.streams() {
+        return poll_streamed(meter, source, cx);
+    }
+    let frame = source.poll_frame(cx);
+    match &frame {
+        Poll::Ready(Some(Ok(frame))) => {
+            if let Some(data) = frame.data_ref() {
+                meter.sent(data.len());
+            }
+            // The last frame: the response is complete before the frame is handed on, so a
+            // client that saw it end finds the slot free.
+            if source.is_end_stream() {
+                meter.done();
+            }
+        }
+        Poll::Ready(_) => meter.done(),
+        Poll::Pending => {}
+    }
+    frame
+}
+
+/// Whether `body`, as the outermost of `meters` lets it out, has ended.
+fn end<S: Body>(meters: &[Meter], body: &S) -> bool {
+    match meters.split_last() {
+        None => body.is_end_stream(),
+        // A frame's rest still to send, or stopped by policing.
+        Some((meter, below)) if meter.streams() => {
+            meter.stream.ended || (meter.stream.rest.is_empty() && end(below, body))
+        }
+        Some((_, below)) => end(below, body),
+    }
+}
+
+/// The size hint of `body` as the outermost of `meters` lets it out.
+fn hint<S: Body>(meters: &[Meter], body: &S) -> SizeHint {
+    match meters.split_last() {
+        None => body.size_hint(),
+        Some((meter, below)) if meter.streams() => {
+            let rest = meter.stream.rest.len() as u64;
+            let inner = hint(below, body);
+            let mut hint = SizeHint::new();
+            hint.set_lower(inner.lower().saturating_add(rest));
+            if let Some(upper) = inner.upper() {
+                hint.set_upper(upper.saturating_add(rest));
+            }
+            hint
+        }
+        Some((_, below)) => hint(below, body),
+    }
+}
+
+/// What a meter reads from: the body as the meters inside it let it out.
+struct Below<'a, S> {
+    meters: &'a mut [Meter],
+    body: Pin<&'a mut S>,
+}
+
+impl<S: Body<Data = Bytes>> Below<'_, S> {
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, S::Error>>> {
+        poll_metered(self.meters, self.body.as_mut(), cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        end(self.meters, &*self.body)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        hint(self.meters, &*self.body)
     }
 }
 
@@ -377,13 +474,13 @@ where
 /// the lease covers, the rest kept for the next call; with message tiers, cut before the
 /// prefix of the first message past the lease), and a gRPC response ends with
 /// `RESOURCE_EXHAUSTED` trailers when policing stops its request or its response.
-fn poll_streamed<B>(
+fn poll_streamed<S>(
     meter: &mut Meter,
-    mut body: Pin<&mut B>,
+    mut body: Below<'_, S>,
     cx: &mut Context<'_>,
-) -> Poll<Option<Result<Frame<Bytes>, B::Error>>>
+) -> Poll<Option<Result<Frame<Bytes>, S::Error>>>
 where
-    B: Body<Data = Bytes>,
+    S: Body<Data = Bytes>,
 {
     if meter.stream.ended {
         return Poll::Ready(None);
@@ -392,7 +489,7 @@ where
         return end_stopped(meter, &why);
     }
     if meter.stream.rest.is_empty() {
-        match body.as_mut().poll_frame(cx) {
+        match body.poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                 Ok(data) if data.is_empty() => return Poll::Ready(Some(Ok(Frame::data(data)))),
                 Ok(data) => meter.stream.rest = data,

@@ -131,14 +131,14 @@ where
             StateProj::Inner { future, headers } => {
                 let mut res = ready!(future.poll(cx))?;
                 if !headers.is_empty() {
-                    std::mem::take(headers).insert(res.headers_mut());
+                    std::mem::take(headers).apply(&mut res);
                 }
                 Ok(res.map(ResponseBody::inner))
             }
             StateProj::Refundable { future, headers, refund } => {
                 let mut res = ready!(future.poll(cx))?;
                 if !headers.is_empty() {
-                    std::mem::take(headers).insert(res.headers_mut());
+                    std::mem::take(headers).apply(&mut res);
                 }
                 let settle = refund.take().and_then(|refund| refund(res.status()));
                 let res = res.map(ResponseBody::inner);
@@ -156,7 +156,7 @@ where
             StateProj::Untracked { future, headers, charge } => {
                 let mut res = ready!(future.poll(cx))?;
                 if !headers.is_empty() {
-                    std::mem::take(headers).insert(res.headers_mut());
+                    std::mem::take(headers).apply(&mut res);
                 }
                 let status = res.status();
                 if let Some(c) = charge.take() {

@@ -22,7 +22,7 @@ use super::{Config, Cost, MissingKey, Observed, OnStoreError};
 use crate::decision::Decision;
 use crate::error::StoreError;
 use crate::grpc::is_grpc;
-use crate::headers::Prepared;
+use crate::headers::{Fields, HeaderStyle, Prepared};
 use crate::key::{Key, KeyExtractor, RequestHead};
 use crate::limiter::{Held, Limiter, Reservation};
 use crate::quota::Unit;
@@ -37,11 +37,15 @@ use crate::store::{Check, Store, Verdict};
 pub struct RateLimit<S, K, St: Store> {
     inner: S,
     config: Arc<Config<K, St>>,
+    /// One of several layers limiting each request (the rules of a configuration file that
+    /// apply together): the rate-limit headers are handed on in the response's extensions,
+    /// for the outermost to write them once.
+    collect: bool,
 }
 
 impl<S: Clone, K, St: Store> Clone for RateLimit<S, K, St> {
     fn clone(&self) -> Self {
-        Self { inner: self.inner.clone(), config: Arc::clone(&self.config) }
+        Self { inner: self.inner.clone(), config: Arc::clone(&self.config), collect: self.collect }
     }
 }
 
@@ -56,7 +60,15 @@ impl<S: fmt::Debug, K, St: Store> fmt::Debug for RateLimit<S, K, St> {
 
 impl<S, K, St: Store> RateLimit<S, K, St> {
     pub(crate) fn new(inner: S, config: Arc<Config<K, St>>) -> Self {
-        Self { inner, config }
+        Self { inner, config, collect: false }
+    }
+
+    /// This service, handing its rate-limit headers on as values
+    /// ([`Collected`](crate::headers::Collected)) instead of writing them.
+    #[cfg(feature = "config")]
+    pub(crate) fn collecting(mut self) -> Self {
+        self.collect = true;
+        self
     }
 
     /// The inner service.
@@ -161,8 +173,11 @@ where
                             Observed::Admitted,
                         );
                     }
-                    let headers =
+                    let mut headers =
                         limiter.surface().headers.prepare(config.settings.headers, &decision);
+                    if self.collect {
+                        headers = headers.collected();
+                    }
                     // Called here and now: the service that was polled ready, no clone.
                     let future = self.inner.call(req.map(RequestBody::new));
                     let Some(ticket) = ticket else {
@@ -212,6 +227,7 @@ where
                         verdict.decision,
                         None,
                         grpc,
+                        self.collect,
                     ));
                 }
                 Some(result) => decided = Some(result),
@@ -223,7 +239,8 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let config = Arc::clone(&self.config);
         let req = req.map(RequestBody::new);
-        ResponseFuture::slow(Box::pin(run(config, policy, inner, req, key, decided)))
+        let collect = self.collect;
+        ResponseFuture::slow(Box::pin(run(config, (policy, collect), inner, req, key, decided)))
     }
 }
 
@@ -291,7 +308,8 @@ impl<K, St: Store> Config<K, St> {
 
     /// The response to a request `limiter` refused; `budget` is the shaping budget it
     /// exceeded; `grpc` whether the request is a gRPC call, answered in gRPC form (never
-    /// through the custom rejection: a gRPC client could not read it).
+    /// through the custom rejection: a gRPC client could not read it); `collect` whether its
+    /// rate-limit headers are handed on ([`Prepared::collected`]) rather than written.
     fn reject<B>(
         &self,
         limiter: &Limiter<St>,
@@ -299,6 +317,27 @@ impl<K, St: Store> Config<K, St> {
         decision: Decision,
         budget: Option<std::time::Duration>,
         grpc: bool,
+        collect: bool,
+    ) -> Response<ResponseBody<B>> {
+        if collect {
+            let headers = limiter.surface().headers.prepare(self.settings.headers, &decision);
+            let style = Fields { style: HeaderStyle::None, ..self.settings.headers };
+            let mut res = self.reject_with(limiter, key, decision, budget, grpc, style);
+            headers.collected().apply(&mut res);
+            return res;
+        }
+        self.reject_with(limiter, key, decision, budget, grpc, self.settings.headers)
+    }
+
+    /// [`reject`](Self::reject), writing the rate-limit headers of `style`.
+    fn reject_with<B>(
+        &self,
+        limiter: &Limiter<St>,
+        key: &Key,
+        decision: Decision,
+        budget: Option<std::time::Duration>,
+        grpc: bool,
+        style: Fields,
     ) -> Response<ResponseBody<B>> {
         tracing::debug!(
             policy = limiter.policy().name(),
@@ -307,7 +346,6 @@ impl<K, St: Store> Config<K, St> {
             grpc,
             "tollgate: limited"
         );
-        let style = self.settings.headers;
         if grpc {
             return grpc_resource_exhausted(limiter.surface(), &decision, style)
                 .map(ResponseBody::own);
@@ -335,10 +373,10 @@ impl<K, St: Store> Config<K, St> {
         limiter: &Limiter<St>,
         key: &Key,
         why: Stopped,
-        grpc: bool,
+        (grpc, collect): (bool, bool),
     ) -> Response<ResponseBody<B>> {
         match why {
-            Stopped::Limited(decision) => self.reject(limiter, key, decision, None, grpc),
+            Stopped::Limited(decision) => self.reject(limiter, key, decision, None, grpc, collect),
             Stopped::Unavailable(error) => {
                 let error = StoreError::backend(error.to_string());
                 self.refuse(&Rejection::Unavailable(error), grpc)
@@ -469,7 +507,7 @@ where
 /// is the store's answer when `call` already asked it.
 async fn run<S, K, St, ReqB, ResB>(
     config: Arc<Config<K, St>>,
-    policy: usize,
+    (policy, collect): (usize, bool),
     mut inner: S,
     req: Request<RequestBody<ReqB>>,
     key: Option<Key>,
@@ -581,7 +619,7 @@ where
             }
         }
         let grpc = is_grpc(req.headers());
-        return Ok(config.reject(limiter, &key, decision, budget, grpc));
+        return Ok(config.reject(limiter, &key, decision, budget, grpc, collect));
     }
 
     // Admitted (or dry run): wait for the reserved slot; a request dropped meanwhile gives it
@@ -593,12 +631,13 @@ where
     } else {
         limiter.surface().headers.prepare(settings.headers, reservation.decision())
     };
+    let headers = if collect { headers.collected() } else { headers };
 
     if !needs.any() || !reservation.decision().is_allowed() {
         // From here the request is served: dropping it (a client disconnect) keeps the charge.
         let res = inner.call(req).await?;
         let (mut head, body) = res.into_parts();
-        headers.insert(&mut head.headers);
+        headers.apply_parts(&mut head);
         settle(&config, reservation, &head).await;
         return Ok(Response::from_parts(head, ResponseBody::inner(body)));
     }
@@ -708,13 +747,13 @@ where
                 Ok(res) => res?,
                 Err(why) => {
                     held.finish();
-                    return Ok(config.stopped(limiter, &key, why, grpc));
+                    return Ok(config.stopped(limiter, &key, why, (grpc, collect)));
                 }
             }
         }
     };
     let (mut head, body) = res.into_parts();
-    headers.insert(&mut head.headers);
+    headers.apply_parts(&mut head);
     let finish = held.into_finish();
     // An upgraded socket's request ends with the socket: the response's end only settles.
     #[cfg(feature = "ws")]
