@@ -138,6 +138,10 @@ struct More {
     draft6: Option<[u64; 3]>,
     /// `X-RateLimit-Limit`, `-Remaining`, `-Reset`.
     legacy: Option<[u64; 3]>,
+    /// Draft 7's `RateLimit` dictionary (`limit`, `remaining`, `reset`), kept as numbers so
+    /// that several layers' are reduced to the tightest rather than listed (a dictionary with
+    /// repeated keys keeps only the last, RFC 9651 §3.2).
+    draft7: Option<[u64; 3]>,
     /// Handed on in the response's [`Collected`] rather than written: the layer is one of
     /// several that limit the request (the rules of a configuration file).
     collect: bool,
@@ -229,9 +233,10 @@ impl More {
 impl Collected {
     /// Writes the headers of every layer that limited the request, rendered once:
     /// `RateLimit-Policy` and `RateLimit` list the items of each layer in turn, outermost
-    /// first (RFC 9651 lists combine by joining them with `, `); draft 6's fields and the
-    /// legacy `X-RateLimit-*` are those of the tightest tier of them all, the one with the
-    /// fewest units remaining (the outermost of equals), as they are within one policy.
+    /// first (RFC 9651 lists combine by joining them with `, `); draft 7's `RateLimit`, draft
+    /// 6's fields and the legacy `X-RateLimit-*` are those of the tightest tier of them all,
+    /// the one with the fewest units remaining (the outermost of equals), as they are within
+    /// one policy.
     pub(crate) fn write(self, headers: &mut HeaderMap) {
         let mut policies: SmallVec<[&HeaderValue; 4]> = SmallVec::new();
         let mut states: SmallVec<[HeaderValue; 4]> = SmallVec::new();
@@ -250,16 +255,28 @@ impl Collected {
             if let Some(m) = prepared.more {
                 more.draft6 = tighter(more.draft6, m.draft6);
                 more.legacy = tighter(more.legacy, m.legacy);
+                more.draft7 = tighter(more.draft7, m.draft7);
             }
         }
         if let Some(policy) = joined(policies.iter().map(|v| v.as_bytes())) {
             headers.insert(RATELIMIT_POLICY, policy);
         }
-        if let Some(state) = joined(states.iter().map(HeaderValue::as_bytes)) {
+        // Draft 7's dictionaries cannot be listed: the tightest of them all.
+        let state = match more.draft7 {
+            Some(t) => Some(draft7(t)),
+            None => joined(states.iter().map(HeaderValue::as_bytes)),
+        };
+        if let Some(state) = state {
             headers.insert(RATELIMIT, state);
         }
         more.insert(headers);
     }
+}
+
+/// Draft 7's `RateLimit` value for a tier's capacity, remaining units and seconds until full.
+fn draft7([limit, remaining, reset]: [u64; 3]) -> HeaderValue {
+    let text = format!("limit={limit}, remaining={remaining}, reset={reset}");
+    HeaderValue::from_str(&text).unwrap_or_else(|_| HeaderValue::from_static(""))
 }
 
 /// The values joined with `, `; `None` for no value.
@@ -369,12 +386,11 @@ impl Headers {
             match fields.format {
                 HeaderFormat::Draft10 => out.ietf = Some((self.policy, Some(self.state(decision)))),
                 HeaderFormat::Draft7 => {
-                    let state = self.tightest(decision).map(|[limit, remaining, reset]| {
-                        let text = format!("limit={limit}, remaining={remaining}, reset={reset}");
-                        HeaderValue::from_str(&text)
-                            .unwrap_or_else(|_| HeaderValue::from_static(""))
-                    });
-                    out.ietf = Some((self.unnamed_policy, state));
+                    let tightest = self.tightest(decision);
+                    out.ietf = Some((self.unnamed_policy, tightest.map(draft7)));
+                    if let Some(t) = tightest {
+                        out.more.get_or_insert_default().draft7 = Some(t);
+                    }
                 }
                 HeaderFormat::Draft6 => {
                     out.ietf = Some((self.unnamed_policy, None));
@@ -561,6 +577,25 @@ mod tests {
         assert!(h.get("ratelimit").is_none());
         let fields = ["ratelimit-limit", "ratelimit-remaining", "ratelimit-reset"];
         assert_eq!(fields.map(|n| &h[n]), ["10", "1", "54"]);
+    }
+
+    #[tokio::test]
+    async fn collected_draft7_state_is_the_tightest_tiers_one_dictionary() {
+        let draft7 = Fields { style: HeaderStyle::Ietf, format: HeaderFormat::Draft7 };
+        let mut res = http::Response::new(());
+        // The inner rule is tighter: its dictionary, not both (a parser keeps the last of
+        // repeated keys, which would be the outer rule's here).
+        for (name, quota, cost) in
+            [("in", Quota::per_minute(10), 9), ("out", Quota::per_minute(4), 1)]
+        {
+            let policy = Policy::single(name, quota).unwrap();
+            let decision = frozen(&policy).check(&Key::Global, cost).await.unwrap();
+            Headers::new(&policy).prepare(draft7, &decision).collected().apply(&mut res);
+        }
+        res.extensions_mut().remove::<Collected>().unwrap().write(res.headers_mut());
+        let h = res.headers();
+        assert_eq!(h["ratelimit-policy"], "4;w=60, 10;w=60");
+        assert_eq!(h["ratelimit"], "limit=10, remaining=1, reset=54");
     }
 
     #[test]
