@@ -526,7 +526,8 @@ async fn on_redis_a_thousand_concurrent_requests_get_exactly_four_slots() {
     for _ in 0..996 {
         statuses.push(done_rx.recv().await.unwrap());
     }
-    assert!(statuses.iter().all(|s| *s == StatusCode::TOO_MANY_REQUESTS));
+    let other: Vec<_> = statuses.iter().filter(|s| **s != StatusCode::TOO_MANY_REQUESTS).collect();
+    assert!(other.is_empty(), "{} of 996 not refused with 429: {other:?}", other.len());
     assert_eq!(in_flight.now.load(Ordering::SeqCst), 4);
     gate.add_permits(4);
     for _ in 0..4 {
