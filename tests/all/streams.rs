@@ -9,7 +9,7 @@
 //! the `axum` feature only.
 #![cfg(feature = "axum")]
 
-mod support;
+use crate::support;
 
 use std::convert::Infallible;
 use std::future::Future;

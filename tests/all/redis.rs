@@ -3,11 +3,9 @@
 //! concurrency, TTLs, script reloads, restarts and the failure policy.
 #![cfg(feature = "redis")]
 
-#[path = "support/priority.rs"]
-mod priorities;
-#[path = "support/penalty.rs"]
-mod scenarios;
-mod support;
+use crate::support;
+use crate::support::penalty as scenarios;
+use crate::support::priority as priorities;
 
 use std::time::Duration;
 

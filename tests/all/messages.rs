@@ -6,7 +6,7 @@
 //! bidirectional (answers each message with how many came), `Echo` unary.
 #![cfg(feature = "tonic")]
 
-mod support;
+use crate::support;
 
 use std::convert::Infallible;
 use std::future::Future;
