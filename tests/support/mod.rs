@@ -8,6 +8,7 @@ pub mod priority;
 pub mod prometheus;
 #[cfg(feature = "redis")]
 pub mod redis;
+pub mod stores;
 
 use std::net::SocketAddr;
 
