@@ -2,6 +2,7 @@
 //! one to three tiers, bursts), random traffic, every header format, on both stores: each
 //! field parses as an RFC 9651 structured field, the remaining count never exceeds the quota
 //! of the same item, and a 429 carries `Retry-After` of at least one second.
+#[cfg(feature = "redis")]
 use crate::support;
 
 use std::convert::Infallible;

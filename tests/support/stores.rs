@@ -2,8 +2,6 @@
 //! St)`), and run on each: the in-memory store, Redis, Valkey and a Redis Cluster. A frozen store
 //! reads a clock that stands still, so that what a scenario charged can be read back exactly.
 
-use std::time::Duration;
-
 use tollgate::clock::FakeClock;
 use tollgate::store::MemoryStore;
 
@@ -17,6 +15,7 @@ pub fn frozen_memory() -> MemoryStore {
 pub mod redis {
     use super::*;
     use crate::support::redis::{Cluster, Server};
+    use std::time::Duration;
     use tollgate::store::{RedisStore, RedisStoreBuilder};
 
     /// A store of `builder` whose clock stands still, its keys under `prefix`. Redis expires
