@@ -2,8 +2,13 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod logs;
+pub mod penalty;
+pub mod priority;
+#[cfg(feature = "metrics")]
+pub mod prometheus;
 #[cfg(feature = "redis")]
 pub mod redis;
+pub mod stores;
 
 use std::net::SocketAddr;
 

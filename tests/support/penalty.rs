@@ -1,5 +1,5 @@
-//! Penalty-box scenarios, run on the in-memory store (tests/penalty.rs) and on Redis
-//! (tests/redis.rs) alike: each takes a limiter of the policy it is given over a store on the
+//! Penalty-box scenarios, run on the in-memory store (tests/all/penalty.rs) and on Redis
+//! (tests/all/redis.rs) alike: each takes a limiter of the policy it is given over a store on the
 //! fake clock `clock`, and asserts exact outcomes.
 #![allow(dead_code, unreachable_pub)]
 

@@ -1,6 +1,6 @@
 //! Reserved-capacity scenarios ([`Reserve`], [`Priority`]), run on the in-memory store
-//! (tests/priority.rs) and on Redis (tests/redis.rs) alike: each takes a limiter of the policy
-//! it is given over a store on the fake clock `clock`, and asserts exact outcomes.
+//! (tests/all/priority.rs) and on Redis (tests/all/redis.rs) alike: each takes a limiter of
+//! the policy it is given over a store on the fake clock `clock`, and asserts exact outcomes.
 #![allow(dead_code, unreachable_pub)]
 
 use std::future::Future;

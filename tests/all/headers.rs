@@ -2,7 +2,8 @@
 //! one to three tiers, bursts), random traffic, every header format, on both stores: each
 //! field parses as an RFC 9651 structured field, the remaining count never exceeds the quota
 //! of the same item, and a 429 carries `Retry-After` of at least one second.
-mod support;
+#[cfg(feature = "redis")]
+use crate::support;
 
 use std::convert::Infallible;
 use std::time::Duration;

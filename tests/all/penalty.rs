@@ -2,9 +2,8 @@
 //! its tier is refused for exactly the block, other keys are untouched, the K-refusals variant,
 //! the box's state swept once it no longer matters, and a blocked client over HTTP.
 
-#[path = "support/penalty.rs"]
-mod scenarios;
-mod support;
+use crate::support;
+use crate::support::penalty as scenarios;
 
 use std::time::Duration;
 

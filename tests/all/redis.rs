@@ -3,11 +3,9 @@
 //! concurrency, TTLs, script reloads, restarts and the failure policy.
 #![cfg(feature = "redis")]
 
-#[path = "support/priority.rs"]
-mod priorities;
-#[path = "support/penalty.rs"]
-mod scenarios;
-mod support;
+use crate::support;
+use crate::support::penalty as scenarios;
+use crate::support::priority as priorities;
 
 use std::time::Duration;
 
@@ -490,14 +488,13 @@ fn cluster_decides_exactly_like_memory_store() {
     });
 }
 
-/// Every algorithm on its own, so a regression names the algorithm.
-#[test]
-fn every_algorithm_admits_then_limits_on_redis() {
-    let Some(server) = Server::start("redis-server") else { return };
+/// Every algorithm on its own, so a regression names the algorithm, on stores `store` makes
+/// for a fake clock.
+fn every_algorithm_admits_then_limits<St: Store>(store: impl Fn(FakeClock) -> St) {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     for algorithm in Algorithm::ALL {
         let clock = FakeClock::new();
-        let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "a:".into());
+        let store = store(clock.clone());
         let policy = Policy::builder(algorithm.name())
             .algorithm(algorithm)
             .tier("fast", Quota::per_second(3))
@@ -505,9 +502,8 @@ fn every_algorithm_admits_then_limits_on_redis() {
             .build()
             .unwrap();
         let decide = |cost| {
-            let store = store.clone();
-            let policy = policy.clone();
-            async move { decide(&store, &policy, &Key::Global, cost).await }
+            let limiter = Limiter::with_store(policy.clone(), store.clone()).expect("binds");
+            async move { limiter.check(&Key::Global, cost).await.expect("the store answers") }
         };
         rt.block_on(async {
             let d: Decision = decide(3).await;
@@ -524,6 +520,37 @@ fn every_algorithm_admits_then_limits_on_redis() {
             assert_eq!(d.violated_names(&policy).collect::<Vec<_>>(), ["slow"], "{algorithm:?}");
         });
     }
+}
+
+#[test]
+fn every_algorithm_admits_then_limits_on_redis() {
+    let Some(server) = Server::start("redis-server") else { return };
+    every_algorithm_admits_then_limits(|clock| {
+        fake_clock_store(RedisStore::builder(server.url()), clock, "a:".into())
+    });
+}
+
+#[test]
+fn every_algorithm_admits_then_limits_in_memory() {
+    every_algorithm_admits_then_limits(|clock| {
+        MemoryStore::builder().clock(clock).build().unwrap()
+    });
+}
+
+#[test]
+fn every_algorithm_admits_then_limits_on_valkey() {
+    let Some(server) = Server::start("valkey-server") else { return };
+    every_algorithm_admits_then_limits(|clock| {
+        fake_clock_store(RedisStore::builder(server.url()), clock, "a:".into())
+    });
+}
+
+#[test]
+fn every_algorithm_admits_then_limits_on_a_cluster() {
+    let Some(cluster) = Cluster::start() else { return };
+    every_algorithm_admits_then_limits(|clock| {
+        fake_clock_store(RedisStore::cluster_builder(cluster.urls()), clock, "a:".into())
+    });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -485,7 +485,7 @@ fn saas_in_code() -> Policy {
 }
 
 fn readme_toml() -> String {
-    toml_block(include_str!("../README.md"), "## Configuration file and hot reload")
+    toml_block(include_str!("../../README.md"), "## Configuration file and hot reload")
 }
 
 /// The README's TOML, exactly as printed, is the plan built in code, and decides like it
@@ -725,7 +725,7 @@ fn bad_rule_settings_are_refused_at_their_field() {
 /// documents.
 #[test]
 fn the_documented_tier_example_is_the_policy_built_in_code() {
-    let text = toml_block(include_str!("../src/config/mod.rs"), "//! # Tiers");
+    let text = toml_block(include_str!("../../src/config/mod.rs"), "//! # Tiers");
     let config = load(&text);
     let expected = Policy::builder("llm")
         .tier("per-second", Quota::per_second(10).with_burst(20))

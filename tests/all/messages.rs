@@ -6,7 +6,7 @@
 //! bidirectional (answers each message with how many came), `Echo` unary.
 #![cfg(feature = "tonic")]
 
-mod support;
+use crate::support;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -626,18 +626,8 @@ async fn a_policed_call_gives_its_slot_back_when_stopped_in_memory() {
 mod paused_on_redis {
     use super::*;
 
-    /// A Redis store whose clock stands still. Redis expires keys on its own clock, when
-    /// their state would be full again on the store's: keys are kept a minute longer, so a
-    /// slow moment of the machine does not empty a key the frozen clock says is charged.
-    fn frozen(server: &support::redis::Server, prefix: &str) -> tollgate::store::RedisStore {
-        tollgate::store::RedisStore::builder(server.url())
-            .prefix(prefix)
-            .clock(FakeClock::new())
-            .ttl_grace(Duration::from_secs(60))
-            .timeout(Duration::from_secs(5))
-            .build()
-            .unwrap()
-    }
+    use crate::support::redis::Cluster;
+    use crate::support::stores::redis::{frozen_on as frozen, frozen_on_cluster};
 
     #[tokio::test]
     async fn a_paused_call_holds_its_slot_until_cancelled_on_redis() {
@@ -655,5 +645,34 @@ mod paused_on_redis {
     async fn a_policed_call_gives_its_slot_back_when_stopped_on_redis() {
         let Some(server) = support::redis::Server::start("redis-server") else { return };
         a_policed_call_gives_its_slot_back_when_stopped(frozen(&server, "police:")).await;
+    }
+
+    #[tokio::test]
+    async fn a_paused_call_holds_its_slot_until_cancelled_on_valkey() {
+        let Some(server) = support::redis::Server::start("valkey-server") else { return };
+        a_paused_call_holds_its_slot_until_cancelled(frozen(&server, "call:")).await;
+    }
+
+    #[tokio::test]
+    async fn a_paused_server_stream_holds_its_slot_until_dropped_on_valkey() {
+        let Some(server) = support::redis::Server::start("valkey-server") else { return };
+        a_paused_server_stream_holds_its_slot_until_dropped(frozen(&server, "down:")).await;
+    }
+
+    #[tokio::test]
+    async fn a_policed_call_gives_its_slot_back_when_stopped_on_valkey() {
+        let Some(server) = support::redis::Server::start("valkey-server") else { return };
+        a_policed_call_gives_its_slot_back_when_stopped(frozen(&server, "police:")).await;
+    }
+
+    /// The three scenarios on one Redis Cluster (forming one takes seconds), one after
+    /// another, each under its own prefix.
+    #[tokio::test]
+    async fn paused_and_stopped_calls_hold_and_give_back_their_slots_on_a_cluster() {
+        let Some(cluster) = Cluster::start() else { return };
+        let store = |prefix| frozen_on_cluster(&cluster, prefix);
+        a_paused_call_holds_its_slot_until_cancelled(store("call:")).await;
+        a_paused_server_stream_holds_its_slot_until_dropped(store("down:")).await;
+        a_policed_call_gives_its_slot_back_when_stopped(store("police:")).await;
     }
 }

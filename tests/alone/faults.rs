@@ -9,7 +9,7 @@
 //!
 //! The scenarios run one at a time (they measure latency on a 2-core machine).
 #![cfg(feature = "redis")]
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -36,7 +36,7 @@ const PER_WORKER: usize = 1000;
 /// than from tasks that never yield (answers from an open breaker are immediate).
 const PACE: Duration = Duration::from_millis(10);
 
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+use crate::ONE_AT_A_TIME;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Configured {

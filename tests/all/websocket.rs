@@ -3,7 +3,7 @@
 //! them, and a real WebSocket client (tokio-tungstenite) over the upgrade.
 #![cfg(feature = "ws")]
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

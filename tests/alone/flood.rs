@@ -2,9 +2,11 @@
 //! layer cannot grow memory past the store's key cap, cannot reset established clients, and an
 //! IPv6 client rotating through its /64 stays one bucket.
 //!
-//! Its own test binary, so that the resident memory it measures is its own. The always-on run
-//! sends 200,000 distinct IPv4 clients; `TOLLGATE_LONG_TESTS=1` sends 1,000,000 (about a
-//! minute in a debug build).
+//! Its tests run in the `alone` test binary, one at a time, so that the resident memory it
+//! measures is its own. The always-on run sends 200,000 distinct IPv4 clients;
+//! `TOLLGATE_LONG_TESTS=1` sends 1,000,000 (about a minute in a debug build).
+use crate::ONE_AT_A_TIME;
+
 use std::convert::Infallible;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
@@ -54,6 +56,7 @@ fn ok()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ipv4_flood_stays_under_the_key_cap_and_established_clients_keep_their_state() {
+    let _one = ONE_AT_A_TIME.lock().await;
     const CAP: usize = 20_000;
     const ESTABLISHED: u32 = 100;
     let store = MemoryStore::builder().max_keys(CAP).build().unwrap();
@@ -109,6 +112,7 @@ async fn an_ipv4_flood_stays_under_the_key_cap_and_established_clients_keep_thei
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ipv6_client_rotating_through_its_slash_64_is_one_bucket() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let store = MemoryStore::new();
     let policy = Policy::single("v6", Quota::per_hour(5)).unwrap();
     let layer = RateLimitLayer::builder(policy).store(store.clone()).build().unwrap();

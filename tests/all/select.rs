@@ -3,7 +3,7 @@
 //! refunds of what the router refuses (404/405), and the build errors of these settings.
 #![cfg(feature = "axum")]
 
-mod support;
+use crate::support;
 
 use std::net::{IpAddr, Ipv4Addr};
 

@@ -2,7 +2,7 @@
 //! parser), Retry-After, problem+json, per-route policies, keys, refunds, concurrency.
 #![cfg(feature = "axum")]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

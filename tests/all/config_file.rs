@@ -2,7 +2,7 @@
 //! of error located at its file, line, column and field, and reloads: under concurrent traffic
 //! over real HTTP on loopback, from a file, refused, and by the file watcher.
 #![cfg(feature = "config")]
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -376,7 +376,7 @@ fn settings_for_another_key_are_refused() {
 /// The example in the module's documentation is a valid file.
 #[test]
 fn the_documented_example_parses() {
-    let docs = include_str!("../src/config/mod.rs");
+    let docs = include_str!("../../src/config/mod.rs");
     let start = docs.find("//! ```toml\n").expect("a TOML example") + "//! ```toml\n".len();
     let len = docs[start..].find("//! ```\n").expect("its end");
     let text: String = docs[start..start + len]

@@ -9,7 +9,7 @@
 //! a time, in CI or with `TOLLGATE_LOAD_TESTS=1` (see [`asked_for`]).
 #![cfg(feature = "redis")]
 
-mod support;
+use crate::support;
 
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -27,7 +27,7 @@ use tower::{Layer, Service, ServiceExt};
 /// 12 days: no window boundary (aligned to the Unix epoch on server time) falls inside a test.
 const LONG: Duration = Duration::from_secs(12 * 86_400);
 
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+use crate::ONE_AT_A_TIME;
 
 /// Processes spinning on every core (two: the machine's), killed on drop. Each also stops by
 /// itself after two minutes, so a test killed before its drop cannot leave them behind.

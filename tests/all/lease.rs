@@ -5,7 +5,7 @@
 //! never spent after its lifetime; an outage is decided per check as in exact mode.
 #![cfg(feature = "redis")]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
@@ -624,9 +624,7 @@ async fn four_leasing_instances_keep_a_calendar_day_across_midnight() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_leasing_app_instances_enforce_one_limit_over_http_and_count_their_leases() {
     let Some(server) = Server::start("redis-server") else { return };
-    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
-    let prometheus = recorder.handle();
-    metrics::set_global_recorder(recorder).expect("the only recorder of this test binary");
+    let prometheus = support::prometheus::handle();
     let policy = Policy::single("fleet-lease", Quota::per_hour(30)).unwrap();
     let lease = Lease::new().max_block(8).lifetime(Duration::from_secs(30));
     let mut apps = Vec::new();

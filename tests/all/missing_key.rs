@@ -3,7 +3,7 @@
 
 #![cfg(feature = "axum")]
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 

@@ -13,7 +13,7 @@
 //!
 //! The scenarios run one at a time (they measure latency on a 2-core machine).
 #![cfg(feature = "redis")]
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -44,7 +44,7 @@ const RESUME: Duration = Duration::from_secs(1);
 /// How long the sentinels get to promote the replica.
 const FAILOVER_LIMIT: Duration = Duration::from_secs(15);
 
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+use crate::ONE_AT_A_TIME;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Configured {

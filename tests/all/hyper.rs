@@ -1,7 +1,7 @@
 //! A hyper server without axum: the layer over plain hyper, built with or without the `axum`
 //! feature (`cargo test --no-default-features` runs it too). The peer address reaches
 //! `PeerIp` as a `SocketAddr` request extension.
-mod support;
+use crate::support;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

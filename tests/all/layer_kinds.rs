@@ -1,7 +1,8 @@
 //! The layer with tier kinds beyond request rates: concurrency slots held until the response
 //! body ends (released on a body drop, a handler panic, a client disconnect), bytes counted in
 //! and out, units a handler reports, and leases refreshed on Redis while a request runs.
-mod support;
+#[cfg(any(feature = "axum", feature = "redis"))]
+use crate::support;
 
 use std::convert::Infallible;
 use std::pin::Pin;

@@ -9,7 +9,7 @@
 //! the `axum` feature only.
 #![cfg(feature = "axum")]
 
-mod support;
+use crate::support;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -29,6 +29,7 @@ use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use support::serve;
+use support::stores::frozen_memory;
 use tollgate::store::Store;
 use tollgate::{Policy, Quota, RateLimitLayer, STREAM_LEASE, StreamMode, Unit};
 
@@ -336,34 +337,29 @@ async fn a_100_mb_download_shaped_to_10_mb_per_second_takes_10_s() {
 #[cfg(feature = "redis")]
 mod redis {
     use super::*;
-    use tollgate::store::RedisStore;
-
-    fn store(url: &str, prefix: &str) -> RedisStore {
-        RedisStore::builder(url).prefix(prefix).timeout(Duration::from_secs(5)).build().unwrap()
-    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn shaping_paces_ten_chunked_uploads_of_one_key_on_redis() {
         let Some(server) = support::redis::Server::start("redis-server") else { return };
-        shaping_paces_ten_chunked_uploads(store(&server.url(), "shape:")).await;
+        shaping_paces_ten_chunked_uploads(server.store("shape:")).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn policing_stops_ten_chunked_uploads_of_one_key_on_redis() {
         let Some(server) = support::redis::Server::start("redis-server") else { return };
-        policing_stops_ten_chunked_uploads(store(&server.url(), "police:")).await;
+        policing_stops_ten_chunked_uploads(server.store("police:")).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_upload_is_charged_exactly_its_bytes_on_redis() {
         let Some(server) = support::redis::Server::start("redis-server") else { return };
-        an_upload_is_charged_exactly_its_bytes(store(&server.url(), "exact:")).await;
+        an_upload_is_charged_exactly_its_bytes(server.store("exact:")).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_100_mb_download_shaped_to_10_mb_per_second_takes_10_s_on_redis() {
         let Some(server) = support::redis::Server::start("redis-server") else { return };
-        shaped_download(store(&server.url(), "download:")).await;
+        shaped_download(server.store("download:")).await;
     }
 }
 
@@ -611,13 +607,6 @@ async fn a_timeout_ends_a_paused_http1_upload<St: Store>(store: St) {
     assert!((3 * STREAM_LEASE..BURST).contains(&read), "{read}");
 }
 
-fn frozen_memory() -> tollgate::store::MemoryStore {
-    tollgate::store::MemoryStore::builder()
-        .clock(tollgate::clock::FakeClock::new())
-        .build()
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_upload_holds_its_slot_until_the_client_goes_in_memory() {
     a_paused_upload_holds_its_slot_until_the_client_goes(frozen_memory()).await;
@@ -642,19 +631,8 @@ async fn a_policed_upload_gives_its_slot_back_when_stopped_in_memory() {
 mod paused_on_redis {
     use super::*;
 
-    /// A Redis store whose clock stands still. Redis expires keys on its own clock, when
-    /// their state would be full again on the store's: with that clock frozen, a key charged
-    /// one byte (1 ms of refill) would vanish after 1 ms of real time, so keys are kept a
-    /// minute longer.
-    fn frozen(server: &support::redis::Server, prefix: &str) -> tollgate::store::RedisStore {
-        tollgate::store::RedisStore::builder(server.url())
-            .prefix(prefix)
-            .clock(tollgate::clock::FakeClock::new())
-            .ttl_grace(Duration::from_secs(60))
-            .timeout(Duration::from_secs(5))
-            .build()
-            .unwrap()
-    }
+    use crate::support::redis::Cluster;
+    use crate::support::stores::redis::{frozen_on as frozen, frozen_on_cluster};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_paused_upload_holds_its_slot_until_the_client_goes_on_redis() {
@@ -678,5 +656,41 @@ mod paused_on_redis {
     async fn a_policed_upload_gives_its_slot_back_when_stopped_on_redis() {
         let Some(server) = support::redis::Server::start("redis-server") else { return };
         a_policed_upload_gives_its_slot_back_when_stopped(frozen(&server, "police:")).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_paused_upload_holds_its_slot_until_the_client_goes_on_valkey() {
+        let Some(server) = support::redis::Server::start("valkey-server") else { return };
+        a_paused_upload_holds_its_slot_until_the_client_goes(frozen(&server, "up:")).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_paused_download_holds_its_slot_until_the_client_goes_on_valkey() {
+        let Some(server) = support::redis::Server::start("valkey-server") else { return };
+        a_paused_download_holds_its_slot_until_the_client_goes(frozen(&server, "down:")).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_timeout_ends_a_paused_http1_upload_on_valkey() {
+        let Some(server) = support::redis::Server::start("valkey-server") else { return };
+        a_timeout_ends_a_paused_http1_upload(frozen(&server, "timeout:")).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_policed_upload_gives_its_slot_back_when_stopped_on_valkey() {
+        let Some(server) = support::redis::Server::start("valkey-server") else { return };
+        a_policed_upload_gives_its_slot_back_when_stopped(frozen(&server, "police:")).await;
+    }
+
+    /// The four scenarios on one Redis Cluster (forming one takes seconds), one after another,
+    /// each under its own prefix.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn paused_and_stopped_streams_hold_and_give_back_their_slots_on_a_cluster() {
+        let Some(cluster) = Cluster::start() else { return };
+        let store = |prefix| frozen_on_cluster(&cluster, prefix);
+        a_paused_upload_holds_its_slot_until_the_client_goes(store("up:")).await;
+        a_paused_download_holds_its_slot_until_the_client_goes(store("down:")).await;
+        a_timeout_ends_a_paused_http1_upload(store("timeout:")).await;
+        a_policed_upload_gives_its_slot_back_when_stopped(store("police:")).await;
     }
 }

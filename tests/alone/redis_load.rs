@@ -4,7 +4,8 @@
 //! and a Redis Cluster master down without disturbing the keys of the other masters.
 #![cfg(feature = "redis")]
 
-mod support;
+use crate::ONE_AT_A_TIME;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -37,6 +38,7 @@ fn evalsha_usec_per_call(conn: &mut redis::Connection) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rejected_sliding_log_check_costs_redis_about_the_same_at_any_limit() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let Some(server) = Server::start("redis-server") else { return };
     let mut conn = server.conn();
     let mut cost = Vec::new();
@@ -121,6 +123,7 @@ async fn hammer(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_key_admits_exactly_its_limit_and_never_trips_the_breaker_for_others() {
+    let _one = ONE_AT_A_TIME.lock().await;
     for bin in ["redis-server", "valkey-server"] {
         let Some(server) = Server::start(bin) else { continue };
         for algorithm in Algorithm::ALL {
@@ -172,6 +175,7 @@ async fn admitted_concurrently(limiter: &Limiter<RedisStore>, n: usize) -> (usiz
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_thousand_concurrent_checks_with_the_defaults_admit_exactly_the_limit() {
+    let _one = ONE_AT_A_TIME.lock().await;
     for bin in ["redis-server", "valkey-server"] {
         let Some(server) = Server::start(bin) else { continue };
         // Every default: 100 ms timeout, local fallback, server time.
@@ -195,6 +199,7 @@ async fn two_thousand_concurrent_checks_with_the_defaults_admit_exactly_the_limi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_thousand_concurrent_checks_on_a_cluster_admit_exactly_the_limit() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let Some(cluster) = Cluster::start() else { return };
     let store = RedisStore::cluster_builder(cluster.urls()).build().unwrap();
     // Connected first, as the docs advise: a cold cluster store reads the slot map, opens a
@@ -212,6 +217,7 @@ async fn two_thousand_concurrent_checks_on_a_cluster_admit_exactly_the_limit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_master_down_leaves_the_other_masters_keys_exact() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let Some(mut cluster) = Cluster::start() else { return };
     let store = RedisStore::cluster_builder(cluster.urls()).build().unwrap();
     let policy = Policy::single("masters", Quota::per_hour(6)).unwrap();

@@ -4,7 +4,7 @@
 //! gRFC A6 pushback; gRPC-Web and plain HTTP requests to the same server keep the HTTP 429.
 #![cfg(feature = "tonic")]
 
-mod support;
+use crate::support;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;

@@ -4,9 +4,8 @@
 //! refuses no critical request, reserves that cannot work are refused at their field, and over
 //! HTTP the class comes from a header.
 
-#[path = "support/priority.rs"]
-mod scenarios;
-mod support;
+use crate::support;
+use crate::support::priority as scenarios;
 
 use axum::Router;
 use axum::routing::get;

@@ -4,7 +4,7 @@
 //! failures.
 #![cfg(feature = "testing")]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
@@ -60,7 +60,7 @@ async fn monthly_quota_resets_at_midnight_in_berlin() -> Result<(), Box<dyn std:
 /// The README's "Testing your limits" shows the test above as it is here.
 #[test]
 fn the_readme_recipe_is_the_test_above() {
-    let readme = include_str!("../README.md");
+    let readme = include_str!("../../README.md");
     let section = &readme[readme.find("## Testing your limits").expect("the section")..];
     let block = &section[section.find("```rust").expect("a rust block")..];
     let block = &block[block.find('\n').unwrap() + 1..];
