@@ -3,7 +3,7 @@
 //! WebSocket messages through the `MessageBudget` each rule's layer hands the handler.
 #![cfg(all(feature = "ws", feature = "config"))]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -5,7 +5,7 @@
 //! admits no unit beyond a window's limit), counted over both instances.
 #![cfg(all(feature = "redis", feature = "config"))]
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
