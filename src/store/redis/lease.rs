@@ -197,9 +197,11 @@ impl Lease {
     /// GCRA and the buckets only, for policies of rate tiers alone (windows and policies with
     /// calendar tiers take their next block when the last is spent, as without it).
     ///
-    /// One call is in flight per key and instance at most, made in the background (on the
-    /// Tokio runtime of the check that starts it), when half of the block this instance asks
-    /// for is spent, or, while the instance waits for a useful block, one round trip (as
+    /// A key is leased ahead once its blocks have grown to 16 units (or to `max_block`, when
+    /// smaller), that is once its blocks doubled four times, each spent within its lifetime:
+    /// a key checked now and then costs no call ahead of need. One call is in flight per key
+    /// and instance at most, made in the background (on the Tokio runtime of the check that
+    /// starts it), when half of the block this instance asks for is spent, or, while the instance waits for a useful block, one round trip (as
     /// measured on this instance's lease calls) before the wait ends. It asks for what tops
     /// the units the instance holds up to at most [`max_block`](Self::max_block) (twice the
     /// block it asks for now, while that is smaller): the units an instance holds never
@@ -244,6 +246,12 @@ impl Lease {
         Ok(())
     }
 }
+
+/// The block size from which an instance asks for a key's next block ahead of need (or the
+/// largest block, when smaller; see [`Lease::prefetch`]): the key's blocks doubled four times,
+/// each spent within its lifetime. A key checked now and then never gets there, so it costs
+/// no call ahead of need and strands no block it will not spend.
+const PREFETCH_FROM: u64 = 16;
 
 /// How long a useful block takes to build up at a key's rate (see [`useful_block`]).
 const USEFUL_SPAN: Duration = Duration::from_millis(1);
@@ -343,7 +351,7 @@ pub struct LeaseStats {
     /// [`decided_locally`](Self::decided_locally).
     pub refused_locally: u64,
     /// Calls that asked for a key's next block ahead of need ([`Lease::prefetch`]), granted
-    /// or refused. Not counted in [`decided_on_redis`](Self::decided_on_redis); their grants
+    /// or refused (counted from when the check that starts one returns). Not counted in [`decided_on_redis`](Self::decided_on_redis); their grants
     /// are counted in [`grants`](Self::grants).
     pub prefetched: u64,
 }
@@ -679,13 +687,13 @@ impl Leases {
     }
 
     /// Whether a check at `now` starts the key's prefetch (and marks it as fetching): when
-    /// prefetching, none is in flight, the key is leased more than a unit at a time, half of
+    /// prefetching, none is in flight, the key's blocks have grown (to [`PREFETCH_FROM`]), half of
     /// the block this instance asks for is spent, and a useful block is at most a round trip
     /// away.
     fn wants_prefetch(&self, held: &mut Held, now: u64) -> bool {
         let due = self.prefetching
             && !held.fetching
-            && held.next >= 2
+            && held.next >= PREFETCH_FROM.min(self.config.max_block).max(2)
             && held.decision.is_some()
             && held.left.saturating_mul(2) <= held.next
             && (held.left == 0 || held.live(now))
@@ -704,6 +712,8 @@ impl Leases {
             slot.held.lock().unwrap_or_else(PoisonError::into_inner).fetching = false;
             return;
         };
+        // Counted when started, so that the check that starts it sees it in the stats.
+        self.counters.prefetched.fetch_add(1, Ordering::Relaxed);
         handle.spawn(Arc::clone(self).prefetch(Arc::clone(slot)));
     }
 
@@ -722,11 +732,14 @@ impl Leases {
         let _fetching = Fetching(&slot);
         let _refill = slot.refill.lock().await;
         let clock_now = || back.inner.settings.clock.as_ref().map(crate::clock::AnyClock::now);
-        let Some((ahead, key)) = self.ahead(&slot, clock_now()) else { return };
+        let Some((ahead, key)) = self.ahead(&slot, clock_now()) else {
+            // No longer due: no call made.
+            self.counters.prefetched.fetch_sub(1, Ordering::Relaxed);
+            return;
+        };
         let record = back.prepared.lease(1, ahead.block, ahead.useful, None);
         let keys = back.prepared.keys(state_key(&back.key_parts, &back.key_names, &key));
         let (sent, before) = (back.inner.settings.clock.is_none().then(Instant::now), clock_now());
-        self.counters.prefetched.fetch_add(1, Ordering::Relaxed);
         let answered =
             back.inner.submit(&back.prepared, keys, record, back.prepared.lease_reply_len()).await;
         self.observe(sent, before, clock_now());
@@ -1458,7 +1471,7 @@ mod tests {
     }
 
     #[test]
-    fn no_prefetch_for_keys_leased_a_unit_at_a_time_windows_or_without_asking() {
+    fn no_prefetch_for_keys_whose_blocks_are_small_windows_or_without_asking() {
         let gcra = Policy::single("p", Quota::per_second(400_000).with_burst(4_000)).unwrap();
         let window = Policy::builder("w")
             .algorithm(Algorithm::FixedWindow)
@@ -1468,7 +1481,9 @@ mod tests {
         let on = Lease::new().max_block(512).prefetch(true);
         for (p, lease, next, due) in [
             (&gcra, on, 1, false),
-            (&gcra, on, 2, true),
+            (&gcra, on, 8, false),
+            (&gcra, on, 16, true),
+            (&gcra, Lease::new().max_block(2).prefetch(true), 2, true),
             (&gcra, on.prefetch(false), 512, false),
             (&window, on, 512, false),
         ] {
