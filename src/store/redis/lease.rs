@@ -1,13 +1,15 @@
 //! Leases: blocks of a key's budget taken from Redis in one script call and spent by this
 //! process, so that a hot key costs Redis one call per block instead of one per check.
 //!
-//! Per key, this process holds at most one block at a time. A block is charged in Redis when
+//! Per key, this process holds at most one block at a time (with prefetching, a block the next
+//! one joins, at most `max_block` units in all). A block is charged in Redis when
 //! it is granted (to every tier, at the grant's instant, as a check of its size would be);
 //! checks then take units from it here until it is spent or its lifetime ends. Whatever is
 //! left when it ends is given back to Redis: by the call that takes the next block (the same
 //! script call settles the old block first), by a sweeper that runs every lifetime, or when
 //! the binding is dropped. Taking the next block waits for that give-back, so a key never has
-//! two blocks of this process outstanding.
+//! two blocks of this process outstanding; a prefetch gives nothing back (its units join the
+//! block held) and asks only for what keeps the units held within `max_block`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -43,7 +45,9 @@ const CAPACITY: usize = 4096;
 /// process, with no call, until it is spent or its [lifetime](Self::lifetime) ends. What is
 /// left of it is then given back to Redis (settled like a refund): by the call that takes the
 /// key's next block, which settles the old one first, by a sweeper that runs every lifetime,
-/// or when the binding is dropped. An instance holds at most one block per key.
+/// or when the binding is dropped. An instance holds at most one block per key, and at most
+/// [`max_block`](Self::max_block) units of it, also when it asks for the next block ahead of
+/// need ([`prefetch`](Self::prefetch)).
 ///
 /// **Block size.** A key's first block is one unit (a key seen once costs what it costs in
 /// exact mode and leaves nothing behind). A block spent within its lifetime doubles the next
@@ -101,8 +105,9 @@ const CAPACITY: usize = 4096;
 /// Why `N·B` for the rate algorithms: a unit is admitted at most one lifetime after Redis
 /// charged it, so the units admitted in an interval are those Redis charged in it (at most
 /// what exact mode admits in it, since given-back units are charged again before they are
-/// admitted again) plus those held at its start, and each instance holds at most one block of
-/// at most `B` units (a useful block is at most `B` too, and waiting for one only refuses).
+/// admitted again) plus those held at its start, and each instance holds at most `B` units of
+/// a key (a useful block is at most `B` too, waiting for one only refuses, and a prefetch asks
+/// only for what tops the units held up to `B`).
 /// Windows lose nothing to this: a block is spent only in the window it
 /// was charged to (its lifetime ends when the first of its windows ends, fixed or calendar).
 /// A policy mixing rate and calendar tiers keeps each tier's own bound.
@@ -175,8 +180,9 @@ impl Lease {
     /// least 1, checked by [`build`](super::RedisStoreBuilder::build)). It bounds what an
     /// instance can strand and, for the rate algorithms, the extra admissions per instance.
     /// An instance spends at most about one block per round trip to Redis on a key (its
-    /// checks wait while the next block is taken), so size it to what the key admits per
-    /// instance in a round trip or two: 512 for a key admitting 400,000 a second.
+    /// checks wait while the next block is taken, unless it was asked for ahead of need, see
+    /// [`prefetch`](Self::prefetch)), so size it to what the key admits per instance in a
+    /// round trip or two: 512 for a key admitting 400,000 a second.
     #[must_use]
     pub const fn max_block(mut self, units: u64) -> Self {
         self.max_block = units;
