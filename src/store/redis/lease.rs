@@ -207,15 +207,20 @@ impl Lease {
     /// smaller), that is once its blocks doubled four times, each spent within its lifetime:
     /// a key checked now and then costs no call ahead of need. One call is in flight per key
     /// and instance at most, made in the background (on the Tokio runtime of the check that
-    /// starts it), when half of the block this instance asks for is spent, or, while the instance waits for a useful block, one round trip (as
-    /// measured on this instance's lease calls) before the wait ends. It asks for what tops
-    /// the units the instance holds up to at most [`max_block`](Self::max_block) (twice the
-    /// block it asks for now, while that is smaller): the units an instance holds never
-    /// exceed the largest block, so [`bound`](Self::bound) is the same with prefetching and
-    /// without. The units still held when the next block arrives are spent first and keep
-    /// their own lifetime; those its lifetime ends are given back with the rest of the
-    /// block they joined (until then, at most one lifetime, they are neither in Redis nor
-    /// spent: fewer admissions, never more).
+    /// starts it), when half of the block this instance asks for is spent, or, while the
+    /// instance waits for a useful block, half a round trip (as measured on this instance's
+    /// lease calls) before the wait ends, so that Redis decides it about when the useful
+    /// block is there. It asks for what tops the units the instance holds up to at most
+    /// [`max_block`](Self::max_block) (twice the block it asks for now, while that is
+    /// smaller): the units an instance holds never exceed the largest block, so
+    /// [`bound`](Self::bound) is the same with prefetching and without. The units still held
+    /// when the next block arrives are spent first and keep their own lifetime; those whose
+    /// lifetime ends are given back with the rest of the block they joined (until then, at
+    /// most one lifetime, they are neither in Redis nor spent: fewer admissions, never more).
+    ///
+    /// What it does not change: one instance still takes at most `max_block` units per round
+    /// trip, so a key admitting more than that per instance and round trip needs a larger
+    /// block (and with it a larger bound) or more instances.
     #[must_use]
     pub const fn prefetch(mut self, prefetch: bool) -> Self {
         self.prefetch = prefetch;
@@ -550,7 +555,7 @@ pub(crate) struct Leases {
     /// a policy of GCRA or bucket tiers alone.
     prefetching: bool,
     /// The round trip of this binding's lease calls, on the clock the scripts decide with
-    /// (nanoseconds; a moving average): how long before a wait ends a prefetch starts.
+    /// (nanoseconds; a moving average): a prefetch starts half of it before a wait ends.
     round_trip: AtomicU64,
     /// Whether the sweeper runs.
     sweeping: AtomicBool,
@@ -695,7 +700,8 @@ impl Leases {
     /// Whether a check at `now` starts the key's prefetch (and marks it as fetching): when
     /// prefetching, none is in flight, the key's blocks have grown (to [`PREFETCH_FROM`]), half of
     /// the block this instance asks for is spent, and a useful block is at most a round trip
-    /// away.
+    /// away (half a round trip: the call reaches Redis about then, so it finds the useful
+    /// block there, and this instance's checks wait for the rest of the round trip at most).
     fn wants_prefetch(&self, held: &mut Held, now: u64) -> bool {
         let due = self.prefetching
             && !held.fetching
@@ -703,7 +709,7 @@ impl Leases {
             && held.decision.is_some()
             && held.left.saturating_mul(2) <= held.next
             && (held.left == 0 || held.live(now))
-            && now >= held.hold.saturating_sub(self.round_trip.load(Ordering::Relaxed));
+            && now >= held.hold.saturating_sub(self.round_trip.load(Ordering::Relaxed) / 2);
         if due {
             held.fetching = true;
         }
@@ -1439,7 +1445,7 @@ mod tests {
     }
 
     #[test]
-    fn while_waiting_a_prefetch_starts_a_round_trip_before_a_useful_block_is_back() {
+    fn while_waiting_a_prefetch_starts_half_a_round_trip_before_a_useful_block_is_back() {
         let p = Policy::single("p", Quota::per_second(400_000).with_burst(4_000)).unwrap();
         let lease = Lease::new().max_block(512).lifetime(Duration::from_millis(100));
         let l = Arc::new(Leases::new(&p, lease.prefetch(true)));
@@ -1451,9 +1457,10 @@ mod tests {
         for _ in 0..399 {
             assert!(!l.take(&slot, 1, Some(S + 100_000)).unwrap().prefetch);
         }
-        // Lease calls take 300 µs: the prefetch starts 300 µs before the wait ends.
-        l.observe(None, Some(S), Some(S + 300_000));
-        assert_eq!(l.round_trip.load(Ordering::Relaxed), 300_000);
+        // Lease calls take 600 µs: the prefetch starts half of that, 300 µs, before the wait
+        // ends (Redis decides it about then).
+        l.observe(None, Some(S), Some(S + 600_000));
+        assert_eq!(l.round_trip.load(Ordering::Relaxed), 600_000);
         let t = l.take(&slot, 1, Some(S + 699_999)).unwrap();
         assert_eq!((t.decision.outcome, t.prefetch), (Outcome::Limited, false));
         let t = l.take(&slot, 1, Some(S + 700_000)).unwrap();
@@ -1469,11 +1476,11 @@ mod tests {
         slot.held.lock().unwrap().fetching = false;
         let t = l.take(&slot, 1, Some(S + MS)).unwrap();
         assert_eq!((t.decision.outcome, t.decision.retry_after), (Outcome::Limited, 4_850_000));
-        // A round trip before that, the next prefetch.
+        // Half a round trip before that, the next prefetch.
         assert!(l.take(&slot, 1, Some(S + 5_550_000)).unwrap().prefetch);
         // Moving average of the round trips.
-        l.observe(None, Some(S), Some(S + 700_000));
-        assert_eq!(l.round_trip.load(Ordering::Relaxed), 400_000);
+        l.observe(None, Some(S), Some(S + 1_000_000));
+        assert_eq!(l.round_trip.load(Ordering::Relaxed), 700_000);
     }
 
     #[test]
