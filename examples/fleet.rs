@@ -5,7 +5,9 @@
 //! Run: `cargo run --release --example fleet --features redis -- [seconds per line]`
 //! (default 3; or `FLEET_SECS`; `FLEET_N=1,2,4,8` picks the fleet sizes,
 //! `FLEET_TIERS=window,gcra,gcra-hot,attack` the tiers; `FLEET_DEBUG=1` prints each instance's lease
-//! counts and the server's `INFO commandstats` per line). It exits with an error when a line admitted more
+//! counts and the server's `INFO commandstats` per line; `FLEET_PREFETCH=0` leases without
+//! [`Lease::prefetch`](tollgate::store::Lease::prefetch), to compare; `FLEET_BLOCK` sets the
+//! largest block, 512 by default, and with it the bound). It exits with an error when a line admitted more
 //! than its bound. It starts its own `redis-server` (which must be on `PATH`) on a free
 //! 127.0.0.1 port with `--save ""` and kills it at the end.
 //!
@@ -51,7 +53,13 @@ const GCRA_RATE: u64 = 400_000;
 const GCRA_BURST: u64 = 4_000;
 /// The attack tier: 100 a second.
 const ATTACK_LIMIT: u64 = 100;
-const LEASE: Lease = Lease::new().max_block(512).lifetime(Duration::from_millis(100));
+/// Blocks of at most 512 units (or `FLEET_BLOCK`), spent within 100 ms, the next asked for
+/// ahead of need (`FLEET_PREFETCH=0` turns that off, to compare).
+fn lease() -> Lease {
+    let prefetch = std::env::var("FLEET_PREFETCH").map_or(true, |v| v != "0");
+    let block = std::env::var("FLEET_BLOCK").ok().and_then(|b| b.parse().ok()).unwrap_or(512);
+    Lease::new().max_block(block).lifetime(Duration::from_millis(100)).prefetch(prefetch)
+}
 
 /// `used_cpu_user + used_cpu_sys` of the server, in seconds.
 fn server_cpu(conn: &mut redis::Connection) -> f64 {
@@ -139,7 +147,7 @@ async fn line(
             .timeout(Duration::from_secs(1))
             .no_fallback();
         if lease {
-            builder = builder.lease_policy("fleet", LEASE);
+            builder = builder.lease_policy("fleet", self::lease());
         }
         let store = builder.build().expect("a valid store");
         store.connect().await.expect("redis answers");
@@ -232,7 +240,7 @@ async fn line(
         Tier::Gcra | Tier::GcraHot => {
             let allowed = GCRA_BURST + (GCRA_RATE as f64 * elapsed) as u64;
             let over = total.admitted.saturating_sub(allowed);
-            let bound = if lease { LEASE.bound(n as u64) } else { 0 };
+            let bound = if lease { self::lease().bound(n as u64) } else { 0 };
             (total.admitted, allowed, total.admitted as f64 / allowed as f64, over, bound)
         }
         Tier::Window | Tier::Attack => {

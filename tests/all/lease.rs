@@ -162,12 +162,22 @@ async fn four_leasing_instances_admit_at_most_the_limit_in_every_fixed_window() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_leasing_instances_keep_gcra_within_the_stated_bound() {
+    four_gcra_instances_within_the_bound(false).await;
+}
+
+/// The same with the next block asked for ahead of need: the bound is the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_prefetching_instances_keep_gcra_within_the_same_bound() {
+    four_gcra_instances_within_the_bound(true).await;
+}
+
+async fn four_gcra_instances_within_the_bound(prefetch: bool) {
     let Some(server) = Server::start("redis-server") else { return };
     let clock = FakeClock::new();
     clock.set(1_000 * S);
     // T = 2 ms, burst 50.
     let policy = Policy::single("hot", Quota::per_second(500).with_burst(50)).unwrap();
-    let lease = Lease::new().max_block(8).lifetime(Duration::from_millis(30));
+    let lease = Lease::new().max_block(8).lifetime(Duration::from_millis(30)).prefetch(prefetch);
     let (nodes, _exact) = fleet(&server.url(), &clock, &policy, lease);
     let key = Key::text("hot");
     let admitted = hammer(&nodes, &clock, &key, 3_000, demands).await;
@@ -190,12 +200,66 @@ async fn four_leasing_instances_keep_gcra_within_the_stated_bound() {
     }
     let run = burst + 2_999 * MS / t;
     assert!(admitted.len() as u64 <= run + bound, "{} admitted", admitted.len());
-    let local: u64 = nodes.iter().map(|n| n.1.lease_stats().decided_locally).sum();
-    assert!(local > 0);
+    let stats: Vec<_> = nodes.iter().map(|n| n.1.lease_stats()).collect();
+    assert!(stats.iter().map(|s| s.decided_locally).sum::<u64>() > 0);
+    let prefetched: u64 = stats.iter().map(|s| s.prefetched).sum();
+    assert_eq!(prefetched > 0, prefetch, "{stats:?}");
     eprintln!(
-        "gcra: {} admitted, worst extra over any interval {worst_extra} (bound {bound})",
+        "gcra (prefetch {prefetch}): {} admitted, worst extra over any interval {worst_extra} \
+         (bound {bound}), {prefetched} prefetches",
         admitted.len()
     );
+}
+
+/// Waits (in real time, 5 s at most) until `node` has been granted `grants` blocks: a
+/// prefetch runs in the background.
+async fn granted(node: &(RedisStore, RedisPolicy), grants: u64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while node.1.lease_stats().grants < grants {
+        assert!(std::time::Instant::now() < deadline, "{:?}", node.1.lease_stats());
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// With prefetching, an instance asks for a key's next block when half of the block it asks
+/// for is spent (once its blocks have grown to 16 units), topping what it holds up to
+/// twice that block and at most the largest (64): its checks never call Redis themselves,
+/// and it never holds more than 64 units.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefetching_instance_asks_for_the_next_block_when_half_is_spent() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let policy = Policy::single("hot", Quota::per_second(100_000).with_burst(1_000)).unwrap();
+    let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100)).prefetch(true);
+    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+    let (node, key) = (&nodes[0], Key::text("hot"));
+    let mut started = Vec::new();
+    for check_no in 1..=200u64 {
+        let before = node.1.lease_stats();
+        assert!(check(node, &key, 1).await.is_allowed(), "check {check_no}");
+        let after = node.1.lease_stats();
+        if after.prefetched > before.prefetched {
+            started.push(check_no);
+            granted(node, before.grants + 1).await;
+        } else {
+            assert_eq!(
+                after.grants,
+                before.grants + u64::from(check_no <= 16 && check_no.is_power_of_two())
+            );
+        }
+        let stats = node.1.lease_stats();
+        // What this instance holds: granted, not admitted (the clock stands still).
+        assert!(stats.units_granted - check_no <= 64, "check {check_no}: {stats:?}");
+        assert_eq!(left(&exact, &key).await, 1_000 - stats.units_granted);
+    }
+    // Blocks of 1, 2, 4, 8, then 16 (checks 16 to 31) called for by the checks; from then on
+    // prefetches: when 8 of 16 are left (24 asked: 32 held), 16 of 32 (48: 64 held), then
+    // 32 of 64 (32: 64 held), every 32 checks.
+    assert_eq!(started, [23, 39, 71, 103, 135, 167, 199]);
+    let stats = node.1.lease_stats();
+    assert_eq!((stats.decided_on_redis, stats.prefetched, stats.grants), (5, 7, 12));
+    assert_eq!(stats.units_granted, 31 + 24 + 48 + 5 * 32);
 }
 
 /// One instance at a key's rate (100,000 a second, T = 10 µs, a burst of 1,000; a useful

@@ -1,13 +1,15 @@
 //! Leases: blocks of a key's budget taken from Redis in one script call and spent by this
 //! process, so that a hot key costs Redis one call per block instead of one per check.
 //!
-//! Per key, this process holds at most one block at a time. A block is charged in Redis when
+//! Per key, this process holds at most one block at a time (with prefetching, a block the next
+//! one joins, at most `max_block` units in all). A block is charged in Redis when
 //! it is granted (to every tier, at the grant's instant, as a check of its size would be);
 //! checks then take units from it here until it is spent or its lifetime ends. Whatever is
 //! left when it ends is given back to Redis: by the call that takes the next block (the same
 //! script call settles the old block first), by a sweeper that runs every lifetime, or when
 //! the binding is dropped. Taking the next block waits for that give-back, so a key never has
-//! two blocks of this process outstanding.
+//! two blocks of this process outstanding; a prefetch gives nothing back (its units join the
+//! block held) and asks only for what keeps the units held within `max_block`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -43,7 +45,9 @@ const CAPACITY: usize = 4096;
 /// process, with no call, until it is spent or its [lifetime](Self::lifetime) ends. What is
 /// left of it is then given back to Redis (settled like a refund): by the call that takes the
 /// key's next block, which settles the old one first, by a sweeper that runs every lifetime,
-/// or when the binding is dropped. An instance holds at most one block per key.
+/// or when the binding is dropped. An instance holds at most one block per key, and at most
+/// [`max_block`](Self::max_block) units of it, also when it asks for the next block ahead of
+/// need ([`prefetch`](Self::prefetch)).
 ///
 /// **Block size.** A key's first block is one unit (a key seen once costs what it costs in
 /// exact mode and leaves nothing behind). A block spent within its lifetime doubles the next
@@ -101,8 +105,9 @@ const CAPACITY: usize = 4096;
 /// Why `N·B` for the rate algorithms: a unit is admitted at most one lifetime after Redis
 /// charged it, so the units admitted in an interval are those Redis charged in it (at most
 /// what exact mode admits in it, since given-back units are charged again before they are
-/// admitted again) plus those held at its start, and each instance holds at most one block of
-/// at most `B` units (a useful block is at most `B` too, and waiting for one only refuses).
+/// admitted again) plus those held at its start, and each instance holds at most `B` units of
+/// a key (a useful block is at most `B` too, waiting for one only refuses, and a prefetch asks
+/// only for what tops the units held up to `B`).
 /// Windows lose nothing to this: a block is spent only in the window it
 /// was charged to (its lifetime ends when the first of its windows ends, fixed or calendar).
 /// A policy mixing rate and calendar tiers keeps each tier's own bound.
@@ -155,6 +160,7 @@ const CAPACITY: usize = 4096;
 pub struct Lease {
     max_block: u64,
     lifetime: Duration,
+    prefetch: bool,
 }
 
 impl Default for Lease {
@@ -167,15 +173,16 @@ impl Lease {
     /// Blocks of at most 64 units, each spent within 100 ms of its grant.
     #[must_use]
     pub const fn new() -> Self {
-        Self { max_block: 64, lifetime: Duration::from_millis(100) }
+        Self { max_block: 64, lifetime: Duration::from_millis(100), prefetch: false }
     }
 
     /// The largest block an instance takes for a key, in the policy's units (default 64; at
     /// least 1, checked by [`build`](super::RedisStoreBuilder::build)). It bounds what an
     /// instance can strand and, for the rate algorithms, the extra admissions per instance.
     /// An instance spends at most about one block per round trip to Redis on a key (its
-    /// checks wait while the next block is taken), so size it to what the key admits per
-    /// instance in a round trip or two: 512 for a key admitting 400,000 a second.
+    /// checks wait while the next block is taken, unless it was asked for ahead of need, see
+    /// [`prefetch`](Self::prefetch)), so size it to what the key admits per instance in a
+    /// round trip or two: 512 for a key admitting 400,000 a second.
     #[must_use]
     pub const fn max_block(mut self, units: u64) -> Self {
         self.max_block = units;
@@ -189,6 +196,41 @@ impl Lease {
     pub const fn lifetime(mut self, lifetime: Duration) -> Self {
         self.lifetime = lifetime;
         self
+    }
+
+    /// Whether an instance asks for a key's next block before the one it holds runs out
+    /// (default `false`), so that its checks do not wait on the round trip that takes it.
+    /// GCRA and the buckets only, for policies of rate tiers alone (windows and policies with
+    /// calendar tiers take their next block when the last is spent, as without it).
+    ///
+    /// A key is leased ahead once its blocks have grown to 16 units (or to `max_block`, when
+    /// smaller), that is once its blocks doubled four times, each spent within its lifetime:
+    /// a key checked now and then costs no call ahead of need. One call is in flight per key
+    /// and instance at most, made in the background (on the Tokio runtime of the check that
+    /// starts it), when half of the block this instance asks for is spent, or, while the
+    /// instance waits for a useful block, half a round trip (as measured on this instance's
+    /// lease calls) before the wait ends, so that Redis decides it about when the useful
+    /// block is there. It asks for what tops the units the instance holds up to at most
+    /// [`max_block`](Self::max_block) (twice the block it asks for now, while that is
+    /// smaller): the units an instance holds never exceed the largest block, so
+    /// [`bound`](Self::bound) is the same with prefetching and without. The units still held
+    /// when the next block arrives are spent first and keep their own lifetime; those whose
+    /// lifetime ends are given back with the rest of the block they joined (until then, at
+    /// most one lifetime, they are neither in Redis nor spent: fewer admissions, never more).
+    ///
+    /// What it does not change: one instance still takes at most `max_block` units per round
+    /// trip, so a key admitting more than that per instance and round trip needs a larger
+    /// block (and with it a larger bound) or more instances.
+    #[must_use]
+    pub const fn prefetch(mut self, prefetch: bool) -> Self {
+        self.prefetch = prefetch;
+        self
+    }
+
+    /// Whether the next block is asked for ahead of need (see [`prefetch`](Self::prefetch)).
+    #[must_use]
+    pub const fn prefetches(&self) -> bool {
+        self.prefetch
     }
 
     /// The largest block, in units.
@@ -215,6 +257,12 @@ impl Lease {
         Ok(())
     }
 }
+
+/// The block size from which an instance asks for a key's next block ahead of need (or the
+/// largest block, when smaller; see [`Lease::prefetch`]): the key's blocks doubled four times,
+/// each spent within its lifetime. A key checked now and then never gets there, so it costs
+/// no call ahead of need and strands no block it will not spend.
+const PREFETCH_FROM: u64 = 16;
 
 /// How long a useful block takes to build up at a key's rate (see [`useful_block`]).
 const USEFUL_SPAN: Duration = Duration::from_millis(1);
@@ -313,6 +361,10 @@ pub struct LeaseStats {
     /// GCRA or bucket key to build up again (see [`Lease`], "Block size"). Not counted in
     /// [`decided_locally`](Self::decided_locally).
     pub refused_locally: u64,
+    /// Calls that asked for a key's next block ahead of need ([`Lease::prefetch`]), granted
+    /// or refused (counted from when the check that starts one returns). Not counted in [`decided_on_redis`](Self::decided_on_redis); their grants
+    /// are counted in [`grants`](Self::grants).
+    pub prefetched: u64,
 }
 
 #[derive(Default)]
@@ -323,6 +375,7 @@ struct Counters {
     local: AtomicU64,
     remote: AtomicU64,
     held: AtomicU64,
+    prefetched: AtomicU64,
 }
 
 /// One key's block, and the lock that makes one check at a time take the next one.
@@ -357,6 +410,16 @@ struct Held {
     room: Option<u64>,
     /// The key, for the sweeper.
     key: Option<Key>,
+    /// Whether a call asking for the next block ahead of need is in flight (or about to be).
+    fetching: bool,
+    /// Units of `left` from an earlier grant, which a prefetched block joined: spent first,
+    /// and no longer after `older_until`.
+    older: u64,
+    /// The end of the lifetime of the `older` units (same clock as `decided`).
+    older_until: u64,
+    /// Units of the block whose lifetime ended unspent (the `older` units, past
+    /// `older_until`): no longer spendable, given back with the block's rest.
+    expired: u64,
 }
 
 impl Held {
@@ -373,6 +436,39 @@ impl Held {
     fn live(&self, now: u64) -> bool {
         now < self.until && now >= self.decided
     }
+
+    /// Units of the block spent (or given to checks), not to be given back.
+    fn spent(&self) -> u64 {
+        self.granted - self.left - self.expired
+    }
+
+    /// The `older` units whose lifetime ended at `now` are no longer spendable.
+    fn expire_older(&mut self, now: u64) {
+        if self.older > 0 && now >= self.older_until {
+            let gone = self.older.min(self.left);
+            self.left -= gone;
+            self.expired += gone;
+            self.older = 0;
+        }
+    }
+}
+
+/// What a check that took units from a block, or was refused while its instance waits, got.
+pub(crate) struct Taken {
+    /// The check's decision.
+    pub(crate) decision: Decision,
+    /// The instant Redis granted the units (when they were charged); `None` for a refusal.
+    pub(crate) granted: Option<u64>,
+    /// Whether this check starts the key's prefetch (see [`Lease::prefetch`]).
+    pub(crate) prefetch: bool,
+}
+
+/// What a prefetch asks for.
+pub(crate) struct Ahead {
+    /// The largest block to take: what tops the units held up to the block asked for.
+    pub(crate) block: u64,
+    /// The useful block, as for [`Begin::useful`].
+    pub(crate) useful: u64,
 }
 
 /// What a check that takes a new block asks for.
@@ -404,6 +500,40 @@ pub(crate) struct Grant {
     pub(crate) sent: Option<Instant>,
 }
 
+/// A lease call's reply, decoded.
+pub(crate) struct Reply {
+    /// The decision of a check of the units granted (or refused).
+    pub(crate) decision: Decision,
+    /// What Redis charged for them; `None` for a refusal.
+    pub(crate) charges: Option<Charges>,
+    /// Units granted.
+    pub(crate) take: u64,
+    /// When a useful block will be there again (nanoseconds, same clock as `at`; 0 for now).
+    pub(crate) hold: u64,
+    /// The instant Redis decided.
+    pub(crate) at: u64,
+}
+
+/// Decodes the reply of a lease call Redis decided at `at`.
+pub(crate) fn decode(
+    prepared: &super::Prepared,
+    policy: &Policy,
+    reply: &[i64],
+    at: u64,
+) -> Result<Reply, crate::StoreError> {
+    use crate::StoreError;
+    let [reply @ .., take, hold] = reply else {
+        return Err(StoreError::backend("short lease reply"));
+    };
+    let take = u64::try_from(*take).map_err(|_| StoreError::backend("negative lease"))?;
+    let hold = u64::try_from(*hold).map_err(|_| StoreError::backend("negative hold"))?;
+    // From the unit the decision's instant falls in, as the script counts.
+    let unit = prepared.unit();
+    let hold = if hold == 0 { 0 } else { (at / unit).saturating_add(hold).saturating_mul(unit) };
+    let (decision, charges) = super::script::decode(policy, take, at, reply)?;
+    Ok(Reply { decision, charges, take, hold, at })
+}
+
 /// Leased keys by key.
 type Shard = Mutex<HashMap<Key, Arc<Slot>>>;
 
@@ -421,6 +551,12 @@ pub(crate) struct Leases {
     hasher: ahash::RandomState,
     counters: Counters,
     metrics: crate::metrics::LeaseMetrics,
+    /// Whether blocks are asked for ahead of need (see [`Lease::prefetch`]): asked for, and
+    /// a policy of GCRA or bucket tiers alone.
+    prefetching: bool,
+    /// The round trip of this binding's lease calls, on the clock the scripts decide with
+    /// (nanoseconds; a moving average): a prefetch starts half of it before a wait ends.
+    round_trip: AtomicU64,
     /// Whether the sweeper runs.
     sweeping: AtomicBool,
     /// How blocks are given back (by the sweeper, and when the binding is dropped).
@@ -446,6 +582,10 @@ impl Leases {
             hasher: ahash::RandomState::new(),
             counters: Counters::default(),
             metrics: crate::metrics::LeaseMetrics::new(policy.name()),
+            prefetching: config.prefetch
+                && policy.is_plain()
+                && policy.algorithm() != Algorithm::FixedWindow,
+            round_trip: AtomicU64::new(0),
             sweeping: AtomicBool::new(false),
             back: None,
         }
@@ -487,9 +627,10 @@ impl Leases {
     /// Takes `cost` units of `key`'s block, if this process holds one that is live and has
     /// them: the check's decision, made here, and the instant Redis granted the block (when
     /// the units were charged). Or, when the block cannot serve the check and this process
-    /// waits for a useful block, the refusal, with no instant.
+    /// waits for a useful block, the refusal, with no instant. Starts the key's prefetch
+    /// when it is due (see [`Lease::prefetch`]).
     pub(crate) fn spend_key(
-        &self,
+        self: &Arc<Self>,
         key: &Key,
         cost: u64,
         clock_now: Option<u64>,
@@ -503,27 +644,41 @@ impl Leases {
 
     /// [`spend_key`](Self::spend_key) on a slot at hand.
     pub(crate) fn spend(
-        &self,
-        slot: &Slot,
+        self: &Arc<Self>,
+        slot: &Arc<Slot>,
         cost: u64,
         clock_now: Option<u64>,
     ) -> Option<(Decision, Option<u64>)> {
+        let taken = self.take(slot, cost, clock_now)?;
+        if taken.prefetch {
+            self.start_prefetch(slot);
+        }
+        Some((taken.decision, taken.granted))
+    }
+
+    /// [`spend`](Self::spend) without starting the prefetch it may call for (`prefetch`
+    /// says whether it does; the slot is then marked as fetching).
+    pub(crate) fn take(&self, slot: &Slot, cost: u64, clock_now: Option<u64>) -> Option<Taken> {
         let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
         if cost == 0 {
             return None;
         }
         let now = held.now(clock_now);
+        held.expire_older(now);
         if held.left < cost {
             let refused = self.held_refusal(&held, now)?;
+            let prefetch = self.wants_prefetch(&mut held, now);
             drop(held);
             self.counters.held.fetch_add(1, Ordering::Relaxed);
             self.metrics.held();
-            return Some((refused, None));
+            return Some(Taken { decision: refused, granted: None, prefetch });
         }
         if !held.live(now) {
             return None;
         }
         held.left -= cost;
+        held.older = held.older.saturating_sub(cost);
+        let prefetch = self.wants_prefetch(&mut held, now);
         let mut d = held.decision.clone()?;
         let (decided, left) = (held.decided, held.left);
         let elapsed = now - decided;
@@ -539,7 +694,163 @@ impl Leases {
         }
         self.counters.local.fetch_add(1, Ordering::Relaxed);
         self.metrics.local();
-        Some((d, Some(decided)))
+        Some(Taken { decision: d, granted: Some(decided), prefetch })
+    }
+
+    /// Whether a check at `now` starts the key's prefetch (and marks it as fetching): when
+    /// prefetching, none is in flight, the key's blocks have grown (to [`PREFETCH_FROM`]), half of
+    /// the block this instance asks for is spent, and a useful block is at most a round trip
+    /// away (half a round trip: the call reaches Redis about then, so it finds the useful
+    /// block there, and this instance's checks wait for the rest of the round trip at most).
+    fn wants_prefetch(&self, held: &mut Held, now: u64) -> bool {
+        let due = self.prefetching
+            && !held.fetching
+            && held.next >= PREFETCH_FROM.min(self.config.max_block).max(2)
+            && held.decision.is_some()
+            && held.left.saturating_mul(2) <= held.next
+            && (held.left == 0 || held.live(now))
+            && now >= held.hold.saturating_sub(self.round_trip.load(Ordering::Relaxed) / 2);
+        if due {
+            held.fetching = true;
+        }
+        due
+    }
+
+    /// Spawns the call that takes the key's next block ahead of need (the slot is marked as
+    /// fetching; without a runtime, or a way to call Redis, the mark is dropped).
+    fn start_prefetch(self: &Arc<Self>, slot: &Arc<Slot>) {
+        let handle = tokio::runtime::Handle::try_current().ok().filter(|_| self.back.is_some());
+        let Some(handle) = handle else {
+            slot.held.lock().unwrap_or_else(PoisonError::into_inner).fetching = false;
+            return;
+        };
+        // Counted when started, so that the check that starts it sees it in the stats.
+        self.counters.prefetched.fetch_add(1, Ordering::Relaxed);
+        handle.spawn(Arc::clone(self).prefetch(Arc::clone(slot)));
+    }
+
+    /// The prefetch: with the slot's refill lock held (so that it is the key's only call of
+    /// this instance in flight), takes what tops the units held up to the block asked for,
+    /// and adds it to the block.
+    async fn prefetch(self: Arc<Self>, slot: Arc<Slot>) {
+        /// Clears the slot's mark however the prefetch ends.
+        struct Fetching<'a>(&'a Slot);
+        impl Drop for Fetching<'_> {
+            fn drop(&mut self) {
+                self.0.held.lock().unwrap_or_else(PoisonError::into_inner).fetching = false;
+            }
+        }
+        let Some(back) = &self.back else { return };
+        let _fetching = Fetching(&slot);
+        let _refill = slot.refill.lock().await;
+        let clock_now = || back.inner.settings.clock.as_ref().map(crate::clock::AnyClock::now);
+        let Some((ahead, key)) = self.ahead(&slot, clock_now()) else {
+            // No longer due: no call made.
+            self.counters.prefetched.fetch_sub(1, Ordering::Relaxed);
+            return;
+        };
+        let record = back.prepared.lease(1, ahead.block, ahead.useful, None);
+        let keys = back.prepared.keys(state_key(&back.key_parts, &back.key_names, &key));
+        let (sent, before) = (back.inner.settings.clock.is_none().then(Instant::now), clock_now());
+        let answered =
+            back.inner.submit(&back.prepared, keys, record, back.prepared.lease_reply_len()).await;
+        self.observe(sent, before, clock_now());
+        match answered.and_then(|(reply, at)| decode(&back.prepared, &self.policy, &reply, at)) {
+            Ok(Reply { decision, charges: Some(charges), take, hold, at }) => {
+                let grant = Grant { take, charges, at, hold, useful: ahead.useful, sent };
+                self.prefetched(&slot, decision, grant);
+            }
+            Ok(Reply { decision, charges: None, hold, at, .. }) => {
+                self.prefetch_refused(&slot, &decision, at, hold, ahead.useful);
+            }
+            Err(error) => {
+                tracing::debug!(%error, "tollgate: a lease prefetch failed; the next block is taken when needed");
+            }
+        }
+    }
+
+    /// What a prefetch asks for, with the key: `None` when it is no longer due (a check took
+    /// a new block meanwhile, or the block cannot grow).
+    fn ahead(&self, slot: &Slot, clock_now: Option<u64>) -> Option<(Ahead, Key)> {
+        let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = held.now(clock_now);
+        held.expire_older(now);
+        if held.left.saturating_mul(2) > held.next || (held.left > 0 && !held.live(now)) {
+            return None;
+        }
+        let size = held.next.saturating_mul(2).min(self.config.max_block);
+        let block = size.checked_sub(held.left).filter(|b| *b > 0)?;
+        let useful = self.useful.min(block);
+        Some((Ahead { block, useful }, held.key.clone()?))
+    }
+
+    /// A prefetch was granted: its units join the block (those held are spent first, and
+    /// keep their lifetime), and the block asked for next doubles.
+    fn prefetched(&self, slot: &Slot, decision: Decision, grant: Grant) {
+        let Grant { take, charges, at, hold, useful, sent } = grant;
+        let hold = self.wait_until(at, hold, take, useful);
+        let until = at.saturating_add(self.lifetime_ns);
+        {
+            let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
+            let room = decision.tiers.iter().map(|t| t.remaining).min();
+            match &mut held.charges {
+                Some(old) => {
+                    // Refunds do not depend on the instant of the charge: one settlement
+                    // gives back what is left of both.
+                    for (o, c) in old.iter_mut().zip(&charges) {
+                        o.cost = o.cost.saturating_add(c.cost);
+                    }
+                    held.older_until = if held.older > 0 { held.older_until } else { held.until };
+                    held.older = held.left;
+                    held.granted += take;
+                    held.left += take;
+                }
+                None => {
+                    held.charges = Some(charges);
+                    held.granted = take;
+                    held.left = take;
+                    held.older = 0;
+                    held.expired = 0;
+                }
+            }
+            held.decided = at;
+            held.sent = sent;
+            held.until = until;
+            held.hold = hold;
+            held.decision = Some(decision);
+            held.room = room;
+            held.next = held.next.saturating_mul(2).min(self.config.max_block);
+        }
+        self.counters.grants.fetch_add(1, Ordering::Relaxed);
+        self.counters.units_granted.fetch_add(take, Ordering::Relaxed);
+        self.metrics.granted(take);
+    }
+
+    /// Redis refused a prefetch at `at` (the key has nothing left): the block held is spent
+    /// as it is, and then this instance waits as after a refused lease call.
+    fn prefetch_refused(&self, slot: &Slot, decision: &Decision, at: u64, hold: u64, useful: u64) {
+        if decision.outcome != Outcome::Limited {
+            return;
+        }
+        let mut until = self.wait_until(at, hold, 0, useful);
+        if decision.retry_after != NONE {
+            until = until.max(at.saturating_add(decision.retry_after));
+        }
+        let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
+        held.hold = held.hold.max(until);
+    }
+
+    /// A lease call of this binding went to Redis at `before` (or `sent`, without an injected
+    /// clock) and was answered at `after`: the round trip's moving average.
+    pub(crate) fn observe(&self, sent: Option<Instant>, before: Option<u64>, after: Option<u64>) {
+        let took = match (sent, before, after) {
+            (Some(sent), _, _) => duration_to_nanos(sent.elapsed()),
+            (None, Some(before), Some(after)) => after.saturating_sub(before),
+            _ => return,
+        };
+        let old = self.round_trip.load(Ordering::Relaxed);
+        let new = if old == 0 { took } else { (old.saturating_mul(3).saturating_add(took)) / 4 };
+        self.round_trip.store(new, Ordering::Relaxed);
     }
 
     /// The refusal of a check the block cannot serve while this instance waits for a useful
@@ -589,7 +900,7 @@ impl Leases {
             held.granted
         } else {
             // Ended with units left: what this process spent of it in a lifetime.
-            (held.granted - held.left).max(1)
+            held.spent().max(1)
         };
         held.next = next.min(self.config.max_block);
         let rest = self.take_rest(&mut held);
@@ -602,13 +913,15 @@ impl Leases {
 
     fn take_rest(&self, held: &mut Held) -> Option<Rest> {
         let charges = held.charges.take()?;
-        let rest = (held.left > 0).then(|| Rest {
+        let rest = (held.left + held.expired > 0).then(|| Rest {
             granted: held.granted,
-            spent: held.granted - held.left,
+            spent: held.spent(),
             charges,
         });
         held.left = 0;
         held.granted = 0;
+        held.older = 0;
+        held.expired = 0;
         held.decision = None;
         rest
     }
@@ -628,7 +941,7 @@ impl Leases {
         let until = at.saturating_add(self.lifetime_ns).min(self.window_end(at));
         {
             let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
-            let (next, key) = (held.next, held.key.take());
+            let (next, key, fetching) = (held.next, held.key.take(), held.fetching);
             let room = decision.tiers.iter().map(|t| t.remaining).min();
             *held = Held {
                 left,
@@ -643,6 +956,10 @@ impl Leases {
                 next,
                 room,
                 key,
+                fetching,
+                older: 0,
+                older_until: 0,
+                expired: 0,
             };
         }
         self.counters.grants.fetch_add(1, Ordering::Relaxed);
@@ -786,7 +1103,7 @@ impl Leases {
                     None
                 } else {
                     // The next block: what was spent of this one in its lifetime.
-                    held.next = (held.granted - held.left).clamp(1, self.config.max_block);
+                    held.next = held.spent().clamp(1, self.config.max_block);
                     self.take_rest(&mut held).map(|r| (held.key.clone(), r))
                 }
             };
@@ -817,6 +1134,7 @@ impl Leases {
             decided_locally: c.local.load(Ordering::Relaxed),
             decided_on_redis: c.remote.load(Ordering::Relaxed),
             refused_locally: c.held.load(Ordering::Relaxed),
+            prefetched: c.prefetched.load(Ordering::Relaxed),
         }
     }
 
@@ -888,6 +1206,11 @@ mod tests {
         Decision::new(Outcome::Allowed, 0, None, tiers)
     }
 
+    /// What Redis answers to a grant at `_at` leaving `remaining` (the reset is immaterial).
+    fn grant_at(remaining: u64, _at: u64) -> Decision {
+        grant(4_000, remaining, 10 * MS)
+    }
+
     fn charges(take: u64, at: u64) -> Charges {
         smallvec![Charge { at, cost: take, id: 0 }]
     }
@@ -900,7 +1223,10 @@ mod tests {
     #[test]
     fn blocks_double_while_spent_and_shrink_to_what_a_lifetime_spent() {
         let p = Policy::single("p", Quota::per_second(100)).unwrap();
-        let l = Leases::new(&p, Lease::new().max_block(16).lifetime(Duration::from_millis(10)));
+        let l = Arc::new(Leases::new(
+            &p,
+            Lease::new().max_block(16).lifetime(Duration::from_millis(10)),
+        ));
         let key = Key::text("k");
         let slot = l.slot(&key).unwrap();
         let mut sizes = Vec::new();
@@ -971,7 +1297,10 @@ mod tests {
     #[test]
     fn a_key_checked_again_only_after_the_lifetime_keeps_its_block_size() {
         let p = Policy::single("p", Quota::per_second(100)).unwrap();
-        let l = Leases::new(&p, Lease::new().max_block(16).lifetime(Duration::from_millis(10)));
+        let l = Arc::new(Leases::new(
+            &p,
+            Lease::new().max_block(16).lifetime(Duration::from_millis(10)),
+        ));
         let slot = l.slot(&Key::text("cold")).unwrap();
         for at in [S, 2 * S, 3 * S] {
             let b = l.begin(&slot, 1, Some(at));
@@ -985,7 +1314,10 @@ mod tests {
     #[test]
     fn a_spent_block_refuses_until_a_useful_block_is_back_with_that_retry() {
         let p = Policy::single("p", Quota::per_second(400_000).with_burst(4_000)).unwrap();
-        let l = Leases::new(&p, Lease::new().max_block(512).lifetime(Duration::from_millis(100)));
+        let l = Arc::new(Leases::new(
+            &p,
+            Lease::new().max_block(512).lifetime(Duration::from_millis(100)),
+        ));
         let slot = l.slot(&Key::text("k")).unwrap();
         let b = l.begin(&slot, 1, Some(S));
         assert_eq!((b.block, b.useful), (1, 1));
@@ -1025,7 +1357,7 @@ mod tests {
     fn an_instance_that_got_a_share_waits_in_proportion_up_to_half_the_bursts_refill() {
         // 400,000 a second, a burst of 4,000: half the burst refills in 5 ms.
         let p = Policy::single("p", Quota::per_second(400_000).with_burst(4_000)).unwrap();
-        let l = Leases::new(&p, Lease::new().max_block(512));
+        let l = Arc::new(Leases::new(&p, Lease::new().max_block(512)));
         assert_eq!(l.longest_wait, 5 * MS);
         // 200 of a useful 400, a useful block back in 1 ms: 2 ms.
         assert_eq!(l.wait_until(S, S + MS, 200, 400), S + 2 * MS);
@@ -1042,7 +1374,7 @@ mod tests {
     #[test]
     fn a_refused_lease_call_waits_for_a_useful_block_and_says_so() {
         let p = Policy::single("p", Quota::per_second(400_000).with_burst(4_000)).unwrap();
-        let l = Leases::new(&p, Lease::new().max_block(512));
+        let l = Arc::new(Leases::new(&p, Lease::new().max_block(512)));
         let slot = l.slot(&Key::text("k")).unwrap();
         // Redis refused: the next unit in 2.5 µs, a useful block in 1 ms.
         let tiers: Tiers = smallvec![TierDecision::new(4_000, 0, 10 * MS, Some(2_500), true)];
@@ -1061,6 +1393,127 @@ mod tests {
         assert!(l.spend(&other, 1, Some(S)).is_none());
     }
 
+    /// What the block of `slot` holds: (left, granted, older, expired, next, fetching).
+    fn holding(slot: &Slot) -> (u64, u64, u64, u64, u64, bool) {
+        let h = slot.held.lock().unwrap();
+        (h.left, h.granted, h.older, h.expired, h.next, h.fetching)
+    }
+
+    #[test]
+    fn a_prefetch_is_due_when_half_the_block_is_spent_and_tops_it_up_to_the_largest() {
+        let p = Policy::single("p", Quota::per_second(400_000).with_burst(4_000)).unwrap();
+        let lease = Lease::new().max_block(512).lifetime(Duration::from_millis(100));
+        let l = Arc::new(Leases::new(&p, lease.prefetch(true)));
+        let slot = l.slot(&Key::text("k")).unwrap();
+        slot.held.lock().unwrap().next = 256;
+        let b = l.begin(&slot, 1, Some(S));
+        assert_eq!((b.block, b.useful), (256, 256));
+        l.granted(&slot, 1, grant(4_000, 3_000, 10 * MS), block(256, 256, S, 0));
+        // 255 held: due when 128 are left (half the block asked for), once.
+        let due: Vec<bool> =
+            (0..129).map(|_| l.take(&slot, 1, Some(S + MS)).unwrap().prefetch).collect();
+        assert_eq!(due.iter().position(|d| *d), Some(126));
+        assert_eq!(due.iter().filter(|d| **d).count(), 1, "one in flight at most");
+        assert_eq!(holding(&slot), (126, 256, 0, 0, 256, true));
+        // It asks for what tops the 126 held up to the largest block: 512 at most held.
+        let (ahead, key) = l.ahead(&slot, Some(S + MS)).unwrap();
+        assert_eq!((ahead.block, ahead.useful, key), (386, 386, Key::text("k")));
+        // Two more spent while it is in flight; 386 granted at S + 2 ms.
+        for _ in 0..2 {
+            assert!(!l.take(&slot, 1, Some(S + 2 * MS)).unwrap().prefetch);
+        }
+        let grant = Grant { useful: 386, ..block(386, 386, S + 2 * MS, 0) };
+        l.prefetched(&slot, grant_at(2_000, S + 2 * MS), grant);
+        slot.held.lock().unwrap().fetching = false;
+        assert_eq!(holding(&slot), (510, 642, 124, 0, 512, false));
+        // The 124 held before are spent first, and end with their own lifetime (S + 100 ms):
+        // 24 spent, then the other 100 are no longer spendable.
+        for _ in 0..24 {
+            assert!(!l.take(&slot, 1, Some(S + 50 * MS)).unwrap().prefetch);
+        }
+        assert_eq!(holding(&slot).2, 100);
+        let t = l.take(&slot, 1, Some(S + 100 * MS)).unwrap();
+        assert_eq!(t.granted, Some(S + 2 * MS));
+        assert_eq!(holding(&slot), (385, 642, 0, 100, 512, false));
+        // The new units last until S + 102 ms.
+        assert!(l.take(&slot, 1, Some(S + 102 * MS)).is_none());
+        // Given back together: what was not spent, the expired units included.
+        let (_, rests) = l.ended(Some(S + 102 * MS), true);
+        let r: Vec<_> = rests.iter().map(|(_, r)| (r.granted, r.spent)).collect();
+        assert_eq!(r, [(642, 157)]);
+        assert_eq!(l.stats().units_granted, 642);
+    }
+
+    #[test]
+    fn while_waiting_a_prefetch_starts_half_a_round_trip_before_a_useful_block_is_back() {
+        let p = Policy::single("p", Quota::per_second(400_000).with_burst(4_000)).unwrap();
+        let lease = Lease::new().max_block(512).lifetime(Duration::from_millis(100));
+        let l = Arc::new(Leases::new(&p, lease.prefetch(true)));
+        let slot = l.slot(&Key::text("k")).unwrap();
+        slot.held.lock().unwrap().next = 512;
+        l.begin(&slot, 1, Some(S));
+        // 400 granted, a useful block back at S + 1 ms.
+        l.granted(&slot, 1, grant(4_000, 0, 10 * MS), block(400, 400, S, S + MS));
+        for _ in 0..399 {
+            assert!(!l.take(&slot, 1, Some(S + 100_000)).unwrap().prefetch);
+        }
+        // Lease calls take 600 µs: the prefetch starts half of that, 300 µs, before the wait
+        // ends (Redis decides it about then).
+        l.observe(None, Some(S), Some(S + 600_000));
+        assert_eq!(l.round_trip.load(Ordering::Relaxed), 600_000);
+        let t = l.take(&slot, 1, Some(S + 699_999)).unwrap();
+        assert_eq!((t.decision.outcome, t.prefetch), (Outcome::Limited, false));
+        let t = l.take(&slot, 1, Some(S + 700_000)).unwrap();
+        assert_eq!((t.decision.outcome, t.prefetch), (Outcome::Limited, true));
+        assert_eq!(t.decision.retry_after, 300_000);
+        let (ahead, _) = l.ahead(&slot, Some(S + 700_000)).unwrap();
+        assert_eq!((ahead.block, ahead.useful), (512, 400));
+        // Redis refused it (others took what built up): refused until its share is back,
+        // half the burst's refill at most, and still no call before.
+        let tiers: Tiers = smallvec![TierDecision::new(4_000, 0, 10 * MS, Some(2_500), true)];
+        let refusal = Decision::new(Outcome::Limited, 0, Some(2_500), tiers);
+        l.prefetch_refused(&slot, &refusal, S + 850_000, S + 1_850_000, 400);
+        slot.held.lock().unwrap().fetching = false;
+        let t = l.take(&slot, 1, Some(S + MS)).unwrap();
+        assert_eq!((t.decision.outcome, t.decision.retry_after), (Outcome::Limited, 4_850_000));
+        // Half a round trip before that, the next prefetch.
+        assert!(l.take(&slot, 1, Some(S + 5_550_000)).unwrap().prefetch);
+        // Moving average of the round trips.
+        l.observe(None, Some(S), Some(S + 1_000_000));
+        assert_eq!(l.round_trip.load(Ordering::Relaxed), 700_000);
+    }
+
+    #[test]
+    fn no_prefetch_for_keys_whose_blocks_are_small_windows_or_without_asking() {
+        let gcra = Policy::single("p", Quota::per_second(400_000).with_burst(4_000)).unwrap();
+        let window = Policy::builder("w")
+            .algorithm(Algorithm::FixedWindow)
+            .tier("second", Quota::per_second(400_000))
+            .build()
+            .unwrap();
+        let on = Lease::new().max_block(512).prefetch(true);
+        for (p, lease, next, due) in [
+            (&gcra, on, 1, false),
+            (&gcra, on, 8, false),
+            (&gcra, on, 16, true),
+            (&gcra, Lease::new().max_block(2).prefetch(true), 2, true),
+            (&gcra, on.prefetch(false), 512, false),
+            (&window, on, 512, false),
+        ] {
+            let l = Arc::new(Leases::new(p, lease));
+            let slot = l.slot(&Key::text("k")).unwrap();
+            slot.held.lock().unwrap().next = next;
+            let b = l.begin(&slot, 1, Some(S));
+            l.granted(&slot, 1, grant(4_000, 3_000, 10 * MS), block(b.block, b.block, S, 0));
+            let mut any = false;
+            while let Some(t) = l.take(&slot, 1, Some(S)) {
+                any |= t.prefetch;
+            }
+            assert_eq!(any, due, "{lease:?}, blocks of {next}");
+        }
+        assert!(on.prefetches() && !Lease::new().prefetches());
+    }
+
     #[test]
     fn a_fixed_window_block_ends_with_its_window() {
         let p = Policy::builder("w")
@@ -1069,7 +1522,8 @@ mod tests {
             .tier("minute", Quota::per_minute(100))
             .build()
             .unwrap();
-        let l = Leases::new(&p, Lease::new().max_block(8).lifetime(Duration::from_secs(10)));
+        let l =
+            Arc::new(Leases::new(&p, Lease::new().max_block(8).lifetime(Duration::from_secs(10))));
         let slot = l.slot(&Key::text("k")).unwrap();
         let at = 61 * S + 900 * MS;
         l.granted(&slot, 1, grant(10, 2, 100 * MS), block(8, 8, at, 0));
@@ -1118,7 +1572,7 @@ mod tests {
     #[test]
     fn a_full_map_drops_idle_slots_that_hold_nothing() {
         let p = Policy::single("p", Quota::per_second(100)).unwrap();
-        let l = Leases::new(&p, Lease::new());
+        let l = Arc::new(Leases::new(&p, Lease::new()));
         for i in 0..10_000 {
             let key = Key::text(format!("k{i}"));
             let slot = l.slot(&key).unwrap();
@@ -1128,7 +1582,7 @@ mod tests {
         assert!(l.len() <= CAPACITY + SHARDS, "{}", l.len());
         // A slot holding units is kept: when every slot of a shard holds some, keys past it
         // are checked exactly.
-        let l = Leases::new(&p, Lease::new());
+        let l = Arc::new(Leases::new(&p, Lease::new()));
         let mut held = Vec::new();
         let mut refused = 0;
         for i in 0..10_000 {

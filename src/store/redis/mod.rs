@@ -1177,12 +1177,13 @@ impl RedisStore {
         &self,
         bound: &RedisPolicy,
         leases: &Arc<Leases>,
-        slot: &lease::Slot,
+        slot: &Arc<lease::Slot>,
         check: Check<'_>,
     ) -> Result<Verdict<RedisTicket>, StoreError> {
         let inner = &*self.inner;
         let clock_now = || inner.settings.clock.as_ref().map(AnyClock::now);
-        // One check at a time takes the key's next block; the others wait for it.
+        // One check at a time takes the key's next block (or a prefetch does); the others
+        // wait for it.
         let _refill = slot.refill.lock().await;
         if let Some((decision, granted)) = leases.spend(slot, check.cost, clock_now()) {
             let ticket = granted.and_then(|g| bound.lease_ticket(&check, g));
@@ -1207,20 +1208,12 @@ impl RedisStore {
         let epoch = bound.refusal_epoch(check.key);
         let sent = inner.settings.clock.is_none().then(Instant::now);
         leases.called();
+        let before = clock_now();
         let answered = inner.submit(prepared, keys, record, prepared.lease_reply_len()).await;
-        let decided = answered.and_then(|(reply, at)| {
-            let [reply @ .., take, hold] = reply.as_slice() else {
-                return Err(StoreError::backend("short lease reply"));
-            };
-            let take = u64::try_from(*take).map_err(|_| StoreError::backend("negative lease"))?;
-            let hold = u64::try_from(*hold).map_err(|_| StoreError::backend("negative hold"))?;
-            // From the unit the decision's instant falls in, as the script counts.
-            let unit = prepared.unit();
-            let hold =
-                if hold == 0 { 0 } else { (at / unit).saturating_add(hold).saturating_mul(unit) };
-            script::decode(&bound.policy, take, at, reply).map(|d| (d, take, hold, at))
-        });
-        let ((decision, charges), take, hold, at) = match decided {
+        leases.observe(sent, before, clock_now());
+        let decided =
+            answered.and_then(|(reply, at)| lease::decode(prepared, &bound.policy, &reply, at));
+        let lease::Reply { decision, charges, take, hold, at } = match decided {
             Ok(decided) => decided,
             // The previous block's rest may or may not have been given back: it stays charged
             // at worst (see `Lease`, "Faults").
