@@ -300,7 +300,7 @@ fn stacked_leaky_shaping_keeps_every_tier_smooth() {
 
 #[test]
 fn an_unlimited_shaping_budget_behind_a_huge_queue_does_not_overflow() {
-    // Found by tests/config.rs: units queued in a bucket that drains one unit per 20 years, then
+    // Found by tests/all/config.rs: units queued in a bucket that drains one unit per 20 years, then
     // a request willing to wait forever, ten years before the clock's last instant. The
     // departure instant saturates instead of wrapping.
     const YEAR: u64 = 365 * 86_400 * S;
