@@ -504,7 +504,10 @@ where
 
 /// Every path that waits: a store doing I/O, shaping, a tarpit, a settlement, a missing key, a
 /// store error. `policy` is the index of the chosen policy ([`Config::limiter_at`]); `decided`
-/// is the store's answer when `call` already asked it.
+/// is the store's answer when `call` already asked it. In steps: the key (or the answer for a
+/// request without one), the request's demand read once, the reservation (or the answer when
+/// the store fails), the refusal, and serving the admitted request with what its policy
+/// meters.
 async fn run<S, K, St, ReqB, ResB>(
     config: Arc<Config<K, St>>,
     (policy, collect): (usize, bool),
@@ -519,60 +522,17 @@ where
     St: Store,
     ReqB: 'static,
 {
-    let settings = &config.settings;
-    let limiter = config.limiter_at(policy);
     let key = match key {
         Some(key) => key,
-        None => match settings.missing_key {
-            MissingKey::Reject(status) => {
-                let why = config.key.explain_missing(&RequestHead::from(&req));
-                config.missing.refused(limiter.policy().name(), &why);
-                let explained = settings.explain_missing.then_some(why);
-                let grpc = is_grpc(req.headers());
-                return Ok(config.refuse(&Rejection::MissingKey { status, explained }, grpc));
-            }
-            MissingKey::Allow => return pass(inner, req).await,
-            MissingKey::Shared => Key::Missing,
+        None => match missing_key(&config, policy, &req) {
+            Keyed::Key(key) => key,
+            Keyed::Refused(res) => return Ok(res),
+            Keyed::Pass => return pass(inner, req).await,
         },
     };
-
-    // What the policy needs measured, and the request's costs per tier.
-    let (cost, length, priority) = {
-        let head = RequestHead::from(&req);
-        (config.cost(&head), content_length(&head), config.priority(&head))
-    };
-    let plan = config.plan_at(policy);
-    let needs = plan.needs;
-    let costs =
-        (!plan.plain).then(|| plan.costs(limiter.policy(), cost, length, &RequestHead::from(&req)));
-
-    // A place in the waiting room, taken before deciding so that a full room polices instead
-    // of reserving slots it cannot wait for.
-    let mut permit = None;
-    let mut budget = None;
-    let reserved = match decided {
-        Some(verdict) => verdict.map(|verdict| limiter.reservation(verdict)),
-        None => {
-            if let (Some(room), Some(_), false) =
-                (&config.waiters, settings.max_delay, settings.dry_run)
-            {
-                permit = Arc::clone(room).try_acquire_owned().ok();
-            }
-            budget = permit.as_ref().and(settings.max_delay);
-            let mut check = Check::new(&key, cost).with_priority(priority);
-            if let Some(costs) = &costs {
-                check = check.with_costs(costs);
-            }
-            check.max_delay = budget;
-            check.ticket = budget.is_some() || plan.ticket_to_wait;
-            if budget.is_some() && limiter.policy().has_concurrency() {
-                // Shaping waits for a free slot too, within the budget.
-                limiter.reserve_with(check).await
-            } else {
-                limiter.decide(check).await.map(|verdict| limiter.reservation(verdict))
-            }
-        }
-    };
+    let demand = Demand::read(&config, policy, &req);
+    let (reserved, permit, budget) = reserve(&config, policy, &key, &demand, decided).await;
+    let limiter = config.limiter_at(policy);
     let reservation = match reserved {
         Ok(reservation) => {
             config.failing.recovered(limiter.policy().name());
@@ -580,46 +540,16 @@ where
         }
         Err(error) => {
             drop(permit);
-            let head = RequestHead::from(&req);
-            return match settings.on_store_error {
-                OnStoreError::FailOpen => {
-                    config.failing.failed(limiter.policy().name(), &error, "failing open");
-                    config.observe(policy, &key, &head, None, Observed::FailedOpen);
-                    pass(inner, req).await
-                }
-                OnStoreError::FailClosed => {
-                    config.failing.failed(limiter.policy().name(), &error, "failing closed");
-                    config.observe(policy, &key, &head, None, Observed::FailedClosed);
-                    let grpc = is_grpc(req.headers());
-                    Ok(config.refuse(&Rejection::Unavailable(error), grpc))
-                }
-            };
+            return store_failed(&config, policy, inner, req, &key, error).await;
         }
     };
-
-    let decision = reservation.decision();
-    let outcome = match (decision.is_allowed(), settings.dry_run) {
-        (false, false) => Observed::Limited,
-        (false, true) => Observed::DryRunLimited,
-        (true, _) if !decision.delay().is_zero() => Observed::Shaped(decision.delay()),
-        (true, _) => Observed::Admitted,
-    };
-    if config.observer.active() || outcome == Observed::DryRunLimited {
-        config.observe(policy, &key, &RequestHead::from(&req), Some(decision), outcome);
-    }
-
+    let outcome = observed(&config, policy, &key, &req, reservation.decision());
     if outcome == Observed::Limited {
         drop(permit);
-        let decision = decision.clone();
-        drop(reservation);
-        if let Some(delay) = settings.tarpit {
-            // Only with a place in the waiting room: a flood is answered at once, not held.
-            if let Some(_place) = config.waiters.as_ref().and_then(|w| w.try_acquire().ok()) {
-                tokio::time::sleep(delay).await;
-            }
-        }
         let grpc = is_grpc(req.headers());
-        return Ok(config.reject(limiter, &key, decision, budget, grpc, collect));
+        return Ok(
+            refuse_limited(&config, (policy, collect), &key, reservation, budget, grpc).await
+        );
     }
 
     // Admitted (or dry run): wait for the reserved slot; a request dropped meanwhile gives it
@@ -629,11 +559,11 @@ where
     let headers = if outcome == Observed::DryRunLimited {
         Prepared::default()
     } else {
-        limiter.surface().headers.prepare(settings.headers, reservation.decision())
+        limiter.surface().headers.prepare(config.settings.headers, reservation.decision())
     };
     let headers = if collect { headers.collected() } else { headers };
 
-    if !needs.any() || !reservation.decision().is_allowed() {
+    if !config.plan_at(policy).needs.any() || !reservation.decision().is_allowed() {
         // From here the request is served: dropping it (a client disconnect) keeps the charge.
         let res = inner.call(req).await?;
         let (mut head, body) = res.into_parts();
@@ -641,7 +571,200 @@ where
         settle(&config, reservation, &head).await;
         return Ok(Response::from_parts(head, ResponseBody::inner(body)));
     }
+    serve_metered(config, (policy, collect), inner, req, (key, demand), reservation, headers).await
+}
 
+/// What [`missing_key`] decided for a request its extractor found no key in.
+enum Keyed<B> {
+    /// Limited under this key.
+    Key(Key),
+    /// Refused with this answer.
+    Refused(Response<ResponseBody<B>>),
+    /// Passed on unlimited.
+    Pass,
+}
+
+/// The layer's `missing_key` setting applied to a request without a key.
+fn missing_key<K: KeyExtractor, St: Store, B, ResB>(
+    config: &Config<K, St>,
+    policy: usize,
+    req: &Request<B>,
+) -> Keyed<ResB> {
+    let settings = &config.settings;
+    match settings.missing_key {
+        MissingKey::Reject(status) => {
+            let why = config.key.explain_missing(&RequestHead::from(req));
+            config.missing.refused(config.limiter_at(policy).policy().name(), &why);
+            let explained = settings.explain_missing.then_some(why);
+            let grpc = is_grpc(req.headers());
+            Keyed::Refused(config.refuse(&Rejection::MissingKey { status, explained }, grpc))
+        }
+        MissingKey::Allow => Keyed::Pass,
+        MissingKey::Shared => Keyed::Key(Key::Missing),
+    }
+}
+
+/// What a request asks of its policy, read once from its head.
+struct Demand {
+    /// Units per request (the layer's cost).
+    cost: u64,
+    /// The body's declared length (`Content-Length`), in bytes.
+    length: Option<u64>,
+    /// The request's class for reserved capacity.
+    priority: crate::Priority,
+    /// The cost of each tier, for a policy that is not plain.
+    costs: Option<crate::Costs>,
+}
+
+impl Demand {
+    fn read<K: KeyExtractor, St: Store, B>(
+        config: &Config<K, St>,
+        policy: usize,
+        req: &Request<B>,
+    ) -> Self {
+        let head = RequestHead::from(req);
+        let (cost, length) = (config.cost(&head), content_length(&head));
+        let plan = config.plan_at(policy);
+        let limiter = config.limiter_at(policy);
+        let costs = (!plan.plain).then(|| plan.costs(limiter.policy(), cost, length, &head));
+        Demand { cost, length, priority: config.priority(&head), costs }
+    }
+}
+
+/// The request's reservation: the store's answer `call` already has, or a check made here,
+/// shaped within `max_delay` when the waiting room has a place (taken before deciding, so
+/// that a full room polices instead of reserving slots it cannot wait for). Returns the place
+/// and the shaping budget with it.
+async fn reserve<K: KeyExtractor, St: Store>(
+    config: &Config<K, St>,
+    policy: usize,
+    key: &Key,
+    demand: &Demand,
+    decided: Option<Result<Verdict<St::Ticket>, StoreError>>,
+) -> (
+    Result<Reservation<St>, StoreError>,
+    Option<tokio::sync::OwnedSemaphorePermit>,
+    Option<std::time::Duration>,
+) {
+    let (settings, limiter) = (&config.settings, config.limiter_at(policy));
+    if let Some(verdict) = decided {
+        return (verdict.map(|verdict| limiter.reservation(verdict)), None, None);
+    }
+    let permit = match (&config.waiters, settings.max_delay, settings.dry_run) {
+        (Some(room), Some(_), false) => Arc::clone(room).try_acquire_owned().ok(),
+        _ => None,
+    };
+    let budget = permit.as_ref().and(settings.max_delay);
+    let mut check = Check::new(key, demand.cost).with_priority(demand.priority);
+    if let Some(costs) = &demand.costs {
+        check = check.with_costs(costs);
+    }
+    check.max_delay = budget;
+    check.ticket = budget.is_some() || config.plan_at(policy).ticket_to_wait;
+    let reserved = if budget.is_some() && limiter.policy().has_concurrency() {
+        // Shaping waits for a free slot too, within the budget.
+        limiter.reserve_with(check).await
+    } else {
+        limiter.decide(check).await.map(|verdict| limiter.reservation(verdict))
+    };
+    (reserved, permit, budget)
+}
+
+/// The answer when the store failed to decide: the request passed on (failing open) or
+/// refused with 503 (failing closed), as the layer's `on_store_error` says.
+async fn store_failed<S, K, St, ReqB, ResB>(
+    config: &Config<K, St>,
+    policy: usize,
+    inner: S,
+    req: Request<RequestBody<ReqB>>,
+    key: &Key,
+    error: StoreError,
+) -> Result<Response<ResponseBody<ResB>>, S::Error>
+where
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
+    K: KeyExtractor,
+    St: Store,
+{
+    let name = config.limiter_at(policy).policy().name();
+    let head = RequestHead::from(&req);
+    match config.settings.on_store_error {
+        OnStoreError::FailOpen => {
+            config.failing.failed(name, &error, "failing open");
+            config.observe(policy, key, &head, None, Observed::FailedOpen);
+            pass(inner, req).await
+        }
+        OnStoreError::FailClosed => {
+            config.failing.failed(name, &error, "failing closed");
+            config.observe(policy, key, &head, None, Observed::FailedClosed);
+            let grpc = is_grpc(req.headers());
+            Ok(config.refuse(&Rejection::Unavailable(error), grpc))
+        }
+    }
+}
+
+/// What the decision means for the request (a dry run's refusal lets it on), observed.
+fn observed<K: KeyExtractor, St: Store, B>(
+    config: &Config<K, St>,
+    policy: usize,
+    key: &Key,
+    req: &Request<B>,
+    decision: &Decision,
+) -> Observed {
+    let outcome = match (decision.is_allowed(), config.settings.dry_run) {
+        (false, false) => Observed::Limited,
+        (false, true) => Observed::DryRunLimited,
+        (true, _) if !decision.delay().is_zero() => Observed::Shaped(decision.delay()),
+        (true, _) => Observed::Admitted,
+    };
+    if config.observer.active() || outcome == Observed::DryRunLimited {
+        config.observe(policy, key, &RequestHead::from(req), Some(decision), outcome);
+    }
+    outcome
+}
+
+/// The refusal of a limited request (a gRPC call's with `grpc`), after the tarpit's delay when
+/// one is set.
+async fn refuse_limited<K: KeyExtractor, St: Store, ResB>(
+    config: &Config<K, St>,
+    (policy, collect): (usize, bool),
+    key: &Key,
+    reservation: Reservation<St>,
+    budget: Option<std::time::Duration>,
+    grpc: bool,
+) -> Response<ResponseBody<ResB>> {
+    let decision = reservation.decision().clone();
+    drop(reservation);
+    if let Some(delay) = config.settings.tarpit {
+        // Only with a place in the waiting room: a flood is answered at once, not held.
+        if let Some(_place) = config.waiters.as_ref().and_then(|w| w.try_acquire().ok()) {
+            tokio::time::sleep(delay).await;
+        }
+    }
+    config.reject(config.limiter_at(policy), key, decision, budget, grpc, collect)
+}
+
+/// Serves an admitted request whose policy meters something while it runs: concurrency slots
+/// held, bytes or messages counted or leased as they stream, units reported.
+#[allow(clippy::too_many_arguments)]
+async fn serve_metered<S, K, St, ReqB, ResB>(
+    config: Arc<Config<K, St>>,
+    (policy, collect): (usize, bool),
+    mut inner: S,
+    req: Request<RequestBody<ReqB>>,
+    (key, demand): (Key, Demand),
+    reservation: Reservation<St>,
+    headers: Prepared,
+) -> Result<Response<ResponseBody<ResB>>, S::Error>
+where
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
+    K: KeyExtractor,
+    St: Store,
+    ReqB: 'static,
+{
+    let settings = &config.settings;
+    let limiter = config.limiter_at(policy);
+    let needs = config.plan_at(policy).needs;
+    let Demand { length, priority, .. } = demand;
     // Held while the handler runs and its response streams: its concurrency slots (leases
     // refreshed on a shared store), and the units counted on the way. A handler that fails or
     // panics, or a client that disconnects, drops the hold: the slots are released and the
