@@ -264,6 +264,11 @@ impl Headers {
         }
     }
 
+    /// The `RateLimit-Policy` value of the current draft.
+    pub(crate) fn policy_value(&self) -> &'static HeaderValue {
+        self.policy
+    }
+
     /// The header fields of `fields` for `decision`.
     #[inline]
     pub(crate) fn prepare(&self, fields: Fields, decision: &Decision) -> Prepared {
@@ -315,7 +320,7 @@ impl Headers {
     /// The `RateLimit` value for `decision`: `"name";r=R;t=T` per tier. A state rendered before
     /// is a clone of that value (a reference count) when it still holds its slot of
     /// [`recent`](Self::recent); any other is [`rendered`](Self::rendered).
-    fn state(&self, decision: &Decision) -> HeaderValue {
+    pub(crate) fn state(&self, decision: &Decision) -> HeaderValue {
         let shown = || {
             let tiers = decision.tiers.iter().take(self.items.len());
             tiers.map(|d| (d.remaining, ceil_secs(d.reset_after())))
