@@ -329,7 +329,6 @@ impl Headers {
             h.wrapping_mul(31).wrapping_add(r.wrapping_mul(31).wrapping_add(t))
         });
         // The remainder is below `RECENT`, so the cast loses nothing.
-        #[allow(clippy::cast_possible_truncation)]
         let slot = &self.recent[(hash % RECENT as u64) as usize];
         match slot.get() {
             Some(recent) if recent.state.iter().copied().eq(shown()) => recent.value.clone(),
