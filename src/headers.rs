@@ -3,7 +3,7 @@
 //! (RFC 9110 §10.2.3).
 
 use std::fmt::Write as _;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -319,6 +319,17 @@ fn quota_unit(tier: &Tier) -> Option<&'static str> {
     }
 }
 
+/// How many rendered `RateLimit` values a bound policy keeps for reuse (about 4 KiB).
+const RECENT: usize = 64;
+
+/// A rendered `RateLimit` value and the state it shows: per tier, the remaining units and the
+/// whole seconds until full.
+#[derive(Debug, Clone)]
+struct Recent {
+    state: Box<[(u64, u64)]>,
+    value: HeaderValue,
+}
+
 /// The rate-limit headers of one policy, rendered once when the policy is bound: what does not
 /// change between responses is rendered here.
 #[derive(Debug, Clone)]
@@ -331,6 +342,12 @@ pub(crate) struct Headers {
     items: Box<[Box<str>]>,
     /// Per tier, its capacity (`q`, and the legacy `X-RateLimit-Limit`).
     capacities: Box<[u64]>,
+    /// `RateLimit` values rendered before, by a hash of the state they show; each slot is
+    /// filled once, by the first state that lands in it, and kept. Most responses show a state
+    /// seen before (a client under its limit finds its bucket full, or nearly: the same few
+    /// remaining counts and seconds), so they clone a validated value instead of rendering
+    /// and validating one. A state whose slot holds another is rendered as before.
+    recent: Box<[OnceLock<Recent>]>,
 }
 
 impl Headers {
@@ -366,7 +383,13 @@ impl Headers {
             unnamed_policy: interned(unnamed),
             items: items.into(),
             capacities,
+            recent: (0..RECENT).map(|_| OnceLock::new()).collect(),
         }
+    }
+
+    /// The `RateLimit-Policy` value of the current draft.
+    pub(crate) fn policy_value(&self) -> &'static HeaderValue {
+        self.policy
     }
 
     /// The header fields of `fields` for `decision`.
@@ -416,9 +439,34 @@ impl Headers {
         Some([*capacity, t.remaining, ceil_secs(t.reset_after())])
     }
 
-    /// The `RateLimit` value for `decision`: `"name";r=R;t=T` per tier, written into a buffer
-    /// on the stack and copied once into the value (on the heap only for very long names).
-    fn state(&self, decision: &Decision) -> HeaderValue {
+    /// The `RateLimit` value for `decision`: `"name";r=R;t=T` per tier. A state rendered before
+    /// is a clone of that value (a reference count) when it still holds its slot of
+    /// [`recent`](Self::recent); any other is [`rendered`](Self::rendered).
+    pub(crate) fn state(&self, decision: &Decision) -> HeaderValue {
+        let shown = || {
+            let tiers = decision.tiers.iter().take(self.items.len());
+            tiers.map(|d| (d.remaining, ceil_secs(d.reset_after())))
+        };
+        let hash = shown().fold(0u64, |h, (r, t)| {
+            h.wrapping_mul(31).wrapping_add(r.wrapping_mul(31).wrapping_add(t))
+        });
+        // The remainder is below `RECENT`, so the cast loses nothing.
+        let slot = &self.recent[(hash % RECENT as u64) as usize];
+        match slot.get() {
+            Some(recent) if recent.state.iter().copied().eq(shown()) => recent.value.clone(),
+            Some(_) => self.rendered(decision),
+            None => {
+                let value = self.rendered(decision);
+                let state = shown().collect();
+                slot.get_or_init(|| Recent { state, value: value.clone() });
+                value
+            }
+        }
+    }
+
+    /// The `RateLimit` value for `decision`, rendered: written into a buffer on the stack and
+    /// copied once into the value (on the heap only for very long names).
+    fn rendered(&self, decision: &Decision) -> HeaderValue {
         let mut buf = [0u8; 160];
         let mut len = 0;
         let mut numbers = itoa::Buffer::new();
@@ -445,7 +493,7 @@ impl Headers {
         HeaderValue::from_maybe_shared(bytes).unwrap_or_else(|_| HeaderValue::from_static(""))
     }
 
-    /// [`state`](Self::state) for values that do not fit the stack buffer.
+    /// [`rendered`](Self::rendered) for values that do not fit the stack buffer.
     #[cold]
     fn state_long(&self, decision: &Decision) -> Bytes {
         let mut out = String::new();
@@ -469,6 +517,7 @@ mod tests {
     use super::*;
     use crate::Limiter;
     use crate::clock::FakeClock;
+    use crate::decision::{Outcome, TierDecision};
     use crate::key::Key;
     use crate::quota::Quota;
     use crate::store::MemoryStore;
@@ -596,6 +645,48 @@ mod tests {
         let h = res.headers();
         assert_eq!(h["ratelimit-policy"], "4;w=60, 10;w=60");
         assert_eq!(h["ratelimit"], "limit=10, remaining=1, reset=54");
+    }
+
+    /// A decision admitting with `tiers` of (remaining units, nanoseconds until full).
+    fn admitted(tiers: &[(u64, u64)]) -> Decision {
+        let tiers = tiers.iter().map(|&(r, t)| TierDecision::new(1_000, r, t, None, false));
+        Decision::new(Outcome::Allowed, 0, None, tiers.collect())
+    }
+
+    #[test]
+    fn a_state_seen_before_reuses_its_rendered_value() {
+        let policy = Policy::single("p", Quota::per_second(1_000_000_000)).unwrap();
+        let headers = Headers::new(&policy);
+        let first = headers.state(&admitted(&[(999_999_999, 1)]));
+        let again = headers.state(&admitted(&[(999_999_999, 1)]));
+        assert_eq!(first, r#""p";r=999999999;t=1"#);
+        assert_eq!(again, r#""p";r=999999999;t=1"#);
+        // The same bytes, not a second rendering of them.
+        assert_eq!(first.as_bytes().as_ptr(), again.as_bytes().as_ptr());
+        // Seconds until full are part of the state shown.
+        let later = headers.state(&admitted(&[(999_999_999, 1_000_000_001)]));
+        assert_eq!(later, r#""p";r=999999999;t=2"#);
+    }
+
+    #[test]
+    fn states_beyond_the_kept_values_render_exactly() {
+        let policy = Policy::builder("p")
+            .tier("a", Quota::per_second(1_000))
+            .tier("b", Quota::per_hour(1_000))
+            .build()
+            .unwrap();
+        let headers = Headers::new(&policy);
+        // Four times as many states as values kept, twice over: every slot is taken, most
+        // states find theirs holding another, and each value is still exactly its own.
+        for _ in 0..2 {
+            for r in 0..4 * RECENT as u64 {
+                let secs = r % 7 * 1_000_000_000 + 1;
+                let value = headers.state(&admitted(&[(r, secs), (1_000 - r, 3_600_000_000_000)]));
+                let t = r % 7 + 1;
+                assert_eq!(value, format!(r#""a";r={r};t={t}, "b";r={};t=3600"#, 1_000 - r));
+            }
+        }
+        assert!(headers.recent.iter().all(|slot| slot.get().is_some()));
     }
 
     #[test]

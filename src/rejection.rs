@@ -5,17 +5,17 @@
 //! `grpc-status`, `grpc-retry-pushback-ms` of gRFC A6), see [`crate::grpc`].
 
 use std::fmt::{self, Write as _};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode, header};
 use http_body_util::Full;
 
 use crate::decision::{Decision, Outcome};
 use crate::error::StoreError;
 use crate::grpc::{self, code};
-use crate::headers::{Fields, Headers, ceil_secs};
+use crate::headers::{Fields, HeaderFormat, HeaderStyle, Headers, ceil_secs};
 use crate::key::KeyMissing;
 use crate::policy::{Policy, Tier};
 
@@ -38,7 +38,21 @@ pub(crate) struct Surface {
     bodies: Box<[Bytes]>,
     /// The `grpc-message` of a refusal: `[limited, cost above capacity]`.
     grpc_messages: [HeaderValue; 2],
+    /// The header fields of the default 429 with `Retry-After` and the current draft's
+    /// `RateLimit` fields, in the order they are written, made on the first such refusal:
+    /// each refusal clones it and sets its two values in place (see [`LIMITED_FIELDS`]).
+    limited: OnceLock<HeaderMap>,
 }
+
+/// The fields of [`Surface::limited`] in order; the values of `Retry-After` and `RateLimit`
+/// (positions 2 and 4) change from one refusal to the next.
+const LIMITED_FIELDS: [HeaderName; 5] = [
+    header::CONTENT_TYPE,
+    header::CACHE_CONTROL,
+    header::RETRY_AFTER,
+    crate::headers::RATELIMIT_POLICY,
+    crate::headers::RATELIMIT,
+];
 
 /// Policies with more tiers render their 429 bodies per response.
 const RENDERED_TIERS: usize = 4;
@@ -60,7 +74,45 @@ impl Surface {
                 "rate limited by policy `{name}`: the request costs more than the capacity of the violated policies; it can never be admitted"
             )),
         ];
-        Self { policy: policy.clone(), headers: Headers::new(policy), bodies, grpc_messages }
+        Self {
+            policy: policy.clone(),
+            headers: Headers::new(policy),
+            bodies,
+            grpc_messages,
+            limited: OnceLock::new(),
+        }
+    }
+
+    /// The header fields of the default 429 for `decision` under `fields`, when they are the
+    /// common ones ([`LIMITED_FIELDS`]: a refusal that can be retried, with the current draft's
+    /// fields): a clone of [`limited`](Self::limited) with its two values set by position,
+    /// which spares hashing and inserting five names. The same fields, in the same order, as
+    /// [`respond`] and [`add_headers`] write.
+    fn limited_headers(&self, decision: &Decision, fields: Fields) -> Option<HeaderMap> {
+        let current = Fields { style: HeaderStyle::Ietf, format: HeaderFormat::Draft10 };
+        if fields != current || decision.tiers.is_empty() {
+            return None;
+        }
+        let retry_after = retry_after_value(retry_after_secs(decision)?);
+        let template = self.limited.get_or_init(|| {
+            let mut headers = HeaderMap::with_capacity(LIMITED_FIELDS.len());
+            let values = [
+                PROBLEM_JSON,
+                NO_STORE,
+                HeaderValue::from_static("1"),
+                self.headers.policy_value().clone(),
+                HeaderValue::from_static(""),
+            ];
+            for (name, value) in LIMITED_FIELDS.into_iter().zip(values) {
+                headers.insert(name, value);
+            }
+            headers
+        });
+        let mut headers = template.clone();
+        let mut values = headers.values_mut();
+        *values.nth(2)? = retry_after;
+        *values.nth(1)? = self.headers.state(decision);
+        Some(headers)
     }
 
     /// The 429 body for `decision`.
@@ -172,6 +224,12 @@ pub(crate) fn too_many_requests(
     decision: &Decision,
     style: Fields,
 ) -> Response<Full<Bytes>> {
+    if let Some(headers) = surface.limited_headers(decision, style) {
+        let mut res = Response::new(Full::new(surface.body(decision)));
+        *res.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+        *res.headers_mut() = headers;
+        return res;
+    }
     let mut res = respond(StatusCode::TOO_MANY_REQUESTS, surface.body(decision));
     add_headers(surface, decision, style, &mut res);
     res
@@ -625,6 +683,60 @@ mod tests {
         let over: serde_json::Value = serde_json::from_slice(&surface.bodies[4 + 0b10]).unwrap();
         assert_eq!(over["violated-policies"], serde_json::json!(["b"]));
         assert!(over["detail"].as_str().unwrap().contains("never"));
+    }
+
+    /// A decision of `outcome` on two tiers: (remaining, nanoseconds until full, nanoseconds
+    /// until it would admit).
+    fn decided(outcome: Outcome, tiers: [(u64, u64, Option<u64>); 2]) -> Decision {
+        let retry = tiers.iter().filter_map(|t| t.2).max();
+        let tiers = tiers
+            .iter()
+            .map(|&(r, reset, retry)| {
+                crate::decision::TierDecision::new(10, r, reset, retry, retry.is_some())
+            })
+            .collect();
+        Decision::new(outcome, 0, retry, tiers)
+    }
+
+    #[tokio::test]
+    async fn a_429_from_the_kept_fields_is_the_429_written_field_by_field() {
+        use http_body_util::BodyExt;
+        let policy = Policy::builder("api")
+            .tier("a", Quota::per_second(10))
+            .tier("b", Quota::per_hour(10))
+            .build()
+            .unwrap();
+        let surface = Surface::new(&policy);
+        let secs = 1_000_000_000;
+        let limited = [
+            decided(Outcome::Limited, [(0, secs / 2, Some(secs / 10)), (4, 7 * secs, None)]),
+            decided(Outcome::Limited, [(3, 2, None), (0, 3_599 * secs + 1, Some(3_500 * secs))]),
+            decided(Outcome::Limited, [(0, 9_000 * secs, Some(7_200 * secs)), (1, 1, None)]),
+        ];
+        let other = decided(Outcome::CostExceedsCapacity, [(10, 0, None), (10, 0, None)]);
+        for style in [HeaderStyle::Ietf, HeaderStyle::Both, HeaderStyle::Legacy, HeaderStyle::None]
+        {
+            for format in [HeaderFormat::Draft10, HeaderFormat::Draft7, HeaderFormat::Draft6] {
+                let fields = Fields { style, format };
+                for decision in limited.iter().chain([&other]) {
+                    // Twice: the first refusal makes the kept fields, the second clones them.
+                    for _ in 0..2 {
+                        let res = too_many_requests(&surface, decision, fields);
+                        let mut expected = respond(StatusCode::TOO_MANY_REQUESTS, Bytes::new());
+                        add_headers(&surface, decision, fields, &mut expected);
+                        assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+                        let got: Vec<_> = res.headers().iter().collect();
+                        let want: Vec<_> = expected.headers().iter().collect();
+                        assert_eq!(got, want, "{fields:?} {decision:?}");
+                        let body = res.into_body().collect().await.unwrap().to_bytes();
+                        assert_eq!(body, surface.body(decision));
+                    }
+                }
+            }
+        }
+        // Only the current draft's fields of a refusal that can be retried were kept.
+        let kept = surface.limited.get().unwrap();
+        assert_eq!(kept.keys().collect::<Vec<_>>(), LIMITED_FIELDS.iter().collect::<Vec<_>>());
     }
 
     #[tokio::test]
