@@ -709,6 +709,9 @@ impl Leases {
             && held.decision.is_some()
             && held.left.saturating_mul(2) <= held.next
             && (held.left == 0 || held.live(now))
+            // Units of an earlier block still held keep their own lifetime, which a second
+            // merge could not: the next prefetch waits until they are spent or expired.
+            && held.older == 0
             && now >= held.hold.saturating_sub(self.round_trip.load(Ordering::Relaxed) / 2);
         if due {
             held.fetching = true;
@@ -754,7 +757,10 @@ impl Leases {
         let (sent, before) = (back.inner.settings.clock.is_none().then(Instant::now), clock_now());
         let answered =
             back.inner.submit(&back.prepared, keys, record, back.prepared.lease_reply_len()).await;
-        self.observe(sent, before, clock_now());
+        // A failed call (a timeout) says nothing of the round trip.
+        if answered.is_ok() {
+            self.observe(sent, before, clock_now());
+        }
         match answered.and_then(|(reply, at)| decode(&back.prepared, &self.policy, &reply, at)) {
             Ok(Reply { decision, charges: Some(charges), take, hold, at }) => {
                 let grant = Grant { take, charges, at, hold, useful: ahead.useful, sent };
@@ -775,7 +781,10 @@ impl Leases {
         let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
         let now = held.now(clock_now);
         held.expire_older(now);
-        if held.left.saturating_mul(2) > held.next || (held.left > 0 && !held.live(now)) {
+        if held.left.saturating_mul(2) > held.next
+            || (held.left > 0 && !held.live(now))
+            || held.older > 0
+        {
             return None;
         }
         let size = held.next.saturating_mul(2).min(self.config.max_block);
@@ -1442,6 +1451,30 @@ mod tests {
         let r: Vec<_> = rests.iter().map(|(_, r)| (r.granted, r.spent)).collect();
         assert_eq!(r, [(642, 157)]);
         assert_eq!(l.stats().units_granted, 642);
+    }
+
+    #[test]
+    fn no_second_prefetch_while_units_of_an_earlier_block_are_held() {
+        let p = Policy::single("p", Quota::per_second(400_000).with_burst(4_000)).unwrap();
+        let lease = Lease::new().max_block(512).lifetime(Duration::from_millis(100));
+        let l = Arc::new(Leases::new(&p, lease.prefetch(true)));
+        let slot = l.slot(&Key::text("k")).unwrap();
+        slot.held.lock().unwrap().next = 256;
+        let b = l.begin(&slot, 1, Some(S));
+        l.granted(&slot, 1, grant(4_000, 3_000, 10 * MS), block(b.block, b.block, S, 0));
+        let due = (0..129).filter(|_| l.take(&slot, 1, Some(S + MS)).unwrap().prefetch).count();
+        assert_eq!(due, 1);
+        // Redis grants 10 of the 386 asked for: 136 held, 126 of them from the first block,
+        // which keep its lifetime (S + 100 ms).
+        let grant = Grant { useful: 386, ..block(10, 10, S + 2 * MS, 0) };
+        l.prefetched(&slot, grant_at(2_000, S + 2 * MS), grant);
+        slot.held.lock().unwrap().fetching = false;
+        assert_eq!(holding(&slot).2, 126);
+        // Fewer than half of the next block are held, but a second prefetch would merge the
+        // first one's units into the older ones' lifetime: none until those are spent.
+        let due: Vec<bool> =
+            (0..127).map(|_| l.take(&slot, 1, Some(S + 50 * MS)).unwrap().prefetch).collect();
+        assert_eq!(due.iter().position(|d| *d), Some(125), "{:?}", holding(&slot));
     }
 
     #[test]

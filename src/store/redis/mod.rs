@@ -1210,7 +1210,10 @@ impl RedisStore {
         leases.called();
         let before = clock_now();
         let answered = inner.submit(prepared, keys, record, prepared.lease_reply_len()).await;
-        leases.observe(sent, before, clock_now());
+        // A failed call (a timeout) says nothing of the round trip.
+        if answered.is_ok() {
+            leases.observe(sent, before, clock_now());
+        }
         let decided =
             answered.and_then(|(reply, at)| lease::decode(prepared, &bound.policy, &reply, at));
         let lease::Reply { decision, charges, take, hold, at } = match decided {
