@@ -248,9 +248,11 @@ impl Collected {
         };
         // Innermost first, as the response came out: the outermost is the last.
         for prepared in self.0.into_iter().rev() {
+            let dictionary = prepared.more.as_ref().is_some_and(|m| m.draft7.is_some());
             if let Some((policy, state)) = prepared.ietf {
                 policies.push(policy);
-                states.extend(state);
+                // A draft 7 dictionary is reduced with the others below, not listed.
+                states.extend(state.filter(|_| !dictionary));
             }
             if let Some(m) = prepared.more {
                 more.draft6 = tighter(more.draft6, m.draft6);
@@ -261,10 +263,12 @@ impl Collected {
         if let Some(policy) = joined(policies.iter().map(|v| v.as_bytes())) {
             headers.insert(RATELIMIT_POLICY, policy);
         }
-        // Draft 7's dictionaries cannot be listed: the tightest of them all.
-        let state = match more.draft7 {
-            Some(t) => Some(draft7(t)),
-            None => joined(states.iter().map(HeaderValue::as_bytes)),
+        // Draft 7's dictionaries cannot be listed: the tightest of them all, unless rules of
+        // the current draft applied too, whose list is then the field (rules that apply
+        // together should share one format; see the configuration's `header_format`).
+        let state = match (joined(states.iter().map(HeaderValue::as_bytes)), more.draft7) {
+            (Some(list), _) => Some(list),
+            (None, t) => t.map(draft7),
         };
         if let Some(state) = state {
             headers.insert(RATELIMIT, state);
@@ -687,6 +691,22 @@ mod tests {
             }
         }
         assert!(headers.recent.iter().all(|slot| slot.get().is_some()));
+    }
+
+    #[tokio::test]
+    async fn collected_draft10_items_are_kept_beside_a_draft7_rule() {
+        let draft7 = Fields { style: HeaderStyle::Ietf, format: HeaderFormat::Draft7 };
+        let draft10 = Fields { style: HeaderStyle::Ietf, format: HeaderFormat::Draft10 };
+        let mut res = http::Response::new(());
+        for (name, quota, cost, fields) in
+            [("in", Quota::per_minute(10), 9, draft7), ("out", Quota::per_minute(4), 1, draft10)]
+        {
+            let policy = Policy::single(name, quota).unwrap();
+            let decision = frozen(&policy).check(&Key::Global, cost).await.unwrap();
+            Headers::new(&policy).prepare(fields, &decision).collected().apply(&mut res);
+        }
+        res.extensions_mut().remove::<Collected>().unwrap().write(res.headers_mut());
+        assert_eq!(res.headers()["ratelimit"], r#""out";r=3;t=15"#);
     }
 
     #[test]

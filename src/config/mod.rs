@@ -233,10 +233,13 @@
 //! with the first rule outermost: a request refused by a later rule has been charged by the
 //! earlier ones (a client over its plan still spends its per-address budget). The response's
 //! `RateLimit-Policy` and `RateLimit` headers list the tiers of every rule that applied, first
-//! rule first (RFC 9651 lists combine by joining them); the legacy `X-RateLimit-*` headers, and
-//! draft 6's `RateLimit-Limit` / `-Remaining` / `-Reset`, are those of the tier with the fewest
-//! units left among all the rules' tiers (the first rule's of equals). Each rule writes the
-//! fields of its own `headers` and `header_format`.
+//! rule first (RFC 9651 lists combine by joining them); the legacy `X-RateLimit-*` headers,
+//! draft 6's `RateLimit-Limit` / `-Remaining` / `-Reset` and draft 7's `RateLimit` dictionary
+//! (whose keys cannot repeat) are those of the tier with the fewest units left among all the
+//! rules' tiers (the first rule's of equals). Each rule contributes the fields of its own
+//! `headers` and `header_format`; rules that apply together should share one format: where a
+//! draft 7 rule applies beside current-draft rules, `RateLimit` is the current draft's list
+//! (the draft 7 rule's policy is still listed in `RateLimit-Policy`).
 //!
 //! Each policy has one [`Limiter`](crate::Limiter): rules that apply the same policy share its
 //! budget (for the same key). Define two policies for two budgets. A policy that no rule
