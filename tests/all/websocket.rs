@@ -25,13 +25,13 @@ use tollgate::{Concurrency, Policy, Quota, RateLimitLayer, StreamMode, Unit};
 
 /// What a handler did once its socket ended.
 #[derive(Debug)]
-struct Done {
-    received: u64,
+pub(crate) struct Done {
+    pub(crate) received: u64,
     sent: u64,
     spent: Option<BudgetSpent>,
 }
 
-type Reports = mpsc::UnboundedSender<Done>;
+pub(crate) type Reports = mpsc::UnboundedSender<Done>;
 
 /// Reads every message until the socket ends, counting the Text ones.
 async fn upload(
@@ -78,7 +78,7 @@ async fn download(
 }
 
 /// The routes: `/upload`, `/download/{n}` and a plain `/unary`.
-fn routes() -> Router<Reports> {
+pub(crate) fn routes() -> Router<Reports> {
     Router::new()
         .route("/upload", get(upload))
         .route("/download/{n}", get(download))
@@ -86,7 +86,7 @@ fn routes() -> Router<Reports> {
 }
 
 /// The app made of `routes`, and the handlers' reports.
-fn served(routes: Router<Reports>) -> (Router, mpsc::UnboundedReceiver<Done>) {
+pub(crate) fn served(routes: Router<Reports>) -> (Router, mpsc::UnboundedReceiver<Done>) {
     let (tx, rx) = mpsc::unbounded_channel();
     (routes.with_state(tx), rx)
 }
@@ -123,23 +123,23 @@ async fn policed(unit: Unit) -> (FakeClock, support::Server, mpsc::UnboundedRece
     (clock, support::serve(app).await, reports)
 }
 
-type Client =
+pub(crate) type Client =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
-async fn connect(server: &support::Server, path: &str) -> Client {
+pub(crate) async fn connect(server: &support::Server, path: &str) -> Client {
     let url = format!("ws://{}{path}", server.addr);
     tokio_tungstenite::connect_async(url).await.expect("upgrade").0
 }
 
 /// What a client saw: the Text messages that came, and the server's Close frame.
-struct Seen {
+pub(crate) struct Seen {
     texts: u64,
-    close: Option<CloseFrame>,
+    pub(crate) close: Option<CloseFrame>,
 }
 
 /// Sends `n` Text messages while reading, then closes normally (when the server has not
 /// closed first) and reads until the connection ends.
-async fn talk(client: Client, n: u64) -> Seen {
+pub(crate) async fn talk(client: Client, n: u64) -> Seen {
     let (mut tx, mut rx) = client.split();
     let sender = tokio::spawn(async move {
         for i in 0..n {
@@ -166,7 +166,7 @@ async fn talk(client: Client, n: u64) -> Seen {
     seen
 }
 
-async fn report(reports: &mut mpsc::UnboundedReceiver<Done>) -> Done {
+pub(crate) async fn report(reports: &mut mpsc::UnboundedReceiver<Done>) -> Done {
     tokio::time::timeout(Duration::from_secs(10), reports.recv())
         .await
         .expect("the handler ends")
