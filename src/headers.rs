@@ -161,17 +161,8 @@ impl Prepared {
         self.ietf.is_none() && self.more.is_none()
     }
 
-    /// These headers, handed on in the response's [`Collected`] instead of written (see
-    /// [`apply`](Self::apply)).
-    pub(crate) fn collected(mut self) -> Self {
-        if !self.is_empty() {
-            self.more.get_or_insert_default().collect = true;
-        }
-        self
-    }
-
-    /// Inserts the headers into `res`, or adds them to its [`Collected`] when they are
-    /// [`collected`](Self::collected).
+    /// Inserts the headers into `res`, or adds them to its [`Collected`] when they were
+    /// prepared to be handed on (see [`Headers::prepare`]).
     #[inline]
     pub(crate) fn apply<B>(self, res: &mut http::Response<B>) {
         if self.more.as_ref().is_some_and(|m| m.collect) {
@@ -396,18 +387,23 @@ impl Headers {
         self.policy
     }
 
-    /// The header fields of `fields` for `decision`.
+    /// The header fields of `fields` for `decision`; with `collect`, handed on in the
+    /// response's [`Collected`] instead of written (the layer is one of several rules that
+    /// limit the request), with what combining them needs.
     #[inline]
-    pub(crate) fn prepare(&self, fields: Fields, decision: &Decision) -> Prepared {
+    pub(crate) fn prepare(&self, fields: Fields, decision: &Decision, collect: bool) -> Prepared {
         if decision.tiers.is_empty() || fields.style == HeaderStyle::None {
             return Prepared::default();
         }
-        self.render(fields, decision)
+        self.render(fields, decision, collect)
     }
 
     /// [`prepare`](Self::prepare) for a layer that writes headers.
-    fn render(&self, fields: Fields, decision: &Decision) -> Prepared {
+    fn render(&self, fields: Fields, decision: &Decision, collect: bool) -> Prepared {
         let mut out = Prepared::default();
+        if collect {
+            out.more.get_or_insert_default().collect = true;
+        }
         let style = fields.style;
         if matches!(style, HeaderStyle::Ietf | HeaderStyle::Both) {
             match fields.format {
@@ -415,7 +411,8 @@ impl Headers {
                 HeaderFormat::Draft7 => {
                     let tightest = self.tightest(decision);
                     out.ietf = Some((self.unnamed_policy, tightest.map(draft7)));
-                    if let Some(t) = tightest {
+                    // Only several rules' dictionaries are reduced to one (the numbers).
+                    if let (Some(t), true) = (tightest, collect) {
                         out.more.get_or_insert_default().draft7 = Some(t);
                     }
                 }
@@ -512,7 +509,7 @@ impl Headers {
 
     /// Writes the header fields of `fields` for `decision`.
     pub(crate) fn write(&self, fields: Fields, headers: &mut HeaderMap, decision: &Decision) {
-        self.prepare(fields, decision).insert(headers);
+        self.prepare(fields, decision, false).insert(headers);
     }
 }
 
@@ -579,7 +576,7 @@ mod tests {
         let prepared = |name: &'static str, quota: Quota, cost: u64| async move {
             let policy = Policy::single(name, quota).unwrap();
             let decision = frozen(&policy).check(&Key::Global, cost).await.unwrap();
-            Headers::new(&policy).prepare(both, &decision).collected()
+            Headers::new(&policy).prepare(both, &decision, true)
         };
         let outer = prepared("a", Quota::per_hour(3600), 1).await;
         let middle = prepared("b", Quota::per_hour(2), 1).await;
@@ -602,7 +599,7 @@ mod tests {
         // Equals: the outermost's set. A layer without headers adds nothing.
         let mut res = http::Response::new(());
         prepared("d", Quota::per_hour(5), 4).await.apply(&mut res);
-        Prepared::default().collected().apply(&mut res);
+        Prepared::default().apply(&mut res);
         prepared("e", Quota::per_minute(1), 0).await.apply(&mut res);
         prepared("f", Quota::per_hour(7), 6).await.apply(&mut res);
         res.extensions_mut().remove::<Collected>().unwrap().write(res.headers_mut());
@@ -622,7 +619,7 @@ mod tests {
         {
             let policy = Policy::single(name, quota).unwrap();
             let decision = frozen(&policy).check(&Key::Global, cost).await.unwrap();
-            Headers::new(&policy).prepare(draft6, &decision).collected().apply(&mut res);
+            Headers::new(&policy).prepare(draft6, &decision, true).apply(&mut res);
         }
         res.extensions_mut().remove::<Collected>().unwrap().write(res.headers_mut());
         let h = res.headers();
@@ -643,7 +640,7 @@ mod tests {
         {
             let policy = Policy::single(name, quota).unwrap();
             let decision = frozen(&policy).check(&Key::Global, cost).await.unwrap();
-            Headers::new(&policy).prepare(draft7, &decision).collected().apply(&mut res);
+            Headers::new(&policy).prepare(draft7, &decision, true).apply(&mut res);
         }
         res.extensions_mut().remove::<Collected>().unwrap().write(res.headers_mut());
         let h = res.headers();
@@ -703,7 +700,7 @@ mod tests {
         {
             let policy = Policy::single(name, quota).unwrap();
             let decision = frozen(&policy).check(&Key::Global, cost).await.unwrap();
-            Headers::new(&policy).prepare(fields, &decision).collected().apply(&mut res);
+            Headers::new(&policy).prepare(fields, &decision, true).apply(&mut res);
         }
         res.extensions_mut().remove::<Collected>().unwrap().write(res.headers_mut());
         assert_eq!(res.headers()["ratelimit"], r#""out";r=3;t=15"#);

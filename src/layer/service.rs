@@ -173,11 +173,9 @@ where
                             Observed::Admitted,
                         );
                     }
-                    let mut headers =
-                        limiter.surface().headers.prepare(config.settings.headers, &decision);
-                    if self.collect {
-                        headers = headers.collected();
-                    }
+                    let fields = config.settings.headers;
+                    let headers =
+                        limiter.surface().headers.prepare(fields, &decision, self.collect);
                     // Called here and now: the service that was polled ready, no clone.
                     let future = self.inner.call(req.map(RequestBody::new));
                     let Some(ticket) = ticket else {
@@ -320,10 +318,10 @@ impl<K, St: Store> Config<K, St> {
         collect: bool,
     ) -> Response<ResponseBody<B>> {
         if collect {
-            let headers = limiter.surface().headers.prepare(self.settings.headers, &decision);
+            let headers = limiter.surface().headers.prepare(self.settings.headers, &decision, true);
             let style = Fields { style: HeaderStyle::None, ..self.settings.headers };
             let mut res = self.reject_with(limiter, key, decision, budget, grpc, style);
-            headers.collected().apply(&mut res);
+            headers.apply(&mut res);
             return res;
         }
         self.reject_with(limiter, key, decision, budget, grpc, self.settings.headers)
@@ -559,9 +557,8 @@ where
     let headers = if outcome == Observed::DryRunLimited {
         Prepared::default()
     } else {
-        limiter.surface().headers.prepare(config.settings.headers, reservation.decision())
+        limiter.surface().headers.prepare(config.settings.headers, reservation.decision(), collect)
     };
-    let headers = if collect { headers.collected() } else { headers };
 
     if !config.plan_at(policy).needs.any() || !reservation.decision().is_allowed() {
         // From here the request is served: dropping it (a client disconnect) keeps the charge.

@@ -754,14 +754,8 @@ impl Leases {
         };
         let record = back.prepared.lease(1, ahead.block, ahead.useful, None);
         let keys = back.prepared.keys(state_key(&back.key_parts, &back.key_names, &key));
-        let (sent, before) = (back.inner.settings.clock.is_none().then(Instant::now), clock_now());
-        let answered =
-            back.inner.submit(&back.prepared, keys, record, back.prepared.lease_reply_len()).await;
-        // A failed call (a timeout) says nothing of the round trip.
-        if answered.is_ok() {
-            self.observe(sent, before, clock_now());
-        }
-        match answered.and_then(|(reply, at)| decode(&back.prepared, &self.policy, &reply, at)) {
+        let (answered, sent) = self.call(&back.inner, &back.prepared, keys, record).await;
+        match answered {
             Ok(Reply { decision, charges: Some(charges), take, hold, at }) => {
                 let grant = Grant { take, charges, at, hold, useful: ahead.useful, sent };
                 self.prefetched(&slot, decision, grant);
@@ -849,9 +843,28 @@ impl Leases {
         held.hold = held.hold.max(until);
     }
 
+    /// One lease call to Redis (`record` on `keys`): its reply decoded, and the instant it was
+    /// sent (without an injected clock). An answered call's round trip joins the average a
+    /// prefetch is timed by; a failed one (a timeout) says nothing of it.
+    pub(crate) async fn call(
+        &self,
+        inner: &super::Inner,
+        prepared: &super::Prepared,
+        keys: Vec<String>,
+        record: Vec<f64>,
+    ) -> (Result<Reply, crate::StoreError>, Option<Instant>) {
+        let clock_now = || inner.settings.clock.as_ref().map(crate::clock::AnyClock::now);
+        let (sent, before) = (inner.settings.clock.is_none().then(Instant::now), clock_now());
+        let answered = inner.submit(prepared, keys, record, prepared.lease_reply_len()).await;
+        if answered.is_ok() {
+            self.observe(sent, before, clock_now());
+        }
+        (answered.and_then(|(reply, at)| decode(prepared, &self.policy, &reply, at)), sent)
+    }
+
     /// A lease call of this binding went to Redis at `before` (or `sent`, without an injected
     /// clock) and was answered at `after`: the round trip's moving average.
-    pub(crate) fn observe(&self, sent: Option<Instant>, before: Option<u64>, after: Option<u64>) {
+    fn observe(&self, sent: Option<Instant>, before: Option<u64>, after: Option<u64>) {
         let took = match (sent, before, after) {
             (Some(sent), _, _) => duration_to_nanos(sent.elapsed()),
             (None, Some(before), Some(after)) => after.saturating_sub(before),
@@ -1402,6 +1415,17 @@ mod tests {
         assert!(l.spend(&other, 1, Some(S)).is_none());
     }
 
+    /// Prefetching leases of GCRA at 400,000/s (burst 4,000; blocks of at most 512 lasting
+    /// 100 ms), and the slot of key `k`, whose next block asked for is `next` units.
+    fn prefetching(next: u64) -> (Arc<Leases>, Arc<Slot>) {
+        let p = Policy::single("p", Quota::per_second(400_000).with_burst(4_000)).unwrap();
+        let lease = Lease::new().max_block(512).lifetime(Duration::from_millis(100));
+        let l = Arc::new(Leases::new(&p, lease.prefetch(true)));
+        let slot = l.slot(&Key::text("k")).unwrap();
+        slot.held.lock().unwrap().next = next;
+        (l, slot)
+    }
+
     /// What the block of `slot` holds: (left, granted, older, expired, next, fetching).
     fn holding(slot: &Slot) -> (u64, u64, u64, u64, u64, bool) {
         let h = slot.held.lock().unwrap();
@@ -1410,11 +1434,7 @@ mod tests {
 
     #[test]
     fn a_prefetch_is_due_when_half_the_block_is_spent_and_tops_it_up_to_the_largest() {
-        let p = Policy::single("p", Quota::per_second(400_000).with_burst(4_000)).unwrap();
-        let lease = Lease::new().max_block(512).lifetime(Duration::from_millis(100));
-        let l = Arc::new(Leases::new(&p, lease.prefetch(true)));
-        let slot = l.slot(&Key::text("k")).unwrap();
-        slot.held.lock().unwrap().next = 256;
+        let (l, slot) = prefetching(256);
         let b = l.begin(&slot, 1, Some(S));
         assert_eq!((b.block, b.useful), (256, 256));
         l.granted(&slot, 1, grant(4_000, 3_000, 10 * MS), block(256, 256, S, 0));
@@ -1455,11 +1475,7 @@ mod tests {
 
     #[test]
     fn no_second_prefetch_while_units_of_an_earlier_block_are_held() {
-        let p = Policy::single("p", Quota::per_second(400_000).with_burst(4_000)).unwrap();
-        let lease = Lease::new().max_block(512).lifetime(Duration::from_millis(100));
-        let l = Arc::new(Leases::new(&p, lease.prefetch(true)));
-        let slot = l.slot(&Key::text("k")).unwrap();
-        slot.held.lock().unwrap().next = 256;
+        let (l, slot) = prefetching(256);
         let b = l.begin(&slot, 1, Some(S));
         l.granted(&slot, 1, grant(4_000, 3_000, 10 * MS), block(b.block, b.block, S, 0));
         let due = (0..129).filter(|_| l.take(&slot, 1, Some(S + MS)).unwrap().prefetch).count();
@@ -1479,11 +1495,7 @@ mod tests {
 
     #[test]
     fn while_waiting_a_prefetch_starts_half_a_round_trip_before_a_useful_block_is_back() {
-        let p = Policy::single("p", Quota::per_second(400_000).with_burst(4_000)).unwrap();
-        let lease = Lease::new().max_block(512).lifetime(Duration::from_millis(100));
-        let l = Arc::new(Leases::new(&p, lease.prefetch(true)));
-        let slot = l.slot(&Key::text("k")).unwrap();
-        slot.held.lock().unwrap().next = 512;
+        let (l, slot) = prefetching(512);
         l.begin(&slot, 1, Some(S));
         // 400 granted, a useful block back at S + 1 ms.
         l.granted(&slot, 1, grant(4_000, 0, 10 * MS), block(400, 400, S, S + MS));

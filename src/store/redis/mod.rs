@@ -1206,16 +1206,8 @@ impl RedisStore {
         let record = prepared.lease(check.cost, begin.block, begin.useful, begin.rest.as_ref());
         let keys = prepared.keys(bound.state_key(check.key));
         let epoch = bound.refusal_epoch(check.key);
-        let sent = inner.settings.clock.is_none().then(Instant::now);
         leases.called();
-        let before = clock_now();
-        let answered = inner.submit(prepared, keys, record, prepared.lease_reply_len()).await;
-        // A failed call (a timeout) says nothing of the round trip.
-        if answered.is_ok() {
-            leases.observe(sent, before, clock_now());
-        }
-        let decided =
-            answered.and_then(|(reply, at)| lease::decode(prepared, &bound.policy, &reply, at));
+        let (decided, sent) = leases.call(inner, prepared, keys, record).await;
         let lease::Reply { decision, charges, take, hold, at } = match decided {
             Ok(decided) => decided,
             // The previous block's rest may or may not have been given back: it stays charged
