@@ -735,32 +735,59 @@ async fn two_leasing_app_instances_enforce_one_limit_over_http_and_count_their_l
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leasing_instances_on_a_cluster_admit_each_keys_limit_once() {
     let Some(cluster) = Cluster::start() else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
     let policy = Policy::builder("c")
         .algorithm(Algorithm::FixedWindow)
         .tier("minute", Quota::per_minute(50))
         .build()
         .unwrap();
     let lease = Lease::new().max_block(16).lifetime(Duration::from_secs(30));
-    let nodes: Vec<_> = (0..2)
+    let nodes = on_cluster(&cluster, &policy, lease);
+    assert_eq!(asked_on_cluster(&nodes, 40).await, vec![50; 6]);
+    let local: u64 = nodes.iter().map(|n| n.1.lease_stats().decided_locally).sum();
+    assert!(local > 0);
+}
+
+/// The same on a GCRA key whose time stands still (nothing refills) with prefetching: the
+/// blocks taken ahead, in the background, go to the key's own node too, and each key admits
+/// its burst once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefetching_instances_on_a_cluster_admit_each_keys_burst_once() {
+    let Some(cluster) = Cluster::start() else { return };
+    let policy = Policy::single("c", Quota::per_hour(400)).unwrap();
+    let lease = Lease::new().max_block(64).lifetime(Duration::from_secs(30)).prefetch(true);
+    let nodes = on_cluster(&cluster, &policy, lease);
+    assert_eq!(asked_on_cluster(&nodes, 300).await, vec![400; 6]);
+    let prefetched: u64 = nodes.iter().map(|n| n.1.lease_stats().prefetched).sum();
+    assert!(prefetched > 0);
+}
+
+/// Two instances leasing `policy` on `cluster`, on one fake clock.
+fn on_cluster(cluster: &Cluster, policy: &Policy, lease: Lease) -> Vec<(RedisStore, RedisPolicy)> {
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let prefix = format!("cluster{}:", fastrand::u32(..));
+    (0..2)
         .map(|_| {
-            let builder = RedisStore::cluster_builder(cluster.urls()).lease_policy("c", lease);
-            let s = store(builder, &clock, "cluster:");
-            let b = s.bind(&policy).unwrap();
+            let builder =
+                RedisStore::cluster_builder(cluster.urls()).lease_policy(policy.name(), lease);
+            let s = store(builder, &clock, &prefix);
+            let b = s.bind(policy).unwrap();
             (s, b)
         })
-        .collect();
+        .collect()
+}
+
+/// `rounds` rounds of every node asking for a unit of each of 6 keys, concurrently: the units
+/// admitted per key.
+async fn asked_on_cluster(nodes: &[(RedisStore, RedisPolicy)], rounds: usize) -> Vec<u64> {
     let keys: Vec<Key> = (0..6).map(|i| Key::text(format!("k{i}"))).collect();
     let mut admitted = vec![0u64; keys.len()];
-    for _ in 0..40 {
+    for _ in 0..rounds {
         let asks = keys.iter().flat_map(|k| nodes.iter().map(move |n| check(n, k, 1)));
         let decided = futures_join(asks).await;
         for (i, d) in decided.iter().enumerate() {
             admitted[i / nodes.len()] += u64::from(d.is_allowed());
         }
     }
-    assert_eq!(admitted, vec![50; keys.len()]);
-    let local: u64 = nodes.iter().map(|n| n.1.lease_stats().decided_locally).sum();
-    assert!(local > 0);
+    admitted
 }
