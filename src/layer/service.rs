@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::task::{Context, Poll};
 
-use http::{Request, Response, header};
+use http::{HeaderValue, Request, Response, header};
 use http_body_util::Full;
 use smallvec::SmallVec;
 use tower_service::Service;
@@ -130,9 +130,8 @@ where
                 }
                 Route::Refuse(status) => {
                     let grpc = is_grpc(req.headers());
-                    return ResponseFuture::ready(
-                        config.refuse(&Rejection::Unselected(status), grpc),
-                    );
+                    let res = config.refuse(&Rejection::Unselected(status), grpc);
+                    return ResponseFuture::ready(refused(&req, res));
                 }
             }
         }
@@ -219,14 +218,9 @@ where
                         );
                     }
                     let grpc = is_grpc(req.headers());
-                    return ResponseFuture::ready(config.reject(
-                        limiter,
-                        key,
-                        verdict.decision,
-                        None,
-                        grpc,
-                        self.collect,
-                    ));
+                    let (decision, collect) = (verdict.decision, self.collect);
+                    let res = config.reject(limiter, key, decision, None, grpc, collect);
+                    return ResponseFuture::ready(refused(&req, res));
                 }
                 Some(result) => decided = Some(result),
                 None => {}
@@ -488,6 +482,34 @@ impl Plan {
     }
 }
 
+/// `res`, the answer to `req` given without reading its body, told to close the connection
+/// when `req` is an HTTP/1.x request that has a body (RFC 9112 §6.3: a `Transfer-Encoding` or a
+/// `Content-Length` above zero): a refused upload is not read (hyper closes such a connection
+/// rather than drain a large body), and a client not told so (RFC 9112 §9.6) may send its next
+/// request on the connection as it closes. HTTP/2 streams end on their own; nothing is added.
+fn refused<B, ResB>(req: &Request<B>, mut res: Response<ResB>) -> Response<ResB> {
+    if unread_body(req) {
+        close(&mut res);
+    }
+    res
+}
+
+/// Marks `res` as the last response of its connection (`Connection: close`).
+fn close<B>(res: &mut Response<B>) {
+    res.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+}
+
+/// Whether answering `req` without reading its body leaves bytes of an HTTP/1.x connection
+/// unread ([`refused`]).
+fn unread_body<B>(req: &Request<B>) -> bool {
+    if req.version() >= http::Version::HTTP_2 {
+        return false;
+    }
+    let headers = req.headers();
+    headers.contains_key(header::TRANSFER_ENCODING)
+        || headers.get(header::CONTENT_LENGTH).is_some_and(|v| v.as_bytes() != b"0")
+}
+
 /// Passes a request on unlimited.
 async fn pass<S, ReqB, ResB>(
     mut inner: S,
@@ -524,7 +546,7 @@ where
         Some(key) => key,
         None => match missing_key(&config, policy, &req) {
             Keyed::Key(key) => key,
-            Keyed::Refused(res) => return Ok(res),
+            Keyed::Refused(res) => return Ok(refused(&req, res)),
             Keyed::Pass => return pass(inner, req).await,
         },
     };
@@ -544,10 +566,13 @@ where
     let outcome = observed(&config, policy, &key, &req, reservation.decision());
     if outcome == Observed::Limited {
         drop(permit);
-        let grpc = is_grpc(req.headers());
-        return Ok(
-            refuse_limited(&config, (policy, collect), &key, reservation, budget, grpc).await
-        );
+        let (grpc, closes) = (is_grpc(req.headers()), unread_body(&req));
+        let mut res =
+            refuse_limited(&config, (policy, collect), &key, reservation, budget, grpc).await;
+        if closes {
+            close(&mut res);
+        }
+        return Ok(res);
     }
 
     // Admitted (or dry run): wait for the reserved slot; a request dropped meanwhile gives it
@@ -694,7 +719,7 @@ where
             config.failing.failed(name, &error, "failing closed");
             config.observe(policy, key, &head, None, Observed::FailedClosed);
             let grpc = is_grpc(req.headers());
-            Ok(config.refuse(&Rejection::Unavailable(error), grpc))
+            Ok(refused(&req, config.refuse(&Rejection::Unavailable(error), grpc)))
         }
     }
 }
@@ -849,6 +874,8 @@ where
     } else {
         (held, None)
     };
+    // Policing that stops an upload answers without reading the rest of it.
+    let closes = signal.is_some() && unread_body(&req);
     let call = inner.call(req);
     let res = match &signal {
         None => call.await?,
@@ -867,7 +894,11 @@ where
                 Ok(res) => res?,
                 Err(why) => {
                     held.finish();
-                    return Ok(config.stopped(limiter, &key, why, (grpc, collect)));
+                    let mut res = config.stopped(limiter, &key, why, (grpc, collect));
+                    if closes {
+                        close(&mut res);
+                    }
+                    return Ok(res);
                 }
             }
         }

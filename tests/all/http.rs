@@ -709,3 +709,48 @@ async fn login_recipe_admits_at_most_three_in_any_minute() {
         }
     }
 }
+
+/// An HTTP/1.1 upload refused before its body is read is answered with `Connection: close`
+/// (the server will not read the rest, and closes): the client sends its next request on a
+/// new connection, never on the one closing. Requests without a body keep their connection.
+#[tokio::test]
+async fn a_refused_upload_closes_its_connection_and_the_next_request_is_served() {
+    let policy = Policy::single("uploads", Quota::per_hour(1000)).unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .key(HeaderKey::new(http::HeaderName::from_static("x-api-key")))
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/",
+            route_get(|| async { "ok" })
+                .post(|body: axum::body::Bytes| async move { body.len().to_string() }),
+        )
+        .layer(layer);
+    let server = serve(app).await;
+    let c = client();
+    let upload = |key: &str| {
+        http::Request::post(server.url("/"))
+            .header("x-api-key", key)
+            .body(http_body_util::Full::new(bytes::Bytes::from(vec![b'x'; 1 << 20])))
+            .unwrap()
+    };
+    // Key "a" spends its burst of 1,000 on requests without a body: connections kept.
+    for _ in 0..1000 {
+        let ok = get(&c, &server.url("/"), &[("x-api-key", "a")]).await;
+        assert_eq!(ok.status, StatusCode::OK);
+        assert_eq!(ok.header("connection"), None);
+    }
+    let refused = get(&c, &server.url("/"), &[("x-api-key", "a")]).await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.header("connection"), None, "a refusal without a body keeps the connection");
+    for round in 0..20 {
+        let refused = support::send(&c, upload("a")).await;
+        assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS, "round {round}");
+        assert_eq!(refused.header("connection"), Some("close"), "round {round}");
+        let served = support::send(&c, upload("b")).await;
+        assert_eq!(served.status, StatusCode::OK, "round {round}");
+        assert_eq!(served.body, (1 << 20).to_string(), "round {round}");
+        assert_eq!(served.header("connection"), None, "round {round}");
+    }
+}

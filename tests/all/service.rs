@@ -352,3 +352,60 @@ async fn a_response_future_polled_after_completion_panics() {
         }
     }
 }
+
+/// A request of `version` with `headers`, from a client address when `keyed`.
+fn with(version: http::Version, headers: &[(&'static str, &str)], keyed: bool) -> Request<Body> {
+    let mut req = if keyed { request() } else { Request::new(Body::empty()) };
+    *req.version_mut() = version;
+    for (name, value) in headers {
+        req.headers_mut().insert(*name, value.parse().unwrap());
+    }
+    req
+}
+
+/// A refusal (429, or the 400 of a request without a key) of an HTTP/1.x request that has a
+/// body says `Connection: close`: the body is not read. Not for a request without a body, nor
+/// for HTTP/2, whose streams end on their own.
+#[tokio::test]
+async fn refusals_of_http1_requests_with_a_body_close_the_connection() {
+    let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
+    let layer = RateLimitLayer::builder(policy).store(paused_store()).build().unwrap();
+    let svc = layer.layer(ok_service());
+    let first = svc.clone().oneshot(with(http::Version::HTTP_11, &[], true)).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    use http::Version as V;
+    let cases: [(V, &[(&'static str, &str)], bool, StatusCode, Option<&str>); 8] = [
+        (
+            V::HTTP_11,
+            &[("content-length", "5")],
+            true,
+            StatusCode::TOO_MANY_REQUESTS,
+            Some("close"),
+        ),
+        (
+            V::HTTP_11,
+            &[("transfer-encoding", "chunked")],
+            true,
+            StatusCode::TOO_MANY_REQUESTS,
+            Some("close"),
+        ),
+        (
+            V::HTTP_10,
+            &[("content-length", "3")],
+            true,
+            StatusCode::TOO_MANY_REQUESTS,
+            Some("close"),
+        ),
+        (V::HTTP_11, &[("content-length", "0")], true, StatusCode::TOO_MANY_REQUESTS, None),
+        (V::HTTP_11, &[], true, StatusCode::TOO_MANY_REQUESTS, None),
+        (V::HTTP_2, &[("content-length", "5")], true, StatusCode::TOO_MANY_REQUESTS, None),
+        (V::HTTP_11, &[("content-length", "5")], false, StatusCode::BAD_REQUEST, Some("close")),
+        (V::HTTP_11, &[], false, StatusCode::BAD_REQUEST, None),
+    ];
+    for (i, (version, headers, keyed, status, connection)) in cases.into_iter().enumerate() {
+        let res = svc.clone().oneshot(with(version, headers, keyed)).await.unwrap();
+        assert_eq!(res.status(), status, "case {i}");
+        let got = res.headers().get(http::header::CONNECTION).map(|v| v.to_str().unwrap());
+        assert_eq!(got, connection, "case {i}");
+    }
+}
