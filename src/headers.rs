@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue};
+#[cfg(any(feature = "config", test))]
 use smallvec::SmallVec;
 
 use crate::decision::Decision;
@@ -228,6 +229,7 @@ impl Collected {
     /// 6's fields and the legacy `X-RateLimit-*` are those of the tightest tier of them all,
     /// the one with the fewest units remaining (the outermost of equals), as they are within
     /// one policy.
+    #[cfg(any(feature = "config", test))]
     pub(crate) fn write(self, headers: &mut HeaderMap) {
         let mut policies: SmallVec<[&HeaderValue; 4]> = SmallVec::new();
         let mut states: SmallVec<[HeaderValue; 4]> = SmallVec::new();
@@ -275,6 +277,7 @@ fn draft7([limit, remaining, reset]: [u64; 3]) -> HeaderValue {
 }
 
 /// The values joined with `, `; `None` for no value.
+#[cfg(any(feature = "config", test))]
 fn joined<'a>(mut values: impl Iterator<Item = &'a [u8]>) -> Option<HeaderValue> {
     let first = values.next()?;
     let mut out = first.to_vec();
