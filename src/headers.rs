@@ -17,6 +17,7 @@ use crate::quota::{Algorithm, TierKind, Unit};
 
 /// Which rate-limit headers responses carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "config", derive(serde::Deserialize), serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum HeaderStyle {
     /// `RateLimit-Policy` and `RateLimit` of the IETF httpapi ratelimit-headers draft
@@ -52,6 +53,7 @@ pub enum HeaderStyle {
 /// tier's capacity, the remaining count never exceeds it, and `w`/`reset` are whole seconds
 /// rounded up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "config", derive(serde::Deserialize), serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum HeaderFormat {
     /// draft-ietf-httpapi-ratelimit-headers-10 (the current revision, default): one named item

@@ -11,13 +11,11 @@ use super::LimitsConfig;
 use super::error::{ConfigFileError, Source, Span, toml_key};
 use super::key::{ConfKey, KeySpec};
 use super::schema::{
-    ForwardedName, HeaderFormatName, HeaderStyleName, KeyPart, LogKeysName, OnStoreErrorName,
-    Otherwise, PathPattern, RawFile, RawPolicy, RawRule, RawTier, StatusMatch, StreamModeName,
+    KeyPart, Otherwise, PathPattern, RawFile, RawPolicy, RawRule, RawTier, StatusMatch,
     TierKindName, calendar_period, rate_period,
 };
 use crate::error::ConfigError;
 use crate::headers::{HeaderFormat, HeaderStyle};
-use crate::key::ForwardedHeader;
 use crate::layer::{LogKeys, MissingKey, OnStoreError, RateLimitLayer, StreamMode, Unselected};
 use crate::limiter::Limiter;
 use crate::policy::{Policy, PolicyBuilder};
@@ -158,7 +156,7 @@ fn policy(
     let span = raw.span();
     let raw = raw.into_inner();
     let algorithm = raw.algorithm.map_or(Algorithm::default(), |a| a.0);
-    let carry = raw.changed_tiers.map_or(Carry::default(), Carry::from);
+    let carry = raw.changed_tiers.unwrap_or_default();
     let tiers_span = raw.tiers.span();
     let path = format!("policies.{}", toml_key(&name));
     let mut builder = Policy::builder(name.clone()).algorithm(algorithm);
@@ -516,11 +514,7 @@ fn rule(
                 "applies to the `client_ip` key only".into(),
             ));
         }
-        key.forwarded = match header.into_inner() {
-            ForwardedName::XForwardedFor => ForwardedHeader::XForwardedFor,
-            ForwardedName::Forwarded => ForwardedHeader::Forwarded,
-            ForwardedName::XRealIp => ForwardedHeader::XRealIp,
-        };
+        key.forwarded = header.into_inner();
     }
     if let Some(bits) = raw.ipv6_prefix {
         if !client && !key.parts.contains(&KeyPart::PeerIp) {
@@ -595,30 +589,11 @@ fn rule(
         max_delay: raw.max_delay.map(|d| d.0),
         max_waiters: raw.max_waiters.map(|m| (*m.get_ref(), m.span())),
         tarpit: raw.tarpit.map(|d| d.0),
-        headers: raw.headers.map(|h| match h {
-            HeaderStyleName::Ietf => HeaderStyle::Ietf,
-            HeaderStyleName::Legacy => HeaderStyle::Legacy,
-            HeaderStyleName::Both => HeaderStyle::Both,
-            HeaderStyleName::None => HeaderStyle::None,
-        }),
-        on_store_error: raw.on_store_error.map(|o| match o {
-            OnStoreErrorName::FailOpen => OnStoreError::FailOpen,
-            OnStoreErrorName::FailClosed => OnStoreError::FailClosed,
-        }),
-        on_stream: raw.on_stream.map(|m| match m {
-            StreamModeName::Settle => StreamMode::Settle,
-            StreamModeName::Shape => StreamMode::Shape,
-            StreamModeName::Police => StreamMode::Police,
-        }),
-        log_keys: raw.log_keys.map(|k| match k {
-            LogKeysName::Redacted => LogKeys::Redacted,
-            LogKeysName::Raw => LogKeys::Raw,
-        }),
-        header_format: raw.header_format.map(|f| match f {
-            HeaderFormatName::Draft10 => HeaderFormat::Draft10,
-            HeaderFormatName::Draft7 => HeaderFormat::Draft7,
-            HeaderFormatName::Draft6 => HeaderFormat::Draft6,
-        }),
+        headers: raw.headers,
+        on_store_error: raw.on_store_error,
+        on_stream: raw.on_stream,
+        log_keys: raw.log_keys,
+        header_format: raw.header_format,
         explain_missing_key: raw.explain_missing_key,
         refund_on,
         priority_header: raw.priority_header.map(|h| h.0),

@@ -38,7 +38,7 @@ pub(super) struct RawPolicy {
     pub(super) algorithm: Option<AlgorithmName>,
     pub(super) tiers: Spanned<Vec<RawTier>>,
     #[serde(default)]
-    pub(super) changed_tiers: Option<CarryName>,
+    pub(super) changed_tiers: Option<crate::store::Carry>,
 }
 
 /// `[[policies.NAME.tiers]]`: every field a tier of any kind may have. Which fields a kind
@@ -168,7 +168,7 @@ pub(super) struct RawRule {
     #[serde(default)]
     pub(super) trusted_proxies: Option<Spanned<Vec<Cidr>>>,
     #[serde(default)]
-    pub(super) forwarded_header: Option<Spanned<ForwardedName>>,
+    pub(super) forwarded_header: Option<Spanned<crate::key::ForwardedHeader>>,
     #[serde(default)]
     pub(super) ipv6_prefix: Option<Spanned<u8>>,
     #[serde(default)]
@@ -192,15 +192,15 @@ pub(super) struct RawRule {
     #[serde(default)]
     pub(super) tarpit: Option<HumanDuration>,
     #[serde(default)]
-    pub(super) headers: Option<HeaderStyleName>,
+    pub(super) headers: Option<crate::HeaderStyle>,
     #[serde(default)]
-    pub(super) on_store_error: Option<OnStoreErrorName>,
+    pub(super) on_store_error: Option<crate::OnStoreError>,
     #[serde(default)]
-    pub(super) on_stream: Option<StreamModeName>,
+    pub(super) on_stream: Option<crate::StreamMode>,
     #[serde(default)]
-    pub(super) log_keys: Option<LogKeysName>,
+    pub(super) log_keys: Option<crate::LogKeys>,
     #[serde(default)]
-    pub(super) header_format: Option<HeaderFormatName>,
+    pub(super) header_format: Option<crate::HeaderFormat>,
     #[serde(default)]
     pub(super) explain_missing_key: Option<bool>,
     #[serde(default)]
@@ -525,25 +525,6 @@ impl TryFrom<String> for MissingKeyName {
     }
 }
 
-/// [`HeaderStyle`](crate::HeaderStyle) by name.
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub(super) enum HeaderStyleName {
-    Ietf,
-    Legacy,
-    Both,
-    None,
-}
-
-/// [`HeaderFormat`](crate::HeaderFormat) by name: `draft10`, `draft7`, `draft6`.
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub(super) enum HeaderFormatName {
-    Draft10,
-    Draft7,
-    Draft6,
-}
-
 /// A response status a rule's `refund_on` lists: `"503"`, or a class, `"5xx"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum StatusMatch {
@@ -582,64 +563,59 @@ impl TryFrom<String> for StatusMatch {
     }
 }
 
-/// [`OnStoreError`](crate::OnStoreError) by name.
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub(super) enum OnStoreErrorName {
-    FailOpen,
-    FailClosed,
-}
-
-/// [`StreamMode`](crate::StreamMode) by name: `on_stream = "settle"`, `"shape"` or
-/// `"police"`.
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub(super) enum StreamModeName {
-    Settle,
-    Shape,
-    Police,
-}
-
-/// [`Carry`](crate::store::Carry) by name: `changed_tiers = "start_full"` or
-/// `"carry_used_fraction"`.
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub(super) enum CarryName {
-    StartFull,
-    CarryUsedFraction,
-}
-
-impl From<CarryName> for crate::store::Carry {
-    fn from(name: CarryName) -> Self {
-        match name {
-            CarryName::StartFull => Self::StartFull,
-            CarryName::CarryUsedFraction => Self::UsedFraction,
-        }
-    }
-}
-
-/// [`LogKeys`](crate::LogKeys) by name.
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub(super) enum LogKeysName {
-    Redacted,
-    Raw,
-}
-
-/// [`ForwardedHeader`](crate::key::ForwardedHeader) by the header's name.
-#[derive(Debug, Clone, Copy, Deserialize)]
-pub(super) enum ForwardedName {
-    #[serde(rename = "x-forwarded-for")]
-    XForwardedFor,
-    #[serde(rename = "forwarded")]
-    Forwarded,
-    #[serde(rename = "x-real-ip")]
-    XRealIp,
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The settings a file names, read into the public types by the names the docs give.
+    #[test]
+    fn settings_read_by_their_names() {
+        use crate::key::ForwardedHeader as F;
+        use crate::store::Carry;
+        use crate::{HeaderFormat, HeaderStyle, LogKeys, OnStoreError, StreamMode};
+        #[derive(Deserialize)]
+        struct Value<T> {
+            v: T,
+        }
+        fn read<T: for<'de> Deserialize<'de>>(name: &str) -> Result<T, String> {
+            let doc = format!("v = \"{name}\"");
+            toml::from_str::<Value<T>>(&doc).map(|w| w.v).map_err(|e| e.message().to_owned())
+        }
+        let styles = [
+            ("ietf", HeaderStyle::Ietf),
+            ("legacy", HeaderStyle::Legacy),
+            ("both", HeaderStyle::Both),
+            ("none", HeaderStyle::None),
+        ];
+        for (name, style) in styles {
+            assert_eq!(read(name), Ok(style));
+        }
+        let formats = [
+            ("draft10", HeaderFormat::Draft10),
+            ("draft7", HeaderFormat::Draft7),
+            ("draft6", HeaderFormat::Draft6),
+        ];
+        for (name, format) in formats {
+            assert_eq!(read(name), Ok(format));
+        }
+        assert_eq!(read("fail_open"), Ok(OnStoreError::FailOpen));
+        assert_eq!(read("fail_closed"), Ok(OnStoreError::FailClosed));
+        assert_eq!(read("settle"), Ok(StreamMode::Settle));
+        assert_eq!(read("shape"), Ok(StreamMode::Shape));
+        assert_eq!(read("police"), Ok(StreamMode::Police));
+        assert_eq!(read("start_full"), Ok(Carry::StartFull));
+        assert_eq!(read("carry_used_fraction"), Ok(Carry::UsedFraction));
+        assert_eq!(read("redacted"), Ok(LogKeys::Redacted));
+        assert_eq!(read("raw"), Ok(LogKeys::Raw));
+        assert_eq!(read("x-forwarded-for"), Ok(F::XForwardedFor));
+        assert_eq!(read("forwarded"), Ok(F::Forwarded));
+        assert_eq!(read("x-real-ip"), Ok(F::XRealIp));
+        assert_eq!(
+            read::<HeaderStyle>("Ietf"),
+            Err("unknown variant `Ietf`, expected one of `ietf`, `legacy`, `both`, `none`".into())
+        );
+        assert!(read::<Carry>("used_fraction").is_err());
+    }
 
     fn path(s: &str) -> Result<PathPattern, String> {
         PathPattern::try_from(s.to_owned())

@@ -128,6 +128,7 @@ fn no_peer(extractor: &'static str) -> KeyMissing {
 
 /// Which header a trusted proxy writes the client address to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "config", derive(serde::Deserialize), serde(rename_all = "kebab-case"))]
 #[non_exhaustive]
 pub enum ForwardedHeader {
     /// `X-Forwarded-For: client, proxy1, proxy2` (the de-facto standard).

@@ -63,6 +63,7 @@ impl Default for MissingKey {
 /// way the failure is logged once when it starts and once when it ends, and counted
 /// (`tollgate_store_failures_total`, feature `metrics`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "config", derive(serde::Deserialize), serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum OnStoreError {
     /// Answer 503 Service Unavailable with `Retry-After: 1` and a problem+json body (a gRPC

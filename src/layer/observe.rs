@@ -49,6 +49,7 @@ pub struct DecisionEvent<'a> {
 
 /// How keys appear in the layer's log events.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "config", derive(serde::Deserialize), serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum LogKeys {
     /// A keyed hash of the key, stable within the process ([`key::Redacted`](crate::key::Redacted)):

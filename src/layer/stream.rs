@@ -126,6 +126,7 @@ const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 /// [`Settle`](Self::Settle), charge a call one message each way at admission and settle it
 /// at the messages counted when the call ends, never slowing nor stopping it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "config", derive(serde::Deserialize), serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum StreamMode {
     /// One unit at admission, settled at the bytes counted when the body ends (the default):

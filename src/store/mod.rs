@@ -84,6 +84,7 @@ use crate::quota::Priority;
 /// # }
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "config", derive(serde::Deserialize), serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum Carry {
     /// The changed tier starts full for every key, as if no request had been made (the
@@ -102,6 +103,7 @@ pub enum Carry {
     /// stays there (unchanged tiers lose nothing); and a `MemoryStore` carries keys only while
     /// it has room for them beside the old binding's (`max_keys`), so size it for twice the
     /// keys you keep if you reload.
+    #[cfg_attr(feature = "config", serde(rename = "carry_used_fraction"))]
     UsedFraction,
 }
 
