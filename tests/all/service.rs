@@ -374,7 +374,10 @@ async fn refusals_of_http1_requests_with_a_body_close_the_connection() {
     let first = svc.clone().oneshot(with(http::Version::HTTP_11, &[], true)).await.unwrap();
     assert_eq!(first.status(), StatusCode::OK);
     use http::Version as V;
-    let cases: [(V, &[(&'static str, &str)], bool, StatusCode, Option<&str>); 8] = [
+    // The version, the headers, whether the request has a key, the status, `Connection`.
+    type Case =
+        (V, &'static [(&'static str, &'static str)], bool, StatusCode, Option<&'static str>);
+    let cases: [Case; 8] = [
         (
             V::HTTP_11,
             &[("content-length", "5")],
