@@ -196,6 +196,14 @@ local function zkey(k, pol, tier)
   return KEYS[k + tier.q]
 end
 
+-- The slots held in the lease set `z` at `ms` (milliseconds since the epoch): the expired
+-- leases dropped, the rest counted. An empty (absent) set, the common case, costs one command.
+local function count_held(z, ms)
+  local h = call('ZCARD', z)
+  if h > 0 then h = h - call('ZREMRANGEBYSCORE', z, '-inf', num(ms)) end
+  return h
+end
+
 -- The lease set of concurrency tier `tier`, and the slots held. Expired leases are dropped
 -- and the rest counted on the first look of the batch; then the count follows what the
 -- batch adds and removes (every batch decides at one instant, so nothing expires meanwhile).
@@ -203,8 +211,7 @@ local function held(st, tier)
   local z = zkey(st.k, st.pol, tier)
   local h = st.held[tier.q]
   if not h then
-    call('ZREMRANGEBYSCORE', z, '-inf', num(now_ms(st)))
-    h = call('ZCARD', z)
+    h = count_held(z, now_ms(st))
     st.held[tier.q] = h
   end
   return z, h
@@ -770,8 +777,7 @@ local function flat_held(st, tier)
   local z = KEYS[st[1] + tier.q]
   local h = st[x]
   if not h then
-    call('ZREMRANGEBYSCORE', z, '-inf', num(flat_ms(st)))
-    h = call('ZCARD', z)
+    h = count_held(z, flat_ms(st))
     st[x] = h
   end
   return z, h
