@@ -29,6 +29,12 @@
 -- reply   per check as main.lua's (a concurrency tier's reset is left to the binding, which
 --         knows the typical hold); per refresh, 1 or 0 per concurrency tier (every slot was
 --         still leased); nothing per settlement.
+--
+-- Two drivers over that one layout: the general one (`load`, `check`, `settle`, `refresh`
+-- and the write-back), and the flat path (`flat_batch`): a batch of policed checks and
+-- releases of policies whose rate tiers are GCRA with whole-unit emission intervals, without
+-- reserves or penalty boxes, decided as the general driver decides them with per-key state in
+-- one array. Both read and write the same stored state, so nodes running either agree.
 
 -- Windows a shaped request may be reserved in (calendar::LOOKAHEAD).
 local LOOKAHEAD = 8
