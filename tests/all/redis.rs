@@ -19,7 +19,8 @@ use tollgate::store::{
 };
 use tollgate::{
     Algorithm, Calendar, CalendarPeriod, Concurrency, Decision, Limiter, OnStoreError, Penalty,
-    Policy, Priority, Quota, RateLimitLayer, Reserve, Source, StoreError, TierKind, Unit,
+    Policy, Priority, Quota, RateLimitLayer, Reservation, Reserve, Source, StoreError, TierKind,
+    Unit,
 };
 
 /// One check of `cost` units for `key` under `policy`, through `store`.
@@ -1586,6 +1587,79 @@ async fn calendar_windows_across_daylight_saving_and_month_ends_decide_like_memo
         retries,
         [None, Some(500), None, Some(60_000), None, None, Some(60_000), None],
         "refused until the next window: Sunday in Berlin, April in New York"
+    );
+}
+
+/// Policed checks and releases of a GCRA rate tier (a whole-unit interval) beside a calendar
+/// and a concurrency tier, the case the Redis script decides on its flat path, decide like
+/// memory through each kind of refusal: the slots full (the typical hold), the rate, the day
+/// spent (until midnight in Berlin) and a cost above capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gcra_beside_a_calendar_and_slots_refuses_like_memory() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let policy = Policy::builder("flat")
+        .tier("rate", Quota::per_second(2).with_burst(3))
+        .calendar("day", Calendar::per_day(5).in_time_zone("Europe/Berlin"))
+        .concurrency("slots", Concurrency::new(2).with_typical_hold(Duration::from_millis(250)))
+        .build()
+        .unwrap();
+    let clock = FakeClock::new();
+    clock.set(instant("2025-03-29T22:59:58Z")); // 23:59:58 on Saturday in Berlin
+    let redis = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "flat:".into());
+    let redis = Limiter::with_store(policy.clone(), redis).unwrap();
+    let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let memory = Limiter::with_store(policy, memory).unwrap();
+    let mut held = Vec::new();
+    let mut seen = Vec::new();
+    // (milliseconds to advance, cost to reserve; 0 releases the oldest reservation held)
+    let steps = [
+        (0, 1),
+        (0, 1),
+        (0, 1), // both slots held
+        (0, 0),
+        (0, 1),
+        (0, 0),
+        (0, 0),
+        (0, 1), // the rate: 3 in 0 s with a burst of 3
+        (500, 1),
+        (0, 0),
+        (1_000, 1), // the day's fifth
+        (0, 0),
+        (400, 1), // the day spent, 100 ms before midnight in Berlin
+        (100, 1), // Sunday
+        (0, 4),   // above the burst and the slots
+    ];
+    for (advance, cost) in steps {
+        clock.advance(Duration::from_millis(advance));
+        if cost == 0 {
+            let (m, r): (Reservation<MemoryStore>, Reservation<RedisStore>) = held.remove(0);
+            m.release().await.unwrap();
+            r.release().await.unwrap();
+            continue;
+        }
+        let m = memory.reserve(&Key::Global, cost).await.unwrap();
+        let r = redis.reserve(&Key::Global, cost).await.unwrap();
+        assert_eq!(m.decision(), r.decision(), "check {}", seen.len());
+        let d = r.decision();
+        seen.push((d.is_allowed(), d.retry_after().map(|d| d.as_millis())));
+        if d.is_allowed() {
+            held.push((m, r));
+        }
+    }
+    assert_eq!(
+        seen,
+        [
+            (true, None),
+            (true, None),
+            (false, Some(250)),
+            (true, None),
+            (false, Some(500)),
+            (true, None),
+            (true, None),
+            (false, Some(100)),
+            (true, None),
+            (false, None),
+        ]
     );
 }
 
