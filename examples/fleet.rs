@@ -16,7 +16,8 @@
 //! - `checks_per_s`: checks decided per second, hot and cold, admitted or refused (56 tasks
 //!   check the hot key, 8 the cold keys);
 //! - `redis_cpu_us_per_admitted`: the server's CPU (`INFO cpu`, `used_cpu_sys +
-//!   used_cpu_user`, before and after) per admitted check, hot and cold
+//!   used_cpu_user`, before and after) per admitted check, hot and cold, in lease mode the
+//!   give-back of the blocks held at the end included
 //!   (`redis_cpu_us_per_refused` too on the attack lines);
 //! - `admitted_worst_window`, `limit_per_window`: for the window tier, the most the hot key
 //!   admitted in one fixed window (each admission placed in its window by the decision's
@@ -223,6 +224,15 @@ async fn line(
         }
     }
     let elapsed = start.elapsed().as_secs_f64();
+    if lease {
+        // The blocks still held are given back within this line's Redis CPU (not the next
+        // line's, as when the limiters' drop gave them back): once their lifetime (100 ms)
+        // ended.
+        tokio::time::sleep(Duration::from_millis(110)).await;
+        for l in &limiters {
+            l.bound().return_ended_leases().await;
+        }
+    }
     if debug {
         for l in &limiters {
             eprintln!("{:?} keys={}", l.bound().lease_stats(), l.bound().leased_keys());

@@ -2,7 +2,10 @@
 //! `LimitsLayer` over its own leasing `RedisStore`, share one fixed window on a real
 //! redis-server. A reload that keeps the policy keeps its binding and its blocks; one that
 //! changes the quota binds it anew. Either way the window admits exactly its limit (lease mode
-//! admits no unit beyond a window's limit), counted over both instances.
+//! admits no unit beyond a window's limit), counted over both instances. The same for a GCRA
+//! policy leased with prefetching, on a clock that stands still (nothing refills, so the
+//! burst is what may be admitted, and what the instances hold or fetch ahead through the
+//! reload is neither lost nor admitted twice).
 #![cfg(all(feature = "redis", feature = "config"))]
 
 use crate::support;
@@ -21,10 +24,16 @@ use tollgate::store::{Lease, RedisStore};
 
 /// `count` requests an hour in a fixed window, on one key for every request.
 fn config(count: u64, name: &str) -> LimitsConfig {
+    config_of("fixed_window", count, name)
+}
+
+/// `count` requests an hour with `algorithm` (a burst of `count` for GCRA), on one key for
+/// every request.
+fn config_of(algorithm: &str, count: u64, name: &str) -> LimitsConfig {
     let text = format!(
         r#"
 [policies.api]
-algorithm = "fixed_window"
+algorithm = "{algorithm}"
 tiers = [{{ name = "hourly", count = {count}, period = "1h" }}]
 
 [[rules]]
@@ -39,12 +48,23 @@ policy = "api"
 /// Two instances of the app, each with its own store and connection, leasing `api` in blocks
 /// of at most 8; the stores' clock stands still, so the window never ends during the test.
 async fn fleet(server: &Server) -> Vec<(LimitsLayer<RedisStore>, support::Server)> {
+    let lease = Lease::new().max_block(8).lifetime(Duration::from_secs(30));
+    fleet_of(server, lease, config(100, "v1.toml")).await
+}
+
+/// Two instances of the app serving `config`, each with its own store and connection, leasing
+/// `api` with `lease`, on one clock that stands still.
+async fn fleet_of(
+    server: &Server,
+    lease: Lease,
+    config: LimitsConfig,
+) -> Vec<(LimitsLayer<RedisStore>, support::Server)> {
     let clock = FakeClock::new();
     let prefix = format!("lease-reload{}:", fastrand::u32(..));
     let mut apps = Vec::new();
     for _ in 0..2 {
         let store = RedisStore::builder(server.url())
-            .lease_policy("api", Lease::new().max_block(8).lifetime(Duration::from_secs(30)))
+            .lease_policy("api", lease)
             .clock(clock.clone())
             .prefix(prefix.clone())
             // The fake clock stands still in real time: keep keys for the whole test.
@@ -52,7 +72,7 @@ async fn fleet(server: &Server) -> Vec<(LimitsLayer<RedisStore>, support::Server
             .timeout(Duration::from_secs(5))
             .build()
             .unwrap();
-        let layer = LimitsLayer::with_store(config(100, "v1.toml"), store).unwrap();
+        let layer = LimitsLayer::with_store(config.clone(), store).unwrap();
         let app = Router::new().route("/", get(|| async { "ok" })).layer(layer.clone());
         apps.push((layer, support::serve(app).await));
     }
@@ -133,4 +153,83 @@ async fn leasing_instances_admit_the_window_exactly_across_reloads_under_traffic
         assert_eq!(reloaded.changed(), &["api".to_owned()][..]);
     }
     assert_eq!(drain(&apps, 100).await, 150);
+}
+
+/// A GCRA policy leased with prefetching (blocks of at most 64, fetched ahead in the
+/// background), reloaded under traffic by both instances: a reload that keeps the policy keeps
+/// its binding, its blocks and the prefetches in flight, so the burst (400; the clock stands
+/// still, nothing refills) is admitted exactly once over both instances, none of it stranded
+/// and none beyond it (the stated bound, 2 x 64 over any interval, is not even used: with
+/// nothing refilling, what Redis charges is all that can be admitted). A changed quota binds
+/// it anew, from a full burst of the new count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefetching_gcra_instances_admit_the_burst_exactly_across_reloads_under_traffic() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let lease = Lease::new().max_block(64).lifetime(Duration::from_secs(30)).prefetch(true);
+    let apps = Arc::new(fleet_of(&server, lease, config_of("gcra", 400, "v1.toml")).await);
+
+    // 8 clients, 100 requests each, alternating instances: 800 asks for a burst of 400.
+    let done = Arc::new(AtomicUsize::new(0));
+    let mut clients = Vec::new();
+    for c in 0..8 {
+        let (apps, done) = (Arc::clone(&apps), Arc::clone(&done));
+        clients.push(tokio::spawn(async move {
+            let client = support::client();
+            let mut ok = 0;
+            for i in 0..100 {
+                let reply = support::get(&client, &apps[(c + i) % 2].1.url("/"), &[]).await;
+                match reply.status {
+                    StatusCode::OK => ok += 1,
+                    StatusCode::TOO_MANY_REQUESTS => {}
+                    other => panic!("unexpected {other}"),
+                }
+                done.fetch_add(1, Ordering::SeqCst);
+            }
+            ok
+        }));
+    }
+    // Once blocks have grown enough to be fetched ahead (200 answers), both instances reload
+    // a file that keeps the policy.
+    for _ in 0..10_000 {
+        if done.load(Ordering::SeqCst) >= 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let prefetched_before: u64 = apps
+        .iter()
+        .map(|(layer, _)| layer.handle().limiter("api").expect("bound").bound().lease_stats())
+        .map(|s| s.prefetched)
+        .sum();
+    for (layer, _) in apps.iter() {
+        let reloaded = layer.handle().reload(config_of("gcra", 400, "v2.toml")).unwrap();
+        assert_eq!(reloaded.kept(), &["api".to_owned()][..]);
+    }
+    assert!(done.load(Ordering::SeqCst) < 800, "the reloads happened under traffic");
+    let mut ok = 0;
+    for client in clients {
+        ok += client.await.expect("no client task failed");
+    }
+    // What the instances still hold is spent by asking each of them again: the burst exactly.
+    ok += drain(&apps, 100).await;
+    assert_eq!(ok, 400);
+    let stats: Vec<_> = apps
+        .iter()
+        .map(|(layer, _)| layer.handle().limiter("api").expect("bound").bound().lease_stats())
+        .collect();
+    let prefetched: u64 = stats.iter().map(|s| s.prefetched).sum();
+    assert!(prefetched_before > 0, "blocks were fetched ahead before the reload: {stats:?}");
+    for s in &stats {
+        // Every admission came from a block of the binding started with, kept by the reload.
+        assert!(s.grants > 0 && s.decided_locally > 0, "{s:?}");
+        assert!(s.units_granted - s.units_returned <= 400, "{s:?}");
+    }
+    assert!(prefetched >= prefetched_before);
+
+    // A changed quota binds the policy anew, from a full burst of the new count.
+    for (layer, _) in apps.iter() {
+        let reloaded = layer.handle().reload(config_of("gcra", 500, "v3.toml")).unwrap();
+        assert_eq!(reloaded.changed(), &["api".to_owned()][..]);
+    }
+    assert_eq!(drain(&apps, 300).await, 500);
 }

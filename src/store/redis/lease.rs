@@ -62,8 +62,10 @@ const CAPACITY: usize = 4096;
 /// has little left at any instant, so a quarter of it is a few units and each instance would
 /// call Redis every few checks, and for every refused check. For these algorithms Redis
 /// grants instead, when it is more, up to a **useful block** of what the key has, however
-/// little: what every tier refills in 1 ms, a quarter of its burst at most, and at most the
-/// block asked for (at least 1 unit). The same call returns the instant a useful block will
+/// little: what every tier refills in 2 ms, or in two of this instance's round trips to
+/// Redis when that is longer ([`LeaseStats::round_trip`]: one instance takes one block per
+/// round trip, so a smaller block could not keep up with the key's rate), a quarter of its
+/// burst at most, and at most the block asked for (at least 1 unit). The same call returns the instant a useful block will
 /// be there again (from the tiers' state after the grant, as GCRA's theoretical arrival time
 /// gives it). Once this instance has spent what it got, it refuses the key's checks itself
 /// until that instant, with no call, and with the rest of the wait as `retry_after`: the time
@@ -75,15 +77,16 @@ const CAPACITY: usize = 4096;
 /// to refill half its burst (or the wait Redis gave, when that is longer). At the key's rate
 /// Redis then sees about one call per useful block for up to as many instances as useful
 /// blocks refill in half the burst's refill time, and beyond that one call per instance per
-/// half the burst's refill (at 400,000 a second with a burst of 4,000: blocks of 400 refill
-/// in 1 ms and half the burst in 5 ms, so about 1,000 calls a second for up to 5 instances,
-/// then 200 per instance).
+/// half the burst's refill (at 400,000 a second with a burst of 4,000 and blocks of at most
+/// 512: useful blocks of 512 refill in 1.28 ms and half the burst in 5 ms, so about 780 calls
+/// a second for up to 3 instances, then 200 per instance).
 ///
 /// The wait admits nothing, so the bound below is unchanged. What it costs is
 /// under-admission, and that is bounded: right after a grant the wait for a useful block is
-/// at most its refill (1 ms at the key's rate, or one emission interval for a key refilling
-/// less than a unit a millisecond, which is then the exact refusal's own wait), so every wait
-/// is at most half the time the key takes to fill from empty. An instance waits only when
+/// at most its refill (2 ms or two round trips at the key's rate, or one emission interval
+/// for a key refilling less than a unit in that time, which is then the exact refusal's own
+/// wait; a useful block being a quarter of the burst at most, that is a quarter of the time
+/// the key takes to fill from empty at most), so every wait is at most half that time. An instance waits only when
 /// the key has less than a useful block (a quarter of the burst at most) left, so the key is
 /// at most three quarters full when the wait ends: the units that build up meanwhile stay in
 /// Redis for the next call of any instance, and with demand above the limit no refill is
@@ -264,18 +267,24 @@ impl Lease {
 /// no call ahead of need and strands no block it will not spend.
 const PREFETCH_FROM: u64 = 16;
 
-/// How long a useful block takes to build up at a key's rate (see [`useful_block`]).
-const USEFUL_SPAN: Duration = Duration::from_millis(1);
+/// How long a useful block takes to build up at a key's rate at least (see [`useful_block`];
+/// longer when an instance's lease calls take longer, see [`Leases::useful_now`]).
+const USEFUL_SPAN: Duration = Duration::from_millis(2);
 
 /// The block an instance waits for on a GCRA or bucket key, in units: what every rate tier
 /// refills in [`USEFUL_SPAN`], a quarter of its burst at most, and at most `max_block`, but at
 /// least 1 (then it waits for the next unit, exactly as a refusal would). 0 for fixed windows,
 /// which keep the quarter rule alone: a window's units come back only when it ends.
 pub(crate) fn useful_block(policy: &Policy, max_block: u64) -> u64 {
+    useful_over(policy, max_block, duration_to_nanos(USEFUL_SPAN))
+}
+
+/// [`useful_block`] for what the tiers refill in `span` nanoseconds.
+fn useful_over(policy: &Policy, max_block: u64, span: u64) -> u64 {
     if policy.algorithm() == Algorithm::FixedWindow {
         return 0;
     }
-    let span = u128::from(duration_to_nanos(USEFUL_SPAN) / policy.unit());
+    let span = u128::from(span / policy.unit());
     rates(policy)
         .map(|r| {
             let refilled = u128::from(r.count) * span / u128::from(r.period.max(1));
@@ -365,6 +374,11 @@ pub struct LeaseStats {
     /// or refused (counted from when the check that starts one returns). Not counted in [`decided_on_redis`](Self::decided_on_redis); their grants
     /// are counted in [`grants`](Self::grants).
     pub prefetched: u64,
+    /// The round trip of this binding's lease calls, sent to answered (a moving average
+    /// weighting the latest call a quarter; zero before the first answer, and with an
+    /// injected clock that does not move during calls). It times prefetches and sizes the
+    /// useful block (see [`Lease`], "Block size").
+    pub round_trip: Duration,
 }
 
 #[derive(Default)]
@@ -783,7 +797,7 @@ impl Leases {
         }
         let size = held.next.saturating_mul(2).min(self.config.max_block);
         let block = size.checked_sub(held.left).filter(|b| *b > 0)?;
-        let useful = self.useful.min(block);
+        let useful = self.useful_now().min(block);
         Some((Ahead { block, useful }, held.key.clone()?))
     }
 
@@ -929,7 +943,7 @@ impl Leases {
         let block = held.next.max(cost);
         // A useful block covers the check asking (a weighted check waits for its own cost,
         // so a refusal's wait is never shorter than that check's); 0 stays 0 (windows).
-        let useful = if self.useful == 0 { 0 } else { self.useful.max(cost).min(block) };
+        let useful = if self.useful == 0 { 0 } else { self.useful_now().max(cost).min(block) };
         Begin { block, useful, rest, room: held.room }
     }
 
@@ -1051,6 +1065,21 @@ impl Leases {
         at.saturating_add(longer.min(wait.max(self.longest_wait)))
     }
 
+    /// The useful block a lease call asks for now (0 for windows): what every rate tier
+    /// refills in [`USEFUL_SPAN`] or in two round trips of this binding's lease calls, whichever
+    /// is longer (a quarter of the burst and `max_block` at most, as [`useful_block`]). An
+    /// instance takes at most one block per round trip on a key, so a block smaller than what
+    /// the key refills in a round trip cannot keep up with the key's rate, and one twice that
+    /// leaves the instance a round trip to ask for the next; larger blocks are also fewer
+    /// calls per unit.
+    fn useful_now(&self) -> u64 {
+        let span = self.round_trip.load(Ordering::Relaxed).saturating_mul(2);
+        if self.useful == 0 || span <= duration_to_nanos(USEFUL_SPAN) {
+            return self.useful;
+        }
+        useful_over(&self.policy, self.config.max_block, span)
+    }
+
     /// A leasing check called Redis.
     pub(crate) fn called(&self) {
         self.counters.remote.fetch_add(1, Ordering::Relaxed);
@@ -1157,6 +1186,7 @@ impl Leases {
             decided_on_redis: c.remote.load(Ordering::Relaxed),
             refused_locally: c.held.load(Ordering::Relaxed),
             prefetched: c.prefetched.load(Ordering::Relaxed),
+            round_trip: Duration::from_nanos(self.round_trip.load(Ordering::Relaxed)),
         }
     }
 
@@ -1289,9 +1319,10 @@ mod tests {
     }
 
     #[test]
-    fn the_useful_block_is_a_millisecond_of_refill_and_a_quarter_of_the_burst_at_most() {
+    fn the_useful_block_is_two_milliseconds_of_refill_and_a_quarter_of_the_burst_at_most() {
         let gcra = |rate, burst| Policy::single("p", Quota::per_second(rate).with_burst(burst));
-        assert_eq!(useful_block(&gcra(400_000, 4_000).unwrap(), 512), 400);
+        assert_eq!(useful_block(&gcra(400_000, 4_000).unwrap(), 2_048), 800);
+        assert_eq!(useful_block(&gcra(400_000, 4_000).unwrap(), 512), 512);
         assert_eq!(useful_block(&gcra(400_000, 4_000).unwrap(), 64), 64);
         assert_eq!(useful_block(&gcra(400_000, 800).unwrap(), 512), 200);
         // A slow key waits for its next unit: a refusal's own wait.
@@ -1301,19 +1332,54 @@ mod tests {
             .tier("minute", Quota::per_minute(6_000_000).with_burst(1_200))
             .build()
             .unwrap();
-        assert_eq!(useful_block(&two, 512), 100);
+        assert_eq!(useful_block(&two, 512), 200);
         let bucket = Policy::builder("b")
             .algorithm(Algorithm::TokenBucket)
             .tier("second", Quota::per_second(50_000).with_burst(10_000))
             .build()
             .unwrap();
-        assert_eq!(useful_block(&bucket, 512), 50);
+        assert_eq!(useful_block(&bucket, 512), 100);
         let window = Policy::builder("w")
             .algorithm(Algorithm::FixedWindow)
             .tier("second", Quota::per_second(400_000))
             .build()
             .unwrap();
         assert_eq!(useful_block(&window, 512), 0);
+    }
+
+    #[test]
+    fn the_useful_block_grows_to_two_round_trips_of_refill_when_calls_take_longer() {
+        // 400,000 a second, a burst of 40,000, blocks of at most 4,096: 800 units refill in
+        // 2 ms.
+        let p = Policy::single("p", Quota::per_second(400_000).with_burst(40_000)).unwrap();
+        let l = Arc::new(Leases::new(&p, Lease::new().max_block(4_096)));
+        assert_eq!((l.useful_now(), l.stats().round_trip), (800, Duration::ZERO));
+        // Round trips up to 1 ms: 2 ms of refill, as before any call.
+        l.observe(None, Some(S), Some(S + MS));
+        assert_eq!((l.useful_now(), l.stats().round_trip), (800, Duration::from_millis(1)));
+        // 1.2 ms: 2.4 ms of refill, 960 units, which a check taking a new block asks for.
+        l.round_trip.store(1_200_000, Ordering::Relaxed);
+        assert_eq!(l.useful_now(), 960);
+        let slot = l.slot(&Key::text("k")).unwrap();
+        slot.held.lock().unwrap().next = 4_096;
+        let b = l.begin(&slot, 1, Some(S));
+        assert_eq!((b.block, b.useful), (4_096, 960));
+        // 20 ms: 16,000 units refill; a quarter of the burst (10,000) and the largest block
+        // (4,096) at most, so the bound stays N x max_block.
+        l.round_trip.store(20 * MS, Ordering::Relaxed);
+        assert_eq!(l.useful_now(), 4_096);
+        let large = Leases::new(&p, Lease::new().max_block(20_000));
+        large.round_trip.store(20 * MS, Ordering::Relaxed);
+        assert_eq!(large.useful_now(), 10_000);
+        // Windows wait for no useful block, however long the calls.
+        let window = Policy::builder("w")
+            .algorithm(Algorithm::FixedWindow)
+            .tier("second", Quota::per_second(400_000))
+            .build()
+            .unwrap();
+        let l = Leases::new(&window, Lease::new().max_block(512));
+        l.round_trip.store(2 * MS, Ordering::Relaxed);
+        assert_eq!(l.useful_now(), 0);
     }
 
     #[test]
@@ -1343,8 +1409,7 @@ mod tests {
         let slot = l.slot(&Key::text("k")).unwrap();
         let b = l.begin(&slot, 1, Some(S));
         assert_eq!((b.block, b.useful), (1, 1));
-        // Redis had 3 units: all of them granted, and 400 (a millisecond of refill) there
-        // again 1 ms after the grant.
+        // Redis had 3 units: all of them granted, and 400 there again 1 ms after the grant.
         let d = l.granted(&slot, 1, grant(4_000, 0, 10 * MS), block(3, 3, S, S + MS));
         assert_eq!((d.outcome(), d.tiers()[0].remaining()), (Outcome::Allowed, 2));
         for _ in 0..2 {
@@ -1512,12 +1577,12 @@ mod tests {
         assert_eq!((t.decision.outcome, t.prefetch), (Outcome::Limited, true));
         assert_eq!(t.decision.retry_after, 300_000);
         let (ahead, _) = l.ahead(&slot, Some(S + 700_000)).unwrap();
-        assert_eq!((ahead.block, ahead.useful), (512, 400));
+        assert_eq!((ahead.block, ahead.useful), (512, 512));
         // Redis refused it (others took what built up): refused until its share is back,
         // half the burst's refill at most, and still no call before.
         let tiers: Tiers = smallvec![TierDecision::new(4_000, 0, 10 * MS, Some(2_500), true)];
         let refusal = Decision::new(Outcome::Limited, 0, Some(2_500), tiers);
-        l.prefetch_refused(&slot, &refusal, S + 850_000, S + 1_850_000, 400);
+        l.prefetch_refused(&slot, &refusal, S + 850_000, S + 1_850_000, 512);
         slot.held.lock().unwrap().fetching = false;
         let t = l.take(&slot, 1, Some(S + MS)).unwrap();
         assert_eq!((t.decision.outcome, t.decision.retry_after), (Outcome::Limited, 4_850_000));

@@ -1,6 +1,8 @@
 //! The scripts (`lua/`) and what a call sends and receives: one script per algorithm family,
-//! each a shared prelude and the family's arithmetic assembled at compile time; every check of
-//! a batch packed as little-endian doubles; the reply turned back into decisions.
+//! each a shared prelude and the family's arithmetic assembled at compile time (but the GCRA
+//! fast path, `lua/gcra.lua`, which is whole: it runs on every lease call and most checks,
+//! and leaves out the prelude's helpers, which a call would create every time); every check
+//! of a batch packed as little-endian doubles; the reply turned back into decisions.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -51,7 +53,7 @@ const CALENDAR_MARGIN_SECS: u64 = 60;
 /// The scripts' families: a batch holds checks of one family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) enum Family {
-    /// GCRA with whole-unit emission intervals: `lua/gcra.lua`.
+    /// GCRA with whole-unit emission intervals: `lua/gcra.lua` (self-contained, no prelude).
     Gcra,
     /// GCRA, token bucket, leaky bucket: `lua/rate.lua`.
     Rate,
@@ -68,9 +70,7 @@ pub(crate) enum Family {
     KindsLog,
 }
 
-static GCRA: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(include_str!("lua/prelude.lua"), include_str!("lua/gcra.lua")))
-});
+static GCRA: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/gcra.lua")));
 static RATE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         include_str!("lua/prelude.lua"),

@@ -1,30 +1,93 @@
--- GCRA whose emission intervals are whole units (the common case): one string per key holding
--- every tier's TAT, read once and written once per batch, and no mixed-radix arithmetic. Makes
--- the decisions of rate.lua and src/algorithm/gcra.rs (`WholeGcra`).
--- A policy's tier parameters: T and tau (= T x burst), in units. Written for speed: the
--- per-check work allocates nothing but the key's state, once per key.
+-- tollgate: GCRA whose emission intervals are whole units (the common case), as one
+-- self-contained script: one string per key holding every tier's TAT, read once and written
+-- once per batch, and no mixed-radix arithmetic. Makes the decisions of rate.lua and
+-- src/algorithm/gcra.rs (`WholeGcra`), with the arguments and reply of prelude.lua (see there).
+--
+-- Written for Redis's time: it leaves out the shared prelude, whose two dozen helper functions
+-- and tables a script call creates on every call (a Lua closure or table is an allocation,
+-- and this script runs on every check and lease call of the GCRA policies), and it allocates
+-- per call only its argument and reply tables, two per policy and one per key. It reads a
+-- single key with GET (the common case: one check or one lease call), several with one MGET.
 
-local POL = policies(2)
-local C = doubles(ARGV[3])
-local STORED = stored(C, POL)
+local call, floor, ceil, max, tonumber = redis.call, math.floor, math.ceil, math.max, tonumber
+local sunpack, spack, srep = struct.unpack, struct.pack, string.rep
+
+local now_s, now_ns
+do
+  local flag, s, ns = sunpack('<ddd', ARGV[1])
+  if flag == 0 then
+    local t = call('TIME')
+    now_s, now_ns = tonumber(t[1]), tonumber(t[2]) * 1000
+  else
+    now_s, now_ns = s, ns
+  end
+end
+
+-- The batch's policies (ARGV[2]: unit, ttl grace, algorithm, tiers, then per tier T and tau,
+-- in units): per policy its tiers' T and tau, and its clock (units per second, and the unit
+-- of its second that now falls in).
+local POL = {}
+do
+  local a = ARGV[2]
+  local P = { sunpack('<' .. srep('d', #a / 8), a) }
+  local i, np = 1, #P - 1 -- struct.unpack's last value is the next position
+  while i <= np do
+    local unit, n = P[i], P[i + 3]
+    local T, tau = {}, {}
+    for t = 1, n do
+      T[t], tau[t] = P[i + 2 + 2 * t], P[i + 3 + 2 * t]
+    end
+    POL[#POL + 1] = { unit = unit, grace = P[i + 1], n = n, T = T, tau = tau,
+                      per = 1e9 / unit, u = floor(now_ns / unit) }
+    i = i + 4 + 2 * n
+  end
+end
+
+local C = { sunpack('<' .. srep('d', #ARGV[3] / 8), ARGV[3]) }
+local nc = #C - 1
+
+-- Every key the checks name, with its stored value (false when absent).
+local STORED = {}
+do
+  local names, i = {}, 1
+  while i <= nc do
+    local name = KEYS[C[i + 1]]
+    if STORED[name] == nil then
+      STORED[name] = false
+      names[#names + 1] = name
+    end
+    local op = C[i]
+    if op == 1 then i = i + 5
+    elseif op == 2 then i = i + 5 + 3 * POL[C[i + 2]].n
+    else i = i + 8 + 3 * POL[C[i + 2]].n end
+  end
+  if #names == 1 then
+    STORED[names[1]] = call('GET', names[1])
+  elseif #names > 1 then
+    local values = call('MGET', unpack(names))
+    for j = 1, #names do STORED[names[j]] = values[j] end
+  end
+end
+
+local reply, nreply = {}, 0
 -- Per key (by name): its TATs relative to now (0 for a fresh key: GCRA only compares them
 -- with now), its policy, and whether it changed.
 local TAT, KPOL, DIRTY, order = {}, {}, {}, {}
-local nc = #C
 
 local i = 1
 while i <= nc do
   local op, pol = C[i], POL[C[i + 2]]
-  local n, tiers = pol.n, pol.tiers
+  local n, Ts, taus = pol.n, pol.T, pol.tau
   local name = KEYS[C[i + 1]]
   local tat = TAT[name]
   if not tat then
     tat = {}
     local packed = STORED[name]
-    local c = clock_of(pol.unit)
     if packed then
-      local raw = doubles(packed)
-      for t = 1, n do tat[t] = (raw[2 * t - 1] - c.s) * c.per + (raw[2 * t] - c.u) end
+      -- Absolute (seconds, units) pairs, made relative to now.
+      local raw = { sunpack('<' .. srep('d', #packed / 8), packed) }
+      local per, u = pol.per, pol.u
+      for t = 1, n do tat[t] = (raw[2 * t - 1] - now_s) * per + (raw[2 * t] - u) end
     else
       for t = 1, n do tat[t] = 0 end
     end
@@ -38,11 +101,10 @@ while i <= nc do
     local old, new = C[s], C[s + 1]
     if old ~= new then
       -- Every tier was charged at the same instant.
-      local c = clock_of(pol.unit)
-      local at = (C[s + 2] - c.s) * c.per + (C[s + 3] - c.u)
+      local at = (C[s + 2] - now_s) * pol.per + (C[s + 3] - pol.u)
       if at < 0 then at = 0 end
       for t = 1, n do
-        local T = tiers[t].T
+        local T = Ts[t]
         if new < old then
           tat[t] = tat[t] - (old - new) * T
         else
@@ -67,12 +129,12 @@ while i <= nc do
       useful = C[i + 5]
       local avail = nil
       for t = 1, n do
-        local tier = tiers[t]
+        local T = Ts[t]
         local b = tat[t]
         if b < 0 then b = 0 end
-        local room = tier.tau - b
-        local q = floor(room / tier.T)
-        if q * tier.T > room then q = q - 1 elseif (q + 1) * tier.T <= room then q = q + 1 end
+        local room = taus[t] - b
+        local q = floor(room / T)
+        if q * T > room then q = q - 1 elseif (q + 1) * T <= room then q = q + 1 end
         if not avail or q < avail then avail = q end
       end
       local take = floor(avail / 4)
@@ -86,11 +148,11 @@ while i <= nc do
     if budget < 0 then budget = 0 end
     local over, wait = false, 0
     for t = 1, n do
-      local tier = tiers[t]
+      local T, tau = Ts[t], taus[t]
       if tat[t] < 0 then tat[t] = 0 end
-      local o = tat[t] + cost * tier.T - tier.tau
+      local o = tat[t] + cost * T - tau
       if o > wait then wait = o end
-      if cost * tier.T > tier.tau then over = true end
+      if cost * T > tau then over = true end
     end
     local outcome, delay, retry = 1, 0, -1
     if over then
@@ -103,7 +165,7 @@ while i <= nc do
         for t = 1, n do
           local b = tat[t]
           if b < wait then b = wait end
-          tat[t] = b + cost * tiers[t].T
+          tat[t] = b + cost * Ts[t]
         end
         DIRTY[name] = true
       end
@@ -112,8 +174,7 @@ while i <= nc do
     reply[r + 1], reply[r + 2], reply[r + 3] = outcome, delay, retry
     r = r + 3
     for t = 1, n do
-      local tier = tiers[t]
-      local T, tau = tier.T, tier.tau
+      local T, tau = Ts[t], taus[t]
       local b = tat[t]
       local room = tau - b
       local q = floor(room / T)
@@ -136,8 +197,7 @@ while i <= nc do
       local hold = 0
       if useful > 0 and outcome ~= 2 then
         for t = 1, n do
-          local tier = tiers[t]
-          local h = tat[t] + useful * tier.T - tier.tau
+          local h = tat[t] + useful * Ts[t] - taus[t]
           if h > hold then hold = h end
         end
       end
@@ -155,23 +215,34 @@ for j = 1, #order do
   local name = order[j]
   if DIRTY[name] then
     local pol, tat = KPOL[name], TAT[name]
-    local c = clock_of(pol.unit)
+    local per = pol.per
     local ttl, v = 0, {}
     for t = 1, pol.n do
       local rt = tat[t]
       if rt > ttl then ttl = rt end
-      local u = c.u + rt
-      local s = floor(u / c.per)
-      if s * c.per > u then s = s - 1 elseif (s + 1) * c.per <= u then s = s + 1 end
-      v[2 * t - 1], v[2 * t] = c.s + s, u - s * c.per
+      local u = pol.u + rt
+      local s = floor(u / per)
+      if s * per > u then s = s - 1 elseif (s + 1) * per <= u then s = s + 1 end
+      v[2 * t - 1], v[2 * t] = now_s + s, u - s * per
     end
     if ttl > 0 then
       -- Milliseconds below 1e14: Lua writes them exactly.
-      call('SET', name, pack(v), 'PX', ceil(ttl * pol.unit / 1e6) + pol.grace)
+      call('SET', name, spack('<' .. srep('d', 2 * pol.n), unpack(v)), 'PX', ceil(ttl * pol.unit / 1e6) + pol.grace)
     else
       call('DEL', name)
     end
   end
 end
 
-return finish()
+-- The reply: the checks' numbers, then the instant decided at (in chunks: unpack() returns at
+-- most a few thousand values).
+reply[nreply + 1], reply[nreply + 2] = now_s, now_ns
+nreply = nreply + 2
+if nreply <= 4000 then return spack('<' .. srep('d', nreply), unpack(reply, 1, nreply)) end
+local parts = {}
+for j = 1, nreply, 4000 do
+  local k = j + 3999
+  if k > nreply then k = nreply end
+  parts[#parts + 1] = spack('<' .. srep('d', k - j + 1), unpack(reply, j, k))
+end
+return table.concat(parts)
