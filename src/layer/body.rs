@@ -1,6 +1,6 @@
 //! [`RequestBody`]: the request body the inner service receives, counted as it streams;
 //! [`ResponseBody`]: the inner service's body, or the bytes of a response the layer made.
-//! Both are one [`Observed`] body, observed by one [`Meter`] per layer that meters it, with one
+//! Both are one [`Metered`] body, observed by one [`Meter`] per layer that meters it, with one
 //! rule for a body that finishes, is abandoned or is dropped (see [`Meter`]).
 
 use std::fmt;
@@ -31,7 +31,7 @@ pin_project! {
     /// data is any `Buf`): each waits, whole, until every gate has room
     /// ([`poll_whole`](Self::poll_whole)). A response's frames are cut to their leases, each
     /// meter reading what the meters inside it let out ([`poll_cut`](Self::poll_cut)).
-    pub(crate) struct Observed<B> {
+    pub(crate) struct Metered<B> {
         #[pin]
         body: B,
         // `None` (one pointer, no allocation) for a body nothing meters.
@@ -39,7 +39,7 @@ pin_project! {
     }
 }
 
-impl<B> Observed<B> {
+impl<B> Metered<B> {
     fn new(body: B) -> Self {
         Self { body, meters: None }
     }
@@ -63,7 +63,7 @@ impl<B> Observed<B> {
 
     /// Adds the meters of an outer layer, which see what this body's own meters let out.
     #[cfg(feature = "config")]
-    fn observed_by(&mut self, outer: Option<Box<Meters>>) {
+    fn metered_by(&mut self, outer: Option<Box<Meters>>) {
         if let Some(outer) = outer {
             self.meters.get_or_insert_with(Box::default).extend(*outer);
         }
@@ -125,40 +125,40 @@ pin_project! {
     /// ```
     pub struct RequestBody<B> {
         #[pin]
-        observed: Observed<B>,
+        metered: Metered<B>,
     }
 }
 
 impl<B> RequestBody<B> {
     /// `body`, counted by no one (until a layer counts it).
     pub fn new(body: B) -> Self {
-        Self { observed: Observed::new(body) }
+        Self { metered: Metered::new(body) }
     }
 
     /// The request's own body.
     pub fn get_ref(&self) -> &B {
-        &self.observed.body
+        &self.metered.body
     }
 
     /// The request's own body, mutably.
     pub fn get_mut(&mut self) -> &mut B {
-        &mut self.observed.body
+        &mut self.metered.body
     }
 
     /// The request's own body; what it yields from now on is not counted.
     pub fn into_inner(self) -> B {
-        self.observed.body
+        self.metered.body
     }
 
     /// Adds the bytes of every data frame from now on to `counter`.
     pub(crate) fn count_into(&mut self, counter: Arc<AtomicU64>) {
-        self.observed.own_meter().count_into(counter);
+        self.metered.own_meter().count_into(counter);
     }
 
     /// Meters the data frames from now on with `gate`, telling `signal` when policing stops
     /// the body.
     pub(crate) fn gate(&mut self, gate: Box<dyn Gate>, signal: Arc<Signal>) {
-        let meter = self.observed.own_meter();
+        let meter = self.metered.own_meter();
         meter.bytes = Some(gate);
         meter.signal.get_or_insert(signal);
     }
@@ -166,7 +166,7 @@ impl<B> RequestBody<B> {
     /// Meters the gRPC messages of the data frames from now on with `gate` (a lease of
     /// messages, or a tally), telling `signal` when policing stops the body.
     pub(crate) fn gate_messages(&mut self, gate: Box<dyn Gate>, signal: Arc<Signal>) {
-        let meter = self.observed.own_meter();
+        let meter = self.metered.own_meter();
         meter.messages = Some((gate, Framer::default()));
         meter.signal.get_or_insert(signal);
     }
@@ -175,8 +175,8 @@ impl<B> RequestBody<B> {
     /// nesting does not nest types.
     #[cfg(feature = "config")]
     pub(crate) fn flatten(nested: RequestBody<RequestBody<B>>) -> Self {
-        let Observed { body: mut inner, meters: outer } = nested.observed;
-        inner.observed.observed_by(outer);
+        let Metered { body: mut inner, meters: outer } = nested.metered;
+        inner.metered.metered_by(outer);
         inner
     }
 }
@@ -189,7 +189,7 @@ impl<B: Default> Default for RequestBody<B> {
 
 impl<B> fmt::Debug for RequestBody<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let meters = self.observed.meters();
+        let meters = self.metered.meters();
         f.debug_struct("RequestBody")
             .field("counted", &meters.iter().any(Meter::counts))
             .field("streamed", &meters.iter().any(Meter::streams))
@@ -206,19 +206,19 @@ impl<B: Body> Body for RequestBody<B> {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
-        self.project().observed.poll_whole(cx)
+        self.project().metered.poll_whole(cx)
     }
 
     fn is_end_stream(&self) -> bool {
-        self.observed.body.is_end_stream()
+        self.metered.body.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.observed.body.size_hint()
+        self.metered.body.size_hint()
     }
 }
 
-impl<B: Body> Observed<B> {
+impl<B: Body> Metered<B> {
     /// The next frame of a body whose frames pass whole (a request's): it waits until every
     /// meter's gate has room, and is counted as it passes.
     fn poll_whole(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Polled<B::Data, B::Error> {
@@ -337,7 +337,7 @@ pin_project! {
     /// which are charged what streamed.
     pub struct ResponseBody<B> {
         #[pin]
-        observed: Observed<Kind<B>>,
+        metered: Metered<Kind<B>>,
     }
 }
 
@@ -384,16 +384,16 @@ impl<B: Body<Data = Bytes>> Body for Kind<B> {
 
 impl<B> ResponseBody<B> {
     pub(crate) fn inner(body: B) -> Self {
-        Self { observed: Observed::new(Kind::Inner { body }) }
+        Self { metered: Metered::new(Kind::Inner { body }) }
     }
 
     pub(crate) fn own(body: Full<Bytes>) -> Self {
-        Self { observed: Observed::new(Kind::Own { body }) }
+        Self { metered: Metered::new(Kind::Own { body }) }
     }
 
     /// The inner service's body, measured by `meter`.
     pub(crate) fn metered(body: B, meter: Meter) -> Self {
-        Self { observed: Observed::with(Kind::Inner { body }, meter) }
+        Self { metered: Metered::with(Kind::Inner { body }, meter) }
     }
 
     /// One body metered by both layers of a body wrapped twice (nested layers), so that
@@ -401,15 +401,15 @@ impl<B> ResponseBody<B> {
     /// out, as it did wrapped.
     #[cfg(feature = "config")]
     pub(crate) fn flatten(nested: ResponseBody<ResponseBody<B>>) -> Self {
-        let Observed { body: kind, meters: outer } = nested.observed;
+        let Metered { body: kind, meters: outer } = nested.metered;
         match kind {
             Kind::Inner { body: mut inner } => {
-                inner.observed.observed_by(outer);
+                inner.metered.metered_by(outer);
                 inner
             }
             // The outer layer answered in the inner one's place.
             Kind::Own { body } => {
-                ResponseBody { observed: Observed { body: Kind::Own { body }, meters: outer } }
+                ResponseBody { metered: Metered { body: Kind::Own { body }, meters: outer } }
             }
         }
     }
@@ -417,7 +417,7 @@ impl<B> ResponseBody<B> {
 
 impl<B> fmt::Debug for ResponseBody<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self.observed.body {
+        f.write_str(match self.metered.body {
             Kind::Inner { .. } => "ResponseBody::Inner",
             Kind::Own { .. } => "ResponseBody::Own",
         })
@@ -436,12 +436,12 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        self.project().observed.poll_cut(cx)
+        self.project().metered.poll_cut(cx)
     }
 
     #[inline]
     fn is_end_stream(&self) -> bool {
-        let Observed { body, meters } = &self.observed;
+        let Metered { body, meters } = &self.metered;
         match meters.as_deref() {
             None => body.is_end_stream(),
             Some(meters) => end(meters, body),
@@ -450,7 +450,7 @@ where
 
     #[inline]
     fn size_hint(&self) -> SizeHint {
-        let Observed { body, meters } = &self.observed;
+        let Metered { body, meters } = &self.metered;
         match meters.as_deref() {
             None => body.size_hint(),
             Some(meters) => hint(meters, body),
@@ -458,7 +458,7 @@ where
     }
 }
 
-impl<B: Body<Data = Bytes>> Observed<B> {
+impl<B: Body<Data = Bytes>> Metered<B> {
     /// The next frame of a body whose frames may be cut (a response's), as the outermost
     /// meter lets it out.
     #[inline]
