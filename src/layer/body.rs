@@ -462,10 +462,7 @@ impl<B: Body<Data = Bytes>> Metered<B> {
     /// The next frame of a body whose frames may be cut (a response's), as the outermost
     /// meter lets it out.
     #[inline]
-    fn poll_cut(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+    fn poll_cut(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Polled<Bytes, B::Error> {
         let this = self.project();
         match this.meters.as_deref_mut() {
             None => this.body.poll_frame(cx),
@@ -480,7 +477,7 @@ fn poll_metered<S>(
     meters: &mut [Meter],
     body: Pin<&mut S>,
     cx: &mut Context<'_>,
-) -> Poll<Option<Result<Frame<Bytes>, S::Error>>>
+) -> Polled<Bytes, S::Error>
 where
     S: Body<Data = Bytes>,
 {
@@ -544,7 +541,7 @@ struct Below<'a, S> {
 }
 
 impl<S: Body<Data = Bytes>> Below<'_, S> {
-    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, S::Error>>> {
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Polled<Bytes, S::Error> {
         poll_metered(self.meters, self.body.as_mut(), cx)
     }
 
@@ -565,7 +562,7 @@ fn poll_streamed<S>(
     meter: &mut Meter,
     mut body: Below<'_, S>,
     cx: &mut Context<'_>,
-) -> Poll<Option<Result<Frame<Bytes>, S::Error>>>
+) -> Polled<Bytes, S::Error>
 where
     S: Body<Data = Bytes>,
 {
@@ -645,7 +642,7 @@ where
 
 /// Ends a gRPC response stopped by policing: its trailers say `RESOURCE_EXHAUSTED` (or
 /// `UNAVAILABLE`, when failing closed), and the request is settled.
-fn end_stopped<E>(meter: &mut Meter, why: &Stopped) -> Poll<Option<Result<Frame<Bytes>, E>>> {
+fn end_stopped<E>(meter: &mut Meter, why: &Stopped) -> Polled<Bytes, E> {
     meter.stopped = true;
     meter.rest = Bytes::new();
     let trailers = meter.trailers.as_ref().map(|f| f(why));
