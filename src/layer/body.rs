@@ -1,10 +1,12 @@
 //! [`RequestBody`]: the request body the inner service receives, counted as it streams;
 //! [`ResponseBody`]: the inner service's body, or the bytes of a response the layer made.
+//! Both are one [`Metered`] body, observed by one [`Meter`] per layer that meters it, with one
+//! rule for a body that finishes, is abandoned or is dropped (see [`Meter`]).
 
 use std::fmt;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -17,6 +19,61 @@ use super::messages::Framer;
 use super::meter::Meter;
 use super::stream::{Gate, Signal, Stopped};
 
+/// The meters of one body, innermost layer first.
+type Meters = SmallVec<[Meter; 1]>;
+
+/// What polling a body for its next frame gives.
+type Polled<D, E> = Poll<Option<Result<Frame<D>, E>>>;
+
+pin_project! {
+    /// A body and the meters of the layers that observe it, innermost first: the one type
+    /// behind [`RequestBody`] and [`ResponseBody`]. A request's frames cannot be cut (their
+    /// data is any `Buf`): each waits, whole, until every gate has room
+    /// ([`poll_whole`](Self::poll_whole)). A response's frames are cut to their leases, each
+    /// meter reading what the meters inside it let out ([`poll_cut`](Self::poll_cut)).
+    pub(crate) struct Metered<B> {
+        #[pin]
+        body: B,
+        // `None` (one pointer, no allocation) for a body nothing meters.
+        meters: Option<Box<Meters>>,
+    }
+}
+
+impl<B> Metered<B> {
+    fn new(body: B) -> Self {
+        Self { body, meters: None }
+    }
+
+    fn with(body: B, meter: Meter) -> Self {
+        let mut meters = Meters::new();
+        meters.push(meter);
+        Self { body, meters: Some(Box::new(meters)) }
+    }
+
+    /// The meter of the layer that just wrapped the body (the only one, until bodies are
+    /// flattened), made on first use.
+    fn own_meter(&mut self) -> &mut Meter {
+        let meters = self.meters.get_or_insert_with(Box::default);
+        if meters.is_empty() {
+            meters.push(Meter::default());
+        }
+        let last = meters.len() - 1;
+        &mut meters[last]
+    }
+
+    /// Adds the meters of an outer layer, which see what this body's own meters let out.
+    #[cfg(feature = "config")]
+    fn metered_by(&mut self, outer: Option<Box<Meters>>) {
+        if let Some(outer) = outer {
+            self.meters.get_or_insert_with(Box::default).extend(*outer);
+        }
+    }
+
+    fn meters(&self) -> &[Meter] {
+        self.meters.as_deref().map_or(&[], |m| m.as_slice())
+    }
+}
+
 pin_project! {
     /// The request body that the service inside [`RateLimit`](crate::RateLimit) (and
     /// [`Limits`](crate::config::Limits)) receives: the request's own body `B`, whatever its
@@ -27,7 +84,7 @@ pin_project! {
     /// Under a policy with a tier counting [`Unit::RequestBytes`](crate::Unit::RequestBytes),
     /// a request without a valid `Content-Length` is charged the bytes of the data frames that
     /// pass through this body as the handler reads them (settled once, when the response body
-    /// finishes or is abandoned: see [`ResponseBody`]); a request with one is charged its
+    /// ends, by the rule both bodies share: see [`ResponseBody`]); a request with one is charged its
     /// `Content-Length` at admission. No other work is done
     /// per frame, and nothing is allocated for a request that is not counted. Under a layer
     /// metering streams ([`StreamMode::Shape`](crate::StreamMode::Shape),
@@ -68,78 +125,59 @@ pin_project! {
     /// ```
     pub struct RequestBody<B> {
         #[pin]
-        inner: B,
-        // Where the bytes of data frames are added: one counter per layer counting them.
-        counters: SmallVec<[Arc<AtomicU64>; 1]>,
-        // The leases of the layers metering the body as it streams; `None` (one pointer, no
-        // allocation) for every other request.
-        gates: Option<Box<SmallVec<[Gated; 1]>>>,
+        metered: Metered<B>,
     }
-}
-
-/// One layer's leases on a request body, and where a stop by policing is told.
-pub(crate) struct Gated {
-    gate: Box<dyn Gate>,
-    signal: Arc<Signal>,
-    stopped: bool,
-    /// Counting gRPC messages rather than bytes: where the body stands in its messages.
-    framer: Option<Framer>,
-    /// Policing messages: the tier refused the next lease; the stream stops at its next
-    /// message.
-    refused: Option<Stopped>,
 }
 
 impl<B> RequestBody<B> {
     /// `body`, counted by no one (until a layer counts it).
     pub fn new(body: B) -> Self {
-        Self { inner: body, counters: SmallVec::new(), gates: None }
+        Self { metered: Metered::new(body) }
     }
 
     /// The request's own body.
     pub fn get_ref(&self) -> &B {
-        &self.inner
+        &self.metered.body
     }
 
     /// The request's own body, mutably.
     pub fn get_mut(&mut self) -> &mut B {
-        &mut self.inner
+        &mut self.metered.body
     }
 
     /// The request's own body; what it yields from now on is not counted.
     pub fn into_inner(self) -> B {
-        self.inner
+        self.metered.body
     }
 
     /// Adds the bytes of every data frame from now on to `counter`.
     pub(crate) fn count_into(&mut self, counter: Arc<AtomicU64>) {
-        self.counters.push(counter);
+        self.metered.own_meter().count_into(counter);
     }
 
     /// Meters the data frames from now on with `gate`, telling `signal` when policing stops
     /// the body.
     pub(crate) fn gate(&mut self, gate: Box<dyn Gate>, signal: Arc<Signal>) {
-        let gated = Gated { gate, signal, stopped: false, framer: None, refused: None };
-        self.gates.get_or_insert_with(Box::default).push(gated);
+        let meter = self.metered.own_meter();
+        meter.bytes = Some(gate);
+        meter.signal.get_or_insert(signal);
     }
 
     /// Meters the gRPC messages of the data frames from now on with `gate` (a lease of
-    /// messages), telling `signal` when policing stops the body.
+    /// messages, or a tally), telling `signal` when policing stops the body.
     pub(crate) fn gate_messages(&mut self, gate: Box<dyn Gate>, signal: Arc<Signal>) {
-        let framer = Some(Framer::default());
-        let gated = Gated { gate, signal, stopped: false, framer, refused: None };
-        self.gates.get_or_insert_with(Box::default).push(gated);
+        let meter = self.metered.own_meter();
+        meter.messages = Some((gate, Framer::default()));
+        meter.signal.get_or_insert(signal);
     }
 
     /// One body counted by both layers of a body wrapped twice (nested layers), so that
     /// nesting does not nest types.
     #[cfg(feature = "config")]
     pub(crate) fn flatten(nested: RequestBody<RequestBody<B>>) -> Self {
-        let RequestBody { inner: mut body, counters, gates } = nested;
-        body.counters.extend(counters);
-        if let Some(gates) = gates {
-            body.gates.get_or_insert_with(Box::default).extend(*gates);
-        }
-        body
+        let Metered { body: mut inner, meters: outer } = nested.metered;
+        inner.metered.metered_by(outer);
+        inner
     }
 }
 
@@ -151,9 +189,10 @@ impl<B: Default> Default for RequestBody<B> {
 
 impl<B> fmt::Debug for RequestBody<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let meters = self.metered.meters();
         f.debug_struct("RequestBody")
-            .field("counted", &!self.counters.is_empty())
-            .field("streamed", &self.gates.is_some())
+            .field("counted", &meters.iter().any(Meter::counts))
+            .field("streamed", &meters.iter().any(Meter::streams))
             .finish()
     }
 }
@@ -162,96 +201,105 @@ impl<B: Body> Body for RequestBody<B> {
     type Data = B::Data;
     type Error = B::Error;
 
+    #[inline]
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
-        let this = self.project();
-        if let Some(gates) = this.gates.as_deref_mut() {
-            if !this.inner.is_end_stream() {
-                for gated in gates.iter_mut() {
-                    // Stopped by policing: nothing more is read (the layer answers, or ends a
-                    // gRPC response, in the handler's place).
-                    if gated.stopped {
-                        return Poll::Pending;
-                    }
-                    // Messages: a refused lease stops the stream at the next message only
-                    // (what comes first may be the end of the stream, or the rest of a
-                    // message already counted).
-                    if gated.refused.is_some() {
-                        continue;
-                    }
-                    // Within the lease: nothing to poll.
-                    if gated.gate.ready() > 0 {
-                        continue;
-                    }
-                    let remaining =
-                        if gated.framer.is_some() { None } else { this.inner.size_hint().exact() };
-                    match gated.gate.poll_room(cx, remaining) {
-                        Poll::Ready(Ok(_)) => {}
-                        Poll::Pending => return Poll::Pending,
-                        Poll::Ready(Err(why)) if gated.framer.is_some() => {
-                            gated.refused = Some(why);
-                        }
-                        Poll::Ready(Err(why)) => {
-                            gated.stopped = true;
-                            gated.signal.stop(why);
-                            return Poll::Pending;
-                        }
-                    }
-                }
-            }
-        }
-        let frame = this.inner.poll_frame(cx);
-        if let (Some(gates), Poll::Ready(Some(Ok(frame)))) = (this.gates.as_deref_mut(), &frame) {
-            if let Some(data) = frame.data_ref() {
-                let len = bytes::Buf::remaining(data) as u64;
-                // What each gate spends: the messages the frame starts, or its bytes. Counted
-                // before any is spent: a frame that does not reach the handler is charged to
-                // no tier.
-                let mut spent: SmallVec<[u64; 2]> = SmallVec::new();
-                for gated in gates.iter_mut() {
-                    let Some(framer) = &mut gated.framer else {
-                        spent.push(len);
-                        continue;
-                    };
-                    let messages = framer.count(data);
-                    match gated.refused.take() {
-                        // A message the tier had no room for: the stream stops before it.
-                        Some(why) if messages > 0 => {
-                            gated.stopped = true;
-                            gated.signal.stop(why);
-                            return Poll::Pending;
-                        }
-                        refused => gated.refused = refused,
-                    }
-                    spent.push(messages);
-                }
-                for (gated, spent) in gates.iter_mut().zip(spent) {
-                    gated.gate.spend(spent);
-                }
-            }
-        }
-        if !this.counters.is_empty() {
-            if let Poll::Ready(Some(Ok(frame))) = &frame {
-                if let Some(data) = frame.data_ref() {
-                    let len = bytes::Buf::remaining(data) as u64;
-                    for counter in this.counters.iter() {
-                        counter.fetch_add(len, Ordering::Relaxed);
-                    }
-                }
-            }
-        }
-        frame
+        self.project().metered.poll_whole(cx)
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.metered.body.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        self.metered.body.size_hint()
     }
+}
+
+impl<B: Body> Metered<B> {
+    /// The next frame of a body whose frames pass whole (a request's): it waits until every
+    /// meter's gate has room, and is counted as it passes.
+    fn poll_whole(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Polled<B::Data, B::Error> {
+        let this = self.project();
+        let Some(meters) = this.meters.as_deref_mut() else { return this.body.poll_frame(cx) };
+        if !this.body.is_end_stream() {
+            for meter in meters.iter_mut() {
+                // Stopped by policing: nothing more is read (the layer answers, or ends a
+                // gRPC response, in the handler's place).
+                if meter.stopped {
+                    return Poll::Pending;
+                }
+                // Within the lease (most frames): nothing to poll.
+                if let Some(gate) = meter.bytes.as_mut().filter(|gate| gate.ready() == 0) {
+                    match gate.poll_room(cx, this.body.size_hint().exact()) {
+                        Poll::Ready(Ok(_)) => {}
+                        Poll::Pending => return Poll::Pending,
+                        Poll::Ready(Err(why)) => return stop_whole(meter, why),
+                    }
+                }
+                // Messages: a refused lease stops the stream at the next message only.
+                if meter.refused.is_some() {
+                    continue;
+                }
+                if let Some((gate, _)) = meter.messages.as_mut().filter(|(g, _)| g.ready() == 0) {
+                    match gate.poll_room(cx, None) {
+                        Poll::Ready(Ok(_)) => {}
+                        Poll::Pending => return Poll::Pending,
+                        Poll::Ready(Err(why)) => meter.refused = Some(why),
+                    }
+                }
+            }
+        }
+        let frame = this.body.poll_frame(cx);
+        match &frame {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    // What each meter's message gate spends: the messages the frame starts.
+                    // Counted before any is spent: a frame that does not reach the handler is
+                    // charged to no tier.
+                    let mut spent: SmallVec<[u64; 2]> = SmallVec::new();
+                    for meter in meters.iter_mut() {
+                        let Some((_, framer)) = &mut meter.messages else {
+                            spent.push(0);
+                            continue;
+                        };
+                        let messages = framer.count(data);
+                        match meter.refused.take() {
+                            // A message the tier had no room for: the stream stops before it.
+                            Some(why) if messages > 0 => return stop_whole(meter, why),
+                            refused => meter.refused = refused,
+                        }
+                        spent.push(messages);
+                    }
+                    let len = bytes::Buf::remaining(data);
+                    for (meter, messages) in meters.iter_mut().zip(spent) {
+                        if let Some(gate) = meter.bytes.as_mut() {
+                            gate.spend(len as u64);
+                        }
+                        if let Some((gate, _)) = meter.messages.as_mut() {
+                            gate.spend(messages);
+                        }
+                        meter.passed(len);
+                    }
+                }
+            }
+            // Finished, or abandoned.
+            Poll::Ready(_) => meters.iter_mut().for_each(Meter::end),
+            Poll::Pending => {}
+        }
+        frame
+    }
+}
+
+/// A request body stopped by policing: nothing more is read, and the layer is told.
+fn stop_whole<T>(meter: &mut Meter, why: Stopped) -> Poll<T> {
+    meter.stopped = true;
+    if let Some(signal) = &meter.signal {
+        signal.stop(why);
+    }
+    Poll::Pending
 }
 
 pin_project! {
@@ -261,40 +309,40 @@ pin_project! {
     /// however many layers limited the request.
     ///
     /// Under a policy with concurrency tiers or tiers counting bytes, messages or reported
-    /// units, the body also ends the request's hold, by one rule for every layer that meters
-    /// it (and for the request's body, counted with it):
+    /// units, the body also ends the request's hold. One rule ends every body the layer
+    /// observes, this one and the [`RequestBody`] the handler read, for every layer that
+    /// meters it:
     ///
     /// - **Finished**: the body handed on its last frame (a data frame after which it
     ///   reports [`is_end_stream`](Body::is_end_stream), so that a client that saw the end
-    ///   finds the slot free; or its end), or an error, which ends it there.
-    /// - **Abandoned**: the body was dropped before it finished (a client disconnect, an
-    ///   HTTP/2 reset, a timeout, a server that stopped polling it).
+    ///   finds the slot free; or its end).
+    /// - **Abandoned**: the inner body yielded an error; it ends there, at what it handed
+    ///   on before.
+    /// - **Dropped** unfinished: a client disconnect, an HTTP/2 reset, a timeout, a server
+    ///   that stopped polling it; it ends when dropped, at what it handed on.
     ///
-    /// Either way, once per request and at that moment: the concurrency slots are released;
-    /// tiers counting response bytes or messages are charged what was handed on, exactly;
-    /// tiers counting request bytes or messages, what the handler read of the request body
-    /// until then (a request with a valid `Content-Length` was charged it at admission);
-    /// tiers counting [`Usage`](crate::Usage), what the handler reported. The units charged
-    /// at admission are replaced by these counts (given back where they are fewer), and a
-    /// body metered as it streams gives back the unused part of its last lease (see
-    /// [`StreamMode`](crate::StreamMode)). A response whose status gives the charge back
-    /// settles every such tier at nothing instead. A request whose handler fails or panics,
-    /// or that is dropped before its response, keeps its admission charge, less the tiers
-    /// metered by leases, which are charged what streamed.
+    /// In each case, once per request and at that moment: the concurrency slots are
+    /// released; tiers counting response bytes or messages are charged what was handed on,
+    /// exactly; tiers counting request bytes or messages, what the handler read of the
+    /// request body until then (a request with a valid `Content-Length` was charged it at
+    /// admission); tiers counting [`Usage`](crate::Usage), what the handler reported. The
+    /// units charged at admission are replaced by these counts (given back where they are
+    /// fewer), and a body metered as it streams gives back the unused part of its last lease
+    /// when it is dropped (see [`StreamMode`](crate::StreamMode)). A request body that
+    /// finishes, is abandoned or is dropped settles nothing itself: what it handed on is
+    /// settled when the response body ends, and its leases give back their unused part when
+    /// it is dropped. A response whose status gives the charge back settles every such tier
+    /// at nothing instead. A request whose handler fails or panics, or that is dropped
+    /// before its response, keeps its admission charge, less the tiers metered by leases,
+    /// which are charged what streamed.
     pub struct ResponseBody<B> {
         #[pin]
-        kind: Kind<B>,
-        // What each layer that meters the response measures, innermost first: each sees the
-        // frames as the layers inside it let them out. `None` (one pointer, no allocation)
-        // for a response nothing meters.
-        meters: Option<Box<Meters>>,
+        metered: Metered<Kind<B>>,
     }
 }
 
-/// The meters of one response body, innermost first.
-type Meters = SmallVec<[Meter; 1]>;
-
 pin_project! {
+    /// The inner service's body, or the bytes of a response the layer made.
     #[project = KindProj]
     enum Kind<B> {
         Inner { #[pin] body: B },
@@ -302,20 +350,50 @@ pin_project! {
     }
 }
 
+impl<B: Body<Data = Bytes>> Body for Kind<B> {
+    type Data = Bytes;
+    type Error = B::Error;
+
+    #[inline]
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        match self.project() {
+            KindProj::Inner { body } => body.poll_frame(cx),
+            KindProj::Own { body } => body.poll_frame(cx).map_err(|never| match never {}),
+        }
+    }
+
+    #[inline]
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Kind::Inner { body } => body.is_end_stream(),
+            Kind::Own { body } => body.is_end_stream(),
+        }
+    }
+
+    #[inline]
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Kind::Inner { body } => body.size_hint(),
+            Kind::Own { body } => body.size_hint(),
+        }
+    }
+}
+
 impl<B> ResponseBody<B> {
     pub(crate) fn inner(body: B) -> Self {
-        Self { kind: Kind::Inner { body }, meters: None }
+        Self { metered: Metered::new(Kind::Inner { body }) }
     }
 
     pub(crate) fn own(body: Full<Bytes>) -> Self {
-        Self { kind: Kind::Own { body }, meters: None }
+        Self { metered: Metered::new(Kind::Own { body }) }
     }
 
     /// The inner service's body, measured by `meter`.
     pub(crate) fn metered(body: B, meter: Meter) -> Self {
-        let mut meters = Meters::new();
-        meters.push(meter);
-        Self { kind: Kind::Inner { body }, meters: Some(Box::new(meters)) }
+        Self { metered: Metered::with(Kind::Inner { body }, meter) }
     }
 
     /// One body metered by both layers of a body wrapped twice (nested layers), so that
@@ -323,23 +401,23 @@ impl<B> ResponseBody<B> {
     /// out, as it did wrapped.
     #[cfg(feature = "config")]
     pub(crate) fn flatten(nested: ResponseBody<ResponseBody<B>>) -> Self {
-        let ResponseBody { kind, meters: outer } = nested;
+        let Metered { body: kind, meters: outer } = nested.metered;
         match kind {
             Kind::Inner { body: mut inner } => {
-                if let Some(outer) = outer {
-                    inner.meters.get_or_insert_with(Box::default).extend(*outer);
-                }
+                inner.metered.metered_by(outer);
                 inner
             }
             // The outer layer answered in the inner one's place.
-            Kind::Own { body } => ResponseBody { kind: Kind::Own { body }, meters: outer },
+            Kind::Own { body } => {
+                ResponseBody { metered: Metered { body: Kind::Own { body }, meters: outer } }
+            }
         }
     }
 }
 
 impl<B> fmt::Debug for ResponseBody<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self.kind {
+        f.write_str(match self.metered.body {
             Kind::Inner { .. } => "ResponseBody::Inner",
             Kind::Own { .. } => "ResponseBody::Own",
         })
@@ -353,36 +431,42 @@ where
     type Data = Bytes;
     type Error = B::Error;
 
+    #[inline]
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        let this = self.project();
-        match (this.kind.project(), this.meters.as_deref_mut()) {
-            (KindProj::Inner { body }, None) => body.poll_frame(cx),
-            (KindProj::Inner { body }, Some(meters)) => poll_metered(meters, body, cx),
-            (KindProj::Own { body }, None) => body.poll_frame(cx).map_err(|never| match never {}),
-            (KindProj::Own { body }, Some(meters)) => {
-                poll_metered(meters, body, cx).map_err(|never| match never {})
-            }
-        }
+        self.project().metered.poll_cut(cx)
     }
 
+    #[inline]
     fn is_end_stream(&self) -> bool {
-        match (&self.kind, self.meters.as_deref()) {
-            (Kind::Inner { body }, None) => body.is_end_stream(),
-            (Kind::Inner { body }, Some(meters)) => end(meters, body),
-            (Kind::Own { body }, None) => body.is_end_stream(),
-            (Kind::Own { body }, Some(meters)) => end(meters, body),
+        let Metered { body, meters } = &self.metered;
+        match meters.as_deref() {
+            None => body.is_end_stream(),
+            Some(meters) => end(meters, body),
         }
     }
 
+    #[inline]
     fn size_hint(&self) -> SizeHint {
-        match (&self.kind, self.meters.as_deref()) {
-            (Kind::Inner { body }, None) => body.size_hint(),
-            (Kind::Inner { body }, Some(meters)) => hint(meters, body),
-            (Kind::Own { body }, None) => body.size_hint(),
-            (Kind::Own { body }, Some(meters)) => hint(meters, body),
+        let Metered { body, meters } = &self.metered;
+        match meters.as_deref() {
+            None => body.size_hint(),
+            Some(meters) => hint(meters, body),
+        }
+    }
+}
+
+impl<B: Body<Data = Bytes>> Metered<B> {
+    /// The next frame of a body whose frames may be cut (a response's), as the outermost
+    /// meter lets it out.
+    #[inline]
+    fn poll_cut(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Polled<Bytes, B::Error> {
+        let this = self.project();
+        match this.meters.as_deref_mut() {
+            None => this.body.poll_frame(cx),
+            Some(meters) => poll_metered(meters, this.body, cx),
         }
     }
 }
@@ -393,7 +477,7 @@ fn poll_metered<S>(
     meters: &mut [Meter],
     body: Pin<&mut S>,
     cx: &mut Context<'_>,
-) -> Poll<Option<Result<Frame<Bytes>, S::Error>>>
+) -> Polled<Bytes, S::Error>
 where
     S: Body<Data = Bytes>,
 {
@@ -406,15 +490,15 @@ where
     match &frame {
         Poll::Ready(Some(Ok(frame))) => {
             if let Some(data) = frame.data_ref() {
-                meter.sent(data.len());
+                meter.passed(data.len());
             }
             // The last frame: the response is complete before the frame is handed on, so a
             // client that saw it end finds the slot free.
             if source.is_end_stream() {
-                meter.done();
+                meter.end();
             }
         }
-        Poll::Ready(_) => meter.done(),
+        Poll::Ready(_) => meter.end(),
         Poll::Pending => {}
     }
     frame
@@ -426,7 +510,7 @@ fn end<S: Body>(meters: &[Meter], body: &S) -> bool {
         None => body.is_end_stream(),
         // A frame's rest still to send, or stopped by policing.
         Some((meter, below)) if meter.streams() => {
-            meter.stream.ended || (meter.stream.rest.is_empty() && end(below, body))
+            meter.stopped || (meter.rest.is_empty() && end(below, body))
         }
         Some((_, below)) => end(below, body),
     }
@@ -437,7 +521,7 @@ fn hint<S: Body>(meters: &[Meter], body: &S) -> SizeHint {
     match meters.split_last() {
         None => body.size_hint(),
         Some((meter, below)) if meter.streams() => {
-            let rest = meter.stream.rest.len() as u64;
+            let rest = meter.rest.len() as u64;
             let inner = hint(below, body);
             let mut hint = SizeHint::new();
             hint.set_lower(inner.lower().saturating_add(rest));
@@ -457,7 +541,7 @@ struct Below<'a, S> {
 }
 
 impl<S: Body<Data = Bytes>> Below<'_, S> {
-    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, S::Error>>> {
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Polled<Bytes, S::Error> {
         poll_metered(self.meters, self.body.as_mut(), cx)
     }
 
@@ -478,40 +562,40 @@ fn poll_streamed<S>(
     meter: &mut Meter,
     mut body: Below<'_, S>,
     cx: &mut Context<'_>,
-) -> Poll<Option<Result<Frame<Bytes>, S::Error>>>
+) -> Polled<Bytes, S::Error>
 where
     S: Body<Data = Bytes>,
 {
-    if meter.stream.ended {
+    if meter.stopped {
         return Poll::Ready(None);
     }
-    if let Some(Poll::Ready(why)) = meter.stream.signal.as_ref().map(|s| s.poll_stopped(cx)) {
+    if let Some(Poll::Ready(why)) = meter.signal.as_ref().map(|s| s.poll_stopped(cx)) {
         return end_stopped(meter, &why);
     }
-    if meter.stream.rest.is_empty() {
+    if meter.rest.is_empty() {
         match body.poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                 Ok(data) if data.is_empty() => return Poll::Ready(Some(Ok(Frame::data(data)))),
-                Ok(data) => meter.stream.rest = data,
+                Ok(data) => meter.rest = data,
                 Err(frame) => {
                     if body.is_end_stream() {
-                        meter.done();
+                        meter.end();
                     }
                     return Poll::Ready(Some(Ok(frame)));
                 }
             },
             Poll::Ready(end) => {
-                meter.done();
+                meter.end();
                 return Poll::Ready(end);
             }
             Poll::Pending => return Poll::Pending,
         }
     }
-    let rest = meter.stream.rest.len() as u64;
+    let rest = meter.rest.len() as u64;
     // What may pass: the bytes the byte tiers' lease covers, cut at the message past the
     // message tiers' lease.
     let mut room = rest;
-    if let Some(gate) = meter.stream.gate.as_mut() {
+    if let Some(gate) = meter.bytes.as_mut() {
         // Within the lease (most frames): a comparison, no size hint, no poll.
         let mut bytes = gate.ready();
         if bytes == 0 {
@@ -526,8 +610,8 @@ where
     }
     // `room` <= `rest`, a `usize`.
     let mut take = room as usize;
-    if let Some((gate, framer)) = meter.stream.messages.as_mut() {
-        let window = &meter.stream.rest[..take];
+    if let Some((gate, framer)) = meter.messages.as_mut() {
+        let window = &meter.rest[..take];
         // Bytes that end no prefix (a payload's rest) pass without a lease.
         let mut scan = framer.scan(window, 0);
         if scan.bytes < window.len() {
@@ -541,28 +625,28 @@ where
         gate.spend(scan.messages);
         take = scan.bytes;
     }
-    let data = if take == meter.stream.rest.len() {
-        std::mem::take(&mut meter.stream.rest)
+    let data = if take == meter.rest.len() {
+        std::mem::take(&mut meter.rest)
     } else {
-        meter.stream.rest.split_to(take)
+        meter.rest.split_to(take)
     };
-    if let Some(gate) = meter.stream.gate.as_mut() {
+    if let Some(gate) = meter.bytes.as_mut() {
         gate.spend(data.len() as u64);
     }
-    meter.sent(data.len());
-    if meter.stream.rest.is_empty() && body.is_end_stream() {
-        meter.done();
+    meter.passed(data.len());
+    if meter.rest.is_empty() && body.is_end_stream() {
+        meter.end();
     }
     Poll::Ready(Some(Ok(Frame::data(data))))
 }
 
 /// Ends a gRPC response stopped by policing: its trailers say `RESOURCE_EXHAUSTED` (or
 /// `UNAVAILABLE`, when failing closed), and the request is settled.
-fn end_stopped<E>(meter: &mut Meter, why: &Stopped) -> Poll<Option<Result<Frame<Bytes>, E>>> {
-    meter.stream.ended = true;
-    meter.stream.rest = Bytes::new();
-    let trailers = meter.stream.trailers.as_ref().map(|f| f(why));
-    meter.done();
+fn end_stopped<E>(meter: &mut Meter, why: &Stopped) -> Polled<Bytes, E> {
+    meter.stopped = true;
+    meter.rest = Bytes::new();
+    let trailers = meter.trailers.as_ref().map(|f| f(why));
+    meter.end();
     match trailers {
         Some(trailers) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
         None => Poll::Ready(None),

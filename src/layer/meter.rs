@@ -190,7 +190,8 @@ pub(super) type Finish = Box<dyn FnOnce(&[(Unit, u64)]) + Send>;
 /// Renders the trailers that end a gRPC response stopped by policing.
 pub(super) type StopTrailers = Box<dyn Fn(&Stopped) -> HeaderMap + Send>;
 
-/// What a response body metered as it streams needs.
+/// What a response body metered as it streams is handed: its gates, where it hears that
+/// policing stopped its request, and how a gRPC response stopped by policing ends.
 #[derive(Default)]
 pub(crate) struct Streamed {
     /// The response bytes' leases.
@@ -202,80 +203,162 @@ pub(crate) struct Streamed {
     pub(crate) signal: Option<Arc<Signal>>,
     /// The trailers of a gRPC response stopped by policing.
     pub(crate) trailers: Option<StopTrailers>,
-    /// The part of a data frame past its lease, handed on when the next lease comes.
-    pub(crate) rest: Bytes,
-    /// Stopped: nothing more is sent.
-    pub(crate) ended: bool,
 }
 
-/// The measuring part of a response body: counts response bytes, and when the body ends or is
-/// dropped (a client disconnect), settles the request's counted units and releases its slots.
-pub(crate) struct Meter {
-    finish: Option<Finish>,
+/// What ends a held request when the body observed ends: the hold's finish, the counters
+/// read then, and what the response head settled.
+struct Settlement {
+    finish: Finish,
     counters: Counters,
-    pub(crate) stream: Streamed,
-    /// Response bytes so far.
-    sent: u64,
     /// Settlements decided from the response head (a refund, a settled cost), applied with
     /// the counts.
     from_head: Vec<(Unit, u64)>,
 }
 
+/// What one layer observes of one body, request or response: the one type behind
+/// [`RequestBody`](super::RequestBody) and [`ResponseBody`](super::ResponseBody). The two
+/// sides differ only in what they are handed: a request body's meter gets the gates of its
+/// bytes or messages, the stop signal it tells, and the counter its bytes are added to; a
+/// response body's meter gets its gates, the stop signal it hears, the trailers of a stopped
+/// gRPC call, and the request's hold with its counters ([`Meter::new`]).
+///
+/// The rule for the end of an observed body, on both sides ([`Meter::end`]):
+///
+/// - **finished** (the body handed on its last frame, or its end): the meter ends there;
+/// - **abandoned** (the inner body yielded an error): the meter ends there too, at what
+///   was handed on before the error;
+/// - **dropped** unfinished: the meter ends when it is dropped, at what was handed on.
+///
+/// Ending, once: a meter handed the request's hold settles it (tiers counting response
+/// bytes at the bytes handed on, the request's bytes and messages at their counters, reported
+/// units at what the handler reported, the tiers metered by leases at nothing) and releases
+/// its concurrency slots; a meter without one (a request body's) settles nothing itself: its
+/// counts are read by the response's meter when that ends. Its leases (dropped with it) give
+/// back the unused part of their last lease.
+pub(crate) struct Meter {
+    /// Bytes of the data frames handed on.
+    passed: u64,
+    /// Where the bytes handed on are also added: a request body's bytes, settled by the
+    /// response's meter.
+    tally: Option<Arc<AtomicU64>>,
+    /// The leases of the body's bytes.
+    pub(super) bytes: Option<Box<dyn Gate>>,
+    /// The leases (or the tally) of the body's gRPC messages, and where it stands in them.
+    pub(super) messages: Option<(Box<dyn Gate>, Framer)>,
+    /// Where a stop by policing is told (a request body) or heard (a gRPC response).
+    pub(super) signal: Option<Arc<Signal>>,
+    /// A request body's message tier refused the next lease: the stream stops at its next
+    /// message (what comes first may be the end, or the rest of a message already counted).
+    pub(super) refused: Option<Stopped>,
+    /// Stopped by policing: nothing more passes.
+    pub(super) stopped: bool,
+    /// The part of a response's data frame past its lease, handed on when the next lease
+    /// comes.
+    pub(super) rest: Bytes,
+    /// The trailers of a gRPC response stopped by policing.
+    pub(super) trailers: Option<StopTrailers>,
+    /// The request's hold, ended with the body (a response body's meter only); `None` once
+    /// ended.
+    settlement: Option<Settlement>,
+}
+
 impl fmt::Debug for Meter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Meter").field("sent", &self.sent).finish_non_exhaustive()
+        f.debug_struct("Meter").field("passed", &self.passed).finish_non_exhaustive()
+    }
+}
+
+impl Default for Meter {
+    fn default() -> Self {
+        Self::ending(None)
     }
 }
 
 impl Meter {
+    fn ending(settlement: Option<Settlement>) -> Self {
+        Self {
+            passed: 0,
+            tally: None,
+            bytes: None,
+            messages: None,
+            signal: None,
+            refused: None,
+            stopped: false,
+            rest: Bytes::new(),
+            trailers: None,
+            settlement,
+        }
+    }
+
+    /// A meter that ends the request's hold with `finish`, settling `counters` and what the
+    /// response head settled (a response body's).
     pub(super) fn new(finish: Finish, counters: Counters, from_head: Vec<(Unit, u64)>) -> Self {
-        Self { finish: Some(finish), counters, sent: 0, from_head, stream: Streamed::default() }
+        Self::ending(Some(Settlement { finish, counters, from_head }))
     }
 
     /// Meters the response as it streams.
     pub(super) fn streamed(mut self, stream: Streamed) -> Self {
-        self.stream = stream;
+        let Streamed { gate, messages, signal, trailers } = stream;
+        self.bytes = gate;
+        self.messages = messages;
+        self.signal = signal;
+        self.trailers = trailers;
         self
     }
 
-    /// Whether the response is metered as it streams.
+    /// Adds the bytes handed on from now on to `counter`.
+    pub(super) fn count_into(&mut self, counter: Arc<AtomicU64>) {
+        self.tally = Some(counter);
+    }
+
+    /// Whether the body is metered as it streams (gated, or its messages counted).
     #[inline]
     pub(super) fn streams(&self) -> bool {
-        self.stream.gate.is_some() || self.stream.signal.is_some() || self.stream.messages.is_some()
+        self.bytes.is_some() || self.signal.is_some() || self.messages.is_some()
     }
 
-    /// A data frame of `len` bytes went out.
+    /// Whether the bytes handed on are counted into a counter.
+    pub(super) fn counts(&self) -> bool {
+        self.tally.is_some()
+    }
+
+    /// A data frame of `len` bytes was handed on.
     #[inline]
-    pub(super) fn sent(&mut self, len: usize) {
-        self.sent = self.sent.saturating_add(len as u64);
+    pub(super) fn passed(&mut self, len: usize) {
+        self.passed = self.passed.saturating_add(len as u64);
+        if let Some(tally) = &self.tally {
+            tally.fetch_add(len as u64, Ordering::Relaxed);
+        }
     }
 
-    /// The response ended (or was abandoned): settle and release, once.
-    pub(super) fn done(&mut self) {
-        let Some(finish) = self.finish.take() else { return };
-        let mut settled = std::mem::take(&mut self.from_head);
+    /// The body was finished, abandoned or dropped (see [`Meter`]): settle and release, once.
+    pub(super) fn end(&mut self) {
+        let Some(Settlement { finish, counters, from_head }) = self.settlement.take() else {
+            return;
+        };
+        let mut settled = from_head;
         // A refund from the head settles every unit at 0: counts do not apply.
         let refunded = |unit: Unit| settled.iter().any(|(u, _)| *u == unit);
         let mut counted = Vec::with_capacity(3);
         // A streamed body's bytes were charged by its leases: the unit charged at admission
         // is given back.
-        if let Some(bytes) = &self.counters.request_bytes {
+        if let Some(bytes) = &counters.request_bytes {
             counted.push((Unit::RequestBytes, bytes.load(Ordering::Relaxed)));
-        } else if self.counters.request_streamed {
+        } else if counters.request_streamed {
             counted.push((Unit::RequestBytes, 0));
         }
-        if self.stream.gate.is_some() {
+        if self.bytes.is_some() {
             counted.push((Unit::ResponseBytes, 0));
-        } else if self.counters.response_bytes {
-            counted.push((Unit::ResponseBytes, self.sent));
+        } else if counters.response_bytes {
+            counted.push((Unit::ResponseBytes, self.passed));
         }
-        if let Some(messages) = &self.counters.request_messages {
+        if let Some(messages) = &counters.request_messages {
             counted.push((Unit::RequestMessages, messages.load(Ordering::Relaxed)));
         }
-        if let Some(messages) = &self.counters.response_messages {
+        if let Some(messages) = &counters.response_messages {
             counted.push((Unit::ResponseMessages, messages.load(Ordering::Relaxed)));
         }
-        if let Some(usage) = &self.counters.usage {
+        if let Some(usage) = &counters.usage {
             counted.push((Unit::Reported, usage.reported()));
         }
         counted.retain(|(unit, _)| !refunded(*unit));
@@ -286,6 +369,6 @@ impl Meter {
 
 impl Drop for Meter {
     fn drop(&mut self) {
-        self.done();
+        self.end();
     }
 }

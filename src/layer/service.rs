@@ -937,8 +937,7 @@ where
             (Box::new(gate.prepaid(prepaid)) as Box<dyn Gate>, Framer::default())
         });
         let signal = if grpc { signal } else { None };
-        meter =
-            meter.streamed(Streamed { gate, messages, signal, trailers, ..Streamed::default() });
+        meter = meter.streamed(Streamed { gate, messages, signal, trailers });
     } else if let Some(streamed) = response_tally {
         meter = meter.streamed(streamed);
     }

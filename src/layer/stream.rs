@@ -24,8 +24,9 @@ use crate::store::{Check, Store, Verdict};
 /// fewer) when it has spent its previous lease: one store call per lease, whatever the size
 /// of its frames (two when the store refuses it first: policing, a tier with less than a
 /// lease left, asked again for what it has; shaping, more than a second of leases reserved
-/// ahead, asked again when it is within a second). When the body ends, or is dropped, one
-/// more settles the last lease at what it carried, unless it carried exactly its size.
+/// ahead, asked again when it is within a second). When the body is dropped (a server drops a
+/// body once it ended; or unfinished), one more settles the last lease at what it carried,
+/// unless it carried exactly its size.
 pub const STREAM_LEASE: u64 = 64 * 1024;
 
 /// The largest lease of messages a gRPC stream takes from the store at once: 16.

@@ -844,3 +844,203 @@ async fn a_request_body_read_in_part_is_charged_the_bytes_read() {
     assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "400");
     assert_eq!(slot_and_bytes_left(&layer).await, [1, 9_600]);
 }
+
+// One rule ends every body the layer observes, request or response: finished (its end),
+// abandoned (an error from the inner body) or dropped unfinished, the body is settled at what
+// it handed on, exactly, and the request's slot is free. Below, each kind of observed body
+// (counted whole and settled at its end, metered by leases as it streams with no length
+// known, gRPC messages) meets each end, on the side it is observed on.
+
+/// `frames` copies of `frame`, then the body's end as `end` says.
+struct Repeat {
+    frame: Bytes,
+    frames: usize,
+    end: End,
+}
+
+impl Body for Repeat {
+    type Data = Bytes;
+    type Error = &'static str;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, &'static str>>> {
+        if self.frames > 0 {
+            self.frames -= 1;
+            return Poll::Ready(Some(Ok(Frame::data(self.frame.clone()))));
+        }
+        match self.end {
+            End::Done => Poll::Ready(None),
+            End::Fail => Poll::Ready(Some(Err("reset"))),
+            End::Hang => Poll::Pending,
+        }
+    }
+}
+
+/// Two frames of what `unit` counts: 700 bytes each, or one gRPC message each (a 5-byte
+/// prefix and 8 bytes of payload).
+fn two_frames(unit: Unit, end: End) -> Repeat {
+    let frame = match unit {
+        Unit::RequestMessages | Unit::ResponseMessages => {
+            Bytes::from_static(&[0, 0, 0, 0, 8, 1, 2, 3, 4, 5, 6, 7, 8])
+        }
+        _ => Bytes::from(vec![b'z'; 700]),
+    };
+    Repeat { frame, frames: 2, end }
+}
+
+/// Reads a body's two frames, then its end, or its error; a body that hangs is left there.
+async fn read_two<B>(body: &mut B, end: End)
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Debug,
+{
+    for _ in 0..2 {
+        body.frame().await.unwrap().unwrap();
+    }
+    match end {
+        End::Done => assert!(body.frame().await.is_none()),
+        End::Fail => assert!(body.frame().await.unwrap().is_err()),
+        End::Hang => {}
+    }
+}
+
+/// A layer over one concurrency slot and 1,000,000 an hour of `unit`, metering bodies by
+/// `mode`, on tokio's clock (standing still: nothing refills).
+fn slot_and_units(unit: Unit, mode: tollgate::StreamMode) -> RateLimitLayer<GlobalKey> {
+    let policy = Policy::builder("p")
+        .concurrency("slot", Concurrency::new(1))
+        .tier("units", Quota::per_hour(1_000_000).counting(unit))
+        .build()
+        .unwrap();
+    RateLimitLayer::builder(policy)
+        .store(paused_store())
+        .key(GlobalKey)
+        .on_stream(mode)
+        .build()
+        .unwrap()
+}
+
+/// A request observed on `unit`'s side under `mode`, its body of two frames ending as `end`
+/// says, read through and dropped: the free slots and the units left once the response body
+/// is dropped. A gRPC call when `unit` counts messages.
+async fn observed(unit: Unit, mode: tollgate::StreamMode, end: End) -> [u64; 2] {
+    let layer = slot_and_units(unit, mode);
+    let request_side = matches!(unit, Unit::RequestBytes | Unit::RequestMessages);
+    let svc =
+        layer.clone().layer(service_fn(move |req: Request<RequestBody<Repeat>>| async move {
+            let response = if request_side {
+                let mut body = req.into_body();
+                read_two(&mut body, end).await;
+                // A body that hangs is dropped unfinished here.
+                drop(body);
+                Repeat { frame: Bytes::new(), frames: 0, end: End::Done }
+            } else {
+                two_frames(unit, end)
+            };
+            Ok::<_, Infallible>(Response::new(response))
+        }));
+    let mut req = Request::post("/pkg.Service/Method");
+    if matches!(unit, Unit::RequestMessages | Unit::ResponseMessages) {
+        req = req.header("content-type", "application/grpc");
+    }
+    let upload = match request_side {
+        true => two_frames(unit, end),
+        false => Repeat { frame: Bytes::new(), frames: 0, end: End::Done },
+    };
+    let mut body = svc.oneshot(req.body(upload).unwrap()).await.unwrap().into_body();
+    if request_side {
+        assert!(body.frame().await.is_none());
+    } else {
+        read_two(&mut body, end).await;
+    }
+    drop(body);
+    slot_and_bytes_left(&layer).await
+}
+
+/// Both sides' bytes, settled at the end of the response (the request's counted as the
+/// handler read them): 2 x 700 bytes each way, whatever ended the body.
+async fn counted_whole(end: End) {
+    let settle = tollgate::StreamMode::Settle;
+    assert_eq!(observed(Unit::RequestBytes, settle, end).await, [1, 998_600]);
+    assert_eq!(observed(Unit::ResponseBytes, settle, end).await, [1, 998_600]);
+}
+
+/// Both sides' bytes, metered by leases as they stream (no length known): the leases settle
+/// at the 2 x 700 bytes that passed, and the unit charged at admission is given back.
+async fn leased_bytes(end: End) {
+    let police = tollgate::StreamMode::Police;
+    assert_eq!(observed(Unit::RequestBytes, police, end).await, [1, 998_600]);
+    let shape = tollgate::StreamMode::Shape;
+    assert_eq!(observed(Unit::ResponseBytes, shape, end).await, [1, 998_600]);
+}
+
+/// A gRPC call's messages, each way, counted and settled at the end (`Settle`) or leased as
+/// they stream (`Police`, which charges the first message at admission): 2 messages.
+async fn grpc_messages(end: End) {
+    for mode in [tollgate::StreamMode::Settle, tollgate::StreamMode::Police] {
+        assert_eq!(observed(Unit::RequestMessages, mode, end).await, [1, 999_998], "{mode:?}");
+        assert_eq!(observed(Unit::ResponseMessages, mode, end).await, [1, 999_998], "{mode:?}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn bodies_counted_whole_and_finished_are_settled_at_their_bytes() {
+    counted_whole(End::Done).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn bodies_counted_whole_and_abandoned_are_settled_at_their_bytes() {
+    counted_whole(End::Fail).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn bodies_counted_whole_and_dropped_are_settled_at_their_bytes() {
+    counted_whole(End::Hang).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn streamed_bodies_finished_are_charged_their_bytes() {
+    leased_bytes(End::Done).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn streamed_bodies_abandoned_are_charged_their_bytes() {
+    leased_bytes(End::Fail).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn streamed_bodies_dropped_are_charged_their_bytes() {
+    leased_bytes(End::Hang).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn grpc_bodies_finished_are_charged_their_messages() {
+    grpc_messages(End::Done).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn grpc_bodies_abandoned_are_charged_their_messages() {
+    grpc_messages(End::Fail).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn grpc_bodies_dropped_are_charged_their_messages() {
+    grpc_messages(End::Hang).await;
+}
+
+/// A streamed response's slot is free when it finishes; its last lease (64 KiB taken, 1,400
+/// bytes used) is settled when the body is dropped.
+#[tokio::test(start_paused = true)]
+async fn a_finished_streamed_response_frees_its_slot_at_its_end_and_its_lease_when_dropped() {
+    let layer = slot_and_units(Unit::ResponseBytes, tollgate::StreamMode::Shape);
+    let svc = layer.layer(service_fn(|_req: Request<RequestBody<()>>| async {
+        Ok::<_, Infallible>(Response::new(two_frames(Unit::ResponseBytes, End::Done)))
+    }));
+    let mut body = svc.oneshot(Request::new(())).await.unwrap().into_body();
+    read_two(&mut body, End::Done).await;
+    assert_eq!(slot_and_bytes_left(&layer).await, [1, 1_000_000 - 65_536]);
+    drop(body);
+    assert_eq!(slot_and_bytes_left(&layer).await, [1, 998_600]);
+}
