@@ -76,6 +76,9 @@ def main():
     held = {}  # (key, pol) -> list of (id, costs, at_s, at_u)
     nid = 1
     for batch in range(int(os.environ.get("BATCHES", "3000"))):
+        if rnd.random() < 0.1:
+            # exactly on the next minute boundary (a calendar window's end), or 1 ns before
+            now = (now // (60 * S) + 1) * 60 * S - rnd.choice([0, 0, 1])
         now += rnd.choice([0, 0, 1_000_000, 100_000_000, 250_000_000, 499_999_999, 500_000_000, 3 * S, 20 * S, 61 * S, -300_000_000 if os.environ.get("BACK") else 0])
         s, ns = now // S, now % S
         recs, keys, meta = [], [], []
