@@ -412,3 +412,49 @@ async fn refusals_of_http1_requests_with_a_body_close_the_connection() {
         assert_eq!(got, connection, "case {i}");
     }
 }
+
+/// The other refusals of an HTTP/1.x request with a body (the slow path's 429 after a tarpit,
+/// the 503 of a store failing closed, the refusal of a request no policy is selected for) say
+/// `Connection: close` too; over HTTP/2 none of them does.
+#[tokio::test(start_paused = true)]
+async fn slow_store_and_scope_refusals_of_uploads_close_the_connection() {
+    use http::Version as V;
+    let upload = |version| with(version, &[("content-length", "5"), ("x-plan", "gold")], true);
+    let connection = |res: &Response<_>| {
+        res.headers().get(http::header::CONNECTION).map(|v| v.as_bytes().to_vec())
+    };
+    let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
+    let tarpit = RateLimitLayer::builder(policy.clone())
+        .store(paused_store())
+        .tarpit(Duration::from_secs(2))
+        .build()
+        .unwrap()
+        .layer(ok_service());
+    assert_eq!(tarpit.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
+    let closed = RateLimitLayer::builder(policy.clone())
+        .store(Broken::default())
+        .build()
+        .unwrap()
+        .layer(ok_service());
+    let scoped = RateLimitLayer::builder(policy)
+        .store(paused_store())
+        .select(|head| head.headers.get("x-plan").and_then(|v| v.to_str().ok()))
+        .unselected(tollgate::Unselected::Reject(StatusCode::FORBIDDEN))
+        .build()
+        .unwrap()
+        .layer(ok_service());
+    for (version, close) in [(V::HTTP_11, Some(b"close".to_vec())), (V::HTTP_2, None)] {
+        let res = tarpit.clone().oneshot(upload(version)).await.unwrap();
+        assert_eq!(
+            (res.status(), connection(&res)),
+            (StatusCode::TOO_MANY_REQUESTS, close.clone())
+        );
+        let res = closed.clone().oneshot(upload(version)).await.unwrap();
+        assert_eq!(
+            (res.status(), connection(&res)),
+            (StatusCode::SERVICE_UNAVAILABLE, close.clone())
+        );
+        let res = scoped.clone().oneshot(upload(version)).await.unwrap();
+        assert_eq!((res.status(), connection(&res)), (StatusCode::FORBIDDEN, close));
+    }
+}

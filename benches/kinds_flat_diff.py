@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Differential fuzz of kinds.lua: the flat path (the batch as is, database 0) against the
+general path (the same batch plus a trailing check of a non-flat policy on an unrelated key,
+database 1), the replies and the stored state (values, PTTLs, lease sets) compared after every
+batch. Random batches of 1-5 policed checks and releases over two keys and five flat policies
+(GCRA of whole-unit T beside minute calendars and lease sets; units of 1 ns and 1 us): the same
+key twice, costs 0 and above capacity, window boundaries, expired leases, releases of unknown
+leases; BACK=1 also steps the clock back 300 ms now and then (the stored guard).
+
+    redis-server --port 7401 --bind 127.0.0.1 --save "" &      # a throw-away server
+    BATCHES=2000 COUNTFLAT=1 python3 benches/kinds_flat_diff.py 7401 SEED   # then kill it
+
+COUNTFLAT=1 counts the batches that took the flat path (key __flat). Standard library only.
+"""
+import random, socket, struct, sys, os
+
+PORT = int(sys.argv[1]); SEED = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+def enc(*args):
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        a = a.encode() if isinstance(a, str) else str(a).encode() if isinstance(a, int) else a
+        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+    return b"".join(out)
+class Conn:
+    def __init__(self, db):
+        self.s = socket.create_connection(("127.0.0.1", PORT)); self.buf = b""
+        self.cmd("SELECT", str(db))
+    def _fill(self, n):
+        while len(self.buf) < n: self.buf += self.s.recv(1 << 20)
+    def reply(self):
+        while b"\r\n" not in self.buf: self.buf += self.s.recv(1 << 20)
+        line, self.buf = self.buf.split(b"\r\n", 1)
+        k, rest = line[:1], line[1:]
+        if k == b"-": raise RuntimeError(rest)
+        if k in (b"+", b":"): return rest
+        if k == b"$":
+            n = int(rest)
+            if n < 0: return None
+            self._fill(n + 2); d, self.buf = self.buf[:n], self.buf[n + 2:]; return d
+        return [self.reply() for _ in range(int(rest))]
+    def cmd(self, *a):
+        self.s.sendall(enc(*a)); return self.reply()
+L = os.path.join(ROOT, "src/store/redis/lua")
+SRC = "".join(open(os.path.join(L, f)).read() for f in ("prelude.lua", "rate.lua", "kinds.lua"))
+if os.environ.get("COUNTFLAT"):
+    SRC = SRC.replace("if flat_batch() then", "if flat_batch() then redis.call('INCR', '__flat')")
+def d(*xs): return struct.pack("<%dd" % len(xs), *xs)
+def undo(b): return struct.unpack("<%dd" % (len(b) // 8), b)
+S = 1_000_000_000
+# Policies: list of tiers (kind, a, b, c).
+POLS = [
+    [(0, 2, S, 3), (2, 5, 0, 0), (1, 2, 250, 0)],            # rate 2/s burst 3, 5 per minute, 2 slots
+    [(0, 10, S, 4), (0, 100, 60 * S, 20), (1, 3, 1000, 0)],    # two rates, 3 slots
+    [(2, 3, 0, 0), (0, 1, 2 * S, 1), (2, 7, 0, 0)],          # two calendars (minute) beside a rate
+    [(0, 3, 10, 2)],                                           # non-whole T: never flat
+]
+UNITS = [1, 1, 1000, 1, 1, 1000]
+POLS.insert(3, [(1, 2, 300, 0)])                               # slots alone
+POLS.insert(4, [(2, 4, 0, 0), (0, 3, 3 * S, 2)])               # calendar and rate, no slots
+POLS[2] = [(2, 3, 0, 0), (0, 1, 2 * S // 1000, 1), (2, 7, 0, 0)]  # unit 1 us
+def pol_arg():
+    out = []
+    for tiers in POLS:
+        out += [UNITS[POLS.index(tiers)], 1000, 0, len(tiers)]
+        for (k, a, b, c) in tiers: out += [k, a, b, c, 0, 0, 0, 0, 0]
+    return d(*out)
+def bounds(now_s):
+    w = now_s // 60 * 60
+    return [w - 60, w, w + 60, w + 120]
+def main():
+    rnd = random.Random(SEED)
+    A, B = Conn(0), Conn(1)
+    for c in (A, B): c.cmd("FLUSHDB")
+    now = 1_700_000_000 * S + 50 * S
+    held = {}  # (key, pol) -> list of (id, costs, at_s, at_u)
+    nid = 1
+    for batch in range(int(os.environ.get("BATCHES", "3000"))):
+        if rnd.random() < 0.1:
+            # exactly on the next minute boundary (a calendar window's end), or 1 ns before
+            now = (now // (60 * S) + 1) * 60 * S - rnd.choice([0, 0, 1])
+        now += rnd.choice([0, 0, 1_000_000, 100_000_000, 250_000_000, 499_999_999, 500_000_000, 3 * S, 20 * S, 61 * S, -300_000_000 if os.environ.get("BACK") else 0])
+        s, ns = now // S, now % S
+        recs, keys, meta = [], [], []
+        for _ in range(rnd.randint(1, 5)):
+            key = rnd.choice(["a", "b"])
+            p = {"a": 0, "b": 1}[key] if rnd.random() < 0.7 else rnd.choice([0, 1, 2, 3, 4])
+            kname = "%s%d" % (key, p)
+            tiers = POLS[p]
+            ki = len(keys) + 1
+            keys.append(kname)
+            keys += ["%s:c%d" % (kname, q + 1) for q in range(sum(1 for t in tiers if t[0] == 1))]
+            ncal = sum(1 for t in tiers if t[0] == 2)
+            hs = held.setdefault((kname, p), [])
+            if hs and rnd.random() < 0.4:
+                if rnd.random() < 0.15:
+                    lid, costs, cs_, cu_ = (nid + 10_000_000, [rnd.randint(1, 2) for _ in tiers], s, ns)
+                else:
+                    lid, costs, cs_, cu_ = hs.pop(rnd.randrange(len(hs)))
+                body = [rnd.choice([1, 1, 1, 0])]
+                for t, c in zip(tiers, costs):
+                    body += [c, c, cs_, cu_, lid if t[0] == 1 else 0]
+                for _ in range(ncal): body += [4] + bounds(s)
+                for _ in range(ncal): w = cs_ // 60 * 60; body += [w, w + 60]
+                rec = [2, ki, p + 1, 4 + len(body)] + body
+                meta.append(("settle", 0))
+            else:
+                lid = nid; nid += 1
+                costs = [rnd.choice([0, 1, 1, 1, 2, 3, 4, 6]) for _ in tiers]
+                body = [-1, lid] + costs + [1]
+                for _ in range(ncal): body += [4] + bounds(s)
+                rec = [1, ki, p + 1, 4 + len(body)] + body
+                meta.append(("check", (kname, p, lid, costs, s, ns)))
+            recs.append(rec)
+        flat = [x for r in recs for x in r]
+        # the forcing record: a check of the non-flat policy on its own key
+        force = [1, len(keys) + 1, 6, 4 + 2 + 1 + 1, -1, 999, 1, 1]
+        argv1 = d(1, s, ns)
+        ra = A.cmd("EVAL", SRC, str(len(keys)), *keys, argv1, pol_arg(), d(*flat))
+        pa = {k: int(A.cmd("PTTL", k)) for k in set(keys)}
+        rb = B.cmd("EVAL", SRC, str(len(keys) + 1), *keys, "z", argv1, pol_arg(), d(*(flat + force)))
+        pb = {k: int(B.cmd("PTTL", k)) for k in set(keys)}
+        va, vb = undo(ra), undo(rb)
+        vb = vb[:len(vb) - 2 - (3 + 5)] + vb[-2:]
+        if va != vb:
+            print("REPLY DIFF batch", batch, "recs", recs, "\nflat", va, "\ngen ", vb); return 1
+        # record admitted ones
+        pos = 0
+        for (kind, m) in meta:
+            if kind != "check": continue
+            kname, p, lid, costs, cs_, cu_ = m
+            if va[pos] == 1 and any(c > 0 for c in costs):
+                held[(kname, p)].append((lid, costs, cs_, cu_))
+            pos += 3 + 5 * len(POLS[p])
+        for k in sorted(set(keys)):
+            z = ":c" in k
+            ga, gb = (None, None) if z else (A.cmd("GET", k), B.cmd("GET", k))
+            za = A.cmd("ZRANGE", k, "0", "-1", "WITHSCORES") if z else None
+            zb = B.cmd("ZRANGE", k, "0", "-1", "WITHSCORES") if z else None
+            ta, tb = pa[k], pb[k]
+            if ga != gb or za != zb or abs(ta - tb) > 20:
+                print("STATE DIFF batch", batch, k, "\nflat", ga and undo(ga), za, ta, "\ngen ", gb and undo(gb), zb, tb, "\nrecs", recs); return 1
+    print("ok", SEED, "flat batches on A:", A.cmd("GET", "__flat"), "on B:", B.cmd("GET", "__flat")); return 0
+sys.exit(main())
