@@ -483,9 +483,10 @@ impl Plan {
 }
 
 /// `res`, the answer to `req` given without reading its body, told to close the connection
-/// when `req` is an HTTP/1.x request that has a body (RFC 9112 §6.3: a `Transfer-Encoding` or a
-/// `Content-Length` above zero): a refused upload is not read (hyper closes such a connection
-/// rather than drain a large body), and a client not told so (RFC 9112 §9.6) may send its next
+/// when the body is one the server will not read off: an HTTP/1.x request whose declared body
+/// (RFC 9112 §6.3) is longer than [`DRAINED`] bytes or of unknown length (`Transfer-Encoding`).
+/// hyper reads off a small body that already arrived and keeps the connection, but closes one
+/// with more to come rather than read it; a client not told so (RFC 9112 §9.6) may send its next
 /// request on the connection as it closes. HTTP/2 streams end on their own; nothing is added.
 fn refused<B, ResB>(req: &Request<B>, mut res: Response<ResB>) -> Response<ResB> {
     if unread_body(req) {
@@ -494,20 +495,29 @@ fn refused<B, ResB>(req: &Request<B>, mut res: Response<ResB>) -> Response<ResB>
     res
 }
 
+/// The longest declared body, in bytes, a refusal leaves for the server to read off and keep
+/// its connection: hyper's first read buffer (8 KiB), in which a small body sent with its
+/// head has arrived.
+const DRAINED: u64 = 8 * 1024;
+
 /// Marks `res` as the last response of its connection (`Connection: close`).
 fn close<B>(res: &mut Response<B>) {
     res.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
 }
 
-/// Whether answering `req` without reading its body leaves bytes of an HTTP/1.x connection
-/// unread ([`refused`]).
+/// Whether answering `req` without reading its body leaves an HTTP/1.x connection with a body
+/// the server will not read off ([`refused`]): a declared length above [`DRAINED`] (or one
+/// that is not a number), or `Transfer-Encoding`.
 fn unread_body<B>(req: &Request<B>) -> bool {
     if req.version() >= http::Version::HTTP_2 {
         return false;
     }
     let headers = req.headers();
+    let declared = |v: &HeaderValue| v.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok());
     headers.contains_key(header::TRANSFER_ENCODING)
-        || headers.get(header::CONTENT_LENGTH).is_some_and(|v| v.as_bytes() != b"0")
+        || headers
+            .get(header::CONTENT_LENGTH)
+            .is_some_and(|v| declared(v).is_none_or(|n| n > DRAINED))
 }
 
 /// Passes a request on unlimited.

@@ -712,7 +712,8 @@ async fn login_recipe_admits_at_most_three_in_any_minute() {
 
 /// An HTTP/1.1 upload refused before its body is read is answered with `Connection: close`
 /// (the server will not read the rest, and closes): the client sends its next request on a
-/// new connection, never on the one closing. Requests without a body keep their connection.
+/// new connection, never on the one closing. Requests without a body, or with a small one the
+/// server reads off, keep their connection.
 #[tokio::test]
 async fn a_refused_upload_closes_its_connection_and_the_next_request_is_served() {
     let policy = Policy::single("uploads", Quota::per_hour(1000)).unwrap();
@@ -729,12 +730,13 @@ async fn a_refused_upload_closes_its_connection_and_the_next_request_is_served()
         .layer(layer);
     let server = serve(app).await;
     let c = client();
-    let upload = |key: &str| {
+    let post = |key: &str, len: usize| {
         http::Request::post(server.url("/"))
             .header("x-api-key", key)
-            .body(http_body_util::Full::new(bytes::Bytes::from(vec![b'x'; 1 << 20])))
+            .body(http_body_util::Full::new(bytes::Bytes::from(vec![b'x'; len])))
             .unwrap()
     };
+    let upload = |key: &str| post(key, 1 << 20);
     // Key "a" spends its burst of 1,000 on requests without a body: connections kept.
     for _ in 0..1000 {
         let ok = get(&c, &server.url("/"), &[("x-api-key", "a")]).await;
@@ -745,6 +747,9 @@ async fn a_refused_upload_closes_its_connection_and_the_next_request_is_served()
     assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(refused.header("connection"), None, "a refusal without a body keeps the connection");
     for round in 0..20 {
+        let small = support::send(&c, post("a", 100)).await;
+        assert_eq!(small.status, StatusCode::TOO_MANY_REQUESTS, "round {round}");
+        assert_eq!(small.header("connection"), None, "round {round}");
         let refused = support::send(&c, upload("a")).await;
         assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS, "round {round}");
         assert_eq!(refused.header("connection"), Some("close"), "round {round}");

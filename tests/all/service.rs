@@ -363,9 +363,10 @@ fn with(version: http::Version, headers: &[(&'static str, &str)], keyed: bool) -
     req
 }
 
-/// A refusal (429, or the 400 of a request without a key) of an HTTP/1.x request that has a
-/// body says `Connection: close`: the body is not read. Not for a request without a body, nor
-/// for HTTP/2, whose streams end on their own.
+/// A refusal (429, or the 400 of a request without a key) of an HTTP/1.x request whose body
+/// the server will not read off (declared above 8 KiB, or chunked) says `Connection: close`. Not
+/// for a request without a body or with a small one (hyper reads it off and keeps the
+/// connection), nor for HTTP/2, whose streams end on their own.
 #[tokio::test]
 async fn refusals_of_http1_requests_with_a_body_close_the_connection() {
     let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
@@ -374,35 +375,22 @@ async fn refusals_of_http1_requests_with_a_body_close_the_connection() {
     let first = svc.clone().oneshot(with(http::Version::HTTP_11, &[], true)).await.unwrap();
     assert_eq!(first.status(), StatusCode::OK);
     use http::Version as V;
+    const LIMITED: StatusCode = StatusCode::TOO_MANY_REQUESTS;
     // The version, the headers, whether the request has a key, the status, `Connection`.
     type Case =
         (V, &'static [(&'static str, &'static str)], bool, StatusCode, Option<&'static str>);
-    let cases: [Case; 8] = [
-        (
-            V::HTTP_11,
-            &[("content-length", "5")],
-            true,
-            StatusCode::TOO_MANY_REQUESTS,
-            Some("close"),
-        ),
-        (
-            V::HTTP_11,
-            &[("transfer-encoding", "chunked")],
-            true,
-            StatusCode::TOO_MANY_REQUESTS,
-            Some("close"),
-        ),
-        (
-            V::HTTP_10,
-            &[("content-length", "3")],
-            true,
-            StatusCode::TOO_MANY_REQUESTS,
-            Some("close"),
-        ),
-        (V::HTTP_11, &[("content-length", "0")], true, StatusCode::TOO_MANY_REQUESTS, None),
-        (V::HTTP_11, &[], true, StatusCode::TOO_MANY_REQUESTS, None),
-        (V::HTTP_2, &[("content-length", "5")], true, StatusCode::TOO_MANY_REQUESTS, None),
-        (V::HTTP_11, &[("content-length", "5")], false, StatusCode::BAD_REQUEST, Some("close")),
+    let cases: [Case; 12] = [
+        (V::HTTP_11, &[("content-length", "8193")], true, LIMITED, Some("close")),
+        (V::HTTP_11, &[("content-length", "1048576")], true, LIMITED, Some("close")),
+        (V::HTTP_11, &[("transfer-encoding", "chunked")], true, LIMITED, Some("close")),
+        (V::HTTP_10, &[("content-length", "9000")], true, LIMITED, Some("close")),
+        (V::HTTP_11, &[("content-length", "8192")], true, LIMITED, None),
+        (V::HTTP_11, &[("content-length", "5")], true, LIMITED, None),
+        (V::HTTP_11, &[("content-length", "0")], true, LIMITED, None),
+        (V::HTTP_11, &[], true, LIMITED, None),
+        (V::HTTP_2, &[("content-length", "9000")], true, LIMITED, None),
+        (V::HTTP_11, &[("content-length", "9000")], false, StatusCode::BAD_REQUEST, Some("close")),
+        (V::HTTP_11, &[("content-length", "5")], false, StatusCode::BAD_REQUEST, None),
         (V::HTTP_11, &[], false, StatusCode::BAD_REQUEST, None),
     ];
     for (i, (version, headers, keyed, status, connection)) in cases.into_iter().enumerate() {
@@ -413,13 +401,14 @@ async fn refusals_of_http1_requests_with_a_body_close_the_connection() {
     }
 }
 
-/// The other refusals of an HTTP/1.x request with a body (the slow path's 429 after a tarpit,
+/// The other refusals of an HTTP/1.x request with a body the server will not read off (9,000
+/// bytes declared; the slow path's 429 after a tarpit,
 /// the 503 of a store failing closed, the refusal of a request no policy is selected for) say
 /// `Connection: close` too; over HTTP/2 none of them does.
 #[tokio::test(start_paused = true)]
 async fn slow_store_and_scope_refusals_of_uploads_close_the_connection() {
     use http::Version as V;
-    let upload = |version| with(version, &[("content-length", "5"), ("x-plan", "gold")], true);
+    let upload = |version| with(version, &[("content-length", "9000"), ("x-plan", "gold")], true);
     let connection = |res: &Response<_>| {
         res.headers().get(http::header::CONNECTION).map(|v| v.as_bytes().to_vec())
     };

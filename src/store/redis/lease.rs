@@ -86,7 +86,8 @@ const CAPACITY: usize = 4096;
 /// at most its refill (2 ms or two round trips at the key's rate, or one emission interval
 /// for a key refilling less than a unit in that time, which is then the exact refusal's own
 /// wait; a useful block being a quarter of the burst at most, that is a quarter of the time
-/// the key takes to fill from empty at most), so every wait is at most half that time. An instance waits only when
+/// the key takes to fill from empty at most), and every wait, shares included, is at most
+/// half the time the key takes to fill from empty. An instance waits only when
 /// the key has less than a useful block (a quarter of the burst at most) left, so the key is
 /// at most three quarters full when the wait ends: the units that build up meanwhile stay in
 /// Redis for the next call of any instance, and with demand above the limit no refill is

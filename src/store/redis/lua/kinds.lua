@@ -765,6 +765,9 @@ local function flat_load(k, pol, name)
     end
     st[pol.oc + w] = kept
   end
+  -- The stored fraction (raw[y + 3]) is not read, and flat_save writes 0: a whole-unit
+  -- policy never has one, and a changed quota changes the state key's name, so no state
+  -- written under a fractional emission interval is read here.
   for r = 1, pol.nrate do
     local q, y = 7 + 3 * r, j + 5 * r - 5
     st[q], st[q + 1], st[q + 2] = (raw[y + 1] - cs) * per + (raw[y + 2] - cu), raw[y + 4], raw[y + 5]
