@@ -119,7 +119,8 @@ fn upload_app<St: Store>(store: St, mode: StreamMode, log: &Log, start: Instant)
 }
 
 /// Ten chunked uploads of 1 MB at once (frames of 16 KiB) to `url`: per upload, its status,
-/// or `None` when the connection was cut before an answer.
+/// or `None` when the connection was cut before an answer. A refusal that stops an upload
+/// mid-stream leaves the rest unread, so it must say `Connection: close`.
 async fn ten_chunked_uploads(url: &str) -> Vec<Option<StatusCode>> {
     let client: Client<_, Frames> = Client::builder(TokioExecutor::new()).build_http();
     let uploads: Vec<_> = (0..10)
@@ -129,6 +130,10 @@ async fn ten_chunked_uploads(url: &str) -> Vec<Option<StatusCode>> {
             tokio::spawn(async move {
                 let res = client.request(req).await.ok()?;
                 let status = res.status();
+                if status == StatusCode::TOO_MANY_REQUESTS {
+                    let connection = res.headers().get(http::header::CONNECTION);
+                    assert_eq!(connection.map(|v| v.as_bytes()), Some(&b"close"[..]));
+                }
                 res.into_body().collect().await.ok()?;
                 Some(status)
             })
