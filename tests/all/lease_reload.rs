@@ -94,20 +94,20 @@ async fn drain(apps: &[(LimitsLayer<RedisStore>, support::Server)], n: usize) ->
     ok
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn leasing_instances_admit_the_window_exactly_across_reloads_under_traffic() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let apps = Arc::new(fleet(&server).await);
+/// The instances of a fleet, each with its server.
+type Apps = Arc<Vec<(LimitsLayer<RedisStore>, support::Server)>>;
 
-    // 8 clients, 40 requests each, alternating instances: 320 asks for a window of 100.
+/// 8 clients sending `each` requests, alternating instances: the count of answers so far, and
+/// each client's task, which returns how many of its requests were admitted.
+fn traffic(apps: &Apps, each: usize) -> (Arc<AtomicUsize>, Vec<tokio::task::JoinHandle<usize>>) {
     let done = Arc::new(AtomicUsize::new(0));
     let mut clients = Vec::new();
     for c in 0..8 {
-        let (apps, done) = (Arc::clone(&apps), Arc::clone(&done));
+        let (apps, done) = (Arc::clone(apps), Arc::clone(&done));
         clients.push(tokio::spawn(async move {
             let client = support::client();
             let mut ok = 0;
-            for i in 0..40 {
+            for i in 0..each {
                 let reply = support::get(&client, &apps[(c + i) % 2].1.url("/"), &[]).await;
                 match reply.status {
                     StatusCode::OK => ok += 1,
@@ -119,14 +119,29 @@ async fn leasing_instances_admit_the_window_exactly_across_reloads_under_traffic
             ok
         }));
     }
-    // After 60 answers, both instances reload a file that keeps the policy: its binding (and
-    // the blocks it holds) stay.
+    (done, clients)
+}
+
+/// Returns once `n` requests were answered (at most 10 s).
+async fn answered(done: &AtomicUsize, n: usize) {
     for _ in 0..10_000 {
-        if done.load(Ordering::SeqCst) >= 60 {
+        if done.load(Ordering::SeqCst) >= n {
             break;
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leasing_instances_admit_the_window_exactly_across_reloads_under_traffic() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let apps = Arc::new(fleet(&server).await);
+
+    // 8 clients, 40 requests each, alternating instances: 320 asks for a window of 100.
+    let (done, clients) = traffic(&apps, 40);
+    // After 60 answers, both instances reload a file that keeps the policy: its binding (and
+    // the blocks it holds) stay.
+    answered(&done, 60).await;
     for (layer, _) in apps.iter() {
         let reloaded = layer.handle().reload(config(100, "v2.toml")).unwrap();
         assert_eq!(reloaded.kept(), &["api".to_owned()][..]);
@@ -169,33 +184,10 @@ async fn prefetching_gcra_instances_admit_the_burst_exactly_across_reloads_under
     let apps = Arc::new(fleet_of(&server, lease, config_of("gcra", 400, "v1.toml")).await);
 
     // 8 clients, 100 requests each, alternating instances: 800 asks for a burst of 400.
-    let done = Arc::new(AtomicUsize::new(0));
-    let mut clients = Vec::new();
-    for c in 0..8 {
-        let (apps, done) = (Arc::clone(&apps), Arc::clone(&done));
-        clients.push(tokio::spawn(async move {
-            let client = support::client();
-            let mut ok = 0;
-            for i in 0..100 {
-                let reply = support::get(&client, &apps[(c + i) % 2].1.url("/"), &[]).await;
-                match reply.status {
-                    StatusCode::OK => ok += 1,
-                    StatusCode::TOO_MANY_REQUESTS => {}
-                    other => panic!("unexpected {other}"),
-                }
-                done.fetch_add(1, Ordering::SeqCst);
-            }
-            ok
-        }));
-    }
+    let (done, clients) = traffic(&apps, 100);
     // Once blocks have grown enough to be fetched ahead (200 answers), both instances reload
     // a file that keeps the policy.
-    for _ in 0..10_000 {
-        if done.load(Ordering::SeqCst) >= 200 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    answered(&done, 200).await;
     let prefetched_before: u64 = apps
         .iter()
         .map(|(layer, _)| layer.handle().limiter("api").expect("bound").bound().lease_stats())
