@@ -4,12 +4,13 @@
 //!
 //! ```text
 //! instructions <stack> <case> <keys> <requests>
-//!   stack:    bare | tollgate | tower_governor | noop_pass | noop_wrap
+//!   stack:    bare | tollgate | tollgate_lean | tower_governor | noop_pass | noop_wrap
 //!   case:     allowed | allowed_no_headers | limited
 //!   keys:     distinct client IPs, taken in turn (each seen once before counting starts)
 //!   requests: requests sent after that warm-up
 //! ```
 //!
+//! `tollgate_lean` is tollgate's layer made lean (`RateLimitLayer::lean`: bodies not wrapped).
 //! `noop_pass` is a tower layer that hands the request on and the response back unchanged;
 //! `noop_wrap` one that wraps both bodies in a newtype body, as a layer that observes bodies
 //! must: the difference is what axum's re-boxing of a foreign body type costs per request.
@@ -123,7 +124,7 @@ fn app(stack: &str, case: &str) -> Router {
     let headers = case != "allowed_no_headers";
     let app = match stack {
         "bare" => route,
-        "tollgate" => {
+        "tollgate" | "tollgate_lean" => {
             let quota = if allowed { Quota::per_second(1_000_000_000) } else { Quota::per_hour(1) };
             let store =
                 MemoryStore::builder().sweep_interval(Duration::from_secs(3600)).build().unwrap();
@@ -132,7 +133,11 @@ fn app(stack: &str, case: &str) -> Router {
                 .store(store)
                 .build()
                 .unwrap();
-            route.layer(layer)
+            if stack == "tollgate_lean" {
+                route.layer(layer.lean().unwrap())
+            } else {
+                route.layer(layer)
+            }
         }
         "noop_pass" => route.layer(Noop::<false>),
         "noop_wrap" => route.layer(Noop::<true>),
