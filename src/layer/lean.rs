@@ -184,8 +184,7 @@ where
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
         // Nothing metered: `lean` refused every policy that would need it.
-        let state =
-            decide::<Lean, _, _, _, _, _>(&mut self.inner, &self.config, (false, None), req);
+        let state = decide::<Lean, _, _, _, _, _>(&mut self.inner, &self.config, false, None, req);
         LeanFuture { state }
     }
 }

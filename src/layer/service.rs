@@ -111,7 +111,8 @@ where
         decide::<Observing, _, _, _, _, _>(
             &mut self.inner,
             &self.config,
-            (self.collect, metered),
+            self.collect,
+            metered,
             req,
         )
         .into()
@@ -193,6 +194,18 @@ type Metered<S, K, St, Q, R, E> = fn(
     Prepared,
 ) -> Slow<R, E>;
 
+/// The [`Metered`] of a service carrying bodies as `C` does; `None` for one that meters nothing.
+type MeteredBy<C, S, K, St, ReqB, ResB> = Option<
+    Metered<
+        S,
+        K,
+        St,
+        <C as Carry<ReqB, ResB>>::Req,
+        <C as Carry<ReqB, ResB>>::Res,
+        <S as Service<Request<<C as Carry<ReqB, ResB>>::Req>>>::Error,
+    >,
+>;
+
 /// [`serve_metered`], boxed: [`RateLimit`]'s [`Metered`].
 fn metered<S, K, St, ReqB, ResB>(
     config: Arc<Config<K, St>>,
@@ -224,7 +237,8 @@ where
 pub(super) fn decide<C, S, K, St, ReqB, ResB>(
     inner: &mut S,
     shared: &Arc<Config<K, St>>,
-    (collect, metered): (bool, Option<Metered<S, K, St, C::Req, C::Res, S::Error>>),
+    collect: bool,
+    metered: MeteredBy<C, S, K, St, ReqB, ResB>,
     req: Request<ReqB>,
 ) -> State<S::Future, C::Res, S::Error>
 where
@@ -351,7 +365,7 @@ where
     let config = Arc::clone(shared);
     let req = req.map(C::request);
     let future =
-        run::<C, _, _, _, _, _>(config, (policy, collect), (inner, metered), req, key, decided);
+        run::<C, _, _, _, _, _>(config, (policy, collect), inner, metered, req, key, decided);
     State::slow(Box::pin(future))
 }
 
@@ -649,7 +663,8 @@ where
 async fn run<C, S, K, St, ReqB, ResB>(
     config: Arc<Config<K, St>>,
     (policy, collect): (usize, bool),
-    (inner, metered): (S, Option<Metered<S, K, St, C::Req, C::Res, S::Error>>),
+    inner: S,
+    metered: MeteredBy<C, S, K, St, ReqB, ResB>,
     req: Request<C::Req>,
     key: Option<Key>,
     decided: Option<Result<Verdict<St::Ticket>, StoreError>>,
