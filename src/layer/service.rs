@@ -234,6 +234,7 @@ where
 /// ([`RateLimit::collecting`]); `metered` serves an admitted request whose policy meters
 /// something while it runs (`None`: a service that meters nothing, whose layer was built only
 /// for policies that need nothing metered).
+#[inline]
 pub(super) fn decide<C, S, K, St, ReqB, ResB>(
     inner: &mut S,
     shared: &Arc<Config<K, St>>,
