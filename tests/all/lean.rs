@@ -269,3 +269,40 @@ fn a_policy_that_observes_a_body_has_no_lean_layer() {
         .unwrap();
     assert!(RateLimitLayer::builder(plain).build().unwrap().lean().is_ok());
 }
+
+/// A store that cannot decide: failing closed (503, or `UNAVAILABLE` to a gRPC call) and
+/// failing open (the request passed on, no headers) answer alike.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lean_layer_fails_closed_or_open_as_the_layer() {
+    use tollgate::OnStoreError;
+    let Some(mut server) = crate::support::redis::Server::start("redis-server") else { return };
+    let store = tollgate::store::RedisStore::builder(server.url())
+        .timeout(Duration::from_millis(300))
+        .circuit_breaker(1, Duration::from_secs(600))
+        .no_fallback()
+        .build()
+        .unwrap();
+    let layer = |on_error| {
+        RateLimitLayer::builder(Policy::single("outage", Quota::per_hour(5)).unwrap())
+            .key(HeaderKey::new(HeaderName::from_static("x-key")))
+            .store(store.clone())
+            .on_store_error(on_error)
+            .build()
+            .unwrap()
+    };
+    server.kill();
+    let clock = FakeClock::new();
+    let mut statuses = Vec::new();
+    for on_error in [OnStoreError::FailClosed, OnStoreError::FailOpen] {
+        let full = layer(on_error).layer(handler());
+        let lean = layer(on_error).lean().unwrap().layer(handler());
+        statuses.extend(differential("outage", &clock, full, lean).await);
+    }
+    // Failing closed: 503 (`UNAVAILABLE`, 14, to the gRPC call), the 405s included, and 400
+    // without a key (decided before the store is asked); failing open: the handler's answers.
+    let closed = ["503", "503", "503", "503", "503", "503", "grpc 14", "503", "400", "503"];
+    let open = ["405", "405", "200", "200", "200", "200", "200", "200", "400", "200"];
+    let want = [&closed[..], &["503", "503"], &open, &["200", "200"]].concat();
+    assert_eq!(statuses, want);
+}
