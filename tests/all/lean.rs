@@ -5,6 +5,7 @@
 
 use std::convert::Infallible;
 use std::fmt::Debug;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Body;
@@ -19,6 +20,9 @@ use tollgate::{
 };
 use tower::{Layer, Service, ServiceExt};
 
+/// What a layer's decision hook saw.
+type Events = Arc<Mutex<Vec<String>>>;
+
 /// Every setting the trace runs under.
 const VARIANTS: [&str; 9] =
     ["plain", "headers_off", "legacy", "draft7", "dry_run", "custom", "scoped", "shaped", "tarpit"];
@@ -29,11 +33,17 @@ const WAITING: [&str; 2] = ["shaped", "tarpit"];
 
 /// "api": 3 a minute, GCRA (a burst of 3, one back each 20 s); "pro": 10 a minute, chosen by
 /// `x-plan: pro` under "scoped".
-fn layer<St: Store>(variant: &str, store: St) -> RateLimitLayer<HeaderKey, St> {
+/// The decision hook writes each decision's policy and outcome to `events`.
+fn layer<St: Store>(variant: &str, store: St, events: &Events) -> RateLimitLayer<HeaderKey, St> {
     let api = Policy::single("api", Quota::per_minute(3)).unwrap();
+    let events = Arc::clone(events);
     let builder = RateLimitLayer::builder(api)
         .key(HeaderKey::new(HeaderName::from_static("x-key")))
-        .store(store);
+        .store(store)
+        .on_decision(move |event| {
+            let seen = format!("{} {:?}", event.policy.name(), event.outcome);
+            events.lock().unwrap().push(seen);
+        });
     let builder = match variant {
         "plain" => builder,
         "headers_off" => builder.headers(HeaderStyle::None).missing_key(MissingKey::Allow),
@@ -202,10 +212,19 @@ async fn the_lean_layer_answers_as_the_layer_on_the_memory_store() {
     for variant in VARIANTS {
         let clock = FakeClock::new();
         let store = || MemoryStore::builder().clock(clock.clone()).build().unwrap();
-        let full = layer(variant, store()).layer(handler());
-        let lean = layer(variant, store()).lean().unwrap().layer(handler());
+        let (seen_full, seen_lean) = (Events::default(), Events::default());
+        let full = layer(variant, store(), &seen_full).layer(handler());
+        let lean = layer(variant, store(), &seen_lean).lean().unwrap().layer(handler());
         let statuses = differential(variant, &clock, full, lean).await;
         assert_eq!(statuses, expected(variant), "{variant}");
+        let seen = seen_lean.lock().unwrap().clone();
+        assert_eq!(seen, *seen_full.lock().unwrap(), "{variant}");
+        if variant == "plain" {
+            // Every request with a key decided (the one without is refused before).
+            let mut want = vec!["api Admitted"; 11];
+            (want[5], want[6], want[10]) = ("api Limited", "api Limited", "api Limited");
+            assert_eq!(seen, want);
+        }
     }
 }
 
@@ -224,8 +243,9 @@ async fn the_lean_layer_answers_as_the_layer_on_redis() {
                 .build()
                 .unwrap()
         };
-        let full = layer(variant, store("full")).layer(handler());
-        let lean = layer(variant, store("lean")).lean().unwrap().layer(handler());
+        let events = Events::default();
+        let full = layer(variant, store("full"), &events).layer(handler());
+        let lean = layer(variant, store("lean"), &events).lean().unwrap().layer(handler());
         let statuses = differential(variant, &clock, full, lean).await;
         assert_eq!(statuses, expected(variant), "{variant}");
     }
