@@ -182,8 +182,10 @@ impl<ReqB: Send + 'static, ResB: From<Bytes> + Send + 'static> Carry<ReqB, ResB>
     }
 }
 
-/// Serves an admitted request whose policy meters something while it runs: the service's
-/// way to, when it has one ([`RateLimit`]'s, [`serve_metered`]).
+/// How a service serves an admitted request whose policy meters something while it runs
+/// ([`RateLimit`]'s: [`serve_metered`]). A function pointer handed to the shared steps rather
+/// than a method of [`Carry`]: the inner service's bounds, written over `Carry`'s associated
+/// body types, do not carry over to a generic method's implementations.
 type Metered<S, K, St, Q, R, E> = fn(
     Arc<Config<K, St>>,
     (usize, bool),
