@@ -4,11 +4,16 @@
 //!
 //! ```text
 //! instructions <stack> <case> <keys> <requests>
-//!   stack:    bare | tollgate | tower_governor
+//!   stack:    bare | tollgate | tollgate_lean | tower_governor | noop_pass | noop_wrap
 //!   case:     allowed | allowed_no_headers | limited
 //!   keys:     distinct client IPs, taken in turn (each seen once before counting starts)
 //!   requests: requests sent after that warm-up
 //! ```
+//!
+//! `tollgate_lean` is tollgate's layer made lean (`RateLimitLayer::lean`: bodies not wrapped).
+//! `noop_pass` is a tower layer that hands the request on and the response back unchanged;
+//! `noop_wrap` one that wraps both bodies in a newtype body, as a layer that observes bodies
+//! must: the difference is what axum's re-boxing of a foreign body type costs per request.
 //!
 //! Callgrind counts inside [`measured`] only, so start-up, the warm-up and one-time set-up
 //! (the clock's calibration, which runs for a stretch of wall time) stay out of the count. The
@@ -18,8 +23,11 @@
 //! memory store's sweeper (timer-driven work, whose cost grows with wall time, which valgrind
 //! stretches) is set to run once an hour, so it never runs during a measurement.
 
+use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
@@ -30,8 +38,78 @@ use http::{Request, StatusCode};
 use tollgate::store::MemoryStore;
 use tollgate::{HeaderStyle, Policy, Quota, RateLimitLayer};
 use tower::ServiceExt;
+use tower::{Layer, Service};
 use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
+
+/// A no-op layer: `WRAP` decides whether both bodies travel in [`Wrapped`].
+#[derive(Clone, Copy)]
+struct Noop<const WRAP: bool>;
+
+impl<S, const WRAP: bool> Layer<S> for Noop<WRAP> {
+    type Service = NoopService<S, WRAP>;
+    fn layer(&self, inner: S) -> Self::Service {
+        NoopService(inner)
+    }
+}
+
+#[derive(Clone)]
+struct NoopService<S, const WRAP: bool>(S);
+
+// Both variants box their future alike, so that the bodies are the one difference.
+impl<S, B, ResB> Service<Request<B>> for NoopService<S, false>
+where
+    S: Service<Request<B>, Response = http::Response<ResB>>,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<ResB>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, S::Error>> + Send>>;
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.0.poll_ready(cx)
+    }
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let fut = self.0.call(req);
+        Box::pin(async move { Ok(fut.await?.map(std::convert::identity)) })
+    }
+}
+
+impl<S, B, ResB> Service<Request<B>> for NoopService<S, true>
+where
+    S: Service<Request<Wrapped<B>>, Response = http::Response<ResB>>,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Wrapped<ResB>>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, S::Error>> + Send>>;
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.0.poll_ready(cx)
+    }
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let fut = self.0.call(req.map(Wrapped));
+        Box::pin(async move { Ok(fut.await?.map(Wrapped)) })
+    }
+}
+
+/// A body newtype that only forwards, standing for any body type of a layer's own.
+struct Wrapped<B>(B);
+
+impl<B: http_body::Body + Unpin> http_body::Body for Wrapped<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<B::Data>, B::Error>>> {
+        Pin::new(&mut self.0).poll_frame(cx)
+    }
+    fn is_end_stream(&self) -> bool {
+        self.0.is_end_stream()
+    }
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.0.size_hint()
+    }
+}
 
 fn request(i: u32) -> Request<Body> {
     let mut req = Request::get("/").body(Body::empty()).unwrap();
@@ -46,7 +124,7 @@ fn app(stack: &str, case: &str) -> Router {
     let headers = case != "allowed_no_headers";
     let app = match stack {
         "bare" => route,
-        "tollgate" => {
+        "tollgate" | "tollgate_lean" => {
             let quota = if allowed { Quota::per_second(1_000_000_000) } else { Quota::per_hour(1) };
             let store =
                 MemoryStore::builder().sweep_interval(Duration::from_secs(3600)).build().unwrap();
@@ -55,8 +133,14 @@ fn app(stack: &str, case: &str) -> Router {
                 .store(store)
                 .build()
                 .unwrap();
-            route.layer(layer)
+            if stack == "tollgate_lean" {
+                route.layer(layer.lean().unwrap())
+            } else {
+                route.layer(layer)
+            }
         }
+        "noop_pass" => route.layer(Noop::<false>),
+        "noop_wrap" => route.layer(Noop::<true>),
         "tower_governor" => {
             let mut config = GovernorConfigBuilder::default();
             if allowed {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Instructions per request under valgrind's callgrind: the axum layer's overhead over the bare
-# router, tollgate beside tower_governor, counted by `benches/instructions.rs` (see its docs).
+# router, tollgate (and its lean layer) beside tower_governor, counted by
+# `benches/instructions.rs` (see its docs).
 #
 #   bash benches/instructions.sh           # every case, 1 and 10,000 client IPs, both peers
 #   bash benches/instructions.sh --check   # the admitted path (headers on, one client IP):
@@ -61,12 +62,14 @@ if [ "${1:-}" = "--check" ]; then
   exit 0
 fi
 
-printf '%-20s %6s %10s %15s %6s\n' case keys tollgate tower_governor ratio
+printf '%-20s %6s %10s %6s %14s %6s %15s\n' case keys tollgate ratio tollgate_lean ratio tower_governor
 for keys in 1 10000; do
   for case in allowed allowed_no_headers limited; do
     ours=$(overhead tollgate "$case" "$keys")
+    lean=$(overhead tollgate_lean "$case" "$keys")
     theirs=$(overhead tower_governor "$case" "$keys")
     ratio=$(awk -v a="$ours" -v b="$theirs" 'BEGIN { printf "%.2f", a / b }')
-    printf '%-20s %6s %10s %15s %6sx\n' "$case" "$keys" "$ours" "$theirs" "$ratio"
+    lean_ratio=$(awk -v a="$lean" -v b="$theirs" 'BEGIN { printf "%.2f", a / b }')
+    printf '%-20s %6s %10s %5sx %14s %5sx %15s\n' "$case" "$keys" "$ours" "$ratio" "$lean" "$lean_ratio" "$theirs"
   done
 done

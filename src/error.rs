@@ -156,6 +156,22 @@ pub enum ConfigError {
         /// The tier's capacity, in units ([`Tier::capacity`](crate::Tier::capacity)).
         capacity: u64,
     },
+    /// A lean layer ([`RateLimitLayer::lean`](crate::RateLimitLayer::lean)) asked for a policy
+    /// with a tier that must observe a request while it runs: a concurrency tier (its slots
+    /// are held until the response ends) or a tier counting bytes, messages or reported units
+    /// (counted as the bodies stream). Only the full layer can serve such a policy.
+    #[error(
+        "policy `{policy}`, tier `{tier}`: {reason}; a lean layer observes no body, use the layer itself"
+    )]
+    ObservesBody {
+        /// The policy's name.
+        policy: String,
+        /// The tier's name.
+        tier: String,
+        /// What the tier observes (`"holds concurrency slots until the response ends"`,
+        /// `"counts request_bytes"`, ...).
+        reason: String,
+    },
     /// The store cannot run this tier (for example a span beyond what it represents).
     #[error("{store} cannot run tier `{tier}`: {reason}")]
     UnsupportedByStore {

@@ -101,9 +101,9 @@ pub use decision::{Decision, Outcome, Source, TierDecision};
 pub use error::{ConfigError, StoreError};
 pub use headers::{HeaderFormat, HeaderStyle};
 pub use layer::{
-    DecisionEvent, LogKeys, MESSAGE_LEASE, MissingKey, Observed, OnStoreError, RateLimit,
-    RateLimitLayer, RateLimitLayerBuilder, RequestBody, ResponseBody, ResponseFuture, STREAM_LEASE,
-    StreamMode, Unselected, Usage,
+    DecisionEvent, LeanFuture, LeanLayer, LeanRateLimit, LogKeys, MESSAGE_LEASE, MissingKey,
+    Observed, OnStoreError, RateLimit, RateLimitLayer, RateLimitLayerBuilder, RequestBody,
+    ResponseBody, ResponseFuture, STREAM_LEASE, StreamMode, Unselected, Usage,
 };
 pub use limiter::{Held, Limiter, Reservation};
 pub use policy::{Costs, Policy, PolicyBuilder, Tier};

@@ -189,8 +189,8 @@ fn problem_body(policy: &Policy, over: bool, violated: impl Fn(usize) -> bool) -
 }
 
 /// A response with a problem body and the headers every refusal carries.
-fn respond(status: StatusCode, body: Bytes) -> Response<Full<Bytes>> {
-    let mut res = Response::new(Full::new(body));
+fn respond(status: StatusCode, body: Bytes) -> Response<Bytes> {
+    let mut res = Response::new(body);
     *res.status_mut() = status;
     // Room for these two, `Retry-After` and the rate-limit headers, without growing.
     let mut headers = HeaderMap::with_capacity(8);
@@ -223,9 +223,9 @@ pub(crate) fn too_many_requests(
     surface: &Surface,
     decision: &Decision,
     style: Fields,
-) -> Response<Full<Bytes>> {
+) -> Response<Bytes> {
     if let Some(headers) = surface.limited_headers(decision, style) {
-        let mut res = Response::new(Full::new(surface.body(decision)));
+        let mut res = Response::new(surface.body(decision));
         *res.status_mut() = StatusCode::TOO_MANY_REQUESTS;
         *res.headers_mut() = headers;
         return res;
@@ -264,8 +264,8 @@ fn retry_after_ms(decision: &Decision) -> Option<u64> {
 
 /// A gRPC trailers-only response: HTTP 200, `content-type: application/grpc`, `grpc-status`
 /// and `grpc-message`, and an empty body (so the server ends the stream with the headers).
-fn grpc_respond(code: u8, message: HeaderValue) -> Response<Full<Bytes>> {
-    let mut res = Response::new(Full::new(Bytes::new()));
+fn grpc_respond(code: u8, message: HeaderValue) -> Response<Bytes> {
+    let mut res = Response::new(Bytes::new());
     // Room for these three, the pushback and the rate-limit headers, without growing.
     let mut headers = HeaderMap::with_capacity(8);
     headers.insert(header::CONTENT_TYPE, grpc::APPLICATION_GRPC);
@@ -282,7 +282,7 @@ pub(crate) fn grpc_resource_exhausted(
     surface: &Surface,
     decision: &Decision,
     style: Fields,
-) -> Response<Full<Bytes>> {
+) -> Response<Bytes> {
     let over = usize::from(decision.outcome() == Outcome::CostExceedsCapacity);
     let message = surface.grpc_messages[over].clone();
     let mut res = grpc_respond(code::RESOURCE_EXHAUSTED, message);
@@ -429,11 +429,11 @@ impl RateLimited {
     /// `RateLimit-Policy` / `RateLimit` headers and the problem+json [`body`](Self::body).
     #[must_use]
     pub fn to_response(&self) -> Response<Full<Bytes>> {
-        self.response(Fields::default())
+        self.response(Fields::default()).map(Full::new)
     }
 
     /// The default response with the headers of `style`.
-    pub(crate) fn response(&self, style: Fields) -> Response<Full<Bytes>> {
+    pub(crate) fn response(&self, style: Fields) -> Response<Bytes> {
         too_many_requests(&self.surface, &self.decision, style)
     }
 
@@ -465,11 +465,11 @@ impl RateLimited {
     /// ```
     #[must_use]
     pub fn to_grpc_response(&self) -> Response<Full<Bytes>> {
-        self.grpc_response(Fields::default())
+        self.grpc_response(Fields::default()).map(Full::new)
     }
 
     /// The gRPC response with the headers of `style`.
-    pub(crate) fn grpc_response(&self, style: Fields) -> Response<Full<Bytes>> {
+    pub(crate) fn grpc_response(&self, style: Fields) -> Response<Bytes> {
         grpc_resource_exhausted(&self.surface, &self.decision, style)
     }
 
@@ -562,10 +562,10 @@ impl Rejection {
     /// `Retry-After: 1`.
     #[must_use]
     pub fn to_response(&self) -> Response<Full<Bytes>> {
-        self.response(Fields::default())
+        self.response(Fields::default()).map(Full::new)
     }
 
-    pub(crate) fn response(&self, style: Fields) -> Response<Full<Bytes>> {
+    pub(crate) fn response(&self, style: Fields) -> Response<Bytes> {
         match self {
             Self::Limited(l) => l.response(style),
             Self::Unavailable(_) => {
@@ -590,10 +590,10 @@ impl Rejection {
     /// `grpc-retry-pushback-ms: 1000`, as the HTTP 503 carries `Retry-After: 1`.
     #[must_use]
     pub fn to_grpc_response(&self) -> Response<Full<Bytes>> {
-        self.grpc_response(Fields::default())
+        self.grpc_response(Fields::default()).map(Full::new)
     }
 
-    pub(crate) fn grpc_response(&self, style: Fields) -> Response<Full<Bytes>> {
+    pub(crate) fn grpc_response(&self, style: Fields) -> Response<Bytes> {
         let code = self.grpc_status();
         match self {
             Self::Limited(l) => l.grpc_response(style),
@@ -728,8 +728,8 @@ mod tests {
                         let got: Vec<_> = res.headers().iter().collect();
                         let want: Vec<_> = expected.headers().iter().collect();
                         assert_eq!(got, want, "{fields:?} {decision:?}");
-                        let body = res.into_body().collect().await.unwrap().to_bytes();
-                        assert_eq!(body, surface.body(decision));
+                        let body = Full::new(res.into_body()).collect().await.unwrap();
+                        assert_eq!(body.to_bytes(), surface.body(decision));
                     }
                 }
             }

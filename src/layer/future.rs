@@ -1,4 +1,5 @@
-//! [`ResponseFuture`], the future of [`RateLimit`](crate::RateLimit).
+//! [`ResponseFuture`], the future of [`RateLimit`](crate::RateLimit), and the state machine it
+//! shares with [`LeanFuture`](crate::LeanFuture).
 
 use std::fmt;
 use std::future::Future;
@@ -13,9 +14,9 @@ use super::body::ResponseBody;
 use crate::headers::Prepared;
 use crate::key::Key;
 
-/// A boxed response future, for the paths that wait (store I/O, shaping, tarpit, settlement).
-pub(crate) type Slow<B, E> =
-    Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
+/// A boxed response future answering with body `R`, for the paths that wait (store I/O,
+/// shaping, tarpit, settlement).
+pub(crate) type Slow<R, E> = Pin<Box<dyn Future<Output = Result<Response<R>, E>> + Send>>;
 
 /// Gives back, at once, the charge of a request admitted without a ticket when its response's
 /// status says so (a `405`, a status of `refund_if`): the layer's settings and the store's
@@ -55,67 +56,33 @@ pin_project! {
     /// When polled again after it completed (the `Future` contract).
     pub struct ResponseFuture<F, B, E> {
         #[pin]
-        state: State<F, B, E>,
-    }
-}
-
-pin_project! {
-    #[project = StateProj]
-    enum State<F, B, E> {
-        Inner { #[pin] future: F, headers: Prepared },
-        Refundable { #[pin] future: F, headers: Prepared, refund: Option<Refund> },
-        Untracked { #[pin] future: F, headers: Prepared, charge: Option<Untracked> },
-        Settling {
-            settle: Pin<Box<dyn Future<Output = ()> + Send>>,
-            response: Option<Response<ResponseBody<B>>>,
-        },
-        Ready { response: Option<Response<ResponseBody<B>>> },
-        Slow { future: Slow<B, E> },
-        Done,
+        state: State<F, ResponseBody<B>, E>,
     }
 }
 
 impl<F, B, E> ResponseFuture<F, B, E> {
     /// The inner service's response, with `headers` added.
+    #[cfg(feature = "config")]
     pub(crate) fn inner(future: F, headers: Prepared) -> Self {
         Self { state: State::Inner { future, headers } }
     }
 
-    /// The inner service's response, with `headers` added, after `refund` has seen its status
-    /// (and, when it gives the charge back, finished doing so).
-    pub(crate) fn refundable(future: F, headers: Prepared, refund: Refund) -> Self {
-        Self { state: State::Refundable { future, headers, refund: Some(refund) } }
-    }
-
-    /// The inner service's response, with `headers` added, after its status has had the chance
-    /// to give `charge` back.
-    pub(crate) fn untracked(future: F, headers: Prepared, charge: Untracked) -> Self {
-        Self { state: State::Untracked { future, headers, charge: Some(charge) } }
-    }
-
-    /// A response made without the inner service.
-    pub(crate) fn ready(response: Response<ResponseBody<B>>) -> Self {
-        Self { state: State::Ready { response: Some(response) } }
-    }
-
     /// The general path.
-    pub(crate) fn slow(future: Slow<B, E>) -> Self {
+    #[cfg(feature = "config")]
+    pub(crate) fn slow(future: Slow<ResponseBody<B>, E>) -> Self {
         Self { state: State::Slow { future } }
+    }
+}
+
+impl<F, B, E> From<State<F, ResponseBody<B>, E>> for ResponseFuture<F, B, E> {
+    fn from(state: State<F, ResponseBody<B>, E>) -> Self {
+        Self { state }
     }
 }
 
 impl<F, B, E> fmt::Debug for ResponseFuture<F, B, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let state = match self.state {
-            State::Inner { .. } => "inner",
-            State::Refundable { .. } => "refundable",
-            State::Untracked { .. } => "untracked",
-            State::Settling { .. } => "settling",
-            State::Ready { .. } => "ready",
-            State::Slow { .. } => "slow",
-            State::Done => "done",
-        };
-        f.debug_struct("ResponseFuture").field("state", &state).finish()
+        f.debug_struct("ResponseFuture").field("state", &self.state.name()).finish()
     }
 }
 
@@ -126,14 +93,86 @@ where
     type Output = Result<Response<ResponseBody<B>>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut state = self.project().state;
-        let output = match state.as_mut().project() {
+        self.project().state.poll_with(cx, ResponseBody::inner)
+    }
+}
+
+pin_project! {
+    /// Where a response future of the layer is: `F` the inner service's future, `R` the body
+    /// it answers with (the inner body mapped, or a refusal's), `E` the inner error. One state
+    /// machine for [`ResponseFuture`] and [`LeanFuture`](crate::LeanFuture), which differ in
+    /// the body only.
+    #[project = StateProj]
+    pub(crate) enum State<F, R, E> {
+        Inner { #[pin] future: F, headers: Prepared },
+        Refundable { #[pin] future: F, headers: Prepared, refund: Option<Refund> },
+        Untracked { #[pin] future: F, headers: Prepared, charge: Option<Untracked> },
+        Settling {
+            settle: Pin<Box<dyn Future<Output = ()> + Send>>,
+            response: Option<Response<R>>,
+        },
+        Ready { response: Option<Response<R>> },
+        Slow { future: Slow<R, E> },
+        Done,
+    }
+}
+
+impl<F, R, E> State<F, R, E> {
+    /// The inner service's response, with `headers` added.
+    pub(crate) fn inner(future: F, headers: Prepared) -> Self {
+        State::Inner { future, headers }
+    }
+
+    /// The inner service's response, with `headers` added, after `refund` has seen its status
+    /// (and, when it gives the charge back, finished doing so).
+    pub(crate) fn refundable(future: F, headers: Prepared, refund: Refund) -> Self {
+        State::Refundable { future, headers, refund: Some(refund) }
+    }
+
+    /// The inner service's response, with `headers` added, after its status has had the chance
+    /// to give `charge` back.
+    pub(crate) fn untracked(future: F, headers: Prepared, charge: Untracked) -> Self {
+        State::Untracked { future, headers, charge: Some(charge) }
+    }
+
+    /// A response made without the inner service.
+    pub(crate) fn ready(response: Response<R>) -> Self {
+        State::Ready { response: Some(response) }
+    }
+
+    /// The general path.
+    pub(crate) fn slow(future: Slow<R, E>) -> Self {
+        State::Slow { future }
+    }
+
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            State::Inner { .. } => "inner",
+            State::Refundable { .. } => "refundable",
+            State::Untracked { .. } => "untracked",
+            State::Settling { .. } => "settling",
+            State::Ready { .. } => "ready",
+            State::Slow { .. } => "slow",
+            State::Done => "done",
+        }
+    }
+
+    /// Polls towards the response, the inner service's body turned into `R` by `body`.
+    pub(crate) fn poll_with<B>(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        body: fn(B) -> R,
+    ) -> Poll<Result<Response<R>, E>>
+    where
+        F: Future<Output = Result<Response<B>, E>>,
+    {
+        let output = match self.as_mut().project() {
             StateProj::Inner { future, headers } => {
                 let mut res = ready!(future.poll(cx))?;
                 if !headers.is_empty() {
                     std::mem::take(headers).apply(&mut res);
                 }
-                Ok(res.map(ResponseBody::inner))
+                Ok(res.map(body))
             }
             StateProj::Refundable { future, headers, refund } => {
                 let mut res = ready!(future.poll(cx))?;
@@ -141,12 +180,12 @@ where
                     std::mem::take(headers).apply(&mut res);
                 }
                 let settle = refund.take().and_then(|refund| refund(res.status()));
-                let res = res.map(ResponseBody::inner);
+                let res = res.map(body);
                 match settle {
                     None => Ok(res),
                     Some(mut settle) => {
                         if settle.as_mut().poll(cx).is_pending() {
-                            state.set(State::Settling { settle, response: Some(res) });
+                            self.set(State::Settling { settle, response: Some(res) });
                             return Poll::Pending;
                         }
                         Ok(res)
@@ -164,7 +203,7 @@ where
                         c.hook.refund_by_status(status, c.policy, &c.key, c.cost);
                     }
                 }
-                Ok(res.map(ResponseBody::inner))
+                Ok(res.map(body))
             }
             StateProj::Settling { settle, response } => {
                 ready!(settle.as_mut().poll(cx));
@@ -180,7 +219,7 @@ where
             StateProj::Slow { future } => ready!(future.as_mut().poll(cx)),
             StateProj::Done => panic!("ResponseFuture polled after completion"),
         };
-        state.set(State::Done);
+        self.set(State::Done);
         Poll::Ready(output)
     }
 }

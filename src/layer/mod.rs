@@ -2,6 +2,7 @@
 
 mod body;
 mod future;
+mod lean;
 mod messages;
 mod meter;
 mod observe;
@@ -22,6 +23,7 @@ use tower_layer::Layer;
 
 pub use body::{RequestBody, ResponseBody};
 pub use future::ResponseFuture;
+pub use lean::{LeanFuture, LeanLayer, LeanRateLimit};
 pub use meter::Usage;
 pub use observe::{DecisionEvent, LogKeys, Observed};
 pub use scope::Unselected;

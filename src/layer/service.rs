@@ -7,13 +7,14 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::task::{Context, Poll};
 
+use bytes::Bytes;
 use http::{HeaderValue, Request, Response, header};
 use http_body_util::Full;
 use smallvec::SmallVec;
 use tower_service::Service;
 
 use super::body::{RequestBody, ResponseBody};
-use super::future::{Refund, RefundByStatus, ResponseFuture, Untracked};
+use super::future::{Refund, RefundByStatus, ResponseFuture, Slow, State, Untracked};
 use super::messages::Framer;
 use super::meter::{Counters, Finish, Meter, Needs, StopTrailers, Streamed, content_length};
 use super::scope::Route;
@@ -106,134 +107,269 @@ where
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
-        #[cfg(feature = "ws")]
-        let req = {
-            let mut req = req;
-            super::websocket::unmetered(&mut req);
-            req
-        };
-        // The body is wrapped where the request is handed on: built in place there, the
-        // request is not copied once more.
-        let config = &*self.config;
-        let head = RequestHead::from(&req);
-        // Filters, allow-lists and the selector, only when one is set.
-        let mut policy = 0;
-        if let Some(scope) = &config.scope {
-            match scope.route(&head, |name| config.position(name)) {
-                Route::Limit(i) => policy = i,
-                // Called here and now: the service that was polled ready, no clone.
-                Route::Pass => {
-                    return ResponseFuture::inner(
-                        self.inner.call(req.map(RequestBody::new)),
-                        Prepared::default(),
+        let metered = Some(metered::<S, K, St, ReqB, ResB> as _);
+        decide::<Observing, _, _, _, _, _>(
+            &mut self.inner,
+            &self.config,
+            self.collect,
+            metered,
+            req,
+        )
+        .into()
+    }
+}
+
+/// How a service of the layer hands bodies on and back. [`Observing`] wraps both in the
+/// layer's own bodies ([`RequestBody`], [`ResponseBody`]) so that it can meter them; [`Lean`]
+/// hands on the request's own body and answers with the inner service's own response body,
+/// for policies that observe no body. The decision steps are written once, over this.
+pub(super) trait Carry<ReqB, ResB>: 'static {
+    /// The request body the inner service receives.
+    type Req: Send + 'static;
+    /// The response body the service answers with.
+    type Res: Send + 'static;
+    /// The request's body as the inner service receives it.
+    fn request(body: ReqB) -> Self::Req;
+    /// The inner service's response body as the service answers with it.
+    fn response(body: ResB) -> Self::Res;
+    /// The body of a response the layer made (a refusal).
+    fn refusal(body: Bytes) -> Self::Res;
+}
+
+/// [`RateLimit`]'s bodies: both wrapped, to be metered.
+pub(super) enum Observing {}
+
+impl<ReqB: Send + 'static, ResB: Send + 'static> Carry<ReqB, ResB> for Observing {
+    type Req = RequestBody<ReqB>;
+    type Res = ResponseBody<ResB>;
+
+    #[inline]
+    fn request(body: ReqB) -> Self::Req {
+        RequestBody::new(body)
+    }
+
+    #[inline]
+    fn response(body: ResB) -> Self::Res {
+        ResponseBody::inner(body)
+    }
+
+    #[inline]
+    fn refusal(body: Bytes) -> Self::Res {
+        ResponseBody::own(Full::new(body))
+    }
+}
+
+/// The lean service's bodies: handed on and back as they are; a refusal's made from its bytes.
+pub(super) enum Lean {}
+
+impl<ReqB: Send + 'static, ResB: From<Bytes> + Send + 'static> Carry<ReqB, ResB> for Lean {
+    type Req = ReqB;
+    type Res = ResB;
+
+    #[inline]
+    fn request(body: ReqB) -> Self::Req {
+        body
+    }
+
+    #[inline]
+    fn response(body: ResB) -> Self::Res {
+        body
+    }
+
+    #[inline]
+    fn refusal(body: Bytes) -> Self::Res {
+        ResB::from(body)
+    }
+}
+
+/// How a service serves an admitted request whose policy meters something while it runs
+/// ([`RateLimit`]'s: [`serve_metered`]). A function pointer handed to the shared steps rather
+/// than a method of [`Carry`]: the inner service's bounds, written over `Carry`'s associated
+/// body types, do not carry over to a generic method's implementations.
+type Metered<S, K, St, Q, R, E> = fn(
+    Arc<Config<K, St>>,
+    (usize, bool),
+    S,
+    Request<Q>,
+    (Key, Demand),
+    Reservation<St>,
+    Prepared,
+) -> Slow<R, E>;
+
+/// The [`Metered`] of a service carrying bodies as `C` does; `None` for one that meters nothing.
+type MeteredBy<C, S, K, St, ReqB, ResB> = Option<
+    Metered<
+        S,
+        K,
+        St,
+        <C as Carry<ReqB, ResB>>::Req,
+        <C as Carry<ReqB, ResB>>::Res,
+        <S as Service<Request<<C as Carry<ReqB, ResB>>::Req>>>::Error,
+    >,
+>;
+
+/// [`serve_metered`], boxed: [`RateLimit`]'s [`Metered`].
+fn metered<S, K, St, ReqB, ResB>(
+    config: Arc<Config<K, St>>,
+    policy: (usize, bool),
+    inner: S,
+    req: Request<RequestBody<ReqB>>,
+    demand: (Key, Demand),
+    reservation: Reservation<St>,
+    headers: Prepared,
+) -> Slow<ResponseBody<ResB>, S::Error>
+where
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send,
+    S::Error: Send + 'static,
+    K: KeyExtractor,
+    St: Store,
+    ReqB: Send + 'static,
+    ResB: Send + 'static,
+{
+    Box::pin(serve_metered(config, policy, inner, req, demand, reservation, headers))
+}
+
+/// Decides a request in `call`: the common case (policing, a key, a store that answers without
+/// I/O) here and now, whatever has to wait on a boxed future running [`run`]. `inner` is the
+/// service that was polled ready; `collect` whether the rate-limit headers are handed on
+/// ([`RateLimit::collecting`]); `metered` serves an admitted request whose policy meters
+/// something while it runs (`None`: a service that meters nothing, whose layer was built only
+/// for policies that need nothing metered).
+#[inline]
+pub(super) fn decide<C, S, K, St, ReqB, ResB>(
+    inner: &mut S,
+    shared: &Arc<Config<K, St>>,
+    collect: bool,
+    metered: MeteredBy<C, S, K, St, ReqB, ResB>,
+    req: Request<ReqB>,
+) -> State<S::Future, C::Res, S::Error>
+where
+    C: Carry<ReqB, ResB>,
+    S: Service<Request<C::Req>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Send + 'static,
+    K: KeyExtractor,
+    St: Store,
+    ReqB: Send + 'static,
+    ResB: Send + 'static,
+{
+    #[cfg(feature = "ws")]
+    let req = {
+        let mut req = req;
+        super::websocket::unmetered(&mut req);
+        req
+    };
+    // The body is wrapped where the request is handed on: built in place there, the
+    // request is not copied once more.
+    let config = &**shared;
+    let head = RequestHead::from(&req);
+    // Filters, allow-lists and the selector, only when one is set.
+    let mut policy = 0;
+    if let Some(scope) = &config.scope {
+        match scope.route(&head, |name| config.position(name)) {
+            Route::Limit(i) => policy = i,
+            // Called here and now: the service that was polled ready, no clone.
+            Route::Pass => {
+                return State::inner(inner.call(req.map(C::request)), Prepared::default());
+            }
+            Route::Refuse(status) => {
+                let grpc = is_grpc(req.headers());
+                let res = config.refuse(&Rejection::Unselected(status), grpc);
+                return State::ready(refused(&req, res).map(C::refusal));
+            }
+        }
+    }
+    let key = config.key.extract(&head);
+    if let (Some(scope), Some(key)) = (&config.scope, &key) {
+        if scope.allows(key) {
+            return State::inner(inner.call(req.map(C::request)), Prepared::default());
+        }
+    }
+    let limiter = config.limiter_at(policy);
+    let plan = config.plan_at(policy);
+    // The common case, decided here and now: policing, a key, and a store that answers
+    // without I/O. Whatever has to wait goes to `run`, with the decision already made.
+    let mut decided = None;
+    if let (Some(key), true) = (&key, plan.at_once) {
+        let cost = config.cost(&head);
+        // Per-tier costs, for a policy with tiers of other kinds or units only.
+        let costs =
+            (!plan.plain).then(|| plan.costs(limiter.policy(), cost, content_length(&head), &head));
+        let mut check = Check::new(key, cost).with_priority(config.priority(&head));
+        if let Some(costs) = &costs {
+            check = check.with_costs(costs);
+        }
+        check.ticket = plan.ticket;
+        match limiter.check_sync(check) {
+            Some(Ok(Verdict { decision, ticket }))
+                if decision.is_allowed() && (ticket.is_none() || plan.answers_with_ticket) =>
+            {
+                if config.observer.active() {
+                    let policy_ = limiter.policy();
+                    config.observer.at_once(
+                        policy,
+                        (policy_, key, &head),
+                        &decision,
+                        Observed::Admitted,
                     );
                 }
-                Route::Refuse(status) => {
-                    let grpc = is_grpc(req.headers());
-                    let res = config.refuse(&Rejection::Unselected(status), grpc);
-                    return ResponseFuture::ready(refused(&req, res));
-                }
-            }
-        }
-        let key = config.key.extract(&head);
-        if let (Some(scope), Some(key)) = (&config.scope, &key) {
-            if scope.allows(key) {
-                return ResponseFuture::inner(
-                    self.inner.call(req.map(RequestBody::new)),
-                    Prepared::default(),
-                );
-            }
-        }
-        let limiter = config.limiter_at(policy);
-        let plan = config.plan_at(policy);
-        // The common case, decided here and now: policing, a key, and a store that answers
-        // without I/O. Whatever has to wait goes to `run`, with the decision already made.
-        let mut decided = None;
-        if let (Some(key), true) = (&key, plan.at_once) {
-            let cost = config.cost(&head);
-            // Per-tier costs, for a policy with tiers of other kinds or units only.
-            let costs = (!plan.plain)
-                .then(|| plan.costs(limiter.policy(), cost, content_length(&head), &head));
-            let mut check = Check::new(key, cost).with_priority(config.priority(&head));
-            if let Some(costs) = &costs {
-                check = check.with_costs(costs);
-            }
-            check.ticket = plan.ticket;
-            match limiter.check_sync(check) {
-                Some(Ok(Verdict { decision, ticket }))
-                    if decision.is_allowed() && (ticket.is_none() || plan.answers_with_ticket) =>
-                {
-                    if config.observer.active() {
-                        let policy_ = limiter.policy();
-                        config.observer.at_once(
+                let fields = config.settings.headers;
+                let headers = limiter.surface().headers.prepare(fields, &decision, collect);
+                // Called here and now: the service that was polled ready, no clone.
+                let future = inner.call(req.map(C::request));
+                let Some(ticket) = ticket else {
+                    if plan.untracked {
+                        let charge = Untracked {
+                            hook: Arc::clone(shared) as Arc<dyn RefundByStatus>,
                             policy,
-                            (policy_, key, &head),
-                            &decision,
-                            Observed::Admitted,
-                        );
+                            key: key.clone(),
+                            cost,
+                            any_status: plan.refund_if,
+                        };
+                        return State::untracked(future, headers, charge);
                     }
-                    let fields = config.settings.headers;
-                    let headers =
-                        limiter.surface().headers.prepare(fields, &decision, self.collect);
-                    // Called here and now: the service that was polled ready, no clone.
-                    let future = self.inner.call(req.map(RequestBody::new));
-                    let Some(ticket) = ticket else {
-                        if plan.untracked {
-                            let charge = Untracked {
-                                hook: Arc::clone(&self.config) as Arc<dyn RefundByStatus>,
-                                policy,
-                                key: key.clone(),
-                                cost,
-                                any_status: plan.refund_if,
-                            };
-                            return ResponseFuture::untracked(future, headers, charge);
-                        }
-                        return ResponseFuture::inner(future, headers);
-                    };
-                    // A charge the response's status may give back (a 405, `refund_if`).
-                    let config = Arc::clone(&self.config);
-                    let refund: Refund = Box::new(move |status| {
-                        // Not given back: dropping the ticket keeps the charge.
-                        config.refunds(status).then(|| {
-                            Box::pin(async move {
-                                let limiter = config.limiter_at(policy);
-                                if let Err(error) = limiter.settle(ticket, 0).await {
-                                    tracing::warn!(%error, "tollgate: could not give a charge back");
-                                }
-                            }) as _
-                        })
-                    });
-                    return ResponseFuture::refundable(future, headers, refund);
-                }
-                Some(Ok(verdict))
-                    if !verdict.decision.is_allowed() && config.settings.tarpit.is_none() =>
-                {
-                    if config.observer.active() {
-                        let (policy_, d) = (limiter.policy(), &verdict.decision);
-                        config.observer.at_once(
-                            policy,
-                            (policy_, key, &head),
-                            d,
-                            Observed::Limited,
-                        );
-                    }
-                    let grpc = is_grpc(req.headers());
-                    let (decision, collect) = (verdict.decision, self.collect);
-                    let res = config.reject(limiter, key, decision, None, grpc, collect);
-                    return ResponseFuture::ready(refused(&req, res));
-                }
-                Some(result) => decided = Some(result),
-                None => {}
+                    return State::inner(future, headers);
+                };
+                // A charge the response's status may give back (a 405, `refund_if`).
+                let config = Arc::clone(shared);
+                let refund: Refund = Box::new(move |status| {
+                    // Not given back: dropping the ticket keeps the charge.
+                    config.refunds(status).then(|| {
+                        Box::pin(async move {
+                            let limiter = config.limiter_at(policy);
+                            if let Err(error) = limiter.settle(ticket, 0).await {
+                                tracing::warn!(%error, "tollgate: could not give a charge back");
+                            }
+                        }) as _
+                    })
+                });
+                return State::refundable(future, headers, refund);
             }
+            Some(Ok(verdict))
+                if !verdict.decision.is_allowed() && config.settings.tarpit.is_none() =>
+            {
+                if config.observer.active() {
+                    let (policy_, d) = (limiter.policy(), &verdict.decision);
+                    config.observer.at_once(policy, (policy_, key, &head), d, Observed::Limited);
+                }
+                let grpc = is_grpc(req.headers());
+                let (decision, collect) = (verdict.decision, collect);
+                let res = config.reject(limiter, key, decision, None, grpc, collect);
+                return State::ready(refused(&req, res).map(C::refusal));
+            }
+            Some(result) => decided = Some(result),
+            None => {}
         }
-        // Called later: take the service that was polled ready, leave a fresh clone in its place.
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
-        let config = Arc::clone(&self.config);
-        let req = req.map(RequestBody::new);
-        let collect = self.collect;
-        ResponseFuture::slow(Box::pin(run(config, (policy, collect), inner, req, key, decided)))
     }
+    // Called later: take the service that was polled ready, leave a fresh clone in its place.
+    let clone = inner.clone();
+    let inner = std::mem::replace(inner, clone);
+    let config = Arc::clone(shared);
+    let req = req.map(C::request);
+    let future =
+        run::<C, _, _, _, _, _>(config, (policy, collect), inner, metered, req, key, decided);
+    State::slow(Box::pin(future))
 }
 
 impl<K, St: Store> Config<K, St> {
@@ -302,7 +438,7 @@ impl<K, St: Store> Config<K, St> {
     /// exceeded; `grpc` whether the request is a gRPC call, answered in gRPC form (never
     /// through the custom rejection: a gRPC client could not read it); `collect` whether its
     /// rate-limit headers are handed on ([`Prepared::collected`]) rather than written.
-    fn reject<B>(
+    fn reject(
         &self,
         limiter: &Limiter<St>,
         key: &Key,
@@ -310,7 +446,7 @@ impl<K, St: Store> Config<K, St> {
         budget: Option<std::time::Duration>,
         grpc: bool,
         collect: bool,
-    ) -> Response<ResponseBody<B>> {
+    ) -> Response<Bytes> {
         if collect {
             let headers = limiter.surface().headers.prepare(self.settings.headers, &decision, true);
             let style = Fields { style: HeaderStyle::None, ..self.settings.headers };
@@ -322,7 +458,7 @@ impl<K, St: Store> Config<K, St> {
     }
 
     /// [`reject`](Self::reject), writing the rate-limit headers of `style`.
-    fn reject_with<B>(
+    fn reject_with(
         &self,
         limiter: &Limiter<St>,
         key: &Key,
@@ -330,7 +466,7 @@ impl<K, St: Store> Config<K, St> {
         budget: Option<std::time::Duration>,
         grpc: bool,
         style: Fields,
-    ) -> Response<ResponseBody<B>> {
+    ) -> Response<Bytes> {
         tracing::debug!(
             policy = limiter.policy().name(),
             key = %self.observer.show(key),
@@ -339,14 +475,13 @@ impl<K, St: Store> Config<K, St> {
             "tollgate: limited"
         );
         if grpc {
-            return grpc_resource_exhausted(limiter.surface(), &decision, style)
-                .map(ResponseBody::own);
+            return grpc_resource_exhausted(limiter.surface(), &decision, style);
         }
         match &self.settings.rejection {
-            None => too_many_requests(limiter.surface(), &decision, style).map(ResponseBody::own),
+            None => too_many_requests(limiter.surface(), &decision, style),
             Some(f) => {
                 let limited = limiter.rate_limited(decision, budget);
-                let mut res = f(&limited).map(|b| ResponseBody::own(Full::new(b)));
+                let mut res = f(&limited);
                 // The callback's own `Retry-After` wins.
                 let own = res.headers().get(header::RETRY_AFTER).cloned();
                 limited.add_headers(style, &mut res);
@@ -360,13 +495,13 @@ impl<K, St: Store> Config<K, St> {
 
     /// The answer to a request whose upload policing stopped before the handler answered: a
     /// refusal as at admission, or a 503 when the store could not decide (failing closed).
-    fn stopped<B>(
+    fn stopped(
         &self,
         limiter: &Limiter<St>,
         key: &Key,
         why: Stopped,
         (grpc, collect): (bool, bool),
-    ) -> Response<ResponseBody<B>> {
+    ) -> Response<Bytes> {
         match why {
             Stopped::Limited(decision) => self.reject(limiter, key, decision, None, grpc, collect),
             Stopped::Unavailable(error) => {
@@ -396,10 +531,9 @@ impl<K, St: Store> Config<K, St> {
     }
 
     /// A refusal other than a 429, in gRPC form for a gRPC call.
-    fn refuse<B>(&self, rejection: &Rejection, grpc: bool) -> Response<ResponseBody<B>> {
+    fn refuse(&self, rejection: &Rejection, grpc: bool) -> Response<Bytes> {
         let style = self.settings.headers;
-        let res = if grpc { rejection.grpc_response(style) } else { rejection.response(style) };
-        res.map(ResponseBody::own)
+        if grpc { rejection.grpc_response(style) } else { rejection.response(style) }
     }
 }
 
@@ -521,15 +655,16 @@ fn unread_body<B>(req: &Request<B>) -> bool {
 }
 
 /// Passes a request on unlimited.
-async fn pass<S, ReqB, ResB>(
+async fn pass<C, S, ReqB, ResB>(
     mut inner: S,
-    req: Request<RequestBody<ReqB>>,
-) -> Result<Response<ResponseBody<ResB>>, S::Error>
+    req: Request<C::Req>,
+) -> Result<Response<C::Res>, S::Error>
 where
-    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
+    C: Carry<ReqB, ResB>,
+    S: Service<Request<C::Req>, Response = Response<ResB>>,
 {
     let res = inner.call(req).await?;
-    Ok(res.map(ResponseBody::inner))
+    Ok(res.map(C::response))
 }
 
 /// Every path that waits: a store doing I/O, shaping, a tarpit, a settlement, a missing key, a
@@ -538,26 +673,29 @@ where
 /// request without one), the request's demand read once, the reservation (or the answer when
 /// the store fails), the refusal, and serving the admitted request with what its policy
 /// meters.
-async fn run<S, K, St, ReqB, ResB>(
+async fn run<C, S, K, St, ReqB, ResB>(
     config: Arc<Config<K, St>>,
     (policy, collect): (usize, bool),
-    mut inner: S,
-    req: Request<RequestBody<ReqB>>,
+    inner: S,
+    metered: MeteredBy<C, S, K, St, ReqB, ResB>,
+    req: Request<C::Req>,
     key: Option<Key>,
     decided: Option<Result<Verdict<St::Ticket>, StoreError>>,
-) -> Result<Response<ResponseBody<ResB>>, S::Error>
+) -> Result<Response<C::Res>, S::Error>
 where
-    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
+    C: Carry<ReqB, ResB>,
+    S: Service<Request<C::Req>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send,
+    S::Error: Send + 'static,
     K: KeyExtractor,
     St: Store,
-    ReqB: 'static,
 {
     let key = match key {
         Some(key) => key,
         None => match missing_key(&config, policy, &req) {
             Keyed::Key(key) => key,
-            Keyed::Refused(res) => return Ok(refused(&req, res)),
-            Keyed::Pass => return pass(inner, req).await,
+            Keyed::Refused(res) => return Ok(refused(&req, res).map(C::refusal)),
+            Keyed::Pass => return pass::<C, _, _, _>(inner, req).await,
         },
     };
     let demand = Demand::read(&config, policy, &req);
@@ -570,7 +708,8 @@ where
         }
         Err(error) => {
             drop(permit);
-            return store_failed(&config, policy, inner, req, &key, error).await;
+            return store_failed::<C, _, _, _, _, _>(&config, policy, inner, req, &key, error)
+                .await;
         }
     };
     let outcome = observed(&config, policy, &key, &req, reservation.decision());
@@ -582,7 +721,7 @@ where
         if closes {
             close(&mut res);
         }
-        return Ok(res);
+        return Ok(res.map(C::refusal));
     }
 
     // Admitted (or dry run): wait for the reserved slot; a request dropped meanwhile gives it
@@ -595,33 +734,55 @@ where
         limiter.surface().headers.prepare(config.settings.headers, reservation.decision(), collect)
     };
 
-    if !config.plan_at(policy).needs.any() || !reservation.decision().is_allowed() {
-        // From here the request is served: dropping it (a client disconnect) keeps the charge.
-        let res = inner.call(req).await?;
-        let (mut head, body) = res.into_parts();
-        headers.apply_parts(&mut head);
-        settle(&config, reservation, &head).await;
-        return Ok(Response::from_parts(head, ResponseBody::inner(body)));
+    match metered {
+        Some(metered)
+            if config.plan_at(policy).needs.any() && reservation.decision().is_allowed() =>
+        {
+            metered(config, (policy, collect), inner, req, (key, demand), reservation, headers)
+                .await
+        }
+        _ => serve::<C, _, _, _, _, _>(&config, inner, req, reservation, headers).await,
     }
-    serve_metered(config, (policy, collect), inner, req, (key, demand), reservation, headers).await
+}
+
+/// Serves an admitted request whose policy meters nothing while it runs: its response head
+/// settles the charge (a refund by status, a settled cost) before the response is handed on.
+async fn serve<C, S, K, St, ReqB, ResB>(
+    config: &Config<K, St>,
+    mut inner: S,
+    req: Request<C::Req>,
+    reservation: Reservation<St>,
+    headers: Prepared,
+) -> Result<Response<C::Res>, S::Error>
+where
+    C: Carry<ReqB, ResB>,
+    S: Service<Request<C::Req>, Response = Response<ResB>>,
+    St: Store,
+{
+    // From here the request is served: dropping it (a client disconnect) keeps the charge.
+    let res = inner.call(req).await?;
+    let (mut head, body) = res.into_parts();
+    headers.apply_parts(&mut head);
+    settle(config, reservation, &head).await;
+    Ok(Response::from_parts(head, C::response(body)))
 }
 
 /// What [`missing_key`] decided for a request its extractor found no key in.
-enum Keyed<B> {
+enum Keyed {
     /// Limited under this key.
     Key(Key),
     /// Refused with this answer.
-    Refused(Response<ResponseBody<B>>),
+    Refused(Response<Bytes>),
     /// Passed on unlimited.
     Pass,
 }
 
 /// The layer's `missing_key` setting applied to a request without a key.
-fn missing_key<K: KeyExtractor, St: Store, B, ResB>(
+fn missing_key<K: KeyExtractor, St: Store, B>(
     config: &Config<K, St>,
     policy: usize,
     req: &Request<B>,
-) -> Keyed<ResB> {
+) -> Keyed {
     let settings = &config.settings;
     match settings.missing_key {
         MissingKey::Reject(status) => {
@@ -637,7 +798,7 @@ fn missing_key<K: KeyExtractor, St: Store, B, ResB>(
 }
 
 /// What a request asks of its policy, read once from its head.
-struct Demand {
+pub(super) struct Demand {
     /// Units per request (the layer's cost).
     cost: u64,
     /// The body's declared length (`Content-Length`), in bytes.
@@ -704,16 +865,17 @@ async fn reserve<K: KeyExtractor, St: Store>(
 
 /// The answer when the store failed to decide: the request passed on (failing open) or
 /// refused with 503 (failing closed), as the layer's `on_store_error` says.
-async fn store_failed<S, K, St, ReqB, ResB>(
+async fn store_failed<C, S, K, St, ReqB, ResB>(
     config: &Config<K, St>,
     policy: usize,
     inner: S,
-    req: Request<RequestBody<ReqB>>,
+    req: Request<C::Req>,
     key: &Key,
     error: StoreError,
-) -> Result<Response<ResponseBody<ResB>>, S::Error>
+) -> Result<Response<C::Res>, S::Error>
 where
-    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
+    C: Carry<ReqB, ResB>,
+    S: Service<Request<C::Req>, Response = Response<ResB>>,
     K: KeyExtractor,
     St: Store,
 {
@@ -723,13 +885,14 @@ where
         OnStoreError::FailOpen => {
             config.failing.failed(name, &error, "failing open");
             config.observe(policy, key, &head, None, Observed::FailedOpen);
-            pass(inner, req).await
+            pass::<C, _, _, _>(inner, req).await
         }
         OnStoreError::FailClosed => {
             config.failing.failed(name, &error, "failing closed");
             config.observe(policy, key, &head, None, Observed::FailedClosed);
             let grpc = is_grpc(req.headers());
-            Ok(refused(&req, config.refuse(&Rejection::Unavailable(error), grpc)))
+            let res = config.refuse(&Rejection::Unavailable(error), grpc);
+            Ok(refused(&req, res).map(C::refusal))
         }
     }
 }
@@ -756,14 +919,14 @@ fn observed<K: KeyExtractor, St: Store, B>(
 
 /// The refusal of a limited request (a gRPC call's with `grpc`), after the tarpit's delay when
 /// one is set.
-async fn refuse_limited<K: KeyExtractor, St: Store, ResB>(
+async fn refuse_limited<K: KeyExtractor, St: Store>(
     config: &Config<K, St>,
     (policy, collect): (usize, bool),
     key: &Key,
     reservation: Reservation<St>,
     budget: Option<std::time::Duration>,
     grpc: bool,
-) -> Response<ResponseBody<ResB>> {
+) -> Response<Bytes> {
     let decision = reservation.decision().clone();
     drop(reservation);
     if let Some(delay) = config.settings.tarpit {
@@ -791,7 +954,8 @@ where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
     K: KeyExtractor,
     St: Store,
-    ReqB: 'static,
+    ReqB: Send + 'static,
+    ResB: Send + 'static,
 {
     let settings = &config.settings;
     let limiter = config.limiter_at(policy);
@@ -904,7 +1068,8 @@ where
                 Ok(res) => res?,
                 Err(why) => {
                     held.finish();
-                    let mut res = config.stopped(limiter, &key, why, (grpc, collect));
+                    let res = config.stopped(limiter, &key, why, (grpc, collect));
+                    let mut res = res.map(<Observing as Carry<ReqB, ResB>>::refusal);
                     if closes {
                         close(&mut res);
                     }

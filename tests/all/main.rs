@@ -27,6 +27,7 @@ mod http;
 mod hyper;
 mod kinds;
 mod layer_kinds;
+mod lean;
 mod lease;
 mod lease_reload;
 mod limiter;

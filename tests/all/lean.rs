@@ -1,0 +1,328 @@
+//! The lean layer (`RateLimitLayer::lean`): the same request trace through the layer itself
+//! and through its lean form, each on a store of its own on one fake clock, answers alike
+//! (status, headers, body) under every setting a lean layer keeps; policies that observe a
+//! body are refused when the lean layer is asked for.
+
+use std::convert::Infallible;
+use std::fmt::Debug;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use tollgate::clock::FakeClock;
+use tollgate::key::HeaderKey;
+use tollgate::store::{MemoryStore, Store};
+use tollgate::{
+    Concurrency, HeaderFormat, HeaderStyle, MissingKey, Policy, Quota, RateLimitLayer, Unit,
+};
+use tower::{Layer, Service, ServiceExt};
+
+/// What a layer's decision hook saw.
+type Events = Arc<Mutex<Vec<String>>>;
+
+/// Every setting the trace runs under.
+const VARIANTS: [&str; 9] =
+    ["plain", "headers_off", "legacy", "draft7", "dry_run", "custom", "scoped", "shaped", "tarpit"];
+
+/// The settings that wait (shaping, the tarpit) on tokio's timer: with the memory store only,
+/// whose tests run on paused time.
+const WAITING: [&str; 2] = ["shaped", "tarpit"];
+
+/// "api": 3 a minute, GCRA (a burst of 3, one back each 20 s); "pro": 10 a minute, chosen by
+/// `x-plan: pro` under "scoped".
+/// The decision hook writes each decision's policy and outcome to `events`.
+fn layer<St: Store>(variant: &str, store: St, events: &Events) -> RateLimitLayer<HeaderKey, St> {
+    let api = Policy::single("api", Quota::per_minute(3)).unwrap();
+    let events = Arc::clone(events);
+    let builder = RateLimitLayer::builder(api)
+        .key(HeaderKey::new(HeaderName::from_static("x-key")))
+        .store(store)
+        .on_decision(move |event| {
+            let seen = format!("{} {:?}", event.policy.name(), event.outcome);
+            events.lock().unwrap().push(seen);
+        });
+    let builder = match variant {
+        "plain" => builder,
+        "headers_off" => builder.headers(HeaderStyle::None).missing_key(MissingKey::Allow),
+        "legacy" => builder.headers(HeaderStyle::Legacy),
+        "draft7" => builder.header_format(HeaderFormat::Draft7),
+        "dry_run" => builder.dry_run(true),
+        "custom" => builder.rejection(|limited| {
+            let body = format!("slow down, {}", limited.policy().name());
+            Response::builder().status(StatusCode::IM_A_TEAPOT).body(body).unwrap()
+        }),
+        "scoped" => builder
+            .allow_keys(["vip"])
+            .policy(Policy::single("pro", Quota::per_minute(10)).unwrap())
+            .select(|head| match head.headers.get("x-plan") {
+                Some(plan) if plan == "pro" => Some("pro"),
+                _ => Some("api"),
+            }),
+        "shaped" => builder.shape(Duration::from_secs(30)),
+        "tarpit" => builder.tarpit(Duration::from_secs(1)),
+        other => panic!("unknown variant {other}"),
+    };
+    builder.build().unwrap()
+}
+
+/// The handler: `405 Method Not Allowed` to a POST (a charge the layer gives back), "ok"
+/// otherwise; any request body type.
+fn handler<B: Send + 'static>()
+-> impl Service<Request<B>, Response = Response<Body>, Error = Infallible, Future: Send>
++ Clone
++ Send
++ 'static {
+    tower::service_fn(|req: Request<B>| async move {
+        let mut res = Response::new(Body::from("ok"));
+        if req.method() == Method::POST {
+            *res.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
+        }
+        Ok::<_, Infallible>(res)
+    })
+}
+
+/// One request of the trace: seconds the clock moves first, the method, the key, whether it is
+/// a gRPC call, and `x-plan`.
+struct Step {
+    advance: u64,
+    method: Method,
+    key: Option<&'static str>,
+    grpc: bool,
+    plan: Option<&'static str>,
+}
+
+const fn step(advance: u64, method: Method, key: Option<&'static str>) -> Step {
+    Step { advance, method, key, grpc: false, plan: None }
+}
+
+/// Refunds by 405 (two POSTs leave the whole burst), a refusal, a gRPC refusal, a unit back
+/// after 20 s, a request without a key, another key, an allow-listed key, another policy.
+fn trace() -> Vec<Step> {
+    vec![
+        step(0, Method::POST, Some("b")),
+        step(0, Method::POST, Some("b")),
+        step(0, Method::GET, Some("b")),
+        step(0, Method::GET, Some("b")),
+        step(0, Method::GET, Some("b")),
+        step(0, Method::GET, Some("b")),
+        Step { grpc: true, ..step(0, Method::GET, Some("b")) },
+        step(20, Method::GET, Some("b")),
+        step(0, Method::GET, None),
+        step(0, Method::GET, Some("a")),
+        step(0, Method::GET, Some("vip")),
+        Step { plan: Some("pro"), ..step(1, Method::GET, Some("b")) },
+    ]
+}
+
+fn request(step: &Step) -> Request<Body> {
+    let mut req = Request::builder().method(step.method.clone()).uri("/");
+    if let Some(key) = step.key {
+        req = req.header("x-key", key);
+    }
+    if step.grpc {
+        req = req.header("content-type", "application/grpc");
+    }
+    if let Some(plan) = step.plan {
+        req = req.header("x-plan", plan);
+    }
+    req.body(Body::empty()).unwrap()
+}
+
+async fn parts<B>(res: Response<B>) -> (StatusCode, HeaderMap, Bytes)
+where
+    B: http_body::Body,
+    B::Error: Debug,
+{
+    let (head, body) = res.into_parts();
+    (head.status, head.headers, body.collect().await.unwrap().to_bytes())
+}
+
+/// The statuses of the trace under `variant` (`grpc-status` for a gRPC call), asserting
+/// that both services answered each request alike.
+async fn differential<F, L, FB, LB>(
+    variant: &str,
+    clock: &FakeClock,
+    mut full: F,
+    mut lean: L,
+) -> Vec<String>
+where
+    F: Service<Request<Body>, Response = Response<FB>, Error = Infallible>,
+    L: Service<Request<Body>, Response = Response<LB>, Error = Infallible>,
+    FB: http_body::Body,
+    FB::Error: Debug,
+    LB: http_body::Body,
+    LB::Error: Debug,
+{
+    let mut statuses = Vec::new();
+    for (i, step) in trace().iter().enumerate() {
+        clock.advance(Duration::from_secs(step.advance));
+        let want = parts(full.ready().await.unwrap().call(request(step)).await.unwrap()).await;
+        let got = parts(lean.ready().await.unwrap().call(request(step)).await.unwrap()).await;
+        assert_eq!(got, want, "{variant}: request {i}");
+        statuses.push(match want.1.get("grpc-status") {
+            Some(code) => format!("grpc {}", code.to_str().unwrap()),
+            None => want.0.as_u16().to_string(),
+        });
+    }
+    statuses
+}
+
+/// What the trace gives under `variant`, request by request.
+fn expected(variant: &str) -> Vec<&'static str> {
+    let limited = match variant {
+        "custom" => "418",
+        // Nothing refused.
+        "dry_run" => "200",
+        _ => "429",
+    };
+    let grpc_limited = if variant == "dry_run" { "200" } else { "grpc 8" };
+    // The two 405s are given back: the burst of 3 is whole for the GETs. The last request
+    // comes 1 s after the unit that came back was spent: refused, unless another policy
+    // decides it.
+    let mut want = vec![
+        "405",
+        "405",
+        "200",
+        "200",
+        "200",
+        limited,
+        grpc_limited,
+        "200",
+        "400",
+        "200",
+        "200",
+        limited,
+    ];
+    match variant {
+        "headers_off" => want[8] = "200",
+        "scoped" => want[11] = "200",
+        // Shaped: the 4th GET waits its 20 s; the gRPC call would wait 40 s, over the budget,
+        // the GET 20 s later waits 20 s more, within it, and the last would wait 39 s.
+        "shaped" => want[5] = "200",
+        _ => {}
+    }
+    want
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_lean_layer_answers_as_the_layer_on_the_memory_store() {
+    for variant in VARIANTS {
+        let clock = FakeClock::new();
+        let store = || MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        let (seen_full, seen_lean) = (Events::default(), Events::default());
+        let full = layer(variant, store(), &seen_full).layer(handler());
+        let lean = layer(variant, store(), &seen_lean).lean().unwrap().layer(handler());
+        let statuses = differential(variant, &clock, full, lean).await;
+        assert_eq!(statuses, expected(variant), "{variant}");
+        let seen = seen_lean.lock().unwrap().clone();
+        assert_eq!(seen, *seen_full.lock().unwrap(), "{variant}");
+        if variant == "plain" {
+            // Every request with a key decided (the one without is refused before).
+            let mut want = vec!["api Admitted"; 11];
+            (want[5], want[6], want[10]) = ("api Limited", "api Limited", "api Limited");
+            assert_eq!(seen, want);
+        }
+    }
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn the_lean_layer_answers_as_the_layer_on_redis() {
+    let Some(server) = crate::support::redis::Server::start("redis-server") else { return };
+    for variant in VARIANTS.into_iter().filter(|v| !WAITING.contains(v)) {
+        let clock = FakeClock::new();
+        let store = |side: &str| {
+            tollgate::store::RedisStore::builder(server.url())
+                .clock(clock.clone())
+                .prefix(format!("lean-{variant}-{side}"))
+                .ttl_grace(Duration::from_secs(3600))
+                .timeout(Duration::from_secs(5))
+                .build()
+                .unwrap()
+        };
+        let events = Events::default();
+        let full = layer(variant, store("full"), &events).layer(handler());
+        let lean = layer(variant, store("lean"), &events).lean().unwrap().layer(handler());
+        let statuses = differential(variant, &clock, full, lean).await;
+        assert_eq!(statuses, expected(variant), "{variant}");
+    }
+}
+
+#[test]
+fn a_policy_that_observes_a_body_has_no_lean_layer() {
+    let slots = Policy::builder("uploads")
+        .tier("rate", Quota::per_second(10))
+        .concurrency("in-flight", Concurrency::new(4))
+        .build()
+        .unwrap();
+    let err = RateLimitLayer::builder(slots).build().unwrap().lean().unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "policy `uploads`, tier `in-flight`: holds concurrency slots until the response ends; \
+         a lean layer observes no body, use the layer itself"
+    );
+
+    // A selector's policy counts too.
+    let bytes = Policy::builder("pro")
+        .tier("rate", Quota::per_second(10))
+        .tier("upload", Quota::per_second(1_000_000).counting(Unit::RequestBytes))
+        .build()
+        .unwrap();
+    let api = Policy::single("api", Quota::per_second(10)).unwrap();
+    let layer = RateLimitLayer::builder(api).policy(bytes).select(|_| Some("api")).build();
+    let err = layer.unwrap().lean().unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "policy `pro`, tier `upload`: counts request_bytes; a lean layer observes no body, use \
+         the layer itself"
+    );
+    assert!(matches!(err, tollgate::ConfigError::ObservesBody { .. }));
+
+    // Requests at a rate and in calendar windows observe nothing.
+    let plain = Policy::builder("api")
+        .tier("second", Quota::per_second(10))
+        .tier("hour", Quota::per_hour(1000))
+        .build()
+        .unwrap();
+    assert!(RateLimitLayer::builder(plain).build().unwrap().lean().is_ok());
+}
+
+/// A store that cannot decide: failing closed (503, or `UNAVAILABLE` to a gRPC call) and
+/// failing open (the request passed on, no headers) answer alike.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lean_layer_fails_closed_or_open_as_the_layer() {
+    use tollgate::OnStoreError;
+    let Some(mut server) = crate::support::redis::Server::start("redis-server") else { return };
+    let store = tollgate::store::RedisStore::builder(server.url())
+        .timeout(Duration::from_millis(300))
+        .circuit_breaker(1, Duration::from_secs(600))
+        .no_fallback()
+        .build()
+        .unwrap();
+    let layer = |on_error| {
+        RateLimitLayer::builder(Policy::single("outage", Quota::per_hour(5)).unwrap())
+            .key(HeaderKey::new(HeaderName::from_static("x-key")))
+            .store(store.clone())
+            .on_store_error(on_error)
+            .build()
+            .unwrap()
+    };
+    server.kill();
+    let clock = FakeClock::new();
+    let mut statuses = Vec::new();
+    for on_error in [OnStoreError::FailClosed, OnStoreError::FailOpen] {
+        let full = layer(on_error).layer(handler());
+        let lean = layer(on_error).lean().unwrap().layer(handler());
+        statuses.extend(differential("outage", &clock, full, lean).await);
+    }
+    // Failing closed: 503 (`UNAVAILABLE`, 14, to the gRPC call), the 405s included, and 400
+    // without a key (decided before the store is asked); failing open: the handler's answers.
+    let closed = ["503", "503", "503", "503", "503", "503", "grpc 14", "503", "400", "503"];
+    let open = ["405", "405", "200", "200", "200", "200", "200", "200", "400", "200"];
+    let want = [&closed[..], &["503", "503"], &open, &["200", "200"]].concat();
+    assert_eq!(statuses, want);
+}
