@@ -326,3 +326,168 @@ async fn the_lean_layer_fails_closed_or_open_as_the_layer() {
     let want = [&closed[..], &["503", "503"], &open, &["200", "200"]].concat();
     assert_eq!(statuses, want);
 }
+
+/// Every unit but requests, on a rate and on a calendar tier, observes a body: `lean` refuses
+/// each, naming the tier and the unit; requests on both pass.
+#[test]
+fn every_unit_that_observes_a_body_has_no_lean_layer() {
+    use tollgate::Calendar;
+    let units = [
+        Unit::RequestBytes,
+        Unit::ResponseBytes,
+        Unit::Reported,
+        Unit::RequestMessages,
+        Unit::ResponseMessages,
+    ];
+    for unit in units {
+        let rate = Policy::builder("p")
+            .tier("r", Quota::per_second(10))
+            .tier("u", Quota::per_second(1000).counting(unit))
+            .build()
+            .unwrap();
+        let calendar = Policy::builder("p")
+            .tier("r", Quota::per_second(10))
+            .calendar("u", Calendar::per_day(1000).counting(unit))
+            .build()
+            .unwrap();
+        for policy in [rate, calendar] {
+            let err = RateLimitLayer::builder(policy).build().unwrap().lean().unwrap_err();
+            assert_eq!(
+                err,
+                tollgate::ConfigError::ObservesBody {
+                    policy: "p".into(),
+                    tier: "u".into(),
+                    reason: format!("counts {}", unit.name()),
+                }
+            );
+        }
+    }
+    let calendar = Policy::builder("p")
+        .tier("r", Quota::per_second(10))
+        .calendar("u", Calendar::per_day(1000))
+        .build()
+        .unwrap();
+    assert!(RateLimitLayer::builder(calendar).build().unwrap().lean().is_ok());
+}
+
+/// A refusal of a request whose body the server will not read off (declared above 8 KiB, or
+/// chunked) closes the HTTP/1.1 connection under both layers; a small declared body and an
+/// HTTP/2 stream do not. `refund_if` and `settle_cost` settle alike.
+#[tokio::test(start_paused = true)]
+async fn the_lean_layer_closes_and_settles_as_the_layer() {
+    let make = |clock: &FakeClock| {
+        let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        RateLimitLayer::builder(Policy::single("api", Quota::per_minute(3)).unwrap())
+            .key(HeaderKey::new(HeaderName::from_static("x-key")))
+            .store(store)
+            .refund_if(|status| status == StatusCode::NOT_FOUND)
+            .settle_cost(|head| head.headers.get("x-cost")?.to_str().ok()?.parse().ok())
+            .build()
+            .unwrap()
+    };
+    let clock = FakeClock::new();
+    let mut full = make(&clock).layer(handler());
+    let mut lean = make(&clock).lean().unwrap().layer(handler());
+    let req = |length: Option<&str>, chunked: bool, h2: bool| {
+        let mut req = Request::builder().uri("/").header("x-key", "k");
+        if let Some(length) = length {
+            req = req.header("content-length", length);
+        }
+        if chunked {
+            req = req.header("transfer-encoding", "chunked");
+        }
+        if h2 {
+            req = req.version(http::Version::HTTP_2);
+        }
+        req.body(Body::empty()).unwrap()
+    };
+    let cases = [
+        (None, false, false),
+        (None, false, false),
+        (None, false, false),
+        (Some("8192"), false, false),
+        (Some("8193"), false, false),
+        (Some("nope"), false, false),
+        (None, true, false),
+        (Some("100000"), false, true),
+    ];
+    let mut closes = Vec::new();
+    for (i, (length, chunked, h2)) in cases.into_iter().enumerate() {
+        let want = parts(full.ready().await.unwrap().call(req(length, chunked, h2)).await.unwrap());
+        let got = parts(lean.ready().await.unwrap().call(req(length, chunked, h2)).await.unwrap());
+        let (want, got) = (want.await, got.await);
+        assert_eq!(got, want, "request {i}");
+        closes.push((want.0.as_u16(), want.1.get("connection").is_some()));
+    }
+    let limited: Vec<_> = [false, true, true, true, false].map(|c| (429, c)).into();
+    assert_eq!(closes, [&[(200, false); 3][..], &limited].concat());
+}
+
+/// An inner service whose future answers `Err` each time it is polled.
+#[derive(Clone)]
+struct Failing;
+
+impl<B> Service<Request<B>> for Failing {
+    type Response = Response<Body>;
+    type Error = &'static str;
+    type Future = FailingFuture;
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+    fn call(&mut self, _: Request<B>) -> Self::Future {
+        FailingFuture
+    }
+}
+
+struct FailingFuture;
+
+impl std::future::Future for FailingFuture {
+    type Output = Result<Response<Body>, &'static str>;
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        std::task::Poll::Ready(Err("inner failed"))
+    }
+}
+
+/// `LeanFuture` documents a panic when polled after it completed: so it must after the inner
+/// service's error too, not poll the inner future once more.
+#[test]
+#[should_panic(expected = "polled after completion")]
+fn a_lean_future_polled_after_an_inner_error_panics() {
+    use std::future::Future as _;
+    let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_minute(3)).unwrap())
+        .key(HeaderKey::new(HeaderName::from_static("x-key")))
+        .build()
+        .unwrap();
+    let mut svc = layer.lean().unwrap().layer(Failing);
+    let req = Request::builder().header("x-key", "k").body(Body::empty()).unwrap();
+    let mut future = std::pin::pin!(svc.call(req));
+    let waker = std::task::Waker::noop();
+    let mut cx = std::task::Context::from_waker(waker);
+    let first = future.as_mut().poll(&mut cx);
+    assert!(matches!(first, std::task::Poll::Ready(Err("inner failed"))));
+    let _ = future.as_mut().poll(&mut cx);
+}
+
+/// As [`a_lean_future_polled_after_an_inner_error_panics`], for the layer itself.
+#[test]
+#[should_panic(expected = "polled after completion")]
+fn a_response_future_polled_after_an_inner_error_panics() {
+    use std::future::Future as _;
+    let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_minute(3)).unwrap())
+        .key(HeaderKey::new(HeaderName::from_static("x-key")))
+        .build()
+        .unwrap();
+    let mut svc = layer.layer(Failing);
+    let req = Request::builder().header("x-key", "k").body(Body::empty()).unwrap();
+    let mut future = std::pin::pin!(svc.call(req));
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let first = future.as_mut().poll(&mut cx);
+    assert!(matches!(first, std::task::Poll::Ready(Err("inner failed"))));
+    let _ = future.as_mut().poll(&mut cx);
+}
