@@ -372,7 +372,8 @@ fn every_unit_that_observes_a_body_has_no_lean_layer() {
 
 /// A refusal of a request whose body the server will not read off (declared above 8 KiB, or
 /// chunked) closes the HTTP/1.1 connection under both layers; a small declared body and an
-/// HTTP/2 stream do not. `refund_if` and `settle_cost` settle alike.
+/// HTTP/2 stream do not. `settle_cost` (a response saying it cost 2) and `refund_if` (a 404
+/// given back) settle alike: the burst of 3 is spent by the third request.
 #[tokio::test(start_paused = true)]
 async fn the_lean_layer_closes_and_settles_as_the_layer() {
     let make = |clock: &FakeClock| {
@@ -386,10 +387,13 @@ async fn the_lean_layer_closes_and_settles_as_the_layer() {
             .unwrap()
     };
     let clock = FakeClock::new();
-    let mut full = make(&clock).layer(handler());
-    let mut lean = make(&clock).lean().unwrap().layer(handler());
-    let req = |length: Option<&str>, chunked: bool, h2: bool| {
+    let mut full = make(&clock).layer(settling());
+    let mut lean = make(&clock).lean().unwrap().layer(settling());
+    let req = |answer: Option<&'static str>, length: Option<&str>, chunked: bool, h2: bool| {
         let mut req = Request::builder().uri("/").header("x-key", "k");
+        if let Some(answer) = answer {
+            req = req.header("x-answer", answer);
+        }
         if let Some(length) = length {
             req = req.header("content-length", length);
         }
@@ -402,25 +406,46 @@ async fn the_lean_layer_closes_and_settles_as_the_layer() {
         req.body(Body::empty()).unwrap()
     };
     let cases = [
-        (None, false, false),
-        (None, false, false),
-        (None, false, false),
-        (Some("8192"), false, false),
-        (Some("8193"), false, false),
-        (Some("nope"), false, false),
-        (None, true, false),
-        (Some("100000"), false, true),
+        (Some("double"), None, false, false),
+        (Some("missing"), None, false, false),
+        (None, None, false, false),
+        (None, Some("8192"), false, false),
+        (None, Some("8193"), false, false),
+        (None, Some("nope"), false, false),
+        (None, None, true, false),
+        (None, Some("100000"), false, true),
     ];
-    let mut closes = Vec::new();
-    for (i, (length, chunked, h2)) in cases.into_iter().enumerate() {
-        let want = parts(full.ready().await.unwrap().call(req(length, chunked, h2)).await.unwrap());
-        let got = parts(lean.ready().await.unwrap().call(req(length, chunked, h2)).await.unwrap());
-        let (want, got) = (want.await, got.await);
+    let mut seen = Vec::new();
+    for (i, (answer, length, chunked, h2)) in cases.into_iter().enumerate() {
+        let want = full.ready().await.unwrap().call(req(answer, length, chunked, h2)).await;
+        let want = parts(want.unwrap()).await;
+        let got = lean.ready().await.unwrap().call(req(answer, length, chunked, h2)).await;
+        let got = parts(got.unwrap()).await;
         assert_eq!(got, want, "request {i}");
-        closes.push((want.0.as_u16(), want.1.get("connection").is_some()));
+        seen.push((want.0.as_u16(), want.1.get("connection").is_some()));
     }
-    let limited: Vec<_> = [false, true, true, true, false].map(|c| (429, c)).into();
-    assert_eq!(closes, [&[(200, false); 3][..], &limited].concat());
+    let admitted = [(200, false), (404, false), (200, false)];
+    let limited = [false, true, true, true, false].map(|closes| (429, closes));
+    assert_eq!(seen, [&admitted[..], &limited].concat());
+}
+
+/// 404 to `x-answer: missing`; `x-cost: 2` to `x-answer: double`; "ok" otherwise.
+fn settling<B: Send + 'static>()
+-> impl Service<Request<B>, Response = Response<Body>, Error = Infallible, Future: Send>
++ Clone
++ Send
++ 'static {
+    tower::service_fn(|req: Request<B>| async move {
+        let mut res = Response::new(Body::from("ok"));
+        match req.headers().get("x-answer").map(|v| v.as_bytes()) {
+            Some(b"missing") => *res.status_mut() = StatusCode::NOT_FOUND,
+            Some(b"double") => {
+                res.headers_mut().insert("x-cost", http::HeaderValue::from_static("2"));
+            }
+            _ => {}
+        }
+        Ok::<_, Infallible>(res)
+    })
 }
 
 /// An inner service whose future answers `Err` each time it is polled.
