@@ -168,14 +168,28 @@ impl<F, R, E> State<F, R, E> {
     {
         let output = match self.as_mut().project() {
             StateProj::Inner { future, headers } => {
-                let mut res = ready!(future.poll(cx))?;
+                let mut res = match ready!(future.poll(cx)) {
+                    Ok(res) => res,
+                    // Done, as on success: polled again, it panics rather than poll `future`.
+                    Err(error) => {
+                        self.set(State::Done);
+                        return Poll::Ready(Err(error));
+                    }
+                };
                 if !headers.is_empty() {
                     std::mem::take(headers).apply(&mut res);
                 }
                 Ok(res.map(body))
             }
             StateProj::Refundable { future, headers, refund } => {
-                let mut res = ready!(future.poll(cx))?;
+                let mut res = match ready!(future.poll(cx)) {
+                    Ok(res) => res,
+                    // Done, as on success: polled again, it panics rather than poll `future`.
+                    Err(error) => {
+                        self.set(State::Done);
+                        return Poll::Ready(Err(error));
+                    }
+                };
                 if !headers.is_empty() {
                     std::mem::take(headers).apply(&mut res);
                 }
@@ -193,7 +207,14 @@ impl<F, R, E> State<F, R, E> {
                 }
             }
             StateProj::Untracked { future, headers, charge } => {
-                let mut res = ready!(future.poll(cx))?;
+                let mut res = match ready!(future.poll(cx)) {
+                    Ok(res) => res,
+                    // Done, as on success: polled again, it panics rather than poll `future`.
+                    Err(error) => {
+                        self.set(State::Done);
+                        return Poll::Ready(Err(error));
+                    }
+                };
                 if !headers.is_empty() {
                     std::mem::take(headers).apply(&mut res);
                 }

@@ -326,3 +326,193 @@ async fn the_lean_layer_fails_closed_or_open_as_the_layer() {
     let want = [&closed[..], &["503", "503"], &open, &["200", "200"]].concat();
     assert_eq!(statuses, want);
 }
+
+/// Every unit but requests, on a rate and on a calendar tier, observes a body: `lean` refuses
+/// each, naming the tier and the unit; requests on both pass.
+#[test]
+fn every_unit_that_observes_a_body_has_no_lean_layer() {
+    use tollgate::Calendar;
+    let units = [
+        Unit::RequestBytes,
+        Unit::ResponseBytes,
+        Unit::Reported,
+        Unit::RequestMessages,
+        Unit::ResponseMessages,
+    ];
+    for unit in units {
+        let rate = Policy::builder("p")
+            .tier("r", Quota::per_second(10))
+            .tier("u", Quota::per_second(1000).counting(unit))
+            .build()
+            .unwrap();
+        let calendar = Policy::builder("p")
+            .tier("r", Quota::per_second(10))
+            .calendar("u", Calendar::per_day(1000).counting(unit))
+            .build()
+            .unwrap();
+        for policy in [rate, calendar] {
+            let err = RateLimitLayer::builder(policy).build().unwrap().lean().unwrap_err();
+            assert_eq!(
+                err,
+                tollgate::ConfigError::ObservesBody {
+                    policy: "p".into(),
+                    tier: "u".into(),
+                    reason: format!("counts {}", unit.name()),
+                }
+            );
+        }
+    }
+    let calendar = Policy::builder("p")
+        .tier("r", Quota::per_second(10))
+        .calendar("u", Calendar::per_day(1000))
+        .build()
+        .unwrap();
+    assert!(RateLimitLayer::builder(calendar).build().unwrap().lean().is_ok());
+}
+
+/// A refusal of a request whose body the server will not read off (declared above 8 KiB, or
+/// chunked) closes the HTTP/1.1 connection under both layers; a small declared body and an
+/// HTTP/2 stream do not. `settle_cost` (a response saying it cost 2) and `refund_if` (a 404
+/// given back) settle alike: the burst of 3 is spent by the third request.
+#[tokio::test(start_paused = true)]
+async fn the_lean_layer_closes_and_settles_as_the_layer() {
+    let make = |clock: &FakeClock| {
+        let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        RateLimitLayer::builder(Policy::single("api", Quota::per_minute(3)).unwrap())
+            .key(HeaderKey::new(HeaderName::from_static("x-key")))
+            .store(store)
+            .refund_if(|status| status == StatusCode::NOT_FOUND)
+            .settle_cost(|head| head.headers.get("x-cost")?.to_str().ok()?.parse().ok())
+            .build()
+            .unwrap()
+    };
+    let clock = FakeClock::new();
+    let mut full = make(&clock).layer(settling());
+    let mut lean = make(&clock).lean().unwrap().layer(settling());
+    let req = |answer: Option<&'static str>, length: Option<&str>, chunked: bool, h2: bool| {
+        let mut req = Request::builder().uri("/").header("x-key", "k");
+        if let Some(answer) = answer {
+            req = req.header("x-answer", answer);
+        }
+        if let Some(length) = length {
+            req = req.header("content-length", length);
+        }
+        if chunked {
+            req = req.header("transfer-encoding", "chunked");
+        }
+        if h2 {
+            req = req.version(http::Version::HTTP_2);
+        }
+        req.body(Body::empty()).unwrap()
+    };
+    let cases = [
+        (Some("double"), None, false, false),
+        (Some("missing"), None, false, false),
+        (None, None, false, false),
+        (None, Some("8192"), false, false),
+        (None, Some("8193"), false, false),
+        (None, Some("nope"), false, false),
+        (None, None, true, false),
+        (None, Some("100000"), false, true),
+    ];
+    let mut seen = Vec::new();
+    for (i, (answer, length, chunked, h2)) in cases.into_iter().enumerate() {
+        let want = full.ready().await.unwrap().call(req(answer, length, chunked, h2)).await;
+        let want = parts(want.unwrap()).await;
+        let got = lean.ready().await.unwrap().call(req(answer, length, chunked, h2)).await;
+        let got = parts(got.unwrap()).await;
+        assert_eq!(got, want, "request {i}");
+        seen.push((want.0.as_u16(), want.1.get("connection").is_some()));
+    }
+    let admitted = [(200, false), (404, false), (200, false)];
+    let limited = [false, true, true, true, false].map(|closes| (429, closes));
+    assert_eq!(seen, [&admitted[..], &limited].concat());
+}
+
+/// 404 to `x-answer: missing`; `x-cost: 2` to `x-answer: double`; "ok" otherwise.
+fn settling<B: Send + 'static>()
+-> impl Service<Request<B>, Response = Response<Body>, Error = Infallible, Future: Send>
++ Clone
++ Send
++ 'static {
+    tower::service_fn(|req: Request<B>| async move {
+        let mut res = Response::new(Body::from("ok"));
+        match req.headers().get("x-answer").map(|v| v.as_bytes()) {
+            Some(b"missing") => *res.status_mut() = StatusCode::NOT_FOUND,
+            Some(b"double") => {
+                res.headers_mut().insert("x-cost", http::HeaderValue::from_static("2"));
+            }
+            _ => {}
+        }
+        Ok::<_, Infallible>(res)
+    })
+}
+
+/// An inner service whose future answers `Err` each time it is polled.
+#[derive(Clone)]
+struct Failing;
+
+impl<B> Service<Request<B>> for Failing {
+    type Response = Response<Body>;
+    type Error = &'static str;
+    type Future = FailingFuture;
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+    fn call(&mut self, _: Request<B>) -> Self::Future {
+        FailingFuture
+    }
+}
+
+struct FailingFuture;
+
+impl std::future::Future for FailingFuture {
+    type Output = Result<Response<Body>, &'static str>;
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        std::task::Poll::Ready(Err("inner failed"))
+    }
+}
+
+/// `LeanFuture` documents a panic when polled after it completed: so it must after the inner
+/// service's error too, not poll the inner future once more.
+#[test]
+#[should_panic(expected = "polled after completion")]
+fn a_lean_future_polled_after_an_inner_error_panics() {
+    use std::future::Future as _;
+    let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_minute(3)).unwrap())
+        .key(HeaderKey::new(HeaderName::from_static("x-key")))
+        .build()
+        .unwrap();
+    let mut svc = layer.lean().unwrap().layer(Failing);
+    let req = Request::builder().header("x-key", "k").body(Body::empty()).unwrap();
+    let mut future = std::pin::pin!(svc.call(req));
+    let waker = std::task::Waker::noop();
+    let mut cx = std::task::Context::from_waker(waker);
+    let first = future.as_mut().poll(&mut cx);
+    assert!(matches!(first, std::task::Poll::Ready(Err("inner failed"))));
+    let _ = future.as_mut().poll(&mut cx);
+}
+
+/// As [`a_lean_future_polled_after_an_inner_error_panics`], for the layer itself.
+#[test]
+#[should_panic(expected = "polled after completion")]
+fn a_response_future_polled_after_an_inner_error_panics() {
+    use std::future::Future as _;
+    let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_minute(3)).unwrap())
+        .key(HeaderKey::new(HeaderName::from_static("x-key")))
+        .build()
+        .unwrap();
+    let mut svc = layer.layer(Failing);
+    let req = Request::builder().header("x-key", "k").body(Body::empty()).unwrap();
+    let mut future = std::pin::pin!(svc.call(req));
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let first = future.as_mut().poll(&mut cx);
+    assert!(matches!(first, std::task::Poll::Ready(Err("inner failed"))));
+    let _ = future.as_mut().poll(&mut cx);
+}
