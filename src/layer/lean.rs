@@ -28,7 +28,10 @@ impl<K, St: Store> RateLimitLayer<K, St> {
     /// body type, not [`RequestBody`](crate::RequestBody)) and answers with the inner
     /// service's own response body type (not [`ResponseBody`](crate::ResponseBody)), building
     /// its refusals from their bytes (`ResB: From<Bytes>`, as axum's `Body` and
-    /// `http_body_util::Full<Bytes>` are).
+    /// `http_body_util::Full<Bytes>` are). tonic's `tonic::body::Body`, hyper's `Incoming` and
+    /// boxed or compressed bodies are not `From<Bytes>`: put the lean layer where the inner
+    /// service answers with axum's `Body` (any axum `Router::layer` or `route_layer`), and use
+    /// the layer itself for a tonic server.
     ///
     /// Same decisions, headers and refusals as the layer itself, sharing its state (its
     /// store, keys, scope, observer, settings): a router that takes any body type boxes a
