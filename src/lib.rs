@@ -62,6 +62,27 @@
 //! messages (module `ws`).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+/// `get_ref`, `get_mut` and `into_inner` for a middleware service whose field `inner` is the
+/// service it wraps, as tower-http's services have them.
+macro_rules! inner_service_accessors {
+    () => {
+        /// The inner service.
+        pub fn get_ref(&self) -> &S {
+            &self.inner
+        }
+
+        /// The inner service, mutably.
+        pub fn get_mut(&mut self) -> &mut S {
+            &mut self.inner
+        }
+
+        /// Consumes this service, returning the inner service.
+        pub fn into_inner(self) -> S {
+            self.inner
+        }
+    };
+}
+
 mod algorithm;
 #[cfg(feature = "client")]
 #[cfg_attr(docsrs, doc(cfg(feature = "client")))]

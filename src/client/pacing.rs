@@ -804,20 +804,7 @@ impl<S: fmt::Debug, K> fmt::Debug for Pacing<S, K> {
 }
 
 impl<S, K> Pacing<S, K> {
-    /// The inner service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The inner service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Consumes the pacing service, returning the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    inner_service_accessors!();
 }
 
 impl<S, K, ReqB, ResB> Service<Request<ReqB>> for Pacing<S, K>

@@ -151,20 +151,7 @@ impl<S: fmt::Debug, K, St: Store> fmt::Debug for LeanRateLimit<S, K, St> {
 }
 
 impl<S, K, St: Store> LeanRateLimit<S, K, St> {
-    /// The inner service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The inner service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Consumes the limiter, returning the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    inner_service_accessors!();
 }
 
 impl<S, K, St, ReqB, ResB> Service<Request<ReqB>> for LeanRateLimit<S, K, St>

@@ -72,20 +72,7 @@ impl<S, K, St: Store> RateLimit<S, K, St> {
         self
     }
 
-    /// The inner service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The inner service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Consumes the limiter, returning the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    inner_service_accessors!();
 }
 
 impl<S, K, St, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, K, St>
