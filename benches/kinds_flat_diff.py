@@ -12,40 +12,16 @@ leases; BACK=1 also steps the clock back 300 ms now and then (the stored guard).
 
 COUNTFLAT=1 counts the batches that took the flat path (key __flat). Standard library only.
 """
-import random, socket, struct, sys, os
+import random, struct, sys, os
+
+from resp import Conn, d
 
 PORT = int(sys.argv[1]); SEED = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-def enc(*args):
-    out = [b"*%d\r\n" % len(args)]
-    for a in args:
-        a = a.encode() if isinstance(a, str) else str(a).encode() if isinstance(a, int) else a
-        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
-    return b"".join(out)
-class Conn:
-    def __init__(self, db):
-        self.s = socket.create_connection(("127.0.0.1", PORT)); self.buf = b""
-        self.cmd("SELECT", str(db))
-    def _fill(self, n):
-        while len(self.buf) < n: self.buf += self.s.recv(1 << 20)
-    def reply(self):
-        while b"\r\n" not in self.buf: self.buf += self.s.recv(1 << 20)
-        line, self.buf = self.buf.split(b"\r\n", 1)
-        k, rest = line[:1], line[1:]
-        if k == b"-": raise RuntimeError(rest)
-        if k in (b"+", b":"): return rest
-        if k == b"$":
-            n = int(rest)
-            if n < 0: return None
-            self._fill(n + 2); d, self.buf = self.buf[:n], self.buf[n + 2:]; return d
-        return [self.reply() for _ in range(int(rest))]
-    def cmd(self, *a):
-        self.s.sendall(enc(*a)); return self.reply()
 L = os.path.join(ROOT, "src/store/redis/lua")
 SRC = "".join(open(os.path.join(L, f)).read() for f in ("prelude.lua", "rate.lua", "kinds.lua"))
 if os.environ.get("COUNTFLAT"):
     SRC = SRC.replace("if flat_batch() then", "if flat_batch() then redis.call('INCR', '__flat')")
-def d(*xs): return struct.pack("<%dd" % len(xs), *xs)
 def undo(b): return struct.unpack("<%dd" % (len(b) // 8), b)
 S = 1_000_000_000
 # Policies: list of tiers (kind, a, b, c).
@@ -70,7 +46,7 @@ def bounds(now_s):
     return [w - 60, w, w + 60, w + 120]
 def main():
     rnd = random.Random(SEED)
-    A, B = Conn(0), Conn(1)
+    A, B = Conn(PORT, 0), Conn(PORT, 1)
     for c in (A, B): c.cmd("FLUSHDB")
     now = 1_700_000_000 * S + 50 * S
     held = {}  # (key, pol) -> list of (id, costs, at_s, at_u)

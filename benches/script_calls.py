@@ -7,67 +7,22 @@ INCR and an empty script: `INFO commandstats` (usec_per_call: time inside the co
     redis-server --port 7400 --bind 127.0.0.1 --save "" &     # a throw-away server
     python3 benches/script_calls.py 7400                      # then kill it
 
-Standard library only (a RESP client of its own); loopback only. It runs RESETSTAT between
+Standard library only (the RESP client of `benches/resp.py`); loopback only. It runs RESETSTAT between
 cases, so point it at a throw-away server. Records as `script.rs` packs them: GCRA at 400,000 a
 second with a burst of 4,000 (T = 2,500 ns, tau = 10 ms), the server's clock.
 """
 import os
-import socket
-import struct
 import sys
 import time
+
+from resp import Conn, d, enc
 
 PORT = int(sys.argv[1])
 CALLS = int(os.environ.get("CALLS", "10000"))
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
-def enc(*args):
-    out = [b"*%d\r\n" % len(args)]
-    for a in args:
-        a = a.encode() if isinstance(a, str) else str(a).encode() if isinstance(a, int) else a
-        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
-    return b"".join(out)
-
-
-class Conn:
-    def __init__(self):
-        self.s = socket.create_connection(("127.0.0.1", PORT))
-        self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.buf = b""
-
-    def _fill(self, n):
-        while len(self.buf) < n:
-            self.buf += self.s.recv(1 << 20)
-
-    def reply(self):
-        while b"\r\n" not in self.buf:
-            self.buf += self.s.recv(1 << 20)
-        line, self.buf = self.buf.split(b"\r\n", 1)
-        kind, rest = line[:1], line[1:]
-        if kind == b"-":
-            raise RuntimeError(rest)
-        if kind in (b"+", b":"):
-            return rest
-        if kind == b"$":
-            n = int(rest)
-            if n < 0:
-                return None
-            self._fill(n + 2)
-            data, self.buf = self.buf[:n], self.buf[n + 2:]
-            return data
-        return [self.reply() for _ in range(int(rest))]
-
-    def cmd(self, *args):
-        self.s.sendall(enc(*args))
-        return self.reply()
-
-
-def d(*xs):
-    return struct.pack("<%dd" % len(xs), *xs)
-
-
-c = Conn()
+c = Conn(PORT)
 gcra = open(os.path.join(ROOT, "src/store/redis/lua/gcra.lua")).read()
 header = d(0, 0, 0)
 policy = d(1, 1000, 0, 1, 2500, 2500 * 4000)
