@@ -479,40 +479,40 @@ impl std::future::Future for FailingFuture {
     }
 }
 
-/// `LeanFuture` documents a panic when polled after it completed: so it must after the inner
-/// service's error too, not poll the inner future once more.
-#[test]
-#[should_panic(expected = "polled after completion")]
-fn a_lean_future_polled_after_an_inner_error_panics() {
-    use std::future::Future as _;
-    let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_minute(3)).unwrap())
+/// A layer on 3 requests a minute per `x-key`.
+fn failing_layer() -> RateLimitLayer<HeaderKey, MemoryStore> {
+    RateLimitLayer::builder(Policy::single("api", Quota::per_minute(3)).unwrap())
         .key(HeaderKey::new(HeaderName::from_static("x-key")))
         .build()
-        .unwrap();
-    let mut svc = layer.lean().unwrap().layer(Failing);
-    let req = Request::builder().header("x-key", "k").body(Body::empty()).unwrap();
-    let mut future = std::pin::pin!(svc.call(req));
-    let waker = std::task::Waker::noop();
-    let mut cx = std::task::Context::from_waker(waker);
-    let first = future.as_mut().poll(&mut cx);
-    assert!(matches!(first, std::task::Poll::Ready(Err("inner failed"))));
-    let _ = future.as_mut().poll(&mut cx);
+        .unwrap()
 }
 
-/// As [`a_lean_future_polled_after_an_inner_error_panics`], for the layer itself.
-#[test]
-#[should_panic(expected = "polled after completion")]
-fn a_response_future_polled_after_an_inner_error_panics() {
+/// Polls `svc`'s future for an admitted request until it answers the inner service's error,
+/// then polls it once more, which must panic as its docs say.
+fn poll_again_after_an_inner_error<Svc>(mut svc: Svc)
+where
+    Svc: Service<Request<Body>, Error = &'static str>,
+{
     use std::future::Future as _;
-    let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_minute(3)).unwrap())
-        .key(HeaderKey::new(HeaderName::from_static("x-key")))
-        .build()
-        .unwrap();
-    let mut svc = layer.layer(Failing);
     let req = Request::builder().header("x-key", "k").body(Body::empty()).unwrap();
     let mut future = std::pin::pin!(svc.call(req));
     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
     let first = future.as_mut().poll(&mut cx);
     assert!(matches!(first, std::task::Poll::Ready(Err("inner failed"))));
     let _ = future.as_mut().poll(&mut cx);
+}
+
+/// `LeanFuture` documents a panic when polled after it completed: so it must after the inner
+/// service's error too, not poll the inner future once more.
+#[test]
+#[should_panic(expected = "polled after completion")]
+fn a_lean_future_polled_after_an_inner_error_panics() {
+    poll_again_after_an_inner_error(failing_layer().lean().unwrap().layer(Failing));
+}
+
+/// As [`a_lean_future_polled_after_an_inner_error_panics`], for the layer itself.
+#[test]
+#[should_panic(expected = "polled after completion")]
+fn a_response_future_polled_after_an_inner_error_panics() {
+    poll_again_after_an_inner_error(failing_layer().layer(Failing));
 }
