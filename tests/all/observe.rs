@@ -264,21 +264,44 @@ mod scraped {
 
     #[tokio::test]
     async fn metrics_count_decisions_by_policy_tier_and_outcome_and_scrape_over_http() {
+        scrape_decisions("metered", "shadow", false).await;
+    }
+
+    /// The lean layer records the same series as the layer it was made from.
+    #[tokio::test]
+    async fn the_lean_layer_counts_decisions_as_the_layer() {
+        scrape_decisions("metered_lean", "shadow_lean", true).await;
+    }
+
+    /// Five requests to a two-tier policy (3 an hour) and five to a dry-run one (2 an hour),
+    /// through the layer or its lean form; the scraped counters per policy, tier and outcome.
+    async fn scrape_decisions(metered: &str, shadow: &str, lean: bool) {
         let handle = prometheus().clone();
-        let tiers = Policy::builder("metered")
+        let tiers = Policy::builder(metered)
             .tier("second", Quota::per_second(1000))
             .tier("hour", Quota::per_hour(3))
             .build()
             .unwrap();
-        let shadow = Policy::single("shadow", Quota::per_hour(2)).unwrap();
-        let app = Router::new()
-            .route("/metered", get(|| async { "ok" }))
-            .route_layer(RateLimitLayer::builder(tiers).build().unwrap())
-            .merge(
+        let shadow_policy = Policy::single(shadow, Quota::per_hour(2)).unwrap();
+        let metered_layer = RateLimitLayer::builder(tiers).build().unwrap();
+        let shadow_layer = RateLimitLayer::builder(shadow_policy).dry_run(true).build().unwrap();
+        let (metered_routes, shadow_routes) = if lean {
+            (
+                Router::new()
+                    .route("/metered", get(|| async { "ok" }))
+                    .route_layer(metered_layer.lean().unwrap()),
                 Router::new()
                     .route("/shadow", get(|| async { "ok" }))
-                    .route_layer(RateLimitLayer::builder(shadow).dry_run(true).build().unwrap()),
+                    .route_layer(shadow_layer.lean().unwrap()),
             )
+        } else {
+            (
+                Router::new().route("/metered", get(|| async { "ok" })).route_layer(metered_layer),
+                Router::new().route("/shadow", get(|| async { "ok" })).route_layer(shadow_layer),
+            )
+        };
+        let app = metered_routes
+            .merge(shadow_routes)
             .route("/metrics", get(move || std::future::ready(handle.render())));
         let server = serve(app).await;
         let c = client();
@@ -300,18 +323,19 @@ mod scraped {
                 .unwrap()
         };
         // Admissions count on every tier; a refusal only on the tier that refused.
-        assert_eq!(value("metered", "second", "admitted"), 3);
-        assert_eq!(value("metered", "hour", "admitted"), 3);
-        assert_eq!(value("metered", "hour", "limited"), 2);
-        assert_eq!(value("metered", "second", "limited"), 0);
-        assert_eq!(value("shadow", "shadow", "admitted"), 2);
-        assert_eq!(value("shadow", "shadow", "dry_run_limited"), 3);
-        assert_eq!(value("shadow", "shadow", "limited"), 0);
+        assert_eq!(value(metered, "second", "admitted"), 3);
+        assert_eq!(value(metered, "hour", "admitted"), 3);
+        assert_eq!(value(metered, "hour", "limited"), 2);
+        assert_eq!(value(metered, "second", "limited"), 0);
+        assert_eq!(value(shadow, shadow, "admitted"), 2);
+        assert_eq!(value(shadow, shadow, "dry_run_limited"), 3);
+        assert_eq!(value(shadow, shadow, "limited"), 0);
         // Keys never become labels. The one label that holds an address is `node`, the Redis
         // servers of the stores other tests of this binary built while the recorder was
         // installed.
         let series = text.lines().filter(|l| !l.contains("{node=\"127.0.0.1:"));
         assert!(series.clone().all(|l| !l.contains("127.0.0.1")), "{text}");
-        assert!(series.clone().any(|l| l.contains(r#"policy="metered""#)), "{text}");
+        let label = format!("policy=\"{metered}\"");
+        assert!(series.clone().any(|l| l.contains(&label)), "{text}");
     }
 }
