@@ -207,6 +207,18 @@ fn expected(variant: &str) -> Vec<&'static str> {
     want
 }
 
+/// Asserts that both layers' decision hooks saw the same decisions, and under "plain" which.
+fn same_decisions(variant: &str, full: &Events, lean: &Events) {
+    let seen = lean.lock().unwrap().clone();
+    assert_eq!(seen, *full.lock().unwrap(), "{variant}");
+    if variant == "plain" {
+        // Every request with a key decided (the one without is refused before).
+        let mut want = vec!["api Admitted"; 11];
+        (want[5], want[6], want[10]) = ("api Limited", "api Limited", "api Limited");
+        assert_eq!(seen, want);
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_lean_layer_answers_as_the_layer_on_the_memory_store() {
     for variant in VARIANTS {
@@ -217,14 +229,7 @@ async fn the_lean_layer_answers_as_the_layer_on_the_memory_store() {
         let lean = layer(variant, store(), &seen_lean).lean().unwrap().layer(handler());
         let statuses = differential(variant, &clock, full, lean).await;
         assert_eq!(statuses, expected(variant), "{variant}");
-        let seen = seen_lean.lock().unwrap().clone();
-        assert_eq!(seen, *seen_full.lock().unwrap(), "{variant}");
-        if variant == "plain" {
-            // Every request with a key decided (the one without is refused before).
-            let mut want = vec!["api Admitted"; 11];
-            (want[5], want[6], want[10]) = ("api Limited", "api Limited", "api Limited");
-            assert_eq!(seen, want);
-        }
+        same_decisions(variant, &seen_full, &seen_lean);
     }
 }
 
@@ -243,11 +248,12 @@ async fn the_lean_layer_answers_as_the_layer_on_redis() {
                 .build()
                 .unwrap()
         };
-        let events = Events::default();
-        let full = layer(variant, store("full"), &events).layer(handler());
-        let lean = layer(variant, store("lean"), &events).lean().unwrap().layer(handler());
+        let (seen_full, seen_lean) = (Events::default(), Events::default());
+        let full = layer(variant, store("full"), &seen_full).layer(handler());
+        let lean = layer(variant, store("lean"), &seen_lean).lean().unwrap().layer(handler());
         let statuses = differential(variant, &clock, full, lean).await;
         assert_eq!(statuses, expected(variant), "{variant}");
+        same_decisions(variant, &seen_full, &seen_lean);
     }
 }
 
