@@ -8,10 +8,12 @@
 //!   over 10,000 keys. A concurrency slot costs two calls: taken, then released.
 //!
 //! Cases: `gcra` (one GCRA tier: the compact path in memory, `gcra.lua` on Redis),
-//! `gcra+rate` (a second, hourly rate tier: the yardstick of what another tier costs),
-//! `gcra+concurrency`, `gcra+calendar` (a daily quota in Europe/Berlin), `gcra+penalty` (the
-//! GCRA tier with a penalty box, never breached: the cost of keeping one), `concurrency`,
-//! `calendar`.
+//! `gcra+rate` (a second, hourly rate tier: the yardstick of what another tier costs; its
+//! state expires about a millisecond after each check, so it is never read back), `gcra+day`
+//! (a second rate tier of 10,000 a day, whose state lives 8.64 s per unit spent and is read
+//! back by every later check, as a calendar tier's is), `gcra+concurrency`, `gcra+calendar` (a
+//! daily quota in Europe/Berlin), `gcra+penalty` (the GCRA tier with a penalty box, never
+//! breached: the cost of keeping one), `concurrency`, `calendar`.
 //!
 //! After the timed Redis runs, the server's CPU per check is measured for each case (200,000
 //! checks over 100,000 keys, after one pass over them that creates their state): the growth
@@ -49,6 +51,10 @@ fn policies() -> Vec<(&'static str, Policy)> {
     vec![
         ("gcra", build(Policy::builder("g").tier("rate", gcra()))),
         ("gcra+rate", build(Policy::builder("gr").tier("rate", gcra()).tier("hour", hourly()))),
+        (
+            "gcra+day",
+            build(Policy::builder("gy").tier("rate", gcra()).tier("day", Quota::per_day(10_000))),
+        ),
         (
             "gcra+concurrency",
             build(Policy::builder("gc").tier("rate", gcra()).concurrency("slots", slots())),
