@@ -80,6 +80,9 @@ const CAPACITY: usize = 4096;
 /// half the burst's refill (at 400,000 a second with a burst of 4,000 and blocks of at most
 /// 512: useful blocks of 512 refill in 1.28 ms and half the burst in 5 ms, so about 780 calls
 /// a second for up to 3 instances, then 200 per instance).
+/// [`schedule`](Self::schedule) removes that growth with `N` for GCRA: a call then takes a
+/// whole useful block of the key's schedule, whose units this instance admits each at the
+/// instant it conforms, so Redis sees about one call per useful block whatever `N`.
 ///
 /// The wait admits nothing, so the bound below is unchanged. What it costs is
 /// under-admission, and that is bounded: right after a grant the wait for a useful block is
@@ -111,7 +114,9 @@ const CAPACITY: usize = 4096;
 /// what exact mode admits in it, since given-back units are charged again before they are
 /// admitted again) plus those held at its start, and each instance holds at most `B` units of
 /// a key (a useful block is at most `B` too, waiting for one only refuses, and a prefetch asks
-/// only for what tops the units held up to `B`).
+/// only for what tops the units held up to `B`). Leasing the key's schedule
+/// ([`schedule`](Self::schedule)) keeps it: a unit is admitted no earlier than the instant it
+/// conforms to the key's state as its grant left it, as an exact check would be.
 /// Windows lose nothing to this: a block is spent only in the window it
 /// was charged to (its lifetime ends when the first of its windows ends, fixed or calendar).
 /// A policy mixing rate and calendar tiers keeps each tier's own bound.
@@ -133,7 +138,8 @@ const CAPACITY: usize = 4096;
 /// block is decided as in exact mode: by the local fallback, or the layer's failure policy.
 ///
 /// **Headers.** A check decided from a block reports, per tier, `remaining` as the units this
-/// instance still holds of the block (what it can promise; never more than the key has), and
+/// instance still holds of the block (what it can promise; never more than the key has; with
+/// [`schedule`](Self::schedule), those of them that conform now), and
 /// the tier's reset counted down from the grant; a check that took a new block reports what
 /// exact mode would have at that instant (the block's rest plus what Redis has left). A check
 /// refused while waiting for a useful block reports `remaining` 0 on every tier, the reset

@@ -8,6 +8,9 @@
 -- and this script runs on every check and lease call of the GCRA policies), and it allocates
 -- per call only its argument and reply tables, two per policy and one per key. It reads a
 -- single key with GET (the common case: one check or one lease call), several with one MGET.
+--
+-- Records: op 1 a check, op 2 a settlement, op 3 a lease, op 4 a lease of the key's schedule
+-- (op 3's record and one more number, the horizon: see `Prepared::lease_ahead`).
 
 local call, floor, ceil, max, tonumber = redis.call, math.floor, math.ceil, math.max, tonumber
 local sunpack, spack, srep = struct.unpack, struct.pack, string.rep
