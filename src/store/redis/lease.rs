@@ -500,13 +500,30 @@ struct Held {
     /// For a block leased from the key's schedule ([`Lease::schedule`]), per tier: the
     /// instant the last unit held conforms, and the tier's emission interval (nanoseconds);
     /// the unit `p` places before the last conforms `p` intervals earlier. Empty: every unit
-    /// held conforms now.
+    /// held conforms now. With `older` units, those of the newest grant only.
     paced: Paced,
+    /// The same for the `older` units (of the grant a prefetched block joined).
+    older_paced: Paced,
 }
 
 /// Per tier, the instant a block's last unit conforms and the emission interval, in
 /// nanoseconds (see `Held::paced`).
 pub(crate) type Paced = smallvec::SmallVec<[(u64, u64); 2]>;
+
+/// The instant the unit `after` places before the last of a paced block conforms on every
+/// tier (0 for a block that is not paced).
+fn pace_at(paced: &Paced, after: u64) -> u64 {
+    paced.iter().map(|(end, t)| end.saturating_sub(after.saturating_mul(*t))).max().unwrap_or(0)
+}
+
+/// How many of the first of `n` units of a paced block (the last `n`) conform at `now`.
+fn pace_count(paced: &Paced, n: u64, now: u64) -> u64 {
+    paced
+        .iter()
+        .map(|(end, t)| n.saturating_sub(end.saturating_sub(now).div_ceil((*t).max(1))))
+        .min()
+        .unwrap_or(n)
+}
 
 impl Held {
     /// Now on the clock the block was granted on (see `Refusals::now`): never earlier than
@@ -529,26 +546,29 @@ impl Held {
     }
 
     /// The instant the next `cost` units held all conform (the last of them, on every
-    /// tier), 0 when they do now (a block not leased from the schedule).
+    /// tier), 0 when they do now (a block not leased from the schedule). The `older` units
+    /// are spent first, each no earlier than its own grant's pace.
     fn ready(&self, cost: u64) -> u64 {
-        let after = self.left.saturating_sub(cost);
-        self.paced
-            .iter()
-            .map(|(end, t)| end.saturating_sub(after.saturating_mul(*t)))
-            .max()
-            .unwrap_or(0)
+        let older = self.older.min(self.left);
+        let newer = self.left - older;
+        let (from_older, from_newer) = (cost.min(older), cost.saturating_sub(older));
+        let mut ready = 0;
+        if from_older > 0 {
+            ready = ready.max(pace_at(&self.older_paced, older - from_older));
+        }
+        if from_newer > 0 {
+            ready = ready.max(pace_at(&self.paced, newer.saturating_sub(from_newer)));
+        }
+        ready
     }
 
-    /// Units held that conform at `now` (those an instance can promise now).
+    /// Units held that conform at `now`, in the order they are spent (those an instance can
+    /// promise now).
     fn conforming(&self, now: u64) -> u64 {
-        self.paced
-            .iter()
-            .map(|(end, t)| {
-                let later = end.saturating_sub(now).div_ceil((*t).max(1));
-                self.left.saturating_sub(later)
-            })
-            .min()
-            .unwrap_or(self.left)
+        let older = self.older.min(self.left);
+        let newer = self.left - older;
+        let ready = pace_count(&self.older_paced, older, now);
+        if ready < older { ready } else { older + pace_count(&self.paced, newer, now) }
     }
 
     /// The `older` units whose lifetime ended at `now` are no longer spendable.
@@ -972,21 +992,9 @@ impl Leases {
                         o.cost = o.cost.saturating_add(c.cost);
                     }
                     held.older_until = if held.older > 0 { held.older_until } else { held.until };
-                    // The units held are spent first: each is paced no earlier than its own
-                    // slot, and the new ones no earlier than theirs (later than the held
-                    // ones', unless a give-back moved the key's TAT back meanwhile).
-                    if held.left > 0 && !held.paced.is_empty() {
-                        let held_paced = std::mem::take(&mut held.paced);
-                        held.paced = paced
-                            .iter()
-                            .zip(&held_paced)
-                            .map(|(new, old)| {
-                                (new.0.max(old.0.saturating_add(take.saturating_mul(old.1))), new.1)
-                            })
-                            .collect();
-                    } else {
-                        held.paced = paced;
-                    }
+                    // The units held are spent first, each at its own grant's pace (a
+                    // prefetch starts only once no `older` units are held).
+                    held.older_paced = std::mem::replace(&mut held.paced, paced);
                     held.older = held.left;
                     held.granted += take;
                     held.left += take;
@@ -998,6 +1006,7 @@ impl Leases {
                     held.older = 0;
                     held.expired = 0;
                     held.paced = paced;
+                    held.older_paced.clear();
                 }
             }
             held.decided = at;
@@ -1143,6 +1152,7 @@ impl Leases {
         held.expired = 0;
         held.decision = None;
         held.paced.clear();
+        held.older_paced.clear();
         rest
     }
 
@@ -1160,11 +1170,7 @@ impl Leases {
         let until = at.saturating_add(self.lifetime_ns).min(self.window_end(at));
         // A block of the key's schedule whose first units conform only later: the check
         // takes none of it, and is refused until its own conform.
-        let ready = paced
-            .iter()
-            .map(|(end, t)| end.saturating_sub(take.saturating_sub(cost).saturating_mul(*t)))
-            .max()
-            .unwrap_or(0);
+        let ready = pace_at(&paced, take.saturating_sub(cost));
         let early = at < ready;
         let left = if early { take } else { take.saturating_sub(cost) };
         {
@@ -1189,6 +1195,7 @@ impl Leases {
                 older_until: 0,
                 expired: 0,
                 paced,
+                older_paced: Paced::new(),
             };
             if early {
                 let refused = Self::refusal(&held, at, ready);
@@ -1494,6 +1501,59 @@ mod tests {
             sent: None,
             paced: Paced::new(),
         }
+    }
+
+    /// A block of the key's schedule: each unit is spent once it conforms (refused until
+    /// then, with the exact wait), `remaining` counts the units that conform now, and a
+    /// prefetched block joining it keeps each grant's own pace.
+    #[test]
+    fn units_of_the_schedule_are_spent_at_their_own_grants_pace() {
+        let p = Policy::single("p", Quota::per_second(100_000).with_burst(1_000)).unwrap();
+        let l = Arc::new(Leases::new(&p, Lease::new().max_block(64).schedule(true)));
+        assert!(l.horizon > 0);
+        let slot = l.slot(&Key::text("k")).unwrap();
+        let t = 10_000; // T: 10 µs
+        // 8 units granted at S: the check's own conforms now, the last at S + 70 µs.
+        let mut g = block(8, 8, S, 0);
+        g.paced = smallvec![(S + 7 * t, t)];
+        let d = l.granted(&slot, 1, grant_at(0, S), g);
+        assert_eq!((d.outcome, d.tiers[0].remaining), (Outcome::Allowed, 0));
+        let (d, granted) = l.spend(&slot, 1, Some(S)).unwrap();
+        assert_eq!((d.outcome, d.retry_after, granted), (Outcome::Limited, t, None));
+        assert_eq!((d.tiers[0].remaining, d.tiers[0].retry_after), (0, t));
+        // 5 ns after the second unit's instant: the first two conform.
+        let (d, granted) = l.spend(&slot, 1, Some(S + 2 * t + 5)).unwrap();
+        assert_eq!((d.outcome, d.tiers[0].remaining, granted), (Outcome::Allowed, 1, Some(S)));
+        // Two more (the units of 20 and 30 µs) need the later one's instant.
+        let (d, _) = l.spend(&slot, 2, Some(S + 2 * t + 5)).unwrap();
+        assert_eq!((d.outcome, d.retry_after), (Outcome::Limited, t - 5));
+        // A prefetch at 30 µs takes the next 4 units of the schedule, at 90 to 120 µs
+        // (another instance took 80 µs): the 6 held keep their instants, 20 to 70 µs.
+        let mut g = block(4, 4, S + 3 * t, 0);
+        g.paced = smallvec![(S + 12 * t, t)];
+        l.prefetched(&slot, grant_at(0, S + 3 * t), g);
+        for remaining in (0..6).rev() {
+            let (d, granted) = l.spend(&slot, 1, Some(S + 7 * t)).unwrap();
+            assert_eq!((d.outcome, d.tiers[0].remaining), (Outcome::Allowed, remaining));
+            assert_eq!(granted, Some(S + 3 * t), "the block's instant is the last grant's");
+        }
+        let (d, _) = l.spend(&slot, 1, Some(S + 7 * t)).unwrap();
+        assert_eq!((d.outcome, d.retry_after), (Outcome::Limited, 2 * t));
+        for remaining in [1, 0] {
+            let (d, _) = l.spend(&slot, 1, Some(S + 10 * t)).unwrap();
+            assert_eq!((d.outcome, d.tiers[0].remaining), (Outcome::Allowed, remaining));
+        }
+        let (d, _) = l.spend(&slot, 1, Some(S + 11 * t - 1)).unwrap();
+        assert_eq!((d.outcome, d.retry_after), (Outcome::Limited, 1));
+        let (d, _) = l.spend(&slot, 1, Some(S + 11 * t)).unwrap();
+        assert_eq!((d.outcome, d.tiers[0].remaining), (Outcome::Allowed, 0));
+        let (d, _) = l.spend(&slot, 1, Some(S + 11 * t)).unwrap();
+        assert_eq!((d.outcome, d.retry_after), (Outcome::Limited, t));
+        let (d, _) = l.spend(&slot, 1, Some(S + 12 * t)).unwrap();
+        assert_eq!((d.outcome, d.tiers[0].remaining), (Outcome::Allowed, 0));
+        // Spent, with no wait: the next check asks Redis.
+        assert!(l.spend(&slot, 1, Some(S + 12 * t)).is_none());
+        assert_eq!(l.stats().refused_locally, 5);
     }
 
     #[test]
