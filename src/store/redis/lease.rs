@@ -1028,10 +1028,17 @@ impl Leases {
         if decision.outcome != Outcome::Limited {
             return;
         }
-        let mut until = self.wait_until(at, hold, 0, useful);
-        if decision.retry_after != NONE {
-            until = until.max(at.saturating_add(decision.retry_after));
-        }
+        let until = if self.horizon > 0 {
+            // Leasing the schedule: until a useful block fits the horizon again, as Redis
+            // said (as for a refused lease call, see `refused`).
+            hold
+        } else {
+            let until = self.wait_until(at, hold, 0, useful);
+            match decision.retry_after {
+                NONE => until,
+                exact => until.max(at.saturating_add(exact)),
+            }
+        };
         let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
         held.hold = held.hold.max(until);
     }
