@@ -430,7 +430,8 @@ pub struct LeaseStats {
     /// Leasing checks that called Redis (granted a block, or refused).
     pub decided_on_redis: u64,
     /// Checks refused here, with no call, while this instance waited for a useful block of a
-    /// GCRA or bucket key to build up again (see [`Lease`], "Block size"). Not counted in
+    /// GCRA or bucket key to build up again (see [`Lease`], "Block size"), or, leasing the
+    /// key's schedule ([`Lease::schedule`]), for the units it holds to conform. Not counted in
     /// [`decided_locally`](Self::decided_locally).
     pub refused_locally: u64,
     /// Calls that asked for a key's next block ahead of need ([`Lease::prefetch`]), granted
