@@ -6,7 +6,8 @@
 //! (default 3; or `FLEET_SECS`; `FLEET_N=1,2,4,8` picks the fleet sizes,
 //! `FLEET_TIERS=window,gcra,gcra-hot,attack` the tiers; `FLEET_DEBUG=1` prints each instance's lease
 //! counts and the server's `INFO commandstats` per line; `FLEET_PREFETCH=0` leases without
-//! [`Lease::prefetch`](tollgate::store::Lease::prefetch), to compare; `FLEET_BLOCK` sets the
+//! [`Lease::prefetch`](tollgate::store::Lease::prefetch), to compare; `FLEET_SCHEDULE=0`
+//! leases without [`Lease::schedule`](tollgate::store::Lease::schedule); `FLEET_BLOCK` sets the
 //! largest block, 512 by default, and with it the bound). It exits with an error when a line admitted more
 //! than its bound. It starts its own `redis-server` (which must be on `PATH`) on a free
 //! 127.0.0.1 port with `--save ""` and kills it at the end.
@@ -55,11 +56,17 @@ const GCRA_BURST: u64 = 4_000;
 /// The attack tier: 100 a second.
 const ATTACK_LIMIT: u64 = 100;
 /// Blocks of at most 512 units (or `FLEET_BLOCK`), spent within 100 ms, the next asked for
-/// ahead of need (`FLEET_PREFETCH=0` turns that off, to compare).
+/// ahead of need (`FLEET_PREFETCH=0` turns that off, to compare), leased from the key's
+/// schedule (`FLEET_SCHEDULE=0` turns that off, to compare).
 fn lease() -> Lease {
     let prefetch = std::env::var("FLEET_PREFETCH").map_or(true, |v| v != "0");
     let block = std::env::var("FLEET_BLOCK").ok().and_then(|b| b.parse().ok()).unwrap_or(512);
-    Lease::new().max_block(block).lifetime(Duration::from_millis(100)).prefetch(prefetch)
+    let schedule = std::env::var("FLEET_SCHEDULE").map_or(true, |v| v != "0");
+    Lease::new()
+        .max_block(block)
+        .lifetime(Duration::from_millis(100))
+        .prefetch(prefetch)
+        .schedule(schedule)
 }
 
 /// `used_cpu_user + used_cpu_sys` of the server, in seconds.

@@ -162,22 +162,31 @@ async fn four_leasing_instances_admit_at_most_the_limit_in_every_fixed_window() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_leasing_instances_keep_gcra_within_the_stated_bound() {
-    four_gcra_instances_within_the_bound(false).await;
+    four_gcra_instances_within_the_bound(Lease::new()).await;
 }
 
 /// The same with the next block asked for ahead of need: the bound is the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_prefetching_instances_keep_gcra_within_the_same_bound() {
-    four_gcra_instances_within_the_bound(true).await;
+    four_gcra_instances_within_the_bound(Lease::new().prefetch(true)).await;
 }
 
-async fn four_gcra_instances_within_the_bound(prefetch: bool) {
+/// The same with blocks leased from the key's schedule (with and without prefetching): the
+/// bound is the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_instances_leasing_the_schedule_keep_gcra_within_the_same_bound() {
+    four_gcra_instances_within_the_bound(Lease::new().schedule(true)).await;
+    four_gcra_instances_within_the_bound(Lease::new().schedule(true).prefetch(true)).await;
+}
+
+async fn four_gcra_instances_within_the_bound(lease: Lease) {
+    let prefetch = lease.prefetches();
     let Some(server) = Server::start("redis-server") else { return };
     let clock = FakeClock::new();
     clock.set(1_000 * S);
     // T = 2 ms, burst 50.
     let policy = Policy::single("hot", Quota::per_second(500).with_burst(50)).unwrap();
-    let lease = Lease::new().max_block(8).lifetime(Duration::from_millis(30)).prefetch(prefetch);
+    let lease = lease.max_block(8).lifetime(Duration::from_millis(30));
     let (nodes, _exact) = fleet(&server.url(), &clock, &policy, lease);
     let key = Key::text("hot");
     let admitted = hammer(&nodes, &clock, &key, 3_000, demands).await;
@@ -205,8 +214,9 @@ async fn four_gcra_instances_within_the_bound(prefetch: bool) {
     let prefetched: u64 = stats.iter().map(|s| s.prefetched).sum();
     assert_eq!(prefetched > 0, prefetch, "{stats:?}");
     eprintln!(
-        "gcra (prefetch {prefetch}): {} admitted, worst extra over any interval {worst_extra} \
-         (bound {bound}), {prefetched} prefetches",
+        "gcra (prefetch {prefetch}, schedule {}): {} admitted, worst extra over any interval \
+         {worst_extra} (bound {bound}), {prefetched} prefetches",
+        lease.schedules(),
         admitted.len()
     );
 }
@@ -393,11 +403,31 @@ async fn a_weighted_check_is_never_told_to_retry_before_redis_would_admit_it() {
 /// Redis sees about one call per instance per useful block's refill, not one per check.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_instances_at_the_keys_rate_use_it_within_the_bound_with_few_calls() {
-    let Some(server) = Server::start("redis-server") else { return };
+    let calls = four_instances_at_the_keys_rate(Lease::new()).await;
+    // About one call per useful block (64 units: 328 blocks in the run), where one call per
+    // check would be 50,000: at most twice that, and 7 calls per instance while its blocks
+    // double to 64. (Without waiting longer for a share, each instance calls once per useful
+    // block's refill: about 4 × 313.)
+    assert!(calls <= 2 * 328 + 7 * N as u64, "{calls} calls");
+}
+
+/// The same, leasing from the key's schedule: each call takes a whole useful block (the
+/// units that come next, also those that conform later), so Redis sees one call per useful
+/// block, and a few more while the blocks grow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_instances_leasing_the_schedule_call_once_per_useful_block() {
+    let calls = four_instances_at_the_keys_rate(Lease::new().schedule(true)).await;
+    assert!(calls <= 328 + 7 * N as u64 + 8, "{calls} calls");
+}
+
+/// Four instances at ten times the key's rate: the bound holds over every interval and the
+/// key's rate is used (≥ 97 %); the calls the instances made to Redis.
+async fn four_instances_at_the_keys_rate(lease: Lease) -> u64 {
+    let Some(server) = Server::start("redis-server") else { return 0 };
     let clock = FakeClock::new();
     clock.set(1_000 * S);
     let policy = Policy::single("hot", Quota::per_second(100_000).with_burst(1_000)).unwrap();
-    let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100));
+    let lease = lease.max_block(64).lifetime(Duration::from_millis(100));
     let (nodes, _exact) = fleet(&server.url(), &clock, &policy, lease);
     let key = Key::text("hot");
     // Steps of 100 µs (10 units of refill); each instance asks 25 times a step.
@@ -429,13 +459,83 @@ async fn four_instances_at_the_keys_rate_use_it_within_the_bound_with_few_calls(
     let stats: Vec<_> = nodes.iter().map(|n| n.1.lease_stats()).collect();
     let calls: u64 = stats.iter().map(|s| s.decided_on_redis).sum();
     let held: u64 = stats.iter().map(|s| s.refused_locally).sum();
-    // About one call per useful block (64 units: 328 blocks in the run), where one call per
-    // check would be 50,000: at most twice that, and 7 calls per instance while its blocks
-    // double to 64. (Without waiting longer for a share, each instance calls once per useful
-    // block's refill: about 4 × 313.)
-    assert!(calls <= 2 * 328 + 7 * N as u64, "{calls} calls for {admitted} admitted: {stats:?}");
     assert!(held > admitted, "{stats:?}");
-    eprintln!("{admitted} admitted of {allowed}, {calls} calls, {held} refused while waiting");
+    eprintln!(
+        "schedule {}: {admitted} admitted of {allowed}, {calls} calls, {held} refused while \
+         waiting: {stats:?}",
+        lease.schedules()
+    );
+    calls
+}
+
+/// One instance leasing a key's schedule (100,000 a second, T = 10 µs, a burst of 1,000;
+/// useful blocks of 64): when the key has less than a useful block, a call takes one anyway,
+/// and each unit is admitted at the instant it conforms, exactly, with the wait for the next
+/// as `retry_after` and `remaining` the units that conform now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_leasing_the_schedule_admits_each_unit_when_it_conforms() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let policy = Policy::single("hot", Quota::per_second(100_000).with_burst(1_000)).unwrap();
+    let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100)).schedule(true);
+    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+    let (node, key) = (&nodes[0], Key::text("hot"));
+    // Blocks of 1, 2, ... 32, then 64 while the key has 64 (959 units, 20 calls); the 21st
+    // call finds 41 and takes 64: 41 that conform now, then one every 10 µs.
+    let mut admitted = 0;
+    let refused = loop {
+        let d = check(node, &key, 1).await;
+        if !d.is_allowed() {
+            break d;
+        }
+        admitted += 1;
+        if admitted == 1_000 {
+            assert_eq!(d.tiers()[0].remaining(), 0, "the last of the 41");
+        }
+    };
+    assert_eq!(admitted, 1_000);
+    let stats = node.1.lease_stats();
+    assert_eq!((stats.grants, stats.decided_on_redis, stats.refused_locally), (21, 21, 1));
+    assert_eq!(stats.units_granted, 959 + 64);
+    assert_eq!(refused.outcome(), Outcome::Limited);
+    assert_eq!(refused.retry_after(), Some(Duration::from_micros(10)));
+    assert_eq!(refused.tiers()[0].remaining(), 0);
+    assert!(refused.tiers()[0].is_violated());
+    // The key's schedule is taken 230 µs past its burst: an exact check has nothing.
+    assert_eq!(left(&exact, &key).await, 0);
+    let d = check(&exact, &key, 1).await;
+    assert_eq!(d.retry_after(), Some(Duration::from_micros(240)));
+    // 45 µs on, 4 units conform: admitted, counting down, then the wait for the 5th.
+    clock.advance(Duration::from_micros(45));
+    for remaining in (0..4).rev() {
+        let d = check(node, &key, 1).await;
+        assert!(d.is_allowed());
+        assert_eq!(d.tiers()[0].remaining(), remaining);
+    }
+    let d = check(node, &key, 1).await;
+    assert_eq!(d.retry_after(), Some(Duration::from_micros(5)));
+    // The other 19, one every 10 µs, each refused 1 ns before its instant.
+    clock.advance(Duration::from_micros(5));
+    for i in 0..19 {
+        assert!(check(node, &key, 1).await.is_allowed(), "unit {i}");
+        clock.advance(Duration::from_nanos(10_000 - 1));
+        let d = check(node, &key, 1).await;
+        assert_eq!(d.retry_after(), Some(Duration::from_nanos(1)), "unit {i}");
+        clock.advance(Duration::from_nanos(1));
+    }
+    // The block is spent, and it is 240 µs: the next check takes the next 64 units of the
+    // schedule, of which the first conforms now (its own), the second in 10 µs.
+    let d = check(node, &key, 1).await;
+    assert!(d.is_allowed());
+    assert_eq!(d.tiers()[0].remaining(), 0);
+    let d = check(node, &key, 1).await;
+    assert_eq!(d.retry_after(), Some(Duration::from_micros(10)));
+    let stats = node.1.lease_stats();
+    assert_eq!((stats.grants, stats.decided_on_redis), (22, 22));
+    assert_eq!(stats.units_granted, 959 + 2 * 64);
+    // Admitted in 240 µs: the burst and 24 units of refill, as exact GCRA.
+    assert_eq!(admitted + 4 + 19 + 1, 1_000 + 24);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -80,6 +80,9 @@ const CAPACITY: usize = 4096;
 /// half the burst's refill (at 400,000 a second with a burst of 4,000 and blocks of at most
 /// 512: useful blocks of 512 refill in 1.28 ms and half the burst in 5 ms, so about 780 calls
 /// a second for up to 3 instances, then 200 per instance).
+/// [`schedule`](Self::schedule) removes that growth with `N` for GCRA: a call then takes a
+/// whole useful block of the key's schedule, whose units this instance admits each at the
+/// instant it conforms, so Redis sees about one call per useful block whatever `N`.
 ///
 /// The wait admits nothing, so the bound below is unchanged. What it costs is
 /// under-admission, and that is bounded: right after a grant the wait for a useful block is
@@ -111,7 +114,9 @@ const CAPACITY: usize = 4096;
 /// what exact mode admits in it, since given-back units are charged again before they are
 /// admitted again) plus those held at its start, and each instance holds at most `B` units of
 /// a key (a useful block is at most `B` too, waiting for one only refuses, and a prefetch asks
-/// only for what tops the units held up to `B`).
+/// only for what tops the units held up to `B`). Leasing the key's schedule
+/// ([`schedule`](Self::schedule)) keeps it: a unit is admitted no earlier than the instant it
+/// conforms to the key's state as its grant left it, as an exact check would be.
 /// Windows lose nothing to this: a block is spent only in the window it
 /// was charged to (its lifetime ends when the first of its windows ends, fixed or calendar).
 /// A policy mixing rate and calendar tiers keeps each tier's own bound.
@@ -133,7 +138,8 @@ const CAPACITY: usize = 4096;
 /// block is decided as in exact mode: by the local fallback, or the layer's failure policy.
 ///
 /// **Headers.** A check decided from a block reports, per tier, `remaining` as the units this
-/// instance still holds of the block (what it can promise; never more than the key has), and
+/// instance still holds of the block (what it can promise; never more than the key has; with
+/// [`schedule`](Self::schedule), those of them that conform now), and
 /// the tier's reset counted down from the grant; a check that took a new block reports what
 /// exact mode would have at that instant (the block's rest plus what Redis has left). A check
 /// refused while waiting for a useful block reports `remaining` 0 on every tier, the reset
@@ -165,6 +171,7 @@ pub struct Lease {
     max_block: u64,
     lifetime: Duration,
     prefetch: bool,
+    schedule: bool,
 }
 
 impl Default for Lease {
@@ -177,7 +184,12 @@ impl Lease {
     /// Blocks of at most 64 units, each spent within 100 ms of its grant.
     #[must_use]
     pub const fn new() -> Self {
-        Self { max_block: 64, lifetime: Duration::from_millis(100), prefetch: false }
+        Self {
+            max_block: 64,
+            lifetime: Duration::from_millis(100),
+            prefetch: false,
+            schedule: false,
+        }
     }
 
     /// The largest block an instance takes for a key, in the policy's units (default 64; at
@@ -229,6 +241,44 @@ impl Lease {
     pub const fn prefetch(mut self, prefetch: bool) -> Self {
         self.prefetch = prefetch;
         self
+    }
+
+    /// Whether a lease call on a key at its rate takes a useful block of the units that
+    /// come next in the key's schedule, also those that conform only later (default
+    /// `false`). GCRA policies whose tiers' emission intervals are whole units of the policy's
+    /// time unit only (the common case: a rate dividing its period); other policies lease as
+    /// without it.
+    ///
+    /// Without it, a key at its rate grants a call what built up since the last grant of
+    /// any instance (up to a useful block, see [`Lease`], "Waiting for a useful block"), so
+    /// with `N` instances each call finds about `1 / √N` of a useful block, and Redis sees
+    /// more calls per admitted unit as `N` grows. With it, a call takes a whole useful block
+    /// (at most [`max_block`](Self::max_block)): Redis advances the key's theoretical
+    /// arrival time (GCRA's TAT) by the block, also past the instant the key is full, as long
+    /// as the block's last unit conforms within the **horizon** (half the
+    /// [lifetime](Self::lifetime), or the time the fastest-filling tier takes to fill from
+    /// empty when that is shorter). This instance then admits unit `k` of the block only once
+    /// it conforms, at the instant an exact check of it would first be admitted (`TAT_k - τ`
+    /// on every tier), and refuses the key's checks itself until then, with that exact wait
+    /// as `retry_after`. A call that finds the horizon full is refused, and this instance
+    /// waits, with no call, until a useful block fits again (the wait Redis gives).
+    ///
+    /// The bound is the same ([`bound`](Self::bound)): every unit admitted conforms at the
+    /// instant it is admitted to the key's GCRA state as the grant left it, each instance
+    /// still holds at most `max_block` units, and what is held but not yet spendable is
+    /// under-admission, given back when the block ends unspent (its lifetime, or the
+    /// instance's demand stopping), as without it. What it costs: a block held by an instance
+    /// whose demand stops is not spendable by others until it is given back.
+    #[must_use]
+    pub const fn schedule(mut self, schedule: bool) -> Self {
+        self.schedule = schedule;
+        self
+    }
+
+    /// Whether blocks are leased from the key's schedule (see [`schedule`](Self::schedule)).
+    #[must_use]
+    pub const fn schedules(&self) -> bool {
+        self.schedule
     }
 
     /// Whether the next block is asked for ahead of need (see [`prefetch`](Self::prefetch)).
@@ -317,6 +367,18 @@ fn longest_wait(policy: &Policy) -> u64 {
         .unwrap_or(0)
 }
 
+/// How far ahead of now the last unit of a block leased from the key's schedule may conform,
+/// in the policy's units (see [`Lease::schedule`]): half the lifetime, or the time the
+/// fastest-filling tier takes to fill from empty when shorter; 0 when the binding does not
+/// lease so (not asked for, or not a policy of `lua/gcra.lua`).
+fn horizon(policy: &Policy, config: Lease) -> u64 {
+    if !config.schedule || super::script::family(policy) != super::script::Family::Gcra {
+        return 0;
+    }
+    let half = duration_to_nanos(config.lifetime) / 2;
+    (longest_wait(policy).saturating_mul(2).min(half) / policy.unit()).max(1)
+}
+
 /// Why `policy` cannot lease: the tier that keeps it exact and the reason; `None` when it can.
 pub(crate) fn unleasable(policy: &Policy) -> Option<(String, String)> {
     let first = || policy.tiers().first().map(|t| t.name().to_owned()).unwrap_or_default();
@@ -368,7 +430,8 @@ pub struct LeaseStats {
     /// Leasing checks that called Redis (granted a block, or refused).
     pub decided_on_redis: u64,
     /// Checks refused here, with no call, while this instance waited for a useful block of a
-    /// GCRA or bucket key to build up again (see [`Lease`], "Block size"). Not counted in
+    /// GCRA or bucket key to build up again (see [`Lease`], "Block size"), or, leasing the
+    /// key's schedule ([`Lease::schedule`]), for the units it holds to conform. Not counted in
     /// [`decided_locally`](Self::decided_locally).
     pub refused_locally: u64,
     /// Calls that asked for a key's next block ahead of need ([`Lease::prefetch`]), granted
@@ -435,6 +498,32 @@ struct Held {
     /// Units of the block whose lifetime ended unspent (the `older` units, past
     /// `older_until`): no longer spendable, given back with the block's rest.
     expired: u64,
+    /// For a block leased from the key's schedule ([`Lease::schedule`]), per tier: the
+    /// instant the last unit held conforms, and the tier's emission interval (nanoseconds);
+    /// the unit `p` places before the last conforms `p` intervals earlier. Empty: every unit
+    /// held conforms now. With `older` units, those of the newest grant only.
+    paced: Paced,
+    /// The same for the `older` units (of the grant a prefetched block joined).
+    older_paced: Paced,
+}
+
+/// Per tier, the instant a block's last unit conforms and the emission interval, in
+/// nanoseconds (see `Held::paced`).
+pub(crate) type Paced = smallvec::SmallVec<[(u64, u64); 2]>;
+
+/// The instant the unit `after` places before the last of a paced block conforms on every
+/// tier (0 for a block that is not paced).
+fn pace_at(paced: &Paced, after: u64) -> u64 {
+    paced.iter().map(|(end, t)| end.saturating_sub(after.saturating_mul(*t))).max().unwrap_or(0)
+}
+
+/// How many of the first of `n` units of a paced block (the last `n`) conform at `now`.
+fn pace_count(paced: &Paced, n: u64, now: u64) -> u64 {
+    paced
+        .iter()
+        .map(|(end, t)| n.saturating_sub(end.saturating_sub(now).div_ceil((*t).max(1))))
+        .min()
+        .unwrap_or(n)
 }
 
 impl Held {
@@ -455,6 +544,32 @@ impl Held {
     /// Units of the block spent (or given to checks), not to be given back.
     fn spent(&self) -> u64 {
         self.granted - self.left - self.expired
+    }
+
+    /// The instant the next `cost` units held all conform (the last of them, on every
+    /// tier), 0 when they do now (a block not leased from the schedule). The `older` units
+    /// are spent first, each no earlier than its own grant's pace.
+    fn ready(&self, cost: u64) -> u64 {
+        let older = self.older.min(self.left);
+        let newer = self.left - older;
+        let (from_older, from_newer) = (cost.min(older), cost.saturating_sub(older));
+        let mut ready = 0;
+        if from_older > 0 {
+            ready = ready.max(pace_at(&self.older_paced, older - from_older));
+        }
+        if from_newer > 0 {
+            ready = ready.max(pace_at(&self.paced, newer.saturating_sub(from_newer)));
+        }
+        ready
+    }
+
+    /// Units held that conform at `now`, in the order they are spent (those an instance can
+    /// promise now).
+    fn conforming(&self, now: u64) -> u64 {
+        let older = self.older.min(self.left);
+        let newer = self.left - older;
+        let ready = pace_count(&self.older_paced, older, now);
+        if ready < older { ready } else { older + pace_count(&self.paced, newer, now) }
     }
 
     /// The `older` units whose lifetime ended at `now` are no longer spendable.
@@ -513,6 +628,9 @@ pub(crate) struct Grant {
     pub(crate) useful: u64,
     /// Without an injected clock: this process's instant the call was sent.
     pub(crate) sent: Option<Instant>,
+    /// For a lease of the key's schedule: per tier, when the last unit granted conforms, and
+    /// the emission interval (see `Held::paced`); empty otherwise.
+    pub(crate) paced: Paced,
 }
 
 /// A lease call's reply, decoded.
@@ -527,6 +645,8 @@ pub(crate) struct Reply {
     pub(crate) hold: u64,
     /// The instant Redis decided.
     pub(crate) at: u64,
+    /// For a lease of the key's schedule, granted: see [`Grant::paced`].
+    pub(crate) paced: Paced,
 }
 
 /// Decodes the reply of a lease call Redis decided at `at`.
@@ -546,7 +666,21 @@ pub(crate) fn decode(
     let unit = prepared.unit();
     let hold = if hold == 0 { 0 } else { (at / unit).saturating_add(hold).saturating_mul(unit) };
     let (decision, charges) = super::script::decode(policy, take, at, reply)?;
-    Ok(Reply { decision, charges, take, hold, at })
+    let mut paced = Paced::new();
+    if prepared.family == super::script::Family::Gcra && charges.is_some() {
+        use super::script::{HEAD, PER_TIER};
+        // Each tier's TAT after the grant (in units from the unit `at` falls in): its last
+        // unit conforms one tolerance (the burst's emission intervals) earlier.
+        for (i, t) in policy.tiers().iter().enumerate() {
+            let tat = reply.get(HEAD + PER_TIER * i + 1).copied().unwrap_or(0);
+            let tat = u64::try_from(tat).map_err(|_| StoreError::backend("negative TAT"))?;
+            let interval = t.rate.period / t.rate.count.max(1);
+            let tat = (at / unit).saturating_add(tat).saturating_mul(unit);
+            let tau = interval.saturating_mul(t.rate.burst).saturating_mul(unit);
+            paced.push((tat.saturating_sub(tau), interval.saturating_mul(unit)));
+        }
+    }
+    Ok(Reply { decision, charges, take, hold, at, paced })
 }
 
 /// Leased keys by key.
@@ -572,6 +706,9 @@ pub(crate) struct Leases {
     /// The round trip of this binding's lease calls, on the clock the scripts decide with
     /// (nanoseconds; a moving average): a prefetch starts half of it before a wait ends.
     round_trip: AtomicU64,
+    /// For a lease of the key's schedule ([`Lease::schedule`]): how far ahead of now the
+    /// last unit of a block may conform, in the policy's units; 0 when not leasing so.
+    horizon: u64,
     /// Whether the sweeper runs.
     sweeping: AtomicBool,
     /// How blocks are given back (by the sweeper, and when the binding is dropped).
@@ -601,8 +738,26 @@ impl Leases {
                 && policy.is_plain()
                 && policy.algorithm() != Algorithm::FixedWindow,
             round_trip: AtomicU64::new(0),
+            horizon: horizon(policy, config),
             sweeping: AtomicBool::new(false),
             back: None,
+        }
+    }
+
+    /// The record of a lease call: of the key's schedule when this binding leases so (see
+    /// [`Lease::schedule`]).
+    pub(crate) fn record(
+        &self,
+        prepared: &super::Prepared,
+        cost: u64,
+        block: u64,
+        useful: u64,
+        rest: Option<&Rest>,
+    ) -> Vec<f64> {
+        if self.horizon > 0 && useful > 0 {
+            prepared.lease_ahead(cost, block, useful, rest, self.horizon)
+        } else {
+            prepared.lease(cost, block, useful, rest)
         }
     }
 
@@ -691,11 +846,22 @@ impl Leases {
         if !held.live(now) {
             return None;
         }
+        let ready = held.ready(cost);
+        if now < ready {
+            // Units leased from the key's schedule that do not conform yet: refused until
+            // the last of the check's conforms, exactly.
+            let refused = Self::refusal(&held, now, ready)?;
+            let prefetch = self.wants_prefetch(&mut held, now);
+            drop(held);
+            self.counters.held.fetch_add(1, Ordering::Relaxed);
+            self.metrics.held();
+            return Some(Taken { decision: refused, granted: None, prefetch });
+        }
         held.left -= cost;
         held.older = held.older.saturating_sub(cost);
         let prefetch = self.wants_prefetch(&mut held, now);
         let mut d = held.decision.clone()?;
-        let (decided, left) = (held.decided, held.left);
+        let (decided, left) = (held.decided, held.conforming(now));
         let elapsed = now - decided;
         drop(held);
         d.outcome = Outcome::Allowed;
@@ -722,7 +888,7 @@ impl Leases {
             && !held.fetching
             && held.next >= PREFETCH_FROM.min(self.config.max_block).max(2)
             && held.decision.is_some()
-            && held.left.saturating_mul(2) <= held.next
+            && held.left.saturating_mul(self.ahead_part()) <= held.next
             && (held.left == 0 || held.live(now))
             // Units of an earlier block still held keep their own lifetime, which a second
             // merge could not: the next prefetch waits until they are spent or expired.
@@ -732,6 +898,14 @@ impl Leases {
             held.fetching = true;
         }
         due
+    }
+
+    /// A prefetch starts when `1 / ahead_part()` of the block asked for is left: half, or an
+    /// eighth when leasing from the key's schedule, whose blocks are paced (its units
+    /// conform one after the other, so what is left lasts), and whose prefetch, topping up
+    /// what is held, is then most of a block instead of half of one.
+    fn ahead_part(&self) -> u64 {
+        if self.horizon > 0 { 8 } else { 2 }
     }
 
     /// Spawns the call that takes the key's next block ahead of need (the slot is marked as
@@ -767,12 +941,12 @@ impl Leases {
             self.counters.prefetched.fetch_sub(1, Ordering::Relaxed);
             return;
         };
-        let record = back.prepared.lease(1, ahead.block, ahead.useful, None);
+        let record = self.record(&back.prepared, 1, ahead.block, ahead.useful, None);
         let keys = back.prepared.keys(state_key(&back.key_parts, &back.key_names, &key));
         let (answered, sent) = self.call(&back.inner, &back.prepared, keys, record).await;
         match answered {
-            Ok(Reply { decision, charges: Some(charges), take, hold, at }) => {
-                let grant = Grant { take, charges, at, hold, useful: ahead.useful, sent };
+            Ok(Reply { decision, charges: Some(charges), take, hold, at, paced }) => {
+                let grant = Grant { take, charges, at, hold, useful: ahead.useful, sent, paced };
                 self.prefetched(&slot, decision, grant);
             }
             Ok(Reply { decision, charges: None, hold, at, .. }) => {
@@ -790,7 +964,7 @@ impl Leases {
         let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
         let now = held.now(clock_now);
         held.expire_older(now);
-        if held.left.saturating_mul(2) > held.next
+        if held.left.saturating_mul(self.ahead_part()) > held.next
             || (held.left > 0 && !held.live(now))
             || held.older > 0
         {
@@ -805,7 +979,7 @@ impl Leases {
     /// A prefetch was granted: its units join the block (those held are spent first, and
     /// keep their lifetime), and the block asked for next doubles.
     fn prefetched(&self, slot: &Slot, decision: Decision, grant: Grant) {
-        let Grant { take, charges, at, hold, useful, sent } = grant;
+        let Grant { take, charges, at, hold, useful, sent, paced } = grant;
         let hold = self.wait_until(at, hold, take, useful);
         let until = at.saturating_add(self.lifetime_ns);
         {
@@ -819,6 +993,9 @@ impl Leases {
                         o.cost = o.cost.saturating_add(c.cost);
                     }
                     held.older_until = if held.older > 0 { held.older_until } else { held.until };
+                    // The units held are spent first, each at its own grant's pace (a
+                    // prefetch starts only once no `older` units are held).
+                    held.older_paced = std::mem::replace(&mut held.paced, paced);
                     held.older = held.left;
                     held.granted += take;
                     held.left += take;
@@ -829,6 +1006,8 @@ impl Leases {
                     held.left = take;
                     held.older = 0;
                     held.expired = 0;
+                    held.paced = paced;
+                    held.older_paced.clear();
                 }
             }
             held.decided = at;
@@ -850,10 +1029,17 @@ impl Leases {
         if decision.outcome != Outcome::Limited {
             return;
         }
-        let mut until = self.wait_until(at, hold, 0, useful);
-        if decision.retry_after != NONE {
-            until = until.max(at.saturating_add(decision.retry_after));
-        }
+        let until = if self.horizon > 0 {
+            // Leasing the schedule: until a useful block fits the horizon again, as Redis
+            // said (as for a refused lease call, see `refused`).
+            hold
+        } else {
+            let until = self.wait_until(at, hold, 0, useful);
+            match decision.retry_after {
+                NONE => until,
+                exact => until.max(at.saturating_add(exact)),
+            }
+        };
         let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
         held.hold = held.hold.max(until);
     }
@@ -874,7 +1060,14 @@ impl Leases {
         if answered.is_ok() {
             self.observe(sent, before, clock_now());
         }
-        (answered.and_then(|(reply, at)| decode(prepared, &self.policy, &reply, at)), sent)
+        let decoded = answered.and_then(|(reply, at)| decode(prepared, &self.policy, &reply, at));
+        let decoded = decoded.map(|mut r| {
+            if self.horizon == 0 {
+                r.paced.clear();
+            }
+            r
+        });
+        (decoded, sent)
     }
 
     /// A lease call of this binding went to Redis at `before` (or `sent`, without an injected
@@ -898,8 +1091,14 @@ impl Leases {
         if now >= held.hold || now < held.decided {
             return None;
         }
+        Self::refusal(held, now, held.hold)
+    }
+
+    /// The refusal, at `now`, of a check this instance refuses until `until`: see
+    /// [`held_refusal`](Self::held_refusal).
+    fn refusal(held: &Held, now: u64, until: u64) -> Option<Decision> {
         let mut d = held.decision.clone()?;
-        let (elapsed, retry) = (now - held.decided, held.hold - now);
+        let (elapsed, retry) = (now.saturating_sub(held.decided), until - now);
         let least = d.tiers.iter().map(|t| t.remaining).min().unwrap_or(0);
         d.outcome = Outcome::Limited;
         d.delay = 0;
@@ -960,6 +1159,8 @@ impl Leases {
         held.older = 0;
         held.expired = 0;
         held.decision = None;
+        held.paced.clear();
+        held.older_paced.clear();
         rest
     }
 
@@ -972,10 +1173,14 @@ impl Leases {
         mut decision: Decision,
         grant: Grant,
     ) -> Decision {
-        let Grant { take, charges, at, hold, useful, sent } = grant;
+        let Grant { take, charges, at, hold, useful, sent, paced } = grant;
         let hold = self.wait_until(at, hold, take, useful);
-        let left = take.saturating_sub(cost);
         let until = at.saturating_add(self.lifetime_ns).min(self.window_end(at));
+        // A block of the key's schedule whose first units conform only later: the check
+        // takes none of it, and is refused until its own conform.
+        let ready = pace_at(&paced, take.saturating_sub(cost));
+        let early = at < ready;
+        let left = if early { take } else { take.saturating_sub(cost) };
         {
             let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
             let (next, key, fetching) = (held.next, held.key.take(), held.fetching);
@@ -997,16 +1202,37 @@ impl Leases {
                 older: 0,
                 older_until: 0,
                 expired: 0,
+                paced,
+                older_paced: Paced::new(),
             };
+            if early {
+                let refused = Self::refusal(&held, at, ready);
+                drop(held);
+                self.counters.grants.fetch_add(1, Ordering::Relaxed);
+                self.counters.units_granted.fetch_add(take, Ordering::Relaxed);
+                self.metrics.granted(take);
+                self.counters.held.fetch_add(1, Ordering::Relaxed);
+                self.metrics.held();
+                if let Some(refused) = refused {
+                    return refused;
+                }
+                decision.outcome = Outcome::Limited;
+                decision.retry_after = ready - at;
+                return decision;
+            }
+            // What this instance can promise now: the units of the block that conform.
+            let left = held.conforming(at);
+            drop(held);
+            self.counters.grants.fetch_add(1, Ordering::Relaxed);
+            self.counters.units_granted.fetch_add(take, Ordering::Relaxed);
+            self.metrics.granted(take);
+            // What exact mode reports at this instant: what Redis has left plus the block's
+            // rest.
+            for t in &mut decision.tiers {
+                t.remaining = t.remaining.saturating_add(left).min(u64::from(t.limit));
+            }
+            decision
         }
-        self.counters.grants.fetch_add(1, Ordering::Relaxed);
-        self.counters.units_granted.fetch_add(take, Ordering::Relaxed);
-        self.metrics.granted(take);
-        // What exact mode reports at this instant: what Redis has left plus the block's rest.
-        for t in &mut decision.tiers {
-            t.remaining = t.remaining.saturating_add(left).min(u64::from(t.limit));
-        }
-        decision
     }
 
     /// Redis refused a lease call at `at` (its `decision`, exact): when a useful block is
@@ -1025,8 +1251,12 @@ impl Leases {
         if hold <= at || decision.outcome != Outcome::Limited {
             return decision;
         }
-        // Never shorter than Redis's own wait for the check refused.
+        // Never shorter than Redis's own wait for the check refused; but a lease of the
+        // key's schedule waits only until a useful block fits its horizon again (exactly what
+        // Redis said), when its units are leased, paced, and the check refused until its own
+        // conform.
         let hold = match decision.retry_after {
+            _ if self.horizon > 0 => hold,
             NONE => self.wait_until(at, hold, 0, useful),
             exact => self.wait_until(at, hold, 0, useful).max(at.saturating_add(exact)),
         };
@@ -1270,7 +1500,68 @@ mod tests {
 
     /// A grant of `take` units at `at` (charged as `charged` units), waiting until `hold`.
     fn block(take: u64, charged: u64, at: u64, hold: u64) -> Grant {
-        Grant { take, charges: charges(charged, at), at, hold, useful: 1, sent: None }
+        Grant {
+            take,
+            charges: charges(charged, at),
+            at,
+            hold,
+            useful: 1,
+            sent: None,
+            paced: Paced::new(),
+        }
+    }
+
+    /// A block of the key's schedule: each unit is spent once it conforms (refused until
+    /// then, with the exact wait), `remaining` counts the units that conform now, and a
+    /// prefetched block joining it keeps each grant's own pace.
+    #[test]
+    fn units_of_the_schedule_are_spent_at_their_own_grants_pace() {
+        let p = Policy::single("p", Quota::per_second(100_000).with_burst(1_000)).unwrap();
+        let l = Arc::new(Leases::new(&p, Lease::new().max_block(64).schedule(true)));
+        assert!(l.horizon > 0);
+        let slot = l.slot(&Key::text("k")).unwrap();
+        let t = 10_000; // T: 10 µs
+        // 8 units granted at S: the check's own conforms now, the last at S + 70 µs.
+        let mut g = block(8, 8, S, 0);
+        g.paced = smallvec![(S + 7 * t, t)];
+        let d = l.granted(&slot, 1, grant_at(0, S), g);
+        assert_eq!((d.outcome, d.tiers[0].remaining), (Outcome::Allowed, 0));
+        let (d, granted) = l.spend(&slot, 1, Some(S)).unwrap();
+        assert_eq!((d.outcome, d.retry_after, granted), (Outcome::Limited, t, None));
+        assert_eq!((d.tiers[0].remaining, d.tiers[0].retry_after), (0, t));
+        // 5 ns after the second unit's instant: the first two conform.
+        let (d, granted) = l.spend(&slot, 1, Some(S + 2 * t + 5)).unwrap();
+        assert_eq!((d.outcome, d.tiers[0].remaining, granted), (Outcome::Allowed, 1, Some(S)));
+        // Two more (the units of 20 and 30 µs) need the later one's instant.
+        let (d, _) = l.spend(&slot, 2, Some(S + 2 * t + 5)).unwrap();
+        assert_eq!((d.outcome, d.retry_after), (Outcome::Limited, t - 5));
+        // A prefetch at 30 µs takes the next 4 units of the schedule, at 90 to 120 µs
+        // (another instance took 80 µs): the 6 held keep their instants, 20 to 70 µs.
+        let mut g = block(4, 4, S + 3 * t, 0);
+        g.paced = smallvec![(S + 12 * t, t)];
+        l.prefetched(&slot, grant_at(0, S + 3 * t), g);
+        for remaining in (0..6).rev() {
+            let (d, granted) = l.spend(&slot, 1, Some(S + 7 * t)).unwrap();
+            assert_eq!((d.outcome, d.tiers[0].remaining), (Outcome::Allowed, remaining));
+            assert_eq!(granted, Some(S + 3 * t), "the block's instant is the last grant's");
+        }
+        let (d, _) = l.spend(&slot, 1, Some(S + 7 * t)).unwrap();
+        assert_eq!((d.outcome, d.retry_after), (Outcome::Limited, 2 * t));
+        for remaining in [1, 0] {
+            let (d, _) = l.spend(&slot, 1, Some(S + 10 * t)).unwrap();
+            assert_eq!((d.outcome, d.tiers[0].remaining), (Outcome::Allowed, remaining));
+        }
+        let (d, _) = l.spend(&slot, 1, Some(S + 11 * t - 1)).unwrap();
+        assert_eq!((d.outcome, d.retry_after), (Outcome::Limited, 1));
+        let (d, _) = l.spend(&slot, 1, Some(S + 11 * t)).unwrap();
+        assert_eq!((d.outcome, d.tiers[0].remaining), (Outcome::Allowed, 0));
+        let (d, _) = l.spend(&slot, 1, Some(S + 11 * t)).unwrap();
+        assert_eq!((d.outcome, d.retry_after), (Outcome::Limited, t));
+        let (d, _) = l.spend(&slot, 1, Some(S + 12 * t)).unwrap();
+        assert_eq!((d.outcome, d.tiers[0].remaining), (Outcome::Allowed, 0));
+        // Spent, with no wait: the next check asks Redis.
+        assert!(l.spend(&slot, 1, Some(S + 12 * t)).is_none());
+        assert_eq!(l.stats().refused_locally, 5);
     }
 
     #[test]

@@ -1203,12 +1203,13 @@ impl RedisStore {
         // refusals held of the key must not outlast.
         let _forgetting = returned.map(|_| bound.forgetting(bound.refusal_hash(check.key)));
         let prepared = &bound.prepared;
-        let record = prepared.lease(check.cost, begin.block, begin.useful, begin.rest.as_ref());
+        let record =
+            leases.record(prepared, check.cost, begin.block, begin.useful, begin.rest.as_ref());
         let keys = prepared.keys(bound.state_key(check.key));
         let epoch = bound.refusal_epoch(check.key);
         leases.called();
         let (decided, sent) = leases.call(inner, prepared, keys, record).await;
-        let lease::Reply { decision, charges, take, hold, at } = match decided {
+        let lease::Reply { decision, charges, take, hold, at, paced } = match decided {
             Ok(decided) => decided,
             // The previous block's rest may or may not have been given back: it stays charged
             // at worst (see `Lease`, "Faults").
@@ -1225,7 +1226,8 @@ impl RedisStore {
         }
         let decision = match charges {
             Some(charges) => {
-                let grant = lease::Grant { take, charges, at, hold, useful: begin.useful, sent };
+                let grant =
+                    lease::Grant { take, charges, at, hold, useful: begin.useful, sent, paced };
                 leases.granted(slot, check.cost, decision, grant)
             }
             None => {
@@ -1233,7 +1235,10 @@ impl RedisStore {
                 return Ok(Verdict { decision, ticket: None });
             }
         };
-        Ok(Verdict { decision, ticket: bound.lease_ticket(&check, at) })
+        // A block of the key's schedule whose first units conform only later refuses the
+        // check that took it.
+        let ticket = decision.is_allowed().then(|| bound.lease_ticket(&check, at)).flatten();
+        Ok(Verdict { decision, ticket })
     }
 
     /// [`check_leased`](Self::check_leased) for a policy with calendar tiers: the previous
@@ -1290,7 +1295,9 @@ impl RedisStore {
             if let Some(charges) = charges {
                 // An admission: refusals of the key held or in flight are dropped.
                 bound.learn(&check, &decision, at, sent, epoch);
-                let grant = lease::Grant { take: block, charges, at, hold: 0, useful: 0, sent };
+                let paced = lease::Paced::new();
+                let grant =
+                    lease::Grant { take: block, charges, at, hold: 0, useful: 0, sent, paced };
                 let decision = leases.granted(slot, check.cost, decision, grant);
                 return Ok(Verdict { decision, ticket: bound.lease_ticket(&check, at) });
             }

@@ -628,6 +628,26 @@ impl Prepared {
         record
     }
 
+    /// A lease of the key's schedule (GCRA of whole units only, `lua/gcra.lua`): as
+    /// [`lease`](Self::lease), but when the key has less than `useful` units now, Redis
+    /// grants `useful` units (at most `block`) of those that come next, as long as the last
+    /// of them conforms within `horizon` units of now; the reply's wait is then until a
+    /// useful block fits the horizon again.
+    pub(crate) fn lease_ahead(
+        &self,
+        cost: u64,
+        block: u64,
+        useful: u64,
+        rest: Option<&Rest>,
+        horizon: u64,
+    ) -> Vec<f64> {
+        debug_assert_eq!(self.family, Family::Gcra);
+        let mut record = self.lease(cost, block, useful, rest);
+        record[0] = 4.0;
+        record.push(f(horizon.min(MAX_SPAN_UNITS)));
+        record
+    }
+
     /// The numbers a lease adds to the reply: a check's, then the units granted and when a
     /// useful block will be there again (in the policy's time units from the unit `now` falls
     /// in; 0 for now).
@@ -697,8 +717,8 @@ pub(crate) fn numbers(reply: &[u8]) -> Result<Vec<i64>, StoreError> {
 /// Reply layout per check: `outcome (1 allowed, 0 limited, 2 cost above capacity), delay,
 /// retry`, then per tier `remaining, reset, own retry (-1 none), violated, entry id`; durations
 /// in units from the unit `now` falls in.
-const HEAD: usize = 3;
-const PER_TIER: usize = 5;
+pub(crate) const HEAD: usize = 3;
+pub(crate) const PER_TIER: usize = 5;
 
 fn bad_reply(what: &str) -> StoreError {
     StoreError::backend(format!("unexpected reply from the tollgate script: {what}"))

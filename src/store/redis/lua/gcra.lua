@@ -8,6 +8,9 @@
 -- and this script runs on every check and lease call of the GCRA policies), and it allocates
 -- per call only its argument and reply tables, two per policy and one per key. It reads a
 -- single key with GET (the common case: one check or one lease call), several with one MGET.
+--
+-- Records: op 1 a check, op 2 a settlement, op 3 a lease, op 4 a lease of the key's schedule
+-- (op 3's record and one more number, the horizon: see `Prepared::lease_ahead`).
 
 local call, floor, ceil, max, tonumber = redis.call, math.floor, math.ceil, math.max, tonumber
 local sunpack, spack, srep = struct.unpack, struct.pack, string.rep
@@ -59,7 +62,8 @@ do
     local op = C[i]
     if op == 1 then i = i + 5
     elseif op == 2 then i = i + 5 + 3 * POL[C[i + 2]].n
-    else i = i + 8 + 3 * POL[C[i + 2]].n end
+    elseif op == 3 then i = i + 8 + 3 * POL[C[i + 2]].n
+    else i = i + 9 + 3 * POL[C[i + 2]].n end
   end
   if #names == 1 then
     STORED[names[1]] = call('GET', names[1])
@@ -95,9 +99,9 @@ while i <= nc do
     order[#order + 1] = name
   end
   if op ~= 1 then
-    -- A settlement (op 2), or the lease of op 3 settling the node's previous lease first.
+    -- A settlement (op 2), or the lease of op 3 or 4 settling the node's previous lease first.
     local s = i + 3
-    if op == 3 then s = i + 6 end
+    if op >= 3 then s = i + 6 end
     local old, new = C[s], C[s + 1]
     if old ~= new then
       -- Every tier was charged at the same instant.
@@ -118,8 +122,8 @@ while i <= nc do
     i = i + 5 + 3 * n
   else
     local cost, budget = C[i + 3], C[i + 4]
-    local useful = 0
-    if op == 3 then
+    local useful, ahead, horizon = 0, false, 0
+    if op >= 3 then
       -- A lease: up to `budget` units (at least `cost`) of what every tier has now, a quarter
       -- of it at most, so that a key near its limit is leased a unit at a time; but up to
       -- `useful` units of what is there, however little, so that a node at the key's rate
@@ -127,6 +131,7 @@ while i <= nc do
       local block = budget
       budget = 0
       useful = C[i + 5]
+      if op == 4 then horizon = C[i + 8 + 3 * n] end
       local avail = nil
       for t = 1, n do
         local T = Ts[t]
@@ -143,6 +148,23 @@ while i <= nc do
         if take > avail then take = avail end
       end
       if take > block then take = block end
+      if op == 4 and take < useful then
+        -- A lease of the key's schedule (op 4): a useful block of the units that come next,
+        -- also those that conform only later, as long as the block's last unit conforms
+        -- within `horizon` of now on every tier. The node spends each unit only once it
+        -- conforms, so each is admitted as an exact check at its own instant would be.
+        local fut = useful
+        if fut > block then fut = block end
+        if fut >= cost then
+          ahead = true
+          for t = 1, n do
+            local b = tat[t]
+            if b < 0 then b = 0 end
+            if b + fut * Ts[t] - taus[t] > horizon then ahead = false end
+          end
+          if ahead then take = fut end
+        end
+      end
       if take > cost then cost = take end
     end
     if budget < 0 then budget = 0 end
@@ -157,6 +179,13 @@ while i <= nc do
     local outcome, delay, retry = 1, 0, -1
     if over then
       outcome = 2
+    elseif ahead then
+      -- Each tier from its own TAT: the node paces the units per tier.
+      for t = 1, n do
+        if tat[t] < 0 then tat[t] = 0 end
+        tat[t] = tat[t] + cost * Ts[t]
+      end
+      DIRTY[name] = true
     elseif cost > 0 then
       if wait > budget then
         outcome, retry = 0, wait - budget
@@ -191,19 +220,19 @@ while i <= nc do
       reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4], reply[r + 5] = q, b, own, violated, 0
       r = r + 5
     end
-    if op == 3 then
+    if op >= 3 then
       -- When `useful` units will be there again (after this grant, or for a refusal), for the
-      -- node to wait for (0: now).
+      -- node to wait for (0: now); for op 4, when a useful block fits the horizon again.
       local hold = 0
       if useful > 0 and outcome ~= 2 then
         for t = 1, n do
-          local h = tat[t] + useful * Ts[t] - taus[t]
+          local h = tat[t] + useful * Ts[t] - taus[t] - horizon
           if h > hold then hold = h end
         end
       end
       reply[r + 1], reply[r + 2] = cost, hold
       r = r + 2
-      i = i + 8 + 3 * n
+      if op == 3 then i = i + 8 + 3 * n else i = i + 9 + 3 * n end
     else
       i = i + 5
     end
