@@ -184,7 +184,9 @@ impl<F, R, E> State<F, R, E> {
                         c.hook.refund_by_status(status, c.policy, &c.key, c.cost);
                     }
                 }
-                Ok(res.map(body))
+                // Returned from here, the response is moved once less than through `output`.
+                self.set(State::Done);
+                return Poll::Ready(Ok(res.map(body)));
             }
             StateProj::Refundable { future, headers, refund } => {
                 let mut res = match ready!(future.poll(cx)) {
