@@ -400,6 +400,11 @@ impl Headers {
         if decision.tiers.is_empty() || fields.style == HeaderStyle::None {
             return Prepared::default();
         }
+        // The default fields, written by this layer: built here, without the general case's
+        // checks of every family and draft.
+        if fields == Fields::default() && !collect {
+            return Prepared { ietf: Some((self.policy, Some(self.state(decision)))), more: None };
+        }
         self.render(fields, decision, collect)
     }
 

@@ -235,7 +235,9 @@ impl PolicyMetrics {
     }
 
     /// Counts `decision`: every tier for an admission, the violated tiers for a refusal.
-    #[inline]
+    // Always: where the layer decides, each counter is a pointer test without a recorder;
+    // out of line (as the compiler once chose) the call cost more than the counting.
+    #[inline(always)]
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
     pub(crate) fn decided(&self, counted: Counted, decision: &crate::Decision) {
         #[cfg(feature = "metrics")]

@@ -64,7 +64,7 @@ impl<F, B, E> ResponseFuture<F, B, E> {
     /// The inner service's response, with `headers` added.
     #[cfg(feature = "config")]
     pub(crate) fn inner(future: F, headers: Prepared) -> Self {
-        Self { state: State::Inner { future, headers } }
+        Self { state: State::Inner { future, headers, charge: None } }
     }
 
     /// The general path.
@@ -104,9 +104,11 @@ pin_project! {
     /// the body only.
     #[project = StateProj]
     pub(crate) enum State<F, R, E> {
-        Inner { #[pin] future: F, headers: Prepared },
+        // One state for an admission with or without a charge to give back by status: the
+        // admitted path's future, moved whole into axum's box, carries no second variant
+        // of the same size.
+        Inner { #[pin] future: F, headers: Prepared, charge: Option<Untracked> },
         Refundable { #[pin] future: F, headers: Prepared, refund: Option<Refund> },
-        Untracked { #[pin] future: F, headers: Prepared, charge: Option<Untracked> },
         Settling {
             settle: Pin<Box<dyn Future<Output = ()> + Send>>,
             response: Option<Response<R>>,
@@ -118,21 +120,17 @@ pin_project! {
 }
 
 impl<F, R, E> State<F, R, E> {
-    /// The inner service's response, with `headers` added.
-    pub(crate) fn inner(future: F, headers: Prepared) -> Self {
-        State::Inner { future, headers }
+    /// The inner service's response, with `headers` added, after its status has had the chance
+    /// to give `charge` back (when there is one).
+    #[inline]
+    pub(crate) fn inner(future: F, headers: Prepared, charge: Option<Untracked>) -> Self {
+        State::Inner { future, headers, charge }
     }
 
     /// The inner service's response, with `headers` added, after `refund` has seen its status
     /// (and, when it gives the charge back, finished doing so).
     pub(crate) fn refundable(future: F, headers: Prepared, refund: Refund) -> Self {
         State::Refundable { future, headers, refund: Some(refund) }
-    }
-
-    /// The inner service's response, with `headers` added, after its status has had the chance
-    /// to give `charge` back.
-    pub(crate) fn untracked(future: F, headers: Prepared, charge: Untracked) -> Self {
-        State::Untracked { future, headers, charge: Some(charge) }
     }
 
     /// A response made without the inner service.
@@ -149,7 +147,6 @@ impl<F, R, E> State<F, R, E> {
         match self {
             State::Inner { .. } => "inner",
             State::Refundable { .. } => "refundable",
-            State::Untracked { .. } => "untracked",
             State::Settling { .. } => "settling",
             State::Ready { .. } => "ready",
             State::Slow { .. } => "slow",
@@ -158,16 +155,17 @@ impl<F, R, E> State<F, R, E> {
     }
 
     /// Polls towards the response, the inner service's body turned into `R` by `body`.
+    #[inline]
     pub(crate) fn poll_with<B>(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-        body: fn(B) -> R,
+        body: impl FnOnce(B) -> R,
     ) -> Poll<Result<Response<R>, E>>
     where
         F: Future<Output = Result<Response<B>, E>>,
     {
         let output = match self.as_mut().project() {
-            StateProj::Inner { future, headers } => {
+            StateProj::Inner { future, headers, charge } => {
                 let mut res = match ready!(future.poll(cx)) {
                     Ok(res) => res,
                     // Done, as on success: polled again, it panics rather than poll `future`.
@@ -179,7 +177,16 @@ impl<F, R, E> State<F, R, E> {
                 if !headers.is_empty() {
                     std::mem::take(headers).apply(&mut res);
                 }
-                Ok(res.map(body))
+                // Read in place, not taken: the state is dropped whole below.
+                if let Some(c) = charge {
+                    let status = res.status();
+                    if c.any_status || status == StatusCode::METHOD_NOT_ALLOWED {
+                        c.hook.refund_by_status(status, c.policy, &c.key, c.cost);
+                    }
+                }
+                // Returned from here, the response is moved once less than through `output`.
+                self.set(State::Done);
+                return Poll::Ready(Ok(res.map(body)));
             }
             StateProj::Refundable { future, headers, refund } => {
                 let mut res = match ready!(future.poll(cx)) {
@@ -205,26 +212,6 @@ impl<F, R, E> State<F, R, E> {
                         Ok(res)
                     }
                 }
-            }
-            StateProj::Untracked { future, headers, charge } => {
-                let mut res = match ready!(future.poll(cx)) {
-                    Ok(res) => res,
-                    // Done, as on success: polled again, it panics rather than poll `future`.
-                    Err(error) => {
-                        self.set(State::Done);
-                        return Poll::Ready(Err(error));
-                    }
-                };
-                if !headers.is_empty() {
-                    std::mem::take(headers).apply(&mut res);
-                }
-                let status = res.status();
-                if let Some(c) = charge.take() {
-                    if c.any_status || status == StatusCode::METHOD_NOT_ALLOWED {
-                        c.hook.refund_by_status(status, c.policy, &c.key, c.cost);
-                    }
-                }
-                Ok(res.map(body))
             }
             StateProj::Settling { settle, response } => {
                 ready!(settle.as_mut().poll(cx));

@@ -88,7 +88,8 @@ impl Observer {
     /// Reports a decision made at once by the policy at `index`, `outcome` being
     /// [`Observed::Admitted`] or [`Observed::Limited`]: with no hook, only its counters are
     /// touched (each a pointer test when no recorder is installed).
-    #[inline]
+    // Always: out of line, the call and its arguments cost more than the counters.
+    #[inline(always)]
     pub(super) fn at_once(
         &self,
         index: usize,
