@@ -38,7 +38,7 @@ POLS[2] = [(2, 3, 0, 0), (0, 1, 2 * S // 1000, 1), (2, 7, 0, 0)]  # unit 1 us
 def pol_arg():
     out = []
     for tiers in POLS:
-        out += [UNITS[POLS.index(tiers)], 1000, 0, len(tiers)]
+        out += [UNITS[POLS.index(tiers)], 1000, 0, len(tiers), 0]  # not plain: guarded
         for (k, a, b, c) in tiers: out += [k, a, b, c, 0, 0, 0, 0, 0]
     return d(*out)
 def bounds(now_s):

@@ -1,12 +1,15 @@
--- The driver of policies of several kinds: rate tiers (run by the family's F, as in main.lua),
--- calendar tiers and concurrency tiers, all or nothing in one check. Mirrors `decide_kinds`
--- in src/algorithm/mod.rs and src/algorithm/calendar.rs.
+-- The driver: every policy's checks, settlements and leases, whatever its tiers: rate tiers
+-- (run by the family's F), calendar tiers and concurrency tiers, all or nothing in one check,
+-- each key's state loaded once and written once. Mirrors `decide_kinds` in
+-- src/algorithm/mod.rs and src/algorithm/calendar.rs; a plain policy (rate tiers counting
+-- requests, every tier charged the same cost) is its all-rate, same-cost case.
 --
--- ARGV[2] per policy: unit, grace, algorithm, tiers, then per tier 9 numbers: kind (0 rate,
---         1 concurrency, 2 calendar) and its parameters: a rate's count, period, burst; a
---         concurrency tier's slots and lease (ms); a calendar tier's count; then its penalty
---         box: block (units; 0 for none), refusals, window (units); then its reserves
---         (`Reserve`): critical and standard units (0 for none).
+-- ARGV[2] per policy: unit, grace, algorithm, tiers, plain (1: rate tiers alone counting
+--         requests, without penalty box or reserve: see `guard` in `kpolicies`), then per
+--         tier 9 numbers: kind (0 rate, 1 concurrency, 2 calendar) and its parameters: a
+--         rate's count, period, burst; a concurrency tier's slots and lease (ms); a calendar
+--         tier's count; then its penalty box: block (units; 0 for none), refusals, window
+--         (units); then its reserves (`Reserve`): critical and standard units (0 for none).
 -- ARGV[3] every record starts op, key index, policy index, record length:
 --         op 1, a check: budget (-1 polices), lease id, each tier's cost, the request's class
 --           (`Priority`: 0 critical, 1 standard, 2 sheddable), then per calendar
@@ -17,24 +20,35 @@
 --           cost, the charge's instant (seconds, units) and entry id (the lease id for a
 --           concurrency tier), then the calendar bounds as for a shaped check, then per calendar
 --           tier the start and end (seconds) of the window holding its charge's instant;
+--         op 3, a lease (policies of rate tiers alone): least cost, largest block, useful
+--           block (0: none), then per tier the settlement of the previous lease as an op 2's
+--           (old and new cost, instant, entry id; equal costs settle nothing);
 --         op 4, a refresh: lease id, then per concurrency tier its slots.
 -- KEYS    per record: the state key, the sliding-log sets of the rate tiers (log family
 --         only), the lease sets of the concurrency tiers (`{state}:c1`, ...).
--- State   `(seconds, units)` of the last charge (see main.lua), per calendar tier its windows (number, then
---         start, end, used), per tier with a penalty box whether the key is blocked (0 or 1),
---         until when (seconds, units), and the breaches counted (number, then each one's
---         seconds and units), then the rate tiers' state as F packs it. Concurrency slots live
---         in their sorted sets: one member per slot, `struct '<dd' (lease id, slot)`, scored
---         by the lease's expiry (ms since the epoch); expired members are dropped first.
--- reply   per check as main.lua's (a concurrency tier's reset is left to the binding, which
---         knows the typical hold); per refresh, 1 or 0 per concurrency tier (every slot was
---         still leased); nothing per settlement.
+-- State   `(seconds, units)` of the last charge or settlement (the guard: see `load`), per
+--         calendar tier its windows (number, then start, end, used), per tier with a penalty
+--         box whether the key is blocked (0 or 1), until when (seconds, units), and the
+--         breaches counted (number, then each one's seconds and units), then the rate tiers'
+--         state as F packs it: for a plain policy the guard and F's state alone. Concurrency
+--         slots live in their sorted sets: one member per slot, `struct '<dd' (lease id,
+--         slot)`, scored by the lease's expiry (ms since the epoch); expired members are
+--         dropped first.
+-- reply   packed doubles: per check, outcome (1 allowed, 0 limited, 2 cost above capacity),
+--         delay, retry (-1 none), then per tier remaining, reset, own retry (-1 none),
+--         violated, entry id (a concurrency tier's reset is left to the binding, which knows
+--         the typical hold); per lease a check's, then the units charged and when a useful
+--         block will be there again (0: now or never asked); per refresh, 1 or 0 per
+--         concurrency tier (every slot was still leased); nothing per settlement; durations
+--         in units from the unit `now` falls in; last, the instant decided at (seconds,
+--         nanoseconds).
 --
--- Two drivers over that one layout: the general one (`load`, `check`, `settle`, `refresh`
--- and the write-back), and the flat path (`flat_batch`): a batch of policed checks and
--- releases of policies whose rate tiers are GCRA with whole-unit emission intervals, without
--- reserves or penalty boxes, decided as the general driver decides them with per-key state in
--- one array. Both read and write the same stored state, so nodes running either agree.
+-- Two drivers over that one layout: the general one (`load`, `check`, `settle`, `lease`,
+-- `refresh` and the write-back), and the flat path (`flat_batch`): a batch of policed checks
+-- and releases of policies whose rate tiers are GCRA with whole-unit emission intervals,
+-- without reserves or penalty boxes, decided as the general driver decides them with per-key
+-- state in one array. Both read and write the same stored state, so nodes running either
+-- agree. (A plain policy of whole-unit GCRA tiers runs gcra.lua instead, over the same state.)
 
 -- Windows a shaped request may be reserved in (calendar::LOOKAHEAD).
 local LOOKAHEAD = 8
@@ -45,9 +59,9 @@ local function kpolicies()
   while i <= #P do
     local n = P[i + 3]
     local tiers, nrate, nconc, ncal, npen = {}, 0, 0, 0, 0
-    local whole = true
+    local whole, withheld = true, false
     for t = 1, n do
-      local j = i + 4 + (t - 1) * 9
+      local j = i + 5 + (t - 1) * 9
       local kind = P[j]
       local tier = { kind = kind }
       if P[j + 4] > 0 then
@@ -60,7 +74,7 @@ local function kpolicies()
         -- What a reserve withholds from each class (`Reserve::withheld_from`), by class + 1.
         if P[j + 7] + P[j + 8] > 0 then
           tier.withheld = { 0, P[j + 7], P[j + 7] + P[j + 8] }
-          whole = false
+          whole, withheld = false, true
         end
         -- GCRA's emission interval T and tolerance tau (= T x burst), when T is whole units.
         if tier.p % tier.c == 0 then
@@ -77,14 +91,21 @@ local function kpolicies()
         tier.count, tier.w = P[j + 1], ncal
       end
       -- What the tier holds at most (`Tier::capacity_for` when nothing is withheld).
-      tier.cap = tier.b or tier.max or tier.count
+      if kind == 0 then tier.cap = F.capacity(tier) else tier.cap = tier.max or tier.count end
       tiers[t] = tier
     end
+    -- Rate tiers alone, nothing withheld, no penalty box: what a plain policy is (and a policy
+    -- of other units): `check` and `settle` go straight to F, and a lease may be taken.
+    local rates = nrate == n and npen == 0 and not withheld
+    -- Whether a key keeps a clock guard: every policy but a plain one (of requests) of GCRA or
+    -- the buckets, which only grow stricter when the clock steps back (as the memory store's
+    -- `Core::guarded`).
+    local guard = not (F.rate == true and P[i + 4] == 1)
     -- Lean: loading the key's state changes nothing stored (rate.lua's F prunes nothing).
     local lean = F.rate == true and ncal == 0 and npen == 0
     -- The flat path (see `flat_batch`): GCRA rate tiers of whole-unit T, no reserve, no
     -- penalty box.
-    local flat = F.rate == true and P[i + 2] == 0 and npen == 0 and whole
+    local flat = F.rate == true and P[i + 2] == 0 and npen == 0 and whole and guard
     -- The flat path's key state (see `flat_load`): the slots held per concurrency tier after
     -- `oh`, the windows per calendar tier after `oc`; `blank` sizes it.
     local oh = 9 + 3 * nrate
@@ -92,8 +113,9 @@ local function kpolicies()
     for x = 1, 3 * nrate + nconc + ncal do blank[x] = false end
     out[#out + 1] = { unit = P[i], grace = P[i + 1], alg = P[i + 2], n = n, tiers = tiers,
                       nrate = nrate, nconc = nconc, ncal = ncal, npen = npen, lean = lean,
-                      flat = flat, per = 1e9 / P[i], oh = oh, oc = oh + nconc, blank = blank }
-    i = i + 4 + n * 9
+                      flat = flat, rates = rates, guard = guard, per = 1e9 / P[i], oh = oh,
+                      oc = oh + nconc, blank = blank }
+    i = i + 5 + n * 9
   end
   return out
 end
@@ -118,16 +140,22 @@ local function load(k, pol)
   local name = KEYS[k]
   local c = clock_of(pol.unit)
   -- Every field named in the constructor: a table sized once (one per key per batch), not
-  -- grown field by field.
-  local st = { k = k, name = name, unit = pol.unit, grace = pol.grace, n = pol.n, pol = pol,
-               c = c, cal = false, pen = false, held = false, rs = false, g1 = false,
-               g2 = false, dirty = false, charged = false }
+  -- grown field by field. It is also the state F knows (`k`, `unit`, `alg`, `n` and `tiers`:
+  -- the rate tiers, `c`, `dirty`).
+  local st = { k = k, name = name, unit = pol.unit, grace = pol.grace, n = pol.nrate, pol = pol,
+               alg = pol.alg, tiers = false, c = c, cal = false, pen = false, held = false,
+               g1 = false, g2 = false, dirty = false, charged = false }
   local raw = nil
   local packed = STORED[name]
   if packed then
     raw = doubles(packed)
-    -- Time never goes back for a key (see main.lua).
-    if rel(c, raw[1], raw[2]) > 0 then st.c = { per = c.per, s = raw[1], u = raw[2] } end
+    -- [1], [2]: the guard, the instant of the last charge (or settlement). Time never goes
+    -- back for a key that keeps a guard: Redis's TIME can step back (NTP, a failover to a
+    -- replica whose clock is behind), and a window would then be entered again as if empty.
+    -- Such a key decides at the later of now and its guard.
+    if pol.guard and rel(c, raw[1], raw[2]) > 0 then
+      st.c = { per = c.per, s = raw[1], u = raw[2] }
+    end
     st.g1, st.g2 = raw[1], raw[2]
   end
   local j = 2
@@ -178,18 +206,10 @@ local function load(k, pol)
   end
   local rate_tiers = {}
   for _, tier in ipairs(pol.tiers) do
-    if tier.kind == 0 then
-      rate_tiers[#rate_tiers + 1] = { c = tier.c, p = tier.p, b = tier.b, xn = 0, xf = 0, last = 0 }
-    end
+    if tier.kind == 0 then rate_tiers[tier.r] = F.tier(tier) end
   end
-  st.rs = { k = k, name = name, unit = pol.unit, alg = pol.alg, n = pol.nrate, tiers = rate_tiers,
-            c = st.c, dirty = false }
-  local rest = nil
-  if raw then
-    rest = {}
-    for x = j + 1, #raw do rest[#rest + 1] = raw[x] end
-  end
-  F.load(st.rs, rest)
+  st.tiers = rate_tiers
+  F.load(st, raw, j)
   -- The slots held per concurrency tier, counted once per batch (see `held`).
   if pol.nconc > 0 then st.held = {} end
   return st
@@ -368,14 +388,14 @@ end
 
 -- The rate tier of `tier` as F knows it.
 local function rt(st, tier)
-  return st.rs.tiers[tier.r]
+  return st.tiers[tier.r]
 end
 
 -- The rate tier of `tier` as a request of class `class` sees it: the burst less what a reserve
 -- withholds from the class (`Tier::rate_for`): a copy of its state, only read (earliest,
 -- status), never charged; charges go to the tier itself.
 local function rt_for(st, tier, class)
-  local r = st.rs.tiers[tier.r]
+  local r = st.tiers[tier.r]
   if not tier.withheld then return r end
   return { c = r.c, p = r.p, b = r.b - tier.withheld[class + 1], xn = r.xn, xf = r.xf,
            last = r.last }
@@ -422,7 +442,7 @@ end
 
 -- The earliest instant >= from at which tier `tier` admits `cost` for class `class`.
 local function earliest(st, tier, class, from, cost)
-  if tier.kind == 0 then return F.earliest(st.rs, rt_for(st, tier, class), from, cost) end
+  if tier.kind == 0 then return F.earliest(st, rt_for(st, tier, class), from, cost) end
   if tier.kind == 2 then return cal_earliest(st, tier, from, cost) end
   return from
 end
@@ -432,7 +452,7 @@ end
 local function depart(st, tier, class, from, cost, shaping)
   local e = earliest(st, tier, class, from, cost)
   if shaping and tier.kind == 0 then
-    e = e + F.queue_wait(st.rs, rt_for(st, tier, class), e)
+    e = e + F.queue_wait(st, rt_for(st, tier, class), e)
   end
   return e
 end
@@ -441,20 +461,20 @@ end
 -- cost, own retry (-1 none), violated (0 or 1), entry id, and whether its slots are full.
 local COST, OWN, VIOL, ENTRY, FULL = {}, {}, {}, {}, {}
 
-local function check(st, i)
+-- Decides a request of `COST` per tier for class `class` (`decide_kinds` in
+-- src/algorithm/mod.rs): `budget_arg` its shaping budget (-1 polices), `id` the lease id of
+-- its slots, `B` the calendar bounds of its record. Replies, and returns the outcome.
+local function decide(st, class, budget_arg, id, B)
   local pol = st.pol
-  local n, tiers = pol.n, pol.tiers
-  local budget_arg, id = C[i + 4], C[i + 5]
+  local n, tiers, rates = pol.n, pol.tiers, pol.rates
   local cost, own, viol, entry = COST, OWN, VIOL, ENTRY
-  local class = C[i + 6 + n]
   local zero, over = true, false
   for t = 1, n do
-    cost[t] = C[i + 5 + t]
-    if cost[t] > 0 then zero = false end
-    if cost[t] > capacity(tiers[t], class) then over = true end
+    local c = cost[t]
+    if c > 0 then zero = false end
+    -- Nothing is withheld from a policy of rates alone: its capacity is the tier's.
+    if c > (rates and tiers[t].cap or capacity(tiers[t], class)) then over = true end
   end
-  local B = nil
-  if pol.ncal > 0 then B = bounds(pol, i + 7 + n) end
   local h1, h2, h3
   local shaping = budget_arg >= 0
   if zero then
@@ -472,13 +492,26 @@ local function check(st, i)
     -- admits it together, where each is charged (`converge` and `rounds` in
     -- src/algorithm/mod.rs).
     local rounds = 2
-    if F.entries then rounds = rounds + 2 * F.entries(st.rs) end
+    if F.entries then rounds = rounds + 2 * F.entries(st) end
     for w = 1, pol.ncal do rounds = rounds + 2 * #st.cal[w] end
     local at, settled = 0, false
+    local rts = st.tiers
     for _ = 1, rounds do
       local nxt = at
-      for t = 1, n do
-        if cost[t] > 0 then nxt = max(nxt, depart(st, tiers[t], class, at, cost[t], shaping)) end
+      if rates then
+        -- `depart` of a rate tier with nothing withheld: F alone.
+        for t = 1, n do
+          local c = cost[t]
+          if c > 0 then
+            local e = F.earliest(st, rts[t], at, c)
+            if shaping then e = e + F.queue_wait(st, rts[t], e) end
+            if e > nxt then nxt = e end
+          end
+        end
+      else
+        for t = 1, n do
+          if cost[t] > 0 then nxt = max(nxt, depart(st, tiers[t], class, at, cost[t], shaping)) end
+        end
       end
       if nxt == at then settled = true; break end
       at = nxt
@@ -504,7 +537,7 @@ local function check(st, i)
     -- moves on, when the current window ends. A policed request leaves now or is refused
     -- (with a retry after its departure, later than the current window's end when the
     -- departure is beyond the lookahead): its bounds need only cover now.
-    for t = 1, n do
+    for t = 1, pol.ncal > 0 and n or 0 do
       local tier = tiers[t]
       if tier.kind == 2 and cost[t] > 0 then
         if shaping then
@@ -564,7 +597,7 @@ local function check(st, i)
         if c > 0 and tier.kind ~= 1 then st.charged = true end
         if c > 0 then
           if tier.kind == 0 then
-            e = F.charge(st.rs, rt(st, tier), at, c)
+            e = F.charge(st, rts[tier.r], at, c)
           elseif tier.kind == 2 then
             cal_charge(st, tier, B[tier.w], at, c)
           else
@@ -583,8 +616,10 @@ local function check(st, i)
   for t = 1, n do
     local tier = tiers[t]
     local remaining, reset
-    if tier.kind == 0 then
-      remaining, reset = F.status(st.rs, rt_for(st, tier, class))
+    if rates then
+      remaining, reset = F.status(st, st.tiers[t])
+    elseif tier.kind == 0 then
+      remaining, reset = F.status(st, rt_for(st, tier, class))
     elseif tier.kind == 2 then
       remaining, reset = cal_status(st, tier)
     else
@@ -592,10 +627,73 @@ local function check(st, i)
       remaining, reset = max(0, tier.max - h), 0
     end
     -- A blocked tier has nothing left until the block ends.
-    local left = blocked(st, tier)
-    if left then remaining, reset = 0, max(reset, left) end
+    if tier.pen then
+      local left = blocked(st, tier)
+      if left then remaining, reset = 0, max(reset, left) end
+    end
     out(remaining); out(reset); out(own[t]); out(viol[t]); out(entry[t])
   end
+  return h1
+end
+
+-- A check (op 1): its costs, class and calendar bounds from the record.
+local function check(st, i)
+  local pol = st.pol
+  local n = pol.n
+  for t = 1, n do COST[t] = C[i + 5 + t] end
+  local B = nil
+  if pol.ncal > 0 then B = bounds(pol, i + 7 + n) end
+  decide(st, C[i + 6 + n], C[i + 4], C[i + 5], B)
+end
+
+-- A lease (op 3) of a policy of rates alone (GCRA, the buckets, fixed windows: lease mode
+-- refuses the others): the node's previous lease settled first (per tier as a settlement's
+-- old and new cost, instant and entry id; equal costs settle nothing), then, policed, up to
+-- `block` units (at least `cost`) of what every tier has now, a quarter of it at most, so
+-- that a key near its limit is leased a unit at a time; for the rate algorithms, up to
+-- `useful` units of what is there, however little (see gcra.lua). The reply adds the units
+-- charged and when `useful` units will be there again (after this grant, or for a refusal),
+-- for the node to wait for (0: now or never asked).
+local function lease(st, i)
+  local pol = st.pol
+  if not pol.rates then
+    return error('tollgate: a lease of a policy that is not of rates alone')
+  end
+  local n, rts = pol.n, st.tiers
+  for t = 1, n do
+    local j = i + 7 + (t - 1) * 5
+    local old, new = C[j], C[j + 1]
+    -- A settlement that changes what was charged moves the guard, as a charge does.
+    if new ~= old then
+      st.charged = true
+      local at = rel(st.c, C[j + 2], C[j + 3])
+      if new < old then
+        F.refund(st, rts[t], at, C[j + 4], old, old - new)
+      else
+        F.charge(st, rts[t], max(at, 0), new - old)
+      end
+    end
+  end
+  local cost, block, useful = C[i + 4], C[i + 5], C[i + 6]
+  local avail = nil
+  for t = 1, n do
+    local remaining = F.status(st, rts[t])
+    if not avail or remaining < avail then avail = remaining end
+  end
+  local take = floor(avail / 4)
+  if useful > take then
+    take = useful
+    if take > avail then take = avail end
+  end
+  if take > block then take = block end
+  if take > cost then cost = take end
+  for t = 1, n do COST[t] = cost end
+  local outcome = decide(st, 1, -1, 0, nil)
+  local hold = 0
+  if useful > 0 and outcome ~= 2 then
+    for t = 1, n do hold = max(hold, F.earliest(st, rts[t], 0, useful)) end
+  end
+  out(cost); out(hold)
 end
 
 -- Whether the settlement at `i` (of policy `pol`) changes what a rate or calendar tier was
@@ -633,9 +731,9 @@ local function settle(st, i)
     if tier.kind ~= 1 and new ~= old then st.charged = true end
     if tier.kind == 0 then
       if new < old then
-        F.refund(st.rs, rt(st, tier), at, id, old, old - new)
+        F.refund(st, rt(st, tier), at, id, old, old - new)
       elseif new > old then
-        F.charge(st.rs, rt(st, tier), max(at, 0), new - old)
+        F.charge(st, rt(st, tier), max(at, 0), new - old)
       end
     elseif tier.kind == 2 then
       if new < old then
@@ -735,7 +833,7 @@ local function flat_load(k, pol, name)
   end
   local raw = doubles(packed)
   local g1, g2 = raw[1], raw[2]
-  -- Time never goes back for a key (see main.lua).
+  -- Time never goes back for a key (see `load`): the flat path's policies all keep a guard.
   if (g1 - cs) * per + (g2 - cu) > 0 then
     cs, cu = g1, g2
     st[3], st[4] = cs, cu
@@ -1043,7 +1141,7 @@ local function flat_save(st)
     return
   end
   local cs, cu, per = st[3], st[4], pol.per
-  -- The guard moves with charges only (see main.lua).
+  -- The guard moves with charges only (see the write-back below).
   local v = V
   v[1], v[2] = cs, cu
   if st[5] and not st[8] then v[1], v[2] = st[5], st[6] end
@@ -1112,6 +1210,8 @@ while i <= #C do
       check(st, i)
     elseif op == 2 then
       settle(st, i)
+    elseif op == 3 then
+      lease(st, i)
     else
       refresh(st, i)
     end
@@ -1123,13 +1223,13 @@ end
 -- A settlement that changed nothing stored (a refund to a window that ended) still moves the
 -- guard, as in memory.
 for _, st in ipairs(order) do
-  if st.dirty or st.rs.dirty or st.charged then
+  if st.dirty or st.charged then
     local pol = st.pol
     local ttl = 0
     for _, tier in ipairs(pol.tiers) do
       local reset = 0
       if tier.kind == 0 then
-        local _, r = F.status(st.rs, st.rs.tiers[tier.r])
+        local _, r = F.status(st, st.tiers[tier.r])
         reset = r
       elseif tier.kind == 2 then
         local _, r = cal_status(st, tier)
@@ -1149,9 +1249,11 @@ for _, st in ipairs(order) do
     end
     if ttl <= 0 then
       call('DEL', st.name)
-      if F.drop then F.drop(st.rs) end
+      if F.drop then F.drop(st) end
     else
-      -- The guard moves with charges only (see main.lua).
+      -- The guard moves with charges only: a refused check (or a query) that rewrote the
+      -- state (pruned, a log rebased) keeps it, so a clock stepping back finds the key as the
+      -- in-memory store does, which keeps no trace of refused checks.
       local v = { st.c.s, st.c.u }
       if st.g1 and not st.charged then v = { st.g1, st.g2 } end
       for w = 1, pol.ncal do
@@ -1178,9 +1280,9 @@ for _, st in ipairs(order) do
           end
         end
       end
-      for _, x in ipairs(F.save(st.rs)) do v[#v + 1] = x end
+      F.save(st, v)
       call('SET', st.name, pack(v), 'PX', ttl_ms(st.unit, ttl, st.grace))
-      if F.expire then F.expire(st.rs, ttl_ms(st.unit, ttl, st.grace)) end
+      if F.expire then F.expire(st, ttl_ms(st.unit, ttl, st.grace)) end
     end
   end
 end

@@ -26,12 +26,18 @@ local function times_t(t, cost)
   return mad(cost, t.p, 0, t.c)
 end
 
-function F.load(st, raw)
+-- A tier's state, every field named (a table sized once).
+function F.tier(p)
+  return { c = p.c, p = p.p, b = p.b, xn = 0, xf = 0, last = 0 }
+end
+
+-- The tiers' state from the stored numbers after `raw[o]` (none: fresh).
+function F.load(st, raw, o)
   local c = st.c
   for i = 1, st.n do
     local t = st.tiers[i]
     if raw then
-      local j = (i - 1) * 5
+      local j = o + (i - 1) * 5
       t.xn, t.xf, t.last = rel(c, raw[j + 1], raw[j + 2]), raw[j + 3], rel(c, raw[j + 4], raw[j + 5])
     else
       -- Fresh: GCRA's TAT in the past; a full token bucket; an empty leaky bucket.
@@ -40,8 +46,9 @@ function F.load(st, raw)
   end
 end
 
-function F.save(st)
-  local c, v = st.c, {}
+-- Appends the tiers' state to `v`.
+function F.save(st, v)
+  local c = st.c
   for i = 1, st.n do
     local t = st.tiers[i]
     local xs, xu = abs(c, t.xn)
