@@ -893,7 +893,10 @@ mod tests {
         // op, key, policy, length, budget, no slots, the cost on each tier, the standard class.
         assert_eq!(
             doubles(&records),
-            [1.0, 1.0, 1.0, 9.0, -1.0, 0.0, 2.0, 2.0, 1.0, 1.0, 4.0, 1.0, 9.0, 5.0, 0.0, 0.0, 0.0, 1.0]
+            [
+                1.0, 1.0, 1.0, 9.0, -1.0, 0.0, 2.0, 2.0, 1.0, 1.0, 4.0, 1.0, 9.0, 5.0, 0.0, 0.0,
+                0.0, 1.0
+            ]
         );
         assert_eq!(prepared.check_reply_len(), 13);
     }
@@ -916,10 +919,7 @@ mod tests {
         let rest = Rest { granted: 3, spent: 2, charges };
         assert_eq!(
             prepared.lease(1, 64, 4, Some(&rest)),
-            [
-                3.0, 0.0, 0.0, 17.0, 1.0, 64.0, 4.0, 3.0, 2.0, 7.0, 9.0, 0.0, 3.0, 2.0, 0.0, 5.0,
-                2.0
-            ]
+            [3.0, 0.0, 0.0, 17.0, 1.0, 64.0, 4.0, 3.0, 2.0, 7.0, 9.0, 0.0, 3.0, 2.0, 0.0, 5.0, 2.0]
         );
         let fresh = prepared.lease(1, 64, 0, None);
         assert_eq!(fresh[..7], [3.0, 0.0, 0.0, 17.0, 1.0, 64.0, 0.0]);
@@ -944,10 +944,8 @@ mod tests {
                 .build()
                 .unwrap()
         };
-        let fractional = Policy::builder("api")
-            .tier("a", Quota::per_second(3).with_burst(3))
-            .build()
-            .unwrap();
+        let fractional =
+            Policy::builder("api").tier("a", Quota::per_second(3).with_burst(3)).build().unwrap();
         let cases = [
             (two(Algorithm::Gcra), Family::Gcra, 0xc0b1_cd28),
             (fractional, Family::Rate, 0xefda_d502),
@@ -958,7 +956,12 @@ mod tests {
             (two(Algorithm::SlidingLog), Family::Log, 0xecff_edc9),
         ];
         for (p, family, pinned) in cases {
-            assert_eq!((super::family(&p), fingerprint(&p)), (family, pinned), "{:?}", p.algorithm());
+            assert_eq!(
+                (super::family(&p), fingerprint(&p)),
+                (family, pinned),
+                "{:?}",
+                p.algorithm()
+            );
         }
         // A policy of the same family that is not plain keeps a layout of its own.
         let boxed = Policy::builder("api")
