@@ -117,8 +117,11 @@ local function kpolicies()
     -- The flat path's key state (see `flat_load`): the slots held per concurrency tier after
     -- `oh`, the windows per calendar tier after `oh + nconc`; `blank` sizes it.
     local oh = 9 + 3 * nrate
-    local blank = {}
-    for x = 1, 3 * nrate + nconc + ncal do blank[x] = false end
+    local blank = false
+    if flat then
+      blank = {}
+      for x = 1, 3 * nrate + nconc + ncal do blank[x] = false end
+    end
     out[#out + 1] = { unit = P[i], grace = P[i + 1], alg = P[i + 2], n = n, tiers = tiers,
                       nrate = nrate, nconc = nconc, ncal = ncal, npen = npen, lean = lean,
                       flat = flat, rates = rates, guard = guard, per = 1e9 / P[i], oh = oh,
@@ -495,7 +498,11 @@ local COST, OWN, VIOL, ENTRY, FULL = {}, {}, {}, {}, {}
 
 -- Decides a request of `COST` per tier for class `class` (`decide_kinds` in
 -- src/algorithm/mod.rs): `budget_arg` its shaping budget (-1 polices), `id` the lease id of
--- its slots, `B` the calendar bounds of its record. Replies, and returns the outcome.
+-- its slots, `B` the calendar bounds of its record. Replies, and returns the outcome. Its
+-- steps are `decide_kinds`'s in order (capacity, `converge` over `rounds`, slots, calendar
+-- lookahead, penalty boxes, then charge or refuse); unlike it, it writes the reply as it goes
+-- instead of building a `Decision`, and a policy of rates alone goes to F directly instead of
+-- through `depart` and `capacity` (the same values: nothing is withheld from it).
 local function decide(st, class, budget_arg, id, B)
   local pol = st.pol
   local n, tiers, rates = pol.n, pol.tiers, pol.rates

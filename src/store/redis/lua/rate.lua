@@ -2,6 +2,18 @@
 -- units + frac/count): GCRA's X is its TAT, the token bucket's X the instant it is full again,
 -- the leaky bucket's X the instant it is empty. Mirrors src/algorithm/{gcra,bucket}.rs.
 -- State, per tier: X as (seconds, units), its fraction, and the bucket's last instant.
+--
+-- Where the shape differs from the Rust, and why. gcra.rs keeps the TAT scaled by `count`
+-- (u128); here X = TAT / count, whole units and a fraction in count-ths: the same number, in
+-- doubles that stay exact. bucket.rs keeps each bucket's level (`units x period`) at `last`;
+-- here a bucket is the GCRA it is equivalent to, X = `last + (capacity - level) / count` for
+-- the token bucket and `last + level / count` for the leaky one, so `earliest`, `charge` and
+-- `status` are GCRA's for all three (`token::earliest`'s `need - at(from) <= 0` is
+-- `max(X, from) + cost T - tau <= from`), `refund` caps X at `last` where bucket.rs caps the
+-- level at its capacity (token) or 0 (leaky), and `queue_wait` is `X - at` where
+-- `leaky::queue_wait` drains `at(t)`. That layout is what nodes of every version store and
+-- read: a bucket kept as bucket.rs keeps it would change the state's keys, so a rolling deploy
+-- would start every key afresh.
 
 local F = { rate = true }
 
