@@ -822,6 +822,7 @@ impl Inner {
         let policy = Arc::clone(&prepared.policy);
         node.submit(Item {
             family: prepared.family,
+            plain: !prepared.is_kinds(),
             slot,
             keys,
             policy,

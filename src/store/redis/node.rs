@@ -1,9 +1,10 @@
 //! One Redis server (a standalone server, or a Redis Cluster master): its connection, its
 //! circuit breaker, and the queue through which concurrent checks are coalesced.
 //!
-//! Checks waiting for the node are taken together, grouped by script family and Cluster slot,
-//! and each group is sent as one script call that decides its checks in order (so the script's
-//! fixed cost is paid once per group). A few groups are in flight at once; what arrives
+//! Checks waiting for the node are taken together, grouped by script family (plain policies
+//! apart: see [`Item::plain`]) and Cluster slot, and each group is sent as one script call that
+//! decides its checks in order (so the script's fixed cost is paid once per group). A few
+//! groups are in flight at once; what arrives
 //! meanwhile forms the next batch, so batches grow with the load, up to a size the server
 //! answers in a quarter of the timeout at the time per check its calls have shown
 //! ([`batch_cap`]).
@@ -78,6 +79,11 @@ pub(crate) type Answer = Result<(Vec<i64>, u64), StoreError>;
 /// One check (or settlement) waiting to be sent.
 pub(crate) struct Item {
     pub(crate) family: Family,
+    /// Whether its policy is plain. Plain policies and the others of a family run one script,
+    /// but are sent in calls of their own: a call holding only policies of whole-unit GCRA
+    /// rate tiers (none of them plain: those run `gcra.lua`) takes `kinds.lua`'s flat path,
+    /// which one plain bucket's check in it would forgo.
+    pub(crate) plain: bool,
     /// The Cluster slot of its keys (0 on a standalone server).
     pub(crate) slot: u16,
     /// The state key first, then any sliding-log sets.
@@ -359,14 +365,14 @@ impl Node {
                 batch_of = Some(this);
             }
             let Some(node) = batch_of else { return };
-            let mut groups: BTreeMap<(Family, u16), Vec<Item>> = BTreeMap::new();
+            let mut groups: BTreeMap<(Family, bool, u16), Vec<Item>> = BTreeMap::new();
             for item in items {
-                groups.entry((item.family, item.slot)).or_default().push(item);
+                groups.entry((item.family, item.plain, item.slot)).or_default().push(item);
             }
             tokio::spawn(async move {
                 let calls: Vec<_> = groups
                     .into_iter()
-                    .map(|((family, _), group)| {
+                    .map(|((family, _, _), group)| {
                         let node = Arc::clone(&node);
                         tokio::spawn(async move { node.call(family, group).await })
                     })

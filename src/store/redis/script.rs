@@ -1,8 +1,10 @@
 //! The scripts (`lua/`) and what a call sends and receives: one script per algorithm family,
-//! each a shared prelude and the family's arithmetic assembled at compile time (but the GCRA
-//! fast path, `lua/gcra.lua`, which is whole: it runs on every lease call and most checks,
-//! and leaves out the prelude's helpers, which a call would create every time); every check
-//! of a batch packed as little-endian doubles; the reply turned back into decisions.
+//! each a shared prelude, the family's arithmetic and the one driver (`lua/kinds.lua`, which
+//! decides plain policies as its all-rate, same-cost case) assembled at compile time; but the
+//! GCRA fast path, `lua/gcra.lua`, chosen when a plain policy is bound, which is whole: it runs
+//! on every lease call and most checks, and leaves out the prelude's helpers, which a call
+//! would create every time. Every check of a batch is packed as little-endian doubles; the
+//! reply is turned back into decisions.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -53,45 +55,20 @@ const CALENDAR_MARGIN_SECS: u64 = 60;
 /// The scripts' families: a batch holds checks of one family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) enum Family {
-    /// GCRA with whole-unit emission intervals: `lua/gcra.lua` (self-contained, no prelude).
+    /// Plain policies of GCRA with whole-unit emission intervals: `lua/gcra.lua`
+    /// (self-contained, no prelude).
     Gcra,
-    /// GCRA, token bucket, leaky bucket: `lua/rate.lua`.
+    /// Every other policy whose rates are GCRA or the buckets: `lua/rate.lua` and
+    /// `lua/kinds.lua`.
     Rate,
-    /// Fixed window, sliding window counter: `lua/window.lua`.
+    /// ... whose rates are fixed windows or sliding window counters: `lua/window.lua` and
+    /// `lua/kinds.lua`.
     Window,
-    /// Sliding window log: `lua/log.lua`.
-    Log,
-    /// Policies of several kinds (concurrency, calendar, units) whose rates are GCRA or the
-    /// buckets: `lua/rate.lua` and `lua/kinds.lua`.
-    KindsRate,
-    /// ... whose rates are windows: `lua/window.lua` and `lua/kinds.lua`.
-    KindsWindow,
     /// ... whose rates are sliding logs: `lua/log.lua` and `lua/kinds.lua`.
-    KindsLog,
+    Log,
 }
 
 static GCRA: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/gcra.lua")));
-static RATE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
-        include_str!("lua/prelude.lua"),
-        include_str!("lua/rate.lua"),
-        include_str!("lua/main.lua")
-    ))
-});
-static WINDOW: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
-        include_str!("lua/prelude.lua"),
-        include_str!("lua/window.lua"),
-        include_str!("lua/main.lua")
-    ))
-});
-static LOG: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
-        include_str!("lua/prelude.lua"),
-        include_str!("lua/log.lua"),
-        include_str!("lua/main.lua")
-    ))
-});
 
 static KINDS_RATE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
@@ -116,30 +93,15 @@ static KINDS_LOG: LazyLock<Script> = LazyLock::new(|| {
 });
 
 impl Family {
-    pub(crate) const ALL: [Self; 7] = [
-        Self::Gcra,
-        Self::Rate,
-        Self::Window,
-        Self::Log,
-        Self::KindsRate,
-        Self::KindsWindow,
-        Self::KindsLog,
-    ];
+    pub(crate) const ALL: [Self; 4] = [Self::Gcra, Self::Rate, Self::Window, Self::Log];
 
     pub(crate) fn script(self) -> &'static Script {
         match self {
             Self::Gcra => &GCRA,
-            Self::Rate => &RATE,
-            Self::Window => &WINDOW,
-            Self::Log => &LOG,
-            Self::KindsRate => &KINDS_RATE,
-            Self::KindsWindow => &KINDS_WINDOW,
-            Self::KindsLog => &KINDS_LOG,
+            Self::Rate => &KINDS_RATE,
+            Self::Window => &KINDS_WINDOW,
+            Self::Log => &KINDS_LOG,
         }
-    }
-
-    fn kinds(self) -> bool {
-        matches!(self, Self::KindsRate | Self::KindsWindow | Self::KindsLog)
     }
 }
 
@@ -259,15 +221,11 @@ fn meaning(policy: &Policy) -> u64 {
 
 /// The family of `policy`'s scripts.
 pub(crate) fn family(policy: &Policy) -> Family {
-    if !policy.is_plain() {
-        return match policy.algorithm() {
-            Algorithm::Gcra | Algorithm::TokenBucket | Algorithm::LeakyBucket => Family::KindsRate,
-            Algorithm::FixedWindow | Algorithm::SlidingCounter => Family::KindsWindow,
-            Algorithm::SlidingLog => Family::KindsLog,
-        };
-    }
     match policy.algorithm() {
-        Algorithm::Gcra if policy.tiers().iter().all(|t| t.rate.period % t.rate.count == 0) => {
+        Algorithm::Gcra
+            if policy.is_plain()
+                && policy.tiers().iter().all(|t| t.rate.period % t.rate.count == 0) =>
+        {
             Family::Gcra
         }
         Algorithm::Gcra | Algorithm::TokenBucket | Algorithm::LeakyBucket => Family::Rate,
@@ -276,11 +234,28 @@ pub(crate) fn family(policy: &Policy) -> Family {
     }
 }
 
+/// How `policy`'s state is stored, as a number its keys' fingerprint mixes in. It names the
+/// layout, not the script that reads it: the numbers were those of the seven scripts that
+/// once ran (whole-unit GCRA; plain GCRA or buckets, windows, logs, each with a driver of its
+/// own; the same with other kinds of tiers), and they stay, so that a plain policy's state
+/// keeps its keys, read and written alike by nodes of either version during a rolling deploy.
+fn layout(policy: &Policy) -> u64 {
+    match (family(policy), policy.is_plain()) {
+        (Family::Gcra, _) => 0,
+        (Family::Rate, true) => 1,
+        (Family::Window, true) => 2,
+        (Family::Log, true) => 3,
+        (Family::Rate, false) => 4,
+        (Family::Window, false) => 5,
+        (Family::Log, false) => 6,
+    }
+}
+
 /// A stable 32-bit fingerprint of what the stored state means and of how it is stored (the
-/// family and the layout version). A reconfigured policy gets new keys, so state written under
-/// the old one is never read under the new one; the old keys expire on their TTL.
+/// layout and its version). A reconfigured policy gets new keys, so state written under the
+/// old one is never read under the new one; the old keys expire on their TTL.
 fn fingerprint(policy: &Policy) -> u32 {
-    let layout: u64 = 0x7632_0000 | family(policy) as u64; // "v2" and the family
+    let layout: u64 = 0x7632_0000 | layout(policy); // "v2" and the layout
     let h = (meaning(policy) ^ layout).wrapping_mul(0x0100_0000_01b3);
     #[allow(clippy::cast_possible_truncation)] // folding 64 bits into 32 on purpose
     let folded = (h ^ (h >> 32)) as u32;
@@ -400,13 +375,13 @@ pub(crate) struct PolicyArgs {
 pub(crate) struct Prepared {
     pub(crate) family: Family,
     pub(crate) policy: Arc<PolicyArgs>,
-    /// Sliding-log sets after the state key (one per tier).
+    /// Sliding-log sets after the state key (one per rate tier).
     log_sets: usize,
     /// Tiers.
     ntiers: usize,
     /// Nanoseconds per unit.
     pub(crate) unit: u64,
-    /// For a policy of several kinds: the lease sets after the log sets (one per concurrency
+    /// For a policy that is not plain: the lease sets after the log sets (one per concurrency
     /// tier), and the calendar tiers, whose window bounds each record carries.
     kinds: Option<Kinds>,
 }
@@ -436,10 +411,13 @@ impl Prepared {
             Algorithm::SlidingLog => 5,
         };
         let mut args = vec![f(policy.unit()), f(grace_ms), f(alg), f(ntiers as u64)];
+        if family != Family::Gcra {
+            args.push(f(u64::from(policy.is_plain())));
+        }
         let mut kinds = Kinds { conc: 0, calendars: Vec::new(), tags: Vec::new() };
         for t in policy.tiers() {
             let r = t.rate;
-            if family.kinds() {
+            if family != Family::Gcra {
                 match &t.kind {
                     Kind::Rate => args.extend([0.0, f(r.count), f(r.period), f(r.burst)]),
                     Kind::Concurrency(s) => {
@@ -462,27 +440,21 @@ impl Prepared {
                     Kind::Concurrency(_) => 1,
                     Kind::Calendar(_) => 2,
                 });
-            } else if family == Family::Gcra {
+            } else {
                 let interval = r.period / r.count;
                 args.extend([f(interval), f(interval * r.burst)]);
-            } else {
-                args.extend([f(r.count), f(r.period), f(r.burst)]);
             }
         }
         let id = IDS.fetch_add(1, Ordering::Relaxed);
         let rates = policy.tiers().iter().filter(|t| t.kind == Kind::Rate).count();
-        let log_sets = match family {
-            Family::Log => ntiers,
-            Family::KindsLog => rates,
-            _ => 0,
-        };
+        let log_sets = if family == Family::Log { rates } else { 0 };
         Self {
             family,
             policy: Arc::new(PolicyArgs { id, args }),
             log_sets,
             ntiers,
             unit: policy.unit(),
-            kinds: family.kinds().then_some(kinds),
+            kinds: (!policy.is_plain()).then_some(kinds),
         }
     }
 
@@ -496,7 +468,7 @@ impl Prepared {
         keys
     }
 
-    /// Whether the policy's records are of the several-kinds layout.
+    /// Whether the policy is not plain (its checks give a cost per tier, it may hold slots).
     pub(crate) fn is_kinds(&self) -> bool {
         self.kinds.is_some()
     }
@@ -583,21 +555,40 @@ impl Prepared {
         self.kinds.as_ref().map_or(0, |k| k.conc)
     }
 
-    /// A check of `cost` units; `max_delay` `None` polices, `Some` shapes (clamped to the
-    /// longest span). The key and policy indices (the second and third numbers) are set when
-    /// the batch is assembled.
+    /// A check of `cost` units on every tier of a plain policy; `max_delay` `None` polices,
+    /// `Some` shapes (clamped to the longest span). The key and policy indices (the second and
+    /// third numbers) are set when the batch is assembled. `gcra.lua` reads `op, key, policy,
+    /// cost, budget`; `kinds.lua` a check of [`check_kinds`](Self::check_kinds)'s layout (no
+    /// slots, the standard class, no calendar bounds).
     pub(crate) fn check(&self, cost: u64, max_delay: Option<Duration>) -> Vec<f64> {
         let budget =
             max_delay.map_or(-1.0, |d| f((duration_to_nanos(d) / self.unit).min(MAX_SPAN_UNITS)));
-        vec![1.0, 0.0, 0.0, f(cost), budget]
+        if self.family == Family::Gcra {
+            return vec![1.0, 0.0, 0.0, f(cost), budget];
+        }
+        let mut record = Vec::with_capacity(7 + self.ntiers);
+        record.extend([1.0, 0.0, 0.0, f(7 + self.ntiers as u64), budget, 0.0]);
+        record.extend(std::iter::repeat_n(f(cost), self.ntiers));
+        record.push(f(Priority::Standard.index()));
+        record
     }
 
-    /// Settles a charge of `charged` units (`charges` per tier, instants in units) at `cost`.
+    /// Settles a plain policy's charge of `charged` units (`charges` per tier, instants in
+    /// units) at `cost`: for `kinds.lua` a settlement of
+    /// [`settle_kinds`](Self::settle_kinds)'s layout giving no slots back.
     pub(crate) fn settle(&self, charged: u64, charges: &Charges, cost: u64) -> Vec<f64> {
         let per_sec = NANOS_PER_SEC / self.unit;
-        let mut record = vec![2.0, 0.0, 0.0, f(charged), f(cost)];
+        if self.family == Family::Gcra {
+            let mut record = vec![2.0, 0.0, 0.0, f(charged), f(cost)];
+            for c in charges {
+                record.extend([f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
+            }
+            return record;
+        }
+        let mut record = Vec::with_capacity(5 + 5 * self.ntiers);
+        record.extend([2.0, 0.0, 0.0, f(5 + 5 * self.ntiers as u64), 0.0]);
         for c in charges {
-            record.extend([f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
+            record.extend([f(charged), f(cost), f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
         }
         record
     }
@@ -614,16 +605,37 @@ impl Prepared {
         rest: Option<&Rest>,
     ) -> Vec<f64> {
         let per_sec = NANOS_PER_SEC / self.unit;
-        let mut record = Vec::with_capacity(8 + 3 * self.ntiers);
-        record.extend([3.0, 0.0, 0.0, f(cost), f(block), f(useful)]);
+        if self.family == Family::Gcra {
+            let mut record = Vec::with_capacity(8 + 3 * self.ntiers);
+            record.extend([3.0, 0.0, 0.0, f(cost), f(block), f(useful)]);
+            match rest {
+                Some(rest) => {
+                    record.extend([f(rest.granted), f(rest.spent)]);
+                    for c in &rest.charges {
+                        record.extend([f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
+                    }
+                }
+                None => record.extend(std::iter::repeat_n(0.0, 2 + 3 * self.ntiers)),
+            }
+            return record;
+        }
+        // `kinds.lua`: op, key, policy, length, then the lease, then per tier the previous
+        // lease's settlement as a settlement's (old and new cost, instant, entry id).
+        let mut record = Vec::with_capacity(7 + 5 * self.ntiers);
+        record.extend([3.0, 0.0, 0.0, f(7 + 5 * self.ntiers as u64), f(cost), f(block), f(useful)]);
         match rest {
             Some(rest) => {
-                record.extend([f(rest.granted), f(rest.spent)]);
                 for c in &rest.charges {
-                    record.extend([f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
+                    record.extend([
+                        f(rest.granted),
+                        f(rest.spent),
+                        f(c.at / per_sec),
+                        f(c.at % per_sec),
+                        f(c.id),
+                    ]);
                 }
             }
-            None => record.extend(std::iter::repeat_n(0.0, 2 + 3 * self.ntiers)),
+            None => record.extend(std::iter::repeat_n(0.0, 5 * self.ntiers)),
         }
         record
     }
@@ -890,9 +902,97 @@ mod tests {
         let (a, b) = (prepared.check(2, None), prepared.check(0, Some(Duration::from_nanos(5))));
         let checks = [(1, a.as_slice()), (4, b.as_slice())];
         let (policies, records) = batch(checks.iter().map(|(k, r)| (*k, &*prepared.policy, *r)));
-        assert_eq!(doubles(&policies), [1.0, 7.0, 5.0, 2.0, 10.0, 1e9, 10.0, 100.0, 3.6e12, 100.0]);
-        assert_eq!(doubles(&records), [1.0, 1.0, 1.0, 2.0, -1.0, 1.0, 4.0, 1.0, 0.0, 5.0]);
+        // unit, grace, algorithm, tiers, plain, then per tier its kind, count, period, burst, no
+        // penalty box, no reserve.
+        let z = [0.0; 5];
+        let mut expected = vec![1.0, 7.0, 5.0, 2.0, 1.0, 0.0, 10.0, 1e9, 10.0];
+        expected.extend(z);
+        expected.extend([0.0, 100.0, 3.6e12, 100.0]);
+        expected.extend(z);
+        assert_eq!(doubles(&policies), expected);
+        // op, key, policy, length, budget, no slots, the cost on each tier, the standard class.
+        assert_eq!(
+            doubles(&records),
+            [
+                1.0, 1.0, 1.0, 9.0, -1.0, 0.0, 2.0, 2.0, 1.0, 1.0, 4.0, 1.0, 9.0, 5.0, 0.0, 0.0,
+                0.0, 1.0
+            ]
+        );
         assert_eq!(prepared.check_reply_len(), 13);
+    }
+
+    #[test]
+    fn plain_settlements_and_leases_are_records_of_the_one_driver() {
+        let p = policy("api", Algorithm::TokenBucket);
+        let prepared = Prepared::new(&p, 0);
+        assert_eq!(prepared.family, Family::Rate);
+        let charges: Charges =
+            [Charge { at: 7_000_000_009, cost: 3, id: 0 }, Charge { at: 5, cost: 3, id: 2 }]
+                .into_iter()
+                .collect();
+        // op, key, policy, length, no release, then per tier old, new, instant, entry id.
+        assert_eq!(
+            prepared.settle(3, &charges, 1),
+            [2.0, 0.0, 0.0, 15.0, 0.0, 3.0, 1.0, 7.0, 9.0, 0.0, 3.0, 1.0, 0.0, 5.0, 2.0]
+        );
+        // op, key, policy, length, cost, block, useful, then the previous lease settled.
+        let rest = Rest { granted: 3, spent: 2, charges };
+        assert_eq!(
+            prepared.lease(1, 64, 4, Some(&rest)),
+            [3.0, 0.0, 0.0, 17.0, 1.0, 64.0, 4.0, 3.0, 2.0, 7.0, 9.0, 0.0, 3.0, 2.0, 0.0, 5.0, 2.0]
+        );
+        let fresh = prepared.lease(1, 64, 0, None);
+        assert_eq!(fresh[..7], [3.0, 0.0, 0.0, 17.0, 1.0, 64.0, 0.0]);
+        assert_eq!(fresh[7..], [0.0; 10]);
+        assert_eq!(prepared.lease_reply_len(), 15);
+    }
+
+    /// A rolling deploy runs nodes of the version with a driver per kind of policy beside
+    /// nodes of this one on one Redis: a plain policy's state keys, hence its fingerprint
+    /// (which mixes in how the state is laid out), must not change. Pinned: computed by an
+    /// independent FNV-1a of the algorithm's name, the unit and each tier's count, period and
+    /// burst (little-endian u64s), xor `0x7632_0000 | n`, times the FNV prime, folded to 32
+    /// bits, with n the number of the script the version before ran (0 `gcra.lua`, 1 GCRA or
+    /// buckets, 2 windows, 3 sliding logs).
+    #[test]
+    fn plain_policies_keep_their_state_keys() {
+        let two = |alg| {
+            Policy::builder("api")
+                .algorithm(alg)
+                .tier("a", Quota::per_second(10).with_burst(10))
+                .tier("b", Quota::per_hour(100).with_burst(100))
+                .build()
+                .unwrap()
+        };
+        let fractional =
+            Policy::builder("api").tier("a", Quota::per_second(3).with_burst(3)).build().unwrap();
+        let cases = [
+            (two(Algorithm::Gcra), Family::Gcra, 0xc0b1_cd28),
+            (fractional, Family::Rate, 0xefda_d502),
+            (two(Algorithm::TokenBucket), Family::Rate, 0x80b9_075d),
+            (two(Algorithm::LeakyBucket), Family::Rate, 0x5936_fcc4),
+            (two(Algorithm::FixedWindow), Family::Window, 0x8657_4f76),
+            (two(Algorithm::SlidingCounter), Family::Window, 0x5d8a_11a1),
+            (two(Algorithm::SlidingLog), Family::Log, 0xecff_edc9),
+        ];
+        for (p, family, pinned) in cases {
+            assert_eq!(
+                (super::family(&p), fingerprint(&p)),
+                (family, pinned),
+                "{:?}",
+                p.algorithm()
+            );
+        }
+        // A policy of the same family that is not plain keeps a layout of its own.
+        let boxed = Policy::builder("api")
+            .algorithm(Algorithm::TokenBucket)
+            .tier("a", Quota::per_second(10).with_burst(10))
+            .tier("b", Quota::per_hour(100).with_burst(100))
+            .penalty("a", crate::quota::Penalty::new(Duration::from_secs(1)))
+            .build()
+            .unwrap();
+        assert_eq!(family(&boxed), Family::Rate);
+        assert_ne!(layout(&boxed), layout(&two(Algorithm::TokenBucket)));
     }
 
     #[test]
@@ -907,17 +1007,17 @@ mod tests {
         let fps: std::collections::HashSet<_> =
             [&plain, &calendar, &boxed, &other].into_iter().map(fingerprint).collect();
         assert_eq!(fps.len(), 4);
-        assert_eq!(family(&boxed), Family::KindsRate);
+        assert_eq!(family(&boxed), Family::Rate);
         // Per tier of a policy of several kinds: kind, three parameters, then the box (block,
         // refusals, window; zeros for none), then the reserves (critical, standard).
         let args = |p: &Policy| Prepared::new(p, 0).policy.args.clone();
         let block = 900_000_000_000.0;
         assert_eq!(
             args(&boxed),
-            [1.0, 0.0, 0.0, 1.0, 0.0, 10.0, 6e10, 10.0, block, 3.0, 6e10, 0.0, 0.0]
+            [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 10.0, 6e10, 10.0, block, 3.0, 6e10, 0.0, 0.0]
         );
         assert_eq!(
-            args(&calendar)[4..],
+            args(&calendar)[5..],
             [
                 0.0, 10.0, 6e10, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0, 5.0, 0.0, 0.0, 0.0, 0.0, 0.0,
                 0.0, 0.0
@@ -935,11 +1035,11 @@ mod tests {
         let fps: std::collections::HashSet<_> =
             [&plain, &reserved, &other].into_iter().map(fingerprint).collect();
         assert_eq!(fps.len(), 3);
-        assert_eq!(family(&reserved), Family::KindsRate);
+        assert_eq!(family(&reserved), Family::Rate);
         let prepared = Prepared::new(&reserved, 0);
         assert_eq!(
             prepared.policy.args,
-            [1.0, 0.0, 0.0, 1.0, 0.0, 10.0, 6e10, 10.0, 0.0, 0.0, 0.0, 2.0, 3.0]
+            [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 10.0, 6e10, 10.0, 0.0, 0.0, 0.0, 2.0, 3.0]
         );
         // op, key, policy, length, budget, lease, the costs, then the class (2 sheddable).
         let record = prepared.check_kinds(&[1], None, 0, Priority::Sheddable, 0);

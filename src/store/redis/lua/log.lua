@@ -23,12 +23,16 @@ local function weight_between(t, lo, hi)
   return total
 end
 
-function F.load(st, raw)
+function F.tier(p)
+  return { c = p.c, p = p.p, b = p.b, z = false, base = 0, total = 0, next_id = 0 }
+end
+
+function F.load(st, raw, o)
   for i = 1, st.n do
     local t = st.tiers[i]
     t.z = KEYS[st.k + i]
     if raw then
-      local j = (i - 1) * 4
+      local j = o + (i - 1) * 4
       t.base, t.total, t.next_id = rel(st.c, raw[j + 1], raw[j + 2]), raw[j + 3], raw[j + 4]
     else
       t.base, t.total, t.next_id = 0, 0, 0
@@ -58,8 +62,7 @@ function F.load(st, raw)
   end
 end
 
-function F.save(st)
-  local v = {}
+function F.save(st, v)
   for i = 1, st.n do
     local t = st.tiers[i]
     local bs, bu = abs(st.c, t.base)

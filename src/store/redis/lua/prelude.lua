@@ -1,6 +1,6 @@
--- tollgate: the part every script shares. A script decides a batch of checks (and settles
--- tickets) in order, at one instant, atomically; the Rust algorithms (src/algorithm) are the
--- reference and this makes the same decisions.
+-- tollgate: the part every script but gcra.lua shares. A script decides a batch of checks
+-- (and settles tickets) in order, at one instant, atomically; the Rust algorithms
+-- (src/algorithm) are the reference and this makes the same decisions.
 --
 -- Time is counted in the policy's unit (1 ns, or 1 us for policies with long spans) relative
 -- to `now`: Redis Lua numbers are doubles, exact for integers below 2^53, and every span the
@@ -8,22 +8,8 @@
 -- second)` pairs; state is packed binary (struct.pack of little-endian doubles), so nothing is
 -- parsed from or formatted to decimal text.
 --
--- KEYS    the keys of the checks (each check says where its own start)
 -- ARGV[1] struct '<ddd': clock (0 = the server's TIME, 1 = given), seconds, nanoseconds
--- ARGV[2] the policies of the batch, doubles: unit (ns), ttl grace (ms), algorithm, tiers, then
---         each tier's parameters
--- ARGV[3] the checks, doubles: op (1 check, 2 settle, 3 lease), key index, policy index, then
---         for a check its cost and shaping budget (-1 polices), for a settlement the old and
---         new cost and per tier the charge's instant (seconds, units) and entry id, for a
---         lease its least cost, largest block and useful block (0: none), then a settlement
---         of the previous lease (old cost, new cost, per tier instant and id: equal costs
---         settle nothing)
--- reply   packed doubles: per check, outcome (1 allowed, 0 limited, 2 cost above capacity),
---         delay, retry (-1 none), then per tier remaining, reset, own retry (-1 none),
---         violated, entry id (nothing per settlement), and for a lease the units charged
---         and when a useful block will be there again (0: now or never asked);
---         durations in units from the unit `now` falls in; last, the instant decided at
---         (seconds, nanoseconds).
+-- ARGV[2], ARGV[3], KEYS: the policies, the records and their keys (see kinds.lua)
 
 local call, tonumber, floor, ceil, max, min = redis.call, tonumber, math.floor, math.ceil, math.max, math.min
 local sunpack, spack, srep, sformat = struct.unpack, struct.pack, string.rep, string.format
@@ -72,27 +58,6 @@ local function pack(t, n)
     parts[#parts + 1] = spack(fmt(j - i + 1), unpack(t, i, j))
   end
   return table.concat(parts)
-end
-
--- The batch's policies: `width` parameters per tier.
-local function policies(width)
-  local P = doubles(ARGV[2])
-  local out, i = {}, 1
-  while i <= #P do
-    local n = P[i + 3]
-    local tiers = {}
-    for t = 1, n do
-      local j = i + 4 + (t - 1) * width
-      if width == 2 then
-        tiers[t] = { T = P[j], tau = P[j + 1] }
-      else
-        tiers[t] = { c = P[j], p = P[j + 1], b = P[j + 2] }
-      end
-    end
-    out[#out + 1] = { unit = P[i], grace = P[i + 1], alg = P[i + 2], n = n, tiers = tiers }
-    i = i + 4 + n * width
-  end
-  return out
 end
 
 local B = 16777216 -- 2^24
@@ -188,17 +153,9 @@ local function finish()
   return pack(reply, nreply)
 end
 
--- The index of the check after the one at `i` in the checks `C`.
-local function next_check(C, i, POL)
-  if C[i] == 2 then return i + 5 + 3 * POL[C[i + 2]].n end
-  if C[i] == 3 then return i + 8 + 3 * POL[C[i + 2]].n end
-  return i + 5
-end
-
 -- Every key the checks name, once, with its stored value (one MGET): name -> value or false.
--- `step` finds the next check (default `next_check`).
+-- `step` finds the next check.
 local function stored(C, POL, step)
-  step = step or next_check
   local names, seen, i = {}, {}, 1
   while i <= #C do
     local name = KEYS[C[i + 1]]

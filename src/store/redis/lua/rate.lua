@@ -2,6 +2,18 @@
 -- units + frac/count): GCRA's X is its TAT, the token bucket's X the instant it is full again,
 -- the leaky bucket's X the instant it is empty. Mirrors src/algorithm/{gcra,bucket}.rs.
 -- State, per tier: X as (seconds, units), its fraction, and the bucket's last instant.
+--
+-- Where the shape differs from the Rust, and why. gcra.rs keeps the TAT scaled by `count`
+-- (u128); here X = TAT / count, whole units and a fraction in count-ths: the same number, in
+-- doubles that stay exact. bucket.rs keeps each bucket's level (`units x period`) at `last`;
+-- here a bucket is the GCRA it is equivalent to, X = `last + (capacity - level) / count` for
+-- the token bucket and `last + level / count` for the leaky one, so `earliest`, `charge` and
+-- `status` are GCRA's for all three (`token::earliest`'s `need - at(from) <= 0` is
+-- `max(X, from) + cost T - tau <= from`), `refund` caps X at `last` where bucket.rs caps the
+-- level at its capacity (token) or 0 (leaky), and `queue_wait` is `X - at` where
+-- `leaky::queue_wait` drains `at(t)`. That layout is what nodes of every version store and
+-- read: a bucket kept as bucket.rs keeps it would change the state's keys, so a rolling deploy
+-- would start every key afresh.
 
 local F = { rate = true }
 
@@ -26,12 +38,18 @@ local function times_t(t, cost)
   return mad(cost, t.p, 0, t.c)
 end
 
-function F.load(st, raw)
+-- A tier's state, every field named (a table sized once).
+function F.tier(p)
+  return { c = p.c, p = p.p, b = p.b, xn = 0, xf = 0, last = 0 }
+end
+
+-- The tiers' state from the stored numbers after `raw[o]` (none: fresh).
+function F.load(st, raw, o)
   local c = st.c
   for i = 1, st.n do
     local t = st.tiers[i]
     if raw then
-      local j = (i - 1) * 5
+      local j = o + (i - 1) * 5
       t.xn, t.xf, t.last = rel(c, raw[j + 1], raw[j + 2]), raw[j + 3], rel(c, raw[j + 4], raw[j + 5])
     else
       -- Fresh: GCRA's TAT in the past; a full token bucket; an empty leaky bucket.
@@ -40,8 +58,9 @@ function F.load(st, raw)
   end
 end
 
-function F.save(st)
-  local c, v = st.c, {}
+-- Appends the tiers' state to `v`.
+function F.save(st, v)
+  local c = st.c
   for i = 1, st.n do
     local t = st.tiers[i]
     local xs, xu = abs(c, t.xn)

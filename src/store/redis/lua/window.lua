@@ -21,8 +21,12 @@ local function used(t, k)
   return t.w[k] or 0
 end
 
-function F.load(st, raw)
-  local j = 0
+function F.tier(p)
+  return { c = p.c, p = p.p, b = p.b, kn = false, en = false, w = false }
+end
+
+function F.load(st, raw, o)
+  local j = o
   for i = 1, st.n do
     local t = st.tiers[i]
     window_clock(st, t)
@@ -42,8 +46,7 @@ function F.load(st, raw)
   end
 end
 
-function F.save(st)
-  local v = {}
+function F.save(st, v)
   for i = 1, st.n do
     local t = st.tiers[i]
     local at = #v + 1
