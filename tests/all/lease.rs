@@ -398,6 +398,39 @@ async fn a_weighted_check_is_never_told_to_retry_before_redis_would_admit_it() {
     }
 }
 
+/// The same leasing the key's schedule: Redis refuses a block of 6 units (60 ms) that does
+/// not fit the horizon (50 ms), and says a useful block fits again in 10 ms; the checks this
+/// instance refuses meanwhile are told when their own units conform, as an exact check is,
+/// not when the instance asks Redis again.
+#[tokio::test]
+async fn a_weighted_check_leasing_the_schedule_is_never_told_to_retry_before_it_conforms() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    // T = 10 ms, a burst of 100; the horizon is half the lifetime, 50 ms.
+    let policy = Policy::single("weighted", Quota::per_second(100)).unwrap();
+    let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100)).schedule(true);
+    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+    let key = Key::text("weighted");
+    while check(&exact, &key, 1).await.is_allowed() {}
+    for step in [0, 2, 7] {
+        clock.set(1_000 * S + step * 1_000_000);
+        let leased = check(&nodes[0], &key, 6).await;
+        let told = check(&exact, &key, 6).await;
+        assert_eq!(leased.outcome(), Outcome::Limited, "at {step} ms");
+        assert_eq!(told.retry_after(), Some(Duration::from_millis(60 - step)));
+        assert_eq!(leased.retry_after(), told.retry_after(), "at {step} ms: {leased:?}");
+    }
+    let stats = nodes[0].1.lease_stats();
+    assert_eq!((stats.decided_on_redis, stats.refused_locally), (1, 2));
+    // 10 ms on, 6 units fit the horizon: the instance leases them and refuses the check
+    // until the last conforms, 50 ms on.
+    clock.set(1_000 * S + 10_000_000);
+    let leased = check(&nodes[0], &key, 6).await;
+    assert_eq!(leased.retry_after(), Some(Duration::from_millis(50)), "{leased:?}");
+    assert_eq!(nodes[0].1.lease_stats().grants, 1);
+}
+
 /// Four instances at ten times a key's rate (100,000 a second, a burst of 1,000; useful
 /// blocks of 64): the bound holds over every interval, the key's rate is used (≥ 97 %), and
 /// Redis sees about one call per instance per useful block's refill, not one per check.

@@ -505,6 +505,12 @@ struct Held {
     paced: Paced,
     /// The same for the `older` units (of the grant a prefetched block joined).
     older_paced: Paced,
+    /// After Redis refused a lease of the key's schedule, per tier: the instant the key's
+    /// TAT less the tolerance τ (when a unit charged then would conform), and the emission
+    /// interval (nanoseconds). A check of `cost` is admitted no earlier than `cost`
+    /// intervals after it on every tier, which the refusals while waiting say (the wait for
+    /// a useful block alone can be shorter). Empty otherwise.
+    waits: Paced,
 }
 
 /// Per tier, the instant a block's last unit conforms and the emission interval, in
@@ -667,10 +673,12 @@ pub(crate) fn decode(
     let hold = if hold == 0 { 0 } else { (at / unit).saturating_add(hold).saturating_mul(unit) };
     let (decision, charges) = super::script::decode(policy, take, at, reply)?;
     let mut paced = Paced::new();
-    if prepared.family == super::script::Family::Gcra && charges.is_some() {
+    let refused = charges.is_none() && decision.outcome == Outcome::Limited;
+    if prepared.family == super::script::Family::Gcra && (charges.is_some() || refused) {
         use super::script::{HEAD, PER_TIER};
         // Each tier's TAT after the grant (in units from the unit `at` falls in): its last
-        // unit conforms one tolerance (the burst's emission intervals) earlier.
+        // unit conforms one tolerance (the burst's emission intervals) earlier. For a
+        // refusal, the TAT unchanged: a unit charged at it would conform a tolerance earlier.
         for (i, t) in policy.tiers().iter().enumerate() {
             let tat = reply.get(HEAD + PER_TIER * i + 1).copied().unwrap_or(0);
             let tat = u64::try_from(tat).map_err(|_| StoreError::backend("negative TAT"))?;
@@ -836,7 +844,7 @@ impl Leases {
         let now = held.now(clock_now);
         held.expire_older(now);
         if held.left < cost {
-            let refused = self.held_refusal(&held, now)?;
+            let refused = self.held_refusal(&held, now, cost)?;
             let prefetch = self.wants_prefetch(&mut held, now);
             drop(held);
             self.counters.held.fetch_add(1, Ordering::Relaxed);
@@ -1087,11 +1095,19 @@ impl Leases {
     /// block (until `held.hold`): limited, `retry_after` the rest of the wait (when this
     /// instance asks Redis again), `remaining` 0 on every tier (what it can promise), the
     /// tiers that had the least left at the grant violated; `None` when it does not wait.
-    fn held_refusal(&self, held: &Held, now: u64) -> Option<Decision> {
+    fn held_refusal(&self, held: &Held, now: u64, cost: u64) -> Option<Decision> {
         if now >= held.hold || now < held.decided {
             return None;
         }
-        Self::refusal(held, now, held.hold)
+        // Leasing the schedule, the wait for a useful block can end before this check's
+        // units conform: it is then told when they do, as an exact check would be.
+        let conforms = held
+            .waits
+            .iter()
+            .map(|(base, t)| base.saturating_add(cost.saturating_mul(*t)))
+            .max()
+            .unwrap_or(0);
+        Self::refusal(held, now, held.hold.max(conforms))
     }
 
     /// The refusal, at `now`, of a check this instance refuses until `until`: see
@@ -1204,6 +1220,7 @@ impl Leases {
                 expired: 0,
                 paced,
                 older_paced: Paced::new(),
+                waits: Paced::new(),
             };
             if early {
                 let refused = Self::refusal(&held, at, ready);
@@ -1247,6 +1264,7 @@ impl Leases {
         hold: u64,
         useful: u64,
         sent: Option<Instant>,
+        waits: Paced,
     ) -> Decision {
         if hold <= at || decision.outcome != Outcome::Limited {
             return decision;
@@ -1268,6 +1286,7 @@ impl Leases {
             held.sent = sent;
             held.hold = hold;
             held.decision = Some(decision.clone());
+            held.waits = if self.horizon > 0 { waits } else { Paced::new() };
         }
         let wait = hold - at;
         if decision.retry_after == NONE || decision.retry_after < wait {
@@ -1758,7 +1777,7 @@ mod tests {
         // Redis refused: the next unit in 2.5 µs, a useful block in 1 ms.
         let tiers: Tiers = smallvec![TierDecision::new(4_000, 0, 10 * MS, Some(2_500), true)];
         let refusal = Decision::new(Outcome::Limited, 0, Some(2_500), tiers);
-        let d = l.refused(&slot, refusal.clone(), S, S + MS, 1, None);
+        let d = l.refused(&slot, refusal.clone(), S, S + MS, 1, None, Paced::new());
         assert_eq!(d.retry_after(), Some(Duration::from_millis(1)));
         assert_eq!(d.tiers()[0].retry_after(), Some(Duration::from_millis(1)));
         let (d, granted) = l.spend(&slot, 1, Some(S + 400_000)).unwrap();
@@ -1768,7 +1787,7 @@ mod tests {
         assert_eq!(l.stats().refused_locally, 1);
         // No wait beyond the refusal's own: the refusal as Redis made it.
         let other = l.slot(&Key::text("k2")).unwrap();
-        assert_eq!(l.refused(&other, refusal.clone(), S, 0, 1, None), refusal);
+        assert_eq!(l.refused(&other, refusal.clone(), S, 0, 1, None, Paced::new()), refusal);
         assert!(l.spend(&other, 1, Some(S)).is_none());
     }
 

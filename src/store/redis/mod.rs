@@ -1231,7 +1231,8 @@ impl RedisStore {
                 leases.granted(slot, check.cost, decision, grant)
             }
             None => {
-                let decision = leases.refused(slot, decision, at, hold, begin.useful, sent);
+                let decision =
+                    leases.refused(slot, decision, at, hold, begin.useful, sent, paced);
                 return Ok(Verdict { decision, ticket: None });
             }
         };
