@@ -1228,8 +1228,7 @@ impl Leases {
                 self.counters.grants.fetch_add(1, Ordering::Relaxed);
                 self.counters.units_granted.fetch_add(take, Ordering::Relaxed);
                 self.metrics.granted(take);
-                self.counters.held.fetch_add(1, Ordering::Relaxed);
-                self.metrics.held();
+                // Decided on Redis (the call that took the block), not refused locally.
                 if let Some(refused) = refused {
                     return refused;
                 }
