@@ -957,8 +957,8 @@ impl Leases {
                 let grant = Grant { take, charges, at, hold, useful: ahead.useful, sent, paced };
                 self.prefetched(&slot, decision, grant);
             }
-            Ok(Reply { decision, charges: None, hold, at, .. }) => {
-                self.prefetch_refused(&slot, &decision, at, hold, ahead.useful);
+            Ok(Reply { decision, charges: None, hold, at, paced, .. }) => {
+                self.prefetch_refused(&slot, &decision, at, hold, ahead.useful, paced);
             }
             Err(error) => {
                 tracing::debug!(%error, "tollgate: a lease prefetch failed; the next block is taken when needed");
@@ -1004,6 +1004,7 @@ impl Leases {
                     // The units held are spent first, each at its own grant's pace (a
                     // prefetch starts only once no `older` units are held).
                     held.older_paced = std::mem::replace(&mut held.paced, paced);
+                    held.waits.clear();
                     held.older = held.left;
                     held.granted += take;
                     held.left += take;
@@ -1016,6 +1017,7 @@ impl Leases {
                     held.expired = 0;
                     held.paced = paced;
                     held.older_paced.clear();
+                    held.waits.clear();
                 }
             }
             held.decided = at;
@@ -1032,8 +1034,17 @@ impl Leases {
     }
 
     /// Redis refused a prefetch at `at` (the key has nothing left): the block held is spent
-    /// as it is, and then this instance waits as after a refused lease call.
-    fn prefetch_refused(&self, slot: &Slot, decision: &Decision, at: u64, hold: u64, useful: u64) {
+    /// as it is, and then this instance waits as after a refused lease call (`waits`: see
+    /// `Held::waits`).
+    fn prefetch_refused(
+        &self,
+        slot: &Slot,
+        decision: &Decision,
+        at: u64,
+        hold: u64,
+        useful: u64,
+        waits: Paced,
+    ) {
         if decision.outcome != Outcome::Limited {
             return;
         }
@@ -1050,6 +1061,9 @@ impl Leases {
         };
         let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
         held.hold = held.hold.max(until);
+        if self.horizon > 0 {
+            held.waits = waits;
+        }
     }
 
     /// One lease call to Redis (`record` on `keys`): its reply decoded, and the instant it was
@@ -1868,6 +1882,33 @@ mod tests {
         assert_eq!(due.iter().position(|d| *d), Some(125), "{:?}", holding(&slot));
     }
 
+    /// Leasing the schedule, a refused prefetch: once the units held are spent, the checks
+    /// refused while this instance waits for a useful block to fit the horizon are told when
+    /// their own units conform (others took the schedule up to 80 ms), not when it asks Redis
+    /// again (40 ms).
+    #[test]
+    fn after_a_refused_prefetch_of_the_schedule_refusals_say_when_the_units_conform() {
+        let p = Policy::single("p", Quota::per_second(100)).unwrap();
+        let l = Arc::new(Leases::new(&p, Lease::new().max_block(64).schedule(true)));
+        let slot = l.slot(&Key::text("k")).unwrap();
+        let t = 10 * MS; // T
+        let mut g = block(2, 2, S, 0);
+        g.paced = smallvec![(S + t, t)];
+        assert!(l.granted(&slot, 1, grant_at(0, S), g).is_allowed());
+        let tiers: Tiers = smallvec![TierDecision::new(100, 0, 1_080 * MS, Some(80 * MS), true)];
+        let refusal = Decision::new(Outcome::Limited, 0, Some(80 * MS), tiers);
+        let waits = smallvec![(S + 70 * MS, t)];
+        l.prefetch_refused(&slot, &refusal, S + MS, S + 40 * MS, 2, waits);
+        let (d, _) = l.spend(&slot, 1, Some(S + t)).unwrap();
+        assert!(d.is_allowed());
+        let (d, _) = l.spend(&slot, 1, Some(S + 12 * MS)).unwrap();
+        assert_eq!((d.outcome, d.retry_after), (Outcome::Limited, 68 * MS));
+        let (d, _) = l.spend(&slot, 3, Some(S + 12 * MS)).unwrap();
+        assert_eq!(d.retry_after, 88 * MS);
+        // Redis said a useful block fits at 40 ms: the instance asks then.
+        assert!(l.spend(&slot, 1, Some(S + 40 * MS)).is_none());
+    }
+
     #[test]
     fn while_waiting_a_prefetch_starts_half_a_round_trip_before_a_useful_block_is_back() {
         let (l, slot) = prefetching(512);
@@ -1892,7 +1933,7 @@ mod tests {
         // half the burst's refill at most, and still no call before.
         let tiers: Tiers = smallvec![TierDecision::new(4_000, 0, 10 * MS, Some(2_500), true)];
         let refusal = Decision::new(Outcome::Limited, 0, Some(2_500), tiers);
-        l.prefetch_refused(&slot, &refusal, S + 850_000, S + 1_850_000, 512);
+        l.prefetch_refused(&slot, &refusal, S + 850_000, S + 1_850_000, 512, Paced::new());
         slot.held.lock().unwrap().fetching = false;
         let t = l.take(&slot, 1, Some(S + MS)).unwrap();
         assert_eq!((t.decision.outcome, t.decision.retry_after), (Outcome::Limited, 4_850_000));
