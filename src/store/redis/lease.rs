@@ -1269,6 +1269,7 @@ impl Leases {
     /// further away than the refusal's own wait (`hold`, same clock), this instance waits for
     /// it, refusing the key's checks itself until then, and the decision's `retry_after` says
     /// so (raised to the wait, on the violated tiers too).
+    #[allow(clippy::too_many_arguments)] // the reply's parts, as `granted` takes them in a `Grant`
     pub(crate) fn refused(
         &self,
         slot: &Slot,

@@ -1231,8 +1231,7 @@ impl RedisStore {
                 leases.granted(slot, check.cost, decision, grant)
             }
             None => {
-                let decision =
-                    leases.refused(slot, decision, at, hold, begin.useful, sent, paced);
+                let decision = leases.refused(slot, decision, at, hold, begin.useful, sent, paced);
                 return Ok(Verdict { decision, ticket: None });
             }
         };
