@@ -1114,11 +1114,15 @@ impl Leases {
             return None;
         }
         // Leasing the schedule, the wait for a useful block can end before this check's
-        // units conform: it is then told when they do, as an exact check would be.
+        // units conform: it is then told when they do, as an exact check would be (after a
+        // refusal, `cost` units past the key's schedule; holding fewer than `cost` units,
+        // the rest past the last held, which the next call gives back and takes again).
+        let after = cost.saturating_sub(held.left);
         let conforms = held
             .waits
             .iter()
             .map(|(base, t)| base.saturating_add(cost.saturating_mul(*t)))
+            .chain(held.paced.iter().map(|(end, t)| end.saturating_add(after.saturating_mul(*t))))
             .max()
             .unwrap_or(0);
         Self::refusal(held, now, held.hold.max(conforms))
@@ -1908,6 +1912,29 @@ mod tests {
         assert_eq!(d.retry_after, 88 * MS);
         // Redis said a useful block fits at 40 ms: the instance asks then.
         assert!(l.spend(&slot, 1, Some(S + 40 * MS)).is_none());
+    }
+
+    /// Leasing the schedule, a check of more units than are held, while this instance waits
+    /// for a useful block (until 80 ms): told when its units conform (the 2 held at 60 and 70
+    /// ms, 3 more at 80, 90 and 100 ms), not when the instance asks Redis again.
+    #[test]
+    fn a_check_of_more_than_the_units_held_of_the_schedule_is_told_when_they_conform() {
+        let p = Policy::single("p", Quota::per_second(100)).unwrap();
+        let l = Arc::new(Leases::new(&p, Lease::new().max_block(64).schedule(true)));
+        let slot = l.slot(&Key::text("k")).unwrap();
+        let t = 10 * MS; // T
+        // 8 units at 0, 10, ... 70 ms.
+        let mut g = block(8, 8, S, S + 80 * MS);
+        g.paced = smallvec![(S + 7 * t, t)];
+        assert!(l.granted(&slot, 1, grant_at(0, S), g).is_allowed());
+        for _ in 0..5 {
+            assert!(l.spend(&slot, 1, Some(S + 5 * t)).unwrap().0.is_allowed());
+        }
+        let (d, _) = l.spend(&slot, 5, Some(S + 5 * t)).unwrap();
+        assert_eq!((d.outcome, d.retry_after), (Outcome::Limited, 50 * MS));
+        // 2 units are held, conforming in 10 and 20 ms: a check of 2 waits for them alone.
+        let (d, _) = l.spend(&slot, 2, Some(S + 5 * t)).unwrap();
+        assert_eq!((d.outcome, d.retry_after), (Outcome::Limited, 20 * MS));
     }
 
     #[test]
