@@ -373,6 +373,48 @@ async fn a_refused_lease_call_is_waited_out_with_that_retry() {
     assert_eq!((stats.decided_on_redis, stats.refused_locally), (calls + 1, 2));
 }
 
+/// Two GCRA tiers whose conformance instants differ (T = 2 ms with a burst of 20, and
+/// T = 4 ms with a burst of 50: the first binds in bursts, the second at length), four
+/// instances leasing the schedule with prefetching: each tier keeps its own bound over every
+/// interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_instances_leasing_the_schedule_keep_each_of_two_gcra_tiers_within_the_bound() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let policy = Policy::builder("two")
+        .tier("fast", Quota::per_second(500).with_burst(20))
+        .tier("slow", Quota::per_second(250).with_burst(50))
+        .build()
+        .unwrap();
+    let lease =
+        Lease::new().max_block(8).lifetime(Duration::from_millis(30)).schedule(true).prefetch(true);
+    let (nodes, _exact) = fleet(&server.url(), &clock, &policy, lease);
+    let key = Key::text("two");
+    let admitted = hammer(&nodes, &clock, &key, 3_000, demands).await;
+    let bound = lease.bound(N as u64);
+    let mut worst = [0i64; 2];
+    for (k, (burst, t)) in [(20u64, 2 * MS), (50, 4 * MS)].into_iter().enumerate() {
+        for i in 0..admitted.len() {
+            for j in i..admitted.len() {
+                let count = (j - i + 1) as u64;
+                let exact = burst + (admitted[j] - admitted[i]) / t;
+                worst[k] = worst[k].max(count as i64 - exact as i64);
+                assert!(
+                    count <= exact + bound,
+                    "tier {k}: {count} admitted in [{}, {}] ns: GCRA allows {exact}, the bound \
+                     {bound} more",
+                    admitted[i],
+                    admitted[j]
+                );
+            }
+        }
+    }
+    let stats: Vec<_> = nodes.iter().map(|n| n.1.lease_stats()).collect();
+    assert!(stats.iter().map(|s| s.decided_locally).sum::<u64>() > 0, "{stats:?}");
+    eprintln!("two tiers: {} admitted, worst extra {worst:?} (bound {bound})", admitted.len());
+}
+
 /// A weighted check refused while the instance waits for a useful block smaller than its
 /// cost: the instance's own refusals never say less than Redis's exact wait for that cost.
 #[tokio::test]
