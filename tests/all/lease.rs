@@ -373,6 +373,48 @@ async fn a_refused_lease_call_is_waited_out_with_that_retry() {
     assert_eq!((stats.decided_on_redis, stats.refused_locally), (calls + 1, 2));
 }
 
+/// Two GCRA tiers whose conformance instants differ (T = 2 ms with a burst of 20, and
+/// T = 4 ms with a burst of 50: the first binds in bursts, the second at length), four
+/// instances leasing the schedule with prefetching: each tier keeps its own bound over every
+/// interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_instances_leasing_the_schedule_keep_each_of_two_gcra_tiers_within_the_bound() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let policy = Policy::builder("two")
+        .tier("fast", Quota::per_second(500).with_burst(20))
+        .tier("slow", Quota::per_second(250).with_burst(50))
+        .build()
+        .unwrap();
+    let lease =
+        Lease::new().max_block(8).lifetime(Duration::from_millis(30)).schedule(true).prefetch(true);
+    let (nodes, _exact) = fleet(&server.url(), &clock, &policy, lease);
+    let key = Key::text("two");
+    let admitted = hammer(&nodes, &clock, &key, 3_000, demands).await;
+    let bound = lease.bound(N as u64);
+    let mut worst = [0i64; 2];
+    for (k, (burst, t)) in [(20u64, 2 * MS), (50, 4 * MS)].into_iter().enumerate() {
+        for i in 0..admitted.len() {
+            for j in i..admitted.len() {
+                let count = (j - i + 1) as u64;
+                let exact = burst + (admitted[j] - admitted[i]) / t;
+                worst[k] = worst[k].max(count as i64 - exact as i64);
+                assert!(
+                    count <= exact + bound,
+                    "tier {k}: {count} admitted in [{}, {}] ns: GCRA allows {exact}, the bound \
+                     {bound} more",
+                    admitted[i],
+                    admitted[j]
+                );
+            }
+        }
+    }
+    let stats: Vec<_> = nodes.iter().map(|n| n.1.lease_stats()).collect();
+    assert!(stats.iter().map(|s| s.decided_locally).sum::<u64>() > 0, "{stats:?}");
+    eprintln!("two tiers: {} admitted, worst extra {worst:?} (bound {bound})", admitted.len());
+}
+
 /// A weighted check refused while the instance waits for a useful block smaller than its
 /// cost: the instance's own refusals never say less than Redis's exact wait for that cost.
 #[tokio::test]
@@ -396,6 +438,41 @@ async fn a_weighted_check_is_never_told_to_retry_before_redis_would_admit_it() {
         assert_eq!(told.retry_after(), Some(Duration::from_millis(50 - step)));
         assert!(leased.retry_after() >= told.retry_after(), "at {step} ms: {leased:?}");
     }
+}
+
+/// The same leasing the key's schedule: Redis refuses a block of 6 units (60 ms) that does
+/// not fit the horizon (50 ms), and says a useful block fits again in 10 ms; the checks this
+/// instance refuses meanwhile are told when their own units conform, as an exact check is,
+/// not when the instance asks Redis again.
+#[tokio::test]
+async fn a_weighted_check_leasing_the_schedule_is_never_told_to_retry_before_it_conforms() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    // T = 10 ms, a burst of 100; the horizon is half the lifetime, 50 ms.
+    let policy = Policy::single("weighted", Quota::per_second(100)).unwrap();
+    let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100)).schedule(true);
+    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+    let key = Key::text("weighted");
+    while check(&exact, &key, 1).await.is_allowed() {}
+    for step in [0, 2, 7] {
+        clock.set(1_000 * S + step * 1_000_000);
+        let leased = check(&nodes[0], &key, 6).await;
+        let told = check(&exact, &key, 6).await;
+        assert_eq!(leased.outcome(), Outcome::Limited, "at {step} ms");
+        assert_eq!(told.retry_after(), Some(Duration::from_millis(60 - step)));
+        assert_eq!(leased.retry_after(), told.retry_after(), "at {step} ms: {leased:?}");
+    }
+    let stats = nodes[0].1.lease_stats();
+    assert_eq!((stats.decided_on_redis, stats.refused_locally), (1, 2));
+    // 10 ms on, 6 units fit the horizon: the instance leases them and refuses the check
+    // until the last conforms, 50 ms on.
+    clock.set(1_000 * S + 10_000_000);
+    let leased = check(&nodes[0], &key, 6).await;
+    assert_eq!(leased.retry_after(), Some(Duration::from_millis(50)), "{leased:?}");
+    // That check called Redis: it is not one refused locally.
+    let stats = nodes[0].1.lease_stats();
+    assert_eq!((stats.grants, stats.decided_on_redis, stats.refused_locally), (1, 2, 2));
 }
 
 /// Four instances at ten times a key's rate (100,000 a second, a burst of 1,000; useful

@@ -261,7 +261,9 @@ impl Lease {
     /// it conforms, at the instant an exact check of it would first be admitted (`TAT_k - τ`
     /// on every tier), and refuses the key's checks itself until then, with that exact wait
     /// as `retry_after`. A call that finds the horizon full is refused, and this instance
-    /// waits, with no call, until a useful block fits again (the wait Redis gives).
+    /// waits, with no call, until a useful block fits again (the wait Redis gives); the
+    /// checks it refuses meanwhile are told when their own units conform (after the key's
+    /// schedule as Redis last reported it), which can be later than that wait, never earlier.
     ///
     /// The bound is the same ([`bound`](Self::bound)): every unit admitted conforms at the
     /// instant it is admitted to the key's GCRA state as the grant left it, each instance
@@ -505,6 +507,12 @@ struct Held {
     paced: Paced,
     /// The same for the `older` units (of the grant a prefetched block joined).
     older_paced: Paced,
+    /// After Redis refused a lease of the key's schedule, per tier: the instant the key's
+    /// TAT less the tolerance τ (when a unit charged then would conform), and the emission
+    /// interval (nanoseconds). A check of `cost` is admitted no earlier than `cost`
+    /// intervals after it on every tier, which the refusals while waiting say (the wait for
+    /// a useful block alone can be shorter). Empty otherwise.
+    waits: Paced,
 }
 
 /// Per tier, the instant a block's last unit conforms and the emission interval, in
@@ -667,10 +675,12 @@ pub(crate) fn decode(
     let hold = if hold == 0 { 0 } else { (at / unit).saturating_add(hold).saturating_mul(unit) };
     let (decision, charges) = super::script::decode(policy, take, at, reply)?;
     let mut paced = Paced::new();
-    if prepared.family == super::script::Family::Gcra && charges.is_some() {
+    let refused = charges.is_none() && decision.outcome == Outcome::Limited;
+    if prepared.family == super::script::Family::Gcra && (charges.is_some() || refused) {
         use super::script::{HEAD, PER_TIER};
         // Each tier's TAT after the grant (in units from the unit `at` falls in): its last
-        // unit conforms one tolerance (the burst's emission intervals) earlier.
+        // unit conforms one tolerance (the burst's emission intervals) earlier. For a
+        // refusal, the TAT unchanged: a unit charged at it would conform a tolerance earlier.
         for (i, t) in policy.tiers().iter().enumerate() {
             let tat = reply.get(HEAD + PER_TIER * i + 1).copied().unwrap_or(0);
             let tat = u64::try_from(tat).map_err(|_| StoreError::backend("negative TAT"))?;
@@ -836,7 +846,7 @@ impl Leases {
         let now = held.now(clock_now);
         held.expire_older(now);
         if held.left < cost {
-            let refused = self.held_refusal(&held, now)?;
+            let refused = self.held_refusal(&held, now, cost)?;
             let prefetch = self.wants_prefetch(&mut held, now);
             drop(held);
             self.counters.held.fetch_add(1, Ordering::Relaxed);
@@ -949,8 +959,8 @@ impl Leases {
                 let grant = Grant { take, charges, at, hold, useful: ahead.useful, sent, paced };
                 self.prefetched(&slot, decision, grant);
             }
-            Ok(Reply { decision, charges: None, hold, at, .. }) => {
-                self.prefetch_refused(&slot, &decision, at, hold, ahead.useful);
+            Ok(Reply { decision, charges: None, hold, at, paced, .. }) => {
+                self.prefetch_refused(&slot, &decision, at, hold, ahead.useful, paced);
             }
             Err(error) => {
                 tracing::debug!(%error, "tollgate: a lease prefetch failed; the next block is taken when needed");
@@ -996,6 +1006,7 @@ impl Leases {
                     // The units held are spent first, each at its own grant's pace (a
                     // prefetch starts only once no `older` units are held).
                     held.older_paced = std::mem::replace(&mut held.paced, paced);
+                    held.waits.clear();
                     held.older = held.left;
                     held.granted += take;
                     held.left += take;
@@ -1008,6 +1019,7 @@ impl Leases {
                     held.expired = 0;
                     held.paced = paced;
                     held.older_paced.clear();
+                    held.waits.clear();
                 }
             }
             held.decided = at;
@@ -1024,8 +1036,17 @@ impl Leases {
     }
 
     /// Redis refused a prefetch at `at` (the key has nothing left): the block held is spent
-    /// as it is, and then this instance waits as after a refused lease call.
-    fn prefetch_refused(&self, slot: &Slot, decision: &Decision, at: u64, hold: u64, useful: u64) {
+    /// as it is, and then this instance waits as after a refused lease call (`waits`: see
+    /// `Held::waits`).
+    fn prefetch_refused(
+        &self,
+        slot: &Slot,
+        decision: &Decision,
+        at: u64,
+        hold: u64,
+        useful: u64,
+        waits: Paced,
+    ) {
         if decision.outcome != Outcome::Limited {
             return;
         }
@@ -1042,6 +1063,9 @@ impl Leases {
         };
         let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
         held.hold = held.hold.max(until);
+        if self.horizon > 0 {
+            held.waits = waits;
+        }
     }
 
     /// One lease call to Redis (`record` on `keys`): its reply decoded, and the instant it was
@@ -1087,11 +1111,23 @@ impl Leases {
     /// block (until `held.hold`): limited, `retry_after` the rest of the wait (when this
     /// instance asks Redis again), `remaining` 0 on every tier (what it can promise), the
     /// tiers that had the least left at the grant violated; `None` when it does not wait.
-    fn held_refusal(&self, held: &Held, now: u64) -> Option<Decision> {
+    fn held_refusal(&self, held: &Held, now: u64, cost: u64) -> Option<Decision> {
         if now >= held.hold || now < held.decided {
             return None;
         }
-        Self::refusal(held, now, held.hold)
+        // Leasing the schedule, the wait for a useful block can end before this check's
+        // units conform: it is then told when they do, as an exact check would be (after a
+        // refusal, `cost` units past the key's schedule; holding fewer than `cost` units,
+        // the rest past the last held, which the next call gives back and takes again).
+        let after = cost.saturating_sub(held.left);
+        let conforms = held
+            .waits
+            .iter()
+            .map(|(base, t)| base.saturating_add(cost.saturating_mul(*t)))
+            .chain(held.paced.iter().map(|(end, t)| end.saturating_add(after.saturating_mul(*t))))
+            .max()
+            .unwrap_or(0);
+        Self::refusal(held, now, held.hold.max(conforms))
     }
 
     /// The refusal, at `now`, of a check this instance refuses until `until`: see
@@ -1204,6 +1240,7 @@ impl Leases {
                 expired: 0,
                 paced,
                 older_paced: Paced::new(),
+                waits: Paced::new(),
             };
             if early {
                 let refused = Self::refusal(&held, at, ready);
@@ -1211,8 +1248,7 @@ impl Leases {
                 self.counters.grants.fetch_add(1, Ordering::Relaxed);
                 self.counters.units_granted.fetch_add(take, Ordering::Relaxed);
                 self.metrics.granted(take);
-                self.counters.held.fetch_add(1, Ordering::Relaxed);
-                self.metrics.held();
+                // Decided on Redis (the call that took the block), not refused locally.
                 if let Some(refused) = refused {
                     return refused;
                 }
@@ -1239,6 +1275,7 @@ impl Leases {
     /// further away than the refusal's own wait (`hold`, same clock), this instance waits for
     /// it, refusing the key's checks itself until then, and the decision's `retry_after` says
     /// so (raised to the wait, on the violated tiers too).
+    #[allow(clippy::too_many_arguments)] // the reply's parts, as `granted` takes them in a `Grant`
     pub(crate) fn refused(
         &self,
         slot: &Slot,
@@ -1247,6 +1284,7 @@ impl Leases {
         hold: u64,
         useful: u64,
         sent: Option<Instant>,
+        waits: Paced,
     ) -> Decision {
         if hold <= at || decision.outcome != Outcome::Limited {
             return decision;
@@ -1268,6 +1306,7 @@ impl Leases {
             held.sent = sent;
             held.hold = hold;
             held.decision = Some(decision.clone());
+            held.waits = if self.horizon > 0 { waits } else { Paced::new() };
         }
         let wait = hold - at;
         if decision.retry_after == NONE || decision.retry_after < wait {
@@ -1758,7 +1797,7 @@ mod tests {
         // Redis refused: the next unit in 2.5 µs, a useful block in 1 ms.
         let tiers: Tiers = smallvec![TierDecision::new(4_000, 0, 10 * MS, Some(2_500), true)];
         let refusal = Decision::new(Outcome::Limited, 0, Some(2_500), tiers);
-        let d = l.refused(&slot, refusal.clone(), S, S + MS, 1, None);
+        let d = l.refused(&slot, refusal.clone(), S, S + MS, 1, None, Paced::new());
         assert_eq!(d.retry_after(), Some(Duration::from_millis(1)));
         assert_eq!(d.tiers()[0].retry_after(), Some(Duration::from_millis(1)));
         let (d, granted) = l.spend(&slot, 1, Some(S + 400_000)).unwrap();
@@ -1768,7 +1807,7 @@ mod tests {
         assert_eq!(l.stats().refused_locally, 1);
         // No wait beyond the refusal's own: the refusal as Redis made it.
         let other = l.slot(&Key::text("k2")).unwrap();
-        assert_eq!(l.refused(&other, refusal.clone(), S, 0, 1, None), refusal);
+        assert_eq!(l.refused(&other, refusal.clone(), S, 0, 1, None, Paced::new()), refusal);
         assert!(l.spend(&other, 1, Some(S)).is_none());
     }
 
@@ -1850,6 +1889,56 @@ mod tests {
         assert_eq!(due.iter().position(|d| *d), Some(125), "{:?}", holding(&slot));
     }
 
+    /// Leasing the schedule, a refused prefetch: once the units held are spent, the checks
+    /// refused while this instance waits for a useful block to fit the horizon are told when
+    /// their own units conform (others took the schedule up to 80 ms), not when it asks Redis
+    /// again (40 ms).
+    #[test]
+    fn after_a_refused_prefetch_of_the_schedule_refusals_say_when_the_units_conform() {
+        let p = Policy::single("p", Quota::per_second(100)).unwrap();
+        let l = Arc::new(Leases::new(&p, Lease::new().max_block(64).schedule(true)));
+        let slot = l.slot(&Key::text("k")).unwrap();
+        let t = 10 * MS; // T
+        let mut g = block(2, 2, S, 0);
+        g.paced = smallvec![(S + t, t)];
+        assert!(l.granted(&slot, 1, grant_at(0, S), g).is_allowed());
+        let tiers: Tiers = smallvec![TierDecision::new(100, 0, 1_080 * MS, Some(80 * MS), true)];
+        let refusal = Decision::new(Outcome::Limited, 0, Some(80 * MS), tiers);
+        let waits = smallvec![(S + 70 * MS, t)];
+        l.prefetch_refused(&slot, &refusal, S + MS, S + 40 * MS, 2, waits);
+        let (d, _) = l.spend(&slot, 1, Some(S + t)).unwrap();
+        assert!(d.is_allowed());
+        let (d, _) = l.spend(&slot, 1, Some(S + 12 * MS)).unwrap();
+        assert_eq!((d.outcome, d.retry_after), (Outcome::Limited, 68 * MS));
+        let (d, _) = l.spend(&slot, 3, Some(S + 12 * MS)).unwrap();
+        assert_eq!(d.retry_after, 88 * MS);
+        // Redis said a useful block fits at 40 ms: the instance asks then.
+        assert!(l.spend(&slot, 1, Some(S + 40 * MS)).is_none());
+    }
+
+    /// Leasing the schedule, a check of more units than are held, while this instance waits
+    /// for a useful block (until 80 ms): told when its units conform (the 2 held at 60 and 70
+    /// ms, 3 more at 80, 90 and 100 ms), not when the instance asks Redis again.
+    #[test]
+    fn a_check_of_more_than_the_units_held_of_the_schedule_is_told_when_they_conform() {
+        let p = Policy::single("p", Quota::per_second(100)).unwrap();
+        let l = Arc::new(Leases::new(&p, Lease::new().max_block(64).schedule(true)));
+        let slot = l.slot(&Key::text("k")).unwrap();
+        let t = 10 * MS; // T
+        // 8 units at 0, 10, ... 70 ms.
+        let mut g = block(8, 8, S, S + 80 * MS);
+        g.paced = smallvec![(S + 7 * t, t)];
+        assert!(l.granted(&slot, 1, grant_at(0, S), g).is_allowed());
+        for _ in 0..5 {
+            assert!(l.spend(&slot, 1, Some(S + 5 * t)).unwrap().0.is_allowed());
+        }
+        let (d, _) = l.spend(&slot, 5, Some(S + 5 * t)).unwrap();
+        assert_eq!((d.outcome, d.retry_after), (Outcome::Limited, 50 * MS));
+        // 2 units are held, conforming in 10 and 20 ms: a check of 2 waits for them alone.
+        let (d, _) = l.spend(&slot, 2, Some(S + 5 * t)).unwrap();
+        assert_eq!((d.outcome, d.retry_after), (Outcome::Limited, 20 * MS));
+    }
+
     #[test]
     fn while_waiting_a_prefetch_starts_half_a_round_trip_before_a_useful_block_is_back() {
         let (l, slot) = prefetching(512);
@@ -1874,7 +1963,7 @@ mod tests {
         // half the burst's refill at most, and still no call before.
         let tiers: Tiers = smallvec![TierDecision::new(4_000, 0, 10 * MS, Some(2_500), true)];
         let refusal = Decision::new(Outcome::Limited, 0, Some(2_500), tiers);
-        l.prefetch_refused(&slot, &refusal, S + 850_000, S + 1_850_000, 512);
+        l.prefetch_refused(&slot, &refusal, S + 850_000, S + 1_850_000, 512, Paced::new());
         slot.held.lock().unwrap().fetching = false;
         let t = l.take(&slot, 1, Some(S + MS)).unwrap();
         assert_eq!((t.decision.outcome, t.decision.retry_after), (Outcome::Limited, 4_850_000));

@@ -1232,7 +1232,7 @@ impl RedisStore {
                 leases.granted(slot, check.cost, decision, grant)
             }
             None => {
-                let decision = leases.refused(slot, decision, at, hold, begin.useful, sent);
+                let decision = leases.refused(slot, decision, at, hold, begin.useful, sent, paced);
                 return Ok(Verdict { decision, ticket: None });
             }
         };
