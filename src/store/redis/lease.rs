@@ -116,7 +116,8 @@ const CAPACITY: usize = 4096;
 /// a key (a useful block is at most `B` too, waiting for one only refuses, and a prefetch asks
 /// only for what tops the units held up to `B`). Leasing the key's schedule
 /// ([`schedule`](Self::schedule)) keeps it: a unit is admitted no earlier than the instant it
-/// conforms to the key's state as its grant left it, as an exact check would be.
+/// conforms to the key's state as its grant left it (for one tier, as an exact check would
+/// be; see there for several).
 /// Windows lose nothing to this: a block is spent only in the window it
 /// was charged to (its lifetime ends when the first of its windows ends, fixed or calendar).
 /// A policy mixing rate and calendar tiers keeps each tier's own bound.
@@ -259,8 +260,10 @@ impl Lease {
     /// [lifetime](Self::lifetime), or the time the fastest-filling tier takes to fill from
     /// empty when that is shorter). This instance then admits unit `k` of the block only once
     /// it conforms, at the instant an exact check of it would first be admitted (`TAT_k - τ`
-    /// on every tier), and refuses the key's checks itself until then, with that exact wait
-    /// as `retry_after`. A call that finds the horizon full is refused, and this instance
+    /// on every tier; with several tiers, a tier that does not limit the key is charged the
+    /// block from its own TAT, without exact GCRA's step up to the instant of admission, so
+    /// it can end the block up to about one unit ahead of exact, within the bound), and
+    /// refuses the key's checks itself until then, with that exact wait as `retry_after`. A call that finds the horizon full is refused, and this instance
     /// waits, with no call, until a useful block fits again (the wait Redis gives); the
     /// checks it refuses meanwhile are told when their own units conform (after the key's
     /// schedule as Redis last reported it), which can be later than that wait, never earlier.

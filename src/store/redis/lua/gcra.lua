@@ -152,7 +152,9 @@ while i <= nc do
         -- A lease of the key's schedule (op 4): a useful block of the units that come next,
         -- also those that conform only later, as long as the block's last unit conforms
         -- within `horizon` of now on every tier. The node spends each unit only once it
-        -- conforms, so each is admitted as an exact check at its own instant would be.
+        -- conforms, so each is admitted as an exact check at its own instant would be (on a
+        -- tier that does not limit the key, up to about one unit ahead: `b + cost x T` is
+        -- charged from the tier's own TAT, without exact GCRA's step up to the instant).
         local fut = useful
         if fut > block then fut = block end
         if fut >= cost then
