@@ -61,6 +61,12 @@ pub(crate) fn batch_cap(timeout: Duration, per_check: Duration) -> usize {
     usize::try_from(fits).unwrap_or(MAX_BATCH).clamp(1, MAX_BATCH)
 }
 
+/// Where the time per check of calls of `family`'s script, of plain policies or not, is kept in
+/// [`Node`]'s measures.
+fn lane(family: Family, plain: bool) -> usize {
+    2 * family as usize + usize::from(plain)
+}
+
 /// Calls smaller than this (or than the cap, if smaller) say little of the time per check (the
 /// round trip dominates) and are not measured.
 const MEASURED_FROM: usize = 16;
@@ -136,10 +142,12 @@ pub(crate) struct Node {
     pub(crate) breaker: Breaker,
     /// Whether the server keeps up, from its replies: when late checks give up.
     health: Health,
-    /// Per script family ([`Family::ALL`] order), the time a check adds to a call, in
-    /// nanoseconds: a moving average over the calls measured (sent to replied, divided by their
-    /// checks), which sizes the batches. Per family, as the scripts' costs differ tenfold.
-    per_check: [AtomicU64; Family::ALL.len()],
+    /// Per script family ([`Family::ALL`] order) and per [`Item::plain`] (see [`lane`]), the
+    /// time a check adds to a call, in nanoseconds: a moving average over the calls measured
+    /// (sent to replied, divided by their checks), which sizes the batches. Apart, as the
+    /// scripts' costs differ tenfold: one script decides a family's plain policies and its
+    /// policies with calendars, slots or penalty boxes, at costs per check far apart.
+    per_check: [AtomicU64; 2 * Family::ALL.len()],
     settings: Arc<Settings>,
     /// The queue's sending end, once its dispatcher runs.
     queue: RwLock<Option<mpsc::UnboundedSender<Item>>>,
@@ -311,15 +319,16 @@ impl Node {
         handle.spawn(task(Arc::clone(self))).await.map_err(StoreError::backend)
     }
 
-    /// The time a check of `family` adds to a call, as measured so far (nanoseconds).
-    fn per_check(&self, family: Family) -> u64 {
-        self.per_check[family as usize].load(Ordering::Relaxed).max(1)
+    /// The time a check of `family` (of plain policies or not) adds to a call, as measured so
+    /// far (nanoseconds).
+    fn per_check(&self, family: Family, plain: bool) -> u64 {
+        self.per_check[lane(family, plain)].load(Ordering::Relaxed).max(1)
     }
 
     /// Checks of `family` in one call: as many as the server answers in a quarter of the
     /// timeout, at the time per check measured so far.
-    fn batch_cap(&self, family: Family) -> usize {
-        batch_cap(self.settings.timeout, Duration::from_nanos(self.per_check(family)))
+    fn batch_cap(&self, family: Family, plain: bool) -> usize {
+        batch_cap(self.settings.timeout, Duration::from_nanos(self.per_check(family, plain)))
     }
 
     /// A call of `checks` checks of `family` was answered `took` after its sending: the time
@@ -327,14 +336,14 @@ impl Node {
     /// shorter. Under load, Redis takes longer per check (its cores are shared), and batches
     /// shrink at once so that replies keep coming within the timeout; they grow back as the
     /// server speeds up.
-    fn measured(&self, family: Family, took: Duration, checks: usize) {
-        if checks == 0 || checks < MEASURED_FROM.min(self.batch_cap(family)) {
+    fn measured(&self, family: Family, plain: bool, took: Duration, checks: usize) {
+        if checks == 0 || checks < MEASURED_FROM.min(self.batch_cap(family, plain)) {
             return;
         }
         let sample = duration_to_nanos(took) / checks as u64;
-        let old = self.per_check(family);
+        let old = self.per_check(family, plain);
         let new = if sample > old { old / 2 + sample / 2 } else { old - old / 4 + sample / 4 };
-        self.per_check[family as usize].store(new.max(1), Ordering::Relaxed);
+        self.per_check[lane(family, plain)].store(new.max(1), Ordering::Relaxed);
     }
 
     /// Takes what waits, as many checks as the server is expected to answer in a quarter of the
@@ -372,9 +381,9 @@ impl Node {
             tokio::spawn(async move {
                 let calls: Vec<_> = groups
                     .into_iter()
-                    .map(|((family, _, _), group)| {
+                    .map(|((family, plain, _), group)| {
                         let node = Arc::clone(&node);
-                        tokio::spawn(async move { node.call(family, group).await })
+                        tokio::spawn(async move { node.call(family, plain, group).await })
                     })
                     .collect();
                 for call in calls {
@@ -401,12 +410,12 @@ impl Node {
             return;
         }
         *numbers += item.record.len();
-        *spent += self.per_check(item.family);
+        *spent += self.per_check(item.family, item.plain);
         items.push(item);
     }
 
-    /// Sends `items` (one family, one slot) as one script call and answers each.
-    async fn call(&self, family: Family, mut items: Vec<Item>) {
+    /// Sends `items` (one family, plain or not, one slot) as one script call and answers each.
+    async fn call(&self, family: Family, plain: bool, mut items: Vec<Item>) {
         let mut keys = Vec::new();
         let mut first_keys = Vec::with_capacity(items.len());
         for item in &mut items {
@@ -420,7 +429,7 @@ impl Node {
         // back within a batch).
         let now = items.iter().filter_map(|i| i.at).max().map_or(Now::Server, Now::At);
         let args = [script::header(now), policies, records];
-        let result = self.eval(family, &keys, &args, items.len()).await;
+        let result = self.eval(family, plain, &keys, &args, items.len()).await;
         let at = result.and_then(|reply| Ok((script::decided_at(&reply)?, reply)));
         let (at, reply) = match at {
             Ok(ok) => ok,
@@ -496,6 +505,7 @@ impl Node {
     async fn eval(
         &self,
         family: Family,
+        plain: bool,
         keys: &[String],
         args: &[Vec<u8>],
         checks: usize,
@@ -536,7 +546,7 @@ impl Node {
         let result = match tokio::time::timeout(call_timeout, attempt).await {
             Ok(Ok(reply)) => {
                 pending.answered();
-                self.measured(family, started.elapsed(), checks);
+                self.measured(family, plain, started.elapsed(), checks);
                 script::numbers(&reply)
             }
             Ok(Err(e)) => {
@@ -650,23 +660,28 @@ mod tests {
         let client = redis::Client::open("redis://127.0.0.1:1/").unwrap();
         let node = Node::new("127.0.0.1:1".into(), client, settings);
         let log = Family::Log;
-        assert_eq!(node.batch_cap(log), 250, "25 ms / 100 µs before any call");
+        assert_eq!(node.batch_cap(log, true), 250, "25 ms / 100 µs before any call");
         // A loaded server: 800 µs a check.
         for _ in 0..10 {
-            let cap = node.batch_cap(log);
-            node.measured(log, Duration::from_micros(800) * u32::try_from(cap).unwrap(), cap);
+            let cap = node.batch_cap(log, true);
+            node.measured(log, true, Duration::from_micros(800) * u32::try_from(cap).unwrap(), cap);
         }
-        assert_eq!(node.batch_cap(log), 31, "25 ms / 800 µs");
-        assert_eq!(node.batch_cap(Family::Gcra), 250, "each family is measured apart");
+        assert_eq!(node.batch_cap(log, true), 31, "25 ms / 800 µs");
+        assert_eq!(node.batch_cap(Family::Gcra, true), 250, "each family is measured apart");
+        assert_eq!(
+            node.batch_cap(log, false),
+            250,
+            "a family's plain policies and its others (one script) are measured apart"
+        );
         // Small calls say nothing.
-        node.measured(log, Duration::from_millis(50), 3);
-        assert_eq!(node.batch_cap(log), 31);
+        node.measured(log, true, Duration::from_millis(50), 3);
+        assert_eq!(node.batch_cap(log, true), 31);
         // Back to 10 µs a check.
         for _ in 0..40 {
-            let cap = node.batch_cap(log);
-            node.measured(log, Duration::from_micros(10) * u32::try_from(cap).unwrap(), cap);
+            let cap = node.batch_cap(log, true);
+            node.measured(log, true, Duration::from_micros(10) * u32::try_from(cap).unwrap(), cap);
         }
-        assert_eq!(node.batch_cap(log), MAX_BATCH);
+        assert_eq!(node.batch_cap(log, true), MAX_BATCH);
     }
 
     #[test]
