@@ -424,7 +424,8 @@ end
 
 -- The rate tier of `tier` as a request of class `class` sees it: the burst less what a reserve
 -- withholds from the class (`Tier::rate_for`): a copy of its state, only read (earliest,
--- status), never charged; charges go to the tier itself.
+-- status), never charged; charges go to the tier itself. GCRA and the buckets only: the policy
+-- builder refuses a reserve on any other algorithm, and this copies only their fields.
 local function rt_for(st, tier, class)
   local r = st.tiers[tier.r]
   if not tier.withheld then return r end
