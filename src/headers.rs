@@ -700,6 +700,43 @@ mod tests {
         assert!(headers.recent.iter().all(|slot| slot.get().is_some()));
     }
 
+    /// The default fields (the current draft, written by this layer) are built without the
+    /// general render, on the admitted path: they must be its fields exactly, whether the
+    /// state is one kept from before or rendered anew, and with `collect` they are handed on
+    /// as the general render hands them on.
+    #[test]
+    fn the_default_fields_are_the_general_renders() {
+        let policy = Policy::builder("api")
+            .tier("burst", Quota::per_second(10))
+            .tier("daily", Quota::per_day(1_000))
+            .build()
+            .unwrap();
+        let headers = Headers::new(&policy);
+        let written = |prepared: Prepared| {
+            let mut res = http::Response::new(());
+            prepared.apply(&mut res);
+            let collected = res.extensions_mut().remove::<Collected>();
+            (res.headers().clone(), collected.map(|c| c.0.len()))
+        };
+        // Each state twice: rendered anew, then the value kept for it.
+        for r in [10, 9, 0, 9, 0, 10] {
+            let decision = admitted(&[(r, 1_500_000_000), (1_000 - r, 86_400_000_000_000)]);
+            let fast = written(headers.prepare(Fields::default(), &decision, false));
+            let general = written(headers.render(Fields::default(), &decision, false));
+            assert_eq!(fast, general, "r={r}");
+            let (h, collected) = fast;
+            assert_eq!(collected, None);
+            assert_eq!(h["ratelimit-policy"], r#""burst";q=10;w=1, "daily";q=1000;w=86400"#);
+            let state = format!(r#""burst";r={r};t=2, "daily";r={};t=86400"#, 1_000 - r);
+            assert_eq!(h["ratelimit"], state.as_str());
+            assert_eq!(h.len(), 2);
+            // Collected for an outer layer: handed on, nothing written.
+            let fast = written(headers.prepare(Fields::default(), &decision, true));
+            assert_eq!(fast, written(headers.render(Fields::default(), &decision, true)));
+            assert_eq!(fast, (HeaderMap::new(), Some(1)));
+        }
+    }
+
     #[tokio::test]
     async fn collected_draft10_items_are_kept_beside_a_draft7_rule() {
         let draft7 = Fields { style: HeaderStyle::Ietf, format: HeaderFormat::Draft7 };
