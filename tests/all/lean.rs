@@ -68,8 +68,9 @@ fn layer<St: Store>(variant: &str, store: St, events: &Events) -> RateLimitLayer
     builder.build().unwrap()
 }
 
-/// The handler: `405 Method Not Allowed` to a POST (a charge the layer gives back), "ok"
-/// otherwise; any request body type.
+/// The handler, for any request body type: `405 Method Not Allowed` to a POST (a charge the
+/// layer gives back), 404 to `x-answer: missing`, `x-cost: 2` to `x-answer: double`, "ok"
+/// otherwise.
 fn handler<B: Send + 'static>()
 -> impl Service<Request<B>, Response = Response<Body>, Error = Infallible, Future: Send>
 + Clone
@@ -79,6 +80,13 @@ fn handler<B: Send + 'static>()
         let mut res = Response::new(Body::from("ok"));
         if req.method() == Method::POST {
             *res.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
+        }
+        match req.headers().get("x-answer").map(|v| v.as_bytes()) {
+            Some(b"missing") => *res.status_mut() = StatusCode::NOT_FOUND,
+            Some(b"double") => {
+                res.headers_mut().insert("x-cost", http::HeaderValue::from_static("2"));
+            }
+            _ => {}
         }
         Ok::<_, Infallible>(res)
     })
@@ -393,8 +401,8 @@ async fn the_lean_layer_closes_and_settles_as_the_layer() {
             .unwrap()
     };
     let clock = FakeClock::new();
-    let mut full = make(&clock).layer(settling());
-    let mut lean = make(&clock).lean().unwrap().layer(settling());
+    let mut full = make(&clock).layer(handler());
+    let mut lean = make(&clock).lean().unwrap().layer(handler());
     let req = |answer: Option<&'static str>, length: Option<&str>, chunked: bool, h2: bool| {
         let mut req = Request::builder().uri("/").header("x-key", "k");
         if let Some(answer) = answer {
@@ -433,25 +441,6 @@ async fn the_lean_layer_closes_and_settles_as_the_layer() {
     let admitted = [(200, false), (404, false), (200, false)];
     let limited = [false, true, true, true, false].map(|closes| (429, closes));
     assert_eq!(seen, [&admitted[..], &limited].concat());
-}
-
-/// 404 to `x-answer: missing`; `x-cost: 2` to `x-answer: double`; "ok" otherwise.
-fn settling<B: Send + 'static>()
--> impl Service<Request<B>, Response = Response<Body>, Error = Infallible, Future: Send>
-+ Clone
-+ Send
-+ 'static {
-    tower::service_fn(|req: Request<B>| async move {
-        let mut res = Response::new(Body::from("ok"));
-        match req.headers().get("x-answer").map(|v| v.as_bytes()) {
-            Some(b"missing") => *res.status_mut() = StatusCode::NOT_FOUND,
-            Some(b"double") => {
-                res.headers_mut().insert("x-cost", http::HeaderValue::from_static("2"));
-            }
-            _ => {}
-        }
-        Ok::<_, Infallible>(res)
-    })
 }
 
 /// An inner service whose future answers `Err` each time it is polled.
