@@ -218,7 +218,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tokio::spawn(async move { axum::serve(listener, app).await });
     println!("tollgate billing example: serving on http://{addr}");
     let api = Api {
-        client: Client::builder(TokioExecutor::new()).build_http(),
+        // HTTP/2 (cleartext, prior knowledge): a refused upload ends its stream while the
+        // connection stays up. Over HTTP/1 the server closes the connection rather than read a
+        // body it refused, and a client still writing that body may see a broken pipe instead
+        // of the 429.
+        client: Client::builder(TokioExecutor::new()).http2_only(true).build_http(),
         base: format!("http://{addr}"),
     };
     let mut checks = Checks::default();
