@@ -163,9 +163,11 @@ async fn line(
     }
     let cold: Arc<Vec<Key>> = Arc::new((0..COLD).map(|i| Key::text(format!("cold-{i}"))).collect());
     let hot = Key::text("hot");
-    // An eighth of the tasks check cold keys (one call each in both modes), the others the
-    // hot key; on the attack lines every task checks the hot key.
-    let cold_task = |t: usize| tier != Tier::Attack && t % 8 == 7;
+    // The last eighth of the tasks check cold keys (one call each in both modes), the others
+    // the hot key; on the attack lines every task checks the hot key. Task `t` uses limiter
+    // `t % n`, so at N = 1, 2, 4 and 8 each limiter has 56 / N hot tasks and 8 / N cold ones
+    // (numbering the cold tasks `t % 8 == 7` left a limiter of eight with no hot task).
+    let cold_task = |t: usize| tier != Tier::Attack && t >= TASKS - TASKS / 8;
     let debug = std::env::var("FLEET_DEBUG").is_ok();
     if debug {
         let () = redis::cmd("CONFIG").arg("RESETSTAT").query(info).expect("CONFIG RESETSTAT");
