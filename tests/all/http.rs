@@ -759,3 +759,63 @@ async fn a_refused_upload_closes_its_connection_and_the_next_request_is_served()
         assert_eq!(served.header("connection"), None, "round {round}");
     }
 }
+
+/// A 2 MB upload the limit refuses before its body is read, over a real connection: a client
+/// that sends `Expect: 100-continue` and waits gets the 429 (with `Connection: close`) and no
+/// `100 Continue`, so it sends no body (RFC 9110 §10.1.1); over HTTP/2 a client that writes the
+/// whole body gets each 429, the stream ending and the connection staying. (Over HTTP/1 without
+/// the expectation, the server closes a connection whose body it will not read, and a client
+/// still writing may see a broken pipe instead: what the README warns of.)
+#[tokio::test]
+async fn a_refused_large_upload_is_answered_with_100_continue_expected_and_over_http2() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let policy = Policy::single("uploads", Quota::per_hour(1)).unwrap();
+    let app = Router::new()
+        .route("/", route_get(|| async { "ok" }))
+        .route(
+            "/upload",
+            axum::routing::post(|body: bytes::Bytes| async move { body.len().to_string() }),
+        )
+        .layer(RateLimitLayer::builder(policy).build().unwrap());
+    let server = serve(app).await;
+    // The peer's one request an hour.
+    assert_eq!(get(&client(), &server.url("/"), &[]).await.status, StatusCode::OK);
+
+    let mut stream = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    stream
+        .write_all(
+            b"POST /upload HTTP/1.1\r\nhost: localhost\r\ncontent-length: 2000000\r\n\
+              expect: 100-continue\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buf))
+            .await
+            .expect("an answer without the body")
+            .unwrap();
+        assert!(n > 0, "closed before an answer: {:?}", String::from_utf8_lossy(&head));
+        head.extend_from_slice(&buf[..n]);
+    }
+    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 429 too many requests\r\n"), "{head}");
+    assert!(head.contains("\r\nconnection: close\r\n"), "{head}");
+    assert!(head.contains("\r\nretry-after: "), "{head}");
+
+    let h2: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build_http();
+    for _ in 0..5 {
+        let req = http::Request::post(server.url("/upload"))
+            .body(http_body_util::Full::new(bytes::Bytes::from(vec![b'x'; 2_000_000])))
+            .unwrap();
+        let res = h2.request(req).await.expect("the 429, not a failed write");
+        assert_eq!(res.version(), http::Version::HTTP_2);
+        assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert!(res.headers().get(http::header::CONNECTION).is_none());
+    }
+}
