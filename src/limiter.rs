@@ -139,7 +139,7 @@ impl<St: Store> Limiter<St> {
 
     /// [`rebind`](Self::rebind), starting the tiers that changed as `carry` says: full
     /// ([`Carry::StartFull`]), or with each key's used fraction of the old tier
-    /// ([`Carry::UsedFraction`], where the store can: a [`MemoryStore`](crate::store::MemoryStore)).
+    /// ([`Carry::UsedFraction`], where the store can: a [`MemoryStore`]).
     ///
     /// # Errors
     /// What [`Store::rebind`] refuses.

@@ -43,7 +43,7 @@ pub(crate) struct Slots {
 }
 
 /// A quota in the algorithms' units: counts, and time in the policy's unit (nanoseconds, or
-/// microseconds for a policy with a long span; see [`Policy::unit`]).
+/// microseconds for a policy with a long span; see [`Policy::unit`](crate::Policy::unit)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Rate {
     /// Units per period.

@@ -392,7 +392,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// [`StreamMode`] for what the client sees, and the bound). The same goes for the
     /// messages of a gRPC call under tiers counting [`Unit::RequestMessages`](crate::Unit) or
     /// [`Unit::ResponseMessages`](crate::Unit), in leases of at most
-    /// [`MESSAGE_LEASE`](crate::MESSAGE_LEASE) (16) messages.
+    /// [`MESSAGE_LEASE`] (16) messages.
     ///
     /// ```
     /// use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};

@@ -1,5 +1,5 @@
 //! [`RateLimit`], the service: a thin adapter from HTTP requests to a
-//! [`Limiter`](crate::Limiter) and its [`Reservation`](crate::Reservation).
+//! [`Limiter`] and its [`Reservation`].
 
 use std::fmt;
 use std::future::Future;
@@ -418,7 +418,7 @@ impl<K, St: Store> Config<K, St> {
         }
     }
 
-    /// The request's class ([`Priority::Standard`] unless the layer picks it).
+    /// The request's class ([`Priority::Standard`](crate::Priority::Standard) unless the layer picks it).
     #[inline]
     fn priority(&self, head: &RequestHead<'_>) -> crate::Priority {
         self.settings.priority.as_ref().map_or(crate::Priority::Standard, |f| f(head))
@@ -427,7 +427,8 @@ impl<K, St: Store> Config<K, St> {
     /// The response to a request `limiter` refused; `budget` is the shaping budget it
     /// exceeded; `grpc` whether the request is a gRPC call, answered in gRPC form (never
     /// through the custom rejection: a gRPC client could not read it); `collect` whether its
-    /// rate-limit headers are handed on ([`Prepared::collected`]) rather than written.
+    /// rate-limit headers are handed on (in the response's
+    /// [`Collected`](crate::headers::Collected)) rather than written.
     fn reject(
         &self,
         limiter: &Limiter<St>,

@@ -153,7 +153,7 @@ pub(super) struct Registry {
 #[derive(Default)]
 pub(super) struct Slot {
     pub(super) core: Option<Arc<Core>>,
-    /// Its bindings ([`MemoryPolicy`]) alive.
+    /// Its bindings ([`MemoryPolicy`](crate::store::MemoryPolicy)) alive.
     pub(super) handles: usize,
     /// Replaced bindings whose unchanged tiers live in it.
     pub(super) preds: usize,
