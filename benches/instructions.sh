@@ -21,6 +21,10 @@ bin=$(cargo bench --bench instructions --no-run --message-format=json 2>/dev/nul
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+# Measure a copy: a build in the shared target directory during the run (which takes minutes)
+# would otherwise replace the binary between counts.
+cp "$bin" "$tmp/instructions"
+bin="$tmp/instructions"
 R1=2000
 R2=12000
 
