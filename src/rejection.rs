@@ -33,22 +33,23 @@ pub(crate) struct Surface {
     pub(crate) policy: Policy,
     pub(crate) headers: Headers,
     /// The 429 bodies by outcome and violated tiers, for policies of up to [`RENDERED_TIERS`]
-    /// tiers: index `2^n * kind + mask`, `kind` 0 for limited and 1 for a cost above capacity,
-    /// bit `i` of `mask` for tier `i`.
-    bodies: Box<[Bytes]>,
+    /// tiers, each with its `Content-Length` value: index `2^n * kind + mask`, `kind` 0 for
+    /// limited and 1 for a cost above capacity, bit `i` of `mask` for tier `i`.
+    bodies: Box<[(Bytes, HeaderValue)]>,
     /// The `grpc-message` of a refusal: `[limited, cost above capacity]`.
     grpc_messages: [HeaderValue; 2],
     /// The header fields of the default 429 with `Retry-After` and the current draft's
     /// `RateLimit` fields, in the order they are written, made on the first such refusal:
-    /// each refusal clones it and sets its two values in place (see [`LIMITED_FIELDS`]).
+    /// each refusal clones it and sets its three values in place (see [`LIMITED_FIELDS`]).
     limited: OnceLock<HeaderMap>,
 }
 
-/// The fields of [`Surface::limited`] in order; the values of `Retry-After` and `RateLimit`
-/// (positions 2 and 4) change from one refusal to the next.
-const LIMITED_FIELDS: [HeaderName; 5] = [
+/// The fields of [`Surface::limited`] in order; the values of `Content-Length`, `Retry-After`
+/// and `RateLimit` (positions 2, 3 and 5) change from one refusal to the next.
+const LIMITED_FIELDS: [HeaderName; 6] = [
     header::CONTENT_TYPE,
     header::CACHE_CONTROL,
+    header::CONTENT_LENGTH,
     header::RETRY_AFTER,
     crate::headers::RATELIMIT_POLICY,
     crate::headers::RATELIMIT,
@@ -62,7 +63,7 @@ impl Surface {
         let n = policy.tiers().len();
         let bodies = if n <= RENDERED_TIERS {
             (0..2usize << n)
-                .map(|i| problem_body(policy, i >> n == 1, |t| i >> t & 1 == 1))
+                .map(|i| with_length(problem_body(policy, i >> n == 1, |t| i >> t & 1 == 1)))
                 .collect()
         } else {
             Box::default()
@@ -85,10 +86,15 @@ impl Surface {
 
     /// The header fields of the default 429 for `decision` under `fields`, when they are the
     /// common ones ([`LIMITED_FIELDS`]: a refusal that can be retried, with the current draft's
-    /// fields): a clone of [`limited`](Self::limited) with its two values set by position,
-    /// which spares hashing and inserting five names. The same fields, in the same order, as
-    /// [`respond`] and [`add_headers`] write.
-    fn limited_headers(&self, decision: &Decision, fields: Fields) -> Option<HeaderMap> {
+    /// fields), with `length` as its `Content-Length`: a clone of [`limited`](Self::limited)
+    /// with its three values set by position, which spares hashing and inserting six names. The
+    /// same fields, in the same order, as [`respond`] and [`add_headers`] write.
+    fn limited_headers(
+        &self,
+        decision: &Decision,
+        fields: Fields,
+        length: &HeaderValue,
+    ) -> Option<HeaderMap> {
         let current = Fields { style: HeaderStyle::Ietf, format: HeaderFormat::Draft10 };
         if fields != current || decision.tiers.is_empty() {
             return None;
@@ -99,6 +105,7 @@ impl Surface {
             let values = [
                 PROBLEM_JSON,
                 NO_STORE,
+                HeaderValue::from_static("0"),
                 HeaderValue::from_static("1"),
                 self.headers.policy_value().clone(),
                 HeaderValue::from_static(""),
@@ -110,26 +117,54 @@ impl Surface {
         });
         let mut headers = template.clone();
         let mut values = headers.values_mut();
-        *values.nth(2)? = retry_after;
+        *values.nth(2)? = length.clone();
+        *values.next()? = retry_after;
         *values.nth(1)? = self.headers.state(decision);
         Some(headers)
     }
 
-    /// The 429 body for `decision`.
+    /// The 429 body for `decision`, with its `Content-Length` value.
     #[inline]
+    fn body_with_length(&self, decision: &Decision) -> (Bytes, HeaderValue) {
+        match self.rendered(decision) {
+            Some((body, length)) => (body.clone(), length.clone()),
+            None => with_length(self.render(decision)),
+        }
+    }
+
+    /// The 429 body for `decision`.
     fn body(&self, decision: &Decision) -> Bytes {
+        match self.rendered(decision) {
+            Some((body, _)) => body.clone(),
+            None => self.render(decision),
+        }
+    }
+
+    /// The 429 body for `decision` and its length, when they were rendered at bind time.
+    #[inline]
+    fn rendered(&self, decision: &Decision) -> Option<&(Bytes, HeaderValue)> {
         let over = decision.outcome() == Outcome::CostExceedsCapacity;
         let n = decision.tiers().len();
-        if n <= RENDERED_TIERS {
-            let mask: usize = decision.violated().map(|i| 1 << i).sum();
-            if let Some(body) = self.bodies.get((usize::from(over) << n) + mask) {
-                return body.clone();
-            }
+        if n > RENDERED_TIERS {
+            return None;
         }
+        let mask: usize = decision.violated().map(|i| 1 << i).sum();
+        self.bodies.get((usize::from(over) << n) + mask)
+    }
+
+    /// The 429 body for `decision`, rendered now.
+    fn render(&self, decision: &Decision) -> Bytes {
+        let over = decision.outcome() == Outcome::CostExceedsCapacity;
         problem_body(&self.policy, over, |i| {
             decision.tiers().get(i).is_some_and(|t| t.is_violated())
         })
     }
+}
+
+/// `body` with its `Content-Length` value.
+fn with_length(body: Bytes) -> (Bytes, HeaderValue) {
+    let length = HeaderValue::from(body.len());
+    (body, length)
 }
 
 fn json_string(out: &mut String, s: &str) {
@@ -190,12 +225,21 @@ fn problem_body(policy: &Policy, over: bool, violated: impl Fn(usize) -> bool) -
 
 /// A response with a problem body and the headers every refusal carries.
 fn respond(status: StatusCode, body: Bytes) -> Response<Bytes> {
+    let (body, length) = with_length(body);
+    respond_with_length(status, body, length)
+}
+
+/// [`respond`], the body's `Content-Length` value given. The refusal says its length itself
+/// (as axum's router would add it): with it in the map the router adds nothing, where its
+/// insertion would grow a map cloned to the size of its fields.
+fn respond_with_length(status: StatusCode, body: Bytes, length: HeaderValue) -> Response<Bytes> {
     let mut res = Response::new(body);
     *res.status_mut() = status;
-    // Room for these two, `Retry-After` and the rate-limit headers, without growing.
-    let mut headers = HeaderMap::with_capacity(8);
+    // Room for these three, `Retry-After` and the rate-limit headers, without growing.
+    let mut headers = HeaderMap::with_capacity(9);
     headers.insert(header::CONTENT_TYPE, PROBLEM_JSON);
     headers.insert(header::CACHE_CONTROL, NO_STORE);
+    headers.insert(header::CONTENT_LENGTH, length);
     *res.headers_mut() = headers;
     res
 }
@@ -224,13 +268,14 @@ pub(crate) fn too_many_requests(
     decision: &Decision,
     style: Fields,
 ) -> Response<Bytes> {
-    if let Some(headers) = surface.limited_headers(decision, style) {
-        let mut res = Response::new(surface.body(decision));
+    let (body, length) = surface.body_with_length(decision);
+    if let Some(headers) = surface.limited_headers(decision, style, &length) {
+        let mut res = Response::new(body);
         *res.status_mut() = StatusCode::TOO_MANY_REQUESTS;
         *res.headers_mut() = headers;
         return res;
     }
-    let mut res = respond(StatusCode::TOO_MANY_REQUESTS, surface.body(decision));
+    let mut res = respond_with_length(StatusCode::TOO_MANY_REQUESTS, body, length);
     add_headers(surface, decision, style, &mut res);
     res
 }
@@ -676,11 +721,11 @@ mod tests {
             .unwrap();
         let surface = Surface::new(&policy);
         assert_eq!(surface.bodies.len(), 8);
-        let body: serde_json::Value = serde_json::from_slice(&surface.bodies[0b11]).unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&surface.bodies[0b11].0).unwrap();
         assert_eq!(body["violated-policies"], serde_json::json!(["a", "b"]));
         assert_eq!(body["status"], 429);
         assert_eq!(body["type"], QUOTA_EXCEEDED_TYPE);
-        let over: serde_json::Value = serde_json::from_slice(&surface.bodies[4 + 0b10]).unwrap();
+        let over: serde_json::Value = serde_json::from_slice(&surface.bodies[4 + 0b10].0).unwrap();
         assert_eq!(over["violated-policies"], serde_json::json!(["b"]));
         assert!(over["detail"].as_str().unwrap().contains("never"));
     }
@@ -722,14 +767,18 @@ mod tests {
                     // Twice: the first refusal makes the kept fields, the second clones them.
                     for _ in 0..2 {
                         let res = too_many_requests(&surface, decision, fields);
-                        let mut expected = respond(StatusCode::TOO_MANY_REQUESTS, Bytes::new());
+                        let body = surface.body(decision);
+                        let mut expected = respond(StatusCode::TOO_MANY_REQUESTS, body);
                         add_headers(&surface, decision, fields, &mut expected);
                         assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
                         let got: Vec<_> = res.headers().iter().collect();
                         let want: Vec<_> = expected.headers().iter().collect();
                         assert_eq!(got, want, "{fields:?} {decision:?}");
-                        let body = Full::new(res.into_body()).collect().await.unwrap();
-                        assert_eq!(body.to_bytes(), surface.body(decision));
+                        let length = res.headers()[header::CONTENT_LENGTH].to_str().unwrap();
+                        let length: usize = length.parse().unwrap();
+                        let body = Full::new(res.into_body()).collect().await.unwrap().to_bytes();
+                        assert_eq!(body.len(), length);
+                        assert_eq!(body, surface.body(decision));
                     }
                 }
             }
@@ -737,6 +786,45 @@ mod tests {
         // Only the current draft's fields of a refusal that can be retried were kept.
         let kept = surface.limited.get().unwrap();
         assert_eq!(kept.keys().collect::<Vec<_>>(), LIMITED_FIELDS.iter().collect::<Vec<_>>());
+    }
+
+    /// Every problem-body refusal says its body's length, once: a 429 of a policy whose bodies
+    /// were rendered at bind time and of one with more tiers (rendered per refusal), each
+    /// header style, and the 503 and 400s.
+    #[test]
+    fn every_refusal_says_its_length_once() {
+        let five = (0..5).fold(Policy::builder("five"), |b, i| {
+            b.tier(format!("t{i}"), Quota::per_second(10 + i))
+        });
+        let secs = 1_000_000_000;
+        let mut responses = Vec::new();
+        for policy in [Policy::single("one", Quota::per_second(1)).unwrap(), five.build().unwrap()]
+        {
+            let surface = Surface::new(&policy);
+            let n = policy.tiers().len();
+            let tiers = (0..n).map(|i| {
+                let wait = (i == n - 1).then_some(secs / 2);
+                crate::decision::TierDecision::new(10, 0, secs, wait, wait.is_some())
+            });
+            let decision = Decision::new(Outcome::Limited, 0, Some(secs / 2), tiers.collect());
+            for style in [HeaderStyle::Ietf, HeaderStyle::Both, HeaderStyle::None] {
+                let fields = Fields { style, format: HeaderFormat::Draft10 };
+                responses.push(too_many_requests(&surface, &decision, fields));
+            }
+        }
+        let error = crate::StoreError::backend("down");
+        for rejection in [
+            Rejection::Unavailable(error),
+            Rejection::MissingKey { status: StatusCode::BAD_REQUEST, explained: None },
+            Rejection::Unselected(StatusCode::FORBIDDEN),
+        ] {
+            responses.push(rejection.response(Fields::default()));
+        }
+        for res in responses {
+            let lengths: Vec<_> = res.headers().get_all(header::CONTENT_LENGTH).iter().collect();
+            assert_eq!(lengths.len(), 1, "{res:?}");
+            assert_eq!(lengths[0].to_str().unwrap(), res.body().len().to_string(), "{res:?}");
+        }
     }
 
     #[tokio::test]

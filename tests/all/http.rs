@@ -817,5 +817,11 @@ async fn a_refused_large_upload_is_answered_with_100_continue_expected_and_over_
         assert_eq!(res.version(), http::Version::HTTP_2);
         assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
         assert!(res.headers().get(http::header::CONNECTION).is_none());
+        // The refusal says its length once (the layer's own; the router adds none).
+        let lengths: Vec<_> = res.headers().get_all(http::header::CONTENT_LENGTH).iter().collect();
+        assert_eq!(lengths.len(), 1);
+        let length: usize = lengths[0].to_str().unwrap().parse().unwrap();
+        use http_body_util::BodyExt;
+        assert_eq!(res.into_body().collect().await.unwrap().to_bytes().len(), length);
     }
 }
