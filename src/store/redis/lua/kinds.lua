@@ -114,7 +114,7 @@ local function kpolicies()
     -- The flat path (see `flat_batch`): GCRA rate tiers of whole-unit T, no reserve, no
     -- penalty box.
     local flat = F.rate == true and P[i + 2] == 0 and npen == 0 and whole and guard
-    -- The flat path's key state (see `flat_load`): the slots held per concurrency tier after
+    -- The flat path's key state (see its `load`): the slots held per concurrency tier after
     -- `oh`, the windows per calendar tier after `oh + nconc`; `blank` sizes it.
     local oh = 9 + 3 * nrate
     local blank = false
@@ -253,64 +253,6 @@ end
 -- The flat path's functions are made only for a batch that takes it: every function a call
 -- of a script defines is a closure made anew, which the general path need not pay for.
 if flat_batch() then
-  -- `load`, flat.
-  local function flat_load(k, pol, name)
-    local c = CLOCKS[pol.unit] or clock_of(pol.unit)
-    local cs, cu, per = c.s, c.u, pol.per
-    local st = { k, pol, cs, cu, false, false, false, false, name, unpack(pol.blank) }
-    local packed = STORED[name]
-    if not packed then
-      for r = 1, pol.nrate do
-        local q = 7 + 3 * r
-        -- Fresh: the TAT in the past; `last` now (what `F.save` writes for it).
-        st[q], st[q + 1], st[q + 2] = 0, cs, cu
-      end
-      for w = 1, pol.ncal do st[(pol.oh + pol.nconc) + w] = {} end
-      return st
-    end
-    -- (`doubles`, inline: the position struct.unpack returns last is never read.)
-    local nd = #packed / 8
-    local raw = { sunpack(FMT[nd] or fmt(nd), packed) }
-    local g1, g2 = raw[1], raw[2]
-    -- Time never goes back for a key (see `load`): the flat path's policies all keep a guard.
-    if (g1 - cs) * per + (g2 - cu) > 0 then
-      cs, cu = g1, g2
-      st[3], st[4] = cs, cu
-    end
-    st[5], st[6] = g1, g2
-    local j = 2
-    for w = 1, pol.ncal do
-      -- The windows counted, less those that ended.
-      j = j + 1
-      local m = raw[j]
-      local kept
-      if m == 1 and (raw[j + 2] - cs) * per - cu > 0 then
-        kept = { raw[j + 1], raw[j + 2], raw[j + 3] }
-        j = j + 3
-      else
-        kept = {}
-        local y = 0
-        for _ = 1, m do
-          if (raw[j + 2] - cs) * per - cu > 0 then
-            kept[y + 1], kept[y + 2], kept[y + 3] = raw[j + 1], raw[j + 2], raw[j + 3]
-            y = y + 3
-          else
-            st[7] = true
-          end
-          j = j + 3
-        end
-      end
-      st[(pol.oh + pol.nconc) + w] = kept
-    end
-    -- The stored fraction (raw[y + 3]) is not read, and flat_save writes 0: a whole-unit
-    -- policy never has one, and a changed quota changes the state key's name, so no state
-    -- written under a fractional emission interval is read here.
-    for r = 1, pol.nrate do
-      local q, y = 7 + 3 * r, j + 5 * r - 5
-      st[q], st[q + 1], st[q + 2] = (raw[y + 1] - cs) * per + (raw[y + 2] - cu), raw[y + 4], raw[y + 5]
-    end
-    return st
-  end
 
   -- The key's now in milliseconds since the epoch (lease expiries).
   local function flat_ms(st)
@@ -684,58 +626,9 @@ if flat_batch() then
   -- The numbers a key's state is packed from, reused (`pack` takes how many).
   local V = {}
 
-  -- The write-back below, flat.
-  local function flat_save(st)
-    local pol = st[2]
-    local cs, cu, per, oc = st[3], st[4], pol.per, pol.oh + pol.nconc
-    -- The TTL: the latest reset of `flat_status`, inline.
-    local ttl = 0
-    for r = 1, pol.nrate do
-      local en = st[7 + 3 * r]
-      if en > ttl then ttl = en end
-    end
-    for w = 1, pol.ncal do
-      local list = st[oc + w]
-      local m = #list
-      if m > 0 then
-        local e = (list[m - 1] - cs) * per - cu
-        if e > ttl then ttl = e end
-      end
-    end
-    if ttl <= 0 then
-      call('DEL', st[9])
-      return
-    end
-    -- The guard moves with charges only (see the write-back below).
-    local v = V
-    v[1], v[2] = cs, cu
-    if st[5] and not st[8] then v[1], v[2] = st[5], st[6] end
-    local m = 2
-    for w = 1, pol.ncal do
-      local list = st[oc + w]
-      local nl = #list
-      v[m + 1] = nl / 3
-      for y = 1, nl do v[m + 1 + y] = list[y] end
-      m = m + 1 + nl
-    end
-    for r = 1, pol.nrate do
-      local q = 7 + 3 * r
-      -- `abs`: the TAT as (seconds, units); the fraction is 0.
-      local u = cu + st[q]
-      local sx = floor(u / per)
-      if sx * per > u then sx = sx - 1 elseif (sx + 1) * per <= u then sx = sx + 1 end
-      v[m + 1], v[m + 2], v[m + 3], v[m + 4], v[m + 5] = cs + sx, u - sx * per, 0, st[q + 1], st[q + 2]
-      m = m + 5
-    end
-    -- (`pack`, inline: a state of calendar windows holds a few hundred numbers at most.)
-    local packed = m <= 4000 and spack(FMT[m] or fmt(m), unpack(v, 1, m)) or pack(v, m)
-    call('SET', st[9], packed, 'PX', ceil(ttl * pol.unit / 1e6) + pol.grace)
-  end
-
-
   -- The batch.
-  local i = 1
-  while i <= #C do
+  local i, nc = 1, #C
+  while i <= nc do
     local op, k, pol = C[i], C[i + 1], POL[C[i + 2]]
     local name = KEYS[k]
     local st = cache[name]
@@ -743,7 +636,62 @@ if flat_batch() then
       release_only(k, pol, i)
     else
       if not st then
-        st = flat_load(k, pol, name)
+        -- `load`, flat and inline.
+        local c = CLOCKS[pol.unit] or clock_of(pol.unit)
+        local cs, cu, per = c.s, c.u, pol.per
+        st = { k, pol, cs, cu, false, false, false, false, name, unpack(pol.blank) }
+        local packed = STORED[name]
+        if not packed then
+          for r = 1, pol.nrate do
+            local q = 7 + 3 * r
+            -- Fresh: the TAT in the past; `last` now (what `F.save` writes for it).
+            st[q], st[q + 1], st[q + 2] = 0, cs, cu
+          end
+          for w = 1, pol.ncal do st[(pol.oh + pol.nconc) + w] = {} end
+        else
+          -- (`doubles`, inline: the position struct.unpack returns last is never read.)
+          local nd = #packed / 8
+          local raw = { sunpack(FMT[nd] or fmt(nd), packed) }
+          local g1, g2 = raw[1], raw[2]
+          -- Time never goes back for a key (see `load`): the flat path's policies all keep a
+          -- guard.
+          if (g1 - cs) * per + (g2 - cu) > 0 then
+            cs, cu = g1, g2
+            st[3], st[4] = cs, cu
+          end
+          st[5], st[6] = g1, g2
+          local j = 2
+          for w = 1, pol.ncal do
+            -- The windows counted, less those that ended.
+            j = j + 1
+            local m = raw[j]
+            local kept
+            if m == 1 and (raw[j + 2] - cs) * per - cu > 0 then
+              kept = { raw[j + 1], raw[j + 2], raw[j + 3] }
+              j = j + 3
+            else
+              kept = {}
+              local y = 0
+              for _ = 1, m do
+                if (raw[j + 2] - cs) * per - cu > 0 then
+                  kept[y + 1], kept[y + 2], kept[y + 3] = raw[j + 1], raw[j + 2], raw[j + 3]
+                  y = y + 3
+                else
+                  st[7] = true
+                end
+                j = j + 3
+              end
+            end
+            st[(pol.oh + pol.nconc) + w] = kept
+          end
+          -- The stored fraction (raw[y + 3]) is not read, and the write-back writes 0: a
+          -- whole-unit policy never has one, and a changed quota changes the state key's name,
+          -- so no state written under a fractional emission interval is read here.
+          for r = 1, pol.nrate do
+            local q, y = 7 + 3 * r, j + 5 * r - 5
+            st[q], st[q + 1], st[q + 2] = (raw[y + 1] - cs) * per + (raw[y + 2] - cu), raw[y + 4], raw[y + 5]
+          end
+        end
         cache[name] = st
         order[#order + 1] = st
       end
@@ -751,8 +699,56 @@ if flat_batch() then
     end
     i = i + C[i + 3]
   end
-  for _, st in ipairs(order) do
-    if st[7] or st[8] then flat_save(st) end
+  -- The write-back (the general path's, below), flat and inline: per key a function call
+  -- costs about as much as the work.
+  for x = 1, #order do
+    local st = order[x]
+    if st[7] or st[8] then
+      local pol = st[2]
+      local cs, cu, per, oc = st[3], st[4], pol.per, pol.oh + pol.nconc
+      -- The TTL: the latest reset of `flat_status`, inline.
+      local ttl = 0
+      for r = 1, pol.nrate do
+        local en = st[7 + 3 * r]
+        if en > ttl then ttl = en end
+      end
+      for w = 1, pol.ncal do
+        local list = st[oc + w]
+        local m = #list
+        if m > 0 then
+          local e = (list[m - 1] - cs) * per - cu
+          if e > ttl then ttl = e end
+        end
+      end
+      if ttl <= 0 then
+        call('DEL', st[9])
+      else
+        -- The guard moves with charges only (see the write-back below).
+        local v = V
+        v[1], v[2] = cs, cu
+        if st[5] and not st[8] then v[1], v[2] = st[5], st[6] end
+        local m = 2
+        for w = 1, pol.ncal do
+          local list = st[oc + w]
+          local nl = #list
+          v[m + 1] = nl / 3
+          for y = 1, nl do v[m + 1 + y] = list[y] end
+          m = m + 1 + nl
+        end
+        for r = 1, pol.nrate do
+          local q = 7 + 3 * r
+          -- `abs`: the TAT as (seconds, units); the fraction is 0.
+          local u = cu + st[q]
+          local sx = floor(u / per)
+          if sx * per > u then sx = sx - 1 elseif (sx + 1) * per <= u then sx = sx + 1 end
+          v[m + 1], v[m + 2], v[m + 3], v[m + 4], v[m + 5] = cs + sx, u - sx * per, 0, st[q + 1], st[q + 2]
+          m = m + 5
+        end
+        -- (`pack`, inline: a state of calendar windows holds a few hundred numbers at most.)
+        local packed = m <= 4000 and spack(FMT[m] or fmt(m), unpack(v, 1, m)) or pack(v, m)
+        call('SET', st[9], packed, 'PX', ceil(ttl * pol.unit / 1e6) + pol.grace)
+      end
+    end
   end
   return finish()
 end
