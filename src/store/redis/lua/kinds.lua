@@ -597,9 +597,15 @@ if flat_batch() then
             current = list[y + 2]
           end
         end
+        -- (`max`, inline: a C call per tier costs more than the rest.)
         reset = 0
-        if m > 0 then reset = max(0, (list[m - 1] - cs) * per - cu) end
-        remaining = max(0, tier.count - current)
+        if m > 0 then
+          local e = (list[m - 1] - cs) * per - cu
+          if e > 0 then reset = e end
+        end
+        local left = tier.count - current
+        remaining = 0
+        if left > 0 then remaining = left end
       end
       reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4], reply[r + 5] =
         remaining, reset, -1, 0, 0
