@@ -8,7 +8,8 @@ either chosen per batch; replies (errors compared without line numbers), state v
 and log sets must match, PTTLs within 200 ms. Batches of 1 to MAXREC (default 5) records over
 two keys of three random policies of one family: checks (costs 0 to above capacity per tier,
 classes, policed or shaped), settlements (refunds, extra charges, releases) and refreshes;
-units of 1 ns and 1 us; BACK=1 steps the clock back now and then.
+units of 1 ns and 1 us; BACK=1 steps the clock back now and then. OLD_PLAIN=1 when the older
+version's ARGV[2] has the plain flag too (any version since plain policies ran kinds.lua).
 
     mkdir /tmp/old && git archive 040c099 src/store/redis/lua | tar -x -C /tmp/old
     redis-server --port 7401 --bind 127.0.0.1 --save "" &     # a throw-away server
@@ -20,6 +21,8 @@ import os, random, re, struct, sys
 from resp import Conn, d
 PORT = int(sys.argv[1]); SEED = int(sys.argv[2])
 OLD = os.environ["OLD"]
+# OLD_PLAIN=1: the older version's ARGV[2] has the plain flag too (any version since it).
+OLD_PLAIN = os.environ.get("OLD_PLAIN")
 NEW = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src/store/redis/lua")
 S = 10**9
 def src(folder, fam, drv): return "".join(open(os.path.join(folder, f)).read() for f in ("prelude.lua", fam, drv))
@@ -49,7 +52,7 @@ def rpol(rnd, alg):
 def pargs(pols, new):
     out = []
     for p in pols:
-        out += [p["unit"], 1000, p["alg"], len(p["tiers"])] + ([0] if new else [])
+        out += [p["unit"], 1000, p["alg"], len(p["tiers"])] + ([0] if new or OLD_PLAIN else [])
         for t in p["tiers"]: out += list(t)
     return d(*out)
 def bounds(s):
