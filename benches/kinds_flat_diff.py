@@ -22,7 +22,9 @@ with probability x per calendar tier of a record, bounds that do not cover the s
 unit GCRA tiers, calendar tiers, lease sets, in any order) every 300 batches. TRUNC=x (with
 OLD) overwrites, with probability x per batch, a state key of the batch on both databases with a
 value tollgate never writes: a stored one cut short (a whole number of doubles, maybe none), or
-8 bytes (a guard's seconds alone) where there was none; both versions must fail or not alike.
+8 bytes (a guard's seconds alone) where there was none; both versions must fail or not alike
+(not with the same message: the flat path's inline check reads a tier's window before it sees
+that a later tier's cost is above its capacity).
 
     OLD=/tmp/old/src/store/redis/lua SKEW=0.03 RANDPOL=1 python3 benches/kinds_flat_diff.py 7401 SEED
 """
@@ -171,6 +173,7 @@ def main():
             vb = call(B, SRC_B, keys + ["z"], argv1, pol_arg(), d(*(flat + force)))
             if not isinstance(vb, str): vb = vb[:len(vb) - 2 - (3 + 5)] + vb[-2:]
         pb = {k: int(B.cmd("PTTL", k)) for k in set(keys)}
+        if broken and isinstance(va, str) and isinstance(vb, str): vb = va
         if va != vb:
             print("REPLY DIFF batch", batch, "policies", POLS, UNITS, "recs", recs, "\nflat", va, "\n" + ("old " if OLD else "gen "), vb); return 1
         if PXLOG:
