@@ -10,6 +10,8 @@ two keys of three random policies of one family: checks (costs 0 to above capaci
 classes, policed or shaped), settlements (refunds, extra charges, releases) and refreshes;
 units of 1 ns and 1 us; BACK=1 steps the clock back now and then. OLD_PLAIN=1 when the older
 version's ARGV[2] has the plain flag too (any version since plain policies ran kinds.lua).
+COUNTFLAT=1 counts, on database 4 (this version's scripts), the batches that took the flat
+path and its checks decided inline (`flat_check`'s common case) or by `flat_decide`.
 
     mkdir /tmp/old && git archive 040c099 src/store/redis/lua | tar -x -C /tmp/old
     redis-server --port 7401 --bind 127.0.0.1 --save "" &     # a throw-away server
@@ -28,6 +30,15 @@ S = 10**9
 def src(folder, fam, drv): return "".join(open(os.path.join(folder, f)).read() for f in ("prelude.lua", fam, drv))
 FAM = {"rate": ([0, 1, 2], "rate.lua"), "window": ([3, 4], "window.lua"), "log": ([5], "log.lua")}
 SCR = {f: (src(OLD, l, "kinds.lua"), src(NEW, l, "kinds.lua")) for f, (_, l) in FAM.items()}
+COUNT = os.environ.get("COUNTFLAT")
+CNT = ["__flat", "__fast", "__slow"]
+if COUNT:
+    def counted(s):
+        s = s.replace("if flat_batch() then", "if flat_batch() then redis.call('INCR', '__flat')")
+        return s.replace("if zero or slow then return flat_decide(st, i) end",
+                         "if zero or slow then redis.call('INCR', '__slow') return flat_decide(st, i) end "
+                         "redis.call('INCR', '__fast')")
+    SCR = {f: (o, counted(n)) for f, (o, n) in SCR.items()}
 def undo(b): return struct.unpack("<%dd" % (len(b) // 8), b)
 def rpol(rnd, alg):
     unit = rnd.choice([1, 1, 1000]); tiers = []
@@ -63,8 +74,12 @@ def main():
     dbs = [Conn(PORT, x) for x in (3, 4, 5)]
     held = {}; nid = 1; now = 1_700_000_000 * S + rnd.randrange(60 * S)
     back = os.environ.get("BACK")
+    counts = dict.fromkeys(CNT, 0)
+    def tally():
+        for k in CNT: counts[k] += int(dbs[1].cmd("GET", k) or 0)
     for batch in range(int(os.environ.get("BATCHES", "2000"))):
         if batch % 200 == 0:
+            if COUNT: tally()
             for c in dbs: c.cmd("FLUSHDB")
             fam = rnd.choice(list(FAM)); pols = [rpol(rnd, rnd.choice(FAM[fam][0])) for _ in range(3)]; held = {}
         now += rnd.choice([0, 0, 1000, 1_000_000, 50_000_000, 250_000_000, 3 * S, 61 * S])
@@ -135,5 +150,6 @@ def main():
             ts = [t[k] for t in pt]
             if vals[0] != vals[1] or vals[0] != vals[2] or max(ts) - min(ts) > 200:
                 print("STATE DIFF", batch, k, fam, pols, "\nrecs", recs, [(not z and x and undo(x)) or x for x in vals], ts); return 1
+    if COUNT: tally(); print("counts (new, database 4):", counts)
     print("ok", SEED); return 0
 sys.exit(main())

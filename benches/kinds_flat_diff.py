@@ -13,8 +13,22 @@ leases; BACK=1 also steps the clock back 300 ms now and then (the stored guard).
 COUNTFLAT=1 counts the batches that took the flat path (key __flat). PTTLs may differ by
 SLACK ms (default 20; more on a busy machine, where the two calls lie further apart). Standard
 library only.
+
+OLD=<dir> compares with an older version instead: database 1 runs the same batch (no forcing
+record) with the `kinds.lua` (and `prelude.lua`, `rate.lua`) of that directory, e.g. one
+extracted with `git archive`; errors must then match too (without line numbers). SKEW=x sends,
+with probability x per calendar tier of a record, bounds that do not cover the server clock
+(shifted 180 s), so a batch may fail (`cover`). RANDPOL=1 draws five new flat policies (whole-
+unit GCRA tiers, calendar tiers, lease sets, in any order) every 300 batches. TRUNC=x (with
+OLD) overwrites, with probability x per batch, a state key of the batch on both databases with a
+value tollgate never writes: a stored one cut short (a whole number of doubles, maybe none), or
+8 bytes (a guard's seconds alone) where there was none; both versions must fail or not alike
+(not with the same message: the flat path's inline check reads a tier's window before it sees
+that a later tier's cost is above its capacity).
+
+    OLD=/tmp/old/src/store/redis/lua SKEW=0.03 RANDPOL=1 python3 benches/kinds_flat_diff.py 7401 SEED
 """
-import random, struct, sys, os
+import random, re, struct, sys, os
 
 from resp import Conn, d
 
@@ -25,6 +39,31 @@ L = os.path.join(ROOT, "src/store/redis/lua")
 SRC = "".join(open(os.path.join(L, f)).read() for f in ("prelude.lua", "rate.lua", "kinds.lua"))
 if os.environ.get("COUNTFLAT"):
     SRC = SRC.replace("if flat_batch() then", "if flat_batch() then redis.call('INCR', '__flat')")
+    SRC = SRC.replace("if zero or slow then return flat_decide(st, i) end",
+                      "if zero or slow then return flat_decide(st, i) end redis.call('INCR', '__fast')")
+OLD = os.environ.get("OLD")
+SRC_B = SRC
+if OLD:
+    SRC_B = "".join(open(os.path.join(OLD, f)).read() for f in ("prelude.lua", "rate.lua", "kinds.lua"))
+SKEW = float(os.environ.get("SKEW", "0"))
+TRUNC = float(os.environ.get("TRUNC", "0"))
+# PXLOG=1: every SET's key and PX logged (list __px), compared exactly, not within SLACK.
+PXLOG = os.environ.get("PXLOG")
+if PXLOG:
+    def logged(src):
+        head = "local call, tonumber, floor, ceil, max, min = redis.call, tonumber, math.floor, math.ceil, math.max, math.min\n"
+        assert head in src
+        return src.replace(head, head + "do local rc = redis.call; call = function(c, ...) if c == 'SET' then "
+                           "local k, _, _, px = ...; rc('RPUSH', '__px', k .. ' ' .. string.format('%.17g', px)) end "
+                           "return rc(c, ...) end end\n")
+    SRC, SRC_B = logged(SRC), logged(SRC_B)
+RANDPOL = os.environ.get("RANDPOL")
+def call(conn, src, keys, *args):
+    """A reply's doubles, or the error's text without line numbers."""
+    try:
+        return undo(conn.cmd("EVAL", src, str(len(keys)), *keys, *args))
+    except Exception as e:
+        return re.sub(r"user_script:\d+:?|@user_script:\d+|script: \w+", "", str(e))
 def undo(b): return struct.unpack("<%dd" % (len(b) // 8), b)
 S = 1_000_000_000
 # Policies: list of tiers (kind, a, b, c).
@@ -38,14 +77,31 @@ UNITS = [1, 1, 1000, 1, 1, 1000]
 POLS.insert(3, [(1, 2, 300, 0)])                               # slots alone
 POLS.insert(4, [(2, 4, 0, 0), (0, 3, 3 * S, 2)])               # calendar and rate, no slots
 POLS[2] = [(2, 3, 0, 0), (0, 1, 2 * S // 1000, 1), (2, 7, 0, 0)]  # unit 1 us
+def rand_pols(rnd):
+    """Five flat policies (POLS[5], the forcing non-flat one, stays)."""
+    for x in range(5):
+        UNITS[x] = rnd.choice([1, 1, 1000])
+        tiers = []
+        for _ in range(rnd.randint(1, 4)):
+            k = rnd.choice([0, 0, 2, 2, 1])
+            if k == 0:
+                c = rnd.randint(1, 6)
+                T = rnd.choice([50_000_000, 250_000_000, S, 3 * S]) // UNITS[x]
+                tiers.append((0, c, c * T, rnd.randint(1, 2 * c)))
+            elif k == 2:
+                tiers.append((2, rnd.randint(1, 8), 0, 0))
+            else:
+                tiers.append((1, rnd.randint(1, 3), rnd.choice([100, 300, 2000]), 0))
+        POLS[x] = tiers
 def pol_arg():
     out = []
-    for tiers in POLS:
-        out += [UNITS[POLS.index(tiers)], 1000, 0, len(tiers), 0]  # not plain: guarded
+    for x, tiers in enumerate(POLS):
+        out += [UNITS[x], 1000, 0, len(tiers), 0]  # not plain: guarded
         for (k, a, b, c) in tiers: out += [k, a, b, c, 0, 0, 0, 0, 0]
     return d(*out)
-def bounds(now_s):
+def bounds(now_s, rnd=None):
     w = now_s // 60 * 60
+    if rnd and rnd.random() < SKEW: w += rnd.choice([-180, 180])
     return [w - 60, w, w + 60, w + 120]
 def main():
     rnd = random.Random(SEED)
@@ -54,7 +110,14 @@ def main():
     now = 1_700_000_000 * S + 50 * S
     held = {}  # (key, pol) -> list of (id, costs, at_s, at_u)
     nid = 1
+    errors = 0
+    tally = {"__flat": 0, "__fast": 0}
     for batch in range(int(os.environ.get("BATCHES", "3000"))):
+        if RANDPOL and batch % 300 == 0:
+            rand_pols(rnd)
+            for k in tally: tally[k] += int(A.cmd("GET", k) or 0)
+            for c in (A, B): c.cmd("FLUSHDB")
+            held = {}
         if rnd.random() < 0.1:
             # exactly on the next minute boundary (a calendar window's end), or 1 ns before
             now = (now // (60 * S) + 1) * 60 * S - rnd.choice([0, 0, 1])
@@ -79,7 +142,7 @@ def main():
                 body = [rnd.choice([1, 1, 1, 0])]
                 for t, c in zip(tiers, costs):
                     body += [c, c, cs_, cu_, lid if t[0] == 1 else 0]
-                for _ in range(ncal): body += [4] + bounds(s)
+                for _ in range(ncal): body += [4] + bounds(s, rnd)
                 for _ in range(ncal): w = cs_ // 60 * 60; body += [w, w + 60]
                 rec = [2, ki, p + 1, 4 + len(body)] + body
                 meta.append(("settle", 0))
@@ -87,22 +150,40 @@ def main():
                 lid = nid; nid += 1
                 costs = [rnd.choice([0, 1, 1, 1, 2, 3, 4, 6]) for _ in tiers]
                 body = [-1, lid] + costs + [1]
-                for _ in range(ncal): body += [4] + bounds(s)
+                for _ in range(ncal): body += [4] + bounds(s, rnd)
                 rec = [1, ki, p + 1, 4 + len(body)] + body
                 meta.append(("check", (kname, p, lid, costs, s, ns)))
             recs.append(rec)
         flat = [x for r in recs for x in r]
+        broken = None
+        if TRUNC and rnd.random() < TRUNC:
+            k = rnd.choice([k for k in keys if ":c" not in k])
+            v = A.cmd("GET", k)
+            v = v[:8 * rnd.randrange(len(v) // 8)] if v else d(s + rnd.choice([-1, 0, 1]))
+            for c in (A, B): c.cmd("SET", k, v)
+            broken = k
         # the forcing record: a check of the non-flat policy on its own key
         force = [1, len(keys) + 1, 6, 4 + 2 + 1 + 1, -1, 999, 1, 1]
         argv1 = d(1, s, ns)
-        ra = A.cmd("EVAL", SRC, str(len(keys)), *keys, argv1, pol_arg(), d(*flat))
+        va = call(A, SRC, keys, argv1, pol_arg(), d(*flat))
         pa = {k: int(A.cmd("PTTL", k)) for k in set(keys)}
-        rb = B.cmd("EVAL", SRC, str(len(keys) + 1), *keys, "z", argv1, pol_arg(), d(*(flat + force)))
+        if OLD:
+            vb = call(B, SRC_B, keys, argv1, pol_arg(), d(*flat))
+        else:
+            vb = call(B, SRC_B, keys + ["z"], argv1, pol_arg(), d(*(flat + force)))
+            if not isinstance(vb, str): vb = vb[:len(vb) - 2 - (3 + 5)] + vb[-2:]
         pb = {k: int(B.cmd("PTTL", k)) for k in set(keys)}
-        va, vb = undo(ra), undo(rb)
-        vb = vb[:len(vb) - 2 - (3 + 5)] + vb[-2:]
+        if broken and isinstance(va, str) and isinstance(vb, str): vb = va
         if va != vb:
-            print("REPLY DIFF batch", batch, "recs", recs, "\nflat", va, "\ngen ", vb); return 1
+            print("REPLY DIFF batch", batch, "policies", POLS, UNITS, "recs", recs, "\nflat", va, "\n" + ("old " if OLD else "gen "), vb); return 1
+        if PXLOG:
+            xa, xb = A.cmd("LRANGE", "__px", "0", "-1"), B.cmd("LRANGE", "__px", "0", "-1")
+            for c in (A, B): c.cmd("DEL", "__px")
+            xb = [x for x in xb if not x.startswith(b"z ")]  # the forcing record's key
+            if xa != xb:
+                print("PX DIFF batch", batch, "recs", recs, "\nflat", xa, "\n" + ("old " if OLD else "gen "), xb); return 1
+        failed = isinstance(va, str)
+        if failed: errors += 1; meta = []
         # record admitted ones
         pos = 0
         for (kind, m) in meta:
@@ -118,6 +199,11 @@ def main():
             zb = B.cmd("ZRANGE", k, "0", "-1", "WITHSCORES") if z else None
             ta, tb = pa[k], pb[k]
             if ga != gb or za != zb or abs(ta - tb) > SLACK:
-                print("STATE DIFF batch", batch, k, "\nflat", ga and undo(ga), za, ta, "\ngen ", gb and undo(gb), zb, tb, "\nrecs", recs); return 1
-    print("ok", SEED, "flat batches on A:", A.cmd("GET", "__flat"), "on B:", B.cmd("GET", "__flat")); return 0
+                print("STATE DIFF batch", batch, k, "\nflat", ga and undo(ga), za, ta, "\n" + ("old " if OLD else "gen "), gb and undo(gb), zb, tb, "\nrecs", recs); return 1
+        # (Deleted after the batch: a broken key fails every batch that loads it.)
+        if broken:
+            for c in (A, B): c.cmd("DEL", broken)
+    for k in tally: tally[k] += int(A.cmd("GET", k) or 0)
+    print("ok", SEED, "flat batches on A:", tally["__flat"], "on B:", B.cmd("GET", "__flat"),
+          "checks decided inline on A:", tally["__fast"], "batches failed alike:", errors); return 0
 sys.exit(main())

@@ -659,9 +659,12 @@ if flat_batch() then
           end
           for w = 1, pol.ncal do st[(pol.oh + pol.nconc) + w] = {} end
         else
-          -- (`doubles`, inline: the position struct.unpack returns last is never read.)
+          -- (`doubles`, inline.) The position struct.unpack returns last is dropped, as
+          -- `doubles` drops it: a value shorter than the policy's state (never written by a
+          -- version of this layout) then fails on a missing number, not reads the position.
           local nd = #packed / 8
           local raw = { sunpack(FMT[nd] or fmt(nd), packed) }
+          raw[#raw] = nil
           local g1, g2 = raw[1], raw[2]
           -- Time never goes back for a key (see `load`): the flat path's policies all keep a
           -- guard.
