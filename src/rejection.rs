@@ -471,7 +471,9 @@ impl RateLimited {
     }
 
     /// The default response: 429, `Retry-After`, `Cache-Control: no-store`, the IETF
-    /// `RateLimit-Policy` / `RateLimit` headers and the problem+json [`body`](Self::body).
+    /// `RateLimit-Policy` / `RateLimit` headers and the problem+json [`body`](Self::body) with
+    /// its `Content-Length` (bytes). A service that replaces the body must replace or remove
+    /// that field too, as with any response whose length is declared.
     #[must_use]
     pub fn to_response(&self) -> Response<Full<Bytes>> {
         self.response(Fields::default()).map(Full::new)
