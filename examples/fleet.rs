@@ -8,8 +8,8 @@
 //! counts and the server's `INFO commandstats` per line; `FLEET_PREFETCH=0` leases without
 //! [`Lease::prefetch`](tollgate::store::Lease::prefetch), to compare; `FLEET_SCHEDULE=0`
 //! leases without [`Lease::schedule`](tollgate::store::Lease::schedule); `FLEET_BLOCK` sets the
-//! largest block, 512 by default, and with it the bound). It exits with an error when a line admitted more
-//! than its bound. It starts its own `redis-server` (which must be on `PATH`) on a free
+//! largest block, 1,024 by default, and with it the bound). It exits with an error when a
+//! line admitted more than its bound. It starts its own `redis-server` (which must be on `PATH`) on a free
 //! 127.0.0.1 port with `--save ""` and kills it at the end.
 //!
 //! One line per (mode, tier, n):
@@ -55,12 +55,12 @@ const GCRA_RATE: u64 = 400_000;
 const GCRA_BURST: u64 = 4_000;
 /// The attack tier: 100 a second.
 const ATTACK_LIMIT: u64 = 100;
-/// Blocks of at most 512 units (or `FLEET_BLOCK`), spent within 100 ms, the next asked for
-/// ahead of need (`FLEET_PREFETCH=0` turns that off, to compare), leased from the key's
-/// schedule (`FLEET_SCHEDULE=0` turns that off, to compare).
+/// Blocks of at most 1,024 units (2.56 ms of the hot key's rate; or `FLEET_BLOCK`), spent
+/// within 100 ms, the next asked for ahead of need (`FLEET_PREFETCH=0` turns that off, to
+/// compare), leased from the key's schedule (`FLEET_SCHEDULE=0` turns that off, to compare).
 fn lease() -> Lease {
     let prefetch = std::env::var("FLEET_PREFETCH").map_or(true, |v| v != "0");
-    let block = std::env::var("FLEET_BLOCK").ok().and_then(|b| b.parse().ok()).unwrap_or(512);
+    let block = std::env::var("FLEET_BLOCK").ok().and_then(|b| b.parse().ok()).unwrap_or(1_024);
     let schedule = std::env::var("FLEET_SCHEDULE").map_or(true, |v| v != "0");
     Lease::new()
         .max_block(block)

@@ -38,8 +38,19 @@ fn fleet(
     policy: &Policy,
     lease: Lease,
 ) -> (Vec<(RedisStore, RedisPolicy)>, (RedisStore, RedisPolicy)) {
+    fleet_of(N, url, clock, policy, lease)
+}
+
+/// [`fleet`] of `n` leasing instances.
+fn fleet_of(
+    n: usize,
+    url: &str,
+    clock: &FakeClock,
+    policy: &Policy,
+    lease: Lease,
+) -> (Vec<(RedisStore, RedisPolicy)>, (RedisStore, RedisPolicy)) {
     let prefix = format!("lease{}:", fastrand::u32(..));
-    let leasing = (0..N)
+    let leasing = (0..n)
         .map(|_| {
             let s =
                 store(RedisStore::builder(url).lease_policy(policy.name(), lease), clock, &prefix);
@@ -480,7 +491,7 @@ async fn a_weighted_check_leasing_the_schedule_is_never_told_to_retry_before_it_
 /// Redis sees about one call per instance per useful block's refill, not one per check.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_instances_at_the_keys_rate_use_it_within_the_bound_with_few_calls() {
-    let calls = four_instances_at_the_keys_rate(Lease::new()).await;
+    let calls = instances_at_the_keys_rate(N, Lease::new(), 1_000).await;
     // About one call per useful block (64 units: 328 blocks in the run), where one call per
     // check would be 50,000: at most twice that, and 7 calls per instance while its blocks
     // double to 64. (Without waiting longer for a share, each instance calls once per useful
@@ -493,30 +504,42 @@ async fn four_instances_at_the_keys_rate_use_it_within_the_bound_with_few_calls(
 /// block, and a few more while the blocks grow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_instances_leasing_the_schedule_call_once_per_useful_block() {
-    let calls = four_instances_at_the_keys_rate(Lease::new().schedule(true)).await;
+    let calls = instances_at_the_keys_rate(N, Lease::new().schedule(true), 1_000).await;
     assert!(calls <= 328 + 7 * N as u64 + 8, "{calls} calls");
 }
 
-/// Four instances at ten times the key's rate: the bound holds over every interval and the
-/// key's rate is used (≥ 97 %); the calls the instances made to Redis.
-async fn four_instances_at_the_keys_rate(lease: Lease) -> u64 {
+/// Eight instances leasing the schedule of a key whose burst (256 units) fills in 2.56 ms,
+/// less than their useful blocks span together (8 × 64 units): the horizon is half the
+/// lifetime (50 ms), not the burst's fill time, so each call takes a whole useful block, and
+/// the instances do not find the horizon full and call again and again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_instances_leasing_the_schedule_of_a_small_burst_call_once_per_useful_block() {
+    let calls = instances_at_the_keys_rate(8, Lease::new().schedule(true), 256).await;
+    // 256 + 1,999 × 10 units admitted at most: 317 blocks of 64.
+    assert!(calls <= 317 + 7 * 8 + 8, "{calls} calls");
+}
+
+/// `n` instances at ten times the key's rate (`10 / n` times it each), a burst of `burst`: the
+/// bound holds over every interval and the key's rate is used (≥ 97 %); the calls the
+/// instances made to Redis.
+async fn instances_at_the_keys_rate(n: usize, lease: Lease, burst: u64) -> u64 {
     let Some(server) = Server::start("redis-server") else { return 0 };
     let clock = FakeClock::new();
     clock.set(1_000 * S);
-    let policy = Policy::single("hot", Quota::per_second(100_000).with_burst(1_000)).unwrap();
+    let policy = Policy::single("hot", Quota::per_second(100_000).with_burst(burst)).unwrap();
     let lease = lease.max_block(64).lifetime(Duration::from_millis(100));
-    let (nodes, _exact) = fleet(&server.url(), &clock, &policy, lease);
+    let (nodes, _exact) = fleet_of(n, &server.url(), &clock, &policy, lease);
     let key = Key::text("hot");
-    // Steps of 100 µs (10 units of refill); each instance asks 25 times a step.
-    let (step, steps, asks) = (100_000u64, 2_000u64, 25);
+    // Steps of 100 µs (10 units of refill); the instances ask 100 times a step in all.
+    let (step, steps, asks) = (100_000u64, 2_000u64, 100 / n);
     let mut per_step = Vec::new();
     for _ in 0..steps {
-        let all = (0..N).flat_map(|i| (0..asks).map(move |_| i)).map(|i| check(&nodes[i], &key, 1));
+        let all = (0..n).flat_map(|i| (0..asks).map(move |_| i)).map(|i| check(&nodes[i], &key, 1));
         let decided = futures_join(all).await;
         per_step.push(decided.iter().filter(|d| d.is_allowed()).count() as u64);
         clock.advance(Duration::from_nanos(step));
     }
-    let (burst, t, bound) = (1_000u64, 10_000u64, lease.bound(N as u64));
+    let (t, bound) = (10_000u64, lease.bound(n as u64));
     // Every interval of whole steps [i, j]: at most burst + ⌊L / T⌋ + N·B.
     let mut prefix = vec![0u64];
     for a in &per_step {

@@ -256,15 +256,16 @@ impl Lease {
     /// more calls per admitted unit as `N` grows. With it, a call takes a whole useful block
     /// (at most [`max_block`](Self::max_block)): Redis advances the key's theoretical
     /// arrival time (GCRA's TAT) by the block, also past the instant the key is full, as long
-    /// as the block's last unit conforms within the **horizon** (half the
-    /// [lifetime](Self::lifetime), or the time the fastest-filling tier takes to fill from
-    /// empty when that is shorter). This instance then admits unit `k` of the block only once
-    /// it conforms, at the instant an exact check of it would first be admitted (`TAT_k - τ`
-    /// on every tier; with several tiers, a tier that does not limit the key is charged the
-    /// block from its own TAT, without exact GCRA's step up to the instant of admission, so
-    /// it can end the block up to about one unit ahead of exact, within the bound), and
-    /// refuses the key's checks itself until then, with that exact wait as `retry_after`. A call that finds the horizon full is refused, and this instance
-    /// waits, with no call, until a useful block fits again (the wait Redis gives); the
+    /// as the block's last unit conforms within the **horizon**, half the
+    /// [lifetime](Self::lifetime) (so that the block's units conform while the block lives).
+    /// This instance then admits unit `k` of the block only once it conforms, at the instant
+    /// an exact check of it would first be admitted (`TAT_k - τ` on every tier; with several
+    /// tiers, a tier that does not limit the key is charged the block from its own TAT,
+    /// without exact GCRA's step up to the instant of admission, so it can end the block up
+    /// to about one unit ahead of exact, within the bound), and refuses the key's checks
+    /// itself until then, with that exact wait as `retry_after`. A call that finds the
+    /// horizon full is refused, and this instance waits, with no call, until a useful block
+    /// fits again (the wait Redis gives); the
     /// checks it refuses meanwhile are told when their own units conform (after the key's
     /// schedule as Redis last reported it), which can be later than that wait, never earlier.
     ///
@@ -373,15 +374,19 @@ fn longest_wait(policy: &Policy) -> u64 {
 }
 
 /// How far ahead of now the last unit of a block leased from the key's schedule may conform,
-/// in the policy's units (see [`Lease::schedule`]): half the lifetime, or the time the
-/// fastest-filling tier takes to fill from empty when shorter; 0 when the binding does not
-/// lease so (not asked for, or not a policy of `lua/gcra.lua`).
+/// in the policy's units (see [`Lease::schedule`]): half the lifetime; 0 when the binding does
+/// not lease so (not asked for, or not a policy of `lua/gcra.lua`).
+///
+/// Not shorter: what the instances lease ahead together is bounded by the blocks they hold
+/// (`max_block` each); a horizon shorter than their useful blocks span together (a burst that
+/// fills faster, as 4,000 units at 400,000 a second do for eight blocks of 512) is found full,
+/// the instances wait until a useful block fits again and then call at once, one granted and
+/// the others refused again: several calls per block instead of one.
 fn horizon(policy: &Policy, config: Lease) -> u64 {
     if !config.schedule || super::script::family(policy) != super::script::Family::Gcra {
         return 0;
     }
-    let half = duration_to_nanos(config.lifetime) / 2;
-    (longest_wait(policy).saturating_mul(2).min(half) / policy.unit()).max(1)
+    (duration_to_nanos(config.lifetime) / 2 / policy.unit()).max(1)
 }
 
 /// Why `policy` cannot lease: the tier that keeps it exact and the reason; `None` when it can.
