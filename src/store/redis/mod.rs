@@ -374,12 +374,13 @@ impl RedisPolicy {
 
     /// Forgets the refusal of the key of `hash` now and again when the guard is dropped: a
     /// settlement or release through this process, made while the guard lives, may give
-    /// units back.
-    fn forgetting(&self, hash: u64) -> Forgetting<'_> {
+    /// units back (or, settling up, move the key's clock guard: see [`Refusals::forget`]).
+    fn forgetting<'a>(&'a self, inner: &'a Inner, hash: u64) -> Forgetting<'a> {
+        let clock = inner.settings.clock.as_ref();
         if let Some(r) = &self.refusals {
-            r.forget(hash);
+            r.forget(hash, clock.map(AnyClock::now));
         }
-        Forgetting { refusals: self.refusals.as_ref(), hash }
+        Forgetting { refusals: self.refusals.as_ref(), clock, hash }
     }
 
     /// Read before a check is sent, for [`learn`](Self::learn).
@@ -414,13 +415,15 @@ impl RedisPolicy {
 /// Forgets a key's local refusal again when dropped ([`RedisPolicy::forgetting`]).
 struct Forgetting<'a> {
     refusals: Option<&'a Refusals>,
+    /// The injected clock, if any.
+    clock: Option<&'a AnyClock>,
     hash: u64,
 }
 
 impl Drop for Forgetting<'_> {
     fn drop(&mut self) {
         if let Some(r) = self.refusals {
-            r.forget(self.hash);
+            r.forget(self.hash, self.clock.map(AnyClock::now));
         }
     }
 }
@@ -983,7 +986,7 @@ impl Store for RedisStore {
                 Ok(())
             }
             Charged::Remote(mut remote) => {
-                let _forgetting = bound.forgetting(remote.refusal);
+                let _forgetting = bound.forgetting(inner, remote.refusal);
                 let prepared = &bound.prepared;
                 if prepared.is_kinds() {
                     let lease = remote.lease.take();
@@ -1043,7 +1046,7 @@ impl Store for RedisStore {
             }
             Charged::Remote(remote) => remote,
         };
-        let _forgetting = bound.forgetting(remote.refusal);
+        let _forgetting = bound.forgetting(inner, remote.refusal);
         let tiers = bound.policy.tiers();
         let target = |i: usize| costs.iter().rev().find(|(t, _)| *t == i).map(|(_, c)| *c);
         let new: Vec<u64> = tiers
@@ -1093,7 +1096,7 @@ impl Store for RedisStore {
     async fn release(&self, bound: &RedisPolicy, ticket: RedisTicket) -> Result<(), StoreError> {
         let Charged::Remote(mut remote) = ticket.0 else { return Ok(()) };
         let Some(lease) = remote.lease.take() else { return Ok(()) };
-        let _forgetting = bound.forgetting(remote.refusal);
+        let _forgetting = bound.forgetting(&self.inner, remote.refusal);
         let new: Vec<u64> = remote.charges.iter().map(|c| c.cost).collect();
         let state_key = std::mem::take(&mut remote.state_key);
         let prepared = &bound.prepared;
@@ -1202,7 +1205,8 @@ impl RedisStore {
         let returned = begin.rest.as_ref().map(|r| r.granted - r.spent);
         // The rest of the previous block is given back by this call: a give-back, which
         // refusals held of the key must not outlast.
-        let _forgetting = returned.map(|_| bound.forgetting(bound.refusal_hash(check.key)));
+        let _forgetting =
+            returned.map(|_| bound.forgetting(&self.inner, bound.refusal_hash(check.key)));
         let prepared = &bound.prepared;
         let record =
             leases.record(prepared, check.cost, begin.block, begin.useful, begin.rest.as_ref());
@@ -1259,7 +1263,7 @@ impl RedisStore {
         let n = policy.tiers().len();
         let state_key = bound.state_key(check.key);
         if let Some(rest) = &begin.rest {
-            let _forgetting = bound.forgetting(bound.refusal_hash(check.key));
+            let _forgetting = bound.forgetting(inner, bound.refusal_hash(check.key));
             let new: SmallVec<[u64; 4]> = (0..n).map(|_| rest.spent).collect();
             let key = state_key.clone();
             let holds = &bound.holds;

@@ -115,7 +115,8 @@ pub(crate) struct Refusals {
     hasher: ahash::RandomState,
     /// Checks answered here.
     answered: AtomicU64,
-    /// The latest instant Redis decided a check of this binding at.
+    /// The latest instant Redis decided a check of this binding at (or a settlement, with an
+    /// injected clock: see [`forget`](Self::forget)).
     latest: AtomicU64,
     /// Give-backs begun or ended, per stripe of keys ([`STRIPES`]): a refusal is kept only if
     /// none began or ended on its stripe while its check was in flight.
@@ -291,7 +292,16 @@ impl Refusals {
     /// settlement or a release through this process could make it false. Called when a
     /// give-back begins and again when it ends, so that no check in flight meanwhile keeps a
     /// refusal.
-    pub(crate) fn forget(&self, hash: u64) {
+    ///
+    /// `now`, the injected clock's instant, counts as one Redis decided at (see `latest`):
+    /// a settlement of units moves the key's clock guard to its instant, and Redis decides
+    /// the key's window and log tiers at the later of now and that guard, so after the clock
+    /// steps back behind it a refusal counts down only once the clock gets there, and is not
+    /// kept (as for a check decided before one already seen).
+    pub(crate) fn forget(&self, hash: u64, now: Option<u64>) {
+        if let Some(now) = now {
+            self.latest.fetch_max(now, Ordering::Relaxed);
+        }
         self.stripe(hash).fetch_add(1, Ordering::AcqRel);
         let shard = self.shard(hash);
         let mut map = shard.map.lock().unwrap_or_else(PoisonError::into_inner);
@@ -499,12 +509,35 @@ mod tests {
         assert_eq!((r.answered(), r.len()), (1, 0));
         // A give-back begun while the check was in flight: its refusal is not kept.
         let epoch = r.epoch(&key);
-        r.forget(r.hash(&key));
+        r.forget(r.hash(&key), None);
         r.learn(&p, &check, &d, 11 * S, None, epoch);
         assert_eq!(r.len(), 0);
         // A decision older than one already seen (the clock stepped back): not kept.
         r.learn(&p, &check, &d, 10 * S, None, r.epoch(&key));
         assert_eq!(r.len(), 0);
+    }
+
+    #[test]
+    fn a_refusal_decided_before_a_settlement_on_the_injected_clock_is_not_kept() {
+        let p = Policy::single("p", Quota::per_second(2)).unwrap();
+        let r = Refusals::new(&p, 64).unwrap();
+        let key = Key::text("k");
+        let check = Check::new(&key, 1);
+        let d = refused(S / 2, &[(2, 0, S, Some(S / 2))]);
+        // A settlement at 20 s, then the clock steps back to 19 s: Redis decides the key at
+        // its guard (20 s), so a refusal decided "at 19 s" does not count down from there.
+        r.forget(r.hash(&key), Some(20 * S));
+        r.learn(&p, &check, &d, 19 * S, None, r.epoch(&key));
+        assert_eq!(r.len(), 0);
+        // Decided at or after the settlement: kept.
+        r.learn(&p, &check, &d, 20 * S, None, r.epoch(&key));
+        assert_eq!(r.len(), 1);
+        // Without an injected clock a settlement moves nothing (the server's instants are
+        // estimated from the time a check was sent).
+        let r = Refusals::new(&p, 64).unwrap();
+        r.forget(r.hash(&key), None);
+        r.learn(&p, &check, &d, 19 * S, None, r.epoch(&key));
+        assert_eq!(r.len(), 1);
     }
 
     #[test]
