@@ -714,6 +714,47 @@ async fn a_block_is_never_spent_after_its_lifetime_and_its_rest_comes_back() {
     assert_eq!(left(&exact, &key).await, 93);
 }
 
+/// The rest of a block given back by the sweeper (here `return_ended_leases`, its work done
+/// now) is given back by this instance: a refusal of the key held here is forgotten, as when
+/// the next block gives the rest back, and the next check asking the same is decided by
+/// Redis, which has the units again (a shaping check, which is exact in lease mode).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_given_back_by_the_sweeper_forgets_the_keys_refusal() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let policy = Policy::builder("w")
+        .algorithm(Algorithm::FixedWindow)
+        .tier("minute", Quota::per_minute(100))
+        .build()
+        .unwrap();
+    let lease = Lease::new().max_block(4).lifetime(Duration::from_millis(50));
+    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+    let (node, key) = (&nodes[0], Key::text("k"));
+    for _ in 0..4 {
+        assert!(check(node, &key, 1).await.is_allowed());
+    }
+    // Blocks of 1, 2, then 4 (one spent): 3 held; the exact instance takes the other 93.
+    let mut taken = 0;
+    while check(&exact, &key, 1).await.is_allowed() {
+        taken += 1;
+    }
+    assert_eq!(taken, 93);
+    let shaped = Check::new(&key, 1).shape(Duration::from_millis(1));
+    let d = node.0.check(&node.1, shaped).await.unwrap().decision;
+    assert_eq!(d.outcome(), Outcome::Limited);
+    assert_eq!(node.1.local_refusals(), 1);
+    clock.advance(Duration::from_millis(50));
+    node.1.return_ended_leases().await;
+    assert_eq!(node.1.lease_stats().units_returned, 3);
+    assert_eq!(left(&exact, &key).await, 3);
+    assert_eq!(node.1.local_refusals(), 0);
+    let d = node.0.check(&node.1, shaped).await.unwrap().decision;
+    assert!(d.is_allowed(), "{d:?}");
+    assert_eq!(d.tiers()[0].remaining(), 2);
+    assert_eq!(node.1.refused_locally(), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_next_block_gives_back_the_rest_of_the_last_in_the_same_call() {
     let Some(server) = Server::start("redis-server") else { return };

@@ -1498,11 +1498,17 @@ pub(crate) struct Back {
     pub(crate) prepared: Arc<super::Prepared>,
     pub(crate) key_parts: (String, String),
     pub(crate) key_names: super::KeyNames,
+    /// The binding's local refusals, which a give-back must not leave a refusal of its key
+    /// in (see `RedisPolicy::forgetting`).
+    pub(crate) refusals: Option<Arc<super::Refusals>>,
 }
 
 impl Back {
-    /// Settles the block of `key` at what was spent of it.
+    /// Settles the block of `key` at what was spent of it (a give-back of this instance: a
+    /// refusal of the key held here is forgotten, as when the next block gives the rest back).
     async fn give(&self, key: &Key, rest: &Rest) -> Result<(), crate::StoreError> {
+        let hash = self.refusals.as_ref().map_or(0, |r| r.hash(key));
+        let _forgetting = super::forgetting(self.refusals.as_deref(), &self.inner, hash);
         let record = self.prepared.settle(rest.granted, &rest.charges, rest.spent);
         let state_key = state_key(&self.key_parts, &self.key_names, key);
         let keys = self.prepared.keys(state_key);
