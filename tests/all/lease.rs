@@ -491,7 +491,8 @@ async fn a_weighted_check_leasing_the_schedule_is_never_told_to_retry_before_it_
 /// Redis sees about one call per instance per useful block's refill, not one per check.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_instances_at_the_keys_rate_use_it_within_the_bound_with_few_calls() {
-    let calls = instances_at_the_keys_rate(N, Lease::new(), 1_000).await;
+    let Some(run) = instances_at_the_keys_rate(N, Lease::new(), 1_000).await else { return };
+    let calls = run.calls;
     // About one call per useful block (64 units: 328 blocks in the run), where one call per
     // check would be 50,000: at most twice that, and 7 calls per instance while its blocks
     // double to 64. (Without waiting longer for a share, each instance calls once per useful
@@ -504,8 +505,15 @@ async fn four_instances_at_the_keys_rate_use_it_within_the_bound_with_few_calls(
 /// block, and a few more while the blocks grow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_instances_leasing_the_schedule_call_once_per_useful_block() {
-    let calls = instances_at_the_keys_rate(N, Lease::new().schedule(true), 1_000).await;
+    let Some(run) = instances_at_the_keys_rate(N, Lease::new().schedule(true), 1_000).await
+    else {
+        return;
+    };
+    let calls = run.calls;
     assert!(calls <= 328 + 7 * N as u64 + 8, "{calls} calls");
+    // An exact check of the key waits for the units the instances hold ahead (4 × 64
+    // intervals of 10 µs at most) and its own.
+    assert!(run.exact_wait <= (4 * 64 + 1) * 10_000, "{} ns", run.exact_wait);
 }
 
 /// Eight instances leasing the schedule of a key whose burst (256 units) fills in 2.56 ms,
@@ -514,32 +522,57 @@ async fn four_instances_leasing_the_schedule_call_once_per_useful_block() {
 /// the instances do not find the horizon full and call again and again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_instances_leasing_the_schedule_of_a_small_burst_call_once_per_useful_block() {
-    let calls = instances_at_the_keys_rate(8, Lease::new().schedule(true), 256).await;
+    let Some(run) = instances_at_the_keys_rate(8, Lease::new().schedule(true), 256).await else {
+        return;
+    };
+    let calls = run.calls;
     // 256 + 1,999 × 10 units admitted at most: 317 blocks of 64.
     assert!(calls <= 317 + 7 * 8 + 8, "{calls} calls");
+    // What that costs exact checks of the key (another instance in exact mode, or these
+    // instances' shaping checks): the key's TAT runs past "full" by the units the instances
+    // hold ahead, so an exact check of one unit waits for them (8 × 64 intervals of 10 µs at
+    // most, within the horizon of 50 ms) and its own interval, longer than the burst takes
+    // to fill (2.56 ms), where with every instance exact it would wait one interval.
+    let most = (8 * 64 + 1) * 10_000;
+    assert!((2_560_000..=most).contains(&run.exact_wait), "{} ns", run.exact_wait);
+}
+
+/// What a run of [`instances_at_the_keys_rate`] saw.
+struct Run {
+    /// Calls the instances made to Redis.
+    calls: u64,
+    /// The longest an exact check of one unit, made after a step's checks, was told to wait
+    /// (ns, from the key's TAT as an exact query of it reports).
+    exact_wait: u64,
 }
 
 /// `n` instances at ten times the key's rate (`10 / n` times it each), a burst of `burst`: the
 /// bound holds over every interval and the key's rate is used (≥ 97 %); the calls the
-/// instances made to Redis.
-async fn instances_at_the_keys_rate(n: usize, lease: Lease, burst: u64) -> u64 {
-    let Some(server) = Server::start("redis-server") else { return 0 };
+/// instances made to Redis, and how long exact checks of the key were told to wait (`None`
+/// without a redis-server).
+async fn instances_at_the_keys_rate(n: usize, lease: Lease, burst: u64) -> Option<Run> {
+    let server = Server::start("redis-server")?;
     let clock = FakeClock::new();
     clock.set(1_000 * S);
     let policy = Policy::single("hot", Quota::per_second(100_000).with_burst(burst)).unwrap();
     let lease = lease.max_block(64).lifetime(Duration::from_millis(100));
-    let (nodes, _exact) = fleet_of(n, &server.url(), &clock, &policy, lease);
+    let (nodes, exact) = fleet_of(n, &server.url(), &clock, &policy, lease);
     let key = Key::text("hot");
+    let t = 10_000u64;
     // Steps of 100 µs (10 units of refill); the instances ask 100 times a step in all.
     let (step, steps, asks) = (100_000u64, 2_000u64, 100 / n);
-    let mut per_step = Vec::new();
+    let (mut per_step, mut exact_wait) = (Vec::new(), 0u64);
     for _ in 0..steps {
         let all = (0..n).flat_map(|i| (0..asks).map(move |_| i)).map(|i| check(&nodes[i], &key, 1));
         let decided = futures_join(all).await;
         per_step.push(decided.iter().filter(|d| d.is_allowed()).count() as u64);
+        // A query (it charges nothing): GCRA's TAT is now + `reset_after`, and a unit
+        // conforms once TAT + T - burst × T is past.
+        let reset = duration_ns(check(&exact, &key, 0).await.tiers()[0].reset_after());
+        exact_wait = exact_wait.max((reset + t).saturating_sub(burst * t));
         clock.advance(Duration::from_nanos(step));
     }
-    let (t, bound) = (10_000u64, lease.bound(n as u64));
+    let bound = lease.bound(n as u64);
     // Every interval of whole steps [i, j]: at most burst + ⌊L / T⌋ + N·B.
     let mut prefix = vec![0u64];
     for a in &per_step {
@@ -562,10 +595,14 @@ async fn instances_at_the_keys_rate(n: usize, lease: Lease, burst: u64) -> u64 {
     assert!(held > admitted, "{stats:?}");
     eprintln!(
         "schedule {}: {admitted} admitted of {allowed}, {calls} calls, {held} refused while \
-         waiting: {stats:?}",
+         waiting, exact checks told to wait {exact_wait} ns at most: {stats:?}",
         lease.schedules()
     );
-    calls
+    Some(Run { calls, exact_wait })
+}
+
+fn duration_ns(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// One instance leasing a key's schedule (100,000 a second, T = 10 µs, a burst of 1,000;
