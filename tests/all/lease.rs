@@ -426,6 +426,81 @@ async fn four_instances_leasing_the_schedule_keep_each_of_two_gcra_tiers_within_
     eprintln!("two tiers: {} admitted, worst extra {worst:?} (bound {bound})", admitted.len());
 }
 
+/// Two GCRA tiers whose faster one fills its burst (40 units at 8,000 a second: 5 ms) in less
+/// than the horizon (half the lifetime, 15 ms), beside a slower one (4,000 a second, a burst
+/// of 400) that the units the instances hold ahead span further (4 × 8 units of 250 µs: 8 ms,
+/// past the 5 ms the horizon once was): four instances leasing the schedule, with and without
+/// prefetching, at about ten times the slow tier's rate with pauses (blocks end unspent and
+/// come back, the buckets refill); each tier keeps its own bound over every interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_horizon_past_the_fast_tiers_fill_keeps_each_tier_within_the_bound() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let policy = Policy::builder("two")
+        .tier("fast", Quota::per_second(8_000).with_burst(40))
+        .tier("slow", Quota::per_second(4_000).with_burst(400))
+        .build()
+        .unwrap();
+    for prefetch in [false, true] {
+        let clock = FakeClock::new();
+        clock.set(1_000 * S);
+        let lease = Lease::new()
+            .max_block(8)
+            .lifetime(Duration::from_millis(30))
+            .schedule(true)
+            .prefetch(prefetch);
+        let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+        let key = Key::text("two");
+        // Steps of 100 µs: every node asks (node 2 every other step), but node 3 pauses for
+        // 40 ms of every 100, and for 80 ms of every 250 node 0 alone asks, every 3 ms.
+        let (mut admitted, mut slow_wait) = (Vec::new(), 0u64);
+        for step in 0..3_000u64 {
+            let now = clock.now();
+            let asks = (0..N).filter(|&i| {
+                if (1_500..2_300).contains(&(step % 2_500)) {
+                    return i == 0 && step % 30 == 0;
+                }
+                !(i == 2 && step % 2 == 1) && !(i == 3 && step % 1_000 < 400)
+            });
+            let decided = futures_join(asks.map(|i| check(&nodes[i], &key, 1))).await;
+            admitted.extend(decided.iter().filter(|d| d.is_allowed()).map(|_| now));
+            // How long an exact check of a unit waits on the slow tier (see
+            // `instances_at_the_keys_rate`).
+            let reset = duration_ns(check(&exact, &key, 0).await.tiers()[1].reset_after());
+            slow_wait = slow_wait.max((reset + 250_000).saturating_sub(400 * 250_000));
+            clock.advance(Duration::from_micros(100));
+        }
+        // The instances leased the slow tier's schedule past the 5 ms the horizon once was, by
+        // what they hold (32 units: 8 ms) at most.
+        assert!((5_250_001..=8_250_000).contains(&slow_wait), "{slow_wait} ns");
+        let bound = lease.bound(N as u64);
+        let mut worst = [0i64; 2];
+        for (k, (burst, t)) in [(40u64, 125_000u64), (400, 250_000)].into_iter().enumerate() {
+            for i in 0..admitted.len() {
+                for j in i..admitted.len() {
+                    let count = (j - i + 1) as u64;
+                    let exact = burst + (admitted[j] - admitted[i]) / t;
+                    worst[k] = worst[k].max(count as i64 - exact as i64);
+                    assert!(
+                        count <= exact + bound,
+                        "prefetch {prefetch}, tier {k}: {count} admitted in [{}, {}] ns: GCRA \
+                         allows {exact}, the bound {bound} more",
+                        admitted[i],
+                        admitted[j]
+                    );
+                }
+            }
+        }
+        let stats: Vec<_> = nodes.iter().map(|n| n.1.lease_stats()).collect();
+        assert!(stats.iter().map(|s| s.decided_locally).sum::<u64>() > 0, "{stats:?}");
+        eprintln!(
+            "two tiers, horizon past the fast fill (prefetch {prefetch}): {} admitted, worst \
+             extra {worst:?} (bound {bound}), exact checks told to wait {slow_wait} ns at most \
+             on the slow tier: {stats:?}",
+            admitted.len()
+        );
+    }
+}
+
 /// A weighted check refused while the instance waits for a useful block smaller than its
 /// cost: the instance's own refusals never say less than Redis's exact wait for that cost.
 #[tokio::test]
