@@ -496,7 +496,7 @@ fn a_settled_up_log_after_the_clock_steps_back_decides_exactly_like_memory_store
     let trace = Trace::new(Algorithm::SlidingLog, (vec![(1, w, 1)], vec![], 0, steps));
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let clock = FakeClock::new();
-    let store = fake_clock_store(RedisStore::builder(&server.url()), clock.clone(), "log:".into());
+    let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "log:".into());
     rt.block_on(replay(store, clock, &trace)).unwrap();
 }
 
