@@ -459,7 +459,7 @@ async fn a_horizon_past_the_fast_tiers_fill_keeps_each_tier_within_the_bound() {
                 if (1_500..2_300).contains(&(step % 2_500)) {
                     return i == 0 && step % 30 == 0;
                 }
-                !(i == 2 && step % 2 == 1) && !(i == 3 && step % 1_000 < 400)
+                !(i == 2 && step % 2 == 1 || i == 3 && step % 1_000 < 400)
             });
             let decided = futures_join(asks.map(|i| check(&nodes[i], &key, 1))).await;
             admitted.extend(decided.iter().filter(|d| d.is_allowed()).map(|_| now));
@@ -580,8 +580,7 @@ async fn four_instances_at_the_keys_rate_use_it_within_the_bound_with_few_calls(
 /// block, and a few more while the blocks grow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_instances_leasing_the_schedule_call_once_per_useful_block() {
-    let Some(run) = instances_at_the_keys_rate(N, Lease::new().schedule(true), 1_000).await
-    else {
+    let Some(run) = instances_at_the_keys_rate(N, Lease::new().schedule(true), 1_000).await else {
         return;
     };
     let calls = run.calls;
