@@ -426,6 +426,81 @@ async fn four_instances_leasing_the_schedule_keep_each_of_two_gcra_tiers_within_
     eprintln!("two tiers: {} admitted, worst extra {worst:?} (bound {bound})", admitted.len());
 }
 
+/// Two GCRA tiers whose faster one fills its burst (40 units at 8,000 a second: 5 ms) in less
+/// than the horizon (half the lifetime, 15 ms), beside a slower one (4,000 a second, a burst
+/// of 400) that the units the instances hold ahead span further (4 × 8 units of 250 µs: 8 ms,
+/// past the 5 ms the horizon once was): four instances leasing the schedule, with and without
+/// prefetching, at about ten times the slow tier's rate with pauses (blocks end unspent and
+/// come back, the buckets refill); each tier keeps its own bound over every interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_horizon_past_the_fast_tiers_fill_keeps_each_tier_within_the_bound() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let policy = Policy::builder("two")
+        .tier("fast", Quota::per_second(8_000).with_burst(40))
+        .tier("slow", Quota::per_second(4_000).with_burst(400))
+        .build()
+        .unwrap();
+    for prefetch in [false, true] {
+        let clock = FakeClock::new();
+        clock.set(1_000 * S);
+        let lease = Lease::new()
+            .max_block(8)
+            .lifetime(Duration::from_millis(30))
+            .schedule(true)
+            .prefetch(prefetch);
+        let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+        let key = Key::text("two");
+        // Steps of 100 µs: every node asks (node 2 every other step), but node 3 pauses for
+        // 40 ms of every 100, and for 80 ms of every 250 node 0 alone asks, every 3 ms.
+        let (mut admitted, mut slow_wait) = (Vec::new(), 0u64);
+        for step in 0..3_000u64 {
+            let now = clock.now();
+            let asks = (0..N).filter(|&i| {
+                if (1_500..2_300).contains(&(step % 2_500)) {
+                    return i == 0 && step % 30 == 0;
+                }
+                !(i == 2 && step % 2 == 1 || i == 3 && step % 1_000 < 400)
+            });
+            let decided = futures_join(asks.map(|i| check(&nodes[i], &key, 1))).await;
+            admitted.extend(decided.iter().filter(|d| d.is_allowed()).map(|_| now));
+            // How long an exact check of a unit waits on the slow tier (see
+            // `instances_at_the_keys_rate`).
+            let reset = duration_ns(check(&exact, &key, 0).await.tiers()[1].reset_after());
+            slow_wait = slow_wait.max((reset + 250_000).saturating_sub(400 * 250_000));
+            clock.advance(Duration::from_micros(100));
+        }
+        // The instances leased the slow tier's schedule past the 5 ms the horizon once was, by
+        // what they hold (32 units: 8 ms) at most.
+        assert!((5_250_001..=8_250_000).contains(&slow_wait), "{slow_wait} ns");
+        let bound = lease.bound(N as u64);
+        let mut worst = [0i64; 2];
+        for (k, (burst, t)) in [(40u64, 125_000u64), (400, 250_000)].into_iter().enumerate() {
+            for i in 0..admitted.len() {
+                for j in i..admitted.len() {
+                    let count = (j - i + 1) as u64;
+                    let exact = burst + (admitted[j] - admitted[i]) / t;
+                    worst[k] = worst[k].max(count as i64 - exact as i64);
+                    assert!(
+                        count <= exact + bound,
+                        "prefetch {prefetch}, tier {k}: {count} admitted in [{}, {}] ns: GCRA \
+                         allows {exact}, the bound {bound} more",
+                        admitted[i],
+                        admitted[j]
+                    );
+                }
+            }
+        }
+        let stats: Vec<_> = nodes.iter().map(|n| n.1.lease_stats()).collect();
+        assert!(stats.iter().map(|s| s.decided_locally).sum::<u64>() > 0, "{stats:?}");
+        eprintln!(
+            "two tiers, horizon past the fast fill (prefetch {prefetch}): {} admitted, worst \
+             extra {worst:?} (bound {bound}), exact checks told to wait {slow_wait} ns at most \
+             on the slow tier: {stats:?}",
+            admitted.len()
+        );
+    }
+}
+
 /// A weighted check refused while the instance waits for a useful block smaller than its
 /// cost: the instance's own refusals never say less than Redis's exact wait for that cost.
 #[tokio::test]
@@ -491,7 +566,8 @@ async fn a_weighted_check_leasing_the_schedule_is_never_told_to_retry_before_it_
 /// Redis sees about one call per instance per useful block's refill, not one per check.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_instances_at_the_keys_rate_use_it_within_the_bound_with_few_calls() {
-    let calls = instances_at_the_keys_rate(N, Lease::new(), 1_000).await;
+    let Some(run) = instances_at_the_keys_rate(N, Lease::new(), 1_000).await else { return };
+    let calls = run.calls;
     // About one call per useful block (64 units: 328 blocks in the run), where one call per
     // check would be 50,000: at most twice that, and 7 calls per instance while its blocks
     // double to 64. (Without waiting longer for a share, each instance calls once per useful
@@ -504,8 +580,14 @@ async fn four_instances_at_the_keys_rate_use_it_within_the_bound_with_few_calls(
 /// block, and a few more while the blocks grow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_instances_leasing_the_schedule_call_once_per_useful_block() {
-    let calls = instances_at_the_keys_rate(N, Lease::new().schedule(true), 1_000).await;
+    let Some(run) = instances_at_the_keys_rate(N, Lease::new().schedule(true), 1_000).await else {
+        return;
+    };
+    let calls = run.calls;
     assert!(calls <= 328 + 7 * N as u64 + 8, "{calls} calls");
+    // An exact check of the key waits for the units the instances hold ahead (4 × 64
+    // intervals of 10 µs at most) and its own.
+    assert!(run.exact_wait <= (4 * 64 + 1) * 10_000, "{} ns", run.exact_wait);
 }
 
 /// Eight instances leasing the schedule of a key whose burst (256 units) fills in 2.56 ms,
@@ -514,32 +596,57 @@ async fn four_instances_leasing_the_schedule_call_once_per_useful_block() {
 /// the instances do not find the horizon full and call again and again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_instances_leasing_the_schedule_of_a_small_burst_call_once_per_useful_block() {
-    let calls = instances_at_the_keys_rate(8, Lease::new().schedule(true), 256).await;
+    let Some(run) = instances_at_the_keys_rate(8, Lease::new().schedule(true), 256).await else {
+        return;
+    };
+    let calls = run.calls;
     // 256 + 1,999 × 10 units admitted at most: 317 blocks of 64.
     assert!(calls <= 317 + 7 * 8 + 8, "{calls} calls");
+    // What that costs exact checks of the key (another instance in exact mode, or these
+    // instances' shaping checks): the key's TAT runs past "full" by the units the instances
+    // hold ahead, so an exact check of one unit waits for them (8 × 64 intervals of 10 µs at
+    // most, within the horizon of 50 ms) and its own interval, longer than the burst takes
+    // to fill (2.56 ms), where with every instance exact it would wait one interval.
+    let most = (8 * 64 + 1) * 10_000;
+    assert!((2_560_000..=most).contains(&run.exact_wait), "{} ns", run.exact_wait);
+}
+
+/// What a run of [`instances_at_the_keys_rate`] saw.
+struct Run {
+    /// Calls the instances made to Redis.
+    calls: u64,
+    /// The longest an exact check of one unit, made after a step's checks, was told to wait
+    /// (ns, from the key's TAT as an exact query of it reports).
+    exact_wait: u64,
 }
 
 /// `n` instances at ten times the key's rate (`10 / n` times it each), a burst of `burst`: the
 /// bound holds over every interval and the key's rate is used (≥ 97 %); the calls the
-/// instances made to Redis.
-async fn instances_at_the_keys_rate(n: usize, lease: Lease, burst: u64) -> u64 {
-    let Some(server) = Server::start("redis-server") else { return 0 };
+/// instances made to Redis, and how long exact checks of the key were told to wait (`None`
+/// without a redis-server).
+async fn instances_at_the_keys_rate(n: usize, lease: Lease, burst: u64) -> Option<Run> {
+    let server = Server::start("redis-server")?;
     let clock = FakeClock::new();
     clock.set(1_000 * S);
     let policy = Policy::single("hot", Quota::per_second(100_000).with_burst(burst)).unwrap();
     let lease = lease.max_block(64).lifetime(Duration::from_millis(100));
-    let (nodes, _exact) = fleet_of(n, &server.url(), &clock, &policy, lease);
+    let (nodes, exact) = fleet_of(n, &server.url(), &clock, &policy, lease);
     let key = Key::text("hot");
+    let t = 10_000u64;
     // Steps of 100 µs (10 units of refill); the instances ask 100 times a step in all.
     let (step, steps, asks) = (100_000u64, 2_000u64, 100 / n);
-    let mut per_step = Vec::new();
+    let (mut per_step, mut exact_wait) = (Vec::new(), 0u64);
     for _ in 0..steps {
         let all = (0..n).flat_map(|i| (0..asks).map(move |_| i)).map(|i| check(&nodes[i], &key, 1));
         let decided = futures_join(all).await;
         per_step.push(decided.iter().filter(|d| d.is_allowed()).count() as u64);
+        // A query (it charges nothing): GCRA's TAT is now + `reset_after`, and a unit
+        // conforms once TAT + T - burst × T is past.
+        let reset = duration_ns(check(&exact, &key, 0).await.tiers()[0].reset_after());
+        exact_wait = exact_wait.max((reset + t).saturating_sub(burst * t));
         clock.advance(Duration::from_nanos(step));
     }
-    let (t, bound) = (10_000u64, lease.bound(n as u64));
+    let bound = lease.bound(n as u64);
     // Every interval of whole steps [i, j]: at most burst + ⌊L / T⌋ + N·B.
     let mut prefix = vec![0u64];
     for a in &per_step {
@@ -562,10 +669,14 @@ async fn instances_at_the_keys_rate(n: usize, lease: Lease, burst: u64) -> u64 {
     assert!(held > admitted, "{stats:?}");
     eprintln!(
         "schedule {}: {admitted} admitted of {allowed}, {calls} calls, {held} refused while \
-         waiting: {stats:?}",
+         waiting, exact checks told to wait {exact_wait} ns at most: {stats:?}",
         lease.schedules()
     );
-    calls
+    Some(Run { calls, exact_wait })
+}
+
+fn duration_ns(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// One instance leasing a key's schedule (100,000 a second, T = 10 µs, a burst of 1,000;
@@ -712,6 +823,47 @@ async fn a_block_is_never_spent_after_its_lifetime_and_its_rest_comes_back() {
     // The next block is sized to what was spent of the last (2 of 4).
     assert!(check(&nodes[0], &key, 1).await.is_allowed());
     assert_eq!(left(&exact, &key).await, 93);
+}
+
+/// The rest of a block given back by the sweeper (here `return_ended_leases`, its work done
+/// now) is given back by this instance: a refusal of the key held here is forgotten, as when
+/// the next block gives the rest back, and the next check asking the same is decided by
+/// Redis, which has the units again (a shaping check, which is exact in lease mode).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_given_back_by_the_sweeper_forgets_the_keys_refusal() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    let policy = Policy::builder("w")
+        .algorithm(Algorithm::FixedWindow)
+        .tier("minute", Quota::per_minute(100))
+        .build()
+        .unwrap();
+    let lease = Lease::new().max_block(4).lifetime(Duration::from_millis(50));
+    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+    let (node, key) = (&nodes[0], Key::text("k"));
+    for _ in 0..4 {
+        assert!(check(node, &key, 1).await.is_allowed());
+    }
+    // Blocks of 1, 2, then 4 (one spent): 3 held; the exact instance takes the other 93.
+    let mut taken = 0;
+    while check(&exact, &key, 1).await.is_allowed() {
+        taken += 1;
+    }
+    assert_eq!(taken, 93);
+    let shaped = Check::new(&key, 1).shape(Duration::from_millis(1));
+    let d = node.0.check(&node.1, shaped).await.unwrap().decision;
+    assert_eq!(d.outcome(), Outcome::Limited);
+    assert_eq!(node.1.local_refusals(), 1);
+    clock.advance(Duration::from_millis(50));
+    node.1.return_ended_leases().await;
+    assert_eq!(node.1.lease_stats().units_returned, 3);
+    assert_eq!(left(&exact, &key).await, 3);
+    assert_eq!(node.1.local_refusals(), 0);
+    let d = node.0.check(&node.1, shaped).await.unwrap().decision;
+    assert!(d.is_allowed(), "{d:?}");
+    assert_eq!(d.tiers()[0].remaining(), 2);
+    assert_eq!(node.1.refused_locally(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -274,7 +274,13 @@ impl Lease {
     /// still holds at most `max_block` units, and what is held but not yet spendable is
     /// under-admission, given back when the block ends unspent (its lifetime, or the
     /// instance's demand stopping), as without it. What it costs: a block held by an instance
-    /// whose demand stops is not spendable by others until it is given back.
+    /// whose demand stops is not spendable by others until it is given back; and exact checks
+    /// of the key (instances in exact mode, and the shaping checks and queries of leasing
+    /// ones) find it full until its TAT comes back, so a check of `c` units waits for the
+    /// units the instances hold ahead of it (at most `N × max_block` emission intervals, and
+    /// within the horizon) and then for its own `c` intervals, where without leasing ahead it
+    /// would wait for its own alone: at 100,000 a second with eight instances holding blocks
+    /// of 64, up to 5.13 ms instead of 10 µs.
     #[must_use]
     pub const fn schedule(mut self, schedule: bool) -> Self {
         self.schedule = schedule;
@@ -381,7 +387,10 @@ fn longest_wait(policy: &Policy) -> u64 {
 /// (`max_block` each); a horizon shorter than their useful blocks span together (a burst that
 /// fills faster, as 4,000 units at 400,000 a second do for eight blocks of 512) is found full,
 /// the instances wait until a useful block fits again and then call at once, one granted and
-/// the others refused again: several calls per block instead of one.
+/// the others refused again: several calls per block instead of one. What a longer horizon
+/// costs is the wait of exact checks of the key, which find it full until its TAT comes back:
+/// up to the horizon (and at most the units the instances hold ahead; see
+/// [`Lease::schedule`]).
 fn horizon(policy: &Policy, config: Lease) -> u64 {
     if !config.schedule || super::script::family(policy) != super::script::Family::Gcra {
         return 0;
@@ -1498,11 +1507,17 @@ pub(crate) struct Back {
     pub(crate) prepared: Arc<super::Prepared>,
     pub(crate) key_parts: (String, String),
     pub(crate) key_names: super::KeyNames,
+    /// The binding's local refusals, which a give-back must not leave a refusal of its key
+    /// in (see `RedisPolicy::forgetting`).
+    pub(crate) refusals: Option<Arc<super::Refusals>>,
 }
 
 impl Back {
-    /// Settles the block of `key` at what was spent of it.
+    /// Settles the block of `key` at what was spent of it (a give-back of this instance: a
+    /// refusal of the key held here is forgotten, as when the next block gives the rest back).
     async fn give(&self, key: &Key, rest: &Rest) -> Result<(), crate::StoreError> {
+        let hash = self.refusals.as_ref().map_or(0, |r| r.hash(key));
+        let _forgetting = super::forgetting(self.refusals.as_deref(), &self.inner, hash);
         let record = self.prepared.settle(rest.granted, &rest.charges, rest.spent);
         let state_key = state_key(&self.key_parts, &self.key_names, key);
         let keys = self.prepared.keys(state_key);

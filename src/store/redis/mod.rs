@@ -253,8 +253,9 @@ pub struct RedisPolicy {
     /// The typical hold of each concurrency tier, learnt from this binding's releases.
     holds: Arc<Holds>,
     local: Option<MemoryPolicy>,
-    /// Refusals answered without asking Redis (see [`RedisStoreBuilder::local_refusals`]).
-    refusals: Option<Refusals>,
+    /// Refusals answered without asking Redis (see [`RedisStoreBuilder::local_refusals`]);
+    /// shared with the leases' give-backs (see [`lease::Back`]).
+    refusals: Option<Arc<Refusals>>,
     /// Blocks of hot keys held by this process (see [`Lease`]).
     leases: Option<Arc<Leases>>,
 }
@@ -310,7 +311,7 @@ impl RedisPolicy {
     /// count since the binding was made.
     #[must_use]
     pub fn refused_locally(&self) -> u64 {
-        self.refusals.as_ref().map_or(0, Refusals::answered)
+        self.refusals.as_deref().map_or(0, Refusals::answered)
     }
 
     /// Refusals this binding holds now, at most the capacity given to
@@ -318,7 +319,7 @@ impl RedisPolicy {
     /// evicted).
     #[must_use]
     pub fn local_refusals(&self) -> usize {
-        self.refusals.as_ref().map_or(0, Refusals::len)
+        self.refusals.as_deref().map_or(0, Refusals::len)
     }
 
     /// The lease mode this binding runs in, if any (see [`Lease`]).
@@ -376,11 +377,7 @@ impl RedisPolicy {
     /// settlement or release through this process, made while the guard lives, may give
     /// units back (or, settling up, move the key's clock guard: see [`Refusals::forget`]).
     fn forgetting<'a>(&'a self, inner: &'a Inner, hash: u64) -> Forgetting<'a> {
-        let clock = inner.settings.clock.as_ref();
-        if let Some(r) = &self.refusals {
-            r.forget(hash, clock.map(AnyClock::now));
-        }
-        Forgetting { refusals: self.refusals.as_ref(), clock, hash }
+        forgetting(self.refusals.as_deref(), inner, hash)
     }
 
     /// Read before a check is sent, for [`learn`](Self::learn).
@@ -410,6 +407,17 @@ impl RedisPolicy {
             r.learn(&self.policy, check, decision, at, sent, epoch);
         }
     }
+}
+
+/// Forgets the refusal of the key of `hash` in `refusals` now and again when the guard is
+/// dropped ([`RedisPolicy::forgetting`]; the leases' give-backs call it too, see
+/// [`lease::Back`]).
+fn forgetting<'a>(refusals: Option<&'a Refusals>, inner: &'a Inner, hash: u64) -> Forgetting<'a> {
+    let clock = inner.settings.clock.as_ref();
+    if let Some(r) = refusals {
+        r.forget(hash, clock.map(AnyClock::now));
+    }
+    Forgetting { refusals, clock, hash }
 }
 
 /// Forgets a key's local refusal again when dropped ([`RedisPolicy::forgetting`]).
@@ -885,7 +893,8 @@ impl Store for RedisStore {
         let inner = &self.inner;
         let key_parts = script::key_parts(&inner.prefix, policy);
         let prepared = Arc::new(Prepared::new(policy, inner.grace_ms));
-        let leases = self.leases_for(policy, &key_parts, &prepared)?;
+        let refusals = Refusals::new(policy, inner.refusals).map(Arc::new);
+        let leases = self.leases_for(policy, &key_parts, &prepared, refusals.as_ref())?;
         Ok(RedisPolicy {
             policy: policy.clone(),
             key_parts,
@@ -893,7 +902,7 @@ impl Store for RedisStore {
             prepared,
             holds: Arc::new(Holds::new(policy)),
             local: inner.fallback.as_ref().map(|local| local.bind_policy(policy)),
-            refusals: Refusals::new(policy, inner.refusals),
+            refusals,
             leases,
         })
     }
@@ -1149,6 +1158,7 @@ impl RedisStore {
         policy: &Policy,
         key_parts: &(String, String),
         prepared: &Arc<Prepared>,
+        refusals: Option<&Arc<Refusals>>,
     ) -> Result<Option<Arc<Leases>>, ConfigError> {
         let inner = &self.inner;
         let (config, named) = match inner.lease_policies.get(policy.name()) {
@@ -1171,6 +1181,7 @@ impl RedisStore {
             prepared: Arc::clone(prepared),
             key_parts: key_parts.clone(),
             key_names: inner.key_names,
+            refusals: refusals.cloned(),
         });
         Ok(Some(Arc::new(leases)))
     }
@@ -1578,10 +1589,11 @@ impl RedisStoreBuilder {
     ///
     /// **Other instances.** They can only spend more of a key, which keeps a refusal true (a
     /// client retrying after `retry_after` may then be refused by Redis again, as after any
-    /// refusal). What this instance gives back (a settlement, a refund, a released ticket)
-    /// forgets the key's refusal; what another instance gives back cannot be seen here, so a
-    /// refusal may outlast a refund made elsewhere by at most its `retry_after`. Reloading a
-    /// policy binds it anew, with no refusal kept.
+    /// refusal). What this instance gives back (a settlement, a refund, a released ticket, the
+    /// unspent rest of a [lease](Lease) block) forgets the key's refusal; what another
+    /// instance gives back cannot be seen here, so a refusal may outlast a refund made
+    /// elsewhere by at most its `retry_after`. Reloading a policy binds it anew, with no
+    /// refusal kept.
     ///
     /// **Not kept** for policies with a concurrency tier (a slot released on another instance
     /// frees the key before `retry_after`) or a penalty box (a refusal outside a block counts

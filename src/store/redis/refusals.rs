@@ -289,7 +289,7 @@ impl Refusals {
     }
 
     /// Forgets the refusal of the key of `hash` ([`hash`](Self::hash)): a refund, a
-    /// settlement or a release through this process could make it false. Called when a
+    /// settlement, a release or a lease's give-back through this process could make it false. Called when a
     /// give-back begins and again when it ends, so that no check in flight meanwhile keeps a
     /// refusal.
     ///
