@@ -289,9 +289,9 @@ impl Refusals {
     }
 
     /// Forgets the refusal of the key of `hash` ([`hash`](Self::hash)): a refund, a
-    /// settlement, a release or a lease's give-back through this process could make it false. Called when a
-    /// give-back begins and again when it ends, so that no check in flight meanwhile keeps a
-    /// refusal.
+    /// settlement, a release or a lease's give-back through this process could make it false.
+    /// Called when a give-back begins and again when it ends, so that no check in flight
+    /// meanwhile keeps a refusal.
     ///
     /// `now`, the injected clock's instant, counts as one Redis decided at (see `latest`):
     /// a settlement of units moves the key's clock guard to its instant, and Redis decides
