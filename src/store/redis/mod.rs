@@ -1581,8 +1581,11 @@ impl RedisStoreBuilder {
     /// time (the default), now is the server's instant of the decision plus the time since the
     /// check was sent, never earlier than the server's clock, so a refusal ends here at its
     /// instant or a round trip early, never late. With an injected [`clock`](Self::clock), a
-    /// decision made at an instant before one already seen (the clock stepped back) is not
-    /// kept: Redis may then decide at the key's last charge, later than now. If the server's
+    /// decision made at an instant before one already seen (a check's, or a settlement's or
+    /// give-back's through this binding: the clock stepped back) is not kept: Redis may then
+    /// decide at the key's last charge, later than now (a charge through another instance
+    /// is not seen here: as below, the refusal then counts down where Redis's stands still
+    /// until the clock gets back to that charge). If the server's
     /// clock steps back behind a key's last charge (a failover to a replica whose clock is
     /// behind), a kept refusal still ends no later than Redis's, but its durations count down
     /// where Redis's stand still until the clock catches up.
