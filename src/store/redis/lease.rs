@@ -265,9 +265,9 @@ impl Lease {
     /// to about one unit ahead of exact, within the bound), and refuses the key's checks
     /// itself until then, with that exact wait as `retry_after`. A call that finds the
     /// horizon full is refused, and this instance waits, with no call, until a useful block
-    /// fits again (the wait Redis gives); the
-    /// checks it refuses meanwhile are told when their own units conform (after the key's
-    /// schedule as Redis last reported it), which can be later than that wait, never earlier.
+    /// fits again (the wait Redis gives); the checks it refuses meanwhile are told when their
+    /// own units conform (after the key's schedule as Redis last reported it), which can be
+    /// later than that wait, never earlier.
     ///
     /// The bound is the same ([`bound`](Self::bound)): every unit admitted conforms at the
     /// instant it is admitted to the key's GCRA state as the grant left it, each instance
