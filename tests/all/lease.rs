@@ -204,20 +204,7 @@ async fn four_gcra_instances_within_the_bound(lease: Lease) {
     let (burst, t) = (50u64, 2 * MS);
     let bound = lease.bound(N as u64);
     assert_eq!(bound, 32);
-    let mut worst_extra = 0i64;
-    for i in 0..admitted.len() {
-        for j in i..admitted.len() {
-            let count = (j - i + 1) as u64;
-            let exact = burst + (admitted[j] - admitted[i]) / t;
-            worst_extra = worst_extra.max(count as i64 - exact as i64);
-            assert!(
-                count <= exact + bound,
-                "{count} admitted in [{}, {}] ns: GCRA allows {exact}, the bound {bound} more",
-                admitted[i],
-                admitted[j]
-            );
-        }
-    }
+    let worst_extra = each_tier_within(&admitted, &[(burst, t)], bound, "")[0];
     let run = burst + 2_999 * MS / t;
     assert!(admitted.len() as u64 <= run + bound, "{} admitted", admitted.len());
     let stats: Vec<_> = nodes.iter().map(|n| n.1.lease_stats()).collect();
@@ -384,6 +371,30 @@ async fn a_refused_lease_call_is_waited_out_with_that_retry() {
     assert_eq!((stats.decided_on_redis, stats.refused_locally), (calls + 1, 2));
 }
 
+/// Asserts that over every interval of the admission instants `admitted` (ascending, ns), each
+/// GCRA tier `(burst, T in ns)` admitted at most what exact GCRA allows plus `bound`; the most
+/// each tier admitted over exact GCRA. `what` prefixes a failure's message.
+fn each_tier_within(admitted: &[u64], tiers: &[(u64, u64)], bound: u64, what: &str) -> Vec<i64> {
+    let mut worst = vec![0i64; tiers.len()];
+    for (k, &(burst, t)) in tiers.iter().enumerate() {
+        for i in 0..admitted.len() {
+            for j in i..admitted.len() {
+                let count = (j - i + 1) as u64;
+                let exact = burst + (admitted[j] - admitted[i]) / t;
+                worst[k] = worst[k].max(count as i64 - exact as i64);
+                assert!(
+                    count <= exact + bound,
+                    "{what}tier {k}: {count} admitted in [{}, {}] ns: GCRA allows {exact}, the \
+                     bound {bound} more",
+                    admitted[i],
+                    admitted[j]
+                );
+            }
+        }
+    }
+    worst
+}
+
 /// Two GCRA tiers whose conformance instants differ (T = 2 ms with a burst of 20, and
 /// T = 4 ms with a burst of 50: the first binds in bursts, the second at length), four
 /// instances leasing the schedule with prefetching: each tier keeps its own bound over every
@@ -404,23 +415,7 @@ async fn four_instances_leasing_the_schedule_keep_each_of_two_gcra_tiers_within_
     let key = Key::text("two");
     let admitted = hammer(&nodes, &clock, &key, 3_000, demands).await;
     let bound = lease.bound(N as u64);
-    let mut worst = [0i64; 2];
-    for (k, (burst, t)) in [(20u64, 2 * MS), (50, 4 * MS)].into_iter().enumerate() {
-        for i in 0..admitted.len() {
-            for j in i..admitted.len() {
-                let count = (j - i + 1) as u64;
-                let exact = burst + (admitted[j] - admitted[i]) / t;
-                worst[k] = worst[k].max(count as i64 - exact as i64);
-                assert!(
-                    count <= exact + bound,
-                    "tier {k}: {count} admitted in [{}, {}] ns: GCRA allows {exact}, the bound \
-                     {bound} more",
-                    admitted[i],
-                    admitted[j]
-                );
-            }
-        }
-    }
+    let worst = each_tier_within(&admitted, &[(20, 2 * MS), (50, 4 * MS)], bound, "");
     let stats: Vec<_> = nodes.iter().map(|n| n.1.lease_stats()).collect();
     assert!(stats.iter().map(|s| s.decided_locally).sum::<u64>() > 0, "{stats:?}");
     eprintln!("two tiers: {} admitted, worst extra {worst:?} (bound {bound})", admitted.len());
@@ -473,23 +468,8 @@ async fn a_horizon_past_the_fast_tiers_fill_keeps_each_tier_within_the_bound() {
         // what they hold (32 units: 8 ms) at most.
         assert!((5_250_001..=8_250_000).contains(&slow_wait), "{slow_wait} ns");
         let bound = lease.bound(N as u64);
-        let mut worst = [0i64; 2];
-        for (k, (burst, t)) in [(40u64, 125_000u64), (400, 250_000)].into_iter().enumerate() {
-            for i in 0..admitted.len() {
-                for j in i..admitted.len() {
-                    let count = (j - i + 1) as u64;
-                    let exact = burst + (admitted[j] - admitted[i]) / t;
-                    worst[k] = worst[k].max(count as i64 - exact as i64);
-                    assert!(
-                        count <= exact + bound,
-                        "prefetch {prefetch}, tier {k}: {count} admitted in [{}, {}] ns: GCRA \
-                         allows {exact}, the bound {bound} more",
-                        admitted[i],
-                        admitted[j]
-                    );
-                }
-            }
-        }
+        let tiers = [(40, 125_000), (400, 250_000)];
+        let worst = each_tier_within(&admitted, &tiers, bound, &format!("prefetch {prefetch}, "));
         let stats: Vec<_> = nodes.iter().map(|n| n.1.lease_stats()).collect();
         assert!(stats.iter().map(|s| s.decided_locally).sum::<u64>() > 0, "{stats:?}");
         eprintln!(
