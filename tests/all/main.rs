@@ -29,6 +29,8 @@ mod kinds;
 mod layer_kinds;
 mod lean;
 mod lease;
+mod lease_config;
+mod lease_headers;
 mod lease_reload;
 mod limiter;
 mod messages;
