@@ -122,8 +122,9 @@ const DEFAULT_LOCAL_REFUSALS: usize = 4096;
 ///   budget from Redis in one script call and spends it locally: a hot key costs Redis one
 ///   call per block. Fixed windows still admit at most their limit in every window; GCRA and
 ///   the buckets at most `N × max_block` beyond theirs over any interval (`N` instances);
-///   sliding windows and policies of several kinds stay exact. See [`Lease`] for the bounds,
-///   block sizing, faults and headers.
+///   calendar tiers lease like windows; sliding windows and logs, and policies with a
+///   concurrency tier, a penalty box, a reserve or a tier counting other units than requests
+///   stay exact. See [`Lease`] for the bounds, block sizing, faults and headers.
 /// - **Failures, per node.** Each server (each Cluster master) has its own circuit breaker: after
 ///   [`failure_threshold`](RedisStoreBuilder::circuit_breaker) consecutive failed calls it stops
 ///   calling that server for `open_for`, then probes it with one call. A call fails when the
@@ -209,6 +210,10 @@ struct Inner {
     lease: Option<Lease>,
     /// Lease mode by policy name.
     lease_policies: HashMap<String, Lease>,
+    /// The names of the policies bound to the store, and whether the names given to
+    /// [`RedisStoreBuilder::lease_policy`] were compared with them (at the first check).
+    bound_names: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    lease_names_checked: std::sync::atomic::AtomicBool,
 }
 
 enum Topology {
@@ -712,6 +717,30 @@ fn addr_of(info: &ConnectionInfo) -> String {
 }
 
 impl Inner {
+    /// Once, at the first check: logs (and counts) each name given to
+    /// [`RedisStoreBuilder::lease_policy`] that no policy bound to the store by then uses.
+    #[cold]
+    fn check_lease_names(&self) {
+        use std::sync::atomic::Ordering;
+        if self.lease_names_checked.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let bound = self.bound_names.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut unknown: Vec<&String> =
+            self.lease_policies.keys().filter(|n| !bound.contains(*n)).collect();
+        unknown.sort();
+        for name in unknown {
+            tracing::warn!(
+                setting = "lease_policy",
+                policy = %name,
+                bound = ?*bound,
+                "tollgate: lease_policy names a policy that no policy bound to this store uses: \
+                 nothing leases under that name"
+            );
+            crate::metrics::config_warning("lease_policy", name);
+        }
+    }
+
     /// This process's idea of now: the injected clock's, or the system's (nanoseconds since
     /// the Unix epoch). Only calendar tiers need it, for the windows a check sends.
     fn app_now(&self) -> u64 {
@@ -895,6 +924,10 @@ impl Store for RedisStore {
         let prepared = Arc::new(Prepared::new(policy, inner.grace_ms));
         let refusals = Refusals::new(policy, inner.refusals).map(Arc::new);
         let leases = self.leases_for(policy, &key_parts, &prepared, refusals.as_ref())?;
+        if !inner.lease_policies.is_empty() {
+            let mut names = inner.bound_names.lock().unwrap_or_else(PoisonError::into_inner);
+            names.insert(policy.name().to_owned());
+        }
         Ok(RedisPolicy {
             policy: policy.clone(),
             key_parts,
@@ -930,6 +963,9 @@ impl Store for RedisStore {
         check: Check<'_>,
     ) -> Result<Verdict<RedisTicket>, StoreError> {
         let inner = &*self.inner;
+        if !inner.lease_names_checked.load(std::sync::atomic::Ordering::Relaxed) {
+            inner.check_lease_names();
+        }
         // Answered here without waiting on anything: a unit of the task's cooperative budget
         // is spent, so that a task looping on checks answered locally yields now and then
         // instead of starving the others on its worker (as a check sent to Redis would).
@@ -1615,10 +1651,22 @@ impl RedisStoreBuilder {
     }
 
     /// Lease mode for the policy named `policy` (see [`Lease`]): this instance takes blocks of
-    /// a key's budget from Redis in one call and spends them locally. Binding that policy fails
-    /// with [`ConfigError::UnsupportedByStore`] when it cannot lease (a sliding window, or a
-    /// concurrency, calendar, penalty or reserve tier). Overrides [`lease`](Self::lease) for
-    /// that policy. Instances in lease mode and in exact mode share one budget.
+    /// a key's budget from Redis in one call and spends them locally. Overrides
+    /// [`lease`](Self::lease) for that policy. Instances in lease mode and in exact mode share
+    /// one budget.
+    ///
+    /// Rate tiers of GCRA, the token and leaky buckets and the fixed window lease, beside
+    /// calendar tiers. Binding the policy fails with [`ConfigError::UnsupportedByStore`],
+    /// naming the tier, when it cannot lease: a sliding window or log, a concurrency tier, a
+    /// penalty box or a reserve, or a tier counting other units than requests.
+    ///
+    /// A name that no policy bound to the store uses by the store's first check (a misspelling:
+    /// `"serch"` for a policy named `"search"`) leases nothing: it is logged once at `warn`,
+    /// naming it and the policies bound, and counted once in
+    /// `tollgate_config_warnings_total{setting="lease_policy",policy="serch"}` (feature
+    /// `metrics`). It cannot be an error: the store does not know at build time which policies
+    /// will be bound to it, nor at one binding whether another will follow. Bind every policy
+    /// (build every layer) before the first check.
     pub fn lease_policy(mut self, policy: impl Into<String>, lease: Lease) -> Self {
         self.lease_policies.insert(policy.into(), lease);
         self
@@ -1736,6 +1784,8 @@ impl RedisStoreBuilder {
                 refusals: self.local_refusals,
                 lease: self.lease,
                 lease_policies: self.lease_policies,
+                bound_names: std::sync::Mutex::default(),
+                lease_names_checked: std::sync::atomic::AtomicBool::new(false),
             }),
         })
     }
