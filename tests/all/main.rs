@@ -40,6 +40,7 @@ mod pacing_http;
 mod penalty;
 mod priority;
 mod redis;
+mod reserve_shape;
 mod select;
 mod service;
 mod spoofing;

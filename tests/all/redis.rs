@@ -2329,6 +2329,36 @@ fn reserves_decide_exactly_like_memory() {
     });
 }
 
+/// The same with most checks shaped, critical reserves of at least an eighth of the tier and
+/// a third of the checks critical: the lower classes' schedules push the tier's TAT past their
+/// line, and critical requests are admitted ahead of them on the tier's line (see `Reserve`),
+/// alike on both stores, the clock stepping back in half of them.
+#[test]
+fn reserves_under_shaping_decide_exactly_like_memory() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let url = server.url();
+    let traces = (
+        proptest::bool::ANY.prop_flat_map(trace),
+        (1u64..=3, 0u64..=3),
+        proptest::collection::vec(0u8..3, 80),
+        proptest::collection::vec(proptest::option::weighted(0.8, 0u64..=2_000_000_000), 80),
+    )
+        .prop_map(|(mut trace, reserve, classes, budgets)| {
+            trace.algorithm = Algorithm::Gcra;
+            trace.reserve = Some(reserve);
+            trace.classes = classes;
+            for (step, budget) in trace.steps.iter_mut().zip(budgets) {
+                if let Step::Check { shape, .. } = step {
+                    *shape = budget;
+                }
+            }
+            trace
+        });
+    seeded_differential(traces, 7, 256, |clock, prefix| {
+        fake_clock_store(RedisStore::builder(&url), clock, format!("reshape{prefix}"))
+    });
+}
+
 /// A refusal of one priority class is not the answer for another: a standard request refused
 /// at the critical reserve is refused locally for standard requests only, and a critical one
 /// asks Redis, which admits it.

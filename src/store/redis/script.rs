@@ -74,6 +74,7 @@ static KINDS_RATE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         include_str!("lua/prelude.lua"),
         include_str!("lua/rate.lua"),
+        include_str!("lua/line.lua"),
         include_str!("lua/kinds.lua")
     ))
 });
@@ -81,6 +82,7 @@ static KINDS_WINDOW: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         include_str!("lua/prelude.lua"),
         include_str!("lua/window.lua"),
+        include_str!("lua/line.lua"),
         include_str!("lua/kinds.lua")
     ))
 });
@@ -88,6 +90,7 @@ static KINDS_LOG: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         include_str!("lua/prelude.lua"),
         include_str!("lua/log.lua"),
+        include_str!("lua/line.lua"),
         include_str!("lua/kinds.lua")
     ))
 });
@@ -240,6 +243,10 @@ pub(crate) fn family(policy: &Policy) -> Family {
 /// own; the same with other kinds of tiers), and they stay, so that a plain policy's state
 /// keeps its keys, read and written alike by nodes of either version during a rolling deploy.
 fn layout(policy: &Policy) -> u64 {
+    // A critical reserve keeps a line per key after the penalty boxes (`lua/line.lua`).
+    if (0..policy.tiers().len()).any(|i| policy.line_reserve(i).is_some()) {
+        return 7;
+    }
     match (family(policy), policy.is_plain()) {
         (Family::Gcra, _) => 0,
         (Family::Rate, true) => 1,
