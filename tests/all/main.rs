@@ -43,6 +43,7 @@ mod redis;
 mod reserve_shape;
 mod select;
 mod service;
+mod settle_tiers;
 mod spoofing;
 mod streams;
 mod testing;

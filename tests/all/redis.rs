@@ -290,8 +290,6 @@ fn keys() -> [Key; 3] {
 async fn replay(store: RedisStore, clock: FakeClock, trace: &Trace) -> Result<u64, String> {
     let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     let policy = trace.policy();
-    let plain =
-        policy.tiers().iter().all(|t| t.kind() == TierKind::Rate && t.unit() == Unit::Requests);
     let memory = Limiter::with_store(policy.clone(), memory).unwrap();
     let store = Limiter::with_store(policy.clone(), store).unwrap();
     let (m_store, m_bound) = (memory.store(), memory.bound());
@@ -340,8 +338,7 @@ async fn replay(store: RedisStore, clock: FakeClock, trace: &Trace) -> Result<u6
                 r_store.settle(r_bound, b, *cost).await.map_err(redis_error)?;
             }
             Step::SettleTier { which, tier, cost } => {
-                // A policy of request rates settles all its tiers together on Redis.
-                if tickets.is_empty() || plain {
+                if tickets.is_empty() {
                     continue;
                 }
                 let n = tickets.len();

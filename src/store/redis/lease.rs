@@ -1570,7 +1570,7 @@ impl Back {
     async fn give(&self, key: &Key, rest: &Rest) -> Result<(), crate::StoreError> {
         let hash = self.refusals.as_ref().map_or(0, |r| r.hash(key));
         let _forgetting = super::forgetting(self.refusals.as_deref(), &self.inner, hash);
-        let record = self.prepared.settle(rest.granted, &rest.charges, rest.spent);
+        let record = self.prepared.settle(&rest.charges, |_| rest.granted, |_| rest.spent);
         let state_key = state_key(&self.key_parts, &self.key_names, key);
         let keys = self.prepared.keys(state_key);
         self.inner.submit(&self.prepared, keys, record, 0).await.map(drop)

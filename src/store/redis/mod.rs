@@ -367,7 +367,6 @@ impl RedisPolicy {
         Some(RedisTicket(Charged::Remote(Box::new(Remote {
             state_key: self.state_key(check.key),
             refusal: self.refusal_hash(check.key),
-            cost: check.cost,
             charges,
             lease: None,
         }))))
@@ -457,7 +456,7 @@ struct Remote {
     state_key: String,
     /// The key's hash in the binding's local refusals, forgotten when charges come back.
     refusal: u64,
-    cost: u64,
+    /// What each tier was charged (a tier's cost follows its settlements).
     charges: Charges,
     /// The concurrency slots it holds: released when it is dropped.
     lease: Option<Slots>,
@@ -1005,7 +1004,6 @@ impl Store for RedisStore {
                     RedisTicket(Charged::Remote(Box::new(Remote {
                         state_key,
                         refusal: bound.refusal_hash(check.key),
-                        cost: check.cost,
                         charges,
                         lease: None,
                     })))
@@ -1062,19 +1060,20 @@ impl Store for RedisStore {
                     )
                     .await;
                 }
-                if cost == remote.cost {
+                // Each tier from what it was charged (single tiers may have been settled).
+                if remote.charges.iter().all(|c| c.cost == cost) {
                     return Ok(());
                 }
-                let record = prepared.settle(remote.cost, &remote.charges, cost);
+                let charges = &remote.charges;
+                let record = prepared.settle(charges, |i| charges[i].cost, |_| cost);
                 let keys = prepared.keys(std::mem::take(&mut remote.state_key));
                 inner.submit(prepared, keys, record, 0).await.map(drop)
             }
         }
     }
 
-    /// Settles single tiers. A policy whose tiers all count requests is settled on its
-    /// scripts as a whole: settling only some of its tiers, or them at different costs, is a
-    /// [`StoreError`] (its tiers count the same requests).
+    /// Settles single tiers, as [`MemoryStore`] does, whatever the policy's tiers (a policy of
+    /// request rates is the case of every tier charged the same cost).
     async fn settle_tiers(
         &self,
         bound: &RedisPolicy,
@@ -1121,16 +1120,10 @@ impl Store for RedisStore {
             )
             .await?;
         } else {
-            let cost = new[0];
-            if new.iter().any(|n| *n != cost) {
-                return Err(StoreError::backend(
-                    "a policy whose tiers all count requests settles all of them at one cost",
-                ));
-            }
-            let record = prepared.settle(remote.cost, &remote.charges, cost);
+            let charges = &remote.charges;
+            let record = prepared.settle(charges, |i| charges[i].cost, |i| new[i]);
             let keys = prepared.keys(remote.state_key.clone());
             inner.submit(prepared, keys, record, 0).await?;
-            remote.cost = cost;
         }
         for (c, n) in remote.charges.iter_mut().zip(&new) {
             c.cost = *n;
@@ -1412,7 +1405,6 @@ impl RedisStore {
                 RedisTicket(Charged::Remote(Box::new(Remote {
                     state_key,
                     refusal: bound.refusal_hash(check.key),
-                    cost: check.cost,
                     charges,
                     lease: slots,
                 })))
