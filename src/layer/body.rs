@@ -231,12 +231,14 @@ impl<B: Body> Metered<B> {
                 if meter.stopped {
                     return Poll::Pending;
                 }
-                // Within the lease (most frames): nothing to poll.
-                if let Some(gate) = meter.bytes.as_mut().filter(|gate| gate.ready() == 0) {
-                    match gate.poll_room(cx, this.body.size_hint().exact()) {
+                // Within the lease (most frames): nothing to poll. A refusal stops the body
+                // at its next data frame: its end is never refused.
+                let gate = meter.bytes.as_mut().filter(|gate| gate.ready() == 0);
+                if let (Some(gate), None) = (gate, &meter.refused_bytes) {
+                    match gate.poll_room(cx, this.body.size_hint().exact(), 1) {
                         Poll::Ready(Ok(_)) => {}
                         Poll::Pending => return Poll::Pending,
-                        Poll::Ready(Err(why)) => return stop_whole(meter, why),
+                        Poll::Ready(Err(why)) => meter.refused_bytes = Some(why),
                     }
                 }
                 // Messages: a refused lease stops the stream at the next message only.
@@ -244,7 +246,7 @@ impl<B: Body> Metered<B> {
                     continue;
                 }
                 if let Some((gate, _)) = meter.messages.as_mut().filter(|(g, _)| g.ready() == 0) {
-                    match gate.poll_room(cx, None) {
+                    match gate.poll_room(cx, None, 1) {
                         Poll::Ready(Ok(_)) => {}
                         Poll::Pending => return Poll::Pending,
                         Poll::Ready(Err(why)) => meter.refused = Some(why),
@@ -256,6 +258,13 @@ impl<B: Body> Metered<B> {
         match &frame {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
+                    // A byte tier had no room for more: the stream stops before this frame.
+                    if bytes::Buf::has_remaining(data) {
+                        if let Some(meter) = meters.iter_mut().find(|m| m.refused_bytes.is_some()) {
+                            let why = meter.refused_bytes.take();
+                            return stop_whole(meter, why.expect("found"));
+                        }
+                    }
                     // What each meter's message gate spends: the messages the frame starts.
                     // Counted before any is spent: a frame that does not reach the handler is
                     // charged to no tier.
@@ -600,7 +609,7 @@ where
         let mut bytes = gate.ready();
         if bytes == 0 {
             let remaining = body.size_hint().exact().map(|left| left.saturating_add(rest));
-            bytes = match gate.poll_room(cx, remaining) {
+            bytes = match gate.poll_room(cx, remaining, rest) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Err(why)) => return end_stopped(meter, &why),
                 Poll::Ready(Ok(bytes)) => bytes,
@@ -615,7 +624,9 @@ where
         // Bytes that end no prefix (a payload's rest) pass without a lease.
         let mut scan = framer.scan(window, 0);
         if scan.bytes < window.len() {
-            match gate.poll_room(cx, None) {
+            // The messages this frame starts: what the lease may cover at once.
+            let want = framer.scan(window, u64::MAX).messages.max(1);
+            match gate.poll_room(cx, None, want) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Err(why)) => return end_stopped(meter, &why),
                 Poll::Ready(Ok(messages)) => scan = framer.scan(window, messages),

@@ -131,7 +131,21 @@ struct Settings {
     hook: Option<HookFn>,
     log_keys: LogKeys,
     explain_missing: bool,
-    stream: StreamMode,
+    /// How bodies are metered, when [`on_stream`](RateLimitLayerBuilder::on_stream) chose:
+    /// otherwise as the layer decides requests ([`Settings::stream`]).
+    stream: Option<StreamMode>,
+}
+
+impl Settings {
+    /// How tiers counting bytes or messages meter a stream: as chosen, or else as the layer
+    /// decides requests (shaped when it shapes, policed when it polices).
+    pub(crate) fn stream(&self) -> StreamMode {
+        match (self.stream, self.max_delay) {
+            (Some(mode), _) => mode,
+            (None, Some(_)) => StreamMode::Shape,
+            (None, None) => StreamMode::Police,
+        }
+    }
 }
 
 impl Default for Settings {
@@ -153,7 +167,7 @@ impl Default for Settings {
             hook: None,
             log_keys: LogKeys::default(),
             explain_missing: cfg!(debug_assertions),
-            stream: StreamMode::Settle,
+            stream: None,
         }
     }
 }
@@ -384,30 +398,24 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         self
     }
 
-    /// How tiers counting request or response bytes meter a body whose length was not charged
-    /// at admission (a request body without a `Content-Length`, every response body):
-    /// [`StreamMode::Settle`] (the default) charges one unit at admission and settles when the
-    /// body ends; [`StreamMode::Shape`] and [`StreamMode::Police`] charge the bytes as they
-    /// pass, in leases of at most 64 KiB, and pause or stop a stream that runs out (see
-    /// [`StreamMode`] for what the client sees, and the bound). The same goes for the
-    /// messages of a gRPC call under tiers counting [`Unit::RequestMessages`](crate::Unit) or
-    /// [`Unit::ResponseMessages`](crate::Unit), in leases of at most
-    /// [`MESSAGE_LEASE`] (16) messages.
+    /// How tiers counting bytes or messages meter streams (default: as the layer decides
+    /// requests, [`StreamMode::Police`] or, when [shaping](Self::shape), [`StreamMode::Shape`]).
+    /// Choose [`StreamMode::Settle`] for tiers that bill a body when it ends.
     ///
     /// ```
     /// use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};
     ///
     /// # fn main() -> Result<(), tollgate::ConfigError> {
-    /// // Downloads of one key at 10 MB/s together, paced like nginx `limit_rate`.
+    /// // Bytes downloaded per key, billed when each response ends (never slowed nor stopped).
     /// let policy = Policy::builder("download")
-    ///     .tier("bytes", Quota::per_second(10_000_000).counting(Unit::ResponseBytes))
+    ///     .tier("bytes", Quota::per_day(1_000_000_000).counting(Unit::ResponseBytes))
     ///     .build()?;
-    /// let layer = RateLimitLayer::builder(policy).on_stream(StreamMode::Shape).build()?;
+    /// let layer = RateLimitLayer::builder(policy).on_stream(StreamMode::Settle).build()?;
     /// # let _ = layer;
     /// # Ok(()) }
     /// ```
     pub fn on_stream(mut self, mode: StreamMode) -> Self {
-        self.settings.stream = mode;
+        self.settings.stream = Some(mode);
         self
     }
 

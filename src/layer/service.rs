@@ -569,7 +569,7 @@ impl Plan {
             && settings.settle_cost.is_none()
             && refunds_by_status
             && limiter.refunds_sync();
-        let shape_streams = settings.stream == StreamMode::Shape
+        let shape_streams = settings.stream() == StreamMode::Shape
             && !settings.dry_run
             && (needs.request_bytes()
                 || needs.response_bytes()
@@ -958,7 +958,7 @@ where
     // estimates kept.
     let mut req = req;
     // A dry run never stops nor slows a stream: its bodies are settled when they end.
-    let mode = if settings.dry_run { StreamMode::Settle } else { settings.stream };
+    let mode = if settings.dry_run { StreamMode::Settle } else { settings.stream() };
     let grpc = is_grpc(req.headers());
     let fail_open = settings.on_store_error == OnStoreError::FailOpen;
     // A request body of unknown length, metered as it streams: its leases, and where
@@ -1079,16 +1079,19 @@ where
         None => finish,
     };
     let mut meter = Meter::new(finish, counters, settled_by_head(&config, &head));
-    let response_messages = stream_messages && needs.response_messages();
-    if mode.streams() && (needs.response_bytes() || (grpc && signal.is_some()) || response_messages)
-    {
+    // A response whose status gives the charge back is not metered: its units are settled at
+    // nothing when it ends.
+    let refunded = config.refunds(head.status);
+    let response_bytes = needs.response_bytes() && !refunded;
+    let response_messages = stream_messages && needs.response_messages() && !refunded;
+    if mode.streams() && (response_bytes || (grpc && signal.is_some()) || response_messages) {
         // A plain HTTP response under way cannot be failed (its status is sent, its body's
         // error type is the handler's): policing shapes it, and a store error lets it on.
         let (mode, fail_open) = match grpc {
             true => (mode, fail_open),
             false => (StreamMode::Shape, true),
         };
-        let gate = needs.response_bytes().then(|| {
+        let gate = response_bytes.then(|| {
             let gate =
                 Leases::new(limiter, key.clone(), priority, Unit::ResponseBytes, mode, fail_open);
             Box::new(gate) as Box<dyn Gate>

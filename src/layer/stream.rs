@@ -43,11 +43,30 @@ pub const MESSAGE_LEASE: u64 = 16;
 /// not reserved, and asked for again when the store says it would fit.
 const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 
-/// How tiers counting [`Unit::RequestBytes`] or [`Unit::ResponseBytes`] meter a body whose
-/// length was not charged at admission: a request body without a `Content-Length`, and every
-/// response body; and how tiers counting [`Unit::RequestMessages`] or
-/// [`Unit::ResponseMessages`] meter the messages of a gRPC call (see [Messages](#messages)). Set with
-/// [`RateLimitLayerBuilder::on_stream`](crate::RateLimitLayerBuilder::on_stream).
+/// How tiers counting bytes or messages meter what streams: a request body whose length was
+/// not charged at admission, every response body, and the messages of a gRPC call or a
+/// WebSocket. Without [`on_stream`](crate::RateLimitLayerBuilder::on_stream) it follows the
+/// layer: [`Police`](Self::Police) when the layer polices, [`Shape`](Self::Shape) when it
+/// [shapes](crate::RateLimitLayerBuilder::shape); [`Settle`](Self::Settle) is the choice for
+/// billing-style tiers that charge a body when it ends.
+///
+/// ```
+/// use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};
+///
+/// # fn main() -> Result<(), tollgate::ConfigError> {
+/// // Uploads of one key together at 1 MB/s (burst 1 MB). The layer polices, so do its
+/// // streams: an upload that runs out of room is stopped with a 429.
+/// let policy = Policy::builder("upload")
+///     .tier("bytes", Quota::per_second(1_000_000).counting(Unit::RequestBytes))
+///     .build()?;
+/// let policed = RateLimitLayer::builder(policy.clone()).build()?;
+/// // Shaping: an upload past the rate waits, no longer read, until the tier has room.
+/// let shaped = RateLimitLayer::builder(policy).shape(std::time::Duration::from_secs(5)).build()?;
+/// # let _ = (policed, shaped);
+/// # Ok(()) }
+/// ```
+///
+/// # How it works
 ///
 /// With [`Shape`](Self::Shape) or [`Police`](Self::Police) the body is charged as its frames
 /// pass, in leases of at most [`STREAM_LEASE`] bytes (64 KiB) taken from the store when the
@@ -72,20 +91,6 @@ const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 /// [`on_store_error`](crate::RateLimitLayerBuilder::on_store_error): failing open lets the
 /// lease through uncharged, failing closed stops the stream as policing does (a plain HTTP
 /// response under way is let through).
-///
-/// ```
-/// use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};
-///
-/// # fn main() -> Result<(), tollgate::ConfigError> {
-/// // Uploads of one key together at 1 MB/s (burst 1 MB): a chunked upload past the rate
-/// // waits, its server no longer reading it, until the tier has room for its next 64 KiB.
-/// let policy = Policy::builder("upload")
-///     .tier("bytes", Quota::per_second(1_000_000).counting(Unit::RequestBytes))
-///     .build()?;
-/// let layer = RateLimitLayer::builder(policy).on_stream(StreamMode::Shape).build()?;
-/// # let _ = layer;
-/// # Ok(()) }
-/// ```
 ///
 /// # Concurrency, and streams that end early
 ///
@@ -126,14 +131,13 @@ const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 /// refused after the last message is only held against a next one. A dry run, and
 /// [`Settle`](Self::Settle), charge a call one message each way at admission and settle it
 /// at the messages counted when the call ends, never slowing nor stopping it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[cfg_attr(feature = "config", derive(serde::Deserialize), serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum StreamMode {
-    /// One unit at admission, settled at the bytes counted when the body ends (the default):
-    /// a stream is never slowed or stopped, and what it used past the tier is owed by the
-    /// key's next requests.
-    #[default]
+    /// One unit at admission, settled at the bytes counted when the body ends: a stream is
+    /// never slowed or stopped, and what it used past the tier is owed by the key's next
+    /// requests (billing-style tiers). Only by choice: the bound below does not hold.
     Settle,
     /// Backpressure: when the tier has no room for the next lease, the body's next frame
     /// waits until it has (a request body is then no longer read from the connection, so
@@ -229,11 +233,13 @@ pub(crate) trait Gate: Send {
     /// Waits until the body may let bytes through: `Ok(n)` with the `n` bytes (at least 1)
     /// its lease still covers, once the bytes it let through past its leases are paid; the
     /// refusal when policing stops the stream. `remaining` is the exact number of bytes the
-    /// body has left, when it knows (a lease is no larger).
+    /// body has left, when it knows (a lease is no larger); `want` what the body has in hand
+    /// to let through (a response's frame; 1 when it does not know yet).
     fn poll_room(
         &mut self,
         cx: &mut Context<'_>,
         remaining: Option<u64>,
+        want: u64,
     ) -> Poll<Result<u64, Stopped>>;
 
     /// `len` bytes passed (beyond the room, they are owed to the next leases).
@@ -251,7 +257,12 @@ pub(crate) trait Gate: Send {
 pub(crate) struct Tally(pub(crate) Arc<std::sync::atomic::AtomicU64>);
 
 impl Gate for Tally {
-    fn poll_room(&mut self, _: &mut Context<'_>, _: Option<u64>) -> Poll<Result<u64, Stopped>> {
+    fn poll_room(
+        &mut self,
+        _: &mut Context<'_>,
+        _: Option<u64>,
+        _: u64,
+    ) -> Poll<Result<u64, Stopped>> {
         Poll::Ready(Ok(u64::MAX))
     }
 
@@ -287,6 +298,15 @@ pub(crate) struct Leases<St: Store> {
     costs: SmallVec<[u64; 4]>,
     /// The largest lease the tiers can ever admit.
     largest: u64,
+    /// Some tier it charges has a penalty box: a lease asks only for what the stream really
+    /// let through or has in hand, so that a refusal is a breach by the key.
+    penalized: bool,
+    /// What the stream let through so far: the next lease may be as large again (leases grow
+    /// by doubling, from what the first frame needs up to `largest`).
+    used: u64,
+    /// What the tiers had left at the last decision, the least of them: a lease asks no more
+    /// while that covers what the stream needs (it would be refused, or wait, for nothing).
+    known_left: Option<u64>,
     police: bool,
     fail_open: bool,
     /// The ticket of the current lease, to give back what it did not use; `None` when it
@@ -333,6 +353,7 @@ impl<St: Store> Leases<St> {
                 _ => STREAM_LEASE,
             });
         let costs = SmallVec::from_elem(0, policy.tiers().len());
+        let penalized = tiers.iter().any(|&i| policy.tiers()[i].penalty().is_some());
         Self {
             limiter: limiter.clone(),
             key,
@@ -340,6 +361,9 @@ impl<St: Store> Leases<St> {
             tiers,
             costs,
             largest,
+            penalized,
+            used: 0,
+            known_left: None,
             police: mode == StreamMode::Police,
             fail_open,
             lease: None,
@@ -357,10 +381,30 @@ impl<St: Store> Leases<St> {
         self
     }
 
-    /// The size of the next lease.
-    fn next_size(&self, remaining: Option<u64>) -> u64 {
-        let wanted = remaining.map_or(u64::MAX, |r| r.max(self.owed));
-        self.largest.min(wanted).max(1)
+    /// The size of the next lease: what the stream owes and has in hand (`want`), and, but
+    /// under a penalty box, room ahead as large as what it used so far; never more than the
+    /// body has left (`remaining`, when known), than the tiers had left at the last decision
+    /// when that covers the need, nor than the largest lease.
+    fn next_size(&self, remaining: Option<u64>, want: u64) -> u64 {
+        let need = self.owed.saturating_add(want).clamp(1, self.largest);
+        let mut size = match self.penalized {
+            true => need,
+            false => self.owed.saturating_add(want.max(self.used)).min(self.largest),
+        };
+        if let Some(left) = remaining {
+            size = size.min(self.owed.saturating_add(left).max(1));
+        }
+        if let Some(left) = self.known_left.filter(|&left| left >= need) {
+            size = size.min(left);
+        }
+        size.clamp(1, self.largest)
+    }
+
+    /// Notes what the tiers have left after `decision`.
+    fn note(&mut self, decision: &Decision) {
+        let tiers = decision.tiers();
+        self.known_left =
+            self.tiers.iter().filter_map(|&i| tiers.get(i)).map(|t| t.remaining()).min();
     }
 
     /// Asks the store for a lease of `size` bytes: the answer if it came at once.
@@ -404,6 +448,9 @@ impl<St: Store> Leases<St> {
         size: u64,
         answer: Result<Verdict<St::Ticket>, StoreError>,
     ) -> Result<(), Stopped> {
+        if let Ok(verdict) = &answer {
+            self.note(&verdict.decision);
+        }
         match answer {
             Ok(verdict) if verdict.decision.is_allowed() => {
                 let delay = verdict.decision.delay();
@@ -416,13 +463,18 @@ impl<St: Store> Leases<St> {
                 Ok(())
             }
             Ok(verdict) => match verdict.decision.retry_after() {
-                // Policing: a smaller lease of what the tier has left, when that pays what is
-                // owed and lets a byte through (asked once per refusal).
-                _ if self.police && self.smaller(size, &verdict.decision).is_some() => {
-                    let smaller = self.smaller(size, &verdict.decision).unwrap_or(size);
-                    match self.ask(smaller) {
-                        Some(answer) => self.answered(smaller, answer),
-                        None => Ok(()),
+                // Policing: what the stream let through is charged whatever the tiers say
+                // (the handler has it: the bound allows it), and a smaller lease of what the
+                // tier has left is asked for, when that lets a unit through (once per
+                // refusal).
+                _ if self.police => {
+                    let paid = self.close_lease();
+                    match self.smaller(size, &verdict.decision, paid) {
+                        Some(smaller) => match self.ask(smaller) {
+                            Some(answer) => self.answered(smaller, answer),
+                            None => Ok(()),
+                        },
+                        None => Err(Stopped::Limited(verdict.decision)),
                     }
                 }
                 Some(wait) if !self.police => {
@@ -445,12 +497,36 @@ impl<St: Store> Leases<St> {
         }
     }
 
-    /// What the tiers have left after refusing a lease of `size`, when it is less than
-    /// `size` and more than what the body owes.
-    fn smaller(&self, size: u64, refusal: &Decision) -> Option<u64> {
+    /// What the tiers have left after refusing a lease of `size`, less `paid` (what the
+    /// stream was charged since): when that is less than `size` and lets a unit through.
+    fn smaller(&self, size: u64, refusal: &Decision, paid: u64) -> Option<u64> {
         let tiers = refusal.tiers();
         let left = self.tiers.iter().filter_map(|&i| tiers.get(i)).map(|t| t.remaining()).min()?;
-        (left < size && left > self.owed).then_some(left)
+        let left = left.saturating_sub(paid);
+        (left < size && left > 0).then_some(left)
+    }
+
+    /// Ends the current lease at what the stream used of it, its debt included (charged
+    /// whatever the tiers say: it passed): the unused part is given back, the debt paid.
+    /// Returns the debt.
+    fn close_lease(&mut self) -> u64 {
+        let debt = std::mem::take(&mut self.owed);
+        let used = (self.leased - self.left).saturating_add(debt);
+        let leased = std::mem::take(&mut self.leased);
+        self.left = 0;
+        let Some(mut ticket) = self.lease.take() else { return debt };
+        if used == leased {
+            return debt;
+        }
+        let settled: SmallVec<[(usize, u64); 2]> = self.tiers.iter().map(|&i| (i, used)).collect();
+        let limiter = self.limiter.clone();
+        crate::limiter::run_or_spawn(async move {
+            let settling = limiter.store().settle_tiers(limiter.bound(), &mut ticket, &settled);
+            if let Err(error) = settling.await {
+                tracing::warn!(%error, "tollgate: could not settle a stream's lease");
+            }
+        });
+        debt
     }
 
     /// A lease of `size` bytes was granted: it pays what is owed first.
@@ -467,6 +543,7 @@ impl<St: Store> Gate for Leases<St> {
         &mut self,
         cx: &mut Context<'_>,
         remaining: Option<u64>,
+        want: u64,
     ) -> Poll<Result<u64, Stopped>> {
         loop {
             match &mut self.state {
@@ -490,7 +567,7 @@ impl<St: Store> Gate for Leases<St> {
                     if self.owed == 0 && self.left > 0 {
                         return Poll::Ready(Ok(self.left));
                     }
-                    let size = self.next_size(remaining);
+                    let size = self.next_size(remaining, want);
                     if let Some(answer) = self.ask(size) {
                         if let Err(stopped) = self.answered(size, answer) {
                             return Poll::Ready(Err(stopped));
@@ -502,6 +579,7 @@ impl<St: Store> Gate for Leases<St> {
     }
 
     fn spend(&mut self, len: u64) {
+        self.used = self.used.saturating_add(len);
         let covered = len.min(self.left);
         self.left -= covered;
         self.owed = self.owed.saturating_add(len - covered);
@@ -521,20 +599,7 @@ impl<St: Store> Drop for Leases<St> {
     /// was dropped while waiting for its reserved instant), or charges what it let through
     /// past it.
     fn drop(&mut self) {
-        let Some(mut ticket) = self.lease.take() else { return };
-        // What passed past the leases (the part of a last frame beyond them) is charged too.
-        let used = (self.leased - self.left).saturating_add(self.owed);
-        if used == self.leased {
-            return;
-        }
-        let settled: SmallVec<[(usize, u64); 2]> = self.tiers.iter().map(|&i| (i, used)).collect();
-        let limiter = self.limiter.clone();
-        crate::limiter::run_or_spawn(async move {
-            let settling = limiter.store().settle_tiers(limiter.bound(), &mut ticket, &settled);
-            if let Err(error) = settling.await {
-                tracing::warn!(%error, "tollgate: could not give back the rest of a stream's lease");
-            }
-        });
+        self.close_lease();
     }
 }
 
@@ -762,9 +827,10 @@ mod tests {
         assert!(elapsed >= Duration::from_secs(9), "{elapsed:?}");
         assert!(elapsed <= Duration::from_millis(9_700), "{elapsed:?}");
         assert_bound(&log, 10, 4_096);
-        // Ten admissions, then sixteen 64 KiB leases per 1 MB stream (15 x 65,536 + 16,960):
-        // one store call per lease, none per frame (245 frames per stream).
-        assert_eq!(store.checks(), 10 + 10 * 16);
+        // Ten admissions, then twenty leases per 1 MB stream, growing with what it used
+        // (1 byte, then 8,191, 8,192, 16,384, 32,768, and 64 KiB from there): one store
+        // call per lease, none per frame (245 frames per stream).
+        assert_eq!(store.checks(), 10 + 10 * 20);
     }
 
     #[tokio::test(start_paused = true)]
@@ -1003,10 +1069,13 @@ mod tests {
         );
         let mut cx = Context::from_waker(Waker::noop());
         // The burst: one lease at once, spent whole.
-        assert!(matches!(leases.poll_room(&mut cx, None), Poll::Ready(Ok(STREAM_LEASE))));
+        assert!(matches!(
+            leases.poll_room(&mut cx, None, STREAM_LEASE),
+            Poll::Ready(Ok(STREAM_LEASE))
+        ));
         leases.spend(STREAM_LEASE);
         // The next lease is reserved 65,536 us ahead: the body waits for it.
-        assert!(leases.poll_room(&mut cx, None).is_pending());
+        assert!(leases.poll_room(&mut cx, None, STREAM_LEASE).is_pending());
         assert_eq!(store.checks(), 2);
         drop(leases);
         // Given back: the next byte fits after 1 us, as after the first lease alone.
@@ -1129,10 +1198,10 @@ mod message_tests {
         // first message, so exactly the budget (20 frames) is read.
         let (read, status, checks) = police_upload(5).await;
         assert_eq!((read, status.as_str()), (100, "8"));
-        // The admission (the first message), six leases of 16 (97 charged, 100 read: 3
-        // owed), and the refused lease that stops the stream: the 3 the tier has left would
-        // pay the debt but leave no room (the debt is charged when the body is dropped).
-        assert_eq!(checks, 1 + 6 + 1);
+        // The admission (the first message); leases growing with what the stream used (5,
+        // 10, then five of 16: 96 charged, 100 read: 4 owed); and the refused lease that
+        // stops the stream: the 4 the tier has left pay the debt but leave no room.
+        assert_eq!(checks, 1 + 7 + 1);
     }
 
     #[tokio::test(start_paused = true)]
@@ -1164,11 +1233,12 @@ mod message_tests {
             largest = largest.max(data.len() / MESSAGE);
         }
         assert_eq!((messages, largest), (250, 16));
-        // A burst of 100, then 100/s: the last lease (messages 241 to 256) fits at
-        // (256 - 100) / 100 s.
-        assert_eq!(start.elapsed(), Duration::from_millis(1_560));
-        // The admission (which charged no message: shaping), then 16 leases of 16.
-        assert_eq!(store.checks(), 1 + 16);
+        // A burst of 100, then 100/s. Leases of 16 (the messages in hand, at most 16), the
+        // seventh cut to the 4 the burst had left (taken now rather than 16 reserved
+        // ahead): the last lease (messages 245 to 260) fits at (260 - 100) / 100 s.
+        assert_eq!(start.elapsed(), Duration::from_millis(1_600));
+        // The admission (which charged no message: shaping), then 17 leases.
+        assert_eq!(store.checks(), 1 + 17);
     }
 
     #[tokio::test(start_paused = true)]

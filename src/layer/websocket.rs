@@ -271,10 +271,11 @@ impl Gate for AllOf {
         &mut self,
         cx: &mut Context<'_>,
         remaining: Option<u64>,
+        want: u64,
     ) -> Poll<Result<u64, Stopped>> {
         let mut room = u64::MAX;
         for gate in &mut self.0 {
-            room = room.min(ready!(gate.poll_room(cx, remaining))?);
+            room = room.min(ready!(gate.poll_room(cx, remaining, want))?);
         }
         Poll::Ready(Ok(room))
     }
@@ -579,7 +580,7 @@ impl MeteredWebSocket {
             return Poll::Ready(Ok(()));
         }
         if let Some(gate) = &mut self.sending {
-            match ready!(gate.poll_room(cx, None)) {
+            match ready!(gate.poll_room(cx, None, 1)) {
                 Ok(_) => {}
                 Err(why) => {
                     let spent = self.stop(Unit::ResponseMessages, why);
@@ -616,7 +617,7 @@ impl Stream for MeteredWebSocket {
                 let Some(gate) = &mut this.receiving else {
                     return Poll::Ready(Some(Ok(message)));
                 };
-                match gate.poll_room(cx, None) {
+                match gate.poll_room(cx, None, 1) {
                     Poll::Pending => {
                         // Held until there is room: the socket is not read meanwhile.
                         this.received = Some(message);

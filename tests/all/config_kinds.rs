@@ -821,8 +821,9 @@ proptest! {
 }
 
 /// `on_stream` read from the file meters response bytes as they stream: policed, a gRPC
-/// response past its tier ends with `RESOURCE_EXHAUSTED` trailers instead of its data; the
-/// default settles when the body ends. A bad mode is refused at its place.
+/// response past its tier ends with `RESOURCE_EXHAUSTED` trailers instead of its data, as it
+/// does by default (the rule polices); `settle` settles when the body ends. A bad mode is
+/// refused at its place.
 #[tokio::test]
 async fn on_stream_from_the_file_polices_a_grpc_response() {
     let text = |extra: &str| {
@@ -831,7 +832,7 @@ async fn on_stream_from_the_file_polices_a_grpc_response() {
         )
     };
     for (extra, policed) in
-        [("", false), ("on_stream = \"settle\"", false), ("on_stream = \"police\"", true)]
+        [("", true), ("on_stream = \"settle\"", false), ("on_stream = \"police\"", true)]
     {
         let layer = layer(&text(extra));
         let svc = layer.layer(service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
