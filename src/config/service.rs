@@ -63,7 +63,7 @@ where
     S::Future: Send,
     S::Error: Send + 'static,
     St: Store,
-    ReqB: Send + 'static,
+    ReqB: http_body::Body + Send + 'static,
     ResB: Send + 'static,
 {
     type Response = Response<ResponseBody<ResB>>;
@@ -139,7 +139,7 @@ where
     S::Future: Send,
     S::Error: Send + 'static,
     St: Store,
-    ReqB: Send + 'static,
+    ReqB: http_body::Body + Send + 'static,
     ResB: Send + 'static,
 {
     let future = chain.call(req);
@@ -161,7 +161,7 @@ where
     S::Future: Send,
     S::Error: Send + 'static,
     St: Store,
-    ReqB: Send + 'static,
+    ReqB: http_body::Body + Send + 'static,
     ResB: Send + 'static,
 {
     type Response = Response<ResponseBody<ResB>>;

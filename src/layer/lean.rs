@@ -161,7 +161,7 @@ where
     S::Error: Send + 'static,
     K: KeyExtractor,
     St: Store,
-    ReqB: Send + 'static,
+    ReqB: http_body::Body + Send + 'static,
     ResB: From<Bytes> + Send + 'static,
 {
     type Response = Response<ResB>;

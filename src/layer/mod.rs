@@ -3,6 +3,7 @@
 mod body;
 mod future;
 mod lean;
+mod linger;
 mod messages;
 mod meter;
 mod observe;

@@ -8,13 +8,14 @@ use std::sync::atomic::AtomicU64;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::{HeaderValue, Request, Response, header};
+use http::{Request, Response, header};
 use http_body_util::Full;
 use smallvec::SmallVec;
 use tower_service::Service;
 
 use super::body::{RequestBody, ResponseBody};
 use super::future::{Refund, RefundByStatus, ResponseFuture, Slow, State, Untracked};
+use super::linger::{close, refused, unread_body};
 use super::messages::Framer;
 use super::meter::{Counters, Finish, Meter, Needs, StopTrailers, Streamed, content_length};
 use super::scope::Route;
@@ -82,7 +83,7 @@ where
     S::Error: Send + 'static,
     K: KeyExtractor,
     St: Store,
-    ReqB: Send + 'static,
+    ReqB: http_body::Body + Send + 'static,
     ResB: Send + 'static,
 {
     type Response = Response<ResponseBody<ResB>>;
@@ -112,7 +113,7 @@ where
 /// for policies that observe no body. The decision steps are written once, over this.
 pub(super) trait Carry<ReqB, ResB>: 'static {
     /// The request body the inner service receives.
-    type Req: Send + 'static;
+    type Req: http_body::Body + Send + 'static;
     /// The response body the service answers with.
     type Res: Send + 'static;
     /// The request as the inner service receives it.
@@ -126,7 +127,7 @@ pub(super) trait Carry<ReqB, ResB>: 'static {
 /// [`RateLimit`]'s bodies: both wrapped, to be metered.
 pub(super) enum Observing {}
 
-impl<ReqB: Send + 'static, ResB: Send + 'static> Carry<ReqB, ResB> for Observing {
+impl<ReqB: http_body::Body + Send + 'static, ResB: Send + 'static> Carry<ReqB, ResB> for Observing {
     type Req = RequestBody<ReqB>;
     type Res = ResponseBody<ResB>;
 
@@ -149,7 +150,9 @@ impl<ReqB: Send + 'static, ResB: Send + 'static> Carry<ReqB, ResB> for Observing
 /// The lean service's bodies: handed on and back as they are; a refusal's made from its bytes.
 pub(super) enum Lean {}
 
-impl<ReqB: Send + 'static, ResB: From<Bytes> + Send + 'static> Carry<ReqB, ResB> for Lean {
+impl<ReqB: http_body::Body + Send + 'static, ResB: From<Bytes> + Send + 'static> Carry<ReqB, ResB>
+    for Lean
+{
     type Req = ReqB;
     type Res = ResB;
 
@@ -212,7 +215,7 @@ where
     S::Error: Send + 'static,
     K: KeyExtractor,
     St: Store,
-    ReqB: Send + 'static,
+    ReqB: http_body::Body + Send + 'static,
     ResB: Send + 'static,
 {
     Box::pin(serve_metered(config, policy, inner, req, demand, reservation, headers))
@@ -241,7 +244,7 @@ where
     S::Error: Send + 'static,
     K: KeyExtractor,
     St: Store,
-    ReqB: Send + 'static,
+    ReqB: http_body::Body + Send + 'static,
     ResB: Send + 'static,
 {
     #[cfg(feature = "ws")]
@@ -266,7 +269,7 @@ where
             Route::Refuse(status) => {
                 let grpc = is_grpc(req.headers());
                 let res = config.refuse(&Rejection::Unselected(status), grpc);
-                return State::ready(refused(&req, res).map(C::refusal));
+                return State::ready(refused(req, res).map(C::refusal));
             }
         }
     }
@@ -346,7 +349,7 @@ where
                 let grpc = is_grpc(req.headers());
                 let (decision, collect) = (verdict.decision, collect);
                 let res = config.reject(limiter, key, decision, None, grpc, collect);
-                return State::ready(refused(&req, res).map(C::refusal));
+                return State::ready(refused(req, res).map(C::refusal));
             }
             Some(result) => decided = Some(result),
             None => {}
@@ -590,6 +593,27 @@ impl Plan {
         }
     }
 
+    /// The length of a request body charged at admission: its `Content-Length`, unless the
+    /// layer shapes streams and some tier counting request bytes can never hold it at once
+    /// (for `priority`): such a body streams, metered as it passes.
+    fn admitted_length(
+        &self,
+        policy: &crate::Policy,
+        length: Option<u64>,
+        priority: crate::Priority,
+    ) -> Option<u64> {
+        let length = length?;
+        let too_large = |t: &crate::Tier| {
+            t.unit() == Unit::RequestBytes
+                && t.kind() != crate::TierKind::Concurrency
+                && length > t.capacity_for(priority)
+        };
+        match self.shape_streams && policy.tiers().iter().any(too_large) {
+            true => None,
+            false => Some(length),
+        }
+    }
+
     /// The per-tier costs of a request costing `cost` whose body is `length` long, if known.
     #[inline]
     fn costs(
@@ -605,44 +629,6 @@ impl Plan {
         }
         costs
     }
-}
-
-/// `res`, the answer to `req` given without reading its body, told to close the connection
-/// when the body is one the server will not read off: an HTTP/1.x request whose declared body
-/// (RFC 9112 §6.3) is longer than [`DRAINED`] bytes or of unknown length (`Transfer-Encoding`).
-/// hyper reads off a small body that already arrived and keeps the connection, but closes one
-/// with more to come rather than read it; a client not told so (RFC 9112 §9.6) may send its next
-/// request on the connection as it closes. HTTP/2 streams end on their own; nothing is added.
-fn refused<B, ResB>(req: &Request<B>, mut res: Response<ResB>) -> Response<ResB> {
-    if unread_body(req) {
-        close(&mut res);
-    }
-    res
-}
-
-/// The longest declared body, in bytes, a refusal leaves for the server to read off and keep
-/// its connection: hyper's first read buffer (8 KiB), in which a small body sent with its
-/// head has arrived.
-const DRAINED: u64 = 8 * 1024;
-
-/// Marks `res` as the last response of its connection (`Connection: close`).
-fn close<B>(res: &mut Response<B>) {
-    res.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
-}
-
-/// Whether answering `req` without reading its body leaves an HTTP/1.x connection with a body
-/// the server will not read off ([`refused`]): a declared length above [`DRAINED`] (or one
-/// that is not a number), or `Transfer-Encoding`.
-fn unread_body<B>(req: &Request<B>) -> bool {
-    if req.version() >= http::Version::HTTP_2 {
-        return false;
-    }
-    let headers = req.headers();
-    let declared = |v: &HeaderValue| v.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok());
-    headers.contains_key(header::TRANSFER_ENCODING)
-        || headers
-            .get(header::CONTENT_LENGTH)
-            .is_some_and(|v| declared(v).is_none_or(|n| n > DRAINED))
 }
 
 /// Passes a request on unlimited.
@@ -685,7 +671,7 @@ where
         Some(key) => key,
         None => match missing_key(&config, policy, &req) {
             Keyed::Key(key) => key,
-            Keyed::Refused(res) => return Ok(refused(&req, res).map(C::refusal)),
+            Keyed::Refused(res) => return Ok(refused(req, res).map(C::refusal)),
             Keyed::Pass => return pass::<C, _, _, _>(inner, req).await,
         },
     };
@@ -706,13 +692,9 @@ where
     let outcome = observed(&config, policy, &key, &req, reservation.decision());
     if outcome == Observed::Limited {
         drop(permit);
-        let (grpc, closes) = (is_grpc(req.headers()), unread_body(&req));
-        let mut res =
-            refuse_limited(&config, (policy, collect), &key, reservation, budget, grpc).await;
-        if closes {
-            close(&mut res);
-        }
-        return Ok(res.map(C::refusal));
+        let grpc = is_grpc(req.headers());
+        let res = refuse_limited(&config, (policy, collect), &key, reservation, budget, grpc).await;
+        return Ok(refused(req, res).map(C::refusal));
     }
 
     // Admitted (or dry run): wait for the reserved slot; a request dropped meanwhile gives it
@@ -807,11 +789,12 @@ impl Demand {
         req: &Request<B>,
     ) -> Self {
         let head = RequestHead::from(req);
-        let (cost, length) = (config.cost(&head), content_length(&head));
+        let (cost, priority) = (config.cost(&head), config.priority(&head));
         let plan = config.plan_at(policy);
         let limiter = config.limiter_at(policy);
+        let length = plan.admitted_length(limiter.policy(), content_length(&head), priority);
         let costs = (!plan.plain).then(|| plan.costs(limiter.policy(), cost, length, &head));
-        Demand { cost, length, priority: config.priority(&head), costs }
+        Demand { cost, length, priority, costs }
     }
 }
 
@@ -883,7 +866,7 @@ where
             config.observe(policy, key, &head, None, Observed::FailedClosed);
             let grpc = is_grpc(req.headers());
             let res = config.refuse(&Rejection::Unavailable(error), grpc);
-            Ok(refused(&req, res).map(C::refusal))
+            Ok(refused(req, res).map(C::refusal))
         }
     }
 }
@@ -945,7 +928,7 @@ where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
     K: KeyExtractor,
     St: Store,
-    ReqB: Send + 'static,
+    ReqB: http_body::Body + Send + 'static,
     ResB: Send + 'static,
 {
     let settings = &config.settings;

@@ -21,6 +21,7 @@ mod client;
 mod config;
 mod config_file;
 mod config_kinds;
+mod defaults;
 mod grpc;
 mod headers;
 mod http;

@@ -33,11 +33,11 @@ use support::stores::frozen_memory;
 use tollgate::store::Store;
 use tollgate::{Policy, Quota, RateLimitLayer, STREAM_LEASE, StreamMode, Unit};
 
-const MB: u64 = 1_000_000;
+pub(crate) const MB: u64 = 1_000_000;
 
 /// A body of `left` bytes in frames of `frame` bytes, each ready at once; its length is in
 /// its size hint only when `sized` (else hyper sends it chunked).
-struct Frames {
+pub(crate) struct Frames {
     left: u64,
     frame: Bytes,
     sized: bool,
@@ -46,7 +46,7 @@ struct Frames {
 }
 
 impl Frames {
-    fn new(len: u64, frame: usize, sized: bool) -> Self {
+    pub(crate) fn new(len: u64, frame: usize, sized: bool) -> Self {
         Self { left: len, frame: Bytes::from(vec![b'x'; frame]), sized, wait: None }
     }
 
@@ -90,7 +90,7 @@ impl Body for Frames {
 }
 
 /// What the upload handler read: per frame, when (since the test began) and how much.
-type Log = Arc<Mutex<Vec<(Duration, u64)>>>;
+pub(crate) type Log = Arc<Mutex<Vec<(Duration, u64)>>>;
 
 /// An app storing uploads on `/upload`, reading them frame by frame into `log`, behind a
 /// 1 MB/s (burst 1 MB) request-bytes tier of each client IP metered in `mode`.
@@ -100,6 +100,19 @@ fn upload_app<St: Store>(store: St, mode: StreamMode, log: &Log, start: Instant)
         .build()
         .unwrap();
     let layer = RateLimitLayer::builder(policy).store(store).on_stream(mode).build().unwrap();
+    uploads_behind(layer, log, start)
+}
+
+/// The app of [`upload_app`] behind `layer`.
+pub(crate) fn uploads_behind<K, St>(
+    layer: RateLimitLayer<K, St>,
+    log: &Log,
+    start: Instant,
+) -> Router
+where
+    K: tollgate::key::KeyExtractor,
+    St: Store,
+{
     let log = Arc::clone(log);
     Router::new()
         .route(
