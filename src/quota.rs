@@ -228,9 +228,9 @@ pub enum Unit {
     /// counted as they stream (each length-prefixed message of gRPC over HTTP/2, read from its
     /// 5-byte prefix, the payload never decoded) and charged in leases of at most
     /// [`MESSAGE_LEASE`](crate::MESSAGE_LEASE) messages, the stream paused or stopped when the
-    /// tier runs out. Under [`StreamMode::Settle`](crate::StreamMode::Settle) (the default)
-    /// a gRPC call is charged one message at admission and settled at the messages counted
-    /// when its response ends. The Text and Binary messages a WebSocket receives are counted
+    /// tier runs out (the default: as the layer decides requests). Under
+    /// [`StreamMode::Settle`](crate::StreamMode::Settle) a gRPC call is charged one message
+    /// at admission and settled at the messages counted when its response ends. The Text and Binary messages a WebSocket receives are counted
     /// alike by the socket its handler wraps (cargo feature `ws`, module `tollgate::ws`).
     RequestMessages,
     /// Messages the server sends: as [`RequestMessages`](Self::RequestMessages), for the

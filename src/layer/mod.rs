@@ -107,6 +107,9 @@ pub(crate) struct Config<K, St: Store> {
     failing: Failing,
     /// Whether a request without a key was refused yet (the first is logged as a warning).
     missing: MissingKeys,
+    /// Whether an upgrade whose handler does not meter its socket was refused yet.
+    #[cfg(feature = "ws")]
+    unmetered: observe::Unmetered,
     /// Per policy, in [`limiter_at`](Config::limiter_at)'s order: what its requests need,
     /// decided once here instead of on every request.
     plans: Box<[service::Plan]>,
@@ -798,6 +801,8 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
                 observer,
                 failing: Failing::default(),
                 missing: MissingKeys::default(),
+                #[cfg(feature = "ws")]
+                unmetered: observe::Unmetered::default(),
                 plans,
             }),
         })

@@ -1052,6 +1052,19 @@ where
             }
         }
     };
+    // A socket nothing meters would let every message through: an upgrade whose handler did
+    // not take its budget is refused (500), logged once and counted.
+    #[cfg(feature = "ws")]
+    if let Some(linger) = &linger {
+        let counts = needs.request_messages() || needs.response_messages();
+        if counts && res.status() == http::StatusCode::SWITCHING_PROTOCOLS && !linger.asked() {
+            config.unmetered.seen(limiter.policy().name(), settings.dry_run);
+            if !settings.dry_run {
+                let res = super::websocket::unmetered_upgrade();
+                return Ok(res.map(<Observing as Carry<ReqB, ResB>>::refusal));
+            }
+        }
+    }
     let (mut head, body) = res.into_parts();
     headers.apply_parts(&mut head);
     let finish = held.into_finish();
