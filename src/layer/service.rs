@@ -289,7 +289,8 @@ where
         // Per-tier costs, for a policy with tiers of other kinds or units only.
         let costs =
             (!plan.plain).then(|| plan.costs(limiter.policy(), cost, content_length(&head), &head));
-        let mut check = Check::new(key, cost).with_priority(config.priority(&head));
+        let priority = config.priority(&head);
+        let mut check = Check::new(key, cost).with_priority(priority);
         if let Some(costs) = &costs {
             check = check.with_costs(costs);
         }
@@ -319,6 +320,8 @@ where
                             key: key.clone(),
                             cost,
                             any_status: plan.refund_if,
+                            collect,
+                            priority,
                         };
                         return State::inner(future, headers, Some(charge));
                     }
@@ -326,6 +329,7 @@ where
                 };
                 // A charge the response's status may give back (a 405, `refund_if`).
                 let config = Arc::clone(shared);
+                let key = key.clone();
                 let refund: Refund = Box::new(move |status| {
                     // Not given back: dropping the ticket keeps the charge.
                     config.refunds(status).then(|| {
@@ -334,6 +338,7 @@ where
                             if let Err(error) = limiter.settle(ticket, 0).await {
                                 tracing::warn!(%error, "tollgate: could not give a charge back");
                             }
+                            config.headers_now(policy, &key, priority, collect).await
                         }) as _
                     })
                 });
@@ -418,6 +423,26 @@ impl<K, St: Store> Config<K, St> {
         match &self.settings.cost {
             Cost::Fixed(units) => *units,
             Cost::PerRequest(f) => f(head),
+        }
+    }
+
+    /// The rate-limit headers of `key`'s state now (a query, charging nothing): what a
+    /// response says after a refund or a settlement changed its charge. None when the store
+    /// cannot tell: no header rather than a wrong one.
+    async fn headers_now(
+        &self,
+        policy: usize,
+        key: &Key,
+        priority: crate::Priority,
+        collect: bool,
+    ) -> Prepared {
+        let limiter = self.limiter_at(policy);
+        let query = Check::new(key, 0).with_priority(priority);
+        match limiter.decide(query).await {
+            Ok(verdict) => {
+                limiter.surface().headers.prepare(self.settings.headers, &verdict.decision, collect)
+            }
+            Err(_) => Prepared::default(),
         }
     }
 
@@ -714,7 +739,10 @@ where
             metered(config, (policy, collect), inner, req, (key, demand), reservation, headers)
                 .await
         }
-        _ => serve::<C, _, _, _, _, _>(&config, inner, req, reservation, headers).await,
+        _ => {
+            let (who, serving) = ((&key, demand.priority), (policy, collect));
+            serve::<C, _, _, _, _, _>(&config, serving, inner, req, who, reservation, headers).await
+        }
     }
 }
 
@@ -722,8 +750,10 @@ where
 /// settles the charge (a refund by status, a settled cost) before the response is handed on.
 async fn serve<C, S, K, St, ReqB, ResB>(
     config: &Config<K, St>,
+    (policy, collect): (usize, bool),
     mut inner: S,
     req: Request<C::Req>,
+    (key, priority): (&Key, crate::Priority),
     reservation: Reservation<St>,
     headers: Prepared,
 ) -> Result<Response<C::Res>, S::Error>
@@ -735,8 +765,11 @@ where
     // From here the request is served: dropping it (a client disconnect) keeps the charge.
     let res = inner.call(req).await?;
     let (mut head, body) = res.into_parts();
-    headers.apply_parts(&mut head);
-    settle(config, reservation, &head).await;
+    // A refund or a settled cost changes the charge: the headers say what is left after it.
+    match settle(config, reservation, &head).await {
+        true => config.headers_now(policy, key, priority, collect).await.apply_parts(&mut head),
+        false => headers.apply_parts(&mut head),
+    }
     Ok(Response::from_parts(head, C::response(body)))
 }
 
@@ -1176,18 +1209,23 @@ fn settled_by_head<K, St: Store>(
 }
 
 /// Applies the refund predicate and the response-settled cost; otherwise commits.
+/// Returns whether the charge changed.
 async fn settle<K, St: Store>(
     config: &Config<K, St>,
     reservation: Reservation<St>,
     head: &http::response::Parts,
-) {
+) -> bool {
     let settings = &config.settings;
     let refund = config.refunds(head.status);
     let cost = if refund { Some(0) } else { settings.settle_cost.as_ref().and_then(|f| f(head)) };
-    let Some(cost) = cost else { return reservation.commit() };
+    let Some(cost) = cost else {
+        reservation.commit();
+        return false;
+    };
     if let Err(error) = reservation.settle(cost).await {
         tracing::warn!(%error, "tollgate: could not settle a charge");
     }
+    true
 }
 
 impl<K, St> RefundByStatus for Config<K, St>
@@ -1195,9 +1233,21 @@ where
     K: Send + Sync,
     St: Store,
 {
-    fn refund_by_status(&self, status: http::StatusCode, policy: usize, key: &Key, cost: u64) {
-        if self.refunds(status) {
-            self.limiter_at(policy).refund_sync(key, cost);
+    fn refund_by_status(
+        &self,
+        status: http::StatusCode,
+        policy: usize,
+        key: &Key,
+        (cost, priority): (u64, crate::Priority),
+        collect: bool,
+    ) -> Option<Prepared> {
+        if !self.refunds(status) {
+            return None;
         }
+        let limiter = self.limiter_at(policy);
+        limiter.refund_sync(key, cost);
+        let query = Check::new(key, 0).with_priority(priority);
+        let Some(Ok(verdict)) = limiter.check_sync(query) else { return Some(Prepared::default()) };
+        Some(limiter.surface().headers.prepare(self.settings.headers, &verdict.decision, collect))
     }
 }

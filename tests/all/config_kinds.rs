@@ -642,11 +642,12 @@ async fn header_format_explain_missing_key_and_refund_on_are_applied() {
 
     // Refunds: a 503 gives the charge back, a 500 is not listed, a 4xx class is.
     let refunds = layer(&rule("refund_on = [\"503\", \"4xx\"]"));
+    // The headers say what is left after the refund.
     let res = call(&refunds, "k", b"", |_| StatusCode::SERVICE_UNAVAILABLE).await;
-    assert_eq!(header(&res, "ratelimit").unwrap(), r#""p";r=4;t=12"#);
+    assert_eq!(header(&res, "ratelimit").unwrap(), r#""p";r=5;t=0"#);
     drop(res.into_body().collect().await.unwrap());
     let res = call(&refunds, "k", b"", |_| StatusCode::NOT_FOUND).await;
-    assert_eq!(header(&res, "ratelimit").unwrap(), r#""p";r=4;t=12"#, "the 503 was refunded");
+    assert_eq!(header(&res, "ratelimit").unwrap(), r#""p";r=5;t=0"#, "the 503 was refunded");
     drop(res.into_body().collect().await.unwrap());
     let res = call(&refunds, "k", b"", |_| StatusCode::INTERNAL_SERVER_ERROR).await;
     assert_eq!(header(&res, "ratelimit").unwrap(), r#""p";r=4;t=12"#, "the 404 was refunded");

@@ -44,5 +44,6 @@ mod service;
 mod spoofing;
 mod streams;
 mod testing;
+mod truth;
 mod websocket;
 mod ws_config;

@@ -159,10 +159,11 @@ async fn cost_settled_from_the_response() {
     }));
     let first = svc.clone().oneshot(request()).await.unwrap();
     assert_eq!(first.status(), StatusCode::OK);
-    // Charged 1 at admission, settled to 60 after; the second charges 1: 39 left, and the
-    // TAT is 61 emission intervals of 36 s ahead.
+    // Charged 1 at admission, settled to 60 after; the second, settled to 60 too, leaves
+    // nothing (the TAT 120 emission intervals of 36 s ahead): its headers say so, after the
+    // settlement.
     let second = svc.clone().oneshot(request()).await.unwrap();
-    assert_eq!(second.headers()["ratelimit"], "\"tokens\";r=39;t=2196");
+    assert_eq!(second.headers()["ratelimit"], "\"tokens\";r=0;t=4320");
     let third = svc.clone().oneshot(request()).await.unwrap();
     assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
 }
