@@ -138,9 +138,73 @@ struct Settings {
     /// How bodies are metered, when [`on_stream`](RateLimitLayerBuilder::on_stream) chose:
     /// otherwise as the layer decides requests ([`Settings::stream`]).
     stream: Option<StreamMode>,
+    /// The options set by a builder call, to tell at build time those their combination
+    /// ignores ([`Settings::ignored`]).
+    chosen: Vec<&'static str>,
 }
 
 impl Settings {
+    /// Notes that the builder call `option` was made.
+    fn chose(&mut self, option: &'static str) {
+        if !self.chosen.contains(&option) {
+            self.chosen.push(option);
+        }
+    }
+
+    /// The options set that the layer ignores with the other settings and `policies`, and
+    /// why.
+    fn ignored<'a>(
+        &self,
+        policies: impl Iterator<Item = &'a Policy> + Clone,
+    ) -> Vec<(&'static str, &'static str)> {
+        use crate::quota::{TierKind, Unit};
+        let tiers = || policies.clone().flat_map(|p| p.tiers().iter());
+        let metered = |t: &crate::policy::Tier| {
+            t.kind() != TierKind::Concurrency
+                && matches!(
+                    t.unit(),
+                    Unit::RequestBytes
+                        | Unit::ResponseBytes
+                        | Unit::RequestMessages
+                        | Unit::ResponseMessages
+                )
+        };
+        let counts_requests = |t: &crate::policy::Tier| {
+            t.kind() != TierKind::Concurrency && t.unit() == Unit::Requests
+        };
+        let reserved = |t: &crate::policy::Tier| t.reserve().is_some();
+        let waits = self.max_delay.is_some() || self.tarpit.is_some();
+        let ietf = matches!(self.headers.style, HeaderStyle::Ietf | HeaderStyle::Both);
+        let rejects = matches!(self.missing_key, MissingKey::Reject(_));
+        let checks: [(&'static str, bool, &'static str); 8] = [
+            ("max_waiters", !waits, "nothing waits: the layer neither shapes nor has a tarpit"),
+            (
+                "on_stream",
+                !tiers().any(metered),
+                "no tier of its policies counts bytes or messages",
+            ),
+            ("tarpit", self.dry_run, "a dry run refuses nothing"),
+            ("shape", self.dry_run, "a dry run delays nothing"),
+            ("priority", !tiers().any(reserved), "no tier of its policies has a reserve"),
+            (
+                "settle_cost",
+                !tiers().any(counts_requests),
+                "no tier of its policies counts requests, whose charge a settled cost replaces",
+            ),
+            ("header_format", !ietf, "the layer writes no IETF RateLimit fields"),
+            (
+                "explain_missing_key",
+                !rejects,
+                "requests without a key are not refused (missing_key is not Reject)",
+            ),
+        ];
+        checks
+            .into_iter()
+            .filter(|(option, ignored, _)| *ignored && self.chosen.contains(option))
+            .map(|(option, _, why)| (option, why))
+            .collect()
+    }
+
     /// How tiers counting bytes or messages meter a stream: as chosen, or else as the layer
     /// decides requests (shaped when it shapes, policed when it polices).
     pub(crate) fn stream(&self) -> StreamMode {
@@ -172,6 +236,7 @@ impl Default for Settings {
             log_keys: LogKeys::default(),
             explain_missing: cfg!(debug_assertions),
             stream: None,
+            chosen: Vec::new(),
         }
     }
 }
@@ -373,6 +438,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         mut self,
         f: impl Fn(&RequestHead<'_>) -> Priority + Send + Sync + 'static,
     ) -> Self {
+        self.settings.chose("priority");
         self.settings.priority = Some(Arc::new(f));
         self
     }
@@ -398,6 +464,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// every tier is charged there (a calendar tier in the window holding it). A request
     /// dropped while waiting gives its slot back.
     pub fn shape(mut self, max_delay: Duration) -> Self {
+        self.settings.chose("shape");
         self.settings.max_delay = Some(max_delay);
         self
     }
@@ -419,6 +486,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// # Ok(()) }
     /// ```
     pub fn on_stream(mut self, mode: StreamMode) -> Self {
+        self.settings.chose("on_stream");
         self.settings.stream = Some(mode);
         self
     }
@@ -428,6 +496,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// are taken, further requests are policed, and rejections are answered without the tarpit
     /// delay: a flood cannot pile up sleeping requests.
     pub fn max_waiters(mut self, n: usize) -> Self {
+        self.settings.chose("max_waiters");
         self.settings.max_waiters = n;
         self
     }
@@ -441,6 +510,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// Which revision of the IETF draft the `RateLimit*` fields follow (default
     /// [`HeaderFormat::Draft10`], the current one), for clients written against an older one.
     pub fn header_format(mut self, format: HeaderFormat) -> Self {
+        self.settings.chose("header_format");
         self.settings.headers.format = format;
         self
     }
@@ -462,6 +532,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// no key could be read. The log explains either way: the first such refusal of a layer
     /// is a `warn` event with the explanation, later ones are `debug` events.
     pub fn explain_missing_key(mut self, on: bool) -> Self {
+        self.settings.chose("explain_missing_key");
         self.settings.explain_missing = on;
         self
     }
@@ -476,6 +547,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// tight loop. Each delayed rejection holds a place of the waiting room
     /// ([`max_waiters`](Self::max_waiters)); when it is full, rejections are answered at once.
     pub fn tarpit(mut self, delay: Duration) -> Self {
+        self.settings.chose("tarpit");
         self.settings.tarpit = Some(delay);
         self
     }
@@ -525,6 +597,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         mut self,
         f: impl Fn(&http::response::Parts) -> Option<u64> + Send + Sync + 'static,
     ) -> Self {
+        self.settings.chose("settle_cost");
         self.settings.settle_cost = Some(Arc::new(f));
         self
     }
@@ -788,6 +861,11 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         let waiters = waits.then(|| Arc::new(Semaphore::new(settings.max_waiters)));
         let others = scope.as_ref().map_or(&[][..], |s| &s.others[..]);
         let policies = std::iter::once(limiter.policy()).chain(others.iter().map(Limiter::policy));
+        for (option, why) in settings.ignored(policies.clone()) {
+            let policy = limiter.policy().name();
+            crate::metrics::config_warning(policy, option);
+            tracing::warn!(policy, option, "tollgate: `{option}` is ignored: {why}");
+        }
         let observer = Observer::new(policies, settings.hook.clone(), settings.log_keys);
         let limiters = std::iter::once(&limiter).chain(others);
         let plans = limiters.map(|l| service::Plan::new(&settings, l)).collect();

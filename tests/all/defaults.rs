@@ -230,3 +230,77 @@ async fn small_uploads_that_fit_together_are_all_admitted() {
         assert_eq!(left, 4_000 - 6 * 600, "round {round}");
     }
 }
+
+/// Every builder option the layer ignores in its combination says so once, at build time,
+/// naming itself; a layer whose options all apply says nothing.
+#[test]
+fn an_option_the_combination_ignores_is_logged_when_the_layer_is_built() {
+    use tollgate::{HeaderFormat, HeaderStyle, MissingKey, Priority, StreamMode};
+    type Builder = Box<dyn Fn() -> tollgate::RateLimitLayerBuilder>;
+    fn requests() -> Policy {
+        Policy::single("plain", Quota::per_second(10)).unwrap()
+    }
+    let cases: Vec<(&str, Builder)> = vec![
+        ("max_waiters", Box::new(|| RateLimitLayer::builder(requests()).max_waiters(10))),
+        (
+            "on_stream",
+            Box::new(|| RateLimitLayer::builder(requests()).on_stream(StreamMode::Settle)),
+        ),
+        (
+            "tarpit",
+            Box::new(|| {
+                RateLimitLayer::builder(requests()).tarpit(Duration::from_secs(1)).dry_run(true)
+            }),
+        ),
+        (
+            "shape",
+            Box::new(|| {
+                RateLimitLayer::builder(requests()).shape(Duration::from_secs(1)).dry_run(true)
+            }),
+        ),
+        (
+            "priority",
+            Box::new(|| RateLimitLayer::builder(requests()).priority(|_| Priority::Critical)),
+        ),
+        (
+            "settle_cost",
+            Box::new(|| RateLimitLayer::builder(bytes_tier(MB, MB)).settle_cost(|_| Some(1))),
+        ),
+        (
+            "header_format",
+            Box::new(|| {
+                RateLimitLayer::builder(requests())
+                    .headers(HeaderStyle::Legacy)
+                    .header_format(HeaderFormat::Draft7)
+            }),
+        ),
+        (
+            "explain_missing_key",
+            Box::new(|| {
+                RateLimitLayer::builder(requests())
+                    .missing_key(MissingKey::Allow)
+                    .explain_missing_key(true)
+            }),
+        ),
+    ];
+    for (option, build) in &cases {
+        let logs = support::logs::Captured::start(tracing::Level::WARN);
+        build().build().unwrap();
+        let text = logs.text();
+        assert_eq!(text.matches("is ignored").count(), 1, "{option}: {text}");
+        assert!(text.contains(&format!("`{option}` is ignored")), "{option}: {text}");
+    }
+    // The same options where they apply: nothing is logged.
+    let logs = support::logs::Captured::start(tracing::Level::WARN);
+    RateLimitLayer::builder(bytes_tier(MB, MB))
+        .shape(Duration::from_secs(1))
+        .max_waiters(10)
+        .tarpit(Duration::from_secs(1))
+        .on_stream(StreamMode::Settle)
+        .headers(HeaderStyle::Both)
+        .header_format(HeaderFormat::Draft7)
+        .explain_missing_key(true)
+        .build()
+        .unwrap();
+    assert_eq!(logs.text(), "");
+}
