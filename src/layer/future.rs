@@ -220,25 +220,12 @@ impl<F, R, E> State<F, R, E> {
                     }
                 };
                 let settle = refund.take().and_then(|refund| refund(res.status()));
-                let mut res = res.map(body);
-                match settle {
-                    None => {
-                        if !headers.is_empty() {
-                            std::mem::take(headers).apply(&mut res);
-                        }
-                        Ok(res)
+                match refunded(res.map(body), std::mem::take(headers), settle, cx) {
+                    Refunded::Ready(res) => Ok(res),
+                    Refunded::Settling(settle, res) => {
+                        self.set(State::Settling { settle, response: Some(res) });
+                        return Poll::Pending;
                     }
-                    // The headers of the state after the refund.
-                    Some(mut settle) => match settle.as_mut().poll(cx) {
-                        Poll::Pending => {
-                            self.set(State::Settling { settle, response: Some(res) });
-                            return Poll::Pending;
-                        }
-                        Poll::Ready(after) => {
-                            after.apply(&mut res);
-                            Ok(res)
-                        }
-                    },
                 }
             }
             StateProj::Settling { settle, response } => {
@@ -260,5 +247,35 @@ impl<F, R, E> State<F, R, E> {
         };
         self.set(State::Done);
         Poll::Ready(output)
+    }
+}
+
+/// A refundable response once its status is known: ready, or waiting for its refund.
+enum Refunded<R> {
+    Ready(Response<R>),
+    Settling(Settle, Response<R>),
+}
+
+/// A refundable response once its status is known: with its admission's `headers` when the
+/// charge is kept (no `settle`), else with the headers of the state after the refund, once
+/// it finished.
+fn refunded<R>(
+    mut res: Response<R>,
+    headers: Prepared,
+    settle: Option<Settle>,
+    cx: &mut Context<'_>,
+) -> Refunded<R> {
+    let Some(mut settle) = settle else {
+        if !headers.is_empty() {
+            headers.apply(&mut res);
+        }
+        return Refunded::Ready(res);
+    };
+    match settle.as_mut().poll(cx) {
+        Poll::Pending => Refunded::Settling(settle, res),
+        Poll::Ready(after) => {
+            after.apply(&mut res);
+            Refunded::Ready(res)
+        }
     }
 }

@@ -14,9 +14,10 @@ use pin_project_lite::pin_project;
 use tower_layer::Layer;
 use tower_service::Service;
 
+use super::decide::decide;
 use super::future::State;
 use super::meter::Needs;
-use super::service::{Lean, decide};
+use super::service::Lean;
 use super::{Config, RateLimitLayer};
 use crate::error::ConfigError;
 use crate::key::KeyExtractor;

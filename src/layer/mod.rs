@@ -1,14 +1,21 @@
 //! [`RateLimitLayer`], its builder and settings; [`RateLimit`], the service; its future and body.
 
 mod body;
+mod decide;
 mod future;
 mod lean;
 mod linger;
 mod messages;
 mod meter;
+mod metered;
 mod observe;
+mod plan;
+mod refuse;
+mod run;
 mod scope;
+mod serve;
 mod service;
+mod shared;
 mod stream;
 #[cfg(feature = "ws")]
 pub(crate) mod websocket;
@@ -112,7 +119,7 @@ pub(crate) struct Config<K, St: Store> {
     unmetered: observe::Unmetered,
     /// Per policy, in [`limiter_at`](Config::limiter_at)'s order: what its requests need,
     /// decided once here instead of on every request.
-    plans: Box<[service::Plan]>,
+    plans: Box<[plan::Plan]>,
 }
 
 /// The settings that do not change the layer's type.
@@ -868,7 +875,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         }
         let observer = Observer::new(policies, settings.hook.clone(), settings.log_keys);
         let limiters = std::iter::once(&limiter).chain(others);
-        let plans = limiters.map(|l| service::Plan::new(&settings, l)).collect();
+        let plans = limiters.map(|l| plan::Plan::new(&settings, l)).collect();
         Ok(RateLimitLayer {
             config: Arc::new(Config {
                 limiter,

@@ -201,12 +201,15 @@ async fn policing_stops_ten_chunked_uploads<St: Store>(store: St) {
     let server = serve(upload_app(store, StreamMode::Police, &log, start)).await;
     let statuses = ten_chunked_uploads(&server.url("/upload")).await;
     let elapsed = start.elapsed();
-    // Each upload is stopped mid-way: the layer answers 429 in the handler's place (or the
-    // client, still sending, sees the connection closed after it); none is stored.
-    assert!(!statuses.contains(&Some(StatusCode::OK)), "{statuses:?}");
+    // The uploads are stopped mid-way: the layer answers 429 in the handler's place (or the
+    // client, still sending, sees the connection closed after it). One is stored whole only
+    // if the tier refilled enough meanwhile (a machine so loaded that the uploads took
+    // seconds): never past the bound (which `read_by` checks at every read).
     assert!(statuses.contains(&Some(StatusCode::TOO_MANY_REQUESTS)), "{statuses:?}");
-    let first_second = read_by(&log, Duration::from_secs(1));
-    assert!(first_second <= 1_250_000, "{first_second} bytes read in the first second");
+    let stored = statuses.iter().filter(|s| **s == Some(StatusCode::OK)).count() as u64;
+    let bound = MB + (MB as f64 * elapsed.as_secs_f64()) as u64 + 10 * 16 * 1024;
+    assert!(stored * MB <= bound, "{stored} stored in {elapsed:?}: {statuses:?}");
+    read_by(&log, elapsed);
     assert!(elapsed < Duration::from_secs(5), "{elapsed:?}");
 }
 
