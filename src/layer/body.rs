@@ -75,7 +75,7 @@ impl<B> Metered<B> {
 }
 
 pin_project! {
-    /// The request body that the service inside [`RateLimit`](crate::RateLimit) (and
+    /// The request body that the service inside [`RateLimit`](crate::layer::RateLimit) (and
     /// [`Limits`](crate::config::Limits)) receives: the request's own body `B`, whatever its
     /// type (hyper's `Incoming`, axum's `Body`, tonic's `Body`, `http_body_util::Limited<_>`,
     /// a boxed body, a user's own), with its frames, errors, end and size hint passed through
@@ -312,7 +312,7 @@ fn stop_whole<T>(meter: &mut Meter, why: Stopped) -> Poll<T> {
 }
 
 pin_project! {
-    /// The response body of [`RateLimit`](crate::RateLimit) (and of
+    /// The response body of [`RateLimit`](crate::layer::RateLimit) (and of
     /// [`Limits`](crate::config::Limits)): the inner service's body `B` unchanged, or the
     /// bytes of a response the layer made itself (a 429, a 503, a 400). No boxing either way,
     /// however many layers limited the request.

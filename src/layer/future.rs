@@ -1,5 +1,5 @@
-//! [`ResponseFuture`], the future of [`RateLimit`](crate::RateLimit), and the state machine it
-//! shares with [`LeanFuture`](crate::LeanFuture).
+//! [`ResponseFuture`], the future of [`RateLimit`](crate::layer::RateLimit), and the state machine it
+//! shares with [`LeanFuture`](crate::layer::LeanFuture).
 
 use std::fmt;
 use std::future::Future;
@@ -59,7 +59,7 @@ pub(crate) type Refund = Box<dyn FnOnce(StatusCode) -> Option<Settle> + Send>;
 pub(crate) type Settle = Pin<Box<dyn Future<Output = Prepared> + Send>>;
 
 pin_project! {
-    /// The response future of [`RateLimit`](crate::RateLimit): `F` is the inner service's future,
+    /// The response future of [`RateLimit`](crate::layer::RateLimit): `F` is the inner service's future,
     /// `B` its response body, `E` its error.
     ///
     /// A request the store decides at once and admits is the inner future plus its prepared
@@ -116,7 +116,7 @@ where
 pin_project! {
     /// Where a response future of the layer is: `F` the inner service's future, `R` the body
     /// it answers with (the inner body mapped, or a refusal's), `E` the inner error. One state
-    /// machine for [`ResponseFuture`] and [`LeanFuture`](crate::LeanFuture), which differ in
+    /// machine for [`ResponseFuture`] and [`LeanFuture`](crate::layer::LeanFuture), which differ in
     /// the body only.
     #[project = StateProj]
     pub(crate) enum State<F, R, E> {

@@ -3,7 +3,6 @@
 
 use super::meter::Needs;
 use crate::limiter::Limiter;
-use bytes::Bytes;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -294,7 +293,7 @@ impl<'a, K: KeyExtractor, St: Store> Metering<'a, K, St> {
         &self,
         res: &Response<B>,
         linger: Option<&super::websocket::Linger>,
-    ) -> Option<Response<Bytes>> {
+    ) -> Option<Response<bytes::Bytes>> {
         let linger = linger?;
         let counts = self.needs.request_messages() || self.needs.response_messages();
         if !counts || res.status() != http::StatusCode::SWITCHING_PROTOCOLS || linger.asked() {

@@ -1,4 +1,21 @@
-//! [`RateLimitLayer`], its builder and settings; [`RateLimit`], the service; its future and body.
+//! The Tower layer and its parts: [`RateLimitLayer`] and its builder, the service it makes
+//! ([`RateLimit`]), its response future and bodies, and the types its settings and hooks use.
+//! The layer, its builder and the settings most apps touch are also at the crate's root.
+//!
+//! ```
+//! use tollgate::layer::{DecisionEvent, Observed, RateLimitLayer};
+//! use tollgate::{Policy, Quota};
+//!
+//! let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(5)).unwrap())
+//!     .on_decision(|event: &DecisionEvent<'_>| {
+//!         if event.outcome == Observed::Limited {
+//!             // count it, log it...
+//!         }
+//!     })
+//!     .build()
+//!     .unwrap();
+//! # let _ = layer;
+//! ```
 
 mod body;
 mod decide;
@@ -661,7 +678,8 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// ```
     /// use std::sync::Arc;
     /// use std::sync::atomic::{AtomicUsize, Ordering};
-    /// use tollgate::{Observed, Policy, Quota, RateLimitLayer};
+    /// use tollgate::layer::Observed;
+    /// use tollgate::{Policy, Quota, RateLimitLayer};
     ///
     /// let refused = Arc::new(AtomicUsize::new(0));
     /// let counter = Arc::clone(&refused);
@@ -794,7 +812,8 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// unlimited).
     ///
     /// ```
-    /// use tollgate::{Policy, Quota, RateLimitLayer, Unselected};
+    /// use tollgate::layer::Unselected;
+    /// use tollgate::{Policy, Quota, RateLimitLayer};
     /// use tollgate::key::HeaderKey;
     ///
     /// let free = Policy::single("free", Quota::per_second(10)).unwrap();

@@ -429,7 +429,7 @@ async fn slow_store_and_scope_refusals_of_uploads_close_the_connection() {
     let scoped = RateLimitLayer::builder(policy)
         .store(paused_store())
         .select(|head| head.headers.get("x-plan").and_then(|v| v.to_str().ok()))
-        .unselected(tollgate::Unselected::Reject(StatusCode::FORBIDDEN))
+        .unselected(tollgate::layer::Unselected::Reject(StatusCode::FORBIDDEN))
         .build()
         .unwrap()
         .layer(ok_service());

@@ -28,7 +28,7 @@ pub const STREAM_LEASE: u64 = 64 * 1024;
 ///
 /// A gRPC call (or a WebSocket metered through `tollgate::ws`, cargo feature `ws`) metered
 /// with [`StreamMode::Shape`] or [`StreamMode::Police`] under a tier
-/// counting [`Unit::RequestMessages`] or [`Unit::ResponseMessages`] asks the store for this
+/// counting [`Unit::RequestMessages`](crate::Unit::RequestMessages) or [`Unit::ResponseMessages`](crate::Unit::ResponseMessages) asks the store for this
 /// many messages (fewer when the tier's capacity is smaller, or, policing, when the tier has
 /// fewer left) when it has spent its previous lease: one store call per lease, never one per
 /// message. The part of the last lease the stream did not use is given back when it ends.
@@ -106,7 +106,7 @@ pub(super) const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 ///
 /// # Messages
 ///
-/// Tiers counting [`Unit::RequestMessages`] or [`Unit::ResponseMessages`] meter the messages
+/// Tiers counting [`Unit::RequestMessages`](crate::Unit::RequestMessages) or [`Unit::ResponseMessages`](crate::Unit::ResponseMessages) meter the messages
 /// of a gRPC call (and of a WebSocket, through the handler: `tollgate::ws::MessageBudget`,
 /// cargo feature `ws`) the same way (a request that is not a gRPC call counts as one message,
 /// charged at admission). Each length-prefixed message of the HTTP/2 body counts once, read
@@ -169,6 +169,14 @@ pub enum StreamMode {
 }
 
 impl StreamMode {
+    /// The largest lease of bytes a stream takes from the store at once: 64 KiB (see
+    /// [`STREAM_LEASE`]).
+    pub const STREAM_LEASE: u64 = STREAM_LEASE;
+
+    /// The largest lease of messages a stream takes from the store at once: 16 (see
+    /// [`MESSAGE_LEASE`]).
+    pub const MESSAGE_LEASE: u64 = MESSAGE_LEASE;
+
     /// Whether bodies are metered as they stream.
     pub(crate) fn streams(self) -> bool {
         self != Self::Settle
