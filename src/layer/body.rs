@@ -226,10 +226,15 @@ impl<B: Body> Metered<B> {
         let Some(meters) = this.meters.as_deref_mut() else { return this.body.poll_frame(cx) };
         if !this.body.is_end_stream() {
             for meter in meters.iter_mut() {
-                // Stopped by policing: nothing more is read (the layer answers, or ends a
-                // gRPC response, in the handler's place).
+                // Stopped by policing: nothing more reaches the handler (the layer answers, or
+                // ends a gRPC response, in its place); the rest is read off and dropped when
+                // the layer asks (an HTTP/1 upload it answered).
                 if meter.stopped {
-                    return Poll::Pending;
+                    let signal = meter.signal.as_deref().filter(|s| s.lingers());
+                    return match signal {
+                        Some(signal) => read_off(this.body, signal, cx),
+                        None => Poll::Pending,
+                    };
                 }
                 // Within the lease (most frames): nothing to poll. A refusal stops the body
                 // at its next data frame: its end is never refused.
@@ -299,6 +304,21 @@ impl<B: Body> Metered<B> {
             Poll::Pending => {}
         }
         frame
+    }
+}
+
+/// Reads a stopped body's frames off and drops them, telling `signal` when it ended: the
+/// handler sees none of them (it waits for ever, until the layer drops it).
+fn read_off<B: Body, T>(mut body: Pin<&mut B>, signal: &Signal, cx: &mut Context<'_>) -> Poll<T> {
+    loop {
+        match body.as_mut().poll_frame(cx) {
+            Poll::Ready(Some(Ok(_))) => {}
+            Poll::Ready(_) => {
+                signal.drained();
+                return Poll::Pending;
+            }
+            Poll::Pending => return Poll::Pending,
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use smallvec::SmallVec;
 use tower_service::Service;
 
 use super::body::{RequestBody, ResponseBody};
-use super::linger::{close, unread_body};
+use super::linger::{LINGER, close, reads_off, unread_body};
 use super::messages::Framer;
 use super::meter::{Counters, Finish, Meter, StopTrailers, Streamed};
 use super::plan::Demand;
@@ -40,7 +40,9 @@ pub(super) async fn serve_metered<S, K, St, ReqB, ResB>(
     headers: Prepared,
 ) -> Result<Response<ResponseBody<ResB>>, S::Error>
 where
-    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + 'static,
+    S::Future: Send,
+    S::Error: Send,
     K: KeyExtractor,
     St: Store,
     ReqB: http_body::Body + Send + 'static,
@@ -59,7 +61,11 @@ where
     let (held, linger) = metering.socket(&mut req, held);
     // Policing that stops an upload answers without reading the rest of it.
     let closes = requested.signal.is_some() && unread_body(&req);
-    let res = match raced(inner.call(req), requested.signal.as_deref()).await {
+    let signal = requested.signal.clone();
+    if let (Some(signal), true) = (&signal, closes && reads_off(&req)) {
+        signal.linger();
+    }
+    let res = match raced(inner.call(req), signal.as_ref()).await {
         Ok(res) => res?,
         Err(why) => {
             held.finish();
@@ -91,17 +97,39 @@ where
 }
 
 /// The inner service's response, or why policing stopped the request's upload first (the
-/// handler may still be reading it: the layer then answers in its place).
-async fn raced<F: Future>(call: F, signal: Option<&Signal>) -> Result<F::Output, Stopped> {
+/// handler may still be reading it: the layer then answers in its place). An HTTP/1 upload
+/// stopped so has the rest of its body read off and dropped (as a refusal at admission has:
+/// see `layer::linger`): the handler is kept on a task of its own, seeing nothing more, until
+/// the body ended or [`LINGER`] passed.
+async fn raced<F>(call: F, signal: Option<&Arc<Signal>>) -> Result<F::Output, Stopped>
+where
+    F: Future + Send + 'static,
+{
     let Some(signal) = signal else { return Ok(call.await) };
-    let mut call = std::pin::pin!(call);
-    std::future::poll_fn(|cx| {
+    let mut call = Box::pin(call);
+    let stopped = std::future::poll_fn(|cx| {
         if let Poll::Ready(res) = call.as_mut().poll(cx) {
             return Poll::Ready(Ok(res));
         }
         signal.poll_stopped(cx).map(Err)
     })
-    .await
+    .await;
+    if stopped.is_err() && signal.lingers() {
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let signal = Arc::clone(signal);
+            runtime.spawn(async move {
+                let drained = std::future::poll_fn(|cx| {
+                    let done = call.as_mut().poll(cx).is_ready();
+                    if done || signal.poll_drained(cx).is_ready() {
+                        return Poll::Ready(());
+                    }
+                    Poll::Pending
+                });
+                let _ = tokio::time::timeout(LINGER, drained).await;
+            });
+        }
+    }
+    stopped
 }
 
 /// How one admitted request of a metered policy is metered: its policy, key, class and mode.

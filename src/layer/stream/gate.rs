@@ -29,6 +29,11 @@ pub(crate) struct Signal {
 struct SignalState {
     stopped: Option<Stopped>,
     wakers: SmallVec<[Waker; 2]>,
+    /// After the stop, the rest of the body is read off and dropped (an HTTP/1 upload the
+    /// layer answered before its end: see `layer::linger`).
+    linger: bool,
+    /// The body read off to its end (or its error).
+    drained: bool,
 }
 
 impl Signal {
@@ -42,6 +47,38 @@ impl Signal {
             std::mem::take(&mut state.wakers)
         };
         wakers.into_iter().for_each(Waker::wake);
+    }
+
+    /// Asks the stopped body to read the rest of itself off (see [`SignalState::linger`]).
+    pub(crate) fn linger(&self) {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner).linger = true;
+    }
+
+    /// Whether the stopped body reads the rest of itself off.
+    pub(crate) fn lingers(&self) -> bool {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner).linger
+    }
+
+    /// The body was read off to its end: wake whoever waits for it.
+    pub(crate) fn drained(&self) {
+        let wakers = {
+            let mut state = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            state.drained = true;
+            std::mem::take(&mut state.wakers)
+        };
+        wakers.into_iter().for_each(Waker::wake);
+    }
+
+    /// Ready once the body was read off to its end.
+    pub(crate) fn poll_drained(&self, cx: &mut Context<'_>) -> Poll<()> {
+        let mut state = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if state.drained {
+            return Poll::Ready(());
+        }
+        if !state.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+            state.wakers.push(cx.waker().clone());
+        }
+        Poll::Pending
     }
 
     /// Why the stream was stopped, once it was; otherwise `cx` is woken when it is.
