@@ -35,7 +35,8 @@ use hyper_util::rt::TokioExecutor;
 use jiff::{Timestamp, ToSpan, tz::TimeZone};
 use tokio::sync::{Notify, watch};
 use tollgate::key::HeaderKey;
-use tollgate::{Calendar, Concurrency, Policy, Quota, RateLimitLayer, Unit, Unselected, Usage};
+use tollgate::layer::Unselected;
+use tollgate::{Calendar, Concurrency, Policy, Quota, RateLimitLayer, Unit, Usage};
 
 const ZONE: &str = "Europe/Berlin";
 /// What a call to `/complete` reports using, as an LLM API would report tokens.

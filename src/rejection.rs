@@ -22,7 +22,7 @@ use crate::quota::Unit;
 
 /// The problem type of a 429 (IANA HTTP problem types registry, from the IETF httpapi
 /// ratelimit-headers draft).
-pub const QUOTA_EXCEEDED_TYPE: &str =
+pub(crate) const QUOTA_EXCEEDED_TYPE: &str =
     "https://iana.org/assignments/http-problem-types#quota-exceeded";
 
 const PROBLEM_JSON: HeaderValue = HeaderValue::from_static("application/problem+json");
@@ -447,6 +447,10 @@ impl fmt::Display for RateLimited {
 impl std::error::Error for RateLimited {}
 
 impl RateLimited {
+    /// The problem type of a 429 (IANA HTTP problem types registry, from the IETF httpapi
+    /// ratelimit-headers draft).
+    pub const PROBLEM_TYPE: &'static str = QUOTA_EXCEEDED_TYPE;
+
     pub(crate) fn new(decision: Decision, surface: Arc<Surface>, budget: Option<Duration>) -> Self {
         Self { decision, surface, budget }
     }
@@ -600,7 +604,7 @@ pub enum Rejection {
         explained: Option<KeyMissing>,
     },
     /// The layer's selector chose no policy for the request and such requests are refused
-    /// ([`Unselected::Reject`](crate::Unselected::Reject)).
+    /// ([`Unselected::Reject`](crate::layer::Unselected::Reject)).
     Unselected(StatusCode),
 }
 

@@ -75,7 +75,7 @@ impl<B> Metered<B> {
 }
 
 pin_project! {
-    /// The request body that the service inside [`RateLimit`](crate::RateLimit) (and
+    /// The request body that the service inside [`RateLimit`](crate::layer::RateLimit) (and
     /// [`Limits`](crate::config::Limits)) receives: the request's own body `B`, whatever its
     /// type (hyper's `Incoming`, axum's `Body`, tonic's `Body`, `http_body_util::Limited<_>`,
     /// a boxed body, a user's own), with its frames, errors, end and size hint passed through
@@ -312,7 +312,7 @@ fn stop_whole<T>(meter: &mut Meter, why: Stopped) -> Poll<T> {
 }
 
 pin_project! {
-    /// The response body of [`RateLimit`](crate::RateLimit) (and of
+    /// The response body of [`RateLimit`](crate::layer::RateLimit) (and of
     /// [`Limits`](crate::config::Limits)): the inner service's body `B` unchanged, or the
     /// bytes of a response the layer made itself (a 429, a 503, a 400). No boxing either way,
     /// however many layers limited the request.
@@ -618,24 +618,11 @@ where
         room = room.min(bytes);
     }
     // `room` <= `rest`, a `usize`.
-    let mut take = room as usize;
-    if let Some((gate, framer)) = meter.messages.as_mut() {
-        let window = &meter.rest[..take];
-        // Bytes that end no prefix (a payload's rest) pass without a lease.
-        let mut scan = framer.scan(window, 0);
-        if scan.bytes < window.len() {
-            // The messages this frame starts: what the lease may cover at once.
-            let want = framer.scan(window, u64::MAX).messages.max(1);
-            match gate.poll_room(cx, None, want) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(Err(why)) => return end_stopped(meter, &why),
-                Poll::Ready(Ok(messages)) => scan = framer.scan(window, messages),
-            }
-        }
-        *framer = scan.next;
-        gate.spend(scan.messages);
-        take = scan.bytes;
-    }
+    let take = match cut_at_messages(meter, room as usize, cx) {
+        Poll::Pending => return Poll::Pending,
+        Poll::Ready(Err(why)) => return end_stopped(meter, &why),
+        Poll::Ready(Ok(take)) => take,
+    };
     let data = if take == meter.rest.len() {
         std::mem::take(&mut meter.rest)
     } else {
@@ -649,6 +636,31 @@ where
         meter.end();
     }
     Poll::Ready(Some(Ok(Frame::data(data))))
+}
+
+/// How much of the first `take` bytes of a response's pending data may pass as its message
+/// tiers' lease says: cut at the start of the first message past it (bytes that end no
+/// prefix, a payload's rest, pass without a lease). All of them without message tiers.
+fn cut_at_messages(
+    meter: &mut Meter,
+    take: usize,
+    cx: &mut Context<'_>,
+) -> Poll<Result<usize, Stopped>> {
+    let Some((gate, framer)) = meter.messages.as_mut() else { return Poll::Ready(Ok(take)) };
+    let window = &meter.rest[..take];
+    let mut scan = framer.scan(window, 0);
+    if scan.bytes < window.len() {
+        // The messages this frame starts: what the lease may cover at once.
+        let want = framer.scan(window, u64::MAX).messages.max(1);
+        match gate.poll_room(cx, None, want) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(Err(why)) => return Poll::Ready(Err(why)),
+            Poll::Ready(Ok(messages)) => scan = framer.scan(window, messages),
+        }
+    }
+    *framer = scan.next;
+    gate.spend(scan.messages);
+    Poll::Ready(Ok(scan.bytes))
 }
 
 /// Ends a gRPC response stopped by policing: its trailers say `RESOURCE_EXHAUSTED` (or

@@ -1,5 +1,5 @@
-//! [`ResponseFuture`], the future of [`RateLimit`](crate::RateLimit), and the state machine it
-//! shares with [`LeanFuture`](crate::LeanFuture).
+//! [`ResponseFuture`], the future of [`RateLimit`](crate::layer::RateLimit), and the state machine it
+//! shares with [`LeanFuture`](crate::layer::LeanFuture).
 
 use std::fmt;
 use std::future::Future;
@@ -59,7 +59,7 @@ pub(crate) type Refund = Box<dyn FnOnce(StatusCode) -> Option<Settle> + Send>;
 pub(crate) type Settle = Pin<Box<dyn Future<Output = Prepared> + Send>>;
 
 pin_project! {
-    /// The response future of [`RateLimit`](crate::RateLimit): `F` is the inner service's future,
+    /// The response future of [`RateLimit`](crate::layer::RateLimit): `F` is the inner service's future,
     /// `B` its response body, `E` its error.
     ///
     /// A request the store decides at once and admits is the inner future plus its prepared
@@ -116,7 +116,7 @@ where
 pin_project! {
     /// Where a response future of the layer is: `F` the inner service's future, `R` the body
     /// it answers with (the inner body mapped, or a refusal's), `E` the inner error. One state
-    /// machine for [`ResponseFuture`] and [`LeanFuture`](crate::LeanFuture), which differ in
+    /// machine for [`ResponseFuture`] and [`LeanFuture`](crate::layer::LeanFuture), which differ in
     /// the body only.
     #[project = StateProj]
     pub(crate) enum State<F, R, E> {
@@ -220,25 +220,12 @@ impl<F, R, E> State<F, R, E> {
                     }
                 };
                 let settle = refund.take().and_then(|refund| refund(res.status()));
-                let mut res = res.map(body);
-                match settle {
-                    None => {
-                        if !headers.is_empty() {
-                            std::mem::take(headers).apply(&mut res);
-                        }
-                        Ok(res)
+                match refunded(res.map(body), std::mem::take(headers), settle, cx) {
+                    Refunded::Ready(res) => Ok(res),
+                    Refunded::Settling(settle, res) => {
+                        self.set(State::Settling { settle, response: Some(res) });
+                        return Poll::Pending;
                     }
-                    // The headers of the state after the refund.
-                    Some(mut settle) => match settle.as_mut().poll(cx) {
-                        Poll::Pending => {
-                            self.set(State::Settling { settle, response: Some(res) });
-                            return Poll::Pending;
-                        }
-                        Poll::Ready(after) => {
-                            after.apply(&mut res);
-                            Ok(res)
-                        }
-                    },
                 }
             }
             StateProj::Settling { settle, response } => {
@@ -260,5 +247,35 @@ impl<F, R, E> State<F, R, E> {
         };
         self.set(State::Done);
         Poll::Ready(output)
+    }
+}
+
+/// A refundable response once its status is known: ready, or waiting for its refund.
+enum Refunded<R> {
+    Ready(Response<R>),
+    Settling(Settle, Response<R>),
+}
+
+/// A refundable response once its status is known: with its admission's `headers` when the
+/// charge is kept (no `settle`), else with the headers of the state after the refund, once
+/// it finished.
+fn refunded<R>(
+    mut res: Response<R>,
+    headers: Prepared,
+    settle: Option<Settle>,
+    cx: &mut Context<'_>,
+) -> Refunded<R> {
+    let Some(mut settle) = settle else {
+        if !headers.is_empty() {
+            headers.apply(&mut res);
+        }
+        return Refunded::Ready(res);
+    };
+    match settle.as_mut().poll(cx) {
+        Poll::Pending => Refunded::Settling(settle, res),
+        Poll::Ready(after) => {
+            after.apply(&mut res);
+            Refunded::Ready(res)
+        }
     }
 }

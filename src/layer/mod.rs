@@ -1,14 +1,38 @@
-//! [`RateLimitLayer`], its builder and settings; [`RateLimit`], the service; its future and body.
+//! The Tower layer and its parts: [`RateLimitLayer`] and its builder, the service it makes
+//! ([`RateLimit`]), its response future and bodies, and the types its settings and hooks use.
+//! The layer, its builder and the settings most apps touch are also at the crate's root.
+//!
+//! ```
+//! use tollgate::layer::{DecisionEvent, Observed, RateLimitLayer};
+//! use tollgate::{Policy, Quota};
+//!
+//! let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(5)).unwrap())
+//!     .on_decision(|event: &DecisionEvent<'_>| {
+//!         if event.outcome == Observed::Limited {
+//!             // count it, log it...
+//!         }
+//!     })
+//!     .build()
+//!     .unwrap();
+//! # let _ = layer;
+//! ```
 
 mod body;
+mod decide;
 mod future;
 mod lean;
 mod linger;
 mod messages;
 mod meter;
+mod metered;
 mod observe;
+mod plan;
+mod refuse;
+mod run;
 mod scope;
+mod serve;
 mod service;
+mod shared;
 mod stream;
 #[cfg(feature = "ws")]
 pub(crate) mod websocket;
@@ -112,7 +136,7 @@ pub(crate) struct Config<K, St: Store> {
     unmetered: observe::Unmetered,
     /// Per policy, in [`limiter_at`](Config::limiter_at)'s order: what its requests need,
     /// decided once here instead of on every request.
-    plans: Box<[service::Plan]>,
+    plans: Box<[plan::Plan]>,
 }
 
 /// The settings that do not change the layer's type.
@@ -654,7 +678,8 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// ```
     /// use std::sync::Arc;
     /// use std::sync::atomic::{AtomicUsize, Ordering};
-    /// use tollgate::{Observed, Policy, Quota, RateLimitLayer};
+    /// use tollgate::layer::Observed;
+    /// use tollgate::{Policy, Quota, RateLimitLayer};
     ///
     /// let refused = Arc::new(AtomicUsize::new(0));
     /// let counter = Arc::clone(&refused);
@@ -787,7 +812,8 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// unlimited).
     ///
     /// ```
-    /// use tollgate::{Policy, Quota, RateLimitLayer, Unselected};
+    /// use tollgate::layer::Unselected;
+    /// use tollgate::{Policy, Quota, RateLimitLayer};
     /// use tollgate::key::HeaderKey;
     ///
     /// let free = Policy::single("free", Quota::per_second(10)).unwrap();
@@ -868,7 +894,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         }
         let observer = Observer::new(policies, settings.hook.clone(), settings.log_keys);
         let limiters = std::iter::once(&limiter).chain(others);
-        let plans = limiters.map(|l| service::Plan::new(&settings, l)).collect();
+        let plans = limiters.map(|l| plan::Plan::new(&settings, l)).collect();
         Ok(RateLimitLayer {
             config: Arc::new(Config {
                 limiter,

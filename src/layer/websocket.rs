@@ -124,7 +124,7 @@ impl Drop for Linger {
 /// way (a key that has spent its tier gets a `429` to the upgrade); those are the first
 /// message each way on the socket. The messages then share the
 /// key's budget with its unary calls and its other sockets, and are charged in leases of at
-/// most [`MESSAGE_LEASE`](crate::MESSAGE_LEASE) (16) messages, exactly as a gRPC stream's;
+/// most [`MESSAGE_LEASE`](crate::StreamMode::MESSAGE_LEASE) (16) messages, exactly as a gRPC stream's;
 /// the unused part of the last lease is given back when the socket is dropped. The socket is
 /// metered as the layer decides requests (see [`StreamMode`]); what happens when a tier has no
 /// room for the next message:
@@ -404,7 +404,7 @@ impl BudgetSpent {
     }
 
     /// How long until the tier has room for the lease it refused (at most
-    /// [`MESSAGE_LEASE`](crate::MESSAGE_LEASE) messages); `None` when that lease can never
+    /// [`MESSAGE_LEASE`](crate::StreamMode::MESSAGE_LEASE) messages); `None` when that lease can never
     /// fit, or when the store could not decide.
     #[must_use]
     pub fn retry_after(&self) -> Option<Duration> {

@@ -31,7 +31,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use support::serve;
 use support::stores::frozen_memory;
 use tollgate::store::Store;
-use tollgate::{Policy, Quota, RateLimitLayer, STREAM_LEASE, StreamMode, Unit};
+use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};
 
 pub(crate) const MB: u64 = 1_000_000;
 
@@ -168,7 +168,7 @@ fn read_by(log: &Log, until: Duration) -> u64 {
     let mut by = 0;
     for (at, len) in log {
         read += len;
-        let bound = MB + (MB as f64 * at.as_secs_f64()) as u64 + 10 * STREAM_LEASE;
+        let bound = MB + (MB as f64 * at.as_secs_f64()) as u64 + 10 * StreamMode::STREAM_LEASE;
         assert!(read <= bound, "{read} bytes read by {at:?}, beyond the bound {bound}");
         if at <= until {
             by = read;
@@ -201,12 +201,15 @@ async fn policing_stops_ten_chunked_uploads<St: Store>(store: St) {
     let server = serve(upload_app(store, StreamMode::Police, &log, start)).await;
     let statuses = ten_chunked_uploads(&server.url("/upload")).await;
     let elapsed = start.elapsed();
-    // Each upload is stopped mid-way: the layer answers 429 in the handler's place (or the
-    // client, still sending, sees the connection closed after it); none is stored.
-    assert!(!statuses.contains(&Some(StatusCode::OK)), "{statuses:?}");
+    // The uploads are stopped mid-way: the layer answers 429 in the handler's place (or the
+    // client, still sending, sees the connection closed after it). One is stored whole only
+    // if the tier refilled enough meanwhile (a machine so loaded that the uploads took
+    // seconds): never past the bound (which `read_by` checks at every read).
     assert!(statuses.contains(&Some(StatusCode::TOO_MANY_REQUESTS)), "{statuses:?}");
-    let first_second = read_by(&log, Duration::from_secs(1));
-    assert!(first_second <= 1_250_000, "{first_second} bytes read in the first second");
+    let stored = statuses.iter().filter(|s| **s == Some(StatusCode::OK)).count() as u64;
+    let bound = MB + (MB as f64 * elapsed.as_secs_f64()) as u64 + 10 * 16 * 1024;
+    assert!(stored * MB <= bound, "{stored} stored in {elapsed:?}: {statuses:?}");
+    read_by(&log, elapsed);
     assert!(elapsed < Duration::from_secs(5), "{elapsed:?}");
 }
 
@@ -304,7 +307,7 @@ async fn an_upload_is_charged_exactly_its_bytes<St: Store>(store: St) {
     assert!(
         (MB - 200_000..=MB - 200_000 + refilled).contains(&left),
         "{left} bytes left (4 leases kept whole would leave {})",
-        MB - 4 * STREAM_LEASE
+        MB - 4 * StreamMode::STREAM_LEASE
     );
 }
 
@@ -323,7 +326,9 @@ async fn shaped_download<St: Store>(store: St) {
     let policy = Policy::builder("download")
         .tier(
             "bytes",
-            Quota::per_second(10 * MB).with_burst(STREAM_LEASE).counting(Unit::ResponseBytes),
+            Quota::per_second(10 * MB)
+                .with_burst(StreamMode::STREAM_LEASE)
+                .counting(Unit::ResponseBytes),
         )
         .build()
         .unwrap();
@@ -399,7 +404,7 @@ mod redis {
 
 /// The byte tier's burst: three leases and 20,000 bytes, so that a shaped stream pauses after
 /// three leases (the fourth does not fit), with room for the part of a frame past them.
-const BURST: u64 = 3 * STREAM_LEASE + 20_000;
+const BURST: u64 = 3 * StreamMode::STREAM_LEASE + 20_000;
 
 /// One request in flight of the one key, and a byte tier of `unit`: a burst of [`BURST`]
 /// bytes, refilled at 1,000 bytes a second (on a frozen clock: never).
@@ -551,7 +556,7 @@ async fn a_paused_upload_holds_its_slot_until_the_client_goes<St: Store>(store: 
     let client: Client<_, Frames> = Client::builder(TokioExecutor::new()).build_http();
     let upload = h2_upload(addr);
     let read_now = || read.load(std::sync::atomic::Ordering::SeqCst);
-    until("three leases read", || async { read_now() >= 3 * STREAM_LEASE }).await;
+    until("three leases read", || async { read_now() >= 3 * StreamMode::STREAM_LEASE }).await;
     // Paused, in flight: the one slot is taken.
     assert_eq!(ping(&client, &server).await, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(slots_and_charged(&limiter).await.0, 0);
