@@ -26,8 +26,10 @@
 //! # Ok(()) }
 //! ```
 //!
-//! The [recipes] show the usual setups: per-route limits in axum, hyper, tonic, behind a load
-//! balancer, per-plan limits, testing with a fake clock, calling a rate-limited API, Redis.
+//! The [guide] has a page per task, each with a program CI runs: per-route limits, plans,
+//! clients behind a proxy, hyper, tier kinds beyond requests per second, uploads, gRPC,
+//! WebSocket, Redis and lease mode, a configuration file, testing, calling a rate-limited API,
+//! observability, limits in code.
 //!
 //! Algorithms: GCRA (default), token bucket, leaky bucket, fixed window, sliding window log,
 //! sliding window counter; see [`Algorithm`].
@@ -94,6 +96,7 @@ pub mod config;
 mod decision;
 mod error;
 pub mod grpc;
+pub mod guide;
 mod headers;
 #[cfg(any(feature = "client", feature = "testing"))]
 #[cfg_attr(not(feature = "client"), allow(dead_code))]
@@ -108,6 +111,7 @@ pub mod metrics;
 mod metrics;
 mod policy;
 mod quota;
+#[deprecated(note = "the recipes moved to `tollgate::guide`, one page per task")]
 pub mod recipes;
 mod rejection;
 pub mod store;
