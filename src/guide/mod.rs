@@ -9,6 +9,7 @@
 //! | plans per customer, allow-lists, what is not limited | [plans](plans/index.html) | `axum` | the page's example |
 //! | key clients behind a proxy or load balancer | [behind_a_proxy](behind_a_proxy/index.html) |  | the page's example |
 //! | serve with plain hyper, no axum | [hyper](hyper/index.html) |  | the page's example |
+//! | a login guard: only failures count, a penalty box, nothing told to the attacker | [login_guard](login_guard/index.html) | `axum` | the page's example; `cargo run --example login_guard` |
 //! | concurrency, bytes, tokens, monthly quotas, penalty boxes, reserves | [tier_kinds](tier_kinds/index.html) |  | the page's example; `cargo run --example billing` |
 //! | uploads: body-size limits and bandwidth per key | [uploads](uploads/index.html) | `axum` | the page's examples; `cargo run --example bandwidth` |
 //! | gRPC with tonic: calls and stream messages | [grpc](grpc/index.html) | `tonic` | the page's examples; `cargo run --example grpc --features tonic,client`; `cargo run --example grpc_messages --features tonic` |
@@ -43,6 +44,11 @@ pub mod hyper {}
 
 #[doc = include_str!("tier_kinds.md")]
 pub mod tier_kinds {}
+
+#[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+#[doc = include_str!("login_guard.md")]
+pub mod login_guard {}
 
 #[cfg(feature = "axum")]
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
