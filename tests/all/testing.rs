@@ -112,7 +112,7 @@ async fn the_monthly_refusal_reports_every_field_exactly() {
     assert_eq!(clock.now(), 1_774_994_399_999_999_999);
     assert_limited_until(&call(&app).await, Duration::from_nanos(1));
     clock.advance(Duration::from_nanos(1)).await;
-    assert_eq!(format!("{clock:?}"), "VirtualClock(2026-03-31T22:00:00Z)");
+    assert_eq!(format!("{clock:?}"), "TokioClock(2026-03-31T22:00:00Z)");
     for remaining in [2, 1, 0] {
         assert_eq!(assert_admitted(&call(&app).await).get("monthly").unwrap().remaining, remaining);
     }
