@@ -144,12 +144,12 @@ mod moved {
 
     #[deprecated(note = "moved: tollgate::layer::DecisionEvent")]
     pub type DecisionEvent<'a> = crate::layer::DecisionEvent<'a>;
-    #[deprecated(note = "moved: tollgate::layer::LeanFuture")]
-    pub type LeanFuture<F, B, E> = crate::layer::LeanFuture<F, B, E>;
-    #[deprecated(note = "moved: tollgate::layer::LeanLayer")]
-    pub type LeanLayer<K, St> = crate::layer::LeanLayer<K, St>;
-    #[deprecated(note = "moved: tollgate::layer::LeanRateLimit")]
-    pub type LeanRateLimit<S, K, St> = crate::layer::LeanRateLimit<S, K, St>;
+    #[deprecated(note = "use tollgate::layer::ResponseFuture<F, B, E, Lean>")]
+    pub type LeanFuture<F, B, E> = crate::layer::ResponseFuture<F, B, E, crate::layer::Lean>;
+    #[deprecated(note = "use RateLimitLayer<K, St, Lean>, which RateLimitLayer::lean returns")]
+    pub type LeanLayer<K, St> = crate::RateLimitLayer<K, St, crate::layer::Lean>;
+    #[deprecated(note = "use tollgate::layer::RateLimit<S, K, St, Lean>")]
+    pub type LeanRateLimit<S, K, St> = crate::layer::RateLimit<S, K, St, crate::layer::Lean>;
     #[deprecated(note = "moved: tollgate::layer::LogKeys")]
     pub type LogKeys = crate::layer::LogKeys;
     #[deprecated(note = "moved: tollgate::layer::Observed")]

@@ -18,7 +18,7 @@ use super::messages::Framer;
 use super::meter::{Counters, Finish, Meter, StopTrailers, Streamed};
 use super::plan::Demand;
 use super::serve::settled_by_head;
-use super::service::{Carry, Observing};
+use super::service::{Carry, Metered};
 use super::stream::{Gate, Leases, Signal, Stopped, StreamMode, Tally};
 use super::{Config, OnStoreError};
 use crate::headers::Prepared;
@@ -70,7 +70,7 @@ where
         Err(why) => {
             held.finish();
             let res = config.stopped(metering.limiter, &key, why, (grpc, collect));
-            let mut res = res.map(<Observing as Carry<ReqB, ResB>>::refusal);
+            let mut res = res.map(<Metered as Carry<ReqB, ResB>>::refusal);
             if closes {
                 close(&mut res);
             }
@@ -81,7 +81,7 @@ where
     // not take its budget is refused (500), logged once and counted.
     #[cfg(feature = "ws")]
     if let Some(refused) = metering.unmetered_upgrade(&res, linger.as_deref()) {
-        return Ok(refused.map(<Observing as Carry<ReqB, ResB>>::refusal));
+        return Ok(refused.map(<Metered as Carry<ReqB, ResB>>::refusal));
     }
     let (mut head, body) = res.into_parts();
     headers.apply_parts(&mut head);
