@@ -600,7 +600,7 @@ impl<St: Store> Reservation<St> {
     ///
     /// # Errors
     /// [`StoreError`] when the store cannot be reached (on Redis the release is then retried
-    /// in the background until it lands or the slots' leases expire).
+    /// in the background until it lands or the slots' time to live ends).
     pub async fn release(mut self) -> Result<(), StoreError> {
         match self.ticket.take() {
             Some(ticket) => {

@@ -6,17 +6,17 @@ use std::time::Duration;
 
 /// The largest accepted `count` or `burst`, 2^32 - 1: with nanosecond instants every product
 /// the algorithms form then fits in 128 bits, so their arithmetic is exact.
-pub const MAX_COUNT: u64 = u32::MAX as u64;
+pub(crate) const MAX_COUNT: u64 = u32::MAX as u64;
 
 /// The largest accepted sliding-window-log limit (requests per window).
 ///
 /// The log keeps one entry per admitted request (a weighted entry for a cost above 1), so its
 /// memory per key is O(limit): a limit of 1,000,000 per minute would cost megabytes per key.
-pub const MAX_SLIDING_LOG: u64 = 10_000;
+pub(crate) const MAX_SLIDING_LOG: u64 = 10_000;
 
 /// The longest span a tier may cover: its period, and the time its burst takes to refill
 /// (`burst x period / count`): 2^50 microseconds, about 35.7 years.
-pub const MAX_SPAN: Duration = Duration::from_micros(1 << 50);
+pub(crate) const MAX_SPAN: Duration = Duration::from_micros(1 << 50);
 
 /// Spans up to 2^50 ns (about 13 days) are decided to the nanosecond; a policy with a longer
 /// span is decided in microseconds (so that every store represents it exactly).
@@ -64,6 +64,18 @@ pub struct Quota {
 }
 
 impl Quota {
+    /// The largest accepted `count` or `burst`, 2^32 - 1: with nanosecond instants every
+    /// product the algorithms form then fits in 128 bits, so their arithmetic is exact.
+    pub const MAX_COUNT: u64 = MAX_COUNT;
+
+    /// The largest accepted sliding-window-log limit (requests per window): the log keeps one
+    /// entry per admitted request, so its memory per key is O(limit).
+    pub const MAX_SLIDING_LOG: u64 = MAX_SLIDING_LOG;
+
+    /// The longest span a tier may cover (its period, and the time its burst takes to
+    /// refill): 2^50 microseconds, about 35.7 years.
+    pub const MAX_SPAN: Duration = MAX_SPAN;
+
     /// `count` units per `period`, burst `count`. Validated when the policy is built.
     #[must_use]
     pub const fn new(count: u64, period: Duration) -> Self {
@@ -212,11 +224,11 @@ pub enum Unit {
     /// Bytes of the request body: its `Content-Length` when the request has one; otherwise one
     /// unit at admission, settled at the bytes counted while the body streams (or, with a
     /// layer's [`StreamMode::Shape`](crate::StreamMode::Shape) or
-    /// [`Police`](crate::StreamMode::Police), charged in leases as the body streams, the
+    /// [`Police`](crate::StreamMode::Police), charged in grants as the body streams, the
     /// stream paused or stopped when the tier runs out).
     RequestBytes,
     /// Bytes of the response body: one unit at admission, settled at the bytes sent (or
-    /// charged in leases as they are sent, as for [`RequestBytes`](Self::RequestBytes)).
+    /// charged in grants as they are sent, as for [`RequestBytes`](Self::RequestBytes)).
     ResponseBytes,
     /// A cost the handler reports (for example the tokens an LLM call used): one unit at
     /// admission, settled at what the handler reports.
@@ -226,11 +238,11 @@ pub enum Unit {
     /// streams of its key). With a layer's [`StreamMode::Shape`](crate::StreamMode::Shape) or
     /// [`Police`](crate::StreamMode::Police), the messages of a gRPC call's request body are
     /// counted as they stream (each length-prefixed message of gRPC over HTTP/2, read from its
-    /// 5-byte prefix, the payload never decoded) and charged in leases of at most
-    /// [`MESSAGE_LEASE`](crate::MESSAGE_LEASE) messages, the stream paused or stopped when the
-    /// tier runs out. Under [`StreamMode::Settle`](crate::StreamMode::Settle) (the default)
-    /// a gRPC call is charged one message at admission and settled at the messages counted
-    /// when its response ends. The Text and Binary messages a WebSocket receives are counted
+    /// 5-byte prefix, the payload never decoded) and charged in grants of at most
+    /// [`MESSAGE_GRANT`](crate::StreamMode::MESSAGE_GRANT) messages, the stream paused or stopped when the
+    /// tier runs out (the default: as the layer decides requests). Under
+    /// [`StreamMode::Settle`](crate::StreamMode::Settle) a gRPC call is charged one message
+    /// at admission and settled at the messages counted when its response ends. The Text and Binary messages a WebSocket receives are counted
     /// alike by the socket its handler wraps (cargo feature `ws`, module `tollgate::ws`).
     RequestMessages,
     /// Messages the server sends: as [`RequestMessages`](Self::RequestMessages), for the
@@ -255,12 +267,12 @@ impl Unit {
 }
 
 /// The default lease of a concurrency slot on a shared store: 30 s (see
-/// [`Concurrency::with_lease`]).
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// [`Concurrency::with_ttl`]).
+pub(crate) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
 /// The default typical hold of a concurrency slot before any has been observed: 1 s (see
 /// [`Concurrency::with_typical_hold`]).
-pub const DEFAULT_TYPICAL_HOLD: Duration = Duration::from_secs(1);
+pub(crate) const DEFAULT_TYPICAL_HOLD: Duration = Duration::from_secs(1);
 
 /// The shortest lease and typical hold: 1 ms.
 pub(crate) const MIN_HOLD: Duration = Duration::from_millis(1);
@@ -271,9 +283,9 @@ pub(crate) const MIN_HOLD: Duration = Duration::from_millis(1);
 /// all or nothing) and given back when the holder releases it
 /// ([`Reservation::release`](crate::Reservation::release), or by dropping the reservation).
 ///
-/// On a shared store (Redis) a slot is a **lease**: it expires [`lease`](Self::lease) after it
-/// was taken or last refreshed, so that slots held by an app server that crashed come back by
-/// themselves. Holders refresh every third of the lease
+/// On a shared store (Redis) a slot has a **time to live**: it expires [`ttl`](Self::ttl) after
+/// it was taken or last refreshed, so that slots held by an app server that crashed come back
+/// by themselves. Holders refresh every third of it
 /// ([`Reservation::refresh`](crate::Reservation::refresh), or
 /// [`Reservation::hold`](crate::Reservation::hold), which does it for them). In memory a slot
 /// lives exactly as long as its holder (the process cannot crash without it).
@@ -287,7 +299,7 @@ pub(crate) const MIN_HOLD: Duration = Duration::from_millis(1);
 /// use tollgate::{Concurrency, Policy, Quota};
 ///
 /// let policy = Policy::builder("reports")
-///     .concurrency("in-flight", Concurrency::new(4).with_lease(Duration::from_secs(60)))
+///     .concurrency("in-flight", Concurrency::new(4).with_ttl(Duration::from_secs(60)))
 ///     .tier("hourly", Quota::per_hour(100))
 ///     .build()
 ///     .unwrap();
@@ -302,20 +314,37 @@ pub struct Concurrency {
 }
 
 impl Concurrency {
+    /// The default time to live of a slot on a shared store: 30 s (see
+    /// [`with_ttl`](Self::with_ttl)).
+    pub const DEFAULT_TTL: Duration = DEFAULT_LEASE;
+
+    /// The default typical hold of a slot before any was observed: 1 s (see
+    /// [`with_typical_hold`](Self::with_typical_hold)).
+    pub const DEFAULT_TYPICAL_HOLD: Duration = DEFAULT_TYPICAL_HOLD;
+
     /// At most `max` requests in flight per key (a request takes one slot), with the default
-    /// lease ([`DEFAULT_LEASE`]) and typical hold ([`DEFAULT_TYPICAL_HOLD`]).
+    /// time to live ([`DEFAULT_TTL`](Self::DEFAULT_TTL)) and typical hold
+    /// ([`DEFAULT_TYPICAL_HOLD`](Self::DEFAULT_TYPICAL_HOLD)).
     #[must_use]
     pub const fn new(max: u64) -> Self {
         Self { max, lease: DEFAULT_LEASE, typical_hold: DEFAULT_TYPICAL_HOLD }
     }
 
-    /// How long a slot on a shared store lasts without a refresh: at least 1 ms, at most
-    /// [`MAX_SPAN`] (checked when the policy is built; rounded up to milliseconds). Choose it
-    /// well above the time a refresh takes to arrive: holders refresh every third of it.
+    /// How long a slot on a shared store lasts without a refresh (its time to live): at least
+    /// 1 ms, at most [`MAX_SPAN`](crate::Quota::MAX_SPAN) (checked when the policy is built;
+    /// rounded up to milliseconds). Choose it well above the time a refresh takes to arrive:
+    /// holders refresh every third of it.
     #[must_use]
-    pub const fn with_lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+    pub const fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.lease = ttl;
         self
+    }
+
+    /// The former name of [`with_ttl`](Self::with_ttl).
+    #[deprecated(note = "renamed: Concurrency::with_ttl (a lease is a block of a key's budget)")]
+    #[must_use]
+    pub const fn with_lease(self, lease: Duration) -> Self {
+        self.with_ttl(lease)
     }
 
     /// The hold reported as `Retry-After` until a slot of the tier has been released (then the
@@ -332,7 +361,14 @@ impl Concurrency {
         self.max
     }
 
-    /// The lease of a slot on a shared store.
+    /// The time to live of a slot on a shared store.
+    #[must_use]
+    pub const fn ttl(&self) -> Duration {
+        self.lease
+    }
+
+    /// The former name of [`ttl`](Self::ttl).
+    #[deprecated(note = "renamed: Concurrency::ttl")]
     #[must_use]
     pub const fn lease(&self) -> Duration {
         self.lease
@@ -344,7 +380,7 @@ impl Concurrency {
         self.typical_hold
     }
 
-    /// How often a holder refreshes its lease: a third of it.
+    /// How often a holder refreshes its slot: a third of its time to live.
     #[must_use]
     pub const fn refresh_every(&self) -> Duration {
         Duration::from_nanos((self.lease.as_nanos() / 3) as u64)
@@ -535,7 +571,7 @@ impl Calendar {
 }
 
 /// The most refusals a [`Penalty`] may count before it blocks: 1,000.
-pub const MAX_PENALTY_REFUSALS: u32 = 1_000;
+pub(crate) const MAX_PENALTY_REFUSALS: u32 = 1_000;
 
 /// A penalty box on a tier: once the tier refuses a key, **every** request of that key under
 /// the policy is refused for the block duration; rate-limiter-flexible's `blockDuration`,
@@ -601,16 +637,19 @@ pub struct Penalty {
 }
 
 impl Penalty {
+    /// The most refusals a penalty box may count before it blocks: 1,000.
+    pub const MAX_REFUSALS: u32 = MAX_PENALTY_REFUSALS;
+
     /// Blocks a key for `block` from its first breach of the tier. `block` is at least 1 ns and
-    /// at most [`MAX_SPAN`] (checked when the policy is built).
+    /// at most [`MAX_SPAN`](crate::Quota::MAX_SPAN) (checked when the policy is built).
     #[must_use]
     pub const fn new(block: Duration) -> Self {
         Self { block, refusals: 1, within: Duration::ZERO }
     }
 
     /// Blocks only at the `refusals`-th breach of which the first came less than `within`
-    /// before it. `refusals` is 1 to [`MAX_PENALTY_REFUSALS`]; above 1, `within` is at least
-    /// 1 ns and at most [`MAX_SPAN`] (checked when the policy is built). Refusals in the window
+    /// before it. `refusals` is 1 to [`MAX_REFUSALS`](crate::Penalty::MAX_REFUSALS); above 1, `within` is at least
+    /// 1 ns and at most [`MAX_SPAN`](crate::Quota::MAX_SPAN) (checked when the policy is built). Refusals in the window
     /// are kept as instants, at most `refusals - 1` per key.
     #[must_use]
     pub const fn after(mut self, refusals: u32, within: Duration) -> Self {
@@ -860,7 +899,7 @@ pub enum Algorithm {
     /// up to **2 x count** across a window boundary.
     FixedWindow,
     /// Sliding window log: exact over any window of `period`, one entry per admitted request,
-    /// O(count) memory per key; `count` is capped at [`MAX_SLIDING_LOG`]. A check, admitted or
+    /// O(count) memory per key; `count` is capped at [`MAX_SLIDING_LOG`](crate::Quota::MAX_SLIDING_LOG). A check, admitted or
     /// refused, costs O(log n) amortised for a log of n entries, in memory (running totals by
     /// binary search) and on Redis (a sorted set read only at the entries that must expire); no
     /// check scans the whole log.

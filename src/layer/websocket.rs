@@ -1,6 +1,6 @@
 //! WebSocket messages as a tier's unit: the layer cannot see the frames of an upgraded
 //! connection, so it hands the handler a [`MessageBudget`] that meters the socket the
-//! handler wraps with it, in the same leases as the messages of a gRPC stream.
+//! handler wraps with it, in the same grants as the messages of a gRPC stream.
 
 use std::fmt;
 use std::pin::Pin;
@@ -19,7 +19,7 @@ use http::StatusCode;
 use smallvec::SmallVec;
 
 use super::meter::Finish;
-use super::stream::{Gate, Leases, Stopped, StreamMode, Tally};
+use super::stream::{Gate, Grants, Stopped, StreamMode, Tally};
 use crate::key::Key;
 use crate::limiter::Limiter;
 use crate::quota::{Priority, Unit};
@@ -48,6 +48,9 @@ pub(crate) struct Linger {
     /// Whether a socket was wrapped to count them: a request that ended without one (dropped
     /// before its response, or a handler that never wrapped its socket) keeps its estimate.
     wrapped: AtomicBool,
+    /// Whether the handler took the [`MessageBudget`]: an upgrade answered `101` without it
+    /// has a socket nothing meters, and is refused instead.
+    asked: AtomicBool,
 }
 
 impl Linger {
@@ -59,7 +62,13 @@ impl Linger {
             settled: Mutex::default(),
             tallies: tally.then(Default::default),
             wrapped: AtomicBool::new(false),
+            asked: AtomicBool::new(false),
         }
+    }
+
+    /// Whether the handler took the budget (extracted it as an argument).
+    pub(crate) fn asked(&self) -> bool {
+        self.asked.load(Ordering::Relaxed)
     }
 
     /// The response ended, settling `settled`: kept until the socket ends.
@@ -107,23 +116,25 @@ impl Drop for Linger {
 /// connection: the handler wraps its socket with [`wrap`](Self::wrap), and the
 /// [`MeteredWebSocket`] it gets charges each Text or Binary message it receives to the tiers counting
 /// `RequestMessages` and each it sends to those counting `ResponseMessages` (Ping, Pong and
-/// Close frames are not counted). A socket the handler does not wrap is not metered.
+/// Close frames are not counted). An upgrade whose handler does not take the budget is
+/// refused with a `500` (logged once, counted in `tollgate_config_warnings_total`): its
+/// socket could not be metered.
 ///
 /// The upgrade request itself is admitted as a unary call is, and charged one message each
 /// way (a key that has spent its tier gets a `429` to the upgrade); those are the first
 /// message each way on the socket. The messages then share the
-/// key's budget with its unary calls and its other sockets, and are charged in leases of at
-/// most [`MESSAGE_LEASE`](crate::MESSAGE_LEASE) (16) messages, exactly as a gRPC stream's:
-/// one store call per lease, never one per message; the unused part of the last lease is
-/// given back when the socket is dropped. What happens when a tier has no room for the next
-/// lease:
+/// key's budget with its unary calls and its other sockets, and are charged in grants of at
+/// most [`MESSAGE_GRANT`](crate::StreamMode::MESSAGE_GRANT) (16) messages, exactly as a gRPC stream's;
+/// the unused part of the last grant is given back when the socket is dropped. The socket is
+/// metered as the layer decides requests (see [`StreamMode`]); what happens when a tier has no
+/// room for the next message:
 ///
 /// - [`StreamMode::Shape`]: the next message waits. Receiving, the socket is not read any
 ///   more (TCP flow control slows the client); sending,
 ///   [`poll_ready`](Sink::poll_ready) (and [`MeteredWebSocket::send`]) waits.
 /// - [`StreamMode::Police`]: the socket sends a Close frame with code 1008 (policy violation,
 ///   RFC 6455 §7.4.1) and the reason `rate limited; retry-after=N`, `N` being the seconds
-///   (rounded up, at least 1) until the tier has room for the lease it refused, then ends
+///   (rounded up, at least 1) until the tier has room for the grant it refused, then ends
 ///   (see [`MeteredWebSocket`]). The message past the budget is not delivered, so the
 ///   handler receives (and the client receives) exactly the messages the tier admits.
 /// - [`StreamMode::Settle`], and a [dry run](crate::RateLimitLayerBuilder::dry_run): the
@@ -136,19 +147,20 @@ impl Drop for Linger {
 /// describes a server-side condition, and is what a socket gets when the store cannot decide
 /// and the layer fails closed
 /// ([`on_store_error`](crate::RateLimitLayerBuilder::on_store_error)); failing open lets the
-/// lease through uncharged.
+/// grant through uncharged.
 ///
 /// The upgrade request is held until its socket ends: when the `101` response has been sent
 /// and the budget and every [`MeteredWebSocket`] wrapped with it are dropped. A
 /// [concurrency](crate::Concurrency) tier's slot ("at most 5 open sockets per key") is taken
-/// for that long, under a policy counting messages or not. A handler that does not take the budget ends the request with its `101`
+/// for that long, under a policy counting messages or not. Under a policy counting no
+/// messages, a handler that does not take the budget ends the request with its `101`
 /// response.
 ///
 /// ```
 /// use axum::extract::ws::{Message, WebSocketUpgrade};
 /// use axum::{Router, response::Response, routing::get};
 /// use tollgate::ws::MessageBudget;
-/// use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};
+/// use tollgate::{Policy, Quota, RateLimitLayer, Unit};
 ///
 /// async fn echo(up: WebSocketUpgrade, budget: MessageBudget) -> Response {
 ///     up.on_upgrade(move |socket| async move {
@@ -169,7 +181,7 @@ impl Drop for Linger {
 ///     .build()?;
 /// let app: Router = Router::new()
 ///     .route("/chat", get(echo))
-///     .route_layer(RateLimitLayer::builder(policy).on_stream(StreamMode::Police).build()?);
+///     .route_layer(RateLimitLayer::builder(policy).build()?);
 /// # let _ = app;
 /// # Ok(()) }
 /// ```
@@ -184,7 +196,7 @@ pub struct MessageBudget {
 struct Part {
     make: Box<MakeGate>,
     /// Holds the upgrade this layer admitted until the socket ends.
-    _linger: Arc<Linger>,
+    linger: Arc<Linger>,
 }
 
 impl fmt::Debug for MessageBudget {
@@ -216,12 +228,20 @@ impl MessageBudget {
                 let counted = if unit == Unit::RequestMessages { received } else { sent };
                 return Some(Box::new(Tally(Arc::clone(counted))) as Box<dyn Gate>);
             }
-            let gate = Leases::new(&limiter, key.clone(), priority, unit, mode, fail_open);
+            let gate = Grants::new(&limiter, key.clone(), priority, unit, mode, fail_open);
             // The upgrade was charged one message each way at admission.
             Some(Box::new(gate.prepaid(1)) as Box<dyn Gate>)
         };
-        self.parts.push(Arc::new(Part { make: Box::new(make), _linger: linger }));
+        self.parts.push(Arc::new(Part { make: Box::new(make), linger }));
         self
+    }
+
+    /// The budget, as a handler takes it: each layer that gave a part of it learns so.
+    fn taken(&self) -> Self {
+        for part in &self.parts {
+            part.linger.asked.store(true, Ordering::Relaxed);
+        }
+        self.clone()
     }
 
     /// The gate of `unit`'s messages: every layer's that counts them.
@@ -271,10 +291,11 @@ impl Gate for AllOf {
         &mut self,
         cx: &mut Context<'_>,
         remaining: Option<u64>,
+        want: u64,
     ) -> Poll<Result<u64, Stopped>> {
         let mut room = u64::MAX;
         for gate in &mut self.0 {
-            room = room.min(ready!(gate.poll_room(cx, remaining))?);
+            room = room.min(ready!(gate.poll_room(cx, remaining, want))?);
         }
         Poll::Ready(Ok(room))
     }
@@ -311,7 +332,7 @@ impl<S: Send + Sync> FromRequestParts<S> for MessageBudget {
         parts: &mut http::request::Parts,
         _state: &S,
     ) -> Result<Self, Self::Rejection> {
-        parts.extensions.get::<Self>().cloned().ok_or(MissingBudget)
+        parts.extensions.get::<Self>().map(Self::taken).ok_or(MissingBudget)
     }
 }
 
@@ -323,8 +344,22 @@ impl<S: Send + Sync> axum::extract::OptionalFromRequestParts<S> for MessageBudge
         parts: &mut http::request::Parts,
         _state: &S,
     ) -> Result<Option<Self>, Self::Rejection> {
-        Ok(parts.extensions.get::<Self>().cloned())
+        Ok(parts.extensions.get::<Self>().map(Self::taken))
     }
+}
+
+/// The answer in place of a `101` whose handler did not take the [`MessageBudget`] of a policy
+/// counting messages: `500 Internal Server Error` with a problem+json body saying so (the
+/// socket would not be metered; no upgrade happens).
+pub(crate) fn unmetered_upgrade() -> http::Response<bytes::Bytes> {
+    let body = r#"{"type":"about:blank","title":"Internal Server Error","status":500,"detail":"the route's rate-limit policy counts WebSocket messages, but its handler does not meter the socket: take a tollgate::ws::MessageBudget and wrap the socket with it"}"#;
+    let mut res = http::Response::new(bytes::Bytes::from_static(body.as_bytes()));
+    *res.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+    res.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/problem+json"),
+    );
+    res
 }
 
 /// The refusal of a handler asking for a [`MessageBudget`] that the layer did not give: a
@@ -368,8 +403,8 @@ impl BudgetSpent {
         self.unit
     }
 
-    /// How long until the tier has room for the lease it refused (at most
-    /// [`MESSAGE_LEASE`](crate::MESSAGE_LEASE) messages); `None` when that lease can never
+    /// How long until the tier has room for the grant it refused (at most
+    /// [`MESSAGE_GRANT`](crate::StreamMode::MESSAGE_GRANT) messages); `None` when that grant can never
     /// fit, or when the store could not decide.
     #[must_use]
     pub fn retry_after(&self) -> Option<Duration> {
@@ -384,7 +419,7 @@ impl BudgetSpent {
     }
 
     /// The Close frame that tells the client: 1008 and `rate limited; retry-after=N` (whole
-    /// seconds rounded up, at least 1; `rate limited` alone when the lease can never fit), or
+    /// seconds rounded up, at least 1; `rate limited` alone when the grant can never fit), or
     /// 1013 and `rate limit unavailable`.
     fn close_frame(&self) -> CloseFrame {
         if self.unavailable {
@@ -444,7 +479,7 @@ enum State {
 /// sent is dropped, and that send fails with [`BudgetSpent`], as every send after it does.
 /// To close gracefully after a refused send, keep receiving until `None`.
 ///
-/// Dropping the socket gives back the unused part of each direction's last lease.
+/// Dropping the socket gives back the unused part of each direction's last grant.
 pub struct MeteredWebSocket {
     socket: WebSocket,
     receiving: Option<Box<dyn Gate>>,
@@ -455,7 +490,7 @@ pub struct MeteredWebSocket {
     outgoing: Option<Message>,
     state: State,
     spent: Option<BudgetSpent>,
-    /// Last: the leases above are settled before the requests are finished.
+    /// Last: the grants above are settled before the requests are finished.
     _parts: Vec<Arc<Part>>,
 }
 
@@ -579,7 +614,7 @@ impl MeteredWebSocket {
             return Poll::Ready(Ok(()));
         }
         if let Some(gate) = &mut self.sending {
-            match ready!(gate.poll_room(cx, None)) {
+            match ready!(gate.poll_room(cx, None, 1)) {
                 Ok(_) => {}
                 Err(why) => {
                     let spent = self.stop(Unit::ResponseMessages, why);
@@ -616,7 +651,7 @@ impl Stream for MeteredWebSocket {
                 let Some(gate) = &mut this.receiving else {
                     return Poll::Ready(Some(Ok(message)));
                 };
-                match gate.poll_room(cx, None) {
+                match gate.poll_room(cx, None, 1) {
                     Poll::Pending => {
                         // Held until there is room: the socket is not read meanwhile.
                         this.received = Some(message);
@@ -729,7 +764,7 @@ mod tests {
         // Never 0: a client told to retry at once would be refused again.
         let frame = spent(Some(Duration::ZERO), false).close_frame();
         assert_eq!(frame.reason.as_str(), "rate limited; retry-after=1");
-        // A lease that can never fit has no wait to tell.
+        // A grant that can never fit has no wait to tell.
         let frame = spent(None, false).close_frame();
         assert_eq!((frame.code, frame.reason.as_str()), (1008, "rate limited"));
         // The store could not decide, failing closed: try again later.

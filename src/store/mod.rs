@@ -281,7 +281,7 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// What an admitted request was charged, so that [`settle`](Self::settle) can give it back
     /// or charge more. Dropping a ticket keeps the charge, and gives back the concurrency slots
     /// it holds (as soon as the store can: at once in memory; from a spawned task on Redis,
-    /// retried while Redis does not answer, until the slots' leases expire).
+    /// retried while Redis does not answer, until the slots' time to live ends).
     type Ticket: Send + Sync + 'static;
 
     /// Validates `policy` for this store and prepares it. Called once, when a
@@ -409,7 +409,7 @@ pub trait Store: Clone + Send + Sync + 'static {
     ///
     /// # Errors
     /// [`StoreError`] when the backend cannot be reached (on Redis the release is then retried
-    /// in the background until it lands or the slots' leases expire).
+    /// in the background until it lands or the slots' time to live ends).
     fn release(
         &self,
         bound: &Self::Bound,

@@ -84,9 +84,9 @@ async fn a_lease_policy_name_no_bound_policy_uses_is_logged_once_and_counted() {
     }
     let rendered = prometheus.render();
     let series =
-        r#"tollgate_config_warnings_total{setting="lease_policy",policy="serch-lease-config"} 1"#;
+        r#"tollgate_config_warnings_total{policy="serch-lease-config",setting="lease_policy"} 1"#;
     assert!(rendered.contains(series), "{rendered}");
     let bound_series =
-        r#"tollgate_config_warnings_total{setting="lease_policy",policy="search-lease-config"}"#;
+        r#"tollgate_config_warnings_total{policy="search-lease-config",setting="lease_policy"}"#;
     assert!(!rendered.contains(bound_series), "a bound name is not counted");
 }

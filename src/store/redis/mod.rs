@@ -61,7 +61,7 @@ const DEFAULT_LOCAL_REFUSALS: usize = 4096;
 ///   algorithm's): still one call, all tiers or none. A concurrency slot is a **lease**, one
 ///   member of a sorted set per slot (`...:c1`, `...:c2` per tier) scored by its expiry; expired
 ///   leases are dropped before counting, so slots of an app server that crashed come back
-///   after their [lease](crate::Concurrency::with_lease) (default 30 s). Holders refresh them
+///   after their [lease](crate::Concurrency::with_ttl) (default 30 s). Holders refresh them
 ///   every third of the lease ([`Reservation::hold`](crate::Reservation::hold) does). A request
 ///   waiting for a slot polls, every 2 ms to 100 ms. Calendar windows are computed here (Lua has
 ///   no time zone data) and sent with each check: those from 60 s before this process's clock
@@ -69,7 +69,7 @@ const DEFAULT_LOCAL_REFUSALS: usize = 4096;
 ///   that (a settlement adds the window each calendar tier's charge fell in). A server clock
 ///   further off fails the call (and the local fallback decides).
 /// - **Long horizons.** State is packed binary, instants as (seconds, units), so periods up to
-///   [`MAX_SPAN`](crate::MAX_SPAN) work (yearly quotas), at the policy's
+///   [`MAX_SPAN`](crate::Quota::MAX_SPAN) work (yearly quotas), at the policy's
 ///   [`precision`](Policy::precision).
 /// - **Server time.** By default the scripts read the Redis server's `TIME`, so clock skew
 ///   between app servers cannot loosen a limit. [`RedisStoreBuilder::clock`] uses an injected
@@ -165,11 +165,12 @@ const DEFAULT_LOCAL_REFUSALS: usize = 4096;
 ///   `min-replicas-max-lag` of n seconds caps it at about n seconds of traffic; refused writes
 ///   are failures, and the fallback or failure policy decides). Concurrency slots taken in
 ///   that lag are lost the same way (more requests in flight), and so are releases the old
-///   master acknowledged in it (those slots come back when their leases expire). A release
+///   master acknowledged in it (those slots come back when their time to live ends). A release
 ///   that fails (the master down, the failover under way) is retried in the background, after
-///   100 ms, 200 ms, 400 ms and then every 500 ms, until it lands or the slots' lease ends: the
+///   100 ms, 200 ms, 400 ms and then every 500 ms, until it lands or the slots' time to live
+///   ends: the
 ///   slots come back within about half a second of the store reaching the promoted master,
-///   not when their lease ends (the tests hold them to 2 s after the sentinels name it; they
+///   not when their time to live ends (the tests hold them to 2 s after the sentinels name it; they
 ///   measure 0.1 s to 0.4 s). On top of that comes what the local fallback admits during the
 ///   outage (each instance on its own, see [`fallback`](RedisStoreBuilder::fallback)).
 ///   The store does not wait for replication (`WAIT`), which would add a round trip to the
@@ -743,7 +744,7 @@ impl Inner {
                 "tollgate: lease_policy names a policy that no policy bound to this store uses: \
                  nothing leases under that name"
             );
-            crate::metrics::config_warning("lease_policy", name);
+            crate::metrics::config_warning(name, "lease_policy");
         }
     }
 
@@ -1163,7 +1164,7 @@ impl Store for RedisStore {
         )
         .await;
         if released.is_err() {
-            // Retried in the background until it lands or the slots' lease ends.
+            // Retried in the background until it lands or the slots' time to live ends.
             lease.release_later(state_key, remote.charges.clone());
         }
         released
@@ -1671,7 +1672,7 @@ impl RedisStoreBuilder {
     /// A name that no policy bound to the store uses by the store's first check (a misspelling:
     /// `"serch"` for a policy named `"search"`) leases nothing: it is logged once at `warn`,
     /// naming it and the policies bound, and counted once in
-    /// `tollgate_config_warnings_total{setting="lease_policy",policy="serch"}` (feature
+    /// `tollgate_config_warnings_total{policy="serch",setting="lease_policy"}` (feature
     /// `metrics`). It cannot be an error: the store does not know at build time which policies
     /// will be bound to it, nor at one binding whether another will follow. Bind every policy
     /// (build every layer) before the first check.

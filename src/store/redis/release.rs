@@ -1,15 +1,15 @@
 //! Releasing concurrency slots while Redis does not answer (a master down, a Sentinel failover
 //! under way): a release that fails is retried in the background until it lands or the slots'
-//! lease ends, instead of leaving the slots taken until then.
+//! time to live ends, instead of leaving the slots taken until then.
 //!
 //! A release gives back the members of the ticket's lease id and settles nothing else, so it
 //! can be sent again safely: one that reached Redis although its answer was lost finds nothing
 //! left to remove. The retries wait [`FIRST`], then twice as long each time up to [`EVERY`]:
 //! once the store reaches a server again (for Sentinel, the promoted master, found again as
 //! soon as a call fails), the slots come back within about [`EVERY`], where they would stay
-//! taken for the rest of their lease (30 s by default). They stop by themselves: the slots'
-//! lease, counted from the first attempt, bounds them (the lease was last refreshed before it,
-//! so by then Redis has let the slots expire anyway).
+//! taken for the rest of their time to live (30 s by default). They stop by themselves: the
+//! slots' time to live, counted from the first attempt, bounds them (it was last refreshed
+//! before that, so by then Redis has let the slots expire anyway).
 
 use std::time::{Duration, Instant};
 
@@ -23,12 +23,12 @@ const EVERY: Duration = Duration::from_millis(500);
 
 impl Slots {
     /// Retries, on a spawned task, the release of the slots `charges` took on `state_key`, whose
-    /// first attempt failed, until it lands or the slots' lease ends. Without a tokio runtime,
-    /// nothing is retried (the slots come back when their lease ends).
+    /// first attempt failed, until it lands or the slots' time to live ends. Without a tokio
+    /// runtime, nothing is retried (the slots come back when their time to live ends).
     pub(super) fn release_later(self, state_key: String, charges: Charges) {
         let Ok(handle) = tokio::runtime::Handle::try_current() else { return };
-        let lease = self.policy.tiers().iter().filter_map(|t| t.concurrency()).map(|c| c.lease());
-        let until = Instant::now() + lease.max().unwrap_or_default();
+        let ttl = self.policy.tiers().iter().filter_map(|t| t.concurrency()).map(|c| c.ttl());
+        let until = Instant::now() + ttl.max().unwrap_or_default();
         handle.spawn(async move {
             let mut wait = FIRST;
             let mut tries = 0u32;
@@ -52,8 +52,8 @@ impl Slots {
             }
             tracing::warn!(
                 tries,
-                "tollgate: could not release concurrency slots before their lease ended; Redis \
-                 lets them expire"
+                "tollgate: could not release concurrency slots before their time to live ended; \
+                 Redis lets them expire"
             );
         });
     }
