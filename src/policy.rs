@@ -15,7 +15,21 @@ use crate::quota::{
     MIN_HOLD, NANOSECOND_SPAN, Penalty, Priority, Quota, Reserve, TierKind, Unit,
 };
 
-/// One validated limit of a policy: a name and a quota, with the quota in nanoseconds.
+/// One validated limit of a policy: a name and a quota, with the quota in nanoseconds. Read
+/// them from [`Policy::tiers`], in the order they were added.
+///
+/// ```
+/// use tollgate::{Concurrency, Policy, Quota, TierKind};
+///
+/// let policy = Policy::builder("api")
+///     .tier("second", Quota::per_second(10).with_burst(20))
+///     .concurrency("in-flight", Concurrency::new(4))
+///     .build()
+///     .unwrap();
+/// let [rate, slots] = policy.tiers() else { unreachable!() };
+/// assert_eq!((rate.name(), rate.kind(), rate.capacity()), ("second", TierKind::Rate, 20));
+/// assert_eq!((slots.kind(), slots.capacity()), (TierKind::Concurrency, 4));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Tier {
     name: Arc<str>,
@@ -335,7 +349,8 @@ impl Policy {
     }
 }
 
-/// Builds a [`Policy`]; see [`Policy::builder`].
+/// Builds a [`Policy`]: start with [`Policy::builder`], add tiers, then
+/// [`build`](Self::build), which checks them all (see [`Policy`] for an example).
 #[derive(Debug, Clone)]
 #[must_use]
 pub struct PolicyBuilder {
