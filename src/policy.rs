@@ -349,8 +349,23 @@ impl Policy {
     }
 }
 
-/// Builds a [`Policy`]: start with [`Policy::builder`], add tiers, then
-/// [`build`](Self::build), which checks them all (see [`Policy`] for an example).
+/// Builds a [`Policy`]: start with [`Policy::builder`], add tiers of any kind, then
+/// [`build`](Self::build), which checks them all and names the tier it refuses.
+///
+/// ```
+/// use tollgate::{Calendar, Concurrency, Policy, Quota};
+///
+/// let policy = Policy::builder("llm")
+///     .tier("second", Quota::per_second(10))
+///     .concurrency("in-flight", Concurrency::new(4))
+///     .calendar("monthly", Calendar::per_month(100_000).in_time_zone("Europe/Berlin"))
+///     .build()
+///     .unwrap();
+/// assert_eq!(policy.tiers().len(), 3);
+///
+/// let twice = Policy::builder("llm").tier("a", Quota::per_second(1)).tier("a", Quota::per_hour(9));
+/// assert_eq!(twice.build().unwrap_err().to_string(), "duplicate tier name `a`");
+/// ```
 #[derive(Debug, Clone)]
 #[must_use]
 pub struct PolicyBuilder {
