@@ -195,6 +195,16 @@ pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A store failed to decide (unreachable, timed out, returned nonsense).
 ///
+/// ```
+/// use std::error::Error;
+/// use tollgate::StoreError;
+///
+/// // What a store outside this crate returns when its backend fails.
+/// let err = StoreError::backend("connection refused");
+/// assert_eq!(err.to_string(), "store backend error: connection refused");
+/// assert_eq!(err.source().unwrap().to_string(), "connection refused");
+/// ```
+///
 /// The layer turns this into the configured failure outcome (fail open, fail closed), never into
 /// the inner service's error. [`source`](std::error::Error::source) gives the backend's own
 /// error, so operators can tell a refused connection from a script error.
