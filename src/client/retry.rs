@@ -144,6 +144,22 @@ fn grpc_hint(status: &impl GrpcStatus) -> Option<Duration> {
 
 /// Decides whether an error of the inner service (no response at all) is worth retrying.
 ///
+/// ```
+/// use tollgate::client::RetryPolicy;
+///
+/// #[derive(Debug)]
+/// enum ClientError {
+///     Connect, // never sent: safe to send again
+///     Reset,   // sent, and perhaps processed
+/// }
+///
+/// let policy = RetryPolicy::<String>::builder()
+///     .retry_errors_if(|e: &ClientError| matches!(e, ClientError::Connect))
+///     .build()
+///     .unwrap();
+/// # let _ = (policy, ClientError::Reset);
+/// ```
+///
 /// The default, [`NoErrors`], retries none: whether a request that failed in transport reached
 /// the server is unknown, and the errors of HTTP clients differ by crate. Pass a closure
 /// `Fn(&E) -> bool` to [`RetryPolicyBuilder::retry_errors_if`] to retry the transient ones (for
@@ -403,18 +419,6 @@ impl<B, C> RetryPolicy<B, C> {
     /// (`tonic::Status` with the `tonic` feature). It returns the first success or status not
     /// retried, or the last status once the attempts or the budget are spent.
     ///
-    /// The `n`-th retry (from 0) waits `max(jitter, pushback)`, the jitter drawn from
-    /// `[0, min(cap, base x 2^n)]` and the pushback the status's `grpc-retry-pushback-ms`
-    /// (gRFC A6; milliseconds). A negative or malformed pushback means "do not retry": that
-    /// status is returned. At most [`max_attempts`](RetryPolicyBuilder::max_attempts) calls,
-    /// and no wait that would end after the [`budget`](RetryPolicyBuilder::budget) (from the
-    /// first call): then the last status is returned. Any other status, and success, is
-    /// returned at once. The policy's HTTP methods do not apply: `RESOURCE_EXHAUSTED` from a
-    /// rate limiter means the call was not processed, but retry `UNAVAILABLE` only for calls
-    /// that are safe to repeat.
-    ///
-    /// Time is tokio's, so a test under `tokio::time::pause()` sees exact delays.
-    ///
     /// ```
     /// use std::sync::atomic::{AtomicU32, Ordering};
     /// use std::time::Duration;
@@ -468,6 +472,20 @@ impl<B, C> RetryPolicy<B, C> {
     /// # Ok(())
     /// # }
     /// ```
+    ///
+    /// # How it works
+    ///
+    /// The `n`-th retry (from 0) waits `max(jitter, pushback)`, the jitter drawn from
+    /// `[0, min(cap, base x 2^n)]` and the pushback the status's `grpc-retry-pushback-ms`
+    /// (gRFC A6; milliseconds). A negative or malformed pushback means "do not retry": that
+    /// status is returned. At most [`max_attempts`](RetryPolicyBuilder::max_attempts) calls,
+    /// and no wait that would end after the [`budget`](RetryPolicyBuilder::budget) (from the
+    /// first call): then the last status is returned. Any other status, and success, is
+    /// returned at once. The policy's HTTP methods do not apply: `RESOURCE_EXHAUSTED` from a
+    /// rate limiter means the call was not processed, but retry `UNAVAILABLE` only for calls
+    /// that are safe to repeat.
+    ///
+    /// Time is tokio's, so a test under `tokio::time::pause()` sees exact delays.
     pub async fn call<T, S, F, Fut>(&self, mut attempt: F) -> Result<T, S>
     where
         S: GrpcStatus,
