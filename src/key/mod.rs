@@ -562,12 +562,6 @@ impl KeyExtractor for MethodKey {
 /// [`GrpcMethod::service`]. A path of another shape, or longer than [`MAX_KEY_BYTES`], has no
 /// key.
 ///
-/// It reads the path only, so gRPC-Web calls (same paths) are keyed alike. Combine it with a
-/// client key for a budget per client and method, `(PeerIp::new(), GrpcMethod::new())`; to give
-/// methods different *policies*, choose the policy from the path with the layer's
-/// [`select`](crate::RateLimitLayerBuilder::select) (or build one layer per method with a
-/// [`filter`](crate::RateLimitLayerBuilder::filter)).
-///
 /// ```
 /// use tollgate::key::{GrpcMethod, Key, KeyExtractor, RequestHead};
 ///
@@ -578,6 +572,12 @@ impl KeyExtractor for MethodKey {
 /// let req = http::Request::get("/index.html").body(()).unwrap();
 /// assert_eq!(GrpcMethod::new().extract(&RequestHead::from(&req)), None);
 /// ```
+///
+/// It reads the path only, so gRPC-Web calls (same paths) are keyed alike. Combine it with a
+/// client key for a budget per client and method, `(PeerIp::new(), GrpcMethod::new())`; to give
+/// methods different *policies*, choose the policy from the path with the layer's
+/// [`select`](crate::RateLimitLayerBuilder::select) (or build one layer per method with a
+/// [`filter`](crate::RateLimitLayerBuilder::filter)).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GrpcMethod {
     service_only: bool,

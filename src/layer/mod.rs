@@ -639,6 +639,17 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// the charge is given back, exactly, on every tier and in every store, when the response
     /// head arrives).
     ///
+    /// ```
+    /// use tollgate::{Policy, Quota, RateLimitLayer};
+    ///
+    /// let policy = Policy::single("login", Quota::per_hour(3)).unwrap();
+    /// // Handlers here answer 405 after doing work: keep its charge.
+    /// let layer = RateLimitLayer::builder(policy).charge_method_not_allowed(true).build().unwrap();
+    /// # let _ = layer;
+    /// ```
+    ///
+    /// # How it works
+    ///
     /// A 405 says that the resource does not serve the request's method (RFC 9110 §15.5.6):
     /// in axum it is the router's answer, and axum's `Router::route_layer` puts the layer
     /// around that answer too (each route's method router, including its method-not-allowed
@@ -652,15 +663,6 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// the budget, and the layer cannot tell the router's 404 from a handler's. Under
     /// `route_layer` the router's 404s never reach the layer (only matched routes are
     /// wrapped); under `Router::layer` they are charged.
-    ///
-    /// ```
-    /// use tollgate::{Policy, Quota, RateLimitLayer};
-    ///
-    /// let policy = Policy::single("login", Quota::per_hour(3)).unwrap();
-    /// // Handlers here answer 405 after doing work: keep its charge.
-    /// let layer = RateLimitLayer::builder(policy).charge_method_not_allowed(true).build().unwrap();
-    /// # let _ = layer;
-    /// ```
     pub fn charge_method_not_allowed(mut self, charge: bool) -> Self {
         self.settings.charge_method_not_allowed = charge;
         self

@@ -429,8 +429,28 @@ enum State {
 /// [`MessageBudget::wrap`]): a [`Stream`] of the messages received and a [`Sink`] of those
 /// to send, as `WebSocket` is, with the same [`recv`](Self::recv) and [`send`](Self::send).
 ///
+/// ```
+/// use axum::extract::ws::Message;
+/// use tollgate::ws::MeteredWebSocket;
+///
+/// /// Pushes updates until the client goes or policing closes the socket.
+/// async fn push(mut socket: MeteredWebSocket, updates: Vec<String>) {
+///     for update in updates {
+///         if socket.send(Message::Text(update.into())).await.is_err() {
+///             if let Some(spent) = socket.spent() {
+///                 eprintln!("closed by the rate limit: {spent}");
+///                 // Close gracefully: receive until the client answers the Close frame.
+///                 while socket.recv().await.is_some() {}
+///             }
+///             return;
+///         }
+///     }
+/// }
+/// ```
+///
 /// Under [`StreamMode::Police`], when a tier has no room for the next message the socket
-/// sends the Close frame [`MessageBudget`] describes and then: a message past the budget
+/// sends the Close frame the [ws module](crate::ws#how-it-works) describes and then: a message
+/// past the budget
 /// that was received is not delivered, and the stream of messages ends (`None`) once the
 /// client answered the Close (or after 5 seconds); a message past the budget that was to be
 /// sent is dropped, and that send fails with [`BudgetSpent`], as every send after it does.
