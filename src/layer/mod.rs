@@ -271,8 +271,9 @@ impl Default for Settings {
 /// chosen per request by a [selector](RateLimitLayerBuilder::select)). A request over the
 /// limit gets a 429 with `Retry-After` and the rate-limit headers (policing, the default), or
 /// waits for its slot when the layer [shapes](RateLimitLayerBuilder::shape). Made by
-/// [`RateLimitLayer::builder`], whose [`build`](RateLimitLayerBuilder::build) refuses a
-/// configuration that cannot work ([`ConfigError`]).
+/// [`builder`](Self::builder) (or [`with_limiter`](Self::with_limiter)), whose
+/// [`build`](RateLimitLayerBuilder::build) refuses a configuration that cannot work
+/// ([`ConfigError`]).
 ///
 /// ```
 /// use http::{Request, StatusCode};
