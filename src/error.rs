@@ -84,17 +84,17 @@ pub enum ConfigError {
         /// The ceiling.
         max: u64,
     },
-    /// A concurrency tier's lease is shorter than 1 ms or longer than
-    /// [`MAX_SPAN`](crate::Quota::MAX_SPAN).
+    /// A concurrency tier's time to live ([`Concurrency::with_ttl`](crate::Concurrency::with_ttl))
+    /// is shorter than 1 ms or longer than [`MAX_SPAN`](crate::Quota::MAX_SPAN).
     #[error("tier `{tier}`: lease {lease:?} must be between {min:?} and {max:?}")]
     LeaseOutOfRange {
         /// The tier's name.
         tier: String,
-        /// The lease given.
+        /// The time to live given.
         lease: Duration,
-        /// The shortest lease.
+        /// The shortest time to live.
         min: Duration,
-        /// The longest lease.
+        /// The longest time to live.
         max: Duration,
     },
     /// A calendar tier names a time zone the IANA time zone database does not have (or no

@@ -552,7 +552,7 @@ impl<St: Store> Limiter<St> {
 /// 1. [`Limiter::reserve_with`] with the request's [costs](Policy::costs): a reservation
 ///    (it waits for a concurrency slot when shaping);
 /// 2. [`wait`](Self::wait) for its shaping delay, then [`hold`](Self::hold) it while the
-///    response is produced and streamed: a [`Held`] keeps the leases of a shared store
+///    response is produced and streamed: a [`Held`] keeps the slots of a shared store
 ///    refreshed;
 /// 3. when the response body ends, is dropped, or the handler panics:
 ///    [`Held::finish`] with what was counted (request and response bytes, reported tokens),
@@ -607,7 +607,7 @@ impl<St: Store> Reservation<St> {
     }
 
     /// Keeps the charge, and releases the concurrency slots (in memory at once; on Redis from a
-    /// spawned task, or by lease expiry without a runtime).
+    /// spawned task, or when their time to live runs out without a runtime).
     pub fn commit(mut self) {
         self.ticket = None;
     }
@@ -624,7 +624,7 @@ impl<St: Store> Reservation<St> {
     ///
     /// # Errors
     /// [`StoreError`] when the store cannot be reached (on Redis the slots then come back when
-    /// their leases expire).
+    /// their time to live runs out).
     pub async fn release(mut self) -> Result<(), StoreError> {
         match self.ticket.take() {
             Some(ticket) => {
@@ -666,8 +666,8 @@ impl<St: Store> Reservation<St> {
         self.settle_tiers(&costs).await
     }
 
-    /// Extends the leases of the concurrency slots (on a store whose slots expire: Redis);
-    /// `Ok(false)` when a lease had expired already. Call it every
+    /// Extends the time to live of the concurrency slots (on a store whose slots expire:
+    /// Redis); `Ok(false)` when a slot had expired already. Call it every
     /// [`refresh_every`](Self::refresh_every), or let [`hold`](Self::hold) do it.
     ///
     /// # Errors
@@ -682,7 +682,7 @@ impl<St: Store> Reservation<St> {
         }
     }
 
-    /// How often to [`refresh`](Self::refresh): a third of the shortest lease, when this
+    /// How often to [`refresh`](Self::refresh): a third of the shortest time to live, when this
     /// reservation holds slots on a store whose slots expire; `None` otherwise.
     #[must_use]
     pub fn refresh_every(&self) -> Option<Duration> {
@@ -694,8 +694,8 @@ impl<St: Store> Reservation<St> {
     }
 
     /// Holds the reservation while the work runs, for code that cannot await (a response
-    /// body's `poll_frame`): the returned [`Held`] refreshes the leases every
-    /// [`refresh_every`](Self::refresh_every) on a spawned task (only when there are leases
+    /// body's `poll_frame`): the returned [`Held`] refreshes the slots every
+    /// [`refresh_every`](Self::refresh_every) on a spawned task (only when there are slots
     /// to refresh), and settles and releases when finished or dropped.
     pub fn hold(self) -> Held<St> {
         let (Some(every), Ok(handle)) =
@@ -762,9 +762,9 @@ pub struct Held<St: Store = MemoryStore> {
 }
 
 enum HeldState<St: Store> {
-    /// No leases to refresh: the reservation itself.
+    /// No slots to refresh: the reservation itself.
     Here(Option<Reservation<St>>),
-    /// A task holds it, refreshing its leases, until told to finish (or until this is dropped).
+    /// A task holds it, refreshing its slots, until told to finish (or until this is dropped).
     Task(Option<oneshot::Sender<Vec<(Unit, u64)>>>),
 }
 
@@ -780,7 +780,7 @@ impl<St: Store> Held<St> {
     /// counted while the body streamed, response bytes sent, tokens the handler reported), then
     /// releases the concurrency slots. With a store that answers at once ([`MemoryStore`]) this
     /// happens before it returns; otherwise on a spawned task (without a tokio runtime, the
-    /// settlement is skipped and the slots come back when their leases expire).
+    /// settlement is skipped and the slots come back when their time to live runs out).
     pub fn finish(mut self, settled: &[(Unit, u64)]) {
         match &mut self.state {
             HeldState::Here(reservation) => {
@@ -820,7 +820,7 @@ async fn settle_units<St: Store>(reservation: &mut Reservation<St>, settled: &[(
     }
 }
 
-/// Holds `reservation`, refreshing its leases every `every`, until `finish` says what to settle
+/// Holds `reservation`, refreshing its slots every `every`, until `finish` says what to settle
 /// (or its sender is dropped); then releases.
 async fn keep<St: Store>(
     mut reservation: Reservation<St>,

@@ -63,7 +63,7 @@ impl Tier {
     }
 
     /// What kind of limit the tier is. For a concurrency tier, [`quota`](Self::quota) is
-    /// `max` per lease; for a calendar tier, `count` per the longest window
+    /// `max` per time to live; for a calendar tier, `count` per the longest window
     /// ([`CalendarPeriod::longest`](crate::CalendarPeriod::longest)).
     #[must_use]
     pub fn kind(&self) -> TierKind {
@@ -470,10 +470,11 @@ impl PolicyBuilder {
     ///
     /// # Errors
     /// [`ConfigError`] naming the tier when a count, period or burst is zero or too large, when
-    /// a span exceeds [`MAX_SPAN`](crate::Quota::MAX_SPAN), when a window algorithm gets a burst other than its count,
-    /// when a sliding log exceeds [`MAX_SLIDING_LOG`](crate::Quota::MAX_SLIDING_LOG), when a concurrency tier's lease is out of
-    /// range, when a calendar tier's time zone is unknown, when tier names repeat, when there
-    /// are no tiers, when a name is empty or not printable ASCII, or when a [`Penalty`] names
+    /// a span exceeds [`MAX_SPAN`](crate::Quota::MAX_SPAN), when a window algorithm gets a burst
+    /// other than its count, when a sliding log exceeds
+    /// [`MAX_SLIDING_LOG`](crate::Quota::MAX_SLIDING_LOG), when a concurrency tier's time to
+    /// live is out of range, when a calendar tier's time zone is unknown, when tier names
+    /// repeat, when there are no tiers, when a name is empty or not printable ASCII, or when a [`Penalty`] names
     /// no tier, a concurrency tier, or a tier that has one already, or is out of range
     /// ([`ConfigError::Penalty`]), or when a [`Reserve`] names no tier, a tier that is not a
     /// rate, a tier that has one already, a policy whose algorithm is not GCRA, or reserves
@@ -716,7 +717,7 @@ mod tests {
             ConfigError::ZeroCount { tier: "c".into() }
         );
         assert!(matches!(
-            err(p().concurrency("c", Concurrency::new(2).with_lease(Duration::ZERO))),
+            err(p().concurrency("c", Concurrency::new(2).with_ttl(Duration::ZERO))),
             ConfigError::LeaseOutOfRange { tier, .. } if tier == "c"
         ));
         assert_eq!(
@@ -742,7 +743,7 @@ mod tests {
         let mixed = Policy::builder("p")
             .tier("a", Quota::per_second(10))
             .calendar("y", Calendar::per_year(1000))
-            .concurrency("c", Concurrency::new(3).with_lease(Duration::from_secs(86_400 * 365)))
+            .concurrency("c", Concurrency::new(3).with_ttl(Duration::from_secs(86_400 * 365)))
             .build()
             .unwrap();
         assert_eq!(mixed.precision(), Duration::from_nanos(1));

@@ -179,18 +179,8 @@ impl Quota {
 
     /// The same quota counting `unit` instead of requests: `5 per second` of
     /// [`Unit::Requests`] next to `1,000,000 per second` of [`Unit::RequestBytes`] limits a
-    /// client to 5 requests/s **and** 1 MB/s. See [`Unit`] for how each unit is charged.
-    ///
-    /// ```
-    /// use tollgate::{Policy, Quota, Unit};
-    ///
-    /// let policy = Policy::builder("upload")
-    ///     .tier("requests", Quota::per_second(5))
-    ///     .tier("bytes", Quota::per_second(1_000_000).counting(Unit::RequestBytes))
-    ///     .build()
-    ///     .unwrap();
-    /// assert_eq!(policy.tiers()[1].unit(), Unit::RequestBytes);
-    /// ```
+    /// client to 5 requests/s **and** 1 MB/s, as the example of [`Unit`] shows. See [`Unit`]
+    /// for how each unit is charged.
     #[must_use]
     pub const fn counting(mut self, unit: Unit) -> Self {
         self.unit = unit;
@@ -238,11 +228,11 @@ pub enum Unit {
     /// Bytes of the request body: its `Content-Length` when the request has one; otherwise one
     /// unit at admission, settled at the bytes counted while the body streams (or, with a
     /// layer's [`StreamMode::Shape`](crate::StreamMode::Shape) or
-    /// [`Police`](crate::StreamMode::Police), charged in leases as the body streams, the
+    /// [`Police`](crate::StreamMode::Police), charged in grants as the body streams, the
     /// stream paused or stopped when the tier runs out).
     RequestBytes,
     /// Bytes of the response body: one unit at admission, settled at the bytes sent (or
-    /// charged in leases as they are sent, as for [`RequestBytes`](Self::RequestBytes)).
+    /// charged in grants as they are sent, as for [`RequestBytes`](Self::RequestBytes)).
     ResponseBytes,
     /// A cost the handler reports (for example the tokens an LLM call used): one unit at
     /// admission, settled at what the handler reports.
@@ -252,8 +242,8 @@ pub enum Unit {
     /// streams of its key). With a layer's [`StreamMode::Shape`](crate::StreamMode::Shape) or
     /// [`Police`](crate::StreamMode::Police), the messages of a gRPC call's request body are
     /// counted as they stream (each length-prefixed message of gRPC over HTTP/2, read from its
-    /// 5-byte prefix, the payload never decoded) and charged in leases of at most
-    /// [`MESSAGE_LEASE`](crate::StreamMode::MESSAGE_LEASE) messages, the stream paused or
+    /// 5-byte prefix, the payload never decoded) and charged in grants of at most
+    /// [`MESSAGE_GRANT`](crate::StreamMode::MESSAGE_GRANT) messages, the stream paused or
     /// stopped when the tier runs out (the default: as the layer decides requests). Under
     /// [`StreamMode::Settle`](crate::StreamMode::Settle) a gRPC call is charged one message
     /// at admission and settled at the messages counted when its response ends. The Text and
@@ -281,15 +271,13 @@ impl Unit {
     }
 }
 
-/// The default lease of a concurrency slot on a shared store: 30 s (see
-/// [`Concurrency::with_lease`]).
+/// [`Concurrency::DEFAULT_TTL`].
 pub(crate) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
-/// The default typical hold of a concurrency slot before any has been observed: 1 s (see
-/// [`Concurrency::with_typical_hold`]).
+/// [`Concurrency::DEFAULT_TYPICAL_HOLD`].
 pub(crate) const DEFAULT_TYPICAL_HOLD: Duration = Duration::from_secs(1);
 
-/// The shortest lease and typical hold: 1 ms.
+/// The shortest time to live and typical hold: 1 ms.
 pub(crate) const MIN_HOLD: Duration = Duration::from_millis(1);
 
 /// A concurrency limit of at most `max` requests in flight per key, one slot each. A slot is
@@ -302,7 +290,7 @@ pub(crate) const MIN_HOLD: Duration = Duration::from_millis(1);
 /// use tollgate::{Concurrency, Policy, Quota};
 ///
 /// let policy = Policy::builder("reports")
-///     .concurrency("in-flight", Concurrency::new(4).with_lease(Duration::from_secs(60)))
+///     .concurrency("in-flight", Concurrency::new(4).with_ttl(Duration::from_secs(60)))
 ///     .tier("hourly", Quota::per_hour(100))
 ///     .build()
 ///     .unwrap();
@@ -316,9 +304,9 @@ pub(crate) const MIN_HOLD: Duration = Duration::from_millis(1);
 /// all or nothing) and given back when the holder releases it
 /// ([`Reservation::release`](crate::Reservation::release), or by dropping the reservation).
 ///
-/// On a shared store (Redis) a slot is a **lease**: it expires [`lease`](Self::lease) after it
-/// was taken or last refreshed, so that slots held by an app server that crashed come back by
-/// themselves. Holders refresh every third of the lease
+/// On a shared store (Redis) a slot has a **time to live**: it expires [`ttl`](Self::ttl) after
+/// it was taken or last refreshed, so that slots held by an app server that crashed come back
+/// by themselves. Holders refresh every third of it
 /// ([`Reservation::refresh`](crate::Reservation::refresh), or
 /// [`Reservation::hold`](crate::Reservation::hold), which does it for them). In memory a slot
 /// lives exactly as long as its holder (the process cannot crash without it).
@@ -334,30 +322,38 @@ pub struct Concurrency {
 }
 
 impl Concurrency {
-    /// The default lease of a slot on a shared store: 30 s (see [`with_lease`](Self::with_lease)).
-    pub const DEFAULT_LEASE: Duration = DEFAULT_LEASE;
+    /// The default time to live of a slot on a shared store: 30 s (see
+    /// [`with_ttl`](Self::with_ttl)).
+    pub const DEFAULT_TTL: Duration = DEFAULT_LEASE;
 
     /// The default typical hold of a slot before any was observed: 1 s (see
     /// [`with_typical_hold`](Self::with_typical_hold)).
     pub const DEFAULT_TYPICAL_HOLD: Duration = DEFAULT_TYPICAL_HOLD;
 
     /// At most `max` requests in flight per key (a request takes one slot), with the default
-    /// lease ([`DEFAULT_LEASE`](Self::DEFAULT_LEASE)) and typical hold
+    /// time to live ([`DEFAULT_TTL`](Self::DEFAULT_TTL)) and typical hold
     /// ([`DEFAULT_TYPICAL_HOLD`](Self::DEFAULT_TYPICAL_HOLD)).
     #[must_use]
     pub const fn new(max: u64) -> Self {
         Self { max, lease: DEFAULT_LEASE, typical_hold: DEFAULT_TYPICAL_HOLD }
     }
 
-    /// How long a slot on a shared store lasts without a refresh (default 30 s). Holders
-    /// refresh every third of it, so choose it well above the time a refresh takes to arrive.
-    /// It is rounded up to milliseconds, and a lease under 1 ms or over
-    /// [`MAX_SPAN`](crate::Quota::MAX_SPAN) is refused when the policy is built
+    /// How long a slot on a shared store lasts without a refresh (its time to live, default
+    /// 30 s). Holders refresh every third of it, so choose it well above the time a refresh
+    /// takes to arrive. It is rounded up to milliseconds, and a time to live under 1 ms or
+    /// over [`MAX_SPAN`](crate::Quota::MAX_SPAN) is refused when the policy is built
     /// ([`ConfigError::LeaseOutOfRange`](crate::ConfigError::LeaseOutOfRange)).
     #[must_use]
-    pub const fn with_lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+    pub const fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.lease = ttl;
         self
+    }
+
+    /// The former name of [`with_ttl`](Self::with_ttl).
+    #[deprecated(note = "renamed: Concurrency::with_ttl (a lease is a block of a key's budget)")]
+    #[must_use]
+    pub const fn with_lease(self, lease: Duration) -> Self {
+        self.with_ttl(lease)
     }
 
     /// The hold reported as `Retry-After` until a slot of the tier has been released (then the
@@ -374,7 +370,14 @@ impl Concurrency {
         self.max
     }
 
-    /// The lease of a slot on a shared store.
+    /// The time to live of a slot on a shared store.
+    #[must_use]
+    pub const fn ttl(&self) -> Duration {
+        self.lease
+    }
+
+    /// The former name of [`ttl`](Self::ttl).
+    #[deprecated(note = "renamed: Concurrency::ttl")]
     #[must_use]
     pub const fn lease(&self) -> Duration {
         self.lease
@@ -386,7 +389,7 @@ impl Concurrency {
         self.typical_hold
     }
 
-    /// How often a holder refreshes its lease: a third of it.
+    /// How often a holder refreshes its slot: a third of its time to live.
     #[must_use]
     pub const fn refresh_every(&self) -> Duration {
         Duration::from_nanos((self.lease.as_nanos() / 3) as u64)
@@ -703,7 +706,6 @@ impl Penalty {
 ///
 /// assert_eq!(Priority::default(), Priority::Standard);
 /// assert!(Priority::Critical < Priority::Standard && Priority::Standard < Priority::Sheddable);
-/// assert_eq!(Priority::Sheddable.name(), "sheddable");
 /// ```
 ///
 /// [`Limiter::check_as`](crate::Limiter::check_as) shows a reserve at work. The three classes are Envoy's and Armeria's request priorities, and the "critical /

@@ -5,8 +5,8 @@
 //! direction, sharing one budget with the unary calls (and gRPC streams) of the same key. An
 //! upgraded connection is out of the layer's sight, so the layer hands the handler a
 //! [`MessageBudget`] (an axum extractor) and the handler wraps its socket with it; the
-//! [`MeteredWebSocket`] it gets is charged in leases of at most
-//! [`MESSAGE_LEASE`](crate::StreamMode::MESSAGE_LEASE) messages, shaped (the next message waits) or
+//! [`MeteredWebSocket`] it gets is charged in grants of at most
+//! [`MESSAGE_GRANT`](crate::StreamMode::MESSAGE_GRANT) messages, shaped (the next message waits) or
 //! policed (a Close frame with code 1008 and the seconds to wait) by the layer's
 //! [`StreamMode`](crate::StreamMode). See [how it works](#how-it-works) for what the client
 //! sees.
@@ -30,9 +30,9 @@
 //! The upgrade request itself is admitted as a unary call is, and charged one message each way (a
 //! key that has spent its tier gets a `429` to the upgrade); those are the first message each way
 //! on the socket. The messages then share the key's budget with its unary calls and its other
-//! sockets, and are charged in leases of at most
-//! [`MESSAGE_LEASE`](crate::StreamMode::MESSAGE_LEASE) (16) messages, exactly as a gRPC stream's;
-//! the unused part of the last lease is given back when the socket is dropped. The socket is
+//! sockets, and are charged in grants of at most
+//! [`MESSAGE_GRANT`](crate::StreamMode::MESSAGE_GRANT) (16) messages, exactly as a gRPC stream's;
+//! the unused part of the last grant is given back when the socket is dropped. The socket is
 //! metered as the layer decides requests (see [`StreamMode`](crate::StreamMode)); what happens when
 //! a tier has no room for the next message:
 //!
@@ -41,7 +41,7 @@
 //!   [`poll_ready`](futures_sink::Sink::poll_ready) (and [`MeteredWebSocket::send`]) waits.
 //! - [`StreamMode::Police`](crate::StreamMode::Police): the socket sends a Close frame with code
 //!   1008 (policy violation, RFC 6455 §7.4.1) and the reason `rate limited; retry-after=N`, `N`
-//!   being the seconds (rounded up, at least 1) until the tier has room for the lease it refused,
+//!   being the seconds (rounded up, at least 1) until the tier has room for the grant it refused,
 //!   then ends (see [`MeteredWebSocket`]). The message past the budget is not delivered, so the
 //!   handler receives (and the client receives) exactly the messages the tier admits.
 //! - [`StreamMode::Settle`](crate::StreamMode::Settle), and a
@@ -53,7 +53,7 @@
 //! sent, or asked for, more than its policy allows, which is what 1008 says; 1013 describes a
 //! server-side condition, and is what a socket gets when the store cannot decide and the layer
 //! fails closed ([`on_store_error`](crate::RateLimitLayerBuilder::on_store_error)); failing open
-//! lets the lease through uncharged.
+//! lets the grant through uncharged.
 //!
 //! The upgrade request is held until its socket ends: when the `101` response has been sent and the
 //! budget and every [`MeteredWebSocket`] wrapped with it are dropped. A

@@ -55,7 +55,7 @@ pub use meter::Usage;
 pub use observe::{DecisionEvent, LogKeys, Observed};
 pub use scope::Unselected;
 pub use service::{Bodies, Lean, Metered, RateLimit};
-pub use stream::{MESSAGE_LEASE, STREAM_LEASE, StreamMode};
+pub use stream::{MESSAGE_GRANT, STREAM_GRANT, StreamMode};
 
 use observe::{Failing, HookFn, MissingKeys, Observer};
 use scope::{Added, Condition, Scope, ScopeBuilder};

@@ -1,6 +1,6 @@
 //! WebSocket messages as a tier's unit: the layer cannot see the frames of an upgraded
 //! connection, so it hands the handler a [`MessageBudget`] that meters the socket the
-//! handler wraps with it, in the same leases as the messages of a gRPC stream.
+//! handler wraps with it, in the same grants as the messages of a gRPC stream.
 
 use std::fmt;
 use std::pin::Pin;
@@ -19,7 +19,7 @@ use http::StatusCode;
 use smallvec::SmallVec;
 
 use super::meter::Finish;
-use super::stream::{Gate, Leases, Stopped, StreamMode, Tally};
+use super::stream::{Gate, Grants, Stopped, StreamMode, Tally};
 use crate::key::Key;
 use crate::limiter::Limiter;
 use crate::quota::{Priority, Unit};
@@ -185,7 +185,7 @@ impl MessageBudget {
                 let counted = if unit == Unit::RequestMessages { received } else { sent };
                 return Some(Box::new(Tally(Arc::clone(counted))) as Box<dyn Gate>);
             }
-            let gate = Leases::new(&limiter, key.clone(), priority, unit, mode, fail_open);
+            let gate = Grants::new(&limiter, key.clone(), priority, unit, mode, fail_open);
             // The upgrade was charged one message each way at admission.
             Some(Box::new(gate.prepaid(1)) as Box<dyn Gate>)
         };
@@ -360,8 +360,8 @@ impl BudgetSpent {
         self.unit
     }
 
-    /// How long until the tier has room for the lease it refused (at most
-    /// [`MESSAGE_LEASE`](crate::StreamMode::MESSAGE_LEASE) messages); `None` when that lease can never
+    /// How long until the tier has room for the grant it refused (at most
+    /// [`MESSAGE_GRANT`](crate::StreamMode::MESSAGE_GRANT) messages); `None` when that grant can never
     /// fit, or when the store could not decide.
     #[must_use]
     pub fn retry_after(&self) -> Option<Duration> {
@@ -376,7 +376,7 @@ impl BudgetSpent {
     }
 
     /// The Close frame that tells the client: 1008 and `rate limited; retry-after=N` (whole
-    /// seconds rounded up, at least 1; `rate limited` alone when the lease can never fit), or
+    /// seconds rounded up, at least 1; `rate limited` alone when the grant can never fit), or
     /// 1013 and `rate limit unavailable`.
     fn close_frame(&self) -> CloseFrame {
         if self.unavailable {
@@ -456,7 +456,7 @@ enum State {
 /// sent is dropped, and that send fails with [`BudgetSpent`], as every send after it does.
 /// To close gracefully after a refused send, keep receiving until `None`.
 ///
-/// Dropping the socket gives back the unused part of each direction's last lease.
+/// Dropping the socket gives back the unused part of each direction's last grant.
 pub struct MeteredWebSocket {
     socket: WebSocket,
     receiving: Option<Box<dyn Gate>>,
@@ -467,7 +467,7 @@ pub struct MeteredWebSocket {
     outgoing: Option<Message>,
     state: State,
     spent: Option<BudgetSpent>,
-    /// Last: the leases above are settled before the requests are finished.
+    /// Last: the grants above are settled before the requests are finished.
     _parts: Vec<Arc<Part>>,
 }
 
@@ -741,7 +741,7 @@ mod tests {
         // Never 0: a client told to retry at once would be refused again.
         let frame = spent(Some(Duration::ZERO), false).close_frame();
         assert_eq!(frame.reason.as_str(), "rate limited; retry-after=1");
-        // A lease that can never fit has no wait to tell.
+        // A grant that can never fit has no wait to tell.
         let frame = spent(None, false).close_frame();
         assert_eq!((frame.code, frame.reason.as_str()), (1008, "rate limited"));
         // The store could not decide, failing closed: try again later.
