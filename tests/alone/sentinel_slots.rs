@@ -2,8 +2,8 @@
 //! `Store::release`, one by dropping its ticket) fail to reach Redis, are retried, and come
 //! back once the store reaches the promoted master: within 2 s of the sentinels naming it
 //! (the store's own bound: it finds the new master within about a second, and retries a
-//! release every 500 ms at most), where they would stay taken until their time to live ends
-//! (30 s).
+//! release every 500 ms at most), where they would stay taken until their time to live runs
+//! out (30 s).
 #![cfg(feature = "redis")]
 use crate::support;
 

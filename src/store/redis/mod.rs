@@ -165,14 +165,14 @@ const DEFAULT_LOCAL_REFUSALS: usize = 4096;
 ///   `min-replicas-max-lag` of n seconds caps it at about n seconds of traffic; refused writes
 ///   are failures, and the fallback or failure policy decides). Concurrency slots taken in
 ///   that lag are lost the same way (more requests in flight), and so are releases the old
-///   master acknowledged in it (those slots come back when their time to live ends). A release
-///   that fails (the master down, the failover under way) is retried in the background, after
-///   100 ms, 200 ms, 400 ms and then every 500 ms, until it lands or the slots' time to live
-///   ends: the
-///   slots come back within about half a second of the store reaching the promoted master,
-///   not when their time to live ends (the tests hold them to 2 s after the sentinels name it; they
-///   measure 0.1 s to 0.4 s). On top of that comes what the local fallback admits during the
-///   outage (each instance on its own, see [`fallback`](RedisStoreBuilder::fallback)).
+///   master acknowledged in it (those slots come back when their time to live runs out). A
+///   release that fails (the master down, the failover under way) is retried in the
+///   background, after 100 ms, 200 ms, 400 ms and then every 500 ms, until it lands or the
+///   slots' time to live runs out: the slots come back within about half a second of the store
+///   reaching the promoted master, not when their time to live runs out (the tests hold them
+///   to 2 s after the sentinels name it; they measure 0.1 s to 0.4 s). On top of that comes
+///   what the local fallback admits during the outage (each instance on its own, see
+///   [`fallback`](RedisStoreBuilder::fallback)).
 ///   The store does not wait for replication (`WAIT`), which would add a round trip to the
 ///   replica to every check.
 ///
@@ -1164,7 +1164,7 @@ impl Store for RedisStore {
         )
         .await;
         if released.is_err() {
-            // Retried in the background until it lands or the slots' time to live ends.
+            // Retried in the background until it lands or the slots' time to live runs out.
             lease.release_later(state_key, remote.charges.clone());
         }
         released

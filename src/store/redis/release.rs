@@ -1,6 +1,6 @@
 //! Releasing concurrency slots while Redis does not answer (a master down, a Sentinel failover
 //! under way): a release that fails is retried in the background until it lands or the slots'
-//! time to live ends, instead of leaving the slots taken until then.
+//! time to live runs out, instead of leaving the slots taken until then.
 //!
 //! A release gives back the members of the ticket's lease id and settles nothing else, so it
 //! can be sent again safely: one that reached Redis although its answer was lost finds nothing
@@ -23,8 +23,8 @@ const EVERY: Duration = Duration::from_millis(500);
 
 impl Slots {
     /// Retries, on a spawned task, the release of the slots `charges` took on `state_key`, whose
-    /// first attempt failed, until it lands or the slots' time to live ends. Without a tokio
-    /// runtime, nothing is retried (the slots come back when their time to live ends).
+    /// first attempt failed, until it lands or the slots' time to live runs out. Without a tokio
+    /// runtime, nothing is retried (the slots come back when their time to live runs out).
     pub(super) fn release_later(self, state_key: String, charges: Charges) {
         let Ok(handle) = tokio::runtime::Handle::try_current() else { return };
         let ttl = self.policy.tiers().iter().filter_map(|t| t.concurrency()).map(|c| c.ttl());
