@@ -19,6 +19,7 @@ mod support;
 
 mod client;
 mod config;
+mod config_errors;
 mod config_file;
 mod config_kinds;
 mod grpc;
