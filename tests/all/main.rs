@@ -39,6 +39,7 @@ mod pacing_http;
 mod penalty;
 mod priority;
 mod redis;
+mod seams;
 mod select;
 mod service;
 mod spoofing;
