@@ -41,6 +41,7 @@ mod penalty;
 mod priority;
 mod redis;
 mod seams;
+mod seams_http;
 mod select;
 mod service;
 mod spoofing;
