@@ -42,6 +42,7 @@ mod priority;
 mod redis;
 mod seams;
 mod seams_http;
+mod seams_lease;
 mod select;
 mod service;
 mod spoofing;

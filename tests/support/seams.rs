@@ -788,3 +788,110 @@ fn compare(d: &Decision, e: &super::seams_model::Expect) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// What a lease-mode run checks beyond the bounds (issue 32): that an admitted check decided
+/// from a block reports `remaining` within one block of what an exact query of the key says
+/// right after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseHeaders {
+    Unchecked,
+    WithinABlock,
+}
+
+/// Runs `trace` of `config` (a [`Space::Lease`] seam) on `leasing` instances in lease mode and
+/// one `exact` instance, sharing one budget and `clock`: step `n` goes through instance
+/// `n % (leasing + 1)` (the last is exact). Holds every rate tier to its bound plus `N · B`
+/// (`Lease::bound`), and windows and calendar tiers to theirs exactly (`Lease`: "Scaling past
+/// one Redis").
+pub async fn run_leased<St: Store>(
+    config: &Config,
+    trace: &[Step],
+    leasing: Vec<St>,
+    exact: St,
+    slack: u64,
+    clock: &FakeClock,
+    headers: LeaseHeaders,
+) -> Result<(), String> {
+    let policy = config.policy();
+    let bind = |s: St| Limiter::with_store(policy.clone(), s).map_err(|e| e.to_string());
+    let mut nodes: Vec<Limiter<St>> = leasing.into_iter().map(bind).collect::<Result<_, _>>()?;
+    let exact = bind(exact)?;
+    nodes.push(exact.clone());
+    let mut log = Log::new(config, &policy).with_slack(slack);
+    let mut holds: Vec<Hold<St>> = Vec::new();
+    let mut now = START;
+    clock.set(now);
+    for (n, step) in trace.iter().enumerate() {
+        let at = |what: String| format!("step {n} ({step:?}) at +{}ns: {what}", now - START);
+        let node = n % nodes.len();
+        match step {
+            Step::Tick { scale, frac } => {
+                now += config.tick(*scale, *frac);
+                clock.set(now);
+            }
+            Step::Call { key, class, requests, bytes, shape, hold } => {
+                let costs = policy.costs(*requests, Some(config.bytes(*bytes)));
+                let k = Key::text(format!("k{key}"));
+                let mut check = Check::new(&k, *requests).with_costs(&costs).with_priority(*class);
+                let budget = shape.map(|f| config.budget(f));
+                if let Some(b) = budget {
+                    check = check.shape(Duration::from_nanos(b));
+                }
+                if *hold {
+                    check = check.with_ticket();
+                }
+                let limiter = &nodes[node];
+                let verdict = limiter
+                    .store()
+                    .check(limiter.bound(), check)
+                    .await
+                    .map_err(|e| at(format!("store error: {e}")))?;
+                let d = verdict.decision;
+                log.after(*key, now, &costs, *class, budget, &d).map_err(&at)?;
+                let leased = node + 1 < nodes.len() && budget.is_none() && *requests > 0;
+                if headers == LeaseHeaders::WithinABlock && leased && d.is_allowed() {
+                    let q = exact.check(&k, 0).await.map_err(|e| at(e.to_string()))?;
+                    for (i, (got, exact)) in d.tiers().iter().zip(q.tiers()).enumerate() {
+                        let (r, e) = (got.remaining(), exact.remaining());
+                        if r + slack / (nodes.len() as u64 - 1).max(1) < e {
+                            return Err(at(format!(
+                                "tier t{i} reports {r} left from a block, an exact query {e}: \
+                                 more than a block apart"
+                            )));
+                        }
+                    }
+                }
+                if let (Some(ticket), true) = (verdict.ticket, *hold && d.is_allowed()) {
+                    // Charged at its departure (a leased ticket is settled as an exact charge
+                    // made at its block's grant, in the same window: `Lease`).
+                    let at = now + u64::try_from(d.delay().as_nanos()).unwrap();
+                    let charged = Charged { key: *key, at, costs: costs.to_vec() };
+                    holds.push(Hold { limiter: limiter.clone(), ticket, charged, class: *class });
+                }
+            }
+            Step::Cancel { hold } if !holds.is_empty() => {
+                let len = holds.len();
+                let h = holds.remove(hold % len);
+                let r = h.limiter.store().settle(h.limiter.bound(), h.ticket, 0).await;
+                r.map_err(|e| at(format!("cancel: {e}")))?;
+                for (i, &was) in h.charged.costs.iter().enumerate() {
+                    log.push(Event::Settled {
+                        key: h.charged.key,
+                        tier: i,
+                        at: h.charged.at,
+                        now,
+                        was,
+                        to: 0,
+                    });
+                }
+            }
+            Step::Reload => {
+                let i = n % (nodes.len() - 1);
+                nodes[i] =
+                    nodes[i].rebind(policy.clone()).map_err(|e| at(format!("rebind: {e}")))?;
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
