@@ -88,6 +88,12 @@ const KNOWN: &[Known] = &[
               (issue 32 reloads: owner)",
     },
     Known {
+        labels: &["penalty", "back"],
+        on: &[On::Redis],
+        why: "a query after a block ended moves the key's clock guard on Redis, not in memory: \
+              after a step back they decide apart (redis-truth)",
+    },
+    Known {
         labels: &["calendar", "back"],
         on: &[On::Redis],
         why: "a clock step back over 60 s behind a calendar key's last charge fails the check on \
@@ -565,4 +571,32 @@ fn calendar_x_clock_back_on_redis() {
         call(Standard, 1),
     ];
     known_seam(On::Redis, &["calendar", "back"], (c, steps));
+}
+
+#[test]
+#[ignore = "issue 33: penalty × query × clock step back on Redis (new), fixed by redis-truth"]
+fn penalty_x_clock_back_on_redis() {
+    // Two tiers of 2 a second (bursts 2 and 1); the second blocks for 500 ms at its third
+    // breach within a second. Four checks at 0 (three refused: blocked until 500 ms); a query
+    // at 500 ms; the clock steps back 15 us; a check: memory refuses it (the second tier has
+    // not refilled at that instant), Redis admits it (the query moved its clock guard).
+    let tiers = vec![
+        TierChoice::Requests { count: 2, period_ms: 1_000, burst_x: 2 },
+        TierChoice::Requests { count: 2, period_ms: 1_000, burst_x: 1 },
+    ];
+    let c = Config {
+        penalty: Some((1, 3, 500, 1_000)),
+        ..seam_of(false, tiers, Mix { back: true, ..Mix::default() })
+    };
+    let steps = vec![
+        call(Standard, 1),
+        call(Standard, 1),
+        call(Standard, 1),
+        call(Standard, 1),
+        Step::Tick { scale: 1, frac: 32_768 },
+        call(Standard, 0),
+        Step::Back { frac: 1 },
+        call(Standard, 1),
+    ];
+    known_seam(On::Redis, &["penalty", "back"], (c, steps));
 }
