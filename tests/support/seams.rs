@@ -55,6 +55,9 @@ pub enum TierChoice {
     Bytes { count: u64, period_ms: u64 },
     /// `count` reported units per `period_ms`.
     Reported { count: u64, period_ms: u64 },
+    /// `count` request messages per `period_ms` (one per check; a stream's leases are
+    /// checks of that tier alone).
+    Messages { count: u64, period_ms: u64 },
 }
 
 /// Which kinds of steps a trace takes, beside policed checks and ticks.
@@ -113,6 +116,9 @@ impl Config {
                 TierChoice::Reported { count, period_ms } => {
                     b.tier(name, Quota::new(count, ms(period_ms)).counting(Unit::Reported))
                 }
+                TierChoice::Messages { count, period_ms } => {
+                    b.tier(name, Quota::new(count, ms(period_ms)).counting(Unit::RequestMessages))
+                }
             };
         }
         if let Some((i, refusals, block, within)) = self.penalty {
@@ -137,6 +143,7 @@ impl Config {
                 TierChoice::Concurrency { .. } => "concurrency",
                 TierChoice::Bytes { .. } => "bytes",
                 TierChoice::Reported { .. } => "reported",
+                TierChoice::Messages { .. } => "messages",
             });
         }
         let m = self.mix;
@@ -176,7 +183,8 @@ impl Config {
             .filter_map(|t| match *t {
                 TierChoice::Requests { count, period_ms, .. } => Some(period_ms * MS / count),
                 TierChoice::Bytes { period_ms, .. } => Some(period_ms * MS / 8),
-                TierChoice::Reported { count, period_ms } => Some(period_ms * MS / count),
+                TierChoice::Reported { count, period_ms }
+                | TierChoice::Messages { count, period_ms } => Some(period_ms * MS / count),
                 _ => None,
             })
             .min()
@@ -190,7 +198,8 @@ impl Config {
             .map(|t| match *t {
                 TierChoice::Requests { period_ms, .. }
                 | TierChoice::Bytes { period_ms, .. }
-                | TierChoice::Reported { period_ms, .. } => period_ms * MS,
+                | TierChoice::Reported { period_ms, .. }
+                | TierChoice::Messages { period_ms, .. } => period_ms * MS,
                 TierChoice::Calendar { hour: true, .. } => 3_600 * S,
                 TierChoice::Calendar { hour: false, .. } => 60 * S,
                 TierChoice::Concurrency { .. } => S,
@@ -311,6 +320,8 @@ fn tier(window: bool, space: Space) -> BoxedStrategy<TierChoice> {
             .prop_map(|count| TierChoice::Bytes { count, period_ms: 1_000 }),
         1 => (prop::sample::select(vec![10u64, 30]), prop::sample::select(vec![10_000u64, 60_000]))
             .prop_map(|(count, period_ms)| TierChoice::Reported { count, period_ms }),
+        1 => prop::sample::select(vec![4u64, 16])
+            .prop_map(|count| TierChoice::Messages { count, period_ms: 1_000 }),
     ]
     .boxed()
 }
@@ -417,7 +428,7 @@ pub fn require(mut c: Config, labels: &[&str]) -> Config {
         add(&mut c, TierChoice::Requests { count: 5, period_ms: 10_000, burst_x: 2 });
     }
     type Is = fn(&TierChoice) -> bool;
-    let pairs: [(&str, Is, TierChoice); 4] = [
+    let pairs: [(&str, Is, TierChoice); 5] = [
         (
             "calendar",
             |t| matches!(t, TierChoice::Calendar { .. }),
@@ -437,6 +448,11 @@ pub fn require(mut c: Config, labels: &[&str]) -> Config {
             "reported",
             |t| matches!(t, TierChoice::Reported { .. }),
             TierChoice::Reported { count: 10, period_ms: 10_000 },
+        ),
+        (
+            "messages",
+            |t| matches!(t, TierChoice::Messages { .. }),
+            TierChoice::Messages { count: 4, period_ms: 1_000 },
         ),
     ];
     for (label, is, t) in pairs {
@@ -532,6 +548,7 @@ pub fn without(mut c: Config, label: &str) -> Option<Config> {
         "concurrency" => Some(|t| matches!(t, TierChoice::Concurrency { .. })),
         "bytes" => Some(|t| matches!(t, TierChoice::Bytes { .. })),
         "reported" => Some(|t| matches!(t, TierChoice::Reported { .. })),
+        "messages" => Some(|t| matches!(t, TierChoice::Messages { .. })),
         "gcra" | "window" => Some(|t| matches!(t, TierChoice::Requests { .. })),
         _ => None,
     };
