@@ -175,7 +175,7 @@ tiers = [
         .concurrency(
             "leased",
             Concurrency::new(2)
-                .with_lease(Duration::from_secs(60))
+                .with_ttl(Duration::from_secs(60))
                 .with_typical_hold(Duration::from_millis(250)),
         )
         .build()
@@ -735,7 +735,7 @@ fn the_documented_tier_example_is_the_policy_built_in_code() {
         .concurrency(
             "in-flight",
             Concurrency::new(4)
-                .with_lease(Duration::from_secs(60))
+                .with_ttl(Duration::from_secs(60))
                 .with_typical_hold(Duration::from_secs(2)),
         )
         .tier("upload-bytes", Quota::per_second(1_000_000).counting(Unit::RequestBytes))
