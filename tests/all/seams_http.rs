@@ -11,9 +11,9 @@
 //!
 //! - **Budget left, no breach** (`StreamMode`, `Penalty`, issue 33): a batch whose bodies fit
 //!   together in what the key has left is admitted whole, each body read (or sent) to its end,
-//!   with or without a penalty box (a stream's leases are never a breach of the key's).
+//!   with or without a penalty box (a stream's grants are never a breach of the key's).
 //! - **The bound** (`StreamMode`, "The bound"): the bytes the handler read are at most what the
-//!   tier had left plus less than one frame per stream; a download is cut to its lease, so a
+//!   tier had left plus less than one frame per stream; a download is cut to its grant, so a
 //!   client receives at most what the tier had left.
 //! - **Charged what streamed**: what the key has left afterwards is the capacity less the
 //!   bytes the handlers read (or sent), on both stores alike.
@@ -264,10 +264,10 @@ async fn runs<St: Store>(n: usize, t: &Trace, store: impl Fn(usize) -> St) {
     }
 }
 
-/// Chunked uploads that fit together, sent at once when policing: the streams' leases hold
+/// Chunked uploads that fit together, sent at once when policing: the streams' grants hold
 /// room beyond their bodies, so one is refused (three chunked ones, 10,168 of 11,951 bytes
 /// left; and two sized beside two chunked, 2,872 of 3,630: a sized one, charged its
-/// `Content-Length` at admission). Not every run: the leases' timing decides.
+/// `Content-Length` at admission). Not every run: the grants' timing decides.
 fn chunked_uploads() -> [Trace; 2] {
     let body = |len, frame, sized| Body { len, frame, sized };
     let chunked =
@@ -289,7 +289,7 @@ fn chunked_uploads() -> [Trace; 2] {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "issue 33: leases × small concurrent bodies, chunked (still), fixed by owner"]
+#[ignore = "issue 33: stream grants × small concurrent bodies, chunked (still), fixed by owner"]
 async fn chunked_uploads_that_fit_together_on_memory() {
     for t in chunked_uploads() {
         runs(20, &t, |_| support::stores::frozen_memory()).await;
@@ -298,7 +298,7 @@ async fn chunked_uploads_that_fit_together_on_memory() {
 
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "issue 33: leases × small concurrent bodies, chunked (still), fixed by owner"]
+#[ignore = "issue 33: stream grants × small concurrent bodies, chunked (still), fixed by owner"]
 async fn chunked_uploads_that_fit_together_on_redis() {
     let Some(redis) = support::redis::Server::start("redis-server") else { return };
     for (n, t) in chunked_uploads().iter().enumerate() {
@@ -308,7 +308,7 @@ async fn chunked_uploads_that_fit_together_on_redis() {
 }
 
 /// Five chunked uploads that fit together (13,980 of 14,258 bytes left), sent at once through
-/// a shaping layer: one waits for room the others' leases hold beyond their bodies (on a clock
+/// a shaping layer: one waits for room the others' grants hold beyond their bodies (on a clock
 /// that stands still, for good). Not every run.
 fn shaped_chunked() -> Trace {
     let body = |len, frame| Body { len, frame, sized: false };
@@ -323,14 +323,14 @@ fn shaped_chunked() -> Trace {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "issue 33: leases × small concurrent bodies, when shaping (new), fixed by owner"]
+#[ignore = "issue 33: stream grants × small concurrent bodies, when shaping (new), fixed by owner"]
 async fn shaped_chunked_uploads_that_fit_together_on_memory() {
     runs(20, &shaped_chunked(), |_| support::stores::frozen_memory()).await;
 }
 
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "issue 33: leases × small concurrent bodies, when shaping (new), fixed by owner"]
+#[ignore = "issue 33: stream grants × small concurrent bodies, when shaping (new), fixed by owner"]
 async fn shaped_chunked_uploads_that_fit_together_on_redis() {
     let Some(redis) = support::redis::Server::start("redis-server") else { return };
     let store = |i| support::stores::redis::frozen_on(&redis, &format!("shaped{i}:"));

@@ -49,13 +49,13 @@ pub enum TierChoice {
     Requests { count: u64, period_ms: u64, burst_x: u64 },
     /// `count` per UTC minute, or hour.
     Calendar { count: u64, hour: bool },
-    /// `max` in flight (a lease of a day: the traces never outlive it, so the stores agree).
+    /// `max` in flight (slots live a day: the traces never outlive them, so the stores agree).
     Concurrency { max: u64 },
     /// `count` request bytes per `period_ms`.
     Bytes { count: u64, period_ms: u64 },
     /// `count` reported units per `period_ms`.
     Reported { count: u64, period_ms: u64 },
-    /// `count` request messages per `period_ms` (one per check; a stream's leases are
+    /// `count` request messages per `period_ms` (one per check; a stream's grants are
     /// checks of that tier alone).
     Messages { count: u64, period_ms: u64 },
 }
@@ -106,10 +106,9 @@ impl Config {
                     let p = if hour { CalendarPeriod::Hour } else { CalendarPeriod::Minute };
                     b.calendar(name, Calendar::new(count, p))
                 }
-                TierChoice::Concurrency { max } => b.concurrency(
-                    name,
-                    Concurrency::new(max).with_lease(Duration::from_secs(86_400)),
-                ),
+                TierChoice::Concurrency { max } => {
+                    b.concurrency(name, Concurrency::new(max).with_ttl(Duration::from_secs(86_400)))
+                }
                 TierChoice::Bytes { count, period_ms } => {
                     b.tier(name, Quota::new(count, ms(period_ms)).counting(Unit::RequestBytes))
                 }
