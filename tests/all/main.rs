@@ -19,6 +19,7 @@ mod support;
 
 mod client;
 mod config;
+mod config_errors;
 mod config_file;
 mod config_kinds;
 mod defaults;
@@ -42,6 +43,9 @@ mod penalty;
 mod priority;
 mod redis;
 mod reserve_shape;
+mod seams;
+mod seams_http;
+mod seams_lease;
 mod select;
 mod service;
 mod settle_tiers;
