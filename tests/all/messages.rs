@@ -332,8 +332,9 @@ async fn policing_stops_a_client_stream_after_exactly_the_budget_shared_with_una
     let refused = server.upload(1_000).await.unwrap_err();
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
     assert_eq!(server.received.load(Ordering::SeqCst), 70);
-    // The pushback is the wait for the refused grant: 16 messages at 100/s.
-    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("160"));
+    // The pushback is the wait for the refused grant: near the limit a grant is what the
+    // stream needs, one message at 100/s.
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("10"));
     // A unary call of the same key is refused while the budget is spent.
     let refused = server.echo().await.unwrap_err();
     assert_eq!(refused.code(), Code::ResourceExhausted);
@@ -378,7 +379,7 @@ async fn a_server_stream_is_counted_per_message_and_ends_with_resource_exhausted
     assert_eq!(came, 100);
     let refused = end.unwrap_err();
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
-    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("160"));
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("10"));
     // A unary call of the same key is refused at once.
     assert_eq!(server.echo().await.unwrap_err().code(), Code::ResourceExhausted);
     // Within the budget, a stream runs to its end.
@@ -398,7 +399,7 @@ async fn policing_ends_a_bidirectional_stream_with_resource_exhausted_trailers()
     assert_eq!(came, 100);
     let refused = end.unwrap_err();
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
-    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("160"));
+    assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("10"));
 }
 
 #[tokio::test]

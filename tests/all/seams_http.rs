@@ -289,7 +289,6 @@ fn chunked_uploads() -> [Trace; 2] {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "issue 33: stream grants × small concurrent bodies, chunked (still), fixed by owner"]
 async fn chunked_uploads_that_fit_together_on_memory() {
     for t in chunked_uploads() {
         runs(20, &t, |_| support::stores::frozen_memory()).await;
@@ -298,7 +297,6 @@ async fn chunked_uploads_that_fit_together_on_memory() {
 
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "issue 33: stream grants × small concurrent bodies, chunked (still), fixed by owner"]
 async fn chunked_uploads_that_fit_together_on_redis() {
     let Some(redis) = support::redis::Server::start("redis-server") else { return };
     for (n, t) in chunked_uploads().iter().enumerate() {

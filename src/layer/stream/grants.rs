@@ -10,6 +10,10 @@ use smallvec::SmallVec;
 
 use super::gate::{Gate, Stopped};
 use super::{MESSAGE_GRANT, SHAPE_AHEAD, STREAM_GRANT, StreamMode};
+
+/// A grant holds room ahead of what its stream needs only up to this share of what the tiers
+/// had left (1/64): concurrent streams of a key near its limit ask for what they need.
+const AHEAD_SHARE: u64 = 64;
 use crate::decision::Decision;
 use crate::error::StoreError;
 use crate::key::Key;
@@ -125,15 +129,21 @@ impl<St: Store> Grants<St> {
 
     /// The size of the next grant: what the stream owes and has in hand (`want`); and, once
     /// it used a quarter of the largest grant, and but under a penalty box, room ahead as
-    /// large as what it used so far (grants grow by doubling). Never more than the body has
+    /// large as what it used so far (grants grow by doubling), policing at most a 64th of
+    /// what the tiers had left. Never more than the body has
     /// left (`remaining`, when known), than the tiers had left at the last decision when that
     /// covers the need, nor than the largest grant. A short body is so charged what it sends,
     /// and holds nothing that other streams of the key could use.
     fn next_size(&self, remaining: Option<u64>, want: u64) -> u64 {
         let need = self.owed.saturating_add(want).clamp(1, self.largest);
-        let ahead = match self.penalized || self.used < self.largest / 4 {
-            true => 0,
-            false => self.used,
+        // Policing, room ahead only with plenty left (a 64th of what the tiers had left at
+        // the last decision): near the limit a stream asks for what it needs, so that what
+        // other streams of the key hold unused never refuses bodies that fit together.
+        // Shaping, what others hold ahead only delays a stream, by what they hold at the rate.
+        let ahead = match (self.penalized || self.used < self.largest / 4, self.police) {
+            (true, _) => 0,
+            (false, true) => self.used.min(self.known_left.unwrap_or(0) / AHEAD_SHARE),
+            (false, false) => self.used,
         };
         let mut size = self.owed.saturating_add(want.max(ahead)).clamp(1, self.largest);
         if let Some(left) = remaining {

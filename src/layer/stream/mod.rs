@@ -167,8 +167,9 @@ pub enum StreamMode {
     ///   read.
     ///
     /// The `grpc-retry-pushback-ms` of a stream stopped mid-way is the wait until the tier
-    /// has room for the grant it refused (at most [`STREAM_GRANT`] bytes or
-    /// [`MESSAGE_GRANT`] messages), not for one more byte or message.
+    /// has room for the grant it refused: near the limit, what the stream needed (its next
+    /// frame's bytes, one message); far from it, at most [`STREAM_GRANT`] bytes or
+    /// [`MESSAGE_GRANT`] messages.
     Police,
 }
 

@@ -611,10 +611,10 @@ mod messages {
         // first message, so exactly the budget (20 frames) is read.
         let (read, status, checks) = police_upload(5).await;
         assert_eq!((read, status.as_str()), (100, "8"));
-        // The admission (the first message); grants growing with what the stream used (5,
-        // 10, then five of 16: 96 charged, 100 read: 4 owed); and the refused grant that
-        // stops the stream: the 4 the tier has left pay the debt but leave no room.
-        assert_eq!(checks, 1 + 7 + 1);
+        // The admission (the first message); a grant per frame (a tier of 100 is never far
+        // enough from its limit for a stream to take room ahead); and the refused grant that
+        // stops the stream.
+        assert_eq!(checks, 1 + 19 + 1);
     }
 
     #[tokio::test(start_paused = true)]
