@@ -120,7 +120,6 @@ fn leasing_instances_keep_each_tier_s_bound() {
 /// checks at one instant: each admitted check from a block must report within a block (16)
 /// of what an exact query says right after it.
 #[test]
-#[ignore = "issue 32: lease-mode headers, fixed by redis-truth"]
 fn a_leased_decision_reports_what_the_key_has_left_within_a_block() {
     let Some(server) = support::redis::Server::start("redis-server") else { return };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
