@@ -435,6 +435,15 @@ fn differential_in(
     local.into_inner()
 }
 
+/// Replays a kept `trace` as [`differential_in`] replays a drawn one (the clock at its start).
+fn replay_kept(server: &Server, trace: &Trace) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let clock = FakeClock::new();
+    clock.set(trace.start);
+    let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "kept:".into());
+    rt.block_on(replay(store, clock, trace)).unwrap();
+}
+
 fn fake_clock_store(
     builder: tollgate::store::RedisStoreBuilder,
     clock: FakeClock,
@@ -494,6 +503,54 @@ fn a_settled_up_log_after_the_clock_steps_back_decides_exactly_like_memory_store
     let clock = FakeClock::new();
     let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "log:".into());
     rt.block_on(replay(store, clock, &trace)).unwrap();
+}
+
+/// A trace the clock-step test drew (about 1 in 10 runs), kept: two GCRA tiers, a check
+/// shaped behind the first, the first check's second tier settled up, its first refunded (the
+/// key idle: Redis deletes it), the whole check settled to its charge (Redis writes the key
+/// afresh), then the clock stepped back: a fresh tier's TAT is in the past on both stores.
+#[test]
+fn a_settlement_per_tier_then_a_step_back_decides_exactly_like_memory_store() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let check = |shape: Option<u64>| Step::Check { key: 0, cost: 1, costs: vec![1; 5], shape };
+    let steps = vec![
+        check(None),
+        check(Some(1_000_000)),
+        Step::SettleTier { which: 0, tier: 1, cost: 2 },
+        Step::Advance(1_200_000),
+        Step::SettleTier { which: 0, tier: 0, cost: 0 },
+        Step::Settle { which: 0, cost: 1 },
+        Step::Back(100_001),
+    ];
+    let trace = Trace::new(
+        Algorithm::Gcra,
+        (vec![(1, 1_000_000, 1), (10, 1_000_000, 1)], vec![], 0, steps),
+    );
+    replay_kept(&server, &trace);
+}
+
+/// Another trace the clock-step test drew, kept: a fractional emission interval (9 per
+/// millisecond) beside a whole one, a refund that leaves the key idle, one tier settled up.
+#[test]
+fn a_fresh_tier_beside_a_settled_one_decides_exactly_like_memory_store() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let check = |cost: u64| Step::Check { key: 0, cost, costs: vec![1; 5], shape: None };
+    let steps = vec![
+        check(1),
+        check(1),
+        check(6),
+        Step::Advance(888_889),
+        check(1),
+        check(1),
+        Step::Settle { which: 2, cost: 0 },
+        Step::SettleTier { which: 0, tier: 0, cost: 2 },
+        Step::Back(1),
+    ];
+    let trace = Trace::new(
+        Algorithm::Gcra,
+        (vec![(9, 1_000_000, 9), (10, 1_000_000, 9)], vec![], 0, steps),
+    );
+    replay_kept(&server, &trace);
 }
 
 #[test]

@@ -75,8 +75,11 @@ do
 end
 
 local reply, nreply = {}, 0
--- Per key (by name): its TATs relative to now (0 for a fresh key: GCRA only compares them
--- with now), its policy, and whether it changed.
+-- Per key (by name): its TATs relative to now, its policy, and whether it changed. A fresh
+-- key's TATs are far in the past (2^52 units before now), not now: a tier left fresh beside
+-- one that is charged is written so, and a clock that later steps back finds it in the past,
+-- as the memory store's TAT of 0 is (a TAT of now would refuse until the clock caught up).
+local FRESH = -4503599627370496
 local TAT, KPOL, DIRTY, order = {}, {}, {}, {}
 
 local i = 1
@@ -94,7 +97,7 @@ while i <= nc do
       local per, u = pol.per, pol.u
       for t = 1, n do tat[t] = (raw[2 * t - 1] - now_s) * per + (raw[2 * t] - u) end
     else
-      for t = 1, n do tat[t] = 0 end
+      for t = 1, n do tat[t] = FRESH end
     end
     TAT[name], KPOL[name] = tat, pol
     order[#order + 1] = name
