@@ -25,11 +25,10 @@
 --           (old and new cost, instant, entry id; equal costs settle nothing);
 --         op 4, a refresh: lease id, then per concurrency tier its slots.
 -- KEYS    per record: the state key, the sliding-log sets of the rate tiers (log family
---         only), the lease sets of the concurrency tiers (`{state}:c1`, ...).
+--         only), the lease sets of the concurrency tiers, the penalty boxes (boxes.lua); the
+--         last two named by tier, not by the policy's fingerprint (`Prepared::keys`).
 -- State   `(seconds, units)` of the last charge or settlement (the guard: see `load`), per
---         calendar tier its windows (number, then start, end, used), per tier with a penalty
---         box whether the key is blocked (0 or 1), until when (seconds, units), and the
---         breaches counted (number, then each one's seconds and units), then the rate tiers'
+--         calendar tier its windows (number, then start, end, used), then the rate tiers'
 --         state as F packs it: for a plain policy the guard and F's state alone. Concurrency
 --         slots live in their sorted sets: one member per slot, `struct '<dd' (lease id,
 --         slot)`, scored by the lease's expiry (ms since the epoch); expired members are
@@ -144,6 +143,10 @@ end
 -- Those functions, in one table: a function that may call them captures it alone (each local
 -- a function captures is found and kept apart per call).
 local K = {}
+-- Penalty boxes live in keys of their own (boxes.lua): its functions for a batch with boxes.
+for _, pol in ipairs(POL) do
+  if pol.npen > 0 and not K.box then K.box = boxes() end
+end
 local C = doubles(ARGV[3])
 -- Every key's stored value (see `stored`), read once the batch knows which keys it loads.
 local STORED = nil
@@ -825,31 +828,8 @@ local function load(k, pol)
     end
     st.cal = cal
   end
-  -- The penalty boxes (`Strikes::prune`): a block that ended and the breaches that left the
-  -- window are forgotten. Instants relative to the key's now.
-  if pol.npen > 0 then
-    st.pen = {}
-    for _, tier in ipairs(pol.tiers) do
-      local p = tier.pen
-      if p then
-        local box = { at = {}, till = nil }
-        if raw then
-          if raw[j + 1] == 1 then
-            box.till = rel(st.c, raw[j + 2], raw[j + 3])
-            if box.till <= 0 then box.till = nil; st.dirty = true end
-          end
-          local m = raw[j + 4]
-          j = j + 4
-          for _ = 1, m do
-            local a = rel(st.c, raw[j + 1], raw[j + 2])
-            if a + p.within > 0 then box.at[#box.at + 1] = a else st.dirty = true end
-            j = j + 2
-          end
-        end
-        st.pen[p.x] = box
-      end
-    end
-  end
+  -- The penalty boxes, from their own keys (boxes.lua).
+  if pol.npen > 0 then K.box.load(st, k, pol) end
   local rate_tiers, tiers = {}, pol.tiers
   for t = 1, pol.n do
     local tier = tiers[t]
@@ -1057,7 +1037,7 @@ if KINDS then
   K.breach = function(st, p)
     local box = st.pen[p.x]
     box.at[#box.at + 1] = 0
-    st.dirty = true
+    st.dirty, box.dirty = true, true
     if #box.at < p.after then return nil end
     box.at = {}
     box.till = p.block
@@ -1417,6 +1397,7 @@ end
 -- A settlement that changed nothing stored (a refund to a window that ended) still moves the
 -- guard, as in memory.
 for _, st in ipairs(order) do
+  if st.pen then K.box.save(st) end
   if st.dirty or st.charged then
     local pol = st.pol
     local ttl = 0
@@ -1462,23 +1443,6 @@ for _, st in ipairs(order) do
         v[#v + 1] = #list
         for _, win in ipairs(list) do
           v[#v + 1], v[#v + 2], v[#v + 3] = win[1], win[2], win[3]
-        end
-      end
-      for _, tier in ipairs(pol.tiers) do
-        local p = tier.pen
-        if p then
-          local box = st.pen[p.x]
-          if box.till then
-            local s, u = abs(st.c, box.till)
-            v[#v + 1], v[#v + 2], v[#v + 3] = 1, s, u
-          else
-            v[#v + 1], v[#v + 2], v[#v + 3] = 0, 0, 0
-          end
-          v[#v + 1] = #box.at
-          for _, a in ipairs(box.at) do
-            local s, u = abs(st.c, a)
-            v[#v + 1], v[#v + 2] = s, u
-          end
         end
       end
       F.save(st, v)
