@@ -97,7 +97,8 @@ pub enum Carry {
     /// at the reload instant and given back as the new tier refills (a window or calendar
     /// tier: when its current window ends; a sliding log: one period after the reload). `u` is
     /// counted in whole units, as `RateLimit` reports what remains, so a key never gains more
-    /// than it had left. A tier under another algorithm or time unit counts as changed.
+    /// than it had left. A rate tier under another algorithm, and any tier under another time
+    /// unit, counts as changed.
     /// Limits: what a key owes beyond the old capacity (a reported cost settled into debt, a
     /// shaped backlog) is not carried (`u` is at most `c`); `u` is taken at the reload instant,
     /// so what requests still going through the old binding charge to a changed tier after it
@@ -302,7 +303,7 @@ pub trait Store: Clone + Send + Sync + 'static {
     ///
     /// | state | [`MemoryStore`] | `RedisStore` |
     /// |---|---|---|
-    /// | a rate tier (every algorithm) or calendar tier, whatever unit it counts (requests, bytes, messages, reported units) | kept if the tier is unchanged (quota, calendar, reserve; its penalty box aside) under the same algorithm and time unit; else started as `carry` says ([`Carry`]) | kept if the algorithm, the time unit and every rate and calendar tier are unchanged (the state key's fingerprint); else every one starts full |
+    /// | a rate tier (every algorithm) or calendar tier, whatever unit it counts (requests, bytes, messages, reported units) | kept if the tier is unchanged (quota, calendar, reserve; its penalty box aside) under the same time unit and, for a rate tier, algorithm; else started as `carry` says ([`Carry`]) | kept if the algorithm, the time unit and every rate and calendar tier are unchanged (the state key's fingerprint); else every one starts full |
     /// | slots held by a concurrency tier | kept, whatever its `max` or lease, if `old` is its policy's only binding | kept |
     /// | a penalty box: the block and the breaches counted | kept if the tier of that name still has a box | kept, as in memory |
     /// | blocks leased by this process (lease mode, `Lease`) | — | kept if the state keys and every tier's parameters are unchanged (a tier renamed) |

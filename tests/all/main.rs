@@ -38,6 +38,7 @@ mod pacing_http;
 mod penalty;
 mod priority;
 mod redis;
+mod reload_state;
 mod select;
 mod service;
 mod spoofing;

@@ -186,7 +186,8 @@ fn a_reload_keeps_every_block_and_a_changed_block_applies_from_the_next_breach()
     let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     let minute = Quota::per_minute(10);
     let policy = |hourly: u64, block: Option<Duration>| {
-        let b = Policy::builder("reload").tier("minute", minute).tier("hour", Quota::per_hour(hourly));
+        let b =
+            Policy::builder("reload").tier("minute", minute).tier("hour", Quota::per_hour(hourly));
         match block {
             Some(block) => b.penalty("minute", Penalty::new(block)),
             None => b,

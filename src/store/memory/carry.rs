@@ -4,8 +4,8 @@
 //! What a reload keeps, state slot by state slot (a key's tiers, then its penalty boxes), for
 //! each tier of the new policy matched by name in the old one:
 //! - a rate or calendar tier whose definition did not change (its penalty box aside), under
-//!   the same algorithm and time unit: its state as it is; another one starts as the
-//!   [`Carry`] says;
+//!   the same time unit and, for a rate tier, algorithm: its state as it is; another one
+//!   starts as the [`Carry`] says;
 //! - a concurrency tier (whatever its `max` or lease): the slots held, which their holders
 //!   give back to the new binding;
 //! - a penalty box (a rate or calendar tier that has one in both): the block and the breaches
@@ -33,8 +33,9 @@ impl MemoryStore {
     /// Binds `policy` in place of `old` (see [`Store::rebind`](crate::store::Store::rebind)),
     /// carrying each key's state over, tier by tier, matched by name:
     /// - a rate or calendar tier whose definition did not change (its penalty box aside), under
-    ///   the same algorithm and time unit, keeps its state as it is (between the compact
-    ///   one-tier GCRA form and general tables too); another one starts as `carry` says;
+    ///   the same time unit and, for a rate tier, algorithm, keeps its state as it is (between
+    ///   the compact one-tier GCRA form and general tables too); another one starts as `carry`
+    ///   says;
     /// - a concurrency tier keeps the slots held (whatever its new `max`: a key holding more
     ///   is refused until enough are released), when `old` is its policy's only binding;
     /// - a tier with a penalty box in both keeps its block and its breaches: a key blocked
@@ -96,8 +97,8 @@ impl MemoryStore {
             return new;
         }
         let slots = slot_map(&from_core.policy, &new.core.policy);
-        let hand_over = slots.iter().any(Option::is_some)
-            && inner.supersede(from, &from_core.policy, new.id);
+        let hand_over =
+            slots.iter().any(Option::is_some) && inner.supersede(from, &from_core.policy, new.id);
         if hand_over {
             let next = Next { id: new.id, core: Arc::clone(&new.core), slots: slots.clone() };
             // `supersede` admits a slot once: nothing was set.
@@ -141,18 +142,16 @@ impl MemoryStore {
 
 /// For each state slot of `before` (each tier's state, then each penalty box), the slot of
 /// `after` that keeps it across a reload (see [`MemoryStore::rebind_policy`]): a rate or
-/// calendar tier's when [`same_rate`] under the same algorithm and time unit; a concurrency
-/// tier's by a concurrency tier; a penalty box's by the box of the tier of its name, under the
-/// same time unit.
+/// calendar tier's when [`unchanged`]; a concurrency tier's by a concurrency tier; a penalty
+/// box's by the box of the tier of its name, under the same time unit.
 fn slot_map(before: &Policy, after: &Policy) -> Box<[Option<usize>]> {
-    let same_time = before.algorithm() == after.algorithm() && before.unit() == after.unit();
     let named = |o: &Tier| after.tiers().iter().position(|t| t.name() == o.name());
     let tiers = before.tiers().iter().map(|o| {
         let i = named(o)?;
         let t = &after.tiers()[i];
         match o.kind() {
             TierKind::Concurrency => (t.kind() == TierKind::Concurrency).then_some(i),
-            _ => (same_time && same_rate(o, t)).then_some(i),
+            _ => unchanged(before, o, after, t).then_some(i),
         }
     });
     let boxes = before.tiers().iter().filter(|o| o.penalty.is_some()).map(|o| {
@@ -161,6 +160,14 @@ fn slot_map(before: &Policy, after: &Policy) -> Box<[Option<usize>]> {
         boxed.then(|| after.penalty_slot(i))
     });
     tiers.chain(boxes).collect()
+}
+
+/// Whether rate or calendar tier `t` of `after` keeps the state of tier `o` of `before`: the
+/// same definition ([`same_rate`]) under the same time unit, and for a rate tier the same
+/// algorithm (a calendar tier's windows mean the same under any).
+fn unchanged(before: &Policy, o: &Tier, after: &Policy, t: &Tier) -> bool {
+    let same_algorithm = before.algorithm() == after.algorithm() || o.kind() == TierKind::Calendar;
+    same_algorithm && before.unit() == after.unit() && same_rate(o, t)
 }
 
 /// Whether rate or calendar tier `t` keeps the state of tier `o`: the same definition, the
@@ -202,7 +209,6 @@ impl Carrying<'_> {
     /// calendar tiers of keys `new` holds already are left alone.
     fn shard(&self, generals: &mut Generals, compact: &mut Compact) {
         let (before, after) = (&self.from_core.policy, &self.new.core.policy);
-        let same_time = before.algorithm() == after.algorithm() && before.unit() == after.unit();
         let changed_too = self.carry == Carry::UsedFraction;
         let rated = |t: &Tier| t.kind() != TierKind::Concurrency;
         // For each new tier: the old tier of its name, and whether its rate is unchanged.
@@ -212,9 +218,9 @@ impl Carrying<'_> {
             .map(|t| {
                 let j = before.tiers().iter().position(|o| o.name() == t.name())?;
                 let o = &before.tiers()[j];
-                let unchanged = same_time && same_rate(o, t);
-                let carried = rated(t) && rated(o) && (changed_too || unchanged);
-                (carried && !self.existed).then_some((j, unchanged))
+                let same = unchanged(before, o, after, t);
+                let carried = rated(t) && rated(o) && (changed_too || same);
+                (carried && !self.existed).then_some((j, same))
             })
             .collect();
         // Penalty boxes (new slot, old slot), of each tier with one in both.
@@ -666,6 +672,10 @@ pub(super) fn scatter(
 
 /// Binding `id`'s own general table, if it is still `core`'s (a binding dropped since may have
 /// given its slot up to another policy's).
-fn own<'a>(generals: &'a Generals, id: usize, core: &Arc<Core>) -> Option<&'a super::table::General> {
+fn own<'a>(
+    generals: &'a Generals,
+    id: usize,
+    core: &Arc<Core>,
+) -> Option<&'a super::table::General> {
     generals.get(id).and_then(Option::as_ref).filter(|g| Arc::ptr_eq(&g.core, core))
 }

@@ -412,7 +412,8 @@ impl Prepared {
         if family != Family::Gcra {
             args.push(f(u64::from(policy.is_plain())));
         }
-        let mut kinds = Kinds { conc: 0, named: Vec::new(), calendars: Vec::new(), tags: Vec::new() };
+        let mut kinds =
+            Kinds { conc: 0, named: Vec::new(), calendars: Vec::new(), tags: Vec::new() };
         for t in policy.tiers() {
             let r = t.rate;
             if family != Family::Gcra {
