@@ -477,8 +477,9 @@ async fn replay<St: Store>(
     clock: &FakeClock,
     (first, ops): &(Setup, Vec<Op>),
     redis: bool,
-) -> Result<(), String> {
+) -> Result<Seen, String> {
     use std::collections::HashMap;
+    let mut seen = Seen::default();
     let layer = LimitsLayer::with_store(config(&first.toml()), store).unwrap();
     let handle = layer.handle();
     let keys = [Key::text("k0"), Key::text("k1")];
@@ -492,7 +493,7 @@ async fn replay<St: Store>(
     // Held: the key, the reservation, and the window of the configuration it was taken under
     // (its release prunes the box as that configuration says).
     let mut held: Vec<(usize, tollgate::Reservation<St>, u64)> = Vec::new();
-    let fail = |what: String| Err::<(), String>(what);
+    let fail = |what: String| Err::<Seen, String>(what);
     for (step, op) in ops.iter().enumerate() {
         let at = format!("step {step} ({op:?}) under {setup:?}");
         match op {
@@ -543,6 +544,8 @@ async fn replay<St: Store>(
             }
             Op::Reload(next) if *next != setup => {
                 handle.reload(config(&next.toml())).map_err(|e| e.to_string())?;
+                seen.blocked += u64::from(boxes.iter().any(|b| b.until > now));
+                seen.holding += u64::from(!held.is_empty());
                 setup = next.clone();
             }
             Op::Reload(_) => {}
@@ -574,7 +577,14 @@ async fn replay<St: Store>(
             return fail(format!("{key}: {free} of {} free once every holder ended", setup.max));
         }
     }
-    Ok(())
+    Ok(seen)
+}
+
+/// How many reloads of a trace found a key blocked, and slots held.
+#[derive(Debug, Default, Clone, Copy)]
+struct Seen {
+    blocked: u64,
+    holding: u64,
 }
 
 /// Runs `cases` traces from a fixed seed, each through a store `connect` makes on a fake
@@ -586,15 +596,25 @@ fn traces<St: Store>(cases: u32, redis: bool, connect: impl Fn(&FakeClock, Strin
     let mut runner = TestRunner::new_with_rng(config, rng);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let case = std::sync::atomic::AtomicU64::new(0);
+    let seen = std::sync::Mutex::new(Seen::default());
     let result = runner.run(&trace(), |trace| {
         let n = case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let clock = FakeClock::new();
         let store = connect(&clock, format!("trace{n}:"));
-        rt.block_on(replay(store, &clock, &trace, redis)).map_err(TestCaseError::fail)
+        let one = rt.block_on(replay(store, &clock, &trace, redis)).map_err(TestCaseError::fail)?;
+        let mut all = seen.lock().unwrap();
+        (all.blocked, all.holding) = (all.blocked + one.blocked, all.holding + one.holding);
+        Ok(())
     });
     if let Err(e) = result {
         panic!("{e}");
     }
+    // The traces reload while keys are blocked and while slots are held, many times.
+    let seen = seen.into_inner().unwrap();
+    assert!(
+        seen.blocked >= u64::from(cases) / 4 && seen.holding >= u64::from(cases) / 4,
+        "{seen:?}"
+    );
 }
 
 #[test]
