@@ -278,7 +278,7 @@
 //!
 //! | state | `MemoryStore` | `RedisStore` |
 //! |---|---|---|
-//! | a rate tier (every algorithm) or calendar tier, whatever its `unit` (requests, bytes, messages, reported) | kept if the tier did not change (its `block` fields aside), and for a rate tier the algorithm neither; else started full, or with `changed_tiers = "carry_used_fraction"` with the share of it the key had used (30 of 100 becomes 60 of 200; [`Carry::UsedFraction`](crate::store::Carry)) | kept if the algorithm and every rate and calendar tier did not change; else every one starts full |
+//! | a rate tier (every algorithm) or calendar tier, whatever its `unit` (requests, bytes, messages, reported) | kept if the tier did not change (its `block` fields aside), and for a rate tier the algorithm neither; else started full, or with `changed_tiers = "carry_used_fraction"` with the share of it the key had used (30 of 100 becomes 60 of 200; [`Carry::UsedFraction`](crate::store::Carry)) | kept if the algorithm and each rate and calendar tier's `count`, `period`, `burst`, calendar and reserve did not change; else every one starts full |
 //! | a tier's reserve (`reserve_critical`, `reserve_standard`) | part of the tier: a changed reserve is a changed tier | the same |
 //! | a concurrency tier's requests in flight | kept, whatever the new `max` or `lease`: they count against the new `max`, and each one's end frees a slot of it | the same |
 //! | a penalty box: the block, the breaches counted | kept while the tier has a `block`: a blocked key stays blocked until its block ends, and a changed `block`, `block_after` or `block_window` applies from the next breach; a tier that loses its `block` frees its keys | the same |

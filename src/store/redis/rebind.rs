@@ -3,9 +3,10 @@
 //! What a key keeps is decided by where its state lives, which is the same for every instance
 //! of a fleet, whenever each reloads:
 //! - the rate and calendar tiers live in the state key, named by the policy's fingerprint
-//!   (its algorithm and time unit, and each rate and calendar tier's quota, calendar and
-//!   reserve, in order; see `script::key_parts`): a reload that keeps them keeps every key's
-//!   state, one that changes any of them starts them all afresh;
+//!   (its algorithm and time unit, and each rate and calendar tier's count, period, burst,
+//!   calendar and reserve, in order; not the tiers' names nor what they count; see
+//!   `script::key_parts`): a reload that keeps them keeps every key's state, one that changes
+//!   any of them starts them all afresh;
 //! - the slots held of a concurrency tier, and the block and breaches of a penalty box, live
 //!   in keys named by the policy, the key and the tier (`Prepared::keys`): any definition of a
 //!   tier of that name finds them.
@@ -20,11 +21,12 @@ use crate::store::Carry;
 
 impl RedisStore {
     /// Binds `policy`, in place of `old` when there is one (a reload). Besides what the keys'
-    /// names keep (see the module docs), the blocks this process leases of the keys
-    /// ([`Lease`](super::Lease)) are the new binding's when its state keys and what its checks
-    /// send are the old one's (a tier renamed): this process then never holds more than one
-    /// block of a key, across the reload too. The local fallback's binding carries its state
-    /// as a [`MemoryStore`](crate::store::MemoryStore) does.
+    /// names keep (see the module docs), when the state keys and what the checks send are the
+    /// old binding's (a tier renamed), so is what this process holds of them: the blocks it
+    /// leases ([`Lease`](super::Lease); it then never holds more than one block of a key,
+    /// across the reload too), the refusals it answers itself, and the typical holds it
+    /// learnt. The local fallback's binding carries its state as a
+    /// [`MemoryStore`](crate::store::MemoryStore) does.
     pub(super) fn bind_replacing(
         &self,
         old: Option<&RedisPolicy>,
@@ -35,14 +37,19 @@ impl RedisStore {
         let inner = &self.inner;
         let key_parts = script::key_parts(&inner.prefix, policy);
         let prepared = Arc::new(Prepared::new(policy, inner.grace_ms));
-        let refusals = Refusals::new(policy, inner.refusals).map(Arc::new);
         let same_keys = old.filter(|old| {
             old.key_parts == key_parts && old.prepared.policy.args == prepared.policy.args
         });
-        let leases = match same_keys.and_then(|old| old.leases.as_ref()) {
-            // Checks of either binding spend the blocks held, and take the next one, alike.
-            Some(leases) => Some(Arc::clone(leases)),
-            None => self.leases_for(policy, &key_parts, &prepared, refusals.as_ref())?,
+        // The same keys, decided alike: what this process learnt of them is the new binding's
+        // too. Checks of either binding spend the blocks held and take the next one alike, and
+        // a refusal held of a key is forgotten when a block of it is given back.
+        let (refusals, holds, leases) = match same_keys {
+            Some(old) => (old.refusals.clone(), Arc::clone(&old.holds), old.leases.clone()),
+            None => {
+                let refusals = Refusals::new(policy, inner.refusals).map(Arc::new);
+                let leases = self.leases_for(policy, &key_parts, &prepared, refusals.as_ref())?;
+                (refusals, Arc::new(Holds::new(policy)), leases)
+            }
         };
         if let (Some(old), None, Carry::UsedFraction) = (old, same_keys, carry) {
             tracing::warn!(
@@ -60,7 +67,7 @@ impl RedisStore {
             key_parts,
             key_names: inner.key_names,
             prepared,
-            holds: Arc::new(Holds::new(policy)),
+            holds,
             local,
             refusals,
             leases,
