@@ -311,7 +311,9 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// So requests in flight under `old` hold their slots against the new `max` (a key holding
     /// more is refused until enough are released), and their release frees the new binding's
     /// slot. A blocked key stays blocked until its block ends: a changed block length, count or
-    /// window applies from the next breach, and never cuts a current block short. A tier that
+    /// window applies from the next breach, and never moves a current block (kept as the
+    /// instant it ends, so instances that reload at different moments agree on it, and no
+    /// reload frees a key early). A tier that
     /// loses its box frees its keys, and one that changes kind or name starts afresh. On Redis
     /// slots and boxes are named by the policy, the key and the tier, so every instance of a
     /// fleet finds them whenever it reloads; each decides by its own configuration until then.
