@@ -642,11 +642,12 @@ async fn header_format_explain_missing_key_and_refund_on_are_applied() {
 
     // Refunds: a 503 gives the charge back, a 500 is not listed, a 4xx class is.
     let refunds = layer(&rule("refund_on = [\"503\", \"4xx\"]"));
+    // The headers say what is left after the refund.
     let res = call(&refunds, "k", b"", |_| StatusCode::SERVICE_UNAVAILABLE).await;
-    assert_eq!(header(&res, "ratelimit").unwrap(), r#""p";r=4;t=12"#);
+    assert_eq!(header(&res, "ratelimit").unwrap(), r#""p";r=5;t=0"#);
     drop(res.into_body().collect().await.unwrap());
     let res = call(&refunds, "k", b"", |_| StatusCode::NOT_FOUND).await;
-    assert_eq!(header(&res, "ratelimit").unwrap(), r#""p";r=4;t=12"#, "the 503 was refunded");
+    assert_eq!(header(&res, "ratelimit").unwrap(), r#""p";r=5;t=0"#, "the 503 was refunded");
     drop(res.into_body().collect().await.unwrap());
     let res = call(&refunds, "k", b"", |_| StatusCode::INTERNAL_SERVER_ERROR).await;
     assert_eq!(header(&res, "ratelimit").unwrap(), r#""p";r=4;t=12"#, "the 404 was refunded");
@@ -821,8 +822,9 @@ proptest! {
 }
 
 /// `on_stream` read from the file meters response bytes as they stream: policed, a gRPC
-/// response past its tier ends with `RESOURCE_EXHAUSTED` trailers instead of its data; the
-/// default settles when the body ends. A bad mode is refused at its place.
+/// response past its tier ends with `RESOURCE_EXHAUSTED` trailers instead of its data, as it
+/// does by default (the rule polices); `settle` settles when the body ends. A bad mode is
+/// refused at its place.
 #[tokio::test]
 async fn on_stream_from_the_file_polices_a_grpc_response() {
     let text = |extra: &str| {
@@ -831,7 +833,7 @@ async fn on_stream_from_the_file_polices_a_grpc_response() {
         )
     };
     for (extra, policed) in
-        [("", false), ("on_stream = \"settle\"", false), ("on_stream = \"police\"", true)]
+        [("", true), ("on_stream = \"settle\"", false), ("on_stream = \"police\"", true)]
     {
         let layer = layer(&text(extra));
         let svc = layer.layer(service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
