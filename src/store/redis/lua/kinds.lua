@@ -143,11 +143,11 @@ end
 -- Those functions, in one table: a function that may call them captures it alone (each local
 -- a function captures is found and kept apart per call).
 local K = {}
+local C = doubles(ARGV[3])
 -- Penalty boxes live in keys of their own (boxes.lua): its functions for a batch with boxes.
 for _, pol in ipairs(POL) do
-  if pol.npen > 0 and not K.box then K.box = boxes() end
+  if pol.npen > 0 and not K.box then K.box = boxes(C, POL) end
 end
-local C = doubles(ARGV[3])
 -- Every key's stored value (see `stored`), read once the batch knows which keys it loads.
 local STORED = nil
 local cache, order = {}, {}
@@ -828,8 +828,8 @@ local function load(k, pol)
     end
     st.cal = cal
   end
-  -- The penalty boxes, from their own keys (boxes.lua).
-  if pol.npen > 0 then K.box.load(st, k, pol) end
+  -- The penalty boxes, from their own keys, per record (boxes.lua).
+  if pol.npen > 0 then st.pen = {} end
   local rate_tiers, tiers = {}, pol.tiers
   for t = 1, pol.n do
     local tier = tiers[t]
@@ -1380,6 +1380,7 @@ while i <= #C do
       cache[name] = st
       order[#order + 1] = st
     end
+    if st.pen then K.box.enter(st) end
     if op == 1 then
       check(st, i)
     elseif op == 2 then
@@ -1389,6 +1390,7 @@ while i <= #C do
     else
       K.refresh(st, i)
     end
+    if st.pen then K.box.leave(st) end
   end
   i = i + C[i + 3]
 end
@@ -1396,8 +1398,8 @@ end
 -- Write every changed state back, with a TTL equal to what it needs.
 -- A settlement that changed nothing stored (a refund to a window that ended) still moves the
 -- guard, as in memory.
+if K.box then K.box.save() end
 for _, st in ipairs(order) do
-  if st.pen then K.box.save(st) end
   if st.dirty or st.charged then
     local pol = st.pol
     local ttl = 0
