@@ -686,7 +686,7 @@ mod tests {
             ConfigError::ZeroCount { tier: "c".into() }
         );
         assert!(matches!(
-            err(p().concurrency("c", Concurrency::new(2).with_lease(Duration::ZERO))),
+            err(p().concurrency("c", Concurrency::new(2).with_ttl(Duration::ZERO))),
             ConfigError::LeaseOutOfRange { tier, .. } if tier == "c"
         ));
         assert_eq!(
@@ -712,7 +712,7 @@ mod tests {
         let mixed = Policy::builder("p")
             .tier("a", Quota::per_second(10))
             .calendar("y", Calendar::per_year(1000))
-            .concurrency("c", Concurrency::new(3).with_lease(Duration::from_secs(86_400 * 365)))
+            .concurrency("c", Concurrency::new(3).with_ttl(Duration::from_secs(86_400 * 365)))
             .build()
             .unwrap();
         assert_eq!(mixed.precision(), Duration::from_nanos(1));

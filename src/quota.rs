@@ -224,11 +224,11 @@ pub enum Unit {
     /// Bytes of the request body: its `Content-Length` when the request has one; otherwise one
     /// unit at admission, settled at the bytes counted while the body streams (or, with a
     /// layer's [`StreamMode::Shape`](crate::StreamMode::Shape) or
-    /// [`Police`](crate::StreamMode::Police), charged in leases as the body streams, the
+    /// [`Police`](crate::StreamMode::Police), charged in grants as the body streams, the
     /// stream paused or stopped when the tier runs out).
     RequestBytes,
     /// Bytes of the response body: one unit at admission, settled at the bytes sent (or
-    /// charged in leases as they are sent, as for [`RequestBytes`](Self::RequestBytes)).
+    /// charged in grants as they are sent, as for [`RequestBytes`](Self::RequestBytes)).
     ResponseBytes,
     /// A cost the handler reports (for example the tokens an LLM call used): one unit at
     /// admission, settled at what the handler reports.
@@ -238,8 +238,8 @@ pub enum Unit {
     /// streams of its key). With a layer's [`StreamMode::Shape`](crate::StreamMode::Shape) or
     /// [`Police`](crate::StreamMode::Police), the messages of a gRPC call's request body are
     /// counted as they stream (each length-prefixed message of gRPC over HTTP/2, read from its
-    /// 5-byte prefix, the payload never decoded) and charged in leases of at most
-    /// [`MESSAGE_LEASE`](crate::StreamMode::MESSAGE_LEASE) messages, the stream paused or stopped when the
+    /// 5-byte prefix, the payload never decoded) and charged in grants of at most
+    /// [`MESSAGE_GRANT`](crate::StreamMode::MESSAGE_GRANT) messages, the stream paused or stopped when the
     /// tier runs out (the default: as the layer decides requests). Under
     /// [`StreamMode::Settle`](crate::StreamMode::Settle) a gRPC call is charged one message
     /// at admission and settled at the messages counted when its response ends. The Text and Binary messages a WebSocket receives are counted
@@ -267,7 +267,7 @@ impl Unit {
 }
 
 /// The default lease of a concurrency slot on a shared store: 30 s (see
-/// [`Concurrency::with_lease`]).
+/// [`Concurrency::with_ttl`]).
 pub(crate) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
 /// The default typical hold of a concurrency slot before any has been observed: 1 s (see
@@ -283,9 +283,9 @@ pub(crate) const MIN_HOLD: Duration = Duration::from_millis(1);
 /// all or nothing) and given back when the holder releases it
 /// ([`Reservation::release`](crate::Reservation::release), or by dropping the reservation).
 ///
-/// On a shared store (Redis) a slot is a **lease**: it expires [`lease`](Self::lease) after it
-/// was taken or last refreshed, so that slots held by an app server that crashed come back by
-/// themselves. Holders refresh every third of the lease
+/// On a shared store (Redis) a slot has a **time to live**: it expires [`ttl`](Self::ttl) after
+/// it was taken or last refreshed, so that slots held by an app server that crashed come back
+/// by themselves. Holders refresh every third of it
 /// ([`Reservation::refresh`](crate::Reservation::refresh), or
 /// [`Reservation::hold`](crate::Reservation::hold), which does it for them). In memory a slot
 /// lives exactly as long as its holder (the process cannot crash without it).
@@ -299,7 +299,7 @@ pub(crate) const MIN_HOLD: Duration = Duration::from_millis(1);
 /// use tollgate::{Concurrency, Policy, Quota};
 ///
 /// let policy = Policy::builder("reports")
-///     .concurrency("in-flight", Concurrency::new(4).with_lease(Duration::from_secs(60)))
+///     .concurrency("in-flight", Concurrency::new(4).with_ttl(Duration::from_secs(60)))
 ///     .tier("hourly", Quota::per_hour(100))
 ///     .build()
 ///     .unwrap();
@@ -314,27 +314,37 @@ pub struct Concurrency {
 }
 
 impl Concurrency {
-    /// The default lease of a slot on a shared store: 30 s (see [`with_lease`](Self::with_lease)).
-    pub const DEFAULT_LEASE: Duration = DEFAULT_LEASE;
+    /// The default time to live of a slot on a shared store: 30 s (see
+    /// [`with_ttl`](Self::with_ttl)).
+    pub const DEFAULT_TTL: Duration = DEFAULT_LEASE;
 
     /// The default typical hold of a slot before any was observed: 1 s (see
     /// [`with_typical_hold`](Self::with_typical_hold)).
     pub const DEFAULT_TYPICAL_HOLD: Duration = DEFAULT_TYPICAL_HOLD;
 
     /// At most `max` requests in flight per key (a request takes one slot), with the default
-    /// lease ([`DEFAULT_LEASE`](crate::Concurrency::DEFAULT_LEASE)) and typical hold ([`DEFAULT_TYPICAL_HOLD`](crate::Concurrency::DEFAULT_TYPICAL_HOLD)).
+    /// time to live ([`DEFAULT_TTL`](Self::DEFAULT_TTL)) and typical hold
+    /// ([`DEFAULT_TYPICAL_HOLD`](Self::DEFAULT_TYPICAL_HOLD)).
     #[must_use]
     pub const fn new(max: u64) -> Self {
         Self { max, lease: DEFAULT_LEASE, typical_hold: DEFAULT_TYPICAL_HOLD }
     }
 
-    /// How long a slot on a shared store lasts without a refresh: at least 1 ms, at most
-    /// [`MAX_SPAN`](crate::Quota::MAX_SPAN) (checked when the policy is built; rounded up to milliseconds). Choose it
-    /// well above the time a refresh takes to arrive: holders refresh every third of it.
+    /// How long a slot on a shared store lasts without a refresh (its time to live): at least
+    /// 1 ms, at most [`MAX_SPAN`](crate::Quota::MAX_SPAN) (checked when the policy is built;
+    /// rounded up to milliseconds). Choose it well above the time a refresh takes to arrive:
+    /// holders refresh every third of it.
     #[must_use]
-    pub const fn with_lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+    pub const fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.lease = ttl;
         self
+    }
+
+    /// The former name of [`with_ttl`](Self::with_ttl).
+    #[deprecated(note = "renamed: Concurrency::with_ttl (a lease is a block of a key's budget)")]
+    #[must_use]
+    pub const fn with_lease(self, lease: Duration) -> Self {
+        self.with_ttl(lease)
     }
 
     /// The hold reported as `Retry-After` until a slot of the tier has been released (then the
@@ -351,7 +361,14 @@ impl Concurrency {
         self.max
     }
 
-    /// The lease of a slot on a shared store.
+    /// The time to live of a slot on a shared store.
+    #[must_use]
+    pub const fn ttl(&self) -> Duration {
+        self.lease
+    }
+
+    /// The former name of [`ttl`](Self::ttl).
+    #[deprecated(note = "renamed: Concurrency::ttl")]
     #[must_use]
     pub const fn lease(&self) -> Duration {
         self.lease
@@ -363,7 +380,7 @@ impl Concurrency {
         self.typical_hold
     }
 
-    /// How often a holder refreshes its lease: a third of it.
+    /// How often a holder refreshes its slot: a third of its time to live.
     #[must_use]
     pub const fn refresh_every(&self) -> Duration {
         Duration::from_nanos((self.lease.as_nanos() / 3) as u64)

@@ -299,7 +299,7 @@ fn tier(
             let max = t.max.ok_or_else(|| missing("max"))?;
             let mut limit = Concurrency::new(max.into_inner());
             if let Some(lease) = t.lease {
-                limit = limit.with_lease(lease.into_inner().0);
+                limit = limit.with_ttl(lease.into_inner().0);
             }
             if let Some(hold) = t.typical_hold {
                 limit = limit.with_typical_hold(hold.into_inner().0);

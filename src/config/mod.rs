@@ -176,7 +176,7 @@
 //!     .concurrency(
 //!         "in-flight",
 //!         Concurrency::new(4)
-//!             .with_lease(Duration::from_secs(60))
+//!             .with_ttl(Duration::from_secs(60))
 //!             .with_typical_hold(Duration::from_secs(2)),
 //!     )
 //!     .tier("upload-bytes", Quota::per_second(1_000_000).counting(Unit::RequestBytes))

@@ -29,7 +29,7 @@ pin_project! {
     /// A body and the meters of the layers that observe it, innermost first: the one type
     /// behind [`RequestBody`] and [`ResponseBody`]. A request's frames cannot be cut (their
     /// data is any `Buf`): each waits, whole, until every gate has room
-    /// ([`poll_whole`](Self::poll_whole)). A response's frames are cut to their leases, each
+    /// ([`poll_whole`](Self::poll_whole)). A response's frames are cut to their grants, each
     /// meter reading what the meters inside it let out ([`poll_cut`](Self::poll_cut)).
     pub(crate) struct Metered<B> {
         #[pin]
@@ -89,7 +89,7 @@ pin_project! {
     /// per frame, and nothing is allocated for a request that is not counted. Under a layer
     /// metering streams ([`StreamMode::Shape`](crate::StreamMode::Shape),
     /// [`Police`](crate::StreamMode::Police)), the next frame of such a body waits for the
-    /// tier's next lease: its frames, errors and end are still the body's own, delivered
+    /// tier's next grant: its frames, errors and end are still the body's own, delivered
     /// later, and a body stopped by policing yields nothing more (the layer answers in the
     /// handler's place). Under tiers counting [`Unit::RequestMessages`](crate::Unit), the
     /// gRPC messages of a call's body are counted from their 5-byte prefixes as the frames
@@ -163,7 +163,7 @@ impl<B> RequestBody<B> {
         meter.signal.get_or_insert(signal);
     }
 
-    /// Meters the gRPC messages of the data frames from now on with `gate` (a lease of
+    /// Meters the gRPC messages of the data frames from now on with `gate` (a grant of
     /// messages, or a tally), telling `signal` when policing stops the body.
     pub(crate) fn gate_messages(&mut self, gate: Box<dyn Gate>, signal: Arc<Signal>) {
         let meter = self.metered.own_meter();
@@ -226,12 +226,17 @@ impl<B: Body> Metered<B> {
         let Some(meters) = this.meters.as_deref_mut() else { return this.body.poll_frame(cx) };
         if !this.body.is_end_stream() {
             for meter in meters.iter_mut() {
-                // Stopped by policing: nothing more is read (the layer answers, or ends a
-                // gRPC response, in the handler's place).
+                // Stopped by policing: nothing more reaches the handler (the layer answers, or
+                // ends a gRPC response, in its place); the rest is read off and dropped when
+                // the layer asks (an HTTP/1 upload it answered).
                 if meter.stopped {
-                    return Poll::Pending;
+                    let signal = meter.signal.as_deref().filter(|s| s.lingers());
+                    return match signal {
+                        Some(signal) => read_off(this.body, signal, cx),
+                        None => Poll::Pending,
+                    };
                 }
-                // Within the lease (most frames): nothing to poll. A refusal stops the body
+                // Within the grant (most frames): nothing to poll. A refusal stops the body
                 // at its next data frame: its end is never refused.
                 let gate = meter.bytes.as_mut().filter(|gate| gate.ready() == 0);
                 if let (Some(gate), None) = (gate, &meter.refused_bytes) {
@@ -241,7 +246,7 @@ impl<B: Body> Metered<B> {
                         Poll::Ready(Err(why)) => meter.refused_bytes = Some(why),
                     }
                 }
-                // Messages: a refused lease stops the stream at the next message only.
+                // Messages: a refused grant stops the stream at the next message only.
                 if meter.refused.is_some() {
                     continue;
                 }
@@ -302,6 +307,21 @@ impl<B: Body> Metered<B> {
     }
 }
 
+/// Reads a stopped body's frames off and drops them, telling `signal` when it ended: the
+/// handler sees none of them (it waits for ever, until the layer drops it).
+fn read_off<B: Body, T>(mut body: Pin<&mut B>, signal: &Signal, cx: &mut Context<'_>) -> Poll<T> {
+    loop {
+        match body.as_mut().poll_frame(cx) {
+            Poll::Ready(Some(Ok(_))) => {}
+            Poll::Ready(_) => {
+                signal.drained();
+                return Poll::Pending;
+            }
+            Poll::Pending => return Poll::Pending,
+        }
+    }
+}
+
 /// A request body stopped by policing: nothing more is read, and the layer is told.
 fn stop_whole<T>(meter: &mut Meter, why: Stopped) -> Poll<T> {
     meter.stopped = true;
@@ -336,13 +356,13 @@ pin_project! {
     /// request body until then (a request with a valid `Content-Length` was charged it at
     /// admission); tiers counting [`Usage`](crate::Usage), what the handler reported. The
     /// units charged at admission are replaced by these counts (given back where they are
-    /// fewer), and a body metered as it streams gives back the unused part of its last lease
+    /// fewer), and a body metered as it streams gives back the unused part of its last grant
     /// when it is dropped (see [`StreamMode`](crate::StreamMode)). A request body that
     /// finishes, is abandoned or is dropped settles nothing itself: what it handed on is
-    /// settled when the response body ends, and its leases give back their unused part when
+    /// settled when the response body ends, and its grants give back their unused part when
     /// it is dropped. A response whose status gives the charge back settles every such tier
     /// at nothing instead. A request whose handler fails or panics, or that is dropped
-    /// before its response, keeps its admission charge, less the tiers metered by leases,
+    /// before its response, keeps its admission charge, less the tiers metered by grants,
     /// which are charged what streamed.
     pub struct ResponseBody<B> {
         #[pin]
@@ -563,9 +583,9 @@ impl<S: Body<Data = Bytes>> Below<'_, S> {
     }
 }
 
-/// A response body metered as it streams: each data frame waits for its lease (cut to what
-/// the lease covers, the rest kept for the next call; with message tiers, cut before the
-/// prefix of the first message past the lease), and a gRPC response ends with
+/// A response body metered as it streams: each data frame waits for its grant (cut to what
+/// the grant covers, the rest kept for the next call; with message tiers, cut before the
+/// prefix of the first message past the grant), and a gRPC response ends with
 /// `RESOURCE_EXHAUSTED` trailers when policing stops its request or its response.
 fn poll_streamed<S>(
     meter: &mut Meter,
@@ -601,11 +621,11 @@ where
         }
     }
     let rest = meter.rest.len() as u64;
-    // What may pass: the bytes the byte tiers' lease covers, cut at the message past the
-    // message tiers' lease.
+    // What may pass: the bytes the byte tiers' grant covers, cut at the message past the
+    // message tiers' grant.
     let mut room = rest;
     if let Some(gate) = meter.bytes.as_mut() {
-        // Within the lease (most frames): a comparison, no size hint, no poll.
+        // Within the grant (most frames): a comparison, no size hint, no poll.
         let mut bytes = gate.ready();
         if bytes == 0 {
             let remaining = body.size_hint().exact().map(|left| left.saturating_add(rest));
@@ -639,8 +659,8 @@ where
 }
 
 /// How much of the first `take` bytes of a response's pending data may pass as its message
-/// tiers' lease says: cut at the start of the first message past it (bytes that end no
-/// prefix, a payload's rest, pass without a lease). All of them without message tiers.
+/// tiers' grant says: cut at the start of the first message past it (bytes that end no
+/// prefix, a payload's rest, pass without a grant). All of them without message tiers.
 fn cut_at_messages(
     meter: &mut Meter,
     take: usize,
@@ -650,7 +670,7 @@ fn cut_at_messages(
     let window = &meter.rest[..take];
     let mut scan = framer.scan(window, 0);
     if scan.bytes < window.len() {
-        // The messages this frame starts: what the lease may cover at once.
+        // The messages this frame starts: what the grant may cover at once.
         let want = framer.scan(window, u64::MAX).messages.max(1);
         match gate.poll_room(cx, None, want) {
             Poll::Pending => return Poll::Pending,

@@ -67,15 +67,19 @@ pub(super) fn unread_body<B>(req: &Request<B>) -> bool {
             .is_some_and(|v| declared(v).is_none_or(|n| n > DRAINED))
 }
 
+/// Whether a refused request's body is read off: not when it expects `100 Continue` (a client
+/// that waits for it sends no body, and reading would ask for it).
+pub(super) fn reads_off<B>(req: &Request<B>) -> bool {
+    !req.headers()
+        .get(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
+}
+
 /// Reads `req`'s body off and drops it, for at most [`LINGER`], on a task of its own; not for
 /// a request that expects `100 Continue`, nor without a tokio runtime.
 fn linger<B: Body + Send + 'static>(req: Request<B>) {
-    let expects = req
-        .headers()
-        .get(header::EXPECT)
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
     let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
-    if expects {
+    if !reads_off(&req) {
         return;
     }
     let body = req.into_body();

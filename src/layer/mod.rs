@@ -38,6 +38,7 @@ mod stream;
 pub(crate) mod websocket;
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,12 +49,13 @@ use tower_layer::Layer;
 
 pub use body::{RequestBody, ResponseBody};
 pub use future::ResponseFuture;
+#[allow(deprecated)]
 pub use lean::{LeanFuture, LeanLayer, LeanRateLimit};
 pub use meter::Usage;
 pub use observe::{DecisionEvent, LogKeys, Observed};
 pub use scope::Unselected;
-pub use service::RateLimit;
-pub use stream::{MESSAGE_LEASE, STREAM_LEASE, StreamMode};
+pub use service::{Bodies, Lean, Metered, RateLimit};
+pub use stream::{MESSAGE_GRANT, STREAM_GRANT, StreamMode};
 
 use observe::{Failing, HookFn, MissingKeys, Observer};
 use scope::{Added, Condition, Scope, ScopeBuilder};
@@ -301,17 +303,19 @@ impl Default for Settings {
 /// assert_eq!(second.headers()["retry-after"], "60");
 /// # }
 /// ```
-pub struct RateLimitLayer<K = PeerIp, St: Store = MemoryStore> {
+pub struct RateLimitLayer<K = PeerIp, St: Store = MemoryStore, B = Metered> {
     config: Arc<Config<K, St>>,
+    /// How its service carries bodies: [`Metered`], or [`Lean`] (see [`Bodies`]).
+    bodies: PhantomData<fn() -> B>,
 }
 
-impl<K, St: Store> Clone for RateLimitLayer<K, St> {
+impl<K, St: Store, B> Clone for RateLimitLayer<K, St, B> {
     fn clone(&self) -> Self {
-        Self { config: Arc::clone(&self.config) }
+        Self { config: Arc::clone(&self.config), bodies: PhantomData }
     }
 }
 
-impl<K, St: Store> fmt::Debug for RateLimitLayer<K, St> {
+impl<K, St: Store, B> fmt::Debug for RateLimitLayer<K, St, B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayer")
             .field("policy", &self.config.limiter.policy().name())
@@ -345,7 +349,7 @@ impl<St: Store> RateLimitLayer<PeerIp, St> {
     }
 }
 
-impl<K, St: Store> RateLimitLayer<K, St> {
+impl<K, St: Store, B> RateLimitLayer<K, St, B> {
     /// The limiter the layer decides through: that of the policy the builder started with.
     #[must_use]
     pub fn limiter(&self) -> &Limiter<St> {
@@ -360,8 +364,8 @@ impl<K, St: Store> RateLimitLayer<K, St> {
     }
 }
 
-impl<S, K, St: Store> Layer<S> for RateLimitLayer<K, St> {
-    type Service = RateLimit<S, K, St>;
+impl<S, K, St: Store, B> Layer<S> for RateLimitLayer<K, St, B> {
+    type Service = RateLimit<S, K, St, B>;
 
     fn layer(&self, inner: S) -> Self::Service {
         RateLimit::new(inner, Arc::clone(&self.config))
@@ -896,6 +900,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         let limiters = std::iter::once(&limiter).chain(others);
         let plans = limiters.map(|l| plan::Plan::new(&settings, l)).collect();
         Ok(RateLimitLayer {
+            bodies: PhantomData,
             config: Arc::new(Config {
                 limiter,
                 key: self.key,

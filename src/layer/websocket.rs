@@ -1,6 +1,6 @@
 //! WebSocket messages as a tier's unit: the layer cannot see the frames of an upgraded
 //! connection, so it hands the handler a [`MessageBudget`] that meters the socket the
-//! handler wraps with it, in the same leases as the messages of a gRPC stream.
+//! handler wraps with it, in the same grants as the messages of a gRPC stream.
 
 use std::fmt;
 use std::pin::Pin;
@@ -19,7 +19,7 @@ use http::StatusCode;
 use smallvec::SmallVec;
 
 use super::meter::Finish;
-use super::stream::{Gate, Leases, Stopped, StreamMode, Tally};
+use super::stream::{Gate, Grants, Stopped, StreamMode, Tally};
 use crate::key::Key;
 use crate::limiter::Limiter;
 use crate::quota::{Priority, Unit};
@@ -123,9 +123,9 @@ impl Drop for Linger {
 /// The upgrade request itself is admitted as a unary call is, and charged one message each
 /// way (a key that has spent its tier gets a `429` to the upgrade); those are the first
 /// message each way on the socket. The messages then share the
-/// key's budget with its unary calls and its other sockets, and are charged in leases of at
-/// most [`MESSAGE_LEASE`](crate::StreamMode::MESSAGE_LEASE) (16) messages, exactly as a gRPC stream's;
-/// the unused part of the last lease is given back when the socket is dropped. The socket is
+/// key's budget with its unary calls and its other sockets, and are charged in grants of at
+/// most [`MESSAGE_GRANT`](crate::StreamMode::MESSAGE_GRANT) (16) messages, exactly as a gRPC stream's;
+/// the unused part of the last grant is given back when the socket is dropped. The socket is
 /// metered as the layer decides requests (see [`StreamMode`]); what happens when a tier has no
 /// room for the next message:
 ///
@@ -134,7 +134,7 @@ impl Drop for Linger {
 ///   [`poll_ready`](Sink::poll_ready) (and [`MeteredWebSocket::send`]) waits.
 /// - [`StreamMode::Police`]: the socket sends a Close frame with code 1008 (policy violation,
 ///   RFC 6455 §7.4.1) and the reason `rate limited; retry-after=N`, `N` being the seconds
-///   (rounded up, at least 1) until the tier has room for the lease it refused, then ends
+///   (rounded up, at least 1) until the tier has room for the grant it refused, then ends
 ///   (see [`MeteredWebSocket`]). The message past the budget is not delivered, so the
 ///   handler receives (and the client receives) exactly the messages the tier admits.
 /// - [`StreamMode::Settle`], and a [dry run](crate::RateLimitLayerBuilder::dry_run): the
@@ -147,7 +147,7 @@ impl Drop for Linger {
 /// describes a server-side condition, and is what a socket gets when the store cannot decide
 /// and the layer fails closed
 /// ([`on_store_error`](crate::RateLimitLayerBuilder::on_store_error)); failing open lets the
-/// lease through uncharged.
+/// grant through uncharged.
 ///
 /// The upgrade request is held until its socket ends: when the `101` response has been sent
 /// and the budget and every [`MeteredWebSocket`] wrapped with it are dropped. A
@@ -228,7 +228,7 @@ impl MessageBudget {
                 let counted = if unit == Unit::RequestMessages { received } else { sent };
                 return Some(Box::new(Tally(Arc::clone(counted))) as Box<dyn Gate>);
             }
-            let gate = Leases::new(&limiter, key.clone(), priority, unit, mode, fail_open);
+            let gate = Grants::new(&limiter, key.clone(), priority, unit, mode, fail_open);
             // The upgrade was charged one message each way at admission.
             Some(Box::new(gate.prepaid(1)) as Box<dyn Gate>)
         };
@@ -403,8 +403,8 @@ impl BudgetSpent {
         self.unit
     }
 
-    /// How long until the tier has room for the lease it refused (at most
-    /// [`MESSAGE_LEASE`](crate::StreamMode::MESSAGE_LEASE) messages); `None` when that lease can never
+    /// How long until the tier has room for the grant it refused (at most
+    /// [`MESSAGE_GRANT`](crate::StreamMode::MESSAGE_GRANT) messages); `None` when that grant can never
     /// fit, or when the store could not decide.
     #[must_use]
     pub fn retry_after(&self) -> Option<Duration> {
@@ -419,7 +419,7 @@ impl BudgetSpent {
     }
 
     /// The Close frame that tells the client: 1008 and `rate limited; retry-after=N` (whole
-    /// seconds rounded up, at least 1; `rate limited` alone when the lease can never fit), or
+    /// seconds rounded up, at least 1; `rate limited` alone when the grant can never fit), or
     /// 1013 and `rate limit unavailable`.
     fn close_frame(&self) -> CloseFrame {
         if self.unavailable {
@@ -479,7 +479,7 @@ enum State {
 /// sent is dropped, and that send fails with [`BudgetSpent`], as every send after it does.
 /// To close gracefully after a refused send, keep receiving until `None`.
 ///
-/// Dropping the socket gives back the unused part of each direction's last lease.
+/// Dropping the socket gives back the unused part of each direction's last grant.
 pub struct MeteredWebSocket {
     socket: WebSocket,
     receiving: Option<Box<dyn Gate>>,
@@ -490,7 +490,7 @@ pub struct MeteredWebSocket {
     outgoing: Option<Message>,
     state: State,
     spent: Option<BudgetSpent>,
-    /// Last: the leases above are settled before the requests are finished.
+    /// Last: the grants above are settled before the requests are finished.
     _parts: Vec<Arc<Part>>,
 }
 
@@ -764,7 +764,7 @@ mod tests {
         // Never 0: a client told to retry at once would be refused again.
         let frame = spent(Some(Duration::ZERO), false).close_frame();
         assert_eq!(frame.reason.as_str(), "rate limited; retry-after=1");
-        // A lease that can never fit has no wait to tell.
+        // A grant that can never fit has no wait to tell.
         let frame = spent(None, false).close_frame();
         assert_eq!((frame.code, frame.reason.as_str()), (1008, "rate limited"));
         // The store could not decide, failing closed: try again later.

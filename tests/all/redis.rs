@@ -131,7 +131,7 @@ impl Trace {
         for (i, extra) in self.extra.iter().enumerate() {
             let name = format!("x{i}");
             b = match *extra {
-                Extra::Slots(n) => b.concurrency(name, Concurrency::new(n).with_lease(TRACE_LEASE)),
+                Extra::Slots(n) => b.concurrency(name, Concurrency::new(n).with_ttl(TRACE_LEASE)),
                 Extra::Calendar(count, period, zone) => {
                     let period = [
                         CalendarPeriod::Minute,
@@ -639,7 +639,7 @@ async fn standalone_admits_exactly_100_of_1000_concurrent_on_one_connection() {
 /// test only on New Year's Eve at midnight), a rate counting bytes, both with a concurrency tier
 /// that never fills up, and a concurrency tier of 100 slots nobody releases.
 fn kinds_policies() -> Vec<Policy> {
-    let slots = || Concurrency::new(1000).with_lease(Duration::from_secs(600));
+    let slots = || Concurrency::new(1000).with_ttl(Duration::from_secs(600));
     vec![
         Policy::builder("conc-calendar")
             .calendar("year", Calendar::per_year(100))
@@ -652,7 +652,7 @@ fn kinds_policies() -> Vec<Policy> {
             .build()
             .unwrap(),
         Policy::builder("conc-held")
-            .concurrency("slots", Concurrency::new(100).with_lease(Duration::from_secs(600)))
+            .concurrency("slots", Concurrency::new(100).with_ttl(Duration::from_secs(600)))
             .build()
             .unwrap(),
     ]
@@ -748,7 +748,7 @@ const API_KEY: &str = "sk_live_SECRET";
 /// One policy per algorithm with two rate tiers, and one per algorithm with a concurrency and
 /// a calendar tier beside its rate (sliding-log sets, lease sets and calendar windows).
 fn secret_policies() -> Vec<Policy> {
-    let lease = Concurrency::new(5).with_lease(Duration::from_secs(600));
+    let lease = Concurrency::new(5).with_ttl(Duration::from_secs(600));
     let mut out = Vec::new();
     for algorithm in Algorithm::ALL {
         let plain = Policy::builder(format!("plain-{}", algorithm.name()))
@@ -1450,7 +1450,7 @@ async fn a_stale_ticket_cannot_cancel_a_later_entry() {
 
 fn slots_policy(name: &str, max: u64, lease: Duration) -> Policy {
     Policy::builder(name)
-        .concurrency("in-flight", Concurrency::new(max).with_lease(lease))
+        .concurrency("in-flight", Concurrency::new(max).with_ttl(lease))
         .build()
         .unwrap()
 }

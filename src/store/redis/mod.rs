@@ -61,7 +61,7 @@ const DEFAULT_LOCAL_REFUSALS: usize = 4096;
 ///   algorithm's): still one call, all tiers or none. A concurrency slot is a **lease**, one
 ///   member of a sorted set per slot (`...}:c:{tier}` per tier) scored by its expiry; expired
 ///   leases are dropped before counting, so slots of an app server that crashed come back
-///   after their [lease](crate::Concurrency::with_lease) (default 30 s). Holders refresh them
+///   after their [lease](crate::Concurrency::with_ttl) (default 30 s). Holders refresh them
 ///   every third of the lease ([`Reservation::hold`](crate::Reservation::hold) does). A request
 ///   waiting for a slot polls, every 2 ms to 100 ms. Calendar windows are computed here (Lua has
 ///   no time zone data) and sent with each check: those from 60 s before this process's clock
