@@ -304,7 +304,7 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// | state | [`MemoryStore`] | `RedisStore` |
     /// |---|---|---|
     /// | a rate tier (every algorithm) or calendar tier, whatever unit it counts (requests, bytes, messages, reported units) | kept if the tier is unchanged (quota, calendar, reserve; its penalty box aside) under the same time unit and, for a rate tier, algorithm; else started as `carry` says ([`Carry`]) | kept if the algorithm, the time unit and each rate and calendar tier's count, period, burst, calendar and reserve are unchanged, in order (the state key's fingerprint); else every one starts full |
-    /// | slots held by a concurrency tier | kept, whatever its `max` or lease, if `old` is its policy's only binding | kept |
+    /// | slots held by a concurrency tier | kept, whatever its `max` or time to live, if `old` is its policy's only binding | kept |
     /// | a penalty box: the block and the breaches counted | kept if the tier of that name still has a box | kept, as in memory |
     /// | blocks leased by this process (lease mode, `Lease`) | — | kept if the state keys and every tier's parameters are unchanged (a tier renamed) |
     ///

@@ -6,7 +6,7 @@
 //! - a rate or calendar tier whose definition did not change (its penalty box aside), under
 //!   the same time unit and, for a rate tier, algorithm: its state as it is; another one
 //!   starts as the [`Carry`] says;
-//! - a concurrency tier (whatever its `max` or lease): the slots held, which their holders
+//! - a concurrency tier (whatever its `max` or time to live): the slots held, which their holders
 //!   give back to the new binding;
 //! - a penalty box (a rate or calendar tier that has one in both): the block and the breaches
 //!   counted, as instants (so a block ends when it was going to, whatever the new length).

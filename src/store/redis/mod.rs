@@ -285,7 +285,7 @@ impl RedisPolicy {
     /// `{prefix}{{policy}|#{hash}}:{fingerprint}`, with the keyed hash of `key` (see
     /// [`RedisStoreBuilder::key_secret`]), or with the key itself under
     /// [`raw_keys`](RedisStoreBuilder::raw_keys). Sliding-log policies also use `{this}:z1`,
-    /// `{this}:z2`, ... per rate tier; a concurrency tier keeps its leases, and a penalty box
+    /// `{this}:z2`, ... per rate tier; a concurrency tier keeps its slots, and a penalty box
     /// its block, under the same name less `:{fingerprint}`, plus `:c:{tier}` or `:p:{tier}`.
     ///
     /// ```
