@@ -349,6 +349,42 @@ async fn breaches<St: Store>(store: St, clock: &FakeClock) {
     assert!(once().await.is_allowed(), "no box: only the tier decides");
 }
 
+/// A request waiting (shaping) for a slot through the configuration a reload replaced is woken
+/// by the releases of the new one's holders, which count on the same slots. (Before, it was
+/// woken by the replaced binding's releases alone: only its polling, every 100 ms, found the
+/// slot the new one's holder freed.)
+#[tokio::test(start_paused = true)]
+async fn a_request_waiting_for_a_slot_across_a_reload_is_woken_by_the_new_configuration() {
+    use tollgate::clock::TokioClock;
+    let store = MemoryStore::builder().clock(TokioClock::new()).build().unwrap();
+    let layer = LimitsLayer::with_store(config(&slots(1)), store).unwrap();
+    let handle = layer.handle();
+    let key = Key::text("waiting");
+    let v1 = limiter(&handle);
+    let first = v1.reserve(&key, 1).await.unwrap();
+    assert!(first.decision().is_allowed());
+    let waiter = tokio::spawn({
+        let key = key.clone();
+        async move {
+            let check = Check::new(&key, 1).shape(Duration::from_secs(60));
+            let r = v1.reserve_with(check).await.unwrap();
+            (r.decision().is_allowed(), tokio::time::Instant::now())
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    reload(&handle, &slots(2));
+    let second = limiter(&handle).reserve(&key, 1).await.unwrap();
+    assert!(second.decision().is_allowed(), "one of 2 free");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    first.release().await.unwrap();
+    // (Off the waiter's polling, every 100 ms from the first release.)
+    tokio::time::sleep(Duration::from_millis(1_050)).await;
+    assert!(!waiter.is_finished(), "the waiter's configuration allows 1, and 1 is held");
+    let released = tokio::time::Instant::now();
+    second.release().await.unwrap();
+    assert_eq!(waiter.await.unwrap(), (true, released));
+}
+
 #[tokio::test]
 async fn a_reload_keeps_what_each_kind_of_tier_keeps_in_memory() {
     let clock = FakeClock::new();

@@ -429,6 +429,17 @@ impl Carrying<'_> {
     }
 }
 
+/// The newest of the bindings that replaced `core` in reloads (`core` itself if none did): a
+/// request waiting through `core` for a slot waits for its releases, which hold the slots
+/// handed over (a release wakes its binding and every later one, see `Inner::settle`).
+pub(super) fn newest(core: &Arc<Core>) -> &Arc<Core> {
+    let mut core = core;
+    while let Some(next) = core.next.get() {
+        core = &next.core;
+    }
+    core
+}
+
 /// Adds the block and breaches of `from` (instants in units of `units.0` nanoseconds) to `to`
 /// (units of `units.1`): the later block, every breach. A block's end is rounded up, a
 /// breach's instant down, so that a change of unit never shortens a block.

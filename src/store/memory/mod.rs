@@ -746,13 +746,7 @@ impl Store for MemoryStore {
         bound: &MemoryPolicy,
         key: &Key,
     ) -> impl Future<Output = ()> + Send + 'static {
-        // A binding replaced in a reload waits for the releases of the newest one, which holds
-        // the slots it handed over (a release wakes its binding and every later one).
-        let mut core = &bound.core;
-        while let Some(next) = core.next.get() {
-            core = &next.core;
-        }
-        let core = Arc::clone(core);
+        let core = Arc::clone(carry::newest(&bound.core));
         let fp = bound.inner.fingerprint(key);
         // The epoch is read now, before the caller decides: a release between this call and
         // the first poll is not missed.

@@ -74,3 +74,44 @@ impl RedisStore {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::script::{
+        DEFAULT_KEY_SECRET, KeyNames, Prepared, derive_secret, hash_tag, key_parts, state_key,
+    };
+    use crate::key::Key;
+    use crate::policy::Policy;
+    use crate::quota::{Concurrency, Quota};
+
+    #[test]
+    fn concurrency_tiers_keep_their_sets_and_the_state_key_by_name() {
+        let policy = |max: u64, name: &str| {
+            Policy::builder("api")
+                .tier("a", Quota::per_minute(10))
+                .concurrency(name, Concurrency::new(max))
+                .build()
+                .unwrap()
+        };
+        let parts = |p: &Policy| key_parts("", p);
+        let keys = |p: &Policy| Prepared::new(p, 0).keys("p{api|k}:0123abcd".into());
+        // Another max keeps the state key and the set of slots; another name another set.
+        assert_eq!(parts(&policy(4, "c")), parts(&policy(8, "c")));
+        assert_eq!(keys(&policy(4, "c")), ["p{api|k}:0123abcd", "p{api|k}:c:c"]);
+        assert_eq!(keys(&policy(8, "c")), keys(&policy(4, "c")));
+        assert_eq!(keys(&policy(4, "in{flight}"))[1], "p{api|k}:c:in%7Bflight%7D");
+        // The rate tiers' quotas name the state key.
+        let faster = Policy::builder("api")
+            .tier("a", Quota::per_minute(20))
+            .concurrency("c", Concurrency::new(4))
+            .build()
+            .unwrap();
+        assert_ne!(parts(&faster), parts(&policy(4, "c")));
+        // The names beside a state key with a hashed key, as `state_key` makes it.
+        let names = KeyNames::Hashed(derive_secret(DEFAULT_KEY_SECRET));
+        let state = state_key(&key_parts("t:", &faster), &names, &Key::Global);
+        let set = &Prepared::new(&faster, 0).keys(state.clone())[1];
+        assert_eq!(set, &format!("{}:c:c", &state[..state.len() - 9]));
+        assert!(set.ends_with("}:c:c") && hash_tag(set) == hash_tag(&state));
+    }
+}
