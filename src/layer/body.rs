@@ -81,29 +81,8 @@ pin_project! {
     /// a boxed body, a user's own), with its frames, errors, end and size hint passed through
     /// unchanged.
     ///
-    /// Under a policy with a tier counting [`Unit::RequestBytes`](crate::Unit::RequestBytes),
-    /// a request without a valid `Content-Length` is charged the bytes of the data frames that
-    /// pass through this body as the handler reads them (settled once, when the response body
-    /// ends, by the rule both bodies share: see [`ResponseBody`]); a request with one is charged its
-    /// `Content-Length` at admission. No other work is done
-    /// per frame, and nothing is allocated for a request that is not counted. Under a layer
-    /// metering streams ([`StreamMode::Shape`](crate::StreamMode::Shape),
-    /// [`Police`](crate::StreamMode::Police)), the next frame of such a body waits for the
-    /// tier's next grant: its frames, errors and end are still the body's own, delivered
-    /// later, and a body stopped by policing yields nothing more (the layer answers in the
-    /// handler's place). Under tiers counting [`Unit::RequestMessages`](crate::Unit), the
-    /// gRPC messages of a call's body are counted from their 5-byte prefixes as the frames
-    /// pass (read in place, never copied nor decoded), and metered the same way.
-    ///
-    /// With a body-size limit, put tower-http's `RequestBodyLimitLayer` outside the rate limit
-    /// in the same `ServiceBuilder` (`ServiceBuilder::new().layer(limit).layer(rate_limit)`),
-    /// or use axum's `DefaultBodyLimit`: an upload over the limit then gets 413 and is charged
-    /// the bytes read (up to the limit and the frame that crossed it). A separate
-    /// `Router::layer` call between the two boxes the body once more, and axum's extractors
-    /// look for a length-limit error through two such boxes only (answering 400 beyond).
-    ///
-    /// axum's and tonic's routers take any body type, so nothing changes for them. A plain
-    /// hyper handler behind the layer names this type:
+    /// axum's and tonic's routers take any body type, so nothing changes for them; a plain
+    /// hyper handler behind the layer names this type.
     ///
     /// ```
     /// use std::convert::Infallible;
@@ -123,6 +102,32 @@ pin_project! {
     /// # let _ = svc;
     /// # Ok(()) }
     /// ```
+    ///
+    /// # How it works
+    ///
+    /// Under a policy with a tier counting [`Unit::RequestBytes`](crate::Unit::RequestBytes),
+    /// a request without a valid `Content-Length` is charged the bytes of the data frames that
+    /// pass through this body as the handler reads them (settled once, when the response body
+    /// ends, by the rule both bodies share: see [`ResponseBody`]); a request with one is
+    /// charged its `Content-Length` at admission. No other work is done per frame, and nothing
+    /// is allocated for a request that is not counted. Under a layer metering streams
+    /// ([`StreamMode::Shape`](crate::StreamMode::Shape),
+    /// [`Police`](crate::StreamMode::Police)), the next frame of such a body waits for the
+    /// tier's next grant: its frames, errors and end are still the body's own, delivered
+    /// later, and a body stopped by policing yields nothing more (the layer answers in the
+    /// handler's place). Under tiers counting
+    /// [`Unit::RequestMessages`](crate::Unit::RequestMessages), the gRPC messages of a call's
+    /// body are counted from their 5-byte prefixes as the frames pass (read in place, never
+    /// copied nor decoded), and metered the same way.
+    ///
+    /// # With a body-size limit
+    ///
+    /// With a body-size limit, put tower-http's `RequestBodyLimitLayer` outside the rate limit
+    /// in the same `ServiceBuilder` (`ServiceBuilder::new().layer(limit).layer(rate_limit)`),
+    /// or use axum's `DefaultBodyLimit`: an upload over the limit then gets 413 and is charged
+    /// the bytes read (up to the limit and the frame that crossed it). A separate
+    /// `Router::layer` call between the two boxes the body once more, and axum's extractors
+    /// look for a length-limit error through two such boxes only (answering 400 beyond).
     pub struct RequestBody<B> {
         #[pin]
         metered: Metered<B>,
@@ -336,6 +341,8 @@ pin_project! {
     /// [`Limits`](crate::config::Limits)): the inner service's body `B` unchanged, or the
     /// bytes of a response the layer made itself (a 429, a 503, a 400). No boxing either way,
     /// however many layers limited the request.
+    ///
+    /// # How a body ends
     ///
     /// Under a policy with concurrency tiers or tiers counting bytes, messages or reported
     /// units, the body also ends the request's hold. One rule ends every body the layer

@@ -20,31 +20,11 @@ use crate::store::Store;
 use crate::{TierKind, Unit};
 
 impl<K, St: Store> RateLimitLayer<K, St, Metered> {
-    /// This layer, lean: its service hands the inner service the request as it came (its own
-    /// body type, not [`RequestBody`](crate::RequestBody)) and answers with the inner
-    /// service's own response body type (not [`ResponseBody`](crate::layer::ResponseBody)), building
-    /// its refusals from their bytes (`ResB: From<Bytes>`, as axum's `Body` and
-    /// `http_body_util::Full<Bytes>` are). tonic's `tonic::body::Body`, hyper's `Incoming` and
-    /// boxed or compressed bodies are not `From<Bytes>`: put the lean layer where the inner
-    /// service answers with axum's `Body` (any axum `Router::layer` or `route_layer`), and use
-    /// the layer itself for a tonic server.
-    ///
-    /// Same decisions, headers and refusals as the layer itself, sharing its state (its
-    /// store, keys, scope, observer, settings): a router that takes any body type boxes a
-    /// foreign body into its own once more on the way in and once more on the way out (axum's
-    /// `Route` does), which a policy that observes no body need not pay for.
-    ///
-    /// Only for policies that observe no body while a request runs: every tier a rate or a
-    /// calendar window counting requests (at a fixed or computed cost, settled or refunded
-    /// from the response head as usual). A layer whose policies (its own and those added
-    /// with [`policy`](crate::RateLimitLayerBuilder::policy) for a selector) all qualify
-    /// can be made lean. A lean layer never collects headers for an outer one (the rules of a
-    /// configuration file use the layer itself).
-    ///
-    /// # Errors
-    /// [`ConfigError::ObservesBody`], naming the policy and the tier, when a policy has a
-    /// concurrency tier (its slots are held until the response ends) or a tier counting
-    /// request or response bytes, messages, or reported units.
+    /// This layer, lean: its service hands the inner service the request with its own body and
+    /// answers with the inner service's own response body, sparing a body wrapper each way. It
+    /// serves only policies that observe no body while a request runs
+    /// ([`ConfigError::ObservesBody`] otherwise), and inner services whose response body is
+    /// `From<Bytes>`, as axum's `Body` is.
     ///
     /// # Example
     /// ```
@@ -67,6 +47,33 @@ impl<K, St: Store> RateLimitLayer<K, St, Metered> {
     /// assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
     /// # }
     /// ```
+    ///
+    /// # How it works
+    ///
+    /// The lean service hands on the request's own body type (not
+    /// [`RequestBody`](crate::RequestBody)) and answers with the inner service's own response
+    /// body type (not [`ResponseBody`](crate::layer::ResponseBody)), building its refusals from
+    /// their bytes (`ResB: From<Bytes>`, as axum's `Body` and `http_body_util::Full<Bytes>`
+    /// are). tonic's `tonic::body::Body`, hyper's `Incoming` and boxed or compressed bodies are
+    /// not `From<Bytes>`: put the lean layer where the inner service answers with axum's `Body`
+    /// (any axum `Router::layer` or `route_layer`), and use the layer itself for a tonic server.
+    ///
+    /// Same decisions, headers and refusals as the layer itself, sharing its state (its
+    /// store, keys, scope, observer, settings): a router that takes any body type boxes a
+    /// foreign body into its own once more on the way in and once more on the way out (axum's
+    /// `Route` does), which a policy that observes no body need not pay for.
+    ///
+    /// Only for policies that observe no body while a request runs: every tier a rate or a
+    /// calendar window counting requests (at a fixed or computed cost, settled or refunded
+    /// from the response head as usual). A layer whose policies (its own and those added
+    /// with [`policy`](crate::RateLimitLayerBuilder::policy) for a selector) all qualify
+    /// can be made lean. A lean layer never collects headers for an outer one (the rules of a
+    /// configuration file use the layer itself).
+    ///
+    /// # Errors
+    /// [`ConfigError::ObservesBody`], naming the policy and the tier, when a policy has a
+    /// concurrency tier (its slots are held until the response ends) or a tier counting
+    /// request or response bytes, messages, or reported units.
     pub fn lean(&self) -> Result<RateLimitLayer<K, St, Lean>, ConfigError> {
         let config = &self.config;
         let others = config.scope.iter().flat_map(|scope| scope.others.iter());

@@ -104,10 +104,11 @@ where
     }
 }
 
-/// How a layer's service hands bodies on and back: [`Metered`] (the default) wraps them in
-/// the layer's own [`RequestBody`] and [`ResponseBody`] to meter them; [`Lean`] hands on the
+/// How a layer's service hands bodies on and back, a sealed type parameter of
+/// [`RateLimitLayer`](crate::RateLimitLayer). [`Metered`] (the default) wraps them in the
+/// layer's own [`RequestBody`] and [`ResponseBody`] to meter them, and [`Lean`] hands on the
 /// request's own body and answers with the inner service's own response body, for policies
-/// that observe no body ([`RateLimitLayer::lean`](crate::RateLimitLayer::lean)). Sealed.
+/// that observe no body ([`RateLimitLayer::lean`](crate::RateLimitLayer::lean)).
 ///
 /// ```
 /// use tollgate::layer::{Lean, Metered, RateLimitLayer};

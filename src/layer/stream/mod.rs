@@ -27,9 +27,10 @@ pub const STREAM_GRANT: u64 = 64 * 1024;
 /// The largest grant of messages a gRPC stream takes from the store at once: 16.
 ///
 /// A gRPC call (or a WebSocket metered through `tollgate::ws`, cargo feature `ws`) metered
-/// with [`StreamMode::Shape`] or [`StreamMode::Police`] under a tier
-/// counting [`Unit::RequestMessages`](crate::Unit::RequestMessages) or [`Unit::ResponseMessages`](crate::Unit::ResponseMessages) asks the store for this
-/// many messages (fewer when the tier's capacity is smaller, or, policing, when the tier has
+/// with [`StreamMode::Shape`] or [`StreamMode::Police`] under a tier counting
+/// [`Unit::RequestMessages`](crate::Unit::RequestMessages) or
+/// [`Unit::ResponseMessages`](crate::Unit::ResponseMessages) asks the store for this many
+/// messages (fewer when the tier's capacity is smaller, or, policing, when the tier has
 /// fewer left) when it has spent its previous grant: one store call per grant, never one per
 /// message. The part of the last grant the stream did not use is given back when it ends.
 pub const MESSAGE_GRANT: u64 = 16;
@@ -38,12 +39,12 @@ pub const MESSAGE_GRANT: u64 = 16;
 /// not reserved, and asked for again when the store says it would fit.
 pub(super) const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 
-/// How tiers counting bytes or messages meter what streams: a request body whose length was
-/// not charged at admission, every response body, and the messages of a gRPC call or a
-/// WebSocket. Without [`on_stream`](crate::RateLimitLayerBuilder::on_stream) it follows the
-/// layer: [`Police`](Self::Police) when the layer polices, [`Shape`](Self::Shape) when it
-/// [shapes](crate::RateLimitLayerBuilder::shape); [`Settle`](Self::Settle) is the choice for
-/// billing-style tiers that charge a body when it ends.
+/// How tiers counting bytes or messages meter what streams, in grants of at most
+/// [`STREAM_GRANT`](Self::STREAM_GRANT) bytes or [`MESSAGE_GRANT`](Self::MESSAGE_GRANT)
+/// messages. Unless [`on_stream`](crate::RateLimitLayerBuilder::on_stream) says otherwise it
+/// follows the layer, [`Police`](Self::Police) when the layer polices and
+/// [`Shape`](Self::Shape) when it [shapes](crate::RateLimitLayerBuilder::shape), while
+/// [`Settle`](Self::Settle) suits billing-style tiers that charge a body when it ends.
 ///
 /// ```
 /// use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};
@@ -63,9 +64,11 @@ pub(super) const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 ///
 /// # How it works
 ///
-/// With [`Shape`](Self::Shape) or [`Police`](Self::Police) the body is charged as its frames
-/// pass, in grants of at most [`STREAM_GRANT`] bytes (64 KiB) taken from the store when the
-/// previous one is spent: one store call per grant, never one per frame. The unit the request
+/// What streams is a request body whose length was not charged at admission, every response
+/// body, and the messages of a gRPC call or a WebSocket. With [`Shape`](Self::Shape) or
+/// [`Police`](Self::Police) the body is charged as its frames pass, in grants of at most
+/// [`STREAM_GRANT`] bytes (64 KiB) taken from the store when the previous one is spent: one
+/// store call per grant, never one per frame. The unit the request
 /// was charged at admission is given back when the body ends, and so is the part of the last
 /// grant it did not use (a body dropped unfinished included).
 ///
@@ -97,8 +100,8 @@ pub(super) const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 /// tiers are charged exactly what streamed: the unused part of its last grant is given back,
 /// and so is the unit a byte tier was charged at admission (a frame read by the layer but
 /// never handed to the handler is charged to no tier; a message tier keeps the first message
-/// policing charged at admission, as a unary call's). One limit: an HTTP/1.1 upload paused by shaping is not
-/// read, so the server cannot see its client go away (TCP delivers the close only after the
+/// policing charged at admission, as a unary call's). One limit: an HTTP/1.1 upload paused by
+/// shaping is not read, so the server cannot see its client go away (TCP delivers the close only after the
 /// bytes the connection still holds) until the upload resumes and reads to its end; over
 /// HTTP/2, gRPC included, a reset or a closed connection is seen at once. A request timeout
 /// outside the layer (for example tower-http's `TimeoutLayer`) bounds how long a vanished
@@ -106,9 +109,10 @@ pub(super) const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 ///
 /// # Messages
 ///
-/// Tiers counting [`Unit::RequestMessages`](crate::Unit::RequestMessages) or [`Unit::ResponseMessages`](crate::Unit::ResponseMessages) meter the messages
-/// of a gRPC call (and of a WebSocket, through the handler: `tollgate::ws::MessageBudget`,
-/// cargo feature `ws`) the same way (a request that is not a gRPC call counts as one message,
+/// Tiers counting [`Unit::RequestMessages`](crate::Unit::RequestMessages) or
+/// [`Unit::ResponseMessages`](crate::Unit::ResponseMessages) meter the messages of a gRPC call
+/// (and of a WebSocket, through the handler: `tollgate::ws::MessageBudget`, cargo feature
+/// `ws`) the same way (a request that is not a gRPC call counts as one message,
 /// charged at admission). Each length-prefixed message of the HTTP/2 body counts once, read
 /// from its 5-byte prefix (the payload is never decoded, compressed or not; a message split
 /// across frames counts once, several in one frame each count), in grants of at most
