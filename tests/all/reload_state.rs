@@ -385,6 +385,34 @@ async fn a_request_waiting_for_a_slot_across_a_reload_is_woken_by_the_new_config
     assert_eq!(waiter.await.unwrap(), (true, released));
 }
 
+/// A memory store full of keys holding slots (`max_keys` 2, both taken by the old binding)
+/// still carries their slots to the new binding: their holders give them back there. (Before,
+/// the carry stopped at the cap: the new binding counted no slot held, and admitted as many
+/// again beside the holders.)
+#[tokio::test]
+async fn slots_are_carried_however_full_the_store() {
+    let store = MemoryStore::builder().clock(FakeClock::new()).max_keys(2).build().unwrap();
+    let layer = LimitsLayer::with_store(config(&slots(1)), store).unwrap();
+    let handle = layer.handle();
+    let keys = [Key::text("a"), Key::text("b")];
+    let mut held = Vec::new();
+    for key in &keys {
+        let r = limiter(&handle).reserve(key, 1).await.unwrap();
+        assert!(r.decision().is_allowed());
+        held.push(r);
+    }
+    reload(&handle, &slots(2));
+    for key in &keys {
+        assert_eq!(free(&handle, key).await, 1, "{key}: one of 2 held");
+    }
+    for r in held {
+        r.release().await.unwrap();
+    }
+    for key in &keys {
+        assert_eq!(free(&handle, key).await, 2, "{key}");
+    }
+}
+
 #[tokio::test]
 async fn a_reload_keeps_what_each_kind_of_tier_keeps_in_memory() {
     let clock = FakeClock::new();

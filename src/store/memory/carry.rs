@@ -42,7 +42,8 @@ impl MemoryStore {
     ///   stays blocked until its block ends, whatever the new box says; the new length and
     ///   count apply from the next breach. A tier that loses its box frees its blocked keys.
     ///
-    /// Keys are carried while the store has room for them beside `old`'s (`max_keys`). When
+    /// Keys are carried while the store has room for them beside `old`'s (`max_keys`), and
+    /// those holding slots or a penalty box whatever the room. When
     /// `policy` is bound to this store already, the new binding shares that state: only the
     /// penalty blocks and breaches, and the slots held, are added to it.
     ///
@@ -349,8 +350,16 @@ impl Carrying<'_> {
             if new.core.is_idle(&states, now) {
                 continue;
             }
-            if inner.len.load(Ordering::Relaxed) >= inner.max_keys {
-                return;
+            // Slots held and blocks are carried whatever the room: their holders give the
+            // slots back to `new`, and a reload frees no blocked key.
+            let unit_now = now / after.unit();
+            let keep = states.iter().any(|s| match s {
+                TierState::Slots(held) => *held > 0,
+                TierState::Penalty(b) => b.until > unit_now || !b.at.is_empty(),
+                _ => false,
+            });
+            if inner.len.load(Ordering::Relaxed) >= inner.max_keys && !keep {
+                continue;
             }
             general_mut(generals, new.id, &new.core).map.insert(fp, states);
             inner.len.fetch_add(1, Ordering::Relaxed);
