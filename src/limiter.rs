@@ -623,8 +623,8 @@ impl<St: Store> Reservation<St> {
     /// the hold is recorded for the tiers' typical hold.
     ///
     /// # Errors
-    /// [`StoreError`] when the store cannot be reached (on Redis the slots then come back when
-    /// their time to live runs out).
+    /// [`StoreError`] when the store cannot be reached (on Redis the release is then retried
+    /// in the background until it lands or the slots' time to live runs out).
     pub async fn release(mut self) -> Result<(), StoreError> {
         match self.ticket.take() {
             Some(ticket) => {

@@ -214,6 +214,12 @@ pub struct Policy {
     penalized: bool,
 }
 
+/// The critical reserve of `tier` when it keeps a line for it (see [`Policy::line_reserve`]).
+fn lined(tier: &Tier) -> Option<u64> {
+    let critical = tier.reserve.map_or(0, |r| r.critical);
+    (matches!(tier.kind, Kind::Rate) && critical > 0).then_some(critical)
+}
+
 impl Policy {
     /// Starts a policy named `name` (printable ASCII; shown in headers and problem bodies, and
     /// part of every store key).
@@ -290,6 +296,19 @@ impl Policy {
     /// tiers' own states, one per tier with a box, in tier order.
     pub(crate) fn penalty_slot(&self, i: usize) -> usize {
         self.tiers.len() + self.tiers[..i].iter().filter(|t| t.penalty.is_some()).count()
+    }
+
+    /// The critical reserve of tier `i` when the tier keeps a line for it (a rate tier that
+    /// reserves units for critical requests: see `algorithm::line`), in units.
+    pub(crate) fn line_reserve(&self, i: usize) -> Option<u64> {
+        lined(&self.tiers[i])
+    }
+
+    /// Where the line of tier `i` (which keeps one) is kept in a key's states: after the
+    /// penalty boxes, one per tier with a line, in tier order.
+    pub(crate) fn line_slot(&self, i: usize) -> usize {
+        let boxes = self.tiers.iter().filter(|t| t.penalty.is_some()).count();
+        self.tiers.len() + boxes + self.tiers[..i].iter().filter(|t| lined(t).is_some()).count()
     }
 
     /// Whether some tier is a concurrency tier.

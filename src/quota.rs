@@ -799,9 +799,12 @@ impl Priority {
 ///   by every admitted request whatever its class);
 /// - sheddable requests are refused first as the limit nears, then standard ones;
 /// - a critical request is refused only once less than its cost is left, which lower classes
-///   cannot bring about: they stop `r_c` units short. So a critical request is never refused
-///   while the critical reserve is unused, and critical traffic within `r_c` units of burst
-///   above its share of the rate is never refused, whatever the other classes send;
+///   cannot bring about: they stop `r_c` units short (also when shaping: see below). So a
+///   critical request is never refused while the critical reserve is unused, and, policing,
+///   critical traffic within `r_c` units of burst above its share of the rate is never
+///   refused, whatever the other classes send (shaping, the lower classes may book the rate
+///   ahead, up to the shaping budget: critical requests then get `r_c` units at once each time
+///   that schedule turns over, and wait behind it beyond);
 /// - each class's `retry_after` is exact for that class (when a request of its class would be
 ///   admitted), and its `remaining` and `limit` (the `RateLimit` headers) are what that class
 ///   sees: `C - r_c` is a standard request's limit. A request whose cost exceeds its class's
@@ -812,6 +815,22 @@ impl Priority {
 ///   `C + rate * s` (the tier's limit); at three times the limit's rate for 30 s with
 ///   `C` = 100 a second and `r_c` = 20, within 1 % of the limit, and no critical request
 ///   (30 a second) refused, on both stores (the crate's tests hold this).
+///
+/// **Shaping.** A shaped request that waits for its slot is charged when it is decided and
+/// leaves later, so requests of the lower classes booked ahead would hold the tier past their
+/// line, into the critical reserve, until they leave. The critical reserve is kept out of that
+/// schedule: a critical request is admitted at once, ahead of the requests booked and waiting,
+/// while the critical units admitted so (and those the key held past the standard line when the
+/// schedule began) stay within `r_c`. Each request waiting conformed to its class's line, so
+/// it leaves with room for `r_c` units ahead of it, and what leaves, in the order it leaves,
+/// never exceeds the tier's limit. Once used, the reserve comes back when the requests booked
+/// while it was used have left, and one emission interval per unit used after that: at most the
+/// shaping budget and `r_c` intervals after the last critical request admitted ahead. A critical
+/// request the reserve cannot serve then waits behind the whole schedule (within its own
+/// shaping budget), or is refused with the exact `retry_after` (the instant the reserve comes
+/// back, when that is sooner). The standard reserve `r_s` is kept in the order requests are
+/// decided: a standard request waits behind the sheddable ones booked ahead of it. The crate's
+/// tests hold this over HTTP and over random traces of classes and shaping, on both stores.
 ///
 /// On a tier that also has a [`Penalty`], a request its class may not admit is a breach like
 /// any other refusal of the tier (a sheddable client refused at its threshold can be blocked).

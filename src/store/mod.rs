@@ -282,8 +282,8 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// What an admitted request was charged, so that [`settle`](Self::settle) can give it back
     /// or charge more. Dropping a ticket keeps the charge, and gives back the concurrency slots
-    /// it holds (as soon as the store can: at once in memory; from a spawned task on Redis, or
-    /// when their time to live runs out).
+    /// it holds (as soon as the store can: at once in memory; from a spawned task on Redis,
+    /// retried while Redis does not answer, until the slots' time to live runs out).
     type Ticket: Send + Sync + 'static;
 
     /// Validates `policy` for this store and prepares it. Called once, when a
@@ -425,8 +425,8 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// the ticket does the same without waiting for it (the default).
     ///
     /// # Errors
-    /// [`StoreError`] when the backend cannot be reached (the slots then come back when their
-    /// time to live runs out).
+    /// [`StoreError`] when the backend cannot be reached (on Redis the release is then retried
+    /// in the background until it lands or the slots' time to live runs out).
     fn release(
         &self,
         bound: &Self::Bound,

@@ -19,8 +19,7 @@ use tollgate::store::{
 };
 use tollgate::{
     Algorithm, Calendar, CalendarPeriod, Concurrency, Decision, Limiter, OnStoreError, Penalty,
-    Policy, Priority, Quota, RateLimitLayer, Reservation, Reserve, Source, StoreError, TierKind,
-    Unit,
+    Policy, Priority, Quota, RateLimitLayer, Reservation, Reserve, Source, StoreError, Unit,
 };
 
 /// One check of `cost` units for `key` under `policy`, through `store`.
@@ -296,8 +295,6 @@ fn keys() -> [Key; 3] {
 async fn replay(store: RedisStore, clock: FakeClock, trace: &Trace) -> Result<u64, String> {
     let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     let policy = trace.policy();
-    let plain =
-        policy.tiers().iter().all(|t| t.kind() == TierKind::Rate && t.unit() == Unit::Requests);
     let memory = Limiter::with_store(policy.clone(), memory).unwrap();
     let store = Limiter::with_store(policy.clone(), store).unwrap();
     let (m_store, m_bound) = (memory.store(), memory.bound());
@@ -346,8 +343,7 @@ async fn replay(store: RedisStore, clock: FakeClock, trace: &Trace) -> Result<u6
                 r_store.settle(r_bound, b, *cost).await.map_err(redis_error)?;
             }
             Step::SettleTier { which, tier, cost } => {
-                // A policy of request rates settles all its tiers together on Redis.
-                if tickets.is_empty() || plain {
+                if tickets.is_empty() {
                     continue;
                 }
                 let n = tickets.len();
@@ -2333,6 +2329,36 @@ fn reserves_decide_exactly_like_memory() {
         });
     seeded_differential(traces, 5, 256, |clock, prefix| {
         fake_clock_store(RedisStore::builder(&url), clock, format!("reserve{prefix}"))
+    });
+}
+
+/// The same with most checks shaped, critical reserves of at least an eighth of the tier and
+/// a third of the checks critical: the lower classes' schedules push the tier's TAT past their
+/// line, and critical requests are admitted ahead of them on the tier's line (see `Reserve`),
+/// alike on both stores, the clock stepping back in half of them.
+#[test]
+fn reserves_under_shaping_decide_exactly_like_memory() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let url = server.url();
+    let traces = (
+        proptest::bool::ANY.prop_flat_map(trace),
+        (1u64..=3, 0u64..=3),
+        proptest::collection::vec(0u8..3, 80),
+        proptest::collection::vec(proptest::option::weighted(0.8, 0u64..=2_000_000_000), 80),
+    )
+        .prop_map(|(mut trace, reserve, classes, budgets)| {
+            trace.algorithm = Algorithm::Gcra;
+            trace.reserve = Some(reserve);
+            trace.classes = classes;
+            for (step, budget) in trace.steps.iter_mut().zip(budgets) {
+                if let Step::Check { shape, .. } = step {
+                    *shape = budget;
+                }
+            }
+            trace
+        });
+    seeded_differential(traces, 7, 256, |clock, prefix| {
+        fake_clock_store(RedisStore::builder(&url), clock, format!("reshape{prefix}"))
     });
 }
 

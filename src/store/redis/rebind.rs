@@ -11,7 +11,7 @@
 //!   in keys named by the policy, the key and the tier (`Prepared::keys`): any definition of a
 //!   tier of that name finds them.
 
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 
 use super::script::{self, Prepared};
 use super::{Holds, RedisPolicy, RedisStore, Refusals};
@@ -57,6 +57,10 @@ impl RedisStore {
                 "tollgate: a RedisStore starts the rate and calendar tiers of a reloaded policy \
                  full when they change; it cannot carry the used fraction"
             );
+        }
+        if !inner.lease_policies.is_empty() {
+            let mut names = inner.bound_names.lock().unwrap_or_else(PoisonError::into_inner);
+            names.insert(policy.name().to_owned());
         }
         let local = inner.fallback.as_ref().map(|local| match old.and_then(|o| o.local.as_ref()) {
             Some(was) => local.rebind_policy(was, policy, carry),
