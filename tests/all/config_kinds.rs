@@ -261,11 +261,12 @@ block_window = "10m"
     );
     assert_eq!(place(&e).2, Some("policies.p.tiers[0].block"));
     assert!(e.message().starts_with("a concurrency tier has no `block` (rate and calendar"));
-    // Out of range (the builder's refusal), at the box's first field.
+    // Out of range (the builder's refusal), at the field refused (tests/all/config_errors.rs
+    // has every field).
     let e = error(
         "[policies.p]\ntiers = [{ name = \"r\", count = 5, period = \"1m\", block = \"1m\", block_after = 5000, block_window = \"1m\" }]\n",
     );
-    assert_eq!(place(&e), (Some(2), Some(58), Some("policies.p.tiers[0].block")));
+    assert_eq!(place(&e), (Some(2), Some(78), Some("policies.p.tiers[0].block_after")));
     assert!(e.to_string().contains("penalty"), "{e}");
 }
 

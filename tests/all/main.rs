@@ -19,6 +19,7 @@ mod support;
 
 mod client;
 mod config;
+mod config_errors;
 mod config_file;
 mod config_kinds;
 mod defaults;
@@ -43,6 +44,9 @@ mod priority;
 mod redis;
 mod reload_state;
 mod reserve_shape;
+mod seams;
+mod seams_http;
+mod seams_lease;
 mod select;
 mod service;
 mod settle_tiers;
