@@ -131,8 +131,8 @@ impl<S, St: Store> Layer<S> for LimitsLayer<St> {
 /// A reload builds the new configuration beside the running one and swaps it in atomically:
 /// requests already in progress finish under the configuration they started with, new ones
 /// use the new one, and none waits or fails. A policy whose definition did not change keeps its
-/// state; a changed one keeps the state of its unchanged tiers where the store can (see
-/// [`Reloaded`] and the [module docs](super)).
+/// state; a changed one keeps its penalty blocks, its slots held and the state of its
+/// unchanged tiers (see [`Reloaded`] and the [module docs](super#reloading)).
 pub struct ReloadHandle<St: Store = MemoryStore> {
     shared: Arc<Shared<St>>,
 }
@@ -152,10 +152,13 @@ impl<St: Store> fmt::Debug for ReloadHandle<St> {
 impl<St: Store> ReloadHandle<St> {
     /// Replaces the running configuration with `config`.
     ///
-    /// On a [`MemoryStore`] no charge is lost to the reload: requests still in progress under the
-    /// replaced configuration charge a changed policy's unchanged tiers where the new
-    /// configuration counts them, so such a tier admits exactly its quota however many reloads
-    /// happen while requests are in flight (see [`MemoryStore::rebind_policy`]).
+    /// A key blocked by a penalty box stays blocked until its block ends, and requests in
+    /// flight keep their concurrency slots, counted against the new configuration's `max`
+    /// (see the [module docs](super#reloading)). On a [`MemoryStore`] no charge is lost to the
+    /// reload: requests still in progress under the replaced configuration charge a changed
+    /// policy's unchanged tiers where the new configuration counts them, so such a tier admits
+    /// exactly its quota however many reloads happen while requests are in flight (see
+    /// [`MemoryStore::rebind_policy`]).
     ///
     /// ```
     /// use tollgate::config::{LimitsConfig, LimitsLayer};
@@ -361,10 +364,12 @@ impl Reloaded {
         &self.kept
     }
 
-    /// Policies whose algorithm or tiers changed: bound anew; on a `MemoryStore` their keys
-    /// keep the state of the tiers that did not change (including what requests still in
-    /// progress under the old configuration charge them), and the changed tiers start as the
-    /// policy's `changed_tiers` says (full by default).
+    /// Policies whose algorithm or tiers changed: bound anew. Their keys keep their penalty
+    /// blocks and breaches, and their slots held (requests in flight count against the new
+    /// `max`); a rate or calendar tier that did not change keeps its state (on Redis: when no
+    /// rate or calendar tier changed), including what requests still in progress under the old
+    /// configuration charge it; a changed one starts as the policy's `changed_tiers` says (full
+    /// by default). The [module docs](super#reloading) list it per kind of tier.
     #[must_use]
     pub fn changed(&self) -> &[String] {
         &self.changed

@@ -264,19 +264,30 @@
 //!
 //! - a policy whose definition did not change (same name, algorithm and tiers, quotas
 //!   included) keeps its limiter, and every key keeps its count;
-//! - a changed policy is bound anew, and each key keeps its state in the tiers that did not
-//!   change (same name and definition, same algorithm), on a `MemoryStore`; a changed tier
-//!   starts full, or, with `changed_tiers = "carry_used_fraction"`, with the share of it each
-//!   key had used (30 of 100 becomes 60 of 200; [`Carry::UsedFraction`](crate::store::Carry));
-//!   concurrency tiers start with no slot held. Requests still in progress under the old
-//!   configuration charge the unchanged tiers where the new one counts them, so no charge is
-//!   lost to a reload: an unchanged tier admits exactly its quota however often the file
-//!   changes. On Redis a changed policy starts full in every tier (its keys are named by the
-//!   policy's fingerprint). See [`Store::rebind`](crate::store::Store::rebind);
+//! - a changed policy is bound anew, and each key keeps its state, tier by tier (matched by
+//!   name), as the table below says. Requests still in progress under the old configuration
+//!   charge the kept tiers, and give back their slots, where the new one counts them, so no
+//!   charge is lost to a reload: an unchanged tier admits exactly its quota however often the
+//!   file changes. See [`Store::rebind`](crate::store::Store::rebind);
 //! - a removed policy's state stays in the store until it is idle (on a `MemoryStore`; on
 //!   Redis until its keys expire): a policy that comes back unchanged finds it again, as any
 //!   binding of the same policy to the same store does
 //!   ([one policy, one budget](crate::store#one-policy-on-one-store-is-one-budget)).
+//!
+//! What a key keeps when its policy changes:
+//!
+//! | state | `MemoryStore` | `RedisStore` |
+//! |---|---|---|
+//! | a rate tier (every algorithm) or calendar tier, whatever its `unit` (requests, bytes, messages, reported) | kept if the tier did not change (its `block` fields aside), and for a rate tier the algorithm neither; else started full, or with `changed_tiers = "carry_used_fraction"` with the share of it the key had used (30 of 100 becomes 60 of 200; [`Carry::UsedFraction`](crate::store::Carry)) | kept if the algorithm and each rate and calendar tier's `count`, `period`, `burst`, calendar and reserve did not change; else every one starts full |
+//! | a tier's reserve (`reserve_critical`, `reserve_standard`) | part of the tier: a changed reserve is a changed tier | the same |
+//! | a concurrency tier's requests in flight | kept, whatever the new `max` or `lease`: they count against the new `max`, and each one's end frees a slot of it | the same |
+//! | a penalty box: the block, the breaches counted | kept while the tier has a `block`: a blocked key stays blocked until its block ends, and a changed `block`, `block_after` or `block_window` applies from the next breach; a tier that loses its `block` frees its keys | the same |
+//! | blocks an instance leases (lease mode) | — | kept if no more than tier names changed |
+//!
+//! A blocked key is never freed by a reload that keeps its tier's box, and never blocked longer
+//! than its block said when it began: the block is an instant, which a reload does not move.
+//! On Redis the slots and the boxes are named by the policy, the key and the tier, so every
+//! instance of a fleet finds them, whenever it reloads.
 //!
 //! A refused file changes nothing: the running configuration stays.
 

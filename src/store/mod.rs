@@ -65,9 +65,10 @@ use crate::key::Key;
 use crate::policy::Policy;
 use crate::quota::Priority;
 
-/// Where a reload starts a tier whose definition changed ([`Store::rebind`],
+/// Where a reload starts a rate or calendar tier whose definition changed ([`Store::rebind`],
 /// [`Limiter::rebind_with`](crate::Limiter::rebind_with)), key by key. Tiers are matched by
-/// name; a tier whose definition did not change keeps each key's state whatever the rule.
+/// name; a tier whose definition did not change (its penalty box aside) keeps each key's state
+/// whatever the rule, and so do the slots held and the penalty boxes (see [`Store::rebind`]).
 ///
 /// ```
 /// use tollgate::store::Carry;
@@ -96,7 +97,8 @@ pub enum Carry {
     /// at the reload instant and given back as the new tier refills (a window or calendar
     /// tier: when its current window ends; a sliding log: one period after the reload). `u` is
     /// counted in whole units, as `RateLimit` reports what remains, so a key never gains more
-    /// than it had left. A tier under another algorithm or time unit counts as changed.
+    /// than it had left. A rate tier under another algorithm, and any tier under another time
+    /// unit, counts as changed.
     /// Limits: what a key owes beyond the old capacity (a reported cost settled into debt, a
     /// shaped backlog) is not carried (`u` is at most `c`); `u` is taken at the reload instant,
     /// so what requests still going through the old binding charge to a changed tier after it
@@ -296,21 +298,36 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// [`ConfigError::UnsupportedByStore`] saying which tier and why.
     fn bind(&self, policy: &Policy) -> Result<Self::Bound, ConfigError>;
 
-    /// Binds `policy` to replace `old` (a configuration reload), carrying over what state the
-    /// store can. Tiers are matched by name. A [`MemoryStore`] keeps each key's state of the
-    /// rate and calendar tiers that did not change (same definition, same algorithm), and
-    /// starts a changed tier as `carry` says ([`Carry`]); concurrency tiers start with no slot
-    /// held (the old binding's holders release theirs to it). A `policy` bound to the store
-    /// already keeps the state it has (one policy, one budget), and nothing is carried. The
-    /// default binds afresh (every tier starts full whatever `carry` says), which is also what
-    /// `RedisStore` does: its keys are named by the policy's fingerprint.
+    /// Binds `policy` to replace `old` (a configuration reload), carrying over each key's
+    /// state, tier by tier, matched by name:
+    ///
+    /// | state | [`MemoryStore`] | `RedisStore` |
+    /// |---|---|---|
+    /// | a rate tier (every algorithm) or calendar tier, whatever unit it counts (requests, bytes, messages, reported units) | kept if the tier is unchanged (quota, calendar, reserve; its penalty box aside) under the same time unit and, for a rate tier, algorithm; else started as `carry` says ([`Carry`]) | kept if the algorithm, the time unit and each rate and calendar tier's count, period, burst, calendar and reserve are unchanged, in order (the state key's fingerprint); else every one starts full |
+    /// | slots held by a concurrency tier | kept, whatever its `max` or time to live, if `old` is its policy's only binding | kept |
+    /// | a penalty box: the block and the breaches counted | kept if the tier of that name still has a box | kept, as in memory |
+    /// | blocks leased by this process (lease mode, `Lease`) | — | kept if the state keys and every tier's parameters are unchanged (a tier renamed) |
+    ///
+    /// So requests in flight under `old` hold their slots against the new `max` (a key holding
+    /// more is refused until enough are released), and their release frees the new binding's
+    /// slot. A blocked key stays blocked until its block ends: a changed block length, count or
+    /// window applies from the next breach, and never moves a current block (kept as the
+    /// instant it ends, so instances that reload at different moments agree on it, and no
+    /// reload frees a key early). A tier that
+    /// loses its box frees its keys, and one that changes kind or name starts afresh. On Redis
+    /// slots and boxes are named by the policy, the key and the tier, so every instance of a
+    /// fleet finds them whenever it reloads; each decides by its own configuration until then.
+    ///
+    /// A `policy` bound to the store already keeps the state it has (one policy, one budget):
+    /// a `MemoryStore` adds only the blocks, breaches and slots held to it. The default binds
+    /// afresh (every tier starts full whatever `carry` says).
     ///
     /// `old` stays valid: requests that began on it finish on it, under its policy. On a
     /// `MemoryStore` they lose no charge to the reload: when `old` is its policy's only
-    /// binding, the unchanged tiers are handed over to the new binding, and requests still
-    /// going through `old` decide and charge them on the new binding's state, atomically with
-    /// its own requests, so an unchanged tier admits exactly its quota across any number of
-    /// reloads ([`MemoryStore::rebind_policy`] says more).
+    /// binding, what it keeps is handed over to the new binding, and requests still going
+    /// through `old` decide, charge, release and block on the new binding's state, atomically
+    /// with its own requests, so an unchanged tier admits exactly its quota across any number
+    /// of reloads ([`MemoryStore::rebind_policy`] says more).
     ///
     /// # Errors
     /// As [`bind`](Self::bind).

@@ -42,6 +42,7 @@ mod pacing_http;
 mod penalty;
 mod priority;
 mod redis;
+mod reload_state;
 mod reserve_shape;
 mod seams;
 mod seams_http;

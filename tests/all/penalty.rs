@@ -177,25 +177,31 @@ async fn a_block_of_a_policy_decided_in_microseconds_ends_when_its_retry_says() 
     assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
 }
 
-/// A reload that keeps the penalised tier unchanged keeps its boxes: a blocked key stays
-/// blocked until its block ends (and a tier the reload changed carries its used fraction, the
-/// block notwithstanding); a reload that changes the penalised tier starts its boxes afresh.
+/// A reload keeps every key's penalty box: a blocked key stays blocked until its block ends
+/// (and a tier the reload changed carries its used fraction, the block notwithstanding),
+/// whatever the reload did to the box. A changed block applies from the next breach: the
+/// current block is neither cut short nor lengthened. A tier that loses its box frees its
+/// blocked keys. (Before boxes were carried, the reload to the shorter block admitted the
+/// blocked key at once.)
 #[test]
-fn a_reload_keeps_the_box_of_an_unchanged_tier() {
+fn a_reload_keeps_every_block_and_a_changed_block_applies_from_the_next_breach() {
     use tollgate::store::{Carry, Check};
 
     let clock = FakeClock::new();
     clock.set(HOUR);
     let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     let minute = Quota::per_minute(10);
-    let block = Penalty::new(15 * MINUTE);
-    let before = Policy::builder("reload")
-        .tier("minute", minute)
-        .tier("hour", Quota::per_hour(100))
-        .penalty("minute", block)
+    let policy = |hourly: u64, block: Option<Duration>| {
+        let b =
+            Policy::builder("reload").tier("minute", minute).tier("hour", Quota::per_hour(hourly));
+        match block {
+            Some(block) => b.penalty("minute", Penalty::new(block)),
+            None => b,
+        }
         .build()
-        .unwrap();
-    let old = store.bind_policy(&before);
+        .unwrap()
+    };
+    let old = store.bind_policy(&policy(100, Some(15 * MINUTE)));
     let key = Key::text("k");
     for _ in 0..10 {
         assert!(store.check_now(&old, Check::new(&key, 1)).decision.is_allowed());
@@ -204,27 +210,25 @@ fn a_reload_keeps_the_box_of_an_unchanged_tier() {
     clock.advance(MINUTE);
     // The hour tier changes (200 an hour): a minute after 10 were used, 9 of 100 are (one
     // comes back every 36 s), 18 of 200 carried.
-    let after = Policy::builder("reload")
-        .tier("minute", minute)
-        .tier("hour", Quota::per_hour(200))
-        .penalty("minute", block)
-        .build()
-        .unwrap();
-    let new = store.rebind_policy(&old, &after, Carry::UsedFraction);
+    let new = store.rebind_policy(&old, &policy(200, Some(15 * MINUTE)), Carry::UsedFraction);
     let d = store.check_now(&new, Check::new(&key, 1)).decision;
     assert_eq!(d.retry_after(), Some(14 * MINUTE), "still blocked: {d:?}");
     assert_eq!(d.tiers()[1].remaining(), 182, "{d:?}");
-    // A reload that changes the penalised tier (a shorter block) starts without a box, and
-    // carries what the tier itself used (nothing: it refilled in the minute), not the block's
-    // "nothing left".
-    let shorter = Policy::builder("reload")
-        .tier("minute", minute)
-        .tier("hour", Quota::per_hour(200))
-        .penalty("minute", Penalty::new(MINUTE))
-        .build()
-        .unwrap();
-    let newer = store.rebind_policy(&new, &shorter, Carry::UsedFraction);
-    let d = store.check_now(&newer, Check::new(&key, 1)).decision;
-    assert!(d.is_allowed(), "{d:?}");
-    assert_eq!(d.tiers()[0].remaining(), 9, "{d:?}");
+    // A shorter block: the key stays blocked until its block ends, and the tier keeps its
+    // state (only its box changed; it refilled in the minute).
+    let shorter = store.rebind_policy(&new, &policy(200, Some(MINUTE)), Carry::StartFull);
+    let d = store.check_now(&shorter, Check::new(&key, 1)).decision;
+    assert_eq!(d.retry_after(), Some(14 * MINUTE), "still blocked: {d:?}");
+    assert_eq!(d.tiers()[1].remaining(), 182, "the hour tier is unchanged: {d:?}");
+    // Once the block ends, the next breach blocks for the new length.
+    clock.advance(14 * MINUTE);
+    for _ in 0..10 {
+        assert!(store.check_now(&shorter, Check::new(&key, 1)).decision.is_allowed());
+    }
+    let d = store.check_now(&shorter, Check::new(&key, 1)).decision;
+    assert_eq!(d.retry_after(), Some(MINUTE), "the new block: {d:?}");
+    // A tier that loses its box frees its blocked keys: refused only as the tier itself says.
+    let unboxed = store.rebind_policy(&shorter, &policy(200, None), Carry::StartFull);
+    let d = store.check_now(&unboxed, Check::new(&key, 1)).decision;
+    assert_eq!(d.retry_after(), Some(MINUTE / 10), "{d:?}");
 }

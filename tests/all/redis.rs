@@ -33,6 +33,12 @@ fn state_key(store: &RedisStore, policy: &Policy, key: &Key) -> String {
     store.bind(policy).expect("binds").state_key(key)
 }
 
+/// The lease set of concurrency tier `tier` of the key whose state key is `state`: the state
+/// key less its `:{fingerprint}` (8 hexadecimal digits), then `:c:{tier}`.
+fn lease_set(state: &str, tier: &str) -> String {
+    format!("{}:c:{tier}", &state[..state.len() - 9])
+}
+
 // ---------------------------------------------------------------------------------------------
 // Differential traces: the same random requests through MemoryStore and RedisStore on one
 // fake clock must give identical decisions. Policies are request rates (any algorithm), and
@@ -904,9 +910,10 @@ fn assert_secret_kept(everything: &[(String, Vec<Vec<u8>>)]) {
     // policy holds a lease set.
     assert_eq!(count(":z1"), 2 * secret_keys().len(), "log sets");
     assert_eq!(count(":z2"), secret_keys().len(), "log sets");
-    assert_eq!(count(":c1"), secret_policies().len() / 2 * secret_keys().len(), "lease sets");
+    let sets = count(":c:slots");
+    assert_eq!(sets, secret_policies().len() / 2 * secret_keys().len(), "lease sets");
     // And the layer's key.
-    assert_eq!(everything.len(), states + 1 + count(":z1") + count(":z2") + count(":c1"));
+    assert_eq!(everything.len(), states + 1 + count(":z1") + count(":z2") + sets);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1539,7 +1546,7 @@ async fn a_thousand_holders_on_redis_never_exceed_four_in_flight() {
     let d = limiter.check(&Key::text("api-key"), 0).await.unwrap();
     assert_eq!((d.tiers()[0].remaining(), d.source()), (4, Source::Store));
     // Every lease is gone: so is the set.
-    let set = format!("{}:c1", limiter.bound().state_key(&Key::text("api-key")));
+    let set = lease_set(&limiter.bound().state_key(&Key::text("api-key")), "in-flight");
     assert_eq!(pttl(&mut server.conn(), &set), -2);
 }
 
@@ -1565,7 +1572,7 @@ async fn the_slot_of_a_crashed_holder_frees_itself_when_its_lease_expires() {
     assert_eq!(d.outcome(), tollgate::Outcome::Limited);
     assert_eq!(d.retry_after(), Some(Duration::from_secs(1)), "the default typical hold");
     // The lease set lives as long as its longest lease (plus the test's grace of an hour).
-    let set = format!("{}:c1", b.bound().state_key(&Key::Global));
+    let set = lease_set(&b.bound().state_key(&Key::Global), "in-flight");
     let ttl = pttl(&mut server.conn(), &set);
     assert!(ttl > 3_600_000 && ttl <= 3_610_000, "{ttl}");
     clock.advance(Duration::from_millis(9_999));

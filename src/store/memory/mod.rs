@@ -746,7 +746,7 @@ impl Store for MemoryStore {
         bound: &MemoryPolicy,
         key: &Key,
     ) -> impl Future<Output = ()> + Send + 'static {
-        let core = Arc::clone(&bound.core);
+        let core = Arc::clone(carry::newest(&bound.core));
         let fp = bound.inner.fingerprint(key);
         // The epoch is read now, before the caller decides: a release between this call and
         // the first poll is not missed.
@@ -896,25 +896,27 @@ mod tests {
     }
 
     #[test]
-    fn calendar_tiers_carry_their_used_fraction_and_concurrency_tiers_start_empty() {
+    fn calendar_tiers_carry_their_used_fraction_and_concurrency_tiers_keep_their_slots() {
         let clock = FakeClock::new();
         let store = store(&clock, 100, 2);
         let key = Key::text("k");
-        let policy = |daily: u64| {
+        let policy = |max: u64, daily: u64| {
             Policy::builder("p")
-                .concurrency("slots", crate::Concurrency::new(4))
+                .concurrency("slots", crate::Concurrency::new(max))
                 .calendar("daily", crate::Calendar::per_day(daily))
                 .build()
                 .unwrap()
         };
-        let v1 = store.bind_policy(&policy(100));
+        let v1 = store.bind_policy(&policy(4, 100));
         let held = store.check_now(&v1, Check::new(&key, 1).with_costs(&[1, 30]).with_ticket());
         assert!(held.decision.is_allowed());
         assert_eq!(remaining(&store, &v1, &key), [3, 70]);
-        let v2 = store.rebind_policy(&v1, &policy(1_000), Carry::UsedFraction);
-        assert_eq!(remaining(&store, &v2, &key), [4, 700]);
-        // The slot goes back to the binding it was taken from.
+        let v2 = store.rebind_policy(&v1, &policy(8, 1_000), Carry::UsedFraction);
+        // The slot held through v1 counts on v2, whatever its new max.
+        assert_eq!(remaining(&store, &v2, &key), [7, 700]);
+        // Its release frees v2's slot (which v1 decides on now too).
         drop(held);
+        assert_eq!(remaining(&store, &v2, &key), [8, 700]);
         assert_eq!(remaining(&store, &v1, &key), [4, 70]);
     }
 

@@ -71,8 +71,9 @@ impl Inner {
             if let Some(states) = lock(&core.overflow).as_mut() {
                 apply(states);
             }
-        } else if !changes.is_empty() && core.moved(self.shard_index(fp)) {
-            // Replaced in a reload: the tiers handed over are settled where they live now.
+        } else if (!changes.is_empty() || slots) && core.moved(self.shard_index(fp)) {
+            // Replaced in a reload: the tiers and slots handed over are settled and released
+            // where they live now.
             let shard = self.shard(fp);
             let mut generals = lock(&shard.general);
             let mut compact = shard.compact.lock();
@@ -146,7 +147,13 @@ impl Inner {
                     c.cost = 0;
                 }
             }
-            core.wake(fp);
+            // Slots handed over in a reload are those of the bindings that replaced this one:
+            // their waiters are woken too.
+            let mut at = Some(core);
+            while let Some(c) = at {
+                c.wake(fp);
+                at = c.next.get().map(|n| &n.core);
+            }
         }
     }
 }

@@ -76,9 +76,9 @@ pub(super) struct Next {
     /// Its table slot.
     pub(super) id: usize,
     pub(super) core: Arc<Core>,
-    /// For each tier of the replaced policy, the tier of the new one that keeps its state (same
-    /// name and definition, same algorithm and time unit), if any.
-    pub(super) tiers: Box<[Option<usize>]>,
+    /// For each state slot of the replaced policy (its tiers, then its penalty boxes), the slot
+    /// of the new one that keeps it, if any (see `carry::slot_map`).
+    pub(super) slots: Box<[Option<usize>]>,
 }
 
 /// Wakes the requests waiting for a slot of the keys whose fingerprints share it: a release

@@ -6,6 +6,7 @@ mod health;
 mod io;
 mod lease;
 mod node;
+mod rebind;
 mod refusals;
 mod release;
 mod script;
@@ -32,7 +33,7 @@ use script::{KeyNames, Prepared};
 use smallvec::SmallVec;
 
 use super::memory::{MemoryPolicy, MemoryTicket};
-use super::{Check, MemoryStore, Store, Verdict};
+use super::{Carry, Check, MemoryStore, Store, Verdict};
 use crate::algorithm::compiled::Kind;
 use crate::algorithm::slots::{self, Holds};
 use crate::algorithm::{Charge, Charges};
@@ -59,7 +60,7 @@ const DEFAULT_LOCAL_REFUSALS: usize = 4096;
 /// - **Tiers of several kinds.** Policies with concurrency or calendar tiers, or tiers counting
 ///   other units than requests, run on their own scripts (`lua/kinds.lua` over the rate
 ///   algorithm's): still one call, all tiers or none. A concurrency slot is a **lease**, one
-///   member of a sorted set per slot (`...:c1`, `...:c2` per tier) scored by its expiry; expired
+///   member of a sorted set per slot (`...}:c:{tier}` per tier) scored by its expiry; expired
 ///   leases are dropped before counting, so slots of an app server that crashed come back
 ///   after their [lease](crate::Concurrency::with_ttl) (default 30 s). Holders refresh them
 ///   every third of the lease ([`Reservation::hold`](crate::Reservation::hold) does). A request
@@ -78,8 +79,10 @@ const DEFAULT_LOCAL_REFUSALS: usize = 4096;
 ///   window and log tiers decide at that instant rather than reopen a window. A refused check
 ///   never moves it, and the in-memory store keeps the same guard, so after a step back a
 ///   key decides as in [`MemoryStore`].
-/// - **Keys.** `{prefix}{{policy}|#{hash}}:{fingerprint}`: a string holding every tier's
-///   state, packed (plus one sorted set per tier for the sliding log, `...:z1`, `...:z2`).
+/// - **Keys.** `{prefix}{{policy}|#{hash}}:{fingerprint}`: a string holding the state of every
+///   rate and calendar tier, packed (plus one sorted set per tier for the sliding log,
+///   `...:z1`, `...:z2`); a concurrency tier's slots and a penalty box live beside it under
+///   the tier's name (`{prefix}{{policy}|#{hash}}:c:{tier}`, `...:p:{tier}`).
 ///   `{hash}` is a keyed hash of the key (SipHash-2-4, 128 bits, 32 hexadecimal digits) with
 ///   the deployment's [`key_secret`](RedisStoreBuilder::key_secret), so API keys and user ids
 ///   never appear in Redis: not in key names (`SCAN`, `MONITOR`, RDB and AOF files, slow logs)
@@ -87,8 +90,10 @@ const DEFAULT_LOCAL_REFUSALS: usize = 4096;
 ///   [`raw_keys`](RedisStoreBuilder::raw_keys) puts the key itself there instead, for
 ///   debugging. Everything that identifies the limit is inside the hash tag, so one key's tiers
 ///   share a Redis Cluster slot; `{`, `}`, `|` and `%` in names are percent-escaped. The
-///   fingerprint changes when the policy's algorithm or quotas change, so reconfigured
-///   policies start afresh. Every key gets a TTL equal to the time until its state is back to
+///   fingerprint changes when the policy's algorithm, unit or rate and calendar tiers change,
+///   so their state starts afresh; the slots held and the penalty boxes, named by tier, are
+///   kept by a reload, on every instance of a fleet whenever each reloads (see
+///   [`Store::rebind`]). Every key gets a TTL equal to the time until its state is back to
 ///   full (plus [`ttl_grace`](RedisStoreBuilder::ttl_grace)), so idle keys vanish by
 ///   themselves.
 /// - **Connections.** One multiplexed connection per server (per master on Redis Cluster, whose
@@ -292,8 +297,8 @@ impl RedisPolicy {
     /// `{prefix}{{policy}|#{hash}}:{fingerprint}`, with the keyed hash of `key` (see
     /// [`RedisStoreBuilder::key_secret`]), or with the key itself under
     /// [`raw_keys`](RedisStoreBuilder::raw_keys). Sliding-log policies also use `{this}:z1`,
-    /// `{this}:z2`, ... per rate tier, and concurrency tiers `{this}:c1`, `{this}:c2`, ...
-    /// (their leases).
+    /// `{this}:z2`, ... per rate tier; a concurrency tier keeps its slots, and a penalty box
+    /// its block, under the same name less `:{fingerprint}`, plus `:c:{tier}` or `:p:{tier}`.
     ///
     /// ```
     /// use tollgate::key::Key;
@@ -925,26 +930,18 @@ impl Store for RedisStore {
     type Ticket = RedisTicket;
 
     fn bind(&self, policy: &Policy) -> Result<RedisPolicy, ConfigError> {
-        script::validate(policy)?;
-        let inner = &self.inner;
-        let key_parts = script::key_parts(&inner.prefix, policy);
-        let prepared = Arc::new(Prepared::new(policy, inner.grace_ms));
-        let refusals = Refusals::new(policy, inner.refusals).map(Arc::new);
-        let leases = self.leases_for(policy, &key_parts, &prepared, refusals.as_ref())?;
-        if !inner.lease_policies.is_empty() {
-            let mut names = inner.bound_names.lock().unwrap_or_else(PoisonError::into_inner);
-            names.insert(policy.name().to_owned());
-        }
-        Ok(RedisPolicy {
-            policy: policy.clone(),
-            key_parts,
-            key_names: inner.key_names,
-            prepared,
-            holds: Arc::new(Holds::new(policy)),
-            local: inner.fallback.as_ref().map(|local| local.bind_policy(policy)),
-            refusals,
-            leases,
-        })
+        self.bind_replacing(None, policy, Carry::StartFull)
+    }
+
+    /// Binds `policy` in place of `old`: see [`Store::rebind`], and the `rebind` module for
+    /// what each kind of state keeps.
+    fn rebind(
+        &self,
+        old: &RedisPolicy,
+        policy: &Policy,
+        carry: Carry,
+    ) -> Result<RedisPolicy, ConfigError> {
+        self.bind_replacing(Some(old), policy, carry)
     }
 
     /// Answers at once the checks this process holds a refusal for (see

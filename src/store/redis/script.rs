@@ -75,6 +75,7 @@ static KINDS_RATE: LazyLock<Script> = LazyLock::new(|| {
         include_str!("lua/prelude.lua"),
         include_str!("lua/rate.lua"),
         include_str!("lua/line.lua"),
+        include_str!("lua/boxes.lua"),
         include_str!("lua/kinds.lua")
     ))
 });
@@ -83,6 +84,7 @@ static KINDS_WINDOW: LazyLock<Script> = LazyLock::new(|| {
         include_str!("lua/prelude.lua"),
         include_str!("lua/window.lua"),
         include_str!("lua/line.lua"),
+        include_str!("lua/boxes.lua"),
         include_str!("lua/kinds.lua")
     ))
 });
@@ -91,6 +93,7 @@ static KINDS_LOG: LazyLock<Script> = LazyLock::new(|| {
         include_str!("lua/prelude.lua"),
         include_str!("lua/log.lua"),
         include_str!("lua/line.lua"),
+        include_str!("lua/boxes.lua"),
         include_str!("lua/kinds.lua")
     ))
 });
@@ -178,8 +181,10 @@ fn escape(s: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
-/// FNV-1a over the algorithm's name, the unit and every tier's count, period and burst: what a
-/// stored state means.
+/// FNV-1a over the algorithm's name, the unit and every rate and calendar tier's count, period
+/// and burst: what a stored state means. Concurrency tiers and penalty boxes store nothing in
+/// the state key (their slots and boxes live in keys named by their tiers, see
+/// [`Prepared::keys`]): a policy that changes only them keeps its keys' state.
 fn meaning(policy: &Policy) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     let mut feed = |bytes: &[u8]| {
@@ -189,29 +194,18 @@ fn meaning(policy: &Policy) -> u64 {
     };
     feed(policy.algorithm().name().as_bytes());
     feed(&policy.unit().to_le_bytes());
-    for t in policy.tiers() {
+    for t in policy.tiers().iter().filter(|t| !matches!(t.kind, Kind::Concurrency(_))) {
         for v in [t.rate.count, t.rate.period, t.rate.burst] {
             feed(&v.to_le_bytes());
         }
         // Other kinds (plain policies hash as they always did: their keys stay).
-        match &t.kind {
-            Kind::Rate => {}
-            Kind::Concurrency(_) => feed(b"concurrency"),
-            Kind::Calendar(spec) => {
-                feed(b"calendar");
-                feed(spec.calendar.period().name().as_bytes());
-                feed(spec.calendar.time_zone().as_bytes());
-            }
+        if let Kind::Calendar(spec) = &t.kind {
+            feed(b"calendar");
+            feed(spec.calendar.period().name().as_bytes());
+            feed(spec.calendar.time_zone().as_bytes());
         }
-        // A penalty box is stored with the tier's state (tiers without one hash as before).
-        if let Some(b) = t.penalty {
-            feed(b"penalty");
-            for v in [b.block, b.refusals, b.within] {
-                feed(&v.to_le_bytes());
-            }
-        }
-        // So is a reserve, in memory: a policy whose reserves differ is another budget on
-        // both stores (tiers without one hash as before).
+        // A reserve is part of the tier's definition, as in memory: a policy whose reserves
+        // differ is another budget on both stores (tiers without one hash as before).
         if let Some(r) = t.reserve {
             feed(b"reserve");
             for v in [r.critical_units(), r.standard_units()] {
@@ -243,7 +237,7 @@ pub(crate) fn family(policy: &Policy) -> Family {
 /// own; the same with other kinds of tiers), and they stay, so that a plain policy's state
 /// keeps its keys, read and written alike by nodes of either version during a rolling deploy.
 fn layout(policy: &Policy) -> u64 {
-    // A critical reserve keeps a line per key after the penalty boxes (`lua/line.lua`).
+    // A critical reserve keeps a line per key after the calendar windows (`lua/line.lua`).
     if (0..policy.tiers().len()).any(|i| policy.line_reserve(i).is_some()) {
         return 7;
     }
@@ -389,7 +383,8 @@ pub(crate) struct Prepared {
     /// Nanoseconds per unit.
     pub(crate) unit: u64,
     /// For a policy that is not plain: the lease sets after the log sets (one per concurrency
-    /// tier), and the calendar tiers, whose window bounds each record carries.
+    /// tier), then the penalty boxes, and the calendar tiers, whose window bounds each record
+    /// carries.
     kinds: Option<Kinds>,
 }
 
@@ -398,6 +393,9 @@ pub(crate) struct Prepared {
 struct Kinds {
     /// Concurrency tiers.
     conc: usize,
+    /// The names of the lease sets and penalty boxes after a key's name: `:c:{tier}` per
+    /// concurrency tier, then `:p:{tier}` per tier with a box (see [`Prepared::keys`]).
+    named: Vec<String>,
     /// The calendar tiers' windows, in tier order.
     calendars: Vec<Arc<CalendarSpec>>,
     /// The kind of each tier: 0 rate, 1 concurrency, 2 calendar.
@@ -421,7 +419,8 @@ impl Prepared {
         if family != Family::Gcra {
             args.push(f(u64::from(policy.is_plain())));
         }
-        let mut kinds = Kinds { conc: 0, calendars: Vec::new(), tags: Vec::new() };
+        let mut kinds =
+            Kinds { conc: 0, named: Vec::new(), calendars: Vec::new(), tags: Vec::new() };
         for t in policy.tiers() {
             let r = t.rate;
             if family != Family::Gcra {
@@ -429,6 +428,7 @@ impl Prepared {
                     Kind::Rate => args.extend([0.0, f(r.count), f(r.period), f(r.burst)]),
                     Kind::Concurrency(s) => {
                         kinds.conc += 1;
+                        kinds.named.push(format!(":c:{}", escape(t.name())));
                         args.extend([1.0, f(s.max), f(s.lease_ms), 0.0]);
                     }
                     Kind::Calendar(spec) => {
@@ -452,6 +452,8 @@ impl Prepared {
                 args.extend([f(interval), f(interval * r.burst)]);
             }
         }
+        let boxed = policy.tiers().iter().filter(|t| t.penalty.is_some());
+        kinds.named.extend(boxed.map(|t| format!(":p:{}", escape(t.name()))));
         let id = IDS.fetch_add(1, Ordering::Relaxed);
         let rates = policy.tiers().iter().filter(|t| t.kind == Kind::Rate).count();
         let log_sets = if family == Family::Log { rates } else { 0 };
@@ -465,13 +467,20 @@ impl Prepared {
         }
     }
 
-    /// The keys of a check on `state_key`: it, then the sliding-log sets, then the lease sets.
+    /// The keys of a check on `state_key`: it, then the sliding-log sets (`{state_key}:z1`,
+    /// ...), then the lease sets and the penalty boxes. Those two hold state a reload keeps
+    /// (see `MemoryStore::rebind_policy`): they are named by the policy, the key and the tier
+    /// (`{prefix}{{policy}|{key}}:c:{tier}`, `...:p:{tier}`), not by the policy's fingerprint,
+    /// so every definition of a policy of that name finds them.
     pub(crate) fn keys(&self, state_key: String) -> Vec<String> {
-        let conc = self.kinds.as_ref().map_or(0, |k| k.conc);
-        let mut keys = Vec::with_capacity(1 + self.log_sets + conc);
+        let named = self.kinds.as_ref().map_or(&[][..], |k| &k.named[..]);
+        let mut keys = Vec::with_capacity(1 + self.log_sets + named.len());
+        keys.push(String::new());
         keys.extend((1..=self.log_sets).map(|i| format!("{state_key}:z{i}")));
-        keys.extend((1..=conc).map(|i| format!("{state_key}:c{i}")));
-        keys.insert(0, state_key);
+        // The state key less its `:{fingerprint}` (`key_parts`).
+        let base = state_key.get(..state_key.len().saturating_sub(9)).unwrap_or_default();
+        keys.extend(named.iter().map(|n| format!("{base}{n}")));
+        keys[0] = state_key;
         keys
     }
 
@@ -1024,8 +1033,14 @@ mod tests {
         let boxed = base().penalty("a", box_).build().unwrap();
         let other = base().penalty("a", box_.after(4, Duration::from_secs(60))).build().unwrap();
         let fps: std::collections::HashSet<_> =
-            [&plain, &calendar, &boxed, &other].into_iter().map(fingerprint).collect();
-        assert_eq!(fps.len(), 4);
+            [&plain, &calendar, &boxed].into_iter().map(fingerprint).collect();
+        assert_eq!(fps.len(), 3, "a box changes how the state is kept (the policy is not plain)");
+        // The box lives apart, named by its tier: another box keeps the state key, and finds
+        // the box of the key where it was.
+        assert_eq!(fingerprint(&boxed), fingerprint(&other));
+        let keys = |p: &Policy| Prepared::new(p, 0).keys("tollgate:{api|k}:0123abcd".into());
+        assert_eq!(keys(&boxed), ["tollgate:{api|k}:0123abcd", "tollgate:{api|k}:p:a"]);
+        assert_eq!(keys(&boxed), keys(&other));
         assert_eq!(family(&boxed), Family::Rate);
         // Per tier of a policy of several kinds: kind, three parameters, then the box (block,
         // refusals, window; zeros for none), then the reserves (critical, standard).

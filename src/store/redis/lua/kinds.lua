@@ -25,12 +25,11 @@
 --           (old and new cost, instant, entry id; equal costs settle nothing);
 --         op 4, a refresh: lease id, then per concurrency tier its slots.
 -- KEYS    per record: the state key, the sliding-log sets of the rate tiers (log family
---         only), the lease sets of the concurrency tiers (`{state}:c1`, ...).
+--         only), the lease sets of the concurrency tiers, the penalty boxes (boxes.lua); the
+--         last two named by tier, not by the policy's fingerprint (`Prepared::keys`).
 -- State   `(seconds, units)` of the last charge or settlement (the guard: see `load`), per
---         calendar tier its windows (number, then start, end, used), per tier with a penalty
---         box whether the key is blocked (0 or 1), until when (seconds, units), and the
---         breaches counted (number, then each one's seconds and units), then the rate tiers'
---         state as F packs it: for a plain policy the guard and F's state alone. Concurrency
+--         calendar tier its windows (number, then start, end, used), per tier with a critical
+--         reserve its line (line.lua), then the rate tiers' state as F packs it: for a plain policy the guard and F's state alone. Concurrency
 --         slots live in their sorted sets: one member per slot, `struct '<dd' (lease id,
 --         slot)`, scored by the lease's expiry (ms since the epoch); expired members are
 --         dropped first.
@@ -152,6 +151,10 @@ end
 -- a function captures is found and kept apart per call).
 local K = {}
 local C = doubles(ARGV[3])
+-- Penalty boxes live in keys of their own (boxes.lua): its functions for a batch with boxes.
+for _, pol in ipairs(POL) do
+  if pol.npen > 0 and not K.box then K.box = boxes(C, POL) end
+end
 -- Every key's stored value (see `stored`), read once the batch knows which keys it loads.
 local STORED = nil
 local cache, order = {}, {}
@@ -832,31 +835,8 @@ local function load(k, pol)
     end
     st.cal = cal
   end
-  -- The penalty boxes (`Strikes::prune`): a block that ended and the breaches that left the
-  -- window are forgotten. Instants relative to the key's now.
-  if pol.npen > 0 then
-    st.pen = {}
-    for _, tier in ipairs(pol.tiers) do
-      local p = tier.pen
-      if p then
-        local box = { at = {}, till = nil }
-        if raw then
-          if raw[j + 1] == 1 then
-            box.till = rel(st.c, raw[j + 2], raw[j + 3])
-            if box.till <= 0 then box.till = nil; st.dirty = true end
-          end
-          local m = raw[j + 4]
-          j = j + 4
-          for _ = 1, m do
-            local a = rel(st.c, raw[j + 1], raw[j + 2])
-            if a + p.within > 0 then box.at[#box.at + 1] = a else st.dirty = true end
-            j = j + 2
-          end
-        end
-        st.pen[p.x] = box
-      end
-    end
-  end
+  -- The penalty boxes, from their own keys, per record (boxes.lua).
+  if pol.npen > 0 then st.pen = {} end
   if pol.nline > 0 then j = L.load(st, raw, j) end
   local rate_tiers, tiers = {}, pol.tiers
   for t = 1, pol.n do
@@ -1066,7 +1046,7 @@ if KINDS then
   K.breach = function(st, p)
     local box = st.pen[p.x]
     box.at[#box.at + 1] = 0
-    st.dirty = true
+    st.dirty, box.dirty = true, true
     if #box.at < p.after then return nil end
     box.at = {}
     box.till = p.block
@@ -1421,6 +1401,7 @@ while i <= #C do
       cache[name] = st
       order[#order + 1] = st
     end
+    if st.pen then K.box.enter(st) end
     if op == 1 then
       check(st, i)
     elseif op == 2 then
@@ -1430,6 +1411,7 @@ while i <= #C do
     else
       K.refresh(st, i)
     end
+    if st.pen then K.box.leave(st) end
   end
   i = i + C[i + 3]
 end
@@ -1437,6 +1419,7 @@ end
 -- Write every changed state back, with a TTL equal to what it needs.
 -- A settlement that changed nothing stored (a refund to a window that ended) still moves the
 -- guard, as in memory.
+if K.box then K.box.save() end
 for _, st in ipairs(order) do
   if st.dirty or st.charged then
     local pol = st.pol
@@ -1483,23 +1466,6 @@ for _, st in ipairs(order) do
         v[#v + 1] = #list
         for _, win in ipairs(list) do
           v[#v + 1], v[#v + 2], v[#v + 3] = win[1], win[2], win[3]
-        end
-      end
-      for _, tier in ipairs(pol.tiers) do
-        local p = tier.pen
-        if p then
-          local box = st.pen[p.x]
-          if box.till then
-            local s, u = abs(st.c, box.till)
-            v[#v + 1], v[#v + 2], v[#v + 3] = 1, s, u
-          else
-            v[#v + 1], v[#v + 2], v[#v + 3] = 0, 0, 0
-          end
-          v[#v + 1] = #box.at
-          for _, a in ipairs(box.at) do
-            local s, u = abs(st.c, a)
-            v[#v + 1], v[#v + 2] = s, u
-          end
         end
       end
       if pol.nline > 0 then L.save(st, v) end

@@ -6,7 +6,7 @@
 -- rate script's policies have lines (a reserve runs on GCRA), and only prelude.lua's helpers
 -- are used here, so the window and log scripts carry these functions unused.
 --
--- Stored after the penalty boxes, per tier with a critical reserve: until (seconds, units),
+-- Stored after the calendar windows, per tier with a critical reserve: until (seconds, units),
 -- used_until (seconds, units), used (all zeros for none).
 
 local L = {}
