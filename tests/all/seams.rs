@@ -68,34 +68,10 @@ const KNOWN: &[Known] = &[
         why: "a settlement below the charge gives back room ahead of shaped requests (redis-truth)",
     },
     Known {
-        labels: &["refund", "reload"],
-        on: &[On::Redis],
-        why: "a refund through the binding of before a reload leaves the new binding's local \
-              refusal (redis-truth)",
-    },
-    Known {
-        labels: &["settle", "reload"],
-        on: &[On::Redis],
-        why: "a settlement through the binding of before a reload leaves the new binding's local \
-              refusal (redis-truth)",
-    },
-    Known {
-        labels: &["concurrency", "reload"],
-        on: &[On::Redis],
-        why: "a reload restarts a concurrency tier's typical hold on Redis, not in memory \
-              (issue 32 reloads: owner)",
-    },
-    Known {
         labels: &["penalty", "back"],
         on: &[On::Redis],
         why: "a query after a block ended moves the key's clock guard on Redis, not in memory: \
               after a step back they decide apart (redis-truth)",
-    },
-    Known {
-        labels: &["reload", "back"],
-        on: &[On::Redis],
-        why: "after a clock step back and a reload, memory and Redis decide a key at instants \
-              247 ms apart (owner or redis-truth)",
     },
     Known {
         labels: &["calendar", "back"],
@@ -538,21 +514,18 @@ fn reload_x(give_back: Step, mix: Mix) -> (Config, Vec<Step>) {
 }
 
 #[test]
-#[ignore = "issue 33: local refusals × reload × refund (new), fixed by redis-truth"]
 fn refund_x_reload_on_redis() {
     let mix = Mix { refund: true, reload: true, ..Mix::default() };
     known_seam(On::Redis, &["refund", "reload"], reload_x(Step::Cancel { hold: 0 }, mix));
 }
 
 #[test]
-#[ignore = "issue 33: local refusals × reload × settlement (new), fixed by redis-truth"]
 fn settle_x_reload_on_redis() {
     let mix = Mix { settle: true, reload: true, ..Mix::default() };
     known_seam(On::Redis, &["settle", "reload"], reload_x(Step::Settle { hold: 0, to: 0 }, mix));
 }
 
 #[test]
-#[ignore = "issue 32/33: reloads × concurrency typical hold (new), fixed by owner"]
 fn concurrency_x_reload_on_redis() {
     // One request in and out, a reload, another: the concurrency tier's reset (its typical
     // hold, the Retry-After of a refusal) is 1 ms in memory, back to its default 1 s on Redis.
@@ -608,7 +581,6 @@ fn penalty_x_clock_back_on_redis() {
 }
 
 #[test]
-#[ignore = "issue 33: reload × clock step back on Redis (new), fixed by owner or redis-truth"]
 fn reload_x_clock_back_on_redis() {
     // Reported units beside 5 per 10 s (burst 10): a check 20 s in, the clock steps back
     // 676 ms, checks, a reload, checks, 248 ms on: memory decides the last check at the key's
