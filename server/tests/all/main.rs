@@ -1,0 +1,7 @@
+//! tollgate-server's tests, in one binary: each starts a server on a loopback port and calls
+//! it with a real gRPC client (tonic's, generated from the Envoy protos).
+#![allow(unreachable_pub, dead_code)]
+
+mod config;
+mod decisions;
+mod support;
