@@ -4,4 +4,8 @@
 
 mod config;
 mod decisions;
+mod redis;
+/// The library's throw-away Redis servers (standalone, Cluster, Sentinel).
+#[path = "../../../tests/support/redis.rs"]
+mod redis_support;
 mod support;
