@@ -6,8 +6,21 @@ use std::process::ExitCode;
 use tollgate_server::server;
 use tollgate_server::settings::Settings;
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("tollgate-server: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let code = runtime.block_on(run());
+    // Nothing is left to finish: the calls under way were answered before `run` returned.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    code
+}
+
+async fn run() -> ExitCode {
     let env = |name: &str| std::env::var(name).ok();
     let settings = match Settings::parse(std::env::args().skip(1), env) {
         Ok(s) => s,
@@ -49,6 +62,7 @@ async fn main() -> ExitCode {
         let _ = stop.send(true);
     });
     running.wait().await;
+    tracing::info!("tollgate-server: stopped");
     ExitCode::SUCCESS
 }
 

@@ -253,14 +253,28 @@ pub async fn start_with(
         }
     };
     let incoming = TcpIncoming::from(grpc_listener).with_nodelay(Some(true));
+    let grace = settings.grace;
+    let mut deadline = stopped.clone();
     let task = tokio::spawn(async move {
-        let served = tonic::transport::Server::builder()
+        let serve = tonic::transport::Server::builder()
             .add_service(health_service)
             .add_service(grpc_service)
-            .serve_with_incoming_shutdown(incoming, stopping)
-            .await;
-        if let Err(e) = served {
-            tracing::error!(error = %e, "tollgate-server: the gRPC port failed");
+            .serve_with_incoming_shutdown(incoming, stopping);
+        // Stopping, the server answers the calls under way and sends GOAWAY; clients that keep
+        // their connections open anyway (Envoy does) are cut off after the grace period.
+        let cut_off = async move {
+            let _ = deadline.wait_for(|s| *s).await;
+            tokio::time::sleep(grace).await;
+        };
+        tokio::select! {
+            served = serve => {
+                if let Err(e) = served {
+                    tracing::error!(error = %e, "tollgate-server: the gRPC port failed");
+                }
+            }
+            () = cut_off => {
+                tracing::info!("tollgate-server: closing the connections still open after {grace:?}");
+            }
         }
         for t in tasks {
             let _ = tokio::time::timeout(Duration::from_secs(5), t).await;

@@ -131,7 +131,7 @@ impl RateLimiter {
             .engine(&name, Some((requests_per_unit, unit)), None)
             .map_err(Status::internal)?;
         let rule = Arc::new(Rule {
-            stats: RuleStats::new(&name),
+            stats: RuleStats::new(&name, &name, unit.name()),
             full_key: Arc::from(name.as_str()),
             limit: Some((requests_per_unit, unit)),
             name: Arc::from(""),
@@ -285,7 +285,7 @@ impl RateLimiter {
                     let dynamic;
                     let rule_stats = match stats_key {
                         Some(k) => {
-                            dynamic = RuleStats::new(k);
+                            dynamic = RuleStats::new(k, &rule.full_key, rule.stats.first_tier());
                             &dynamic
                         }
                         None => &rule.stats,
@@ -301,6 +301,11 @@ impl RateLimiter {
                             verdict.admitted,
                             rule.shadow_mode,
                         );
+                    }
+                    if !d.is_negative_hits {
+                        let first = rule.stats.first_tier();
+                        let tier = verdict.name.as_deref().filter(|n| *n != first);
+                        stats::decision(&rule.stats, tier, verdict.admitted, rule.shadow_mode);
                     }
                     let over = !verdict.admitted;
                     let code = if over && !rule.shadow_mode { Code::OverLimit } else { Code::Ok };

@@ -76,6 +76,9 @@ pub struct Settings {
     pub watch: Duration,
     /// The log level (`LOG_LEVEL`).
     pub log_level: tracing::Level,
+    /// How long a shutdown waits for clients to close their connections (Envoy keeps its
+    /// connections open) before closing them.
+    pub grace: Duration,
 }
 
 /// A command line or environment the server cannot run with.
@@ -85,7 +88,7 @@ pub struct SettingsError(pub String);
 
 const USAGE: &str = "usage: tollgate-server --config <file or directory> --listen <addr:port> [--redis <url>[,<url>...]]
   [--redis-type single|cluster|sentinel] [--redis-master <name>] [--http <addr:port>]
-  [--metrics <addr:port>] [--headers none|legacy|ietf] [--watch <duration>]";
+  [--metrics <addr:port>] [--headers none|legacy|ietf] [--watch <duration>] [--grace <duration>]";
 
 fn err(s: impl Into<String>) -> SettingsError {
     SettingsError(s.into())
@@ -155,6 +158,7 @@ impl Settings {
             "metrics",
             "headers",
             "watch",
+            "grace",
         ];
         let mut args = args.into_iter();
         while let Some(a) = args.next() {
@@ -341,6 +345,10 @@ impl Settings {
             Some(w) => parse_duration("--watch", &w)?,
             None => Duration::from_secs(1),
         };
+        let grace = match flags.remove("grace") {
+            Some(g) => parse_duration("--grace", &g)?,
+            None => Duration::from_secs(10),
+        };
         let log_level = match var("LOG_LEVEL").map(|l| l.to_ascii_lowercase()).as_deref() {
             None | Some("info") => tracing::Level::INFO,
             Some("warn" | "warning") => tracing::Level::WARN,
@@ -372,6 +380,7 @@ impl Settings {
             header_names,
             watch,
             log_level,
+            grace,
         })
     }
 

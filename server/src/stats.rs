@@ -18,20 +18,44 @@ pub(crate) struct RuleStats {
     pub(crate) near_limit: Counter,
     pub(crate) within_limit: Counter,
     pub(crate) shadow_mode: Counter,
+    /// tollgate's own `tollgate_decisions_total` of the limit's first tier: admitted, limited,
+    /// dry_run_limited.
+    decisions: [Counter; 3],
+    policy: std::sync::Arc<str>,
+    tier: std::sync::Arc<str>,
 }
 
 impl RuleStats {
-    /// The counters of `key` (`domain.key_value...`).
-    pub(crate) fn new(key: &str) -> Self {
+    /// The counters of `key` (`domain.key_value...`), whose decisions are tollgate's
+    /// `policy` and `tier`.
+    pub(crate) fn new(key: &str, policy: &str, tier: &str) -> Self {
         let labels = labels(&sanitize(key));
         let c = |name: &'static str| metrics::counter!(name, labels.clone());
+        let d = |outcome: &'static str| {
+            metrics::counter!(
+                "tollgate_decisions_total",
+                "policy" => policy.to_owned(),
+                "tier" => tier.to_owned(),
+                "outcome" => outcome
+            )
+        };
         Self {
+            decisions: [d("admitted"), d("limited"), d("dry_run_limited")],
+            policy: std::sync::Arc::from(policy),
+            tier: std::sync::Arc::from(tier),
             total_hits: c("ratelimit_service_rate_limit_total_hits"),
             over_limit: c("ratelimit_service_rate_limit_over_limit"),
             near_limit: c("ratelimit_service_rate_limit_near_limit"),
             within_limit: c("ratelimit_service_rate_limit_within_limit"),
             shadow_mode: c("ratelimit_service_rate_limit_shadow_mode"),
         }
+    }
+}
+
+impl RuleStats {
+    /// The tier the pre-registered decision counters are labelled with.
+    pub(crate) fn first_tier(&self) -> &str {
+        &self.tier
     }
 }
 
@@ -121,6 +145,30 @@ pub(crate) fn count(
         }
         if shadow {
             stats.shadow_mode.increment(over);
+        }
+    }
+}
+
+/// tollgate's own `tollgate_decisions_total{policy, tier, outcome}` of a limit's decision:
+/// `admitted`, `limited`, or `dry_run_limited` (a shadow-mode limit that would have refused).
+/// `tier` is the tier reported when it is not the first (a policy of several tiers).
+pub(crate) fn decision(stats: &RuleStats, tier: Option<&str>, admitted: bool, shadow: bool) {
+    let i = match (admitted, shadow) {
+        (true, _) => 0,
+        (false, false) => 1,
+        (false, true) => 2,
+    };
+    match tier {
+        None => stats.decisions[i].increment(1),
+        Some(tier) => {
+            let outcome = ["admitted", "limited", "dry_run_limited"][i];
+            metrics::counter!(
+                "tollgate_decisions_total",
+                "policy" => stats.policy.to_string(),
+                "tier" => tier.to_owned(),
+                "outcome" => outcome
+            )
+            .increment(1);
         }
     }
 }

@@ -265,9 +265,13 @@ fn load_level(
                         None => ConfigError::whole(file, format!("{full_key}: {e}")),
                     }
                 })?;
+                let tier = match &extension {
+                    Some(x) => x.reports[0].name.to_string(),
+                    None => limit.map_or("unlimited", |(_, u)| u.name()).to_owned(),
+                };
                 let full_key: Arc<str> = Arc::from(full_key.as_str());
                 Some(Arc::new(Rule {
-                    stats: RuleStats::new(&full_key),
+                    stats: RuleStats::new(&full_key, &full_key, &tier),
                     full_key,
                     limit,
                     name: Arc::from(rl.name.as_str()),

@@ -8,4 +8,5 @@ mod redis;
 /// The library's throw-away Redis servers (standalone, Cluster, Sentinel).
 #[path = "../../../tests/support/redis.rs"]
 mod redis_support;
+mod serving;
 mod support;
