@@ -323,6 +323,8 @@ pub(crate) struct Verdict {
     pub(crate) unit: Unit,
     pub(crate) name: Option<Arc<str>>,
     pub(crate) remaining: u64,
+    /// The units the counts below are out of (the tier's capacity: `burst` for GCRA).
+    pub(crate) capacity: u64,
     /// Seconds until the reported limit is whole again.
     pub(crate) reset: u64,
     /// The count before and after this request's hits, as the reference counts them for its
@@ -343,14 +345,18 @@ impl Verdict {
         charge: Charge,
     ) -> Self {
         let limit = u64::from(count);
-        let (before, after) =
-            if admitted { (used.saturating_sub(hits), used) } else { (used, used + hits) };
+        let (before, after) = if admitted {
+            (used.saturating_sub(hits), used)
+        } else {
+            (used, used.saturating_add(hits))
+        };
         Self {
             admitted,
             count,
             unit,
             name: None,
             remaining: if admitted { limit.saturating_sub(used) } else { 0 },
+            capacity: limit,
             reset: unit.seconds() - now % unit.seconds(),
             before,
             after,
@@ -370,14 +376,18 @@ impl Verdict {
         let admitted = decision.is_allowed();
         let cap = t.limit();
         let used = cap.saturating_sub(t.remaining());
-        let (before, after) =
-            if admitted { (used.saturating_sub(hits), used) } else { (used, used + hits) };
+        let (before, after) = if admitted {
+            (used.saturating_sub(hits), used)
+        } else {
+            (used, used.saturating_add(hits))
+        };
         Self {
             admitted,
             count: r.count,
             unit: r.unit,
             name: Some(r.name.clone()),
             remaining: if admitted { t.remaining() } else { 0 },
+            capacity: cap,
             reset: t.reset_after().as_secs() + u64::from(t.reset_after().subsec_nanos() > 0),
             before,
             after,
@@ -486,6 +496,7 @@ async fn decide(
             unit: Unit::Second,
             name: None,
             remaining: u64::from(u32::MAX),
+            capacity: 0,
             reset: 0,
             before: 0,
             after: 0,

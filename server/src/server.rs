@@ -3,7 +3,7 @@
 //! the configuration, and a graceful shutdown.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -82,6 +82,7 @@ impl Running {
 /// Where the configuration comes from, and what was last loaded from it.
 struct Watched {
     path: PathBuf,
+    extensions: Option<PathBuf>,
     options: LoadOptions,
     last: Vec<Source>,
 }
@@ -89,7 +90,7 @@ struct Watched {
 impl Watched {
     /// Loads the configuration again if a file changed; `None` when none did.
     fn poll(&mut self, backends: &Backends) -> Option<Result<Config, crate::config::ConfigError>> {
-        let sources = match read_sources(&self.path) {
+        let sources = match read_all(&self.path, self.extensions.as_deref()) {
             Ok(s) => s,
             Err(e) => return Some(Err(e)),
         };
@@ -138,7 +139,7 @@ pub async fn start_with(
     backends: Arc<Backends>,
 ) -> Result<Running, StartError> {
     let options = LoadOptions { merge_domains: settings.merge_domains };
-    let sources = read_sources(&settings.config)?;
+    let sources = read_all(&settings.config, settings.extensions.as_deref())?;
     let config = match Config::build(&sources, options, &backends) {
         Ok(c) => c,
         Err(e) => {
@@ -206,7 +207,12 @@ pub async fn start_with(
     }
     // Reload: look at the files every `watch`, and at once on SIGHUP.
     {
-        let mut watched = Watched { path: settings.config.clone(), options, last: sources };
+        let mut watched = Watched {
+            path: settings.config.clone(),
+            extensions: settings.extensions.clone(),
+            options,
+            last: sources,
+        };
         let service = service.clone();
         let backends = backends.clone();
         let mut stopped = stopped.clone();
@@ -286,6 +292,26 @@ pub async fn start_with(
         settings.config.display()
     );
     Ok(Running { grpc, http, metrics, service, stop, task })
+}
+
+/// The sources at `config`, and the companion files at `extensions` (only names ending in
+/// `.tollgate.yaml` count there).
+fn read_all(
+    config: &Path,
+    extensions: Option<&Path>,
+) -> Result<Vec<Source>, crate::config::ConfigError> {
+    let mut sources = read_sources(config)?;
+    if let Some(path) = extensions {
+        let more = read_sources(path)?;
+        if let Some(bad) = more.iter().find(|s| !s.is_extension()) {
+            return Err(crate::config::ConfigError::whole(
+                &bad.name,
+                "--extensions holds companion files only (names ending in .tollgate.yaml)",
+            ));
+        }
+        sources.extend(more);
+    }
+    Ok(sources)
 }
 
 fn http_routes(

@@ -293,7 +293,7 @@ impl RateLimiter {
                     if !d.is_negative_hits {
                         stats::count(
                             rule_stats,
-                            u64::from(verdict.count),
+                            verdict.capacity,
                             self.inner.options.near_limit_ratio,
                             hits,
                             verdict.before,

@@ -46,6 +46,8 @@ pub struct RedisTarget {
 pub struct Settings {
     /// A configuration file, or a directory of them.
     pub config: PathBuf,
+    /// Companion files kept apart from the reference's files (a file or a directory).
+    pub extensions: Option<PathBuf>,
     /// The gRPC address.
     pub listen: SocketAddr,
     /// The HTTP address of `/healthcheck` (and `/metrics` when metrics are on).
@@ -88,7 +90,8 @@ pub struct SettingsError(pub String);
 
 const USAGE: &str = "usage: tollgate-server --config <file or directory> --listen <addr:port> [--redis <url>[,<url>...]]
   [--redis-type single|cluster|sentinel] [--redis-master <name>] [--http <addr:port>]
-  [--metrics <addr:port>] [--headers none|legacy|ietf] [--watch <duration>] [--grace <duration>]";
+  [--metrics <addr:port>] [--headers none|legacy|ietf] [--watch <duration>] [--grace <duration>]
+  [--extensions <file or directory of *.tollgate.yaml>]";
 
 fn err(s: impl Into<String>) -> SettingsError {
     SettingsError(s.into())
@@ -159,6 +162,7 @@ impl Settings {
             "headers",
             "watch",
             "grace",
+            "extensions",
         ];
         let mut args = args.into_iter();
         while let Some(a) = args.next() {
@@ -194,6 +198,8 @@ impl Settings {
                 PathBuf::from(root).join(sub).join(app)
             }
         };
+        let extensions =
+            flags.remove("extensions").or_else(|| var("TOLLGATE_EXTENSIONS")).map(PathBuf::from);
         let listen = match flags.remove("listen") {
             Some(l) => addr("--listen", &l)?,
             None => {
@@ -359,6 +365,7 @@ impl Settings {
         };
         Ok(Self {
             config,
+            extensions,
             listen,
             http,
             metrics,

@@ -138,10 +138,10 @@ pub(crate) fn count(
             stats.near_limit.increment(if before >= near { hits } else { after - near });
         }
     } else {
-        let over = if before >= limit { hits } else { after - limit };
+        let over = if before >= limit { hits } else { after.saturating_sub(limit) };
         stats.over_limit.increment(over);
         if before < limit {
-            stats.near_limit.increment(limit - near.max(before));
+            stats.near_limit.increment(limit.saturating_sub(near.max(before)));
         }
         if shadow {
             stats.shadow_mode.increment(over);

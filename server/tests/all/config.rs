@@ -135,3 +135,20 @@ async fn a_watched_directory_is_reloaded_and_a_bad_file_refused() {
     assert_eq!(admitted(&mut s, &r, 1).await, 0);
     assert_eq!(s.codes(n).await.0, Code::OverLimit);
 }
+
+#[tokio::test]
+async fn companion_files_may_live_apart() {
+    let apart = temp_dir();
+    std::fs::write(
+        apart.join("d.tollgate.yaml"),
+        "domain: d\nlimits:\n  - descriptor: [k]\n    algorithm: gcra\n    tiers: [{name: burst, requests_per_unit: 3, unit: minute, burst: 1}]\n",
+    )
+    .unwrap();
+    let mut s = serve(&[("config.yaml", BASE)], &["--extensions", apart.to_str().unwrap()]).await;
+    // GCRA with a burst of 1: one now, the next 20 s later (the fixed window would admit 3).
+    let r = one("d", &[("k", "a")]);
+    assert_eq!(admitted(&mut s, &r, 3).await, 1);
+    assert_eq!(s.call(r.clone()).await.statuses[0].current_limit.as_ref().unwrap().name, "burst");
+    s.advance(Duration::from_secs(20));
+    assert_eq!(admitted(&mut s, &r, 2).await, 1);
+}

@@ -180,6 +180,8 @@ async fn hits_addend_of_the_request_and_of_the_descriptor() {
     // More hits than the limit can ever take.
     let mut big = one("d", &[("k", "b")]);
     big.hits_addend = 11;
+    assert_eq!(s.codes(big.clone()).await.0, Code::OverLimit);
+    big.descriptors[0].hits_addend = Some(UInt64Value { value: u64::MAX });
     assert_eq!(s.codes(big).await.0, Code::OverLimit);
 }
 
