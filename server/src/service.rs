@@ -211,26 +211,22 @@ impl RateLimiter {
         let failure = domain.map_or(FailureMode::Error, |d| d.failure_mode);
         let now = self.inner.backends.now_secs();
 
-        let decisions = futures_util::future::join_all(slots.iter().zip(&request.descriptors).map(|(slot, d)| async move {
-            let Slot::Limited { rule, matched, .. } = slot else { return None };
-            let base = counter_key(&request.domain, d, matched.as_ref().map_or(&[][..], |m| &m.shared[..]));
-            let hits = hits_of(request, d);
-            let engine = &rule.engine;
-            let result = if d.is_negative_hits {
-                engine.refund(&base, hits, now).await
-            } else {
-                engine.decide(&base, hits, revocable, now).await
-            };
-            Some(match result {
-                Ok(v) => Ok(v),
-                Err(e) if failure == FailureMode::Local && engine.has_local() => {
-                    tracing::debug!(error = %e, "tollgate-server: store failed; deciding locally");
-                    engine.decide_local(&base, hits, revocable, now).await.map_err(|_| e)
-                }
-                Err(e) => Err(e),
-            })
-        }))
-        .await;
+        // On the memory store every decision is made at once: no need to poll them together.
+        let decisions: Vec<_> = if self.inner.backends.is_redis() {
+            futures_util::future::join_all(
+                slots
+                    .iter()
+                    .zip(&request.descriptors)
+                    .map(|(s, d)| decide_slot(s, d, request, revocable, failure, now)),
+            )
+            .await
+        } else {
+            let mut v = Vec::with_capacity(slots.len());
+            for (s, d) in slots.iter().zip(&request.descriptors) {
+                v.push(decide_slot(s, d, request, revocable, failure, now).await);
+            }
+            v
+        };
 
         let mut statuses = Vec::with_capacity(slots.len());
         let mut charges: Vec<Charge> = Vec::new();
@@ -325,16 +321,23 @@ impl RateLimiter {
                         closest = Some((remaining, i));
                     }
                     let name = verdict.name.clone().unwrap_or_else(|| rule.name.clone());
-                    let header_name =
-                        if name.is_empty() { rule.full_key.to_string() } else { name.to_string() };
-                    ietf.push((
-                        header_name,
-                        verdict.count,
-                        verdict.unit.seconds(),
-                        remaining,
-                        verdict.reset,
-                    ));
-                    charges.push(verdict.charge);
+                    if self.inner.options.headers == HeaderStyle::Ietf {
+                        let header_name = if name.is_empty() {
+                            rule.full_key.to_string()
+                        } else {
+                            name.to_string()
+                        };
+                        ietf.push((
+                            header_name,
+                            verdict.count,
+                            verdict.unit.seconds(),
+                            remaining,
+                            verdict.reset,
+                        ));
+                    }
+                    if !matches!(verdict.charge, Charge::None) {
+                        charges.push(verdict.charge);
+                    }
                     DescriptorStatus {
                         code: code as i32,
                         current_limit: Some(RateLimit {
@@ -401,6 +404,35 @@ impl RateLimiter {
             ..Default::default()
         })
     }
+}
+
+/// Decides one descriptor (`None` when no limit applies), deciding locally when the store fails
+/// and the domain says `local`.
+async fn decide_slot(
+    slot: &Slot<'_>,
+    d: &RateLimitDescriptor,
+    request: &RateLimitRequest,
+    revocable: bool,
+    failure: FailureMode,
+    now: u64,
+) -> Option<Result<crate::engine::Verdict, tollgate::StoreError>> {
+    let Slot::Limited { rule, matched, .. } = slot else { return None };
+    let base = counter_key(&request.domain, d, matched.as_ref().map_or(&[][..], |m| &m.shared[..]));
+    let hits = hits_of(request, d);
+    let engine = &rule.engine;
+    let result = if d.is_negative_hits {
+        engine.refund(&base, hits, now).await
+    } else {
+        engine.decide(&base, hits, revocable, now).await
+    };
+    Some(match result {
+        Ok(v) => Ok(v),
+        Err(e) if failure == FailureMode::Local && engine.has_local() => {
+            tracing::debug!(error = %e, "tollgate-server: store failed; deciding locally");
+            engine.decide_local(&base, hits, revocable, now).await.map_err(|_| e)
+        }
+        Err(e) => Err(e),
+    })
 }
 
 fn header(key: &str, value: String) -> HeaderValue {

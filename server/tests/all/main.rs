@@ -4,6 +4,7 @@
 
 mod config;
 mod decisions;
+mod model;
 mod redis;
 /// The library's throw-away Redis servers (standalone, Cluster, Sentinel).
 #[path = "../../../tests/support/redis.rs"]
