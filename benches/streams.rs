@@ -6,9 +6,10 @@
 //!
 //! - `no-byte-tier`: a policy with one rate tier (the reference);
 //! - `bytes-settle`: the same policy plus a response-bytes tier, settled once when the body
-//!   ends (the default, `StreamMode::Settle`);
+//!   ends (`StreamMode::Settle`);
 //! - `bytes-shape` / `bytes-police`: the byte tier charged as the body streams, one store call
 //!   per lease of 64 KiB (`StreamMode::Shape`, `StreamMode::Police`);
+//! - `bytes-default`: no `on_stream`: the layer's own mode (policing), as a user gets it;
 //! - `bare`: the router without the layer.
 //!
 //! `streams/loopback-100MB/*`: the same cases served by `axum::serve` on a loopback port and
@@ -93,7 +94,7 @@ fn router() -> Router {
     )
 }
 
-fn layered(bytes: bool, mode: StreamMode) -> Router {
+fn layered(bytes: bool, mode: Option<StreamMode>) -> Router {
     let mut policy = Policy::builder("download").tier("requests", Quota::per_second(1_000_000));
     if bytes {
         // 4 GB a millisecond (a burst of 4 GB): never the limit here.
@@ -102,22 +103,23 @@ fn layered(bytes: bool, mode: StreamMode) -> Router {
             Quota::new(4_000_000_000, Duration::from_millis(1)).counting(Unit::ResponseBytes),
         );
     }
-    let layer = RateLimitLayer::builder(policy.build().unwrap())
-        .key(GlobalKey)
-        .on_stream(mode)
-        .build()
-        .unwrap();
-    router().layer(layer)
+    let layer = RateLimitLayer::builder(policy.build().unwrap()).key(GlobalKey);
+    let layer = match mode {
+        Some(mode) => layer.on_stream(mode),
+        None => layer,
+    };
+    router().layer(layer.build().unwrap())
 }
 
 /// The cases compared, by name.
-fn cases() -> [(&'static str, Router); 5] {
+fn cases() -> [(&'static str, Router); 6] {
     [
         ("bare", router()),
-        ("no-byte-tier", layered(false, StreamMode::Settle)),
-        ("bytes-settle", layered(true, StreamMode::Settle)),
-        ("bytes-shape", layered(true, StreamMode::Shape)),
-        ("bytes-police", layered(true, StreamMode::Police)),
+        ("no-byte-tier", layered(false, None)),
+        ("bytes-settle", layered(true, Some(StreamMode::Settle))),
+        ("bytes-shape", layered(true, Some(StreamMode::Shape))),
+        ("bytes-police", layered(true, Some(StreamMode::Police))),
+        ("bytes-default", layered(true, None)),
     ]
 }
 

@@ -35,7 +35,8 @@ use hyper_util::rt::TokioExecutor;
 use jiff::{Timestamp, ToSpan, tz::TimeZone};
 use tokio::sync::{Notify, watch};
 use tollgate::key::HeaderKey;
-use tollgate::{Calendar, Concurrency, Policy, Quota, RateLimitLayer, Unit, Unselected, Usage};
+use tollgate::layer::Unselected;
+use tollgate::{Calendar, Concurrency, Policy, Quota, RateLimitLayer, Unit, Usage};
 
 const ZONE: &str = "Europe/Berlin";
 /// What a call to `/complete` reports using, as an LLM API would report tokens.
@@ -110,7 +111,7 @@ impl Seen {
 
     fn print(&self, what: &str) {
         println!("   {what}: {}", self.status);
-        if self.status == StatusCode::TOO_MANY_REQUESTS {
+        if self.status.is_client_error() {
             println!("     violated-policies: {:?}", self.violated);
             println!("     retry-after: {:?} s", self.retry_after);
             println!("     detail: {}", self.detail);
@@ -290,7 +291,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     checks.expect(again.remaining("in-flight") == Some(3), "3 of 4 slots free while it runs");
 
     // 4. Upload bytes (1 MB/s): 600 kB passes, 1 MB right after it does not, 2 MB never
-    //    will; neither refusal charges the request tiers.
+    //    will (413 Content Too Large); neither refusal charges the request tiers.
     println!("\n== upload-bytes: acme uploads 600 kB, 1 MB, then 2 MB");
     let before = api.get("/hello", "key-acme").await;
     let first = api.call("POST", "/upload", "key-acme", vec![b'x'; 600_000]).await;
@@ -302,10 +303,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let huge = api.call("POST", "/upload", "key-acme", vec![b'x'; 2_000_000]).await;
     huge.print("POST /upload (2 MB)");
     checks.expect(
-        huge.status == StatusCode::TOO_MANY_REQUESTS
+        huge.status == StatusCode::PAYLOAD_TOO_LARGE
             && huge.violated == ["upload-bytes"]
             && huge.retry_after.is_none(),
-        "2 MB refused for good (no Retry-After: it can never fit)",
+        "2 MB refused for good with 413 (no Retry-After: it can never fit)",
     );
     let after = api.get("/hello", "key-acme").await;
     let monthly = (before.remaining("monthly"), after.remaining("monthly"));

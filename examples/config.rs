@@ -2,8 +2,8 @@
 //! an axum app on an ephemeral loopback port, sends requests, then edits the copy to change one
 //! quota (the free plan, 100 a minute down to 2) and shows the watcher's reload taking effect
 //! while the unchanged per-address policy keeps counting from where it was. Last, it adds the
-//! README's SaaS plan (calendar, concurrency and byte tiers) to the file and uploads under it.
-//! Exits by itself.
+//! SaaS plan of the configuration guide (`tollgate::guide::config_file`: calendar, concurrency
+//! and byte tiers) to the file and uploads under it. Exits by itself.
 //!
 //! Run: `cargo run --example config --features config`.
 
@@ -22,8 +22,8 @@ use tollgate::config::{LimitsConfig, LimitsLayer};
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
-/// The README's SaaS plan, per API key on `/upload`: 10,000 requests a month in Europe/Berlin,
-/// 4 in flight, 1 GB of uploads a day.
+/// The configuration guide's SaaS plan, per API key on `/upload`: 10,000 requests a month in
+/// Europe/Berlin, 4 in flight, 1 GB of uploads a day.
 const SAAS: &str = r#"
 [policies.saas]
 tiers = [
@@ -144,7 +144,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tokio::time::sleep(Duration::from_millis(300)).await;
     call(&client, &url("/api/items")).await?;
 
-    println!("== the README's SaaS plan added to the file: a month in Berlin, 4 in flight, bytes:");
+    println!("== the guide's SaaS plan added to the file: a month in Berlin, 4 in flight, bytes:");
     std::fs::write(&path, format!("{edited}{SAAS}"))?;
     for _ in 0..50 {
         if handle.config().policy("saas").is_some() {

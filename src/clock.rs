@@ -31,6 +31,7 @@
 //! ```
 
 use std::any::Any;
+use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -125,7 +126,7 @@ impl Clock for MonotonicClock {
 /// assert_eq!(clock.now() - start, 3_000_000_000);
 /// # }
 /// ```
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct TokioClock {
     origin: tokio::time::Instant,
     /// Nanoseconds since the Unix epoch at creation.
@@ -136,7 +137,22 @@ impl TokioClock {
     /// A clock reading the system clock once, now.
     #[must_use]
     pub fn new() -> Self {
-        Self { origin: tokio::time::Instant::now(), unix: unix_now() }
+        Self::from_unix(unix_now())
+    }
+
+    /// A clock at `unix` nanoseconds since the Unix epoch now.
+    pub(crate) fn from_unix(unix: u64) -> Self {
+        Self { origin: tokio::time::Instant::now(), unix }
+    }
+}
+
+impl fmt::Debug for TokioClock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let now = self.now();
+        match jiff::Timestamp::from_nanosecond(i128::from(now)) {
+            Ok(at) => write!(f, "TokioClock({at})"),
+            Err(_) => write!(f, "TokioClock({now} ns since the Unix epoch)"),
+        }
     }
 }
 

@@ -50,7 +50,7 @@ pub struct TierDecision {
     pub(crate) reset_after: u64,
     /// Nanoseconds, or [`NONE`].
     pub(crate) retry_after: u64,
-    /// At most [`MAX_COUNT`](crate::quota::MAX_COUNT), so 32 bits (the struct stays 32 bytes).
+    /// At most [`MAX_COUNT`](crate::Quota::MAX_COUNT), so 32 bits (the struct stays 32 bytes).
     pub(crate) limit: u32,
     pub(crate) violated: bool,
 }

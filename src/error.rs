@@ -35,7 +35,7 @@ pub enum ConfigError {
         /// The tier's name.
         tier: String,
     },
-    /// `count` or `burst` exceeds [`MAX_COUNT`](crate::quota::MAX_COUNT).
+    /// `count` or `burst` exceeds [`MAX_COUNT`](crate::Quota::MAX_COUNT).
     #[error("tier `{tier}`: {what} {value} exceeds the maximum {max}")]
     TooLarge {
         /// The tier's name.
@@ -48,7 +48,7 @@ pub enum ConfigError {
         max: u64,
     },
     /// A tier's span (its period, or `burst x period / count`) exceeds
-    /// [`MAX_SPAN`](crate::MAX_SPAN).
+    /// [`MAX_SPAN`](crate::Quota::MAX_SPAN).
     #[error("tier `{tier}`: its period or burst spans more than the longest supported, {max:?}")]
     SpanTooLong {
         /// The tier's name.
@@ -71,7 +71,7 @@ pub enum ConfigError {
         /// The count given.
         count: u64,
     },
-    /// A sliding-window-log limit above [`MAX_SLIDING_LOG`](crate::quota::MAX_SLIDING_LOG):
+    /// A sliding-window-log limit above [`MAX_SLIDING_LOG`](crate::Quota::MAX_SLIDING_LOG):
     /// the log keeps one entry per admitted request, so memory per key grows with the limit.
     #[error(
         "tier `{tier}`: sliding log limit {count} exceeds {max}; use the sliding window counter for large limits"
@@ -85,7 +85,7 @@ pub enum ConfigError {
         max: u64,
     },
     /// A concurrency tier's lease is shorter than 1 ms or longer than
-    /// [`MAX_SPAN`](crate::MAX_SPAN).
+    /// [`MAX_SPAN`](crate::Quota::MAX_SPAN).
     #[error("tier `{tier}`: lease {lease:?} must be between {min:?} and {max:?}")]
     LeaseOutOfRange {
         /// The tier's name.

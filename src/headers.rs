@@ -80,6 +80,15 @@ pub(crate) fn ceil_secs(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
 }
 
+/// A tier's `t` (or `reset`): the seconds until it is full again, rounded up; at least 1 for
+/// a tier that refused the request, whose client would otherwise read "retry now" (a cost
+/// above the capacity of a full tier included).
+#[inline]
+fn reset_secs(d: &crate::decision::TierDecision) -> u64 {
+    let secs = ceil_secs(d.reset_after());
+    if d.is_violated() { secs.max(1) } else { secs }
+}
+
 /// Writes `s` as an RFC 9651 String. Names are validated printable ASCII; the two characters
 /// the RFC requires are escaped.
 fn sf_string(out: &mut String, s: &str) {
@@ -447,7 +456,7 @@ impl Headers {
     fn tightest(&self, decision: &Decision) -> Option<[u64; 3]> {
         let tiers = decision.tiers.iter().zip(self.capacities.iter());
         let (t, capacity) = tiers.min_by_key(|(t, _)| t.remaining)?;
-        Some([*capacity, t.remaining, ceil_secs(t.reset_after())])
+        Some([*capacity, t.remaining, reset_secs(t)])
     }
 
     /// The `RateLimit` value for `decision`: `"name";r=R;t=T` per tier. A state rendered before
@@ -456,7 +465,7 @@ impl Headers {
     pub(crate) fn state(&self, decision: &Decision) -> HeaderValue {
         let shown = || {
             let tiers = decision.tiers.iter().take(self.items.len());
-            tiers.map(|d| (d.remaining, ceil_secs(d.reset_after())))
+            tiers.map(|d| (d.remaining, reset_secs(d)))
         };
         let hash = shown().fold(0u64, |h, (r, t)| {
             h.wrapping_mul(31).wrapping_add(r.wrapping_mul(31).wrapping_add(t))
@@ -497,7 +506,7 @@ impl Headers {
             push(&mut buf, item.as_bytes());
             push(&mut buf, numbers.format(d.remaining).as_bytes());
             push(&mut buf, b";t=");
-            push(&mut buf, numbers.format(ceil_secs(d.reset_after())).as_bytes());
+            push(&mut buf, numbers.format(reset_secs(d)).as_bytes());
         }
         let bytes =
             if fits { Bytes::copy_from_slice(&buf[..len]) } else { self.state_long(decision) };
@@ -512,7 +521,7 @@ impl Headers {
             if i > 0 {
                 out.push_str(", ");
             }
-            let _ = write!(out, "{item}{};t={}", d.remaining, ceil_secs(d.reset_after()));
+            let _ = write!(out, "{item}{};t={}", d.remaining, reset_secs(d));
         }
         Bytes::from(out)
     }

@@ -26,8 +26,10 @@
 //! # Ok(()) }
 //! ```
 //!
-//! The [recipes] show the usual setups: per-route limits in axum, hyper, tonic, behind a load
-//! balancer, per-plan limits, testing with a fake clock, calling a rate-limited API, Redis.
+//! The [guide] has a page per task, each with a program CI runs: per-route limits, plans,
+//! clients behind a proxy, hyper, tier kinds beyond requests per second, uploads, gRPC,
+//! WebSocket, Redis and lease mode, a configuration file, testing, calling a rate-limited API,
+//! observability, limits in code.
 //!
 //! Algorithms: GCRA (default), token bucket, leaky bucket, fixed window, sliding window log,
 //! sliding window counter; see [`Algorithm`].
@@ -94,12 +96,13 @@ pub mod config;
 mod decision;
 mod error;
 pub mod grpc;
+pub mod guide;
 mod headers;
 #[cfg(any(feature = "client", feature = "testing"))]
 #[cfg_attr(not(feature = "client"), allow(dead_code))]
 mod hints;
 pub mod key;
-mod layer;
+pub mod layer;
 mod limiter;
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
@@ -108,6 +111,7 @@ pub mod metrics;
 mod metrics;
 mod policy;
 mod quota;
+#[deprecated(note = "the recipes moved to `tollgate::guide`, one page per task")]
 pub mod recipes;
 mod rejection;
 pub mod store;
@@ -122,18 +126,64 @@ pub use decision::{Decision, Outcome, Source, TierDecision};
 pub use error::{ConfigError, StoreError};
 pub use headers::{HeaderFormat, HeaderStyle};
 pub use layer::{
-    DecisionEvent, LeanFuture, LeanLayer, LeanRateLimit, LogKeys, MESSAGE_LEASE, MissingKey,
-    Observed, OnStoreError, RateLimit, RateLimitLayer, RateLimitLayerBuilder, RequestBody,
-    ResponseBody, ResponseFuture, STREAM_LEASE, StreamMode, Unselected, Usage,
+    MissingKey, OnStoreError, RateLimitLayer, RateLimitLayerBuilder, RequestBody, StreamMode, Usage,
 };
 pub use limiter::{Held, Limiter, Reservation};
 pub use policy::{Costs, Policy, PolicyBuilder, Tier};
 pub use quota::{
-    Algorithm, Calendar, CalendarPeriod, Concurrency, DEFAULT_LEASE, DEFAULT_TYPICAL_HOLD,
-    MAX_COUNT, MAX_PENALTY_REFUSALS, MAX_SLIDING_LOG, MAX_SPAN, Penalty, Priority, Quota, Reserve,
-    TierKind, Unit,
+    Algorithm, Calendar, CalendarPeriod, Concurrency, Penalty, Priority, Quota, Reserve, TierKind,
+    Unit,
 };
-pub use rejection::{QUOTA_EXCEEDED_TYPE, RateLimited, Rejection};
+pub use rejection::{RateLimited, Rejection};
+
+/// Names that moved from the crate's root: the layer's parts to [`layer`], the constants to
+/// the types they describe. Kept until the first release, deprecated.
+mod moved {
+    #![allow(missing_docs)]
+    use std::time::Duration;
+
+    #[deprecated(note = "moved: tollgate::layer::DecisionEvent")]
+    pub type DecisionEvent<'a> = crate::layer::DecisionEvent<'a>;
+    #[deprecated(note = "moved: tollgate::layer::LeanFuture")]
+    pub type LeanFuture<F, B, E> = crate::layer::LeanFuture<F, B, E>;
+    #[deprecated(note = "moved: tollgate::layer::LeanLayer")]
+    pub type LeanLayer<K, St> = crate::layer::LeanLayer<K, St>;
+    #[deprecated(note = "moved: tollgate::layer::LeanRateLimit")]
+    pub type LeanRateLimit<S, K, St> = crate::layer::LeanRateLimit<S, K, St>;
+    #[deprecated(note = "moved: tollgate::layer::LogKeys")]
+    pub type LogKeys = crate::layer::LogKeys;
+    #[deprecated(note = "moved: tollgate::layer::Observed")]
+    pub type Observed = crate::layer::Observed;
+    #[deprecated(note = "moved: tollgate::layer::RateLimit")]
+    pub type RateLimit<S, K, St> = crate::layer::RateLimit<S, K, St>;
+    #[deprecated(note = "moved: tollgate::layer::ResponseBody")]
+    pub type ResponseBody<B> = crate::layer::ResponseBody<B>;
+    #[deprecated(note = "moved: tollgate::layer::ResponseFuture")]
+    pub type ResponseFuture<F, B, E> = crate::layer::ResponseFuture<F, B, E>;
+    #[deprecated(note = "moved: tollgate::layer::Unselected")]
+    pub type Unselected = crate::layer::Unselected;
+    #[deprecated(note = "moved: StreamMode::MESSAGE_LEASE")]
+    pub const MESSAGE_LEASE: u64 = crate::StreamMode::MESSAGE_LEASE;
+    #[deprecated(note = "moved: StreamMode::STREAM_LEASE")]
+    pub const STREAM_LEASE: u64 = crate::StreamMode::STREAM_LEASE;
+    #[deprecated(note = "moved: Concurrency::DEFAULT_LEASE")]
+    pub const DEFAULT_LEASE: Duration = crate::Concurrency::DEFAULT_LEASE;
+    #[deprecated(note = "moved: Concurrency::DEFAULT_TYPICAL_HOLD")]
+    pub const DEFAULT_TYPICAL_HOLD: Duration = crate::Concurrency::DEFAULT_TYPICAL_HOLD;
+    #[deprecated(note = "moved: Quota::MAX_COUNT")]
+    pub const MAX_COUNT: u64 = crate::Quota::MAX_COUNT;
+    #[deprecated(note = "moved: Penalty::MAX_REFUSALS")]
+    pub const MAX_PENALTY_REFUSALS: u32 = crate::Penalty::MAX_REFUSALS;
+    #[deprecated(note = "moved: Quota::MAX_SLIDING_LOG")]
+    pub const MAX_SLIDING_LOG: u64 = crate::Quota::MAX_SLIDING_LOG;
+    #[deprecated(note = "moved: Quota::MAX_SPAN")]
+    pub const MAX_SPAN: Duration = crate::Quota::MAX_SPAN;
+    #[deprecated(note = "moved: RateLimited::PROBLEM_TYPE")]
+    pub const QUOTA_EXCEEDED_TYPE: &str = crate::RateLimited::PROBLEM_TYPE;
+}
+#[allow(deprecated)]
+#[doc(hidden)]
+pub use moved::*;
 
 /// The README's Rust code blocks, compiled and run by `cargo test --doc` when every feature
 /// they use is on (`cargo test --all-features`, as CI runs).

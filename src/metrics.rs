@@ -14,6 +14,7 @@
 //! | `tollgate_lease_grants_total` | counter | `policy` | blocks Redis granted to this instance (`RedisStore` lease mode) |
 //! | `tollgate_lease_block_units` | histogram | `policy` | units in each block granted |
 //! | `tollgate_lease_returned_units_total` | counter | `policy` | unspent units of blocks given back to Redis |
+//! | `tollgate_config_warnings_total` | counter | `policy`, `setting` | settings that cannot work as set, each logged once: a `lease_policy` no bound policy uses, an option its combination ignores, a WebSocket upgrade whose handler did not meter its socket (`setting="message_budget"`) |
 //! | `tollgate_lease_checks_total` | counter | `policy`, `decided` | leasing checks: `local` (from a block, no call), `redis` (a call: a block granted, or refused) or `held` (refused with no call while the instance waits for a GCRA or bucket key to refill a useful block) |
 //!
 //! ```
@@ -48,6 +49,16 @@ pub(crate) mod names {
     pub(crate) const LEASE_BLOCK: &str = "tollgate_lease_block_units";
     pub(crate) const LEASE_RETURNED: &str = "tollgate_lease_returned_units_total";
     pub(crate) const LEASE_CHECKS: &str = "tollgate_lease_checks_total";
+    pub(crate) const CONFIG_WARNINGS: &str = "tollgate_config_warnings_total";
+}
+
+/// Counts a setting of `policy` that cannot work as set (see `tollgate_config_warnings_total`).
+#[inline]
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn config_warning(policy: &str, setting: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(names::CONFIG_WARNINGS, "policy" => policy.to_owned(), "setting" => setting)
+        .increment(1);
 }
 
 /// A leasing binding's metrics (`RedisStore` lease mode).

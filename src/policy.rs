@@ -440,8 +440,8 @@ impl PolicyBuilder {
     ///
     /// # Errors
     /// [`ConfigError`] naming the tier when a count, period or burst is zero or too large, when
-    /// a span exceeds [`MAX_SPAN`], when a window algorithm gets a burst other than its count,
-    /// when a sliding log exceeds [`MAX_SLIDING_LOG`], when a concurrency tier's lease is out of
+    /// a span exceeds [`MAX_SPAN`](crate::Quota::MAX_SPAN), when a window algorithm gets a burst other than its count,
+    /// when a sliding log exceeds [`MAX_SLIDING_LOG`](crate::Quota::MAX_SLIDING_LOG), when a concurrency tier's lease is out of
     /// range, when a calendar tier's time zone is unknown, when tier names repeat, when there
     /// are no tiers, when a name is empty or not printable ASCII, or when a [`Penalty`] names
     /// no tier, a concurrency tier, or a tier that has one already, or is out of range

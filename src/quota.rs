@@ -6,17 +6,17 @@ use std::time::Duration;
 
 /// The largest accepted `count` or `burst`, 2^32 - 1: with nanosecond instants every product
 /// the algorithms form then fits in 128 bits, so their arithmetic is exact.
-pub const MAX_COUNT: u64 = u32::MAX as u64;
+pub(crate) const MAX_COUNT: u64 = u32::MAX as u64;
 
 /// The largest accepted sliding-window-log limit (requests per window).
 ///
 /// The log keeps one entry per admitted request (a weighted entry for a cost above 1), so its
 /// memory per key is O(limit): a limit of 1,000,000 per minute would cost megabytes per key.
-pub const MAX_SLIDING_LOG: u64 = 10_000;
+pub(crate) const MAX_SLIDING_LOG: u64 = 10_000;
 
 /// The longest span a tier may cover: its period, and the time its burst takes to refill
 /// (`burst x period / count`): 2^50 microseconds, about 35.7 years.
-pub const MAX_SPAN: Duration = Duration::from_micros(1 << 50);
+pub(crate) const MAX_SPAN: Duration = Duration::from_micros(1 << 50);
 
 /// Spans up to 2^50 ns (about 13 days) are decided to the nanosecond; a policy with a longer
 /// span is decided in microseconds (so that every store represents it exactly).
@@ -64,6 +64,18 @@ pub struct Quota {
 }
 
 impl Quota {
+    /// The largest accepted `count` or `burst`, 2^32 - 1: with nanosecond instants every
+    /// product the algorithms form then fits in 128 bits, so their arithmetic is exact.
+    pub const MAX_COUNT: u64 = MAX_COUNT;
+
+    /// The largest accepted sliding-window-log limit (requests per window): the log keeps one
+    /// entry per admitted request, so its memory per key is O(limit).
+    pub const MAX_SLIDING_LOG: u64 = MAX_SLIDING_LOG;
+
+    /// The longest span a tier may cover (its period, and the time its burst takes to
+    /// refill): 2^50 microseconds, about 35.7 years.
+    pub const MAX_SPAN: Duration = MAX_SPAN;
+
     /// `count` units per `period`, burst `count`. Validated when the policy is built.
     #[must_use]
     pub const fn new(count: u64, period: Duration) -> Self {
@@ -227,10 +239,10 @@ pub enum Unit {
     /// [`Police`](crate::StreamMode::Police), the messages of a gRPC call's request body are
     /// counted as they stream (each length-prefixed message of gRPC over HTTP/2, read from its
     /// 5-byte prefix, the payload never decoded) and charged in leases of at most
-    /// [`MESSAGE_LEASE`](crate::MESSAGE_LEASE) messages, the stream paused or stopped when the
-    /// tier runs out. Under [`StreamMode::Settle`](crate::StreamMode::Settle) (the default)
-    /// a gRPC call is charged one message at admission and settled at the messages counted
-    /// when its response ends. The Text and Binary messages a WebSocket receives are counted
+    /// [`MESSAGE_LEASE`](crate::StreamMode::MESSAGE_LEASE) messages, the stream paused or stopped when the
+    /// tier runs out (the default: as the layer decides requests). Under
+    /// [`StreamMode::Settle`](crate::StreamMode::Settle) a gRPC call is charged one message
+    /// at admission and settled at the messages counted when its response ends. The Text and Binary messages a WebSocket receives are counted
     /// alike by the socket its handler wraps (cargo feature `ws`, module `tollgate::ws`).
     RequestMessages,
     /// Messages the server sends: as [`RequestMessages`](Self::RequestMessages), for the
@@ -256,11 +268,11 @@ impl Unit {
 
 /// The default lease of a concurrency slot on a shared store: 30 s (see
 /// [`Concurrency::with_lease`]).
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+pub(crate) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
 /// The default typical hold of a concurrency slot before any has been observed: 1 s (see
 /// [`Concurrency::with_typical_hold`]).
-pub const DEFAULT_TYPICAL_HOLD: Duration = Duration::from_secs(1);
+pub(crate) const DEFAULT_TYPICAL_HOLD: Duration = Duration::from_secs(1);
 
 /// The shortest lease and typical hold: 1 ms.
 pub(crate) const MIN_HOLD: Duration = Duration::from_millis(1);
@@ -302,15 +314,22 @@ pub struct Concurrency {
 }
 
 impl Concurrency {
+    /// The default lease of a slot on a shared store: 30 s (see [`with_lease`](Self::with_lease)).
+    pub const DEFAULT_LEASE: Duration = DEFAULT_LEASE;
+
+    /// The default typical hold of a slot before any was observed: 1 s (see
+    /// [`with_typical_hold`](Self::with_typical_hold)).
+    pub const DEFAULT_TYPICAL_HOLD: Duration = DEFAULT_TYPICAL_HOLD;
+
     /// At most `max` requests in flight per key (a request takes one slot), with the default
-    /// lease ([`DEFAULT_LEASE`]) and typical hold ([`DEFAULT_TYPICAL_HOLD`]).
+    /// lease ([`DEFAULT_LEASE`](crate::Concurrency::DEFAULT_LEASE)) and typical hold ([`DEFAULT_TYPICAL_HOLD`](crate::Concurrency::DEFAULT_TYPICAL_HOLD)).
     #[must_use]
     pub const fn new(max: u64) -> Self {
         Self { max, lease: DEFAULT_LEASE, typical_hold: DEFAULT_TYPICAL_HOLD }
     }
 
     /// How long a slot on a shared store lasts without a refresh: at least 1 ms, at most
-    /// [`MAX_SPAN`] (checked when the policy is built; rounded up to milliseconds). Choose it
+    /// [`MAX_SPAN`](crate::Quota::MAX_SPAN) (checked when the policy is built; rounded up to milliseconds). Choose it
     /// well above the time a refresh takes to arrive: holders refresh every third of it.
     #[must_use]
     pub const fn with_lease(mut self, lease: Duration) -> Self {
@@ -535,7 +554,7 @@ impl Calendar {
 }
 
 /// The most refusals a [`Penalty`] may count before it blocks: 1,000.
-pub const MAX_PENALTY_REFUSALS: u32 = 1_000;
+pub(crate) const MAX_PENALTY_REFUSALS: u32 = 1_000;
 
 /// A penalty box on a tier: once the tier refuses a key, **every** request of that key under
 /// the policy is refused for the block duration; rate-limiter-flexible's `blockDuration`,
@@ -601,16 +620,19 @@ pub struct Penalty {
 }
 
 impl Penalty {
+    /// The most refusals a penalty box may count before it blocks: 1,000.
+    pub const MAX_REFUSALS: u32 = MAX_PENALTY_REFUSALS;
+
     /// Blocks a key for `block` from its first breach of the tier. `block` is at least 1 ns and
-    /// at most [`MAX_SPAN`] (checked when the policy is built).
+    /// at most [`MAX_SPAN`](crate::Quota::MAX_SPAN) (checked when the policy is built).
     #[must_use]
     pub const fn new(block: Duration) -> Self {
         Self { block, refusals: 1, within: Duration::ZERO }
     }
 
     /// Blocks only at the `refusals`-th breach of which the first came less than `within`
-    /// before it. `refusals` is 1 to [`MAX_PENALTY_REFUSALS`]; above 1, `within` is at least
-    /// 1 ns and at most [`MAX_SPAN`] (checked when the policy is built). Refusals in the window
+    /// before it. `refusals` is 1 to [`MAX_REFUSALS`](crate::Penalty::MAX_REFUSALS); above 1, `within` is at least
+    /// 1 ns and at most [`MAX_SPAN`](crate::Quota::MAX_SPAN) (checked when the policy is built). Refusals in the window
     /// are kept as instants, at most `refusals - 1` per key.
     #[must_use]
     pub const fn after(mut self, refusals: u32, within: Duration) -> Self {
@@ -841,7 +863,7 @@ pub enum Algorithm {
     /// up to **2 x count** across a window boundary.
     FixedWindow,
     /// Sliding window log: exact over any window of `period`, one entry per admitted request,
-    /// O(count) memory per key; `count` is capped at [`MAX_SLIDING_LOG`]. A check, admitted or
+    /// O(count) memory per key; `count` is capped at [`MAX_SLIDING_LOG`](crate::Quota::MAX_SLIDING_LOG). A check, admitted or
     /// refused, costs O(log n) amortised for a log of n entries, in memory (running totals by
     /// binary search) and on Redis (a sorted set read only at the entries that must expire); no
     /// check scans the whole log.

@@ -18,10 +18,11 @@ use crate::grpc::{self, code};
 use crate::headers::{Fields, HeaderFormat, HeaderStyle, Headers, ceil_secs};
 use crate::key::KeyMissing;
 use crate::policy::{Policy, Tier};
+use crate::quota::Unit;
 
 /// The problem type of a 429 (IANA HTTP problem types registry, from the IETF httpapi
 /// ratelimit-headers draft).
-pub const QUOTA_EXCEEDED_TYPE: &str =
+pub(crate) const QUOTA_EXCEEDED_TYPE: &str =
     "https://iana.org/assignments/http-problem-types#quota-exceeded";
 
 const PROBLEM_JSON: HeaderValue = HeaderValue::from_static("application/problem+json");
@@ -121,6 +122,40 @@ impl Surface {
         *values.next()? = retry_after;
         *values.nth(1)? = self.headers.state(decision);
         Some(headers)
+    }
+
+    /// The status of a refusal: `413 Content Too Large` when the request's body is larger than
+    /// a tier counting request bytes can ever hold at once (it can never be admitted), else
+    /// `429 Too Many Requests`.
+    pub(crate) fn status(&self, decision: &Decision) -> StatusCode {
+        if decision.outcome() == Outcome::CostExceedsCapacity
+            && decision
+                .violated()
+                .any(|i| self.policy.tiers().get(i).is_some_and(|t| t.unit() == Unit::RequestBytes))
+        {
+            return StatusCode::PAYLOAD_TOO_LARGE;
+        }
+        StatusCode::TOO_MANY_REQUESTS
+    }
+
+    /// The 413 body for `decision`: the tiers counting request bytes whose capacity the body
+    /// exceeds, and their capacity.
+    fn too_large_body(&self, decision: &Decision) -> Bytes {
+        let tiers: Vec<&Tier> = decision
+            .violated()
+            .filter_map(|i| self.policy.tiers().get(i))
+            .filter(|t| t.unit() == Unit::RequestBytes)
+            .collect();
+        let held: Vec<String> =
+            tiers.iter().map(|t| format!("`{}` holds {} bytes", t.name(), t.capacity())).collect();
+        let detail = format!(
+            "the request body is larger than policy `{}` can ever admit at once ({}); send it \
+             in smaller requests",
+            self.policy.name(),
+            held.join(", ")
+        );
+        let names: Vec<&str> = tiers.iter().map(|t| t.name()).collect();
+        problem(StatusCode::PAYLOAD_TOO_LARGE, "about:blank", "Content Too Large", &detail, &names)
     }
 
     /// The 429 body for `decision`, with its `Content-Length` value.
@@ -268,6 +303,14 @@ pub(crate) fn too_many_requests(
     decision: &Decision,
     style: Fields,
 ) -> Response<Bytes> {
+    if decision.outcome() == Outcome::CostExceedsCapacity {
+        let status = surface.status(decision);
+        if status == StatusCode::PAYLOAD_TOO_LARGE {
+            let mut res = respond(status, surface.too_large_body(decision));
+            add_headers(surface, decision, style, &mut res);
+            return res;
+        }
+    }
     let (body, length) = surface.body_with_length(decision);
     if let Some(headers) = surface.limited_headers(decision, style, &length) {
         let mut res = Response::new(body);
@@ -404,14 +447,19 @@ impl fmt::Display for RateLimited {
 impl std::error::Error for RateLimited {}
 
 impl RateLimited {
+    /// The problem type of a 429 (IANA HTTP problem types registry, from the IETF httpapi
+    /// ratelimit-headers draft).
+    pub const PROBLEM_TYPE: &'static str = QUOTA_EXCEEDED_TYPE;
+
     pub(crate) fn new(decision: Decision, surface: Arc<Surface>, budget: Option<Duration>) -> Self {
         Self { decision, surface, budget }
     }
 
-    /// `429 Too Many Requests`.
+    /// `429 Too Many Requests`; `413 Content Too Large` when the request's body is larger
+    /// than a tier counting request bytes can ever hold (it can never be admitted).
     #[must_use]
     pub fn status(&self) -> StatusCode {
-        StatusCode::TOO_MANY_REQUESTS
+        self.surface.status(&self.decision)
     }
 
     /// The decision ([`Outcome::Limited`] or [`Outcome::CostExceedsCapacity`]).
@@ -463,11 +511,14 @@ impl RateLimited {
     }
 
     /// The problem+json body (RFC 9457): type
-    /// `https://iana.org/assignments/http-problem-types#quota-exceeded`, status, title, detail,
-    /// and the violated tiers as `violated-policies`. Rendered when the policy was bound.
+    /// `https://iana.org/assignments/http-problem-types#quota-exceeded` (a 413's: `about:blank`),
+    /// status, title, detail, and the violated tiers as `violated-policies`.
     #[must_use]
     pub fn body(&self) -> Bytes {
-        self.surface.body(&self.decision)
+        match self.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => self.surface.too_large_body(&self.decision),
+            _ => self.surface.body(&self.decision),
+        }
     }
 
     /// The default response: 429, `Retry-After`, `Cache-Control: no-store`, the IETF
@@ -553,7 +604,7 @@ pub enum Rejection {
         explained: Option<KeyMissing>,
     },
     /// The layer's selector chose no policy for the request and such requests are refused
-    /// ([`Unselected::Reject`](crate::Unselected::Reject)).
+    /// ([`Unselected::Reject`](crate::layer::Unselected::Reject)).
     Unselected(StatusCode),
 }
 
@@ -579,12 +630,12 @@ impl std::error::Error for Rejection {
 }
 
 impl Rejection {
-    /// The status of the response: 429, 503, or the configured missing-key or unselected
-    /// status.
+    /// The status of the response: 429 (413 for a body no tier can ever hold), 503, or the
+    /// configured missing-key or unselected status.
     #[must_use]
     pub fn status(&self) -> StatusCode {
         match self {
-            Self::Limited(_) => StatusCode::TOO_MANY_REQUESTS,
+            Self::Limited(l) => l.status(),
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::MissingKey { status, .. } | Self::Unselected(status) => *status,
         }

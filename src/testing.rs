@@ -99,21 +99,11 @@ fn show(nanos: u64) -> String {
         .map_or_else(|_| format!("{nanos} ns since the Unix epoch"), |t| t.to_string())
 }
 
-/// A clock for tests: it starts at an instant the test chooses and follows tokio's clock from
-/// there, so a test that pauses tokio's time moves it with `tokio::time::advance` (or
-/// [`advance`](Self::advance)), and sleeps (the layer's shaping waits) move with it.
-///
-/// Instants are nanoseconds since the Unix epoch, as the built-in clocks count, so calendar
-/// tiers see the civil date the test chose. Give the same clock (clones share it) to the
-/// [`MemoryStore`] ([`memory_store`](Self::memory_store)) or to
-/// `RedisStoreBuilder::clock` (feature `redis`: the scripts then decide at this clock's
-/// instants, not at Redis's `TIME`; keys still expire on Redis's clock; such a test runs on
-/// tokio's real clock and moves with [`jump`](Self::jump)).
-///
-/// Unlike [`TokioClock`](crate::clock::TokioClock), which starts at the system time when made,
-/// the same test sees the same instants on every run. Make and read it inside the test's tokio
-/// runtime: tokio's paused clock belongs to the runtime, and a read from a thread outside it
-/// sees the real time instead.
+/// The clock of tests: [`TokioClock`](crate::clock::TokioClock), started at an instant the
+/// test chooses ([`starting_at`](crate::clock::TokioClock::starting_at)), then following
+/// tokio's clock, so that `tokio::time::advance` moves the store, calendar windows and shaping
+/// waits together. Give one clock (clones share it) to the [`MemoryStore`]
+/// ([`memory_store`](crate::clock::TokioClock::memory_store)) or to `RedisStoreBuilder::clock`.
 ///
 /// ```
 /// use std::time::Duration;
@@ -125,18 +115,16 @@ fn show(nanos: u64) -> String {
 /// assert_eq!(clock.now(), 1_774_695_600_000_000_000); // 11:00 UTC
 /// tokio::time::advance(Duration::from_millis(1500)).await;
 /// assert_eq!(clock.now(), 1_774_695_601_500_000_000);
-/// assert_eq!(format!("{clock:?}"), "VirtualClock(2026-03-28T11:00:01.5Z)");
+/// assert_eq!(format!("{clock:?}"), "TokioClock(2026-03-28T11:00:01.5Z)");
 /// # }
 /// ```
-#[derive(Clone, Copy)]
-pub struct VirtualClock {
-    /// tokio's instant when the clock was made.
-    origin: tokio::time::Instant,
-    /// Nanoseconds since the Unix epoch at `origin`.
-    start: u64,
-}
+pub type VirtualClock = crate::clock::TokioClock;
 
-impl VirtualClock {
+/// The constructors and moves of a clock for tests: [`VirtualClock`] is [`TokioClock`]
+/// (feature `testing`).
+///
+/// [`TokioClock`]: crate::clock::TokioClock
+impl crate::clock::TokioClock {
     /// A clock at `time` now (an instant before the Unix epoch counts as the epoch).
     ///
     /// ```
@@ -152,7 +140,7 @@ impl VirtualClock {
     #[must_use]
     pub fn at(time: SystemTime) -> Self {
         let start = time.duration_since(UNIX_EPOCH).map_or(0, duration_to_nanos);
-        Self { origin: tokio::time::Instant::now(), start }
+        Self::from_unix(start)
     }
 
     /// A clock at the RFC 3339 timestamp `rfc3339` now: `"2026-03-28T12:00:00+01:00"`,
@@ -176,7 +164,7 @@ impl VirtualClock {
     /// ```
     pub fn starting_at(rfc3339: &str) -> Result<Self, InvalidTimestamp> {
         let start = parse_nanos(rfc3339)?;
-        Ok(Self { origin: tokio::time::Instant::now(), start })
+        Ok(Self::from_unix(start))
     }
 
     /// The clock's now as a [`SystemTime`].
@@ -263,7 +251,7 @@ impl VirtualClock {
     /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
     /// let clock = VirtualClock::starting_at("2026-03-28T12:00:00+01:00").unwrap();
     /// clock.advance_to("2026-04-01T00:00:00+02:00").await.unwrap();
-    /// assert_eq!(format!("{clock:?}"), "VirtualClock(2026-03-31T22:00:00Z)");
+    /// assert_eq!(format!("{clock:?}"), "TokioClock(2026-03-31T22:00:00Z)");
     /// assert!(clock.advance_to("2026-03-31T00:00:00Z").await.is_err());
     /// # }
     /// ```
@@ -330,19 +318,6 @@ impl VirtualClock {
     #[must_use]
     pub fn memory_store(&self) -> MemoryStore {
         MemoryStore::builder().clock(*self).assembled()
-    }
-}
-
-impl Clock for VirtualClock {
-    fn now(&self) -> u64 {
-        let elapsed = tokio::time::Instant::now().saturating_duration_since(self.origin);
-        self.start.saturating_add(duration_to_nanos(elapsed))
-    }
-}
-
-impl fmt::Debug for VirtualClock {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "VirtualClock({})", show(self.now()))
     }
 }
 

@@ -6,7 +6,7 @@
 //! upgraded connection is out of the layer's sight, so the layer hands the handler a
 //! [`MessageBudget`] (an axum extractor) and the handler wraps its socket with it; the
 //! [`MeteredWebSocket`] it gets is charged in leases of at most
-//! [`MESSAGE_LEASE`](crate::MESSAGE_LEASE) messages, shaped (the next message waits) or
+//! [`MESSAGE_LEASE`](crate::StreamMode::MESSAGE_LEASE) messages, shaped (the next message waits) or
 //! policed (a Close frame with code 1008 and the seconds to wait) by the layer's
 //! [`StreamMode`](crate::StreamMode). See [`MessageBudget`] for what the client sees.
 

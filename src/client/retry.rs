@@ -12,6 +12,10 @@ use tower::retry::Policy;
 use crate::error::ConfigError;
 use crate::hints::{self, Pushback};
 
+/// The longest wait a retry is scheduled for (a year: later instants could overflow
+/// [`Instant`]; the budget ends any wait this long first).
+const MAX_WAIT: Duration = Duration::from_secs(365 * 86_400);
+
 /// gRPC status `RESOURCE_EXHAUSTED`.
 const GRPC_RESOURCE_EXHAUSTED: u64 = 8;
 /// gRPC status `UNAVAILABLE`.
@@ -173,6 +177,9 @@ type CloneBody<B> = Box<dyn Fn(&B) -> Option<B> + Send + Sync>;
 
 /// The settings of a policy, shared by all its clones.
 struct Config<B, C> {
+    /// The latest instant a retry of any clone was scheduled at: retries of one policy are
+    /// spread out (see [`Config::schedule`]).
+    last: Mutex<Option<Instant>>,
     max_attempts: u32,
     base: Duration,
     cap: Duration,
@@ -184,6 +191,31 @@ struct Config<B, C> {
 }
 
 impl<B, C> Config<B, C> {
+    /// The instant a retry wanted at `own` is sent, for a refusal whose hint was `hint`: no
+    /// sooner than `own`, nor than the policy's latest scheduled retry plus a spacing (the
+    /// hint, at most `base`): concurrent calls refused together do not all come back at the
+    /// instant the server frees one unit, but one spacing apart, in the order they were
+    /// refused.
+    /// `None` when that instant is not `within` the budget (nothing is scheduled then).
+    fn schedule(
+        &self,
+        own: Instant,
+        hint: Duration,
+        within: impl Fn(Instant) -> bool,
+    ) -> Option<Instant> {
+        let spacing = hint.min(self.base);
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        let at = match *last {
+            Some(prev) if !spacing.is_zero() => own.max(prev + spacing),
+            _ => own,
+        };
+        if !within(at) {
+            return None;
+        }
+        *last = Some(last.map_or(at, |prev| prev.max(at)));
+        Some(at)
+    }
+
     /// The ceiling of the `retry`-th backoff (from 0): `min(cap, base x 2^retry)`.
     fn ceiling(&self, retry: u32) -> Duration {
         match 1u32.checked_shl(retry) {
@@ -240,7 +272,10 @@ impl<B, C> Config<B, C> {
 /// Blog, "Exponential Backoff And Jitter") and `hint` is the longest of the response's
 /// `Retry-After` (delay-seconds, or an HTTP-date relative to the response's `Date` header, else
 /// to the system clock; RFC 9110 §10.2.3) and `grpc-retry-pushback-ms` (gRFC A6). A negative or
-/// malformed pushback means "do not retry"; a malformed `Retry-After` is ignored.
+/// malformed pushback means "do not retry"; a malformed `Retry-After` is ignored. Retries of
+/// one policy and its clones are spread out: each goes no sooner than a spacing (its hint, at
+/// most `base`) after the latest one scheduled, so that calls refused together do not all
+/// come back at the instant the server frees one unit (a retry storm).
 ///
 /// **Until**: at most [`max_attempts`](RetryPolicyBuilder::max_attempts) attempts in all, and no
 /// wait that would end after the [`budget`](RetryPolicyBuilder::budget) (measured from when the
@@ -471,11 +506,11 @@ impl<B, C> RetryPolicy<B, C> {
             return None;
         }
         let ceiling = c.ceiling(self.retries);
-        let wait = c.jitter.sample(ceiling).min(ceiling).max(hint);
+        let now = Instant::now();
+        let own = now + c.jitter.sample(ceiling).min(ceiling).max(hint).min(MAX_WAIT);
         let elapsed = self.started.map_or(Duration::ZERO, |s| s.elapsed());
-        if elapsed.saturating_add(wait) > c.budget {
-            return None;
-        }
+        let within = |at: Instant| elapsed.saturating_add(at - now) <= c.budget;
+        let wait = c.schedule(own, hint, within)? - now;
         self.retries += 1;
         Some(wait)
     }
@@ -657,6 +692,7 @@ impl<B, C> RetryPolicyBuilder<B, C> {
         }
         Ok(RetryPolicy {
             config: Arc::new(Config {
+                last: Mutex::new(None),
                 max_attempts: self.max_attempts,
                 base: self.base,
                 cap: self.cap,

@@ -92,7 +92,7 @@
 //! | `tarpit` | delay every refusal | [`tarpit`](crate::RateLimitLayerBuilder::tarpit) |
 //! | `headers` | `"ietf"` (default), `"legacy"`, `"both"`, `"none"` | [`headers`](crate::RateLimitLayerBuilder::headers) |
 //! | `on_store_error` | `"fail_closed"` (default) or `"fail_open"` | [`on_store_error`](crate::RateLimitLayerBuilder::on_store_error) |
-//! | `on_stream` | `"settle"` (default), `"shape"` or `"police"`: how tiers counting request or response bytes meter a body as it streams | [`on_stream`](crate::RateLimitLayerBuilder::on_stream) |
+//! | `on_stream` | `"police"`, `"shape"` or `"settle"` (default: as the rule decides requests, shaped with `max_delay`, else policed): how tiers counting bytes or messages meter a stream | [`on_stream`](crate::RateLimitLayerBuilder::on_stream) |
 //! | `log_keys` | `"redacted"` (default) or `"raw"` | [`log_keys`](crate::RateLimitLayerBuilder::log_keys) |
 //! | `header_format` | `"draft10"` (default), `"draft7"`, `"draft6"`: the revision of the IETF draft the `RateLimit*` fields follow | [`header_format`](crate::RateLimitLayerBuilder::header_format) |
 //! | `explain_missing_key` | `true`: a refusal for a missing key says what the extractor looked for; default: on in debug builds | [`explain_missing_key`](crate::RateLimitLayerBuilder::explain_missing_key) |

@@ -198,7 +198,7 @@ pub(super) struct RawRule {
     #[serde(default)]
     pub(super) on_stream: Option<crate::StreamMode>,
     #[serde(default)]
-    pub(super) log_keys: Option<crate::LogKeys>,
+    pub(super) log_keys: Option<crate::layer::LogKeys>,
     #[serde(default)]
     pub(super) header_format: Option<crate::HeaderFormat>,
     #[serde(default)]
@@ -571,8 +571,9 @@ mod tests {
     #[test]
     fn settings_read_by_their_names() {
         use crate::key::ForwardedHeader as F;
+        use crate::layer::LogKeys;
         use crate::store::Carry;
-        use crate::{HeaderFormat, HeaderStyle, LogKeys, OnStoreError, StreamMode};
+        use crate::{HeaderFormat, HeaderStyle, OnStoreError, StreamMode};
         #[derive(Deserialize)]
         struct Value<T> {
             v: T,

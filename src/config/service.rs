@@ -22,9 +22,9 @@ use crate::store::{MemoryStore, Store};
 ///
 /// Reads the running configuration once per request (without locking), then: no rule matches,
 /// the inner service's future as it is; one rule, that rule's
-/// [`RateLimit`](crate::RateLimit) around the inner service; several, their `RateLimit`s
+/// [`RateLimit`](crate::layer::RateLimit) around the inner service; several, their `RateLimit`s
 /// nested in file order (one boxed future per rule). Whichever, the response future is
-/// [`RateLimit`'s](crate::ResponseFuture) and the body [`ResponseBody`]: the rules' bodies
+/// [`RateLimit`'s](crate::layer::ResponseFuture) and the body [`ResponseBody`]: the rules' bodies
 /// are one body, metered by each rule in turn, and their rate-limit headers are written once,
 /// from the decisions each rule hands on, the first rule's items first (see
 /// [several rules](super#several-rules-one-policy)).
@@ -63,7 +63,7 @@ where
     S::Future: Send,
     S::Error: Send + 'static,
     St: Store,
-    ReqB: Send + 'static,
+    ReqB: http_body::Body + Send + 'static,
     ResB: Send + 'static,
 {
     type Response = Response<ResponseBody<ResB>>;
@@ -139,7 +139,7 @@ where
     S::Future: Send,
     S::Error: Send + 'static,
     St: Store,
-    ReqB: Send + 'static,
+    ReqB: http_body::Body + Send + 'static,
     ResB: Send + 'static,
 {
     let future = chain.call(req);
@@ -161,7 +161,7 @@ where
     S::Future: Send,
     S::Error: Send + 'static,
     St: Store,
-    ReqB: Send + 'static,
+    ReqB: http_body::Body + Send + 'static,
     ResB: Send + 'static,
 {
     type Response = Response<ResponseBody<ResB>>;
@@ -193,11 +193,11 @@ where
     }
 }
 
-/// The response future of [`Limits`]: that of [`RateLimit`](crate::RateLimit), whatever the
+/// The response future of [`Limits`]: that of [`RateLimit`](crate::layer::RateLimit), whatever the
 /// number of rules that apply (`F` is the inner service's future, `B` its response body, `E`
 /// its error).
 pub type LimitsFuture<F, B, E> = ResponseFuture<F, B, E>;
 
-/// The response body of [`Limits`]: that of [`RateLimit`](crate::RateLimit), whatever the
+/// The response body of [`Limits`]: that of [`RateLimit`](crate::layer::RateLimit), whatever the
 /// number of rules that apply (`B` is the inner service's response body).
 pub type LimitsBody<B> = ResponseBody<B>;

@@ -75,7 +75,7 @@ impl<B> Metered<B> {
 }
 
 pin_project! {
-    /// The request body that the service inside [`RateLimit`](crate::RateLimit) (and
+    /// The request body that the service inside [`RateLimit`](crate::layer::RateLimit) (and
     /// [`Limits`](crate::config::Limits)) receives: the request's own body `B`, whatever its
     /// type (hyper's `Incoming`, axum's `Body`, tonic's `Body`, `http_body_util::Limited<_>`,
     /// a boxed body, a user's own), with its frames, errors, end and size hint passed through
@@ -226,17 +226,24 @@ impl<B: Body> Metered<B> {
         let Some(meters) = this.meters.as_deref_mut() else { return this.body.poll_frame(cx) };
         if !this.body.is_end_stream() {
             for meter in meters.iter_mut() {
-                // Stopped by policing: nothing more is read (the layer answers, or ends a
-                // gRPC response, in the handler's place).
+                // Stopped by policing: nothing more reaches the handler (the layer answers, or
+                // ends a gRPC response, in its place); the rest is read off and dropped when
+                // the layer asks (an HTTP/1 upload it answered).
                 if meter.stopped {
-                    return Poll::Pending;
+                    let signal = meter.signal.as_deref().filter(|s| s.lingers());
+                    return match signal {
+                        Some(signal) => read_off(this.body, signal, cx),
+                        None => Poll::Pending,
+                    };
                 }
-                // Within the lease (most frames): nothing to poll.
-                if let Some(gate) = meter.bytes.as_mut().filter(|gate| gate.ready() == 0) {
-                    match gate.poll_room(cx, this.body.size_hint().exact()) {
+                // Within the lease (most frames): nothing to poll. A refusal stops the body
+                // at its next data frame: its end is never refused.
+                let gate = meter.bytes.as_mut().filter(|gate| gate.ready() == 0);
+                if let (Some(gate), None) = (gate, &meter.refused_bytes) {
+                    match gate.poll_room(cx, this.body.size_hint().exact(), 1) {
                         Poll::Ready(Ok(_)) => {}
                         Poll::Pending => return Poll::Pending,
-                        Poll::Ready(Err(why)) => return stop_whole(meter, why),
+                        Poll::Ready(Err(why)) => meter.refused_bytes = Some(why),
                     }
                 }
                 // Messages: a refused lease stops the stream at the next message only.
@@ -244,7 +251,7 @@ impl<B: Body> Metered<B> {
                     continue;
                 }
                 if let Some((gate, _)) = meter.messages.as_mut().filter(|(g, _)| g.ready() == 0) {
-                    match gate.poll_room(cx, None) {
+                    match gate.poll_room(cx, None, 1) {
                         Poll::Ready(Ok(_)) => {}
                         Poll::Pending => return Poll::Pending,
                         Poll::Ready(Err(why)) => meter.refused = Some(why),
@@ -256,6 +263,13 @@ impl<B: Body> Metered<B> {
         match &frame {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
+                    // A byte tier had no room for more: the stream stops before this frame.
+                    if bytes::Buf::has_remaining(data) {
+                        if let Some(meter) = meters.iter_mut().find(|m| m.refused_bytes.is_some()) {
+                            let why = meter.refused_bytes.take();
+                            return stop_whole(meter, why.expect("found"));
+                        }
+                    }
                     // What each meter's message gate spends: the messages the frame starts.
                     // Counted before any is spent: a frame that does not reach the handler is
                     // charged to no tier.
@@ -293,6 +307,21 @@ impl<B: Body> Metered<B> {
     }
 }
 
+/// Reads a stopped body's frames off and drops them, telling `signal` when it ended: the
+/// handler sees none of them (it waits for ever, until the layer drops it).
+fn read_off<B: Body, T>(mut body: Pin<&mut B>, signal: &Signal, cx: &mut Context<'_>) -> Poll<T> {
+    loop {
+        match body.as_mut().poll_frame(cx) {
+            Poll::Ready(Some(Ok(_))) => {}
+            Poll::Ready(_) => {
+                signal.drained();
+                return Poll::Pending;
+            }
+            Poll::Pending => return Poll::Pending,
+        }
+    }
+}
+
 /// A request body stopped by policing: nothing more is read, and the layer is told.
 fn stop_whole<T>(meter: &mut Meter, why: Stopped) -> Poll<T> {
     meter.stopped = true;
@@ -303,7 +332,7 @@ fn stop_whole<T>(meter: &mut Meter, why: Stopped) -> Poll<T> {
 }
 
 pin_project! {
-    /// The response body of [`RateLimit`](crate::RateLimit) (and of
+    /// The response body of [`RateLimit`](crate::layer::RateLimit) (and of
     /// [`Limits`](crate::config::Limits)): the inner service's body `B` unchanged, or the
     /// bytes of a response the layer made itself (a 429, a 503, a 400). No boxing either way,
     /// however many layers limited the request.
@@ -600,7 +629,7 @@ where
         let mut bytes = gate.ready();
         if bytes == 0 {
             let remaining = body.size_hint().exact().map(|left| left.saturating_add(rest));
-            bytes = match gate.poll_room(cx, remaining) {
+            bytes = match gate.poll_room(cx, remaining, rest) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Err(why)) => return end_stopped(meter, &why),
                 Poll::Ready(Ok(bytes)) => bytes,
@@ -609,22 +638,11 @@ where
         room = room.min(bytes);
     }
     // `room` <= `rest`, a `usize`.
-    let mut take = room as usize;
-    if let Some((gate, framer)) = meter.messages.as_mut() {
-        let window = &meter.rest[..take];
-        // Bytes that end no prefix (a payload's rest) pass without a lease.
-        let mut scan = framer.scan(window, 0);
-        if scan.bytes < window.len() {
-            match gate.poll_room(cx, None) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(Err(why)) => return end_stopped(meter, &why),
-                Poll::Ready(Ok(messages)) => scan = framer.scan(window, messages),
-            }
-        }
-        *framer = scan.next;
-        gate.spend(scan.messages);
-        take = scan.bytes;
-    }
+    let take = match cut_at_messages(meter, room as usize, cx) {
+        Poll::Pending => return Poll::Pending,
+        Poll::Ready(Err(why)) => return end_stopped(meter, &why),
+        Poll::Ready(Ok(take)) => take,
+    };
     let data = if take == meter.rest.len() {
         std::mem::take(&mut meter.rest)
     } else {
@@ -638,6 +656,31 @@ where
         meter.end();
     }
     Poll::Ready(Some(Ok(Frame::data(data))))
+}
+
+/// How much of the first `take` bytes of a response's pending data may pass as its message
+/// tiers' lease says: cut at the start of the first message past it (bytes that end no
+/// prefix, a payload's rest, pass without a lease). All of them without message tiers.
+fn cut_at_messages(
+    meter: &mut Meter,
+    take: usize,
+    cx: &mut Context<'_>,
+) -> Poll<Result<usize, Stopped>> {
+    let Some((gate, framer)) = meter.messages.as_mut() else { return Poll::Ready(Ok(take)) };
+    let window = &meter.rest[..take];
+    let mut scan = framer.scan(window, 0);
+    if scan.bytes < window.len() {
+        // The messages this frame starts: what the lease may cover at once.
+        let want = framer.scan(window, u64::MAX).messages.max(1);
+        match gate.poll_room(cx, None, want) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(Err(why)) => return Poll::Ready(Err(why)),
+            Poll::Ready(Ok(messages)) => scan = framer.scan(window, messages),
+        }
+    }
+    *framer = scan.next;
+    gate.spend(scan.messages);
+    Poll::Ready(Ok(scan.bytes))
 }
 
 /// Ends a gRPC response stopped by policing: its trailers say `RESOURCE_EXHAUSTED` (or

@@ -1,5 +1,5 @@
-//! [`ResponseFuture`], the future of [`RateLimit`](crate::RateLimit), and the state machine it
-//! shares with [`LeanFuture`](crate::LeanFuture).
+//! [`ResponseFuture`], the future of [`RateLimit`](crate::layer::RateLimit), and the state machine it
+//! shares with [`LeanFuture`](crate::layer::LeanFuture).
 
 use std::fmt;
 use std::future::Future;
@@ -22,8 +22,17 @@ pub(crate) type Slow<R, E> = Pin<Box<dyn Future<Output = Result<Response<R>, E>>
 /// status says so (a `405`, a status of `refund_if`): the layer's settings and the store's
 /// [`refund_sync`](crate::store::Store::refund_sync), behind one shared pointer.
 pub(crate) trait RefundByStatus: Send + Sync {
-    /// Gives back `cost` units of `key` under policy `policy` if `status` says so.
-    fn refund_by_status(&self, status: StatusCode, policy: usize, key: &Key, cost: u64);
+    /// Gives back `cost` units of `key` under policy `policy` if `status` says so: then the
+    /// rate-limit headers of the state after the refund (`collect` as the layer hands them
+    /// on), when the store tells it at once.
+    fn refund_by_status(
+        &self,
+        status: StatusCode,
+        policy: usize,
+        key: &Key,
+        cost: (u64, crate::Priority),
+        collect: bool,
+    ) -> Option<Prepared>;
 }
 
 /// What a request admitted without a ticket needs to give its charge back: no allocation.
@@ -35,15 +44,22 @@ pub(crate) struct Untracked {
     /// Whether a status other than `405 Method Not Allowed` may give the charge back (a
     /// `refund_if` is set): without one, any other status keeps it without asking `hook`.
     pub(crate) any_status: bool,
+    /// Whether the layer hands its headers on rather than writing them.
+    pub(crate) collect: bool,
+    /// The request's class, to tell what is left after a refund as the request sees it.
+    pub(crate) priority: crate::Priority,
 }
 
 /// What an admitted request's response status does to its charge: `None` once it is kept,
-/// or the settlement that gives it back, to finish before the response is handed on.
-pub(crate) type Refund =
-    Box<dyn FnOnce(StatusCode) -> Option<Pin<Box<dyn Future<Output = ()> + Send>>> + Send>;
+/// or the settlement that gives it back, to finish before the response is handed on, with
+/// the rate-limit headers of the state after it.
+pub(crate) type Refund = Box<dyn FnOnce(StatusCode) -> Option<Settle> + Send>;
+
+/// A settlement under way, and the headers of the state it leaves.
+pub(crate) type Settle = Pin<Box<dyn Future<Output = Prepared> + Send>>;
 
 pin_project! {
-    /// The response future of [`RateLimit`](crate::RateLimit): `F` is the inner service's future,
+    /// The response future of [`RateLimit`](crate::layer::RateLimit): `F` is the inner service's future,
     /// `B` its response body, `E` its error.
     ///
     /// A request the store decides at once and admits is the inner future plus its prepared
@@ -100,7 +116,7 @@ where
 pin_project! {
     /// Where a response future of the layer is: `F` the inner service's future, `R` the body
     /// it answers with (the inner body mapped, or a refusal's), `E` the inner error. One state
-    /// machine for [`ResponseFuture`] and [`LeanFuture`](crate::LeanFuture), which differ in
+    /// machine for [`ResponseFuture`] and [`LeanFuture`](crate::layer::LeanFuture), which differ in
     /// the body only.
     #[project = StateProj]
     pub(crate) enum State<F, R, E> {
@@ -110,7 +126,7 @@ pin_project! {
         Inner { #[pin] future: F, headers: Prepared, charge: Option<Untracked> },
         Refundable { #[pin] future: F, headers: Prepared, refund: Option<Refund> },
         Settling {
-            settle: Pin<Box<dyn Future<Output = ()> + Send>>,
+            settle: Settle,
             response: Option<Response<R>>,
         },
         Ready { response: Option<Response<R>> },
@@ -174,22 +190,28 @@ impl<F, R, E> State<F, R, E> {
                         return Poll::Ready(Err(error));
                     }
                 };
-                if !headers.is_empty() {
-                    std::mem::take(headers).apply(&mut res);
-                }
-                // Read in place, not taken: the state is dropped whole below.
+                // Read in place, not taken: the state is dropped whole below. A refund
+                // comes first: the headers say what is left after it.
+                let mut refunded = None;
                 if let Some(c) = charge {
                     let status = res.status();
                     if c.any_status || status == StatusCode::METHOD_NOT_ALLOWED {
-                        c.hook.refund_by_status(status, c.policy, &c.key, c.cost);
+                        let cost = (c.cost, c.priority);
+                        refunded =
+                            c.hook.refund_by_status(status, c.policy, &c.key, cost, c.collect);
                     }
+                }
+                match refunded {
+                    Some(after) => after.apply(&mut res),
+                    None if !headers.is_empty() => std::mem::take(headers).apply(&mut res),
+                    None => {}
                 }
                 // Returned from here, the response is moved once less than through `output`.
                 self.set(State::Done);
                 return Poll::Ready(Ok(res.map(body)));
             }
             StateProj::Refundable { future, headers, refund } => {
-                let mut res = match ready!(future.poll(cx)) {
+                let res = match ready!(future.poll(cx)) {
                     Ok(res) => res,
                     // Done, as on success: polled again, it panics rather than poll `future`.
                     Err(error) => {
@@ -197,26 +219,22 @@ impl<F, R, E> State<F, R, E> {
                         return Poll::Ready(Err(error));
                     }
                 };
-                if !headers.is_empty() {
-                    std::mem::take(headers).apply(&mut res);
-                }
                 let settle = refund.take().and_then(|refund| refund(res.status()));
-                let res = res.map(body);
-                match settle {
-                    None => Ok(res),
-                    Some(mut settle) => {
-                        if settle.as_mut().poll(cx).is_pending() {
-                            self.set(State::Settling { settle, response: Some(res) });
-                            return Poll::Pending;
-                        }
-                        Ok(res)
+                match refunded(res.map(body), std::mem::take(headers), settle, cx) {
+                    Refunded::Ready(res) => Ok(res),
+                    Refunded::Settling(settle, res) => {
+                        self.set(State::Settling { settle, response: Some(res) });
+                        return Poll::Pending;
                     }
                 }
             }
             StateProj::Settling { settle, response } => {
-                ready!(settle.as_mut().poll(cx));
+                let after = ready!(settle.as_mut().poll(cx));
                 match response.take() {
-                    Some(response) => Ok(response),
+                    Some(mut response) => {
+                        after.apply(&mut response);
+                        Ok(response)
+                    }
                     None => panic!("ResponseFuture polled after completion"),
                 }
             }
@@ -229,5 +247,35 @@ impl<F, R, E> State<F, R, E> {
         };
         self.set(State::Done);
         Poll::Ready(output)
+    }
+}
+
+/// A refundable response once its status is known: ready, or waiting for its refund.
+enum Refunded<R> {
+    Ready(Response<R>),
+    Settling(Settle, Response<R>),
+}
+
+/// A refundable response once its status is known: with its admission's `headers` when the
+/// charge is kept (no `settle`), else with the headers of the state after the refund, once
+/// it finished.
+fn refunded<R>(
+    mut res: Response<R>,
+    headers: Prepared,
+    settle: Option<Settle>,
+    cx: &mut Context<'_>,
+) -> Refunded<R> {
+    let Some(mut settle) = settle else {
+        if !headers.is_empty() {
+            headers.apply(&mut res);
+        }
+        return Refunded::Ready(res);
+    };
+    match settle.as_mut().poll(cx) {
+        Poll::Pending => Refunded::Settling(settle, res),
+        Poll::Ready(after) => {
+            after.apply(&mut res);
+            Refunded::Ready(res)
+        }
     }
 }

@@ -14,9 +14,10 @@ use pin_project_lite::pin_project;
 use tower_layer::Layer;
 use tower_service::Service;
 
+use super::decide::decide;
 use super::future::State;
 use super::meter::Needs;
-use super::service::{Lean, decide};
+use super::service::Lean;
 use super::{Config, RateLimitLayer};
 use crate::error::ConfigError;
 use crate::key::KeyExtractor;
@@ -26,7 +27,7 @@ use crate::{TierKind, Unit};
 impl<K, St: Store> RateLimitLayer<K, St> {
     /// This layer, lean: its service hands the inner service the request as it came (its own
     /// body type, not [`RequestBody`](crate::RequestBody)) and answers with the inner
-    /// service's own response body type (not [`ResponseBody`](crate::ResponseBody)), building
+    /// service's own response body type (not [`ResponseBody`](crate::layer::ResponseBody)), building
     /// its refusals from their bytes (`ResB: From<Bytes>`, as axum's `Body` and
     /// `http_body_util::Full<Bytes>` are). tonic's `tonic::body::Body`, hyper's `Incoming` and
     /// boxed or compressed bodies are not `From<Bytes>`: put the lean layer where the inner
@@ -127,7 +128,7 @@ impl<S, K, St: Store> Layer<S> for LeanLayer<K, St> {
     }
 }
 
-/// The service made by [`LeanLayer`]: decides as [`RateLimit`](crate::RateLimit) does (in
+/// The service made by [`LeanLayer`]: decides as [`RateLimit`](crate::layer::RateLimit) does (in
 /// `call`, never in `poll_ready`), handing the request on with its own body and answering
 /// with the inner service's response body; a refusal's body is made with `ResB::from(bytes)`.
 pub struct LeanRateLimit<S, K, St: Store> {
@@ -161,7 +162,7 @@ where
     S::Error: Send + 'static,
     K: KeyExtractor,
     St: Store,
-    ReqB: Send + 'static,
+    ReqB: http_body::Body + Send + 'static,
     ResB: From<Bytes> + Send + 'static,
 {
     type Response = Response<ResB>;
@@ -182,7 +183,7 @@ where
 pin_project! {
     /// The response future of [`LeanRateLimit`]: `F` is the inner service's future, `B` its
     /// response body, `E` its error. The same states as
-    /// [`ResponseFuture`](crate::ResponseFuture): the inner future with its prepared headers
+    /// [`ResponseFuture`](crate::layer::ResponseFuture): the inner future with its prepared headers
     /// (and a charge a `405` or `refund_if` gives back), a ready refusal, or a boxed future for
     /// whatever waits.
     ///

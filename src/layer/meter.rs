@@ -250,6 +250,9 @@ pub(crate) struct Meter {
     /// A request body's message tier refused the next lease: the stream stops at its next
     /// message (what comes first may be the end, or the rest of a message already counted).
     pub(super) refused: Option<Stopped>,
+    /// A request body's byte tier refused the next lease with nothing owed: the stream stops
+    /// at its next data frame (what comes first may be its end).
+    pub(super) refused_bytes: Option<Stopped>,
     /// Stopped by policing: nothing more passes.
     pub(super) stopped: bool,
     /// The part of a response's data frame past its lease, handed on when the next lease
@@ -283,6 +286,7 @@ impl Meter {
             messages: None,
             signal: None,
             refused: None,
+            refused_bytes: None,
             stopped: false,
             rest: Bytes::new(),
             trailers: None,
@@ -314,7 +318,7 @@ impl Meter {
     /// Whether the body is metered as it streams (gated, or its messages counted).
     #[inline]
     pub(super) fn streams(&self) -> bool {
-        self.bytes.is_some() || self.signal.is_some() || self.messages.is_some()
+        self.bytes.is_some() || self.signal.is_some() || self.messages.is_some() || self.stopped
     }
 
     /// Whether the bytes handed on are counted into a counter.
@@ -333,6 +337,10 @@ impl Meter {
 
     /// The body was finished, abandoned or dropped (see [`Meter`]): settle and release, once.
     pub(super) fn end(&mut self) {
+        // The leases end with the body: the unused part of each last lease is given back now,
+        // not when the body is dropped later.
+        let leased_bytes = self.bytes.take().is_some();
+        self.messages = None;
         let Some(Settlement { finish, counters, from_head }) = self.settlement.take() else {
             return;
         };
@@ -347,7 +355,7 @@ impl Meter {
         } else if counters.request_streamed {
             counted.push((Unit::RequestBytes, 0));
         }
-        if self.bytes.is_some() {
+        if leased_bytes {
             counted.push((Unit::ResponseBytes, 0));
         } else if counters.response_bytes {
             counted.push((Unit::ResponseBytes, self.passed));

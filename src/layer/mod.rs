@@ -1,13 +1,38 @@
-//! [`RateLimitLayer`], its builder and settings; [`RateLimit`], the service; its future and body.
+//! The Tower layer and its parts: [`RateLimitLayer`] and its builder, the service it makes
+//! ([`RateLimit`]), its response future and bodies, and the types its settings and hooks use.
+//! The layer, its builder and the settings most apps touch are also at the crate's root.
+//!
+//! ```
+//! use tollgate::layer::{DecisionEvent, Observed, RateLimitLayer};
+//! use tollgate::{Policy, Quota};
+//!
+//! let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(5)).unwrap())
+//!     .on_decision(|event: &DecisionEvent<'_>| {
+//!         if event.outcome == Observed::Limited {
+//!             // count it, log it...
+//!         }
+//!     })
+//!     .build()
+//!     .unwrap();
+//! # let _ = layer;
+//! ```
 
 mod body;
+mod decide;
 mod future;
 mod lean;
+mod linger;
 mod messages;
 mod meter;
+mod metered;
 mod observe;
+mod plan;
+mod refuse;
+mod run;
 mod scope;
+mod serve;
 mod service;
+mod shared;
 mod stream;
 #[cfg(feature = "ws")]
 pub(crate) mod websocket;
@@ -106,9 +131,12 @@ pub(crate) struct Config<K, St: Store> {
     failing: Failing,
     /// Whether a request without a key was refused yet (the first is logged as a warning).
     missing: MissingKeys,
+    /// Whether an upgrade whose handler does not meter its socket was refused yet.
+    #[cfg(feature = "ws")]
+    unmetered: observe::Unmetered,
     /// Per policy, in [`limiter_at`](Config::limiter_at)'s order: what its requests need,
     /// decided once here instead of on every request.
-    plans: Box<[service::Plan]>,
+    plans: Box<[plan::Plan]>,
 }
 
 /// The settings that do not change the layer's type.
@@ -131,7 +159,85 @@ struct Settings {
     hook: Option<HookFn>,
     log_keys: LogKeys,
     explain_missing: bool,
-    stream: StreamMode,
+    /// How bodies are metered, when [`on_stream`](RateLimitLayerBuilder::on_stream) chose:
+    /// otherwise as the layer decides requests ([`Settings::stream`]).
+    stream: Option<StreamMode>,
+    /// The options set by a builder call, to tell at build time those their combination
+    /// ignores ([`Settings::ignored`]).
+    chosen: Vec<&'static str>,
+}
+
+impl Settings {
+    /// Notes that the builder call `option` was made.
+    fn chose(&mut self, option: &'static str) {
+        if !self.chosen.contains(&option) {
+            self.chosen.push(option);
+        }
+    }
+
+    /// The options set that the layer ignores with the other settings and `policies`, and
+    /// why.
+    fn ignored<'a>(
+        &self,
+        policies: impl Iterator<Item = &'a Policy> + Clone,
+    ) -> Vec<(&'static str, &'static str)> {
+        use crate::quota::{TierKind, Unit};
+        let tiers = || policies.clone().flat_map(|p| p.tiers().iter());
+        let metered = |t: &crate::policy::Tier| {
+            t.kind() != TierKind::Concurrency
+                && matches!(
+                    t.unit(),
+                    Unit::RequestBytes
+                        | Unit::ResponseBytes
+                        | Unit::RequestMessages
+                        | Unit::ResponseMessages
+                )
+        };
+        let counts_requests = |t: &crate::policy::Tier| {
+            t.kind() != TierKind::Concurrency && t.unit() == Unit::Requests
+        };
+        let reserved = |t: &crate::policy::Tier| t.reserve().is_some();
+        let waits = self.max_delay.is_some() || self.tarpit.is_some();
+        let ietf = matches!(self.headers.style, HeaderStyle::Ietf | HeaderStyle::Both);
+        let rejects = matches!(self.missing_key, MissingKey::Reject(_));
+        let checks: [(&'static str, bool, &'static str); 8] = [
+            ("max_waiters", !waits, "nothing waits: the layer neither shapes nor has a tarpit"),
+            (
+                "on_stream",
+                !tiers().any(metered),
+                "no tier of its policies counts bytes or messages",
+            ),
+            ("tarpit", self.dry_run, "a dry run refuses nothing"),
+            ("shape", self.dry_run, "a dry run delays nothing"),
+            ("priority", !tiers().any(reserved), "no tier of its policies has a reserve"),
+            (
+                "settle_cost",
+                !tiers().any(counts_requests),
+                "no tier of its policies counts requests, whose charge a settled cost replaces",
+            ),
+            ("header_format", !ietf, "the layer writes no IETF RateLimit fields"),
+            (
+                "explain_missing_key",
+                !rejects,
+                "requests without a key are not refused (missing_key is not Reject)",
+            ),
+        ];
+        checks
+            .into_iter()
+            .filter(|(option, ignored, _)| *ignored && self.chosen.contains(option))
+            .map(|(option, _, why)| (option, why))
+            .collect()
+    }
+
+    /// How tiers counting bytes or messages meter a stream: as chosen, or else as the layer
+    /// decides requests (shaped when it shapes, policed when it polices).
+    pub(crate) fn stream(&self) -> StreamMode {
+        match (self.stream, self.max_delay) {
+            (Some(mode), _) => mode,
+            (None, Some(_)) => StreamMode::Shape,
+            (None, None) => StreamMode::Police,
+        }
+    }
 }
 
 impl Default for Settings {
@@ -153,7 +259,8 @@ impl Default for Settings {
             hook: None,
             log_keys: LogKeys::default(),
             explain_missing: cfg!(debug_assertions),
-            stream: StreamMode::Settle,
+            stream: None,
+            chosen: Vec::new(),
         }
     }
 }
@@ -355,6 +462,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         mut self,
         f: impl Fn(&RequestHead<'_>) -> Priority + Send + Sync + 'static,
     ) -> Self {
+        self.settings.chose("priority");
         self.settings.priority = Some(Arc::new(f));
         self
     }
@@ -380,34 +488,30 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// every tier is charged there (a calendar tier in the window holding it). A request
     /// dropped while waiting gives its slot back.
     pub fn shape(mut self, max_delay: Duration) -> Self {
+        self.settings.chose("shape");
         self.settings.max_delay = Some(max_delay);
         self
     }
 
-    /// How tiers counting request or response bytes meter a body whose length was not charged
-    /// at admission (a request body without a `Content-Length`, every response body):
-    /// [`StreamMode::Settle`] (the default) charges one unit at admission and settles when the
-    /// body ends; [`StreamMode::Shape`] and [`StreamMode::Police`] charge the bytes as they
-    /// pass, in leases of at most 64 KiB, and pause or stop a stream that runs out (see
-    /// [`StreamMode`] for what the client sees, and the bound). The same goes for the
-    /// messages of a gRPC call under tiers counting [`Unit::RequestMessages`](crate::Unit) or
-    /// [`Unit::ResponseMessages`](crate::Unit), in leases of at most
-    /// [`MESSAGE_LEASE`] (16) messages.
+    /// How tiers counting bytes or messages meter streams (default: as the layer decides
+    /// requests, [`StreamMode::Police`] or, when [shaping](Self::shape), [`StreamMode::Shape`]).
+    /// Choose [`StreamMode::Settle`] for tiers that bill a body when it ends.
     ///
     /// ```
     /// use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};
     ///
     /// # fn main() -> Result<(), tollgate::ConfigError> {
-    /// // Downloads of one key at 10 MB/s together, paced like nginx `limit_rate`.
+    /// // Bytes downloaded per key, billed when each response ends (never slowed nor stopped).
     /// let policy = Policy::builder("download")
-    ///     .tier("bytes", Quota::per_second(10_000_000).counting(Unit::ResponseBytes))
+    ///     .tier("bytes", Quota::per_day(1_000_000_000).counting(Unit::ResponseBytes))
     ///     .build()?;
-    /// let layer = RateLimitLayer::builder(policy).on_stream(StreamMode::Shape).build()?;
+    /// let layer = RateLimitLayer::builder(policy).on_stream(StreamMode::Settle).build()?;
     /// # let _ = layer;
     /// # Ok(()) }
     /// ```
     pub fn on_stream(mut self, mode: StreamMode) -> Self {
-        self.settings.stream = mode;
+        self.settings.chose("on_stream");
+        self.settings.stream = Some(mode);
         self
     }
 
@@ -416,6 +520,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// are taken, further requests are policed, and rejections are answered without the tarpit
     /// delay: a flood cannot pile up sleeping requests.
     pub fn max_waiters(mut self, n: usize) -> Self {
+        self.settings.chose("max_waiters");
         self.settings.max_waiters = n;
         self
     }
@@ -429,6 +534,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// Which revision of the IETF draft the `RateLimit*` fields follow (default
     /// [`HeaderFormat::Draft10`], the current one), for clients written against an older one.
     pub fn header_format(mut self, format: HeaderFormat) -> Self {
+        self.settings.chose("header_format");
         self.settings.headers.format = format;
         self
     }
@@ -450,6 +556,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// no key could be read. The log explains either way: the first such refusal of a layer
     /// is a `warn` event with the explanation, later ones are `debug` events.
     pub fn explain_missing_key(mut self, on: bool) -> Self {
+        self.settings.chose("explain_missing_key");
         self.settings.explain_missing = on;
         self
     }
@@ -464,6 +571,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// tight loop. Each delayed rejection holds a place of the waiting room
     /// ([`max_waiters`](Self::max_waiters)); when it is full, rejections are answered at once.
     pub fn tarpit(mut self, delay: Duration) -> Self {
+        self.settings.chose("tarpit");
         self.settings.tarpit = Some(delay);
         self
     }
@@ -513,6 +621,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         mut self,
         f: impl Fn(&http::response::Parts) -> Option<u64> + Send + Sync + 'static,
     ) -> Self {
+        self.settings.chose("settle_cost");
         self.settings.settle_cost = Some(Arc::new(f));
         self
     }
@@ -569,7 +678,8 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// ```
     /// use std::sync::Arc;
     /// use std::sync::atomic::{AtomicUsize, Ordering};
-    /// use tollgate::{Observed, Policy, Quota, RateLimitLayer};
+    /// use tollgate::layer::Observed;
+    /// use tollgate::{Policy, Quota, RateLimitLayer};
     ///
     /// let refused = Arc::new(AtomicUsize::new(0));
     /// let counter = Arc::clone(&refused);
@@ -702,7 +812,8 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// unlimited).
     ///
     /// ```
-    /// use tollgate::{Policy, Quota, RateLimitLayer, Unselected};
+    /// use tollgate::layer::Unselected;
+    /// use tollgate::{Policy, Quota, RateLimitLayer};
     /// use tollgate::key::HeaderKey;
     ///
     /// let free = Policy::single("free", Quota::per_second(10)).unwrap();
@@ -776,9 +887,14 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         let waiters = waits.then(|| Arc::new(Semaphore::new(settings.max_waiters)));
         let others = scope.as_ref().map_or(&[][..], |s| &s.others[..]);
         let policies = std::iter::once(limiter.policy()).chain(others.iter().map(Limiter::policy));
+        for (option, why) in settings.ignored(policies.clone()) {
+            let policy = limiter.policy().name();
+            crate::metrics::config_warning(policy, option);
+            tracing::warn!(policy, option, "tollgate: `{option}` is ignored: {why}");
+        }
         let observer = Observer::new(policies, settings.hook.clone(), settings.log_keys);
         let limiters = std::iter::once(&limiter).chain(others);
-        let plans = limiters.map(|l| service::Plan::new(&settings, l)).collect();
+        let plans = limiters.map(|l| plan::Plan::new(&settings, l)).collect();
         Ok(RateLimitLayer {
             config: Arc::new(Config {
                 limiter,
@@ -789,6 +905,8 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
                 observer,
                 failing: Failing::default(),
                 missing: MissingKeys::default(),
+                #[cfg(feature = "ws")]
+                unmetered: observe::Unmetered::default(),
                 plans,
             }),
         })

@@ -218,3 +218,35 @@ impl MissingKeys {
         }
     }
 }
+
+/// Whether a WebSocket upgrade was refused yet because its handler did not take the
+/// [`MessageBudget`](crate::ws::MessageBudget) that meters its socket (the first is logged as
+/// an error, later ones at debug; each is counted).
+#[cfg(feature = "ws")]
+#[derive(Debug, Default)]
+pub(super) struct Unmetered(std::sync::atomic::AtomicBool);
+
+#[cfg(feature = "ws")]
+impl Unmetered {
+    /// An upgrade answered `101` without its budget taken: refused (or, in a dry run, let
+    /// through unmetered).
+    pub(super) fn seen(&self, policy: &str, dry_run: bool) {
+        use std::sync::atomic::Ordering;
+        crate::metrics::config_warning(policy, "message_budget");
+        let what = if dry_run { "dry run: would have refused" } else { "refused" };
+        if self.0.swap(true, Ordering::Relaxed) {
+            tracing::debug!(
+                policy,
+                "tollgate: {what} a WebSocket upgrade its handler does not meter"
+            );
+        } else {
+            tracing::error!(
+                policy,
+                "tollgate: {what} a WebSocket upgrade: the policy counts messages, but the \
+                 handler did not take a MessageBudget to meter its socket (add a `budget: \
+                 MessageBudget` argument and `budget.wrap(socket)`); logged once, later ones \
+                 at debug"
+            );
+        }
+    }
+}

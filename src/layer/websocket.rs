@@ -48,6 +48,9 @@ pub(crate) struct Linger {
     /// Whether a socket was wrapped to count them: a request that ended without one (dropped
     /// before its response, or a handler that never wrapped its socket) keeps its estimate.
     wrapped: AtomicBool,
+    /// Whether the handler took the [`MessageBudget`]: an upgrade answered `101` without it
+    /// has a socket nothing meters, and is refused instead.
+    asked: AtomicBool,
 }
 
 impl Linger {
@@ -59,7 +62,13 @@ impl Linger {
             settled: Mutex::default(),
             tallies: tally.then(Default::default),
             wrapped: AtomicBool::new(false),
+            asked: AtomicBool::new(false),
         }
+    }
+
+    /// Whether the handler took the budget (extracted it as an argument).
+    pub(crate) fn asked(&self) -> bool {
+        self.asked.load(Ordering::Relaxed)
     }
 
     /// The response ended, settling `settled`: kept until the socket ends.
@@ -107,16 +116,18 @@ impl Drop for Linger {
 /// connection: the handler wraps its socket with [`wrap`](Self::wrap), and the
 /// [`MeteredWebSocket`] it gets charges each Text or Binary message it receives to the tiers counting
 /// `RequestMessages` and each it sends to those counting `ResponseMessages` (Ping, Pong and
-/// Close frames are not counted). A socket the handler does not wrap is not metered.
+/// Close frames are not counted). An upgrade whose handler does not take the budget is
+/// refused with a `500` (logged once, counted in `tollgate_config_warnings_total`): its
+/// socket could not be metered.
 ///
 /// The upgrade request itself is admitted as a unary call is, and charged one message each
 /// way (a key that has spent its tier gets a `429` to the upgrade); those are the first
 /// message each way on the socket. The messages then share the
 /// key's budget with its unary calls and its other sockets, and are charged in leases of at
-/// most [`MESSAGE_LEASE`](crate::MESSAGE_LEASE) (16) messages, exactly as a gRPC stream's:
-/// one store call per lease, never one per message; the unused part of the last lease is
-/// given back when the socket is dropped. What happens when a tier has no room for the next
-/// lease:
+/// most [`MESSAGE_LEASE`](crate::StreamMode::MESSAGE_LEASE) (16) messages, exactly as a gRPC stream's;
+/// the unused part of the last lease is given back when the socket is dropped. The socket is
+/// metered as the layer decides requests (see [`StreamMode`]); what happens when a tier has no
+/// room for the next message:
 ///
 /// - [`StreamMode::Shape`]: the next message waits. Receiving, the socket is not read any
 ///   more (TCP flow control slows the client); sending,
@@ -141,14 +152,15 @@ impl Drop for Linger {
 /// The upgrade request is held until its socket ends: when the `101` response has been sent
 /// and the budget and every [`MeteredWebSocket`] wrapped with it are dropped. A
 /// [concurrency](crate::Concurrency) tier's slot ("at most 5 open sockets per key") is taken
-/// for that long, under a policy counting messages or not. A handler that does not take the budget ends the request with its `101`
+/// for that long, under a policy counting messages or not. Under a policy counting no
+/// messages, a handler that does not take the budget ends the request with its `101`
 /// response.
 ///
 /// ```
 /// use axum::extract::ws::{Message, WebSocketUpgrade};
 /// use axum::{Router, response::Response, routing::get};
 /// use tollgate::ws::MessageBudget;
-/// use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};
+/// use tollgate::{Policy, Quota, RateLimitLayer, Unit};
 ///
 /// async fn echo(up: WebSocketUpgrade, budget: MessageBudget) -> Response {
 ///     up.on_upgrade(move |socket| async move {
@@ -169,7 +181,7 @@ impl Drop for Linger {
 ///     .build()?;
 /// let app: Router = Router::new()
 ///     .route("/chat", get(echo))
-///     .route_layer(RateLimitLayer::builder(policy).on_stream(StreamMode::Police).build()?);
+///     .route_layer(RateLimitLayer::builder(policy).build()?);
 /// # let _ = app;
 /// # Ok(()) }
 /// ```
@@ -184,7 +196,7 @@ pub struct MessageBudget {
 struct Part {
     make: Box<MakeGate>,
     /// Holds the upgrade this layer admitted until the socket ends.
-    _linger: Arc<Linger>,
+    linger: Arc<Linger>,
 }
 
 impl fmt::Debug for MessageBudget {
@@ -220,8 +232,16 @@ impl MessageBudget {
             // The upgrade was charged one message each way at admission.
             Some(Box::new(gate.prepaid(1)) as Box<dyn Gate>)
         };
-        self.parts.push(Arc::new(Part { make: Box::new(make), _linger: linger }));
+        self.parts.push(Arc::new(Part { make: Box::new(make), linger }));
         self
+    }
+
+    /// The budget, as a handler takes it: each layer that gave a part of it learns so.
+    fn taken(&self) -> Self {
+        for part in &self.parts {
+            part.linger.asked.store(true, Ordering::Relaxed);
+        }
+        self.clone()
     }
 
     /// The gate of `unit`'s messages: every layer's that counts them.
@@ -271,10 +291,11 @@ impl Gate for AllOf {
         &mut self,
         cx: &mut Context<'_>,
         remaining: Option<u64>,
+        want: u64,
     ) -> Poll<Result<u64, Stopped>> {
         let mut room = u64::MAX;
         for gate in &mut self.0 {
-            room = room.min(ready!(gate.poll_room(cx, remaining))?);
+            room = room.min(ready!(gate.poll_room(cx, remaining, want))?);
         }
         Poll::Ready(Ok(room))
     }
@@ -311,7 +332,7 @@ impl<S: Send + Sync> FromRequestParts<S> for MessageBudget {
         parts: &mut http::request::Parts,
         _state: &S,
     ) -> Result<Self, Self::Rejection> {
-        parts.extensions.get::<Self>().cloned().ok_or(MissingBudget)
+        parts.extensions.get::<Self>().map(Self::taken).ok_or(MissingBudget)
     }
 }
 
@@ -323,8 +344,22 @@ impl<S: Send + Sync> axum::extract::OptionalFromRequestParts<S> for MessageBudge
         parts: &mut http::request::Parts,
         _state: &S,
     ) -> Result<Option<Self>, Self::Rejection> {
-        Ok(parts.extensions.get::<Self>().cloned())
+        Ok(parts.extensions.get::<Self>().map(Self::taken))
     }
+}
+
+/// The answer in place of a `101` whose handler did not take the [`MessageBudget`] of a policy
+/// counting messages: `500 Internal Server Error` with a problem+json body saying so (the
+/// socket would not be metered; no upgrade happens).
+pub(crate) fn unmetered_upgrade() -> http::Response<bytes::Bytes> {
+    let body = r#"{"type":"about:blank","title":"Internal Server Error","status":500,"detail":"the route's rate-limit policy counts WebSocket messages, but its handler does not meter the socket: take a tollgate::ws::MessageBudget and wrap the socket with it"}"#;
+    let mut res = http::Response::new(bytes::Bytes::from_static(body.as_bytes()));
+    *res.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+    res.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/problem+json"),
+    );
+    res
 }
 
 /// The refusal of a handler asking for a [`MessageBudget`] that the layer did not give: a
@@ -369,7 +404,7 @@ impl BudgetSpent {
     }
 
     /// How long until the tier has room for the lease it refused (at most
-    /// [`MESSAGE_LEASE`](crate::MESSAGE_LEASE) messages); `None` when that lease can never
+    /// [`MESSAGE_LEASE`](crate::StreamMode::MESSAGE_LEASE) messages); `None` when that lease can never
     /// fit, or when the store could not decide.
     #[must_use]
     pub fn retry_after(&self) -> Option<Duration> {
@@ -579,7 +614,7 @@ impl MeteredWebSocket {
             return Poll::Ready(Ok(()));
         }
         if let Some(gate) = &mut self.sending {
-            match ready!(gate.poll_room(cx, None)) {
+            match ready!(gate.poll_room(cx, None, 1)) {
                 Ok(_) => {}
                 Err(why) => {
                     let spent = self.stop(Unit::ResponseMessages, why);
@@ -616,7 +651,7 @@ impl Stream for MeteredWebSocket {
                 let Some(gate) = &mut this.receiving else {
                     return Poll::Ready(Some(Ok(message)));
                 };
-                match gate.poll_room(cx, None) {
+                match gate.poll_room(cx, None, 1) {
                     Poll::Pending => {
                         // Held until there is room: the socket is not read meanwhile.
                         this.received = Some(message);

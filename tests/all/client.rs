@@ -351,7 +351,7 @@ async fn each_request_has_its_own_attempts_and_budget() {
 fn tollgate_server() -> (
     impl Service<
         Request<String>,
-        Response = Response<tollgate::ResponseBody<String>>,
+        Response = Response<tollgate::layer::ResponseBody<String>>,
         Error = Infallible,
         Future: Send,
     > + Clone
@@ -397,7 +397,7 @@ fn tollgate_server_with(
 ) -> (
     impl Service<
         Request<String>,
-        Response = Response<tollgate::ResponseBody<String>>,
+        Response = Response<tollgate::layer::ResponseBody<String>>,
         Error = Infallible,
         Future: Send,
     > + Clone
@@ -415,7 +415,7 @@ fn tollgate_server_of(
 ) -> (
     impl Service<
         Request<String>,
-        Response = Response<tollgate::ResponseBody<String>>,
+        Response = Response<tollgate::layer::ResponseBody<String>>,
         Error = Infallible,
         Future: Send,
     > + Clone

@@ -9,13 +9,13 @@ use proptest::prelude::*;
 use tollgate::clock::FakeClock;
 use tollgate::key::Key;
 use tollgate::store::{Check, MemoryStore};
-use tollgate::{Algorithm, ConfigError, MAX_COUNT, MAX_SLIDING_LOG, Outcome, Policy, Quota};
+use tollgate::{Algorithm, ConfigError, Outcome, Policy, Quota};
 
 fn number() -> impl Strategy<Value = u64> {
     prop_oneof![
         3 => 0u64..=50,
         1 => prop::sample::select(vec![
-            0, 1, MAX_SLIDING_LOG, MAX_SLIDING_LOG + 1, MAX_COUNT, MAX_COUNT + 1, u64::MAX,
+            0, 1, Quota::MAX_SLIDING_LOG, Quota::MAX_SLIDING_LOG + 1, Quota::MAX_COUNT, Quota::MAX_COUNT + 1, u64::MAX,
         ]),
         1 => any::<u64>(),
     ]
@@ -127,8 +127,12 @@ fn every_configuration_error_names_what_is_wrong() {
     assert_eq!(tier(Quota::new(1, Duration::ZERO)), "tier `t`: period must be at least 1 ns");
     assert_eq!(tier(Quota::per_second(1).with_burst(0)), "tier `t`: burst must be at least 1");
     assert_eq!(
-        tier(Quota::per_second(MAX_COUNT + 1)),
-        format!("tier `t`: count {} exceeds the maximum {MAX_COUNT}", MAX_COUNT + 1)
+        tier(Quota::per_second(Quota::MAX_COUNT + 1)),
+        format!(
+            "tier `t`: count {} exceeds the maximum {}",
+            Quota::MAX_COUNT + 1,
+            Quota::MAX_COUNT
+        )
     );
     let window =
         |alg, q| Policy::builder("p").algorithm(alg).tier("t", q).build().unwrap_err().to_string();
@@ -137,10 +141,11 @@ fn every_configuration_error_names_what_is_wrong() {
         "tier `t`: the fixed_window algorithm admits `count` per window; burst 6 != count 5"
     );
     assert_eq!(
-        window(Algorithm::SlidingLog, Quota::per_second(MAX_SLIDING_LOG + 1)),
+        window(Algorithm::SlidingLog, Quota::per_second(Quota::MAX_SLIDING_LOG + 1)),
         format!(
-            "tier `t`: sliding log limit {} exceeds {MAX_SLIDING_LOG}; use the sliding window counter for large limits",
-            MAX_SLIDING_LOG + 1
+            "tier `t`: sliding log limit {} exceeds {}; use the sliding window counter for large limits",
+            Quota::MAX_SLIDING_LOG + 1,
+            Quota::MAX_SLIDING_LOG
         )
     );
     let q = Quota::per_second(1);

@@ -1,7 +1,8 @@
 //! Every tier kind and layer setting in the configuration file: each kind read from TOML is the
-//! policy built in code (and decides like it on the same fake-clock trace), the README's SaaS
-//! plan is read as printed, each bad value is refused at its file, line, column and field, and
-//! the rule settings that took a closure or an option in code act when served from a file.
+//! policy built in code (and decides like it on the same fake-clock trace), the SaaS plan of
+//! the configuration guide is read as printed, each bad value is refused at its file, line,
+//! column and field, and the rule settings that took a closure or an option in code act when
+//! served from a file.
 #![cfg(feature = "config")]
 
 use std::convert::Infallible;
@@ -466,9 +467,9 @@ fn bad_values_of_each_kind_are_refused_at_their_field() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The README's SaaS plan.
+// The configuration guide's SaaS plan.
 
-/// The plan the README's configuration section prints: 10,000 requests a month in
+/// The plan the configuration guide prints: 10,000 requests a month in
 /// Europe/Berlin, 4 in flight, 1 GB of uploads a day.
 fn saas_in_code() -> Policy {
     Policy::builder("saas")
@@ -485,10 +486,10 @@ fn saas_in_code() -> Policy {
 }
 
 fn readme_toml() -> String {
-    toml_block(include_str!("../../README.md"), "## Configuration file and hot reload")
+    toml_block(include_str!("../../src/guide/config_file.md"), "## A SaaS plan per API key")
 }
 
-/// The README's TOML, exactly as printed, is the plan built in code, and decides like it
+/// The guide's TOML, exactly as printed, is the plan built in code, and decides like it
 /// across a month's end in Berlin.
 #[test]
 fn the_readme_saas_plan_is_the_policy_built_in_code() {
@@ -528,7 +529,7 @@ fn header<B>(res: &Response<B>, name: &str) -> Option<String> {
     res.headers().get(name).map(|v| v.to_str().unwrap().to_owned())
 }
 
-/// Served from the README's file: each API key has 4 slots, counts uploads in bytes
+/// Served from the guide's file: each API key has 4 slots, counts uploads in bytes
 /// (`Content-Length`) and requests per month, per key.
 #[tokio::test]
 async fn the_readme_saas_plan_serves_its_tiers() {
@@ -560,7 +561,7 @@ async fn the_readme_saas_plan_serves_its_tiers() {
     assert_eq!(svc.oneshot(req).await.unwrap().status(), StatusCode::UNAUTHORIZED);
 }
 
-/// A reload that raises the README plan's monthly quota carries each key's used share of it
+/// A reload that raises the guide plan's monthly quota carries each key's used share of it
 /// (`changed_tiers = "carry_used_fraction"`) and keeps its count of the unchanged daily bytes.
 #[tokio::test]
 async fn a_reload_of_the_readme_plan_keeps_the_unchanged_tiers_and_carries_the_changed_one() {
@@ -642,11 +643,12 @@ async fn header_format_explain_missing_key_and_refund_on_are_applied() {
 
     // Refunds: a 503 gives the charge back, a 500 is not listed, a 4xx class is.
     let refunds = layer(&rule("refund_on = [\"503\", \"4xx\"]"));
+    // The headers say what is left after the refund.
     let res = call(&refunds, "k", b"", |_| StatusCode::SERVICE_UNAVAILABLE).await;
-    assert_eq!(header(&res, "ratelimit").unwrap(), r#""p";r=4;t=12"#);
+    assert_eq!(header(&res, "ratelimit").unwrap(), r#""p";r=5;t=0"#);
     drop(res.into_body().collect().await.unwrap());
     let res = call(&refunds, "k", b"", |_| StatusCode::NOT_FOUND).await;
-    assert_eq!(header(&res, "ratelimit").unwrap(), r#""p";r=4;t=12"#, "the 503 was refunded");
+    assert_eq!(header(&res, "ratelimit").unwrap(), r#""p";r=5;t=0"#, "the 503 was refunded");
     drop(res.into_body().collect().await.unwrap());
     let res = call(&refunds, "k", b"", |_| StatusCode::INTERNAL_SERVER_ERROR).await;
     assert_eq!(header(&res, "ratelimit").unwrap(), r#""p";r=4;t=12"#, "the 404 was refunded");
@@ -821,8 +823,9 @@ proptest! {
 }
 
 /// `on_stream` read from the file meters response bytes as they stream: policed, a gRPC
-/// response past its tier ends with `RESOURCE_EXHAUSTED` trailers instead of its data; the
-/// default settles when the body ends. A bad mode is refused at its place.
+/// response past its tier ends with `RESOURCE_EXHAUSTED` trailers instead of its data, as it
+/// does by default (the rule polices); `settle` settles when the body ends. A bad mode is
+/// refused at its place.
 #[tokio::test]
 async fn on_stream_from_the_file_polices_a_grpc_response() {
     let text = |extra: &str| {
@@ -831,7 +834,7 @@ async fn on_stream_from_the_file_polices_a_grpc_response() {
         )
     };
     for (extra, policed) in
-        [("", false), ("on_stream = \"settle\"", false), ("on_stream = \"police\"", true)]
+        [("", true), ("on_stream = \"settle\"", false), ("on_stream = \"police\"", true)]
     {
         let layer = layer(&text(extra));
         let svc = layer.layer(service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {

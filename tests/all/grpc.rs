@@ -15,8 +15,9 @@ use http_body_util::Full;
 use tokio::net::TcpListener;
 use tollgate::clock::FakeClock;
 use tollgate::key::{GrpcMethod, HeaderKey, Key, KeyExtractor, PeerIp};
+use tollgate::layer::Unselected;
 use tollgate::store::{Check, MemoryStore, Store, Verdict};
-use tollgate::{ConfigError, OnStoreError, Policy, Quota, RateLimitLayer, StoreError, Unselected};
+use tollgate::{ConfigError, OnStoreError, Policy, Quota, RateLimitLayer, StoreError};
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Server};
 use tonic::{Code, Status};
@@ -525,4 +526,42 @@ async fn a_status_that_is_not_retryable_is_returned_at_once() {
     assert_eq!(check_with_retries(&no_jitter(5), &client, &calls).await, Code::InvalidArgument);
     assert_eq!(calls.into_inner(), 1);
     assert_eq!(start.elapsed(), Duration::ZERO);
+}
+
+/// Twenty concurrent calls against 10 a second (burst 10): ten are refused at once with the
+/// same pushback. Retried through one `RetryPolicy` (default backoff, full jitter), the
+/// retries are spread one pushback apart instead of all coming back at the instant one unit
+/// frees: every call succeeds within 1.2 times the ideal second, in at most 30 attempts.
+#[cfg(feature = "client")]
+#[tokio::test(start_paused = true)]
+async fn concurrent_refused_calls_retried_through_one_policy_do_not_storm() {
+    let store = MemoryStore::builder().clock(PausedClock(tokio::time::Instant::now())).build();
+    let layer = RateLimitLayer::builder(Policy::single("storm", Quota::per_second(10)).unwrap())
+        .key(tollgate::key::GlobalKey)
+        .store(store.unwrap())
+        .build()
+        .unwrap();
+    let server = serve(layer).await;
+    let client = server.client().await;
+    let policy = tollgate::client::RetryPolicy::<()>::builder()
+        .max_attempts(10)
+        .jitter(tollgate::client::FullJitter::with_seed(7))
+        .build()
+        .unwrap();
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let start = tokio::time::Instant::now();
+    let tasks: Vec<_> = (0..20)
+        .map(|_| {
+            let (policy, client, calls) = (policy.clone(), client.clone(), calls.clone());
+            tokio::spawn(async move { check_with_retries(&policy, &client, &calls).await })
+        })
+        .collect();
+    for task in tasks {
+        assert_eq!(task.await.unwrap(), Code::Ok);
+    }
+    let elapsed = start.elapsed();
+    let attempts = calls.load(std::sync::atomic::Ordering::SeqCst);
+    // Ideal: the ten past the burst at 10 a second, the last at 1 s.
+    assert!(elapsed <= Duration::from_millis(1_200), "{elapsed:?}");
+    assert!(attempts <= 30, "{attempts} attempts");
 }

@@ -8,7 +8,9 @@ use crate::support;
 use std::convert::Infallible;
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::{Request, Response, StatusCode};
+use http_body_util::Empty;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use tollgate::RequestBody;
@@ -206,12 +208,12 @@ async fn replay<St: Store + Clone>(store: St, clock: FakeClock, case: Case) -> R
         })
         .build()
         .map_err(|e| e.to_string())?;
-    let svc = layer.layer(service_fn(|_req: Request<RequestBody<()>>| async {
+    let svc = layer.layer(service_fn(|_req: Request<RequestBody<Empty<Bytes>>>| async {
         Ok::<_, Infallible>(Response::new(()))
     }));
     for (i, (advance, cost)) in case.steps.iter().enumerate() {
         clock.advance(Duration::from_millis(*advance));
-        let req = Request::get("/").header("x-cost", cost.to_string()).body(()).unwrap();
+        let req = Request::get("/").header("x-cost", cost.to_string()).body(Empty::new()).unwrap();
         let res = svc.clone().oneshot(req).await.map_err(|e| format!("{e:?}"))?;
         check(&res, &case, &policy).map_err(|e| format!("request {i}: {e}"))?;
     }
@@ -273,10 +275,10 @@ fn each_format_renders_as_its_draft_says() {
             .header_format(format)
             .build()
             .unwrap();
-        let svc = layer.layer(service_fn(|_req: Request<RequestBody<()>>| async {
+        let svc = layer.layer(service_fn(|_req: Request<RequestBody<Empty<Bytes>>>| async {
             Ok::<_, Infallible>(Response::new(()))
         }));
-        let res = rt.block_on(svc.oneshot(Request::new(()))).unwrap();
+        let res = rt.block_on(svc.oneshot(Request::new(Empty::new()))).unwrap();
         let mut out: Vec<String> = res
             .headers()
             .iter()

@@ -543,10 +543,11 @@ async fn until<F: Future<Output = bool>>(mut done: impl FnMut() -> F) {
     }
 }
 
-/// A client-streaming call paused by shaping (after two leases of 16 messages, the tier has
-/// 8 left) holds its slot: a unary call of the key is refused. The client cancels the call
-/// (the HTTP/2 stream is reset): the slot comes back, the message tier is charged the 32
-/// messages read and the byte tier their 416 bytes (the rest of its 64 KiB lease given back).
+/// A client-streaming call paused by shaping (its leases, growing with what it used, have
+/// taken the burst of 40 messages; the clock is frozen) holds its slot: a unary call of the
+/// key is refused. The client cancels the call (the HTTP/2 stream is reset): the slot comes
+/// back, the message tier is charged the 40 messages read and the byte tier their bytes (the
+/// rest of its last byte lease given back).
 async fn a_paused_call_holds_its_slot_until_cancelled<St: Store>(store: St) {
     let layer = one_call(Unit::RequestMessages, StreamMode::Shape, store);
     let limiter = layer.limiter().clone();
@@ -558,21 +559,22 @@ async fn a_paused_call_holds_its_slot_until_cancelled<St: Store>(store: St) {
         let path = PathAndQuery::from_static("/test.Messages/Upload");
         let _ = client.client_streaming(tonic::Request::new(messages), path, Raw).await;
     });
-    until(|| async { server.received.load(Ordering::SeqCst) >= 32 }).await;
-    assert_eq!(server.received.load(Ordering::SeqCst), 32);
-    // Paused, in flight: the one slot is taken.
+    until(|| async { server.received.load(Ordering::SeqCst) >= 40 }).await;
+    assert_eq!(server.received.load(Ordering::SeqCst), 40);
+    // Paused, in flight: the one slot is taken, the messages spent.
     assert_eq!(server.echo().await.unwrap_err().code(), Code::ResourceExhausted);
-    assert_eq!(left(&limiter).await, (0, 8, 1_000_000 - 2 * 16 * WIRE - 65_536 + 32 * WIRE));
+    let (slots, messages, _) = left(&limiter).await;
+    assert_eq!((slots, messages), (0, 0));
     call.abort();
-    let expected = (1, 8, 1_000_000 - 32 * WIRE);
+    let expected = (1, 0, 1_000_000 - 40 * WIRE);
     until(|| async { left(&limiter).await == expected }).await;
     assert_eq!(left(&limiter).await, expected);
-    assert_eq!(server.received.load(Ordering::SeqCst), 32);
+    assert_eq!(server.received.load(Ordering::SeqCst), 40);
 }
 
-/// A server-streaming call paused by shaping (cut to its two leases of 16 messages) holds its
-/// slot; the client drops the stream: the slot comes back, charged exactly the 32 messages
-/// and their bytes.
+/// A server-streaming call paused by shaping (cut where its leases took the burst of 40
+/// messages) holds its slot; the client drops the stream: the slot comes back, charged
+/// exactly the 40 messages and their bytes.
 async fn a_paused_server_stream_holds_its_slot_until_dropped<St: Store>(store: St) {
     let layer = one_call(Unit::ResponseMessages, StreamMode::Shape, store);
     let limiter = layer.limiter().clone();
@@ -582,13 +584,13 @@ async fn a_paused_server_stream_holds_its_slot_until_dropped<St: Store>(store: S
     client.ready().await.expect("ready");
     let res = client.server_streaming(tonic::Request::new(count(1_000)), path, Raw).await;
     let mut messages = res.expect("admitted").into_inner();
-    for i in 0..32 {
+    for i in 0..40 {
         assert_eq!(messages.message().await.unwrap(), Some(count(i)));
     }
     assert_eq!(server.echo().await.unwrap_err().code(), Code::ResourceExhausted);
     drop(messages);
     // The unary call above was refused before it was charged anything.
-    let expected = (1, 8, 1_000_000 - 32 * WIRE);
+    let expected = (1, 0, 1_000_000 - 40 * WIRE);
     until(|| async { left(&limiter).await == expected }).await;
     assert_eq!(left(&limiter).await, expected);
 }

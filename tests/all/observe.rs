@@ -14,8 +14,9 @@ use http::{HeaderName, Request, Response, StatusCode};
 use tollgate::RequestBody;
 use tollgate::clock::TokioClock;
 use tollgate::key::{HeaderKey, Key, Redacted};
+use tollgate::layer::{LogKeys, Observed};
 use tollgate::store::{Check, MemoryStore, Store, Verdict};
-use tollgate::{ConfigError, LogKeys, Observed, Policy, Quota, RateLimitLayer, StoreError};
+use tollgate::{ConfigError, Policy, Quota, RateLimitLayer, StoreError};
 use tower::{Layer, ServiceExt, service_fn};
 
 use support::logs::Captured;

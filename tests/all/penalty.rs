@@ -75,7 +75,10 @@ fn penalties_that_cannot_work_are_refused_by_tier() {
     let ms = Duration::from_millis(1);
     assert_eq!(
         err(base().penalty("t", Penalty::new(Duration::ZERO))),
-        format!("tier `t`: penalty: block 0ns must be between 1 ns and {:?}", tollgate::MAX_SPAN)
+        format!(
+            "tier `t`: penalty: block 0ns must be between 1 ns and {:?}",
+            tollgate::Quota::MAX_SPAN
+        )
     );
     assert_eq!(
         err(base().penalty("t", Penalty::new(ms).after(0, ms))),
@@ -83,7 +86,10 @@ fn penalties_that_cannot_work_are_refused_by_tier() {
     );
     assert_eq!(
         err(base().penalty("t", Penalty::new(ms).after(2, Duration::ZERO))),
-        format!("tier `t`: penalty: window 0ns must be between 1 ns and {:?}", tollgate::MAX_SPAN)
+        format!(
+            "tier `t`: penalty: window 0ns must be between 1 ns and {:?}",
+            tollgate::Quota::MAX_SPAN
+        )
     );
     assert_eq!(
         err(base().penalty("t", Penalty::new(ms)).penalty("t", Penalty::new(ms))),

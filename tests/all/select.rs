@@ -15,7 +15,8 @@ use http::{HeaderName, Method, Request, StatusCode};
 use http_body_util::Full;
 use support::{HttpClient, Reply, client, get, send, serve};
 use tollgate::key::{HeaderKey, Key, MethodKey, PeerIp};
-use tollgate::{ConfigError, Policy, Quota, RateLimitLayer, Unselected};
+use tollgate::layer::Unselected;
+use tollgate::{ConfigError, Policy, Quota, RateLimitLayer};
 use tower::util::MapRequestLayer;
 
 const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);

@@ -159,10 +159,11 @@ async fn cost_settled_from_the_response() {
     }));
     let first = svc.clone().oneshot(request()).await.unwrap();
     assert_eq!(first.status(), StatusCode::OK);
-    // Charged 1 at admission, settled to 60 after; the second charges 1: 39 left, and the
-    // TAT is 61 emission intervals of 36 s ahead.
+    // Charged 1 at admission, settled to 60 after; the second, settled to 60 too, leaves
+    // nothing (the TAT 120 emission intervals of 36 s ahead): its headers say so, after the
+    // settlement.
     let second = svc.clone().oneshot(request()).await.unwrap();
-    assert_eq!(second.headers()["ratelimit"], "\"tokens\";r=39;t=2196");
+    assert_eq!(second.headers()["ratelimit"], "\"tokens\";r=0;t=4320");
     let third = svc.clone().oneshot(request()).await.unwrap();
     assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
 }
@@ -428,7 +429,7 @@ async fn slow_store_and_scope_refusals_of_uploads_close_the_connection() {
     let scoped = RateLimitLayer::builder(policy)
         .store(paused_store())
         .select(|head| head.headers.get("x-plan").and_then(|v| v.to_str().ok()))
-        .unselected(tollgate::Unselected::Reject(StatusCode::FORBIDDEN))
+        .unselected(tollgate::layer::Unselected::Reject(StatusCode::FORBIDDEN))
         .build()
         .unwrap()
         .layer(ok_service());
@@ -446,4 +447,72 @@ async fn slow_store_and_scope_refusals_of_uploads_close_the_connection() {
         let res = scoped.clone().oneshot(upload(version)).await.unwrap();
         assert_eq!((res.status(), connection(&res)), (StatusCode::FORBIDDEN, close));
     }
+}
+
+/// A memory store that never answers at once (as a remote store): every request takes the
+/// path that waits after `call` tried to decide it.
+#[derive(Clone, Default)]
+struct Remote(tollgate::store::MemoryStore);
+
+impl Store for Remote {
+    type Bound = <tollgate::store::MemoryStore as Store>::Bound;
+    type Ticket = <tollgate::store::MemoryStore as Store>::Ticket;
+
+    fn bind(&self, policy: &Policy) -> Result<Self::Bound, tollgate::ConfigError> {
+        self.0.bind(policy)
+    }
+
+    async fn check(
+        &self,
+        bound: &Self::Bound,
+        check: tollgate::store::Check<'_>,
+    ) -> Result<tollgate::store::Verdict<Self::Ticket>, tollgate::StoreError> {
+        self.0.check(bound, check).await
+    }
+
+    async fn settle(
+        &self,
+        bound: &Self::Bound,
+        ticket: Self::Ticket,
+        cost: u64,
+    ) -> Result<(), tollgate::StoreError> {
+        self.0.settle(bound, ticket, cost).await
+    }
+}
+
+/// How many times the layer's cost and priority closures ran for five requests through a
+/// layer on `store`.
+async fn closure_calls<St: Store>(store: St) -> (u32, u32) {
+    use std::sync::atomic::AtomicU32;
+    let (costs, classes) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+    let (c, p) = (Arc::clone(&costs), Arc::clone(&classes));
+    let policy = Policy::single("once", Quota::per_second(100)).unwrap();
+    let layer = RateLimitLayer::builder(policy)
+        .store(store)
+        .cost_fn(move |_| {
+            c.fetch_add(1, Ordering::SeqCst);
+            1
+        })
+        .priority(move |_| {
+            p.fetch_add(1, Ordering::SeqCst);
+            tollgate::Priority::Standard
+        })
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(|_req: Request<RequestBody<Body>>| async {
+        Ok::<_, Infallible>(Response::new(Body::empty()))
+    }));
+    for _ in 0..5 {
+        assert_eq!(svc.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
+    }
+    (costs.load(Ordering::SeqCst), classes.load(Ordering::SeqCst))
+}
+
+/// The layer's cost and priority closures run once per request, on the path decided at once
+/// and on the one that waits for the store alike (before, a request the store could not
+/// decide at once ran them twice).
+#[tokio::test]
+async fn the_cost_and_priority_closures_run_once_per_request() {
+    assert_eq!(closure_calls(MemoryStore::new()).await, (5, 5));
+    assert_eq!(closure_calls(Remote::default()).await, (5, 5));
 }

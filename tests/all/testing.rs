@@ -29,7 +29,7 @@ async fn call(app: &Router) -> Response<Body> {
     app.clone().oneshot(Request::get("/").body(Body::empty()).unwrap()).await.unwrap()
 }
 
-/// The README's recipe, word for word.
+/// The testing guide's recipe, word for word.
 #[tokio::test(start_paused = true)]
 async fn monthly_quota_resets_at_midnight_in_berlin() -> Result<(), Box<dyn std::error::Error>> {
     let clock = VirtualClock::starting_at("2026-03-28T12:00:00+01:00")?;
@@ -57,16 +57,18 @@ async fn monthly_quota_resets_at_midnight_in_berlin() -> Result<(), Box<dyn std:
     Ok(())
 }
 
-/// The README's "Testing your limits" shows the test above as it is here.
+/// The testing guide's "A month in milliseconds" shows the body of the test above as it is
+/// here.
 #[test]
-fn the_readme_recipe_is_the_test_above() {
-    let readme = include_str!("../../README.md");
-    let section = &readme[readme.find("## Testing your limits").expect("the section")..];
+fn the_guide_recipe_is_the_test_above() {
+    let guide = include_str!("../../src/guide/testing.md");
+    let section = &guide[guide.find("## A month in milliseconds").expect("the section")..];
     let block = &section[section.find("```rust").expect("a rust block")..];
     let block = &block[block.find('\n').unwrap() + 1..];
     let block = &block[..block.find("```").expect("the block's end")];
-    let test = &block[block.find("#[tokio::test").expect("the test")..];
-    assert!(include_str!("testing.rs").contains(test), "README recipe differs:\n{test}");
+    let body = &block[block.find("    let clock").expect("the body")..];
+    let body = &body[..body.find("    Ok(())").expect("the body's end")];
+    assert!(include_str!("testing.rs").contains(body), "guide recipe differs:\n{body}");
 }
 
 /// Every header of the refusals, exactly, and the instant of the reset to the nanosecond.
@@ -110,7 +112,7 @@ async fn the_monthly_refusal_reports_every_field_exactly() {
     assert_eq!(clock.now(), 1_774_994_399_999_999_999);
     assert_limited_until(&call(&app).await, Duration::from_nanos(1));
     clock.advance(Duration::from_nanos(1)).await;
-    assert_eq!(format!("{clock:?}"), "VirtualClock(2026-03-31T22:00:00Z)");
+    assert_eq!(format!("{clock:?}"), "TokioClock(2026-03-31T22:00:00Z)");
     for remaining in [2, 1, 0] {
         assert_eq!(assert_admitted(&call(&app).await).get("monthly").unwrap().remaining, remaining);
     }

@@ -507,3 +507,72 @@ async fn a_socket_is_charged_exactly_its_messages_on_a_redis_cluster() {
         .unwrap();
     a_socket_is_charged_exactly_its_messages(store).await;
 }
+
+/// A layer with no stream setting polices a socket's messages as it polices requests: a
+/// client sending 50 messages against a tier of 10 (the clock stands still) has exactly 10
+/// delivered, then the socket is closed with 1008.
+#[tokio::test]
+async fn a_message_tier_is_policed_by_default() {
+    let store = MemoryStore::builder().clock(FakeClock::new()).build().unwrap();
+    let policy = messages_per_second("chat", 10, Unit::RequestMessages);
+    let layer = RateLimitLayer::builder(policy).key(GlobalKey).store(store).build().unwrap();
+    let (app, mut reports) = app(layer);
+    let server = support::serve(app).await;
+    let seen = talk(connect(&server, "/upload").await, 50).await;
+    assert_eq!(report(&mut reports).await.received, 10);
+    assert_eq!(seen.close.map(|c| c.code), Some(CloseCode::Policy));
+}
+
+/// A socket that stays within its tier of 10 messages (whose first breach would block the
+/// key for 10 minutes) is never boxed by the leases its stream asked for: 5 messages sent,
+/// 5 delivered, no Close from the server; the key's next socket is admitted too.
+#[tokio::test]
+async fn a_socket_within_its_budget_never_trips_the_penalty_box() {
+    let store = MemoryStore::builder().clock(FakeClock::new()).build().unwrap();
+    let policy = Policy::builder("chat")
+        .tier("messages", Quota::per_hour(10).counting(Unit::RequestMessages))
+        .penalty("messages", tollgate::Penalty::new(Duration::from_secs(600)))
+        .build()
+        .unwrap();
+    let layer = RateLimitLayer::builder(policy).key(GlobalKey).store(store).build().unwrap();
+    let (app, mut reports) = app(layer);
+    let server = support::serve(app).await;
+    let seen = talk(connect(&server, "/upload").await, 5).await;
+    let done = report(&mut reports).await;
+    assert_eq!((done.received, done.spent.is_none()), (5, true));
+    assert_ne!(seen.close.map(|c| c.code), Some(CloseCode::Policy));
+    // 5 of 10 used: the next socket is admitted and gets what is left.
+    let seen = talk(connect(&server, "/upload").await, 20).await;
+    assert_eq!(report(&mut reports).await.received, 5);
+    assert_eq!(seen.close.map(|c| c.code), Some(CloseCode::Policy));
+}
+
+/// A route whose policy counts messages but whose handler upgrades without taking the
+/// `MessageBudget`: its socket could not be metered, so the upgrade is refused with a 500
+/// (logged once and counted), instead of letting every message through.
+#[tokio::test]
+async fn an_upgrade_whose_handler_does_not_meter_its_socket_is_refused() {
+    let store = MemoryStore::builder().clock(FakeClock::new()).build().unwrap();
+    let policy = messages_per_second("unmetered-chat", 5, Unit::RequestMessages);
+    let layer = RateLimitLayer::builder(policy).key(GlobalKey).store(store).build().unwrap();
+    let echo = |up: WebSocketUpgrade| async move {
+        up.on_upgrade(|mut socket| async move {
+            while let Some(Ok(message)) = socket.recv().await {
+                if socket.send(message).await.is_err() {
+                    break;
+                }
+            }
+        })
+    };
+    let app = Router::new().route("/echo", get(echo)).route_layer(layer);
+    let server = support::serve(app).await;
+    let url = format!("ws://{}/echo", server.addr);
+    match tokio_tungstenite::connect_async(url).await {
+        Err(tokio_tungstenite::tungstenite::Error::Http(res)) => {
+            assert_eq!(res.status(), 500);
+            let body = String::from_utf8(res.body().clone().unwrap_or_default()).unwrap();
+            assert!(body.contains("does not meter the socket"), "{body}");
+        }
+        other => panic!("expected a 500, got {other:?}"),
+    }
+}

@@ -71,7 +71,7 @@ fn by_header(parts: &tollgate::key::RequestHead<'_>) -> Option<Key> {
     parts.headers.get("x-key").and_then(|v| v.to_str().ok()).map(Key::text)
 }
 
-fn classify(res: &Response<tollgate::ResponseBody<Body>>) -> Seen {
+fn classify(res: &Response<tollgate::layer::ResponseBody<Body>>) -> Seen {
     let headers = res.headers();
     match res.status() {
         StatusCode::OK | StatusCode::TOO_MANY_REQUESTS if headers.contains_key("ratelimit") => {
@@ -102,7 +102,7 @@ fn drive<S>(svc: S, store: RedisStore, stop: Arc<AtomicBool>) -> (Monitor, Worke
 where
     S: Service<
             Request<Body>,
-            Response = Response<tollgate::ResponseBody<Body>>,
+            Response = Response<tollgate::layer::ResponseBody<Body>>,
             Error = std::convert::Infallible,
         > + Clone
         + Send

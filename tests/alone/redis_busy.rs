@@ -20,8 +20,9 @@ use axum::body::Body;
 use http::{Request, Response, StatusCode};
 use support::redis::Server;
 use tollgate::key::Key;
+use tollgate::layer::Observed;
 use tollgate::store::{MemoryStore, RedisStore};
-use tollgate::{Algorithm, Observed, OnStoreError, Policy, Quota, RateLimitLayer, Source};
+use tollgate::{Algorithm, OnStoreError, Policy, Quota, RateLimitLayer, Source};
 use tower::{Layer, Service, ServiceExt};
 
 /// 12 days: no window boundary (aligned to the Unix epoch on server time) falls inside a test.
@@ -128,7 +129,7 @@ fn service(
 ) -> (
     impl Service<
         Request<Body>,
-        Response = Response<tollgate::ResponseBody<Body>>,
+        Response = Response<tollgate::layer::ResponseBody<Body>>,
         Error = std::convert::Infallible,
         Future: Send,
     > + Clone

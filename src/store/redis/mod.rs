@@ -68,7 +68,7 @@ const DEFAULT_LOCAL_REFUSALS: usize = 4096;
 ///   that (a settlement adds the window each calendar tier's charge fell in). A server clock
 ///   further off fails the call (and the local fallback decides).
 /// - **Long horizons.** State is packed binary, instants as (seconds, units), so periods up to
-///   [`MAX_SPAN`](crate::MAX_SPAN) work (yearly quotas), at the policy's
+///   [`MAX_SPAN`](crate::Quota::MAX_SPAN) work (yearly quotas), at the policy's
 ///   [`precision`](Policy::precision).
 /// - **Server time.** By default the scripts read the Redis server's `TIME`, so clock skew
 ///   between app servers cannot loosen a limit. [`RedisStoreBuilder::clock`] uses an injected

@@ -1,545 +1,6 @@
-//! Byte tiers metered while a body streams ([`StreamMode::Shape`], [`StreamMode::Police`]):
-//! leases of bytes taken from the store chunk by chunk, and what a body does when the tier
-//! has no room for the next one.
+//! Streams metered as they pass (paused time): bytes, then gRPC messages.
 
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, Waker};
-use std::time::Duration;
-
-use smallvec::SmallVec;
-
-use crate::decision::Decision;
-use crate::error::StoreError;
-use crate::key::Key;
-use crate::limiter::Limiter;
-use crate::quota::{Priority, TierKind, Unit};
-use crate::store::{Check, Store, Verdict};
-
-/// The largest lease of bytes a streamed body takes from the store at once: 64 KiB.
-///
-/// A body metered with [`StreamMode::Shape`] or [`StreamMode::Police`] asks the store for
-/// this many bytes (fewer when the tier's capacity, or the bytes the body has left, are
-/// fewer) when it has spent its previous lease: one store call per lease, whatever the size
-/// of its frames (two when the store refuses it first: policing, a tier with less than a
-/// lease left, asked again for what it has; shaping, more than a second of leases reserved
-/// ahead, asked again when it is within a second). When the body is dropped (a server drops a
-/// body once it ended; or unfinished), one more settles the last lease at what it carried,
-/// unless it carried exactly its size.
-pub const STREAM_LEASE: u64 = 64 * 1024;
-
-/// The largest lease of messages a gRPC stream takes from the store at once: 16.
-///
-/// A gRPC call (or a WebSocket metered through `tollgate::ws`, cargo feature `ws`) metered
-/// with [`StreamMode::Shape`] or [`StreamMode::Police`] under a tier
-/// counting [`Unit::RequestMessages`] or [`Unit::ResponseMessages`] asks the store for this
-/// many messages (fewer when the tier's capacity is smaller, or, policing, when the tier has
-/// fewer left) when it has spent its previous lease: one store call per lease, never one per
-/// message. The part of the last lease the stream did not use is given back when it ends.
-pub const MESSAGE_LEASE: u64 = 16;
-
-/// How long a shaped lease may be reserved ahead: a lease that would have to wait longer is
-/// not reserved, and asked for again when the store says it would fit.
-const SHAPE_AHEAD: Duration = Duration::from_secs(1);
-
-/// How tiers counting [`Unit::RequestBytes`] or [`Unit::ResponseBytes`] meter a body whose
-/// length was not charged at admission: a request body without a `Content-Length`, and every
-/// response body; and how tiers counting [`Unit::RequestMessages`] or
-/// [`Unit::ResponseMessages`] meter the messages of a gRPC call (see [Messages](#messages)). Set with
-/// [`RateLimitLayerBuilder::on_stream`](crate::RateLimitLayerBuilder::on_stream).
-///
-/// With [`Shape`](Self::Shape) or [`Police`](Self::Police) the body is charged as its frames
-/// pass, in leases of at most [`STREAM_LEASE`] bytes (64 KiB) taken from the store when the
-/// previous one is spent: one store call per lease, never one per frame. The unit the request
-/// was charged at admission is given back when the body ends, and so is the part of the last
-/// lease it did not use (a body dropped unfinished included).
-///
-/// # The bound
-///
-/// Over any span of time, the bytes that all the streams of one key let through are at most
-/// what the tier admits (for GCRA and the buckets, `burst + rate x elapsed`), plus, per
-/// stream, the part of one frame past the end of its lease: a response body is cut to its
-/// lease, so it adds nothing; a request body is let through a frame at a time, so each adds
-/// less than one frame (hyper's HTTP/2 frames are at most 16 KiB; on HTTP/1 a frame is at most
-/// one chunk of a chunked upload and what one read of the connection returned). A request
-/// with a valid `Content-Length` is charged it at admission, as in
-/// [`Settle`](Self::Settle). A [dry run](crate::RateLimitLayerBuilder::dry_run) meters every
-/// body as `Settle` does: it never slows nor stops a stream. A response whose status gives
-/// the charge back (a `405`, [`refund_if`](crate::RateLimitLayerBuilder::refund_if)) gives
-/// back what was charged at admission; the leases of bytes that did stream stay charged.
-/// The store errors of a lease follow
-/// [`on_store_error`](crate::RateLimitLayerBuilder::on_store_error): failing open lets the
-/// lease through uncharged, failing closed stops the stream as policing does (a plain HTTP
-/// response under way is let through).
-///
-/// ```
-/// use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};
-///
-/// # fn main() -> Result<(), tollgate::ConfigError> {
-/// // Uploads of one key together at 1 MB/s (burst 1 MB): a chunked upload past the rate
-/// // waits, its server no longer reading it, until the tier has room for its next 64 KiB.
-/// let policy = Policy::builder("upload")
-///     .tier("bytes", Quota::per_second(1_000_000).counting(Unit::RequestBytes))
-///     .build()?;
-/// let layer = RateLimitLayer::builder(policy).on_stream(StreamMode::Shape).build()?;
-/// # let _ = layer;
-/// # Ok(()) }
-/// ```
-///
-/// # Concurrency, and streams that end early
-///
-/// A stream paused by shaping is still in flight: the concurrency slots its request took
-/// (a [`Concurrency`](crate::Concurrency) tier) stay taken until it ends, so the key's next
-/// request may be refused meanwhile. A stream that ends early (stopped by policing, or
-/// cancelled: an HTTP/2 stream reset, a connection closed, a response body dropped, a request
-/// timeout that drops the handler) gives its slots back at once, on either store, and its
-/// tiers are charged exactly what streamed: the unused part of its last lease is given back,
-/// and so is the unit a byte tier was charged at admission (a frame read by the layer but
-/// never handed to the handler is charged to no tier; a message tier keeps the first message
-/// policing charged at admission, as a unary call's). One limit: an HTTP/1.1 upload paused by shaping is not
-/// read, so the server cannot see its client go away (TCP delivers the close only after the
-/// bytes the connection still holds) until the upload resumes and reads to its end; over
-/// HTTP/2, gRPC included, a reset or a closed connection is seen at once. A request timeout
-/// outside the layer (for example tower-http's `TimeoutLayer`) bounds how long a vanished
-/// HTTP/1.1 client holds its slot.
-///
-/// # Messages
-///
-/// Tiers counting [`Unit::RequestMessages`] or [`Unit::ResponseMessages`] meter the messages
-/// of a gRPC call (and of a WebSocket, through the handler: `tollgate::ws::MessageBudget`,
-/// cargo feature `ws`) the same way (a request that is not a gRPC call counts as one message,
-/// charged at admission). Each length-prefixed message of the HTTP/2 body counts once, read
-/// from its 5-byte prefix (the payload is never decoded, compressed or not; a message split
-/// across frames counts once, several in one frame each count), in leases of at most
-/// [`MESSAGE_LEASE`] (16) messages: one store call per lease, never one per message.
-/// Policing charges the call's first message each way at admission, as a unary call's (so a
-/// unary call costs one message each way, and is refused at once when its key has spent the
-/// tier); shaping charges none there and lets the first lease wait. Shaping delays the next
-/// message: a request frame is not read, a response frame not sent, until the tier has room.
-/// Policing stops the stream at the first message past the tier (what the client sees: see
-/// [`Police`](Self::Police)). The bound: a response is cut at the start of the first message
-/// past its lease, so the messages sent are exactly what the tier admits; a request's frame
-/// cannot be cut, and is read when the lease has room for at least one message, so each
-/// stream adds at most the messages of one HTTP/2 DATA frame, less one (none when each
-/// message comes in a frame of its own). The end of a stream is never refused: a lease
-/// refused after the last message is only held against a next one. A dry run, and
-/// [`Settle`](Self::Settle), charge a call one message each way at admission and settle it
-/// at the messages counted when the call ends, never slowing nor stopping it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[cfg_attr(feature = "config", derive(serde::Deserialize), serde(rename_all = "snake_case"))]
-#[non_exhaustive]
-pub enum StreamMode {
-    /// One unit at admission, settled at the bytes counted when the body ends (the default):
-    /// a stream is never slowed or stopped, and what it used past the tier is owed by the
-    /// key's next requests.
-    #[default]
-    Settle,
-    /// Backpressure: when the tier has no room for the next lease, the body's next frame
-    /// waits until it has (a request body is then no longer read from the connection, so
-    /// the client's flow control slows it; a response body is no longer written, as nginx
-    /// `limit_rate` does). A lease is reserved up to 1 s ahead, so concurrent streams of one
-    /// key take turns in the order they asked.
-    ///
-    /// Only flow control stops an HTTP/2 client while its stream is not read, and hyper's
-    /// HTTP/2 server ends a connection that holds too many small DATA frames unread (about
-    /// half the connection window's worth of framing overhead): when shaping a stream of
-    /// small messages sent one per frame, keep the stream window small (for tonic,
-    /// `Server::builder().initial_stream_window_size(16 * 1024)`).
-    Shape,
-    /// The stream is stopped when the tier has no room for its next lease. What the client
-    /// sees:
-    ///
-    /// - a request body that runs out before the handler answered: the handler's future is
-    ///   dropped and the layer answers as for a refused request (`429 Too Many Requests` with
-    ///   `Retry-After`, or the [rejection](crate::RateLimitLayerBuilder::rejection) set; a
-    ///   gRPC call gets `RESOURCE_EXHAUSTED` with `grpc-retry-pushback-ms`); the server stops
-    ///   reading the upload;
-    /// - a gRPC call whose response has started (a request or response body that runs out):
-    ///   the response ends at once with trailers `grpc-status: 8` (`RESOURCE_EXHAUSTED`) and
-    ///   `grpc-retry-pushback-ms`;
-    /// - a plain HTTP response that has started: its status cannot change any more, and its
-    ///   body's error type is the handler's, so the layer cannot fail it; it is shaped
-    ///   instead (as [`Shape`](Self::Shape)), and a request body that runs out stops being
-    ///   read.
-    ///
-    /// The `grpc-retry-pushback-ms` of a stream stopped mid-way is the wait until the tier
-    /// has room for the lease it refused (at most [`STREAM_LEASE`] bytes or
-    /// [`MESSAGE_LEASE`] messages), not for one more byte or message.
-    Police,
-}
-
-impl StreamMode {
-    /// Whether bodies are metered as they stream.
-    pub(crate) fn streams(self) -> bool {
-        self != Self::Settle
-    }
-}
-
-/// Why a stream was stopped.
-#[derive(Debug, Clone)]
-pub(crate) enum Stopped {
-    /// The tier had no room for the next lease: the refusal.
-    Limited(Decision),
-    /// The store could not decide, and the layer fails closed.
-    Unavailable(Arc<StoreError>),
-}
-
-/// Where a request body stopped by policing tells the layer (to answer in its place, if the
-/// handler has not answered yet) and the response body (to end a gRPC response).
-#[derive(Debug, Default)]
-pub(crate) struct Signal {
-    inner: Mutex<SignalState>,
-}
-
-#[derive(Debug, Default)]
-struct SignalState {
-    stopped: Option<Stopped>,
-    wakers: SmallVec<[Waker; 2]>,
-}
-
-impl Signal {
-    /// The stream was stopped: wake whoever waits for it.
-    pub(crate) fn stop(&self, why: Stopped) {
-        let wakers = {
-            let mut state = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            if state.stopped.is_none() {
-                state.stopped = Some(why);
-            }
-            std::mem::take(&mut state.wakers)
-        };
-        wakers.into_iter().for_each(Waker::wake);
-    }
-
-    /// Why the stream was stopped, once it was; otherwise `cx` is woken when it is.
-    pub(crate) fn poll_stopped(&self, cx: &mut Context<'_>) -> Poll<Stopped> {
-        let mut state = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(why) = &state.stopped {
-            return Poll::Ready(why.clone());
-        }
-        if !state.wakers.iter().any(|w| w.will_wake(cx.waker())) {
-            state.wakers.push(cx.waker().clone());
-        }
-        Poll::Pending
-    }
-}
-
-/// The bytes of one body, charged to the store in leases as they pass.
-pub(crate) trait Gate: Send {
-    /// Waits until the body may let bytes through: `Ok(n)` with the `n` bytes (at least 1)
-    /// its lease still covers, once the bytes it let through past its leases are paid; the
-    /// refusal when policing stops the stream. `remaining` is the exact number of bytes the
-    /// body has left, when it knows (a lease is no larger).
-    fn poll_room(
-        &mut self,
-        cx: &mut Context<'_>,
-        remaining: Option<u64>,
-    ) -> Poll<Result<u64, Stopped>>;
-
-    /// `len` bytes passed (beyond the room, they are owed to the next leases).
-    fn spend(&mut self, len: u64);
-
-    /// The room the current lease has now, when nothing needs polling (no store call under
-    /// way, no wait, nothing owed): what [`poll_room`](Self::poll_room) would answer at once.
-    /// 0 when it must be polled. Lets a frame within its lease pass without the body's size
-    /// hint or a poll.
-    fn ready(&self) -> u64;
-}
-
-/// A [`Gate`] that only counts: the messages of a gRPC call under
-/// [`StreamMode::Settle`], settled when the call ends. It never waits nor stops.
-pub(crate) struct Tally(pub(crate) Arc<std::sync::atomic::AtomicU64>);
-
-impl Gate for Tally {
-    fn poll_room(&mut self, _: &mut Context<'_>, _: Option<u64>) -> Poll<Result<u64, Stopped>> {
-        Poll::Ready(Ok(u64::MAX))
-    }
-
-    fn spend(&mut self, len: u64) {
-        self.0.fetch_add(len, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    fn ready(&self) -> u64 {
-        u64::MAX
-    }
-}
-
-type Asking<T> = Pin<Box<dyn Future<Output = Result<Verdict<T>, StoreError>> + Send>>;
-
-enum State<T> {
-    /// Nothing under way.
-    Idle,
-    /// A lease of `.1` bytes asked for, the store not having answered yet.
-    Asking(Asking<T>, u64),
-    /// Waiting for the instant a shaped lease was reserved at, or for a refused one to fit.
-    Sleeping(Pin<Box<tokio::time::Sleep>>),
-}
-
-/// A [`Gate`] on a store: the leases of one body under one policy and key.
-pub(crate) struct Leases<St: Store> {
-    limiter: Limiter<St>,
-    key: Key,
-    priority: Priority,
-    /// The tiers counting the body's unit, charged each lease.
-    tiers: SmallVec<[usize; 2]>,
-    /// Per tier of the policy, what the next lease costs: its size on `tiers`, 0 elsewhere
-    /// (neither checked nor charged); built once, its sizes written per lease.
-    costs: SmallVec<[u64; 4]>,
-    /// The largest lease the tiers can ever admit.
-    largest: u64,
-    police: bool,
-    fail_open: bool,
-    /// The ticket of the current lease, to give back what it did not use; `None` when it
-    /// was given uncharged (failing open) or there is none.
-    lease: Option<St::Ticket>,
-    /// The size of the current lease.
-    leased: u64,
-    /// What the current lease still covers.
-    left: u64,
-    /// Bytes let through past the leases, paid from the next ones.
-    owed: u64,
-    state: State<St::Ticket>,
-}
-
-impl<St: Store> Leases<St> {
-    /// The leases of a body counted in `unit` under `limiter`'s policy, for `key`.
-    pub(crate) fn new(
-        limiter: &Limiter<St>,
-        key: Key,
-        priority: Priority,
-        unit: Unit,
-        mode: StreamMode,
-        fail_open: bool,
-    ) -> Self {
-        let policy = limiter.policy();
-        let counting =
-            |t: &&crate::policy::Tier| t.unit() == unit && t.kind() != TierKind::Concurrency;
-        let tiers: SmallVec<[usize; 2]> = policy
-            .tiers()
-            .iter()
-            .enumerate()
-            .filter(|(_, t)| counting(t))
-            .map(|(i, _)| i)
-            .collect();
-        let largest = policy
-            .tiers()
-            .iter()
-            .filter(counting)
-            .map(|t| t.capacity_for(priority))
-            .min()
-            .unwrap_or(STREAM_LEASE)
-            .min(match unit {
-                Unit::RequestMessages | Unit::ResponseMessages => MESSAGE_LEASE,
-                _ => STREAM_LEASE,
-            });
-        let costs = SmallVec::from_elem(0, policy.tiers().len());
-        Self {
-            limiter: limiter.clone(),
-            key,
-            priority,
-            tiers,
-            costs,
-            largest,
-            police: mode == StreamMode::Police,
-            fail_open,
-            lease: None,
-            leased: 0,
-            left: 0,
-            owed: 0,
-            state: State::Idle,
-        }
-    }
-
-    /// The first `units` were charged at admission: they pass without a lease (a call's
-    /// first message each way, charged as a unary call's).
-    pub(crate) fn prepaid(mut self, units: u64) -> Self {
-        self.left = units;
-        self
-    }
-
-    /// The size of the next lease.
-    fn next_size(&self, remaining: Option<u64>) -> u64 {
-        let wanted = remaining.map_or(u64::MAX, |r| r.max(self.owed));
-        self.largest.min(wanted).max(1)
-    }
-
-    /// Asks the store for a lease of `size` bytes: the answer if it came at once.
-    fn ask(&mut self, size: u64) -> Option<Result<Verdict<St::Ticket>, StoreError>> {
-        for &i in &self.tiers {
-            self.costs[i] = size;
-        }
-        let mut check =
-            Check::new(&self.key, 1).with_costs(&self.costs).with_priority(self.priority);
-        check.ticket = true;
-        if !self.police {
-            check.max_delay = Some(SHAPE_AHEAD);
-        }
-        if let Some(answer) = self.limiter.check_sync(check) {
-            return Some(answer);
-        }
-        let (limiter, key, priority, police, costs) = (
-            self.limiter.clone(),
-            self.key.clone(),
-            self.priority,
-            self.police,
-            self.costs.clone(),
-        );
-        self.state = State::Asking(
-            Box::pin(async move {
-                let mut check = Check::new(&key, 1).with_costs(&costs).with_priority(priority);
-                check.ticket = true;
-                if !police {
-                    check.max_delay = Some(SHAPE_AHEAD);
-                }
-                limiter.decide(check).await
-            }),
-            size,
-        );
-        None
-    }
-
-    /// Takes the store's answer to a lease of `size`: `Err` when the stream stops.
-    fn answered(
-        &mut self,
-        size: u64,
-        answer: Result<Verdict<St::Ticket>, StoreError>,
-    ) -> Result<(), Stopped> {
-        match answer {
-            Ok(verdict) if verdict.decision.is_allowed() => {
-                let delay = verdict.decision.delay();
-                // The previous lease is spent: dropping its ticket keeps its charge.
-                self.lease = verdict.ticket;
-                self.grant(size);
-                if !delay.is_zero() {
-                    self.state = State::Sleeping(Box::pin(tokio::time::sleep(delay)));
-                }
-                Ok(())
-            }
-            Ok(verdict) => match verdict.decision.retry_after() {
-                // Policing: a smaller lease of what the tier has left, when that pays what is
-                // owed and lets a byte through (asked once per refusal).
-                _ if self.police && self.smaller(size, &verdict.decision).is_some() => {
-                    let smaller = self.smaller(size, &verdict.decision).unwrap_or(size);
-                    match self.ask(smaller) {
-                        Some(answer) => self.answered(smaller, answer),
-                        None => Ok(()),
-                    }
-                }
-                Some(wait) if !self.police => {
-                    self.state = State::Sleeping(Box::pin(tokio::time::sleep(wait)));
-                    Ok(())
-                }
-                // Policing, or a lease that can never fit (a reserve withholding the tier).
-                _ => Err(Stopped::Limited(verdict.decision)),
-            },
-            Err(error) if self.fail_open => {
-                tracing::warn!(%error, "tollgate: a stream's lease could not be decided; failing open");
-                self.lease = None;
-                self.grant(size);
-                Ok(())
-            }
-            Err(error) => {
-                tracing::warn!(%error, "tollgate: a stream's lease could not be decided; failing closed");
-                Err(Stopped::Unavailable(Arc::new(error)))
-            }
-        }
-    }
-
-    /// What the tiers have left after refusing a lease of `size`, when it is less than
-    /// `size` and more than what the body owes.
-    fn smaller(&self, size: u64, refusal: &Decision) -> Option<u64> {
-        let tiers = refusal.tiers();
-        let left = self.tiers.iter().filter_map(|&i| tiers.get(i)).map(|t| t.remaining()).min()?;
-        (left < size && left > self.owed).then_some(left)
-    }
-
-    /// A lease of `size` bytes was granted: it pays what is owed first.
-    fn grant(&mut self, size: u64) {
-        let paid = size.min(self.owed);
-        self.owed -= paid;
-        self.leased = size;
-        self.left = size - paid;
-    }
-}
-
-impl<St: Store> Gate for Leases<St> {
-    fn poll_room(
-        &mut self,
-        cx: &mut Context<'_>,
-        remaining: Option<u64>,
-    ) -> Poll<Result<u64, Stopped>> {
-        loop {
-            match &mut self.state {
-                State::Sleeping(sleep) => {
-                    if sleep.as_mut().poll(cx).is_pending() {
-                        return Poll::Pending;
-                    }
-                    self.state = State::Idle;
-                }
-                State::Asking(future, size) => {
-                    let size = *size;
-                    let Poll::Ready(answer) = future.as_mut().poll(cx) else {
-                        return Poll::Pending;
-                    };
-                    self.state = State::Idle;
-                    if let Err(stopped) = self.answered(size, answer) {
-                        return Poll::Ready(Err(stopped));
-                    }
-                }
-                State::Idle => {
-                    if self.owed == 0 && self.left > 0 {
-                        return Poll::Ready(Ok(self.left));
-                    }
-                    let size = self.next_size(remaining);
-                    if let Some(answer) = self.ask(size) {
-                        if let Err(stopped) = self.answered(size, answer) {
-                            return Poll::Ready(Err(stopped));
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    fn spend(&mut self, len: u64) {
-        let covered = len.min(self.left);
-        self.left -= covered;
-        self.owed = self.owed.saturating_add(len - covered);
-    }
-
-    #[inline]
-    fn ready(&self) -> u64 {
-        match self.state {
-            State::Idle if self.owed == 0 => self.left,
-            _ => 0,
-        }
-    }
-}
-
-impl<St: Store> Drop for Leases<St> {
-    /// Gives back the part of the last lease the body did not use (all of it when the body
-    /// was dropped while waiting for its reserved instant), or charges what it let through
-    /// past it.
-    fn drop(&mut self) {
-        let Some(mut ticket) = self.lease.take() else { return };
-        // What passed past the leases (the part of a last frame beyond them) is charged too.
-        let used = (self.leased - self.left).saturating_add(self.owed);
-        if used == self.leased {
-            return;
-        }
-        let settled: SmallVec<[(usize, u64); 2]> = self.tiers.iter().map(|&i| (i, used)).collect();
-        let limiter = self.limiter.clone();
-        crate::limiter::run_or_spawn(async move {
-            let settling = limiter.store().settle_tiers(limiter.bound(), &mut ticket, &settled);
-            if let Err(error) = settling.await {
-                tracing::warn!(%error, "tollgate: could not give back the rest of a stream's lease");
-            }
-        });
-    }
-}
-
-#[cfg(test)]
-mod tests {
+mod bytes {
     use std::convert::Infallible;
     use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -550,13 +11,24 @@ mod tests {
     use tokio::time::Instant;
     use tower::{Layer, ServiceExt, service_fn};
 
-    use super::*;
+    use std::pin::Pin;
+    use std::sync::{Arc, Mutex};
+    use std::task::{Context, Poll, Waker};
+    use std::time::Duration;
+
     use crate::clock::TokioClock;
     use crate::error::ConfigError;
+    use crate::error::StoreError;
     use crate::key::GlobalKey;
+    use crate::key::Key;
+    use crate::layer::stream::gate::*;
+    use crate::layer::stream::leases::*;
+    use crate::layer::stream::*;
     use crate::limiter::Limiter;
     use crate::policy::Policy;
     use crate::quota::Quota;
+    use crate::quota::{Priority, Unit};
+    use crate::store::{Check, Store, Verdict};
     use crate::store::{MemoryStore, MemoryTicket};
     use crate::{RateLimitLayer, RequestBody};
 
@@ -762,9 +234,10 @@ mod tests {
         assert!(elapsed >= Duration::from_secs(9), "{elapsed:?}");
         assert!(elapsed <= Duration::from_millis(9_700), "{elapsed:?}");
         assert_bound(&log, 10, 4_096);
-        // Ten admissions, then sixteen 64 KiB leases per 1 MB stream (15 x 65,536 + 16,960):
-        // one store call per lease, none per frame (245 frames per stream).
-        assert_eq!(store.checks(), 10 + 10 * 16);
+        // Ten admissions, then 21 leases per 1 MB stream: what its frames need until it used
+        // a quarter of 64 KiB, then growing by doubling what it used, up to 64 KiB: one store
+        // call per lease, not one per frame (245 frames per stream).
+        assert_eq!(store.checks(), 10 + 10 * 21);
     }
 
     #[tokio::test(start_paused = true)]
@@ -1003,10 +476,13 @@ mod tests {
         );
         let mut cx = Context::from_waker(Waker::noop());
         // The burst: one lease at once, spent whole.
-        assert!(matches!(leases.poll_room(&mut cx, None), Poll::Ready(Ok(STREAM_LEASE))));
+        assert!(matches!(
+            leases.poll_room(&mut cx, None, STREAM_LEASE),
+            Poll::Ready(Ok(STREAM_LEASE))
+        ));
         leases.spend(STREAM_LEASE);
         // The next lease is reserved 65,536 us ahead: the body waits for it.
-        assert!(leases.poll_room(&mut cx, None).is_pending());
+        assert!(leases.poll_room(&mut cx, None, STREAM_LEASE).is_pending());
         assert_eq!(store.checks(), 2);
         drop(leases);
         // Given back: the next byte fits after 1 us, as after the first lease alone.
@@ -1015,8 +491,7 @@ mod tests {
     }
 }
 
-#[cfg(test)]
-mod message_tests {
+mod messages {
     //! Tiers counting gRPC messages, metered as bodies stream (paused time).
     use std::collections::VecDeque;
     use std::convert::Infallible;
@@ -1029,8 +504,15 @@ mod message_tests {
     use tokio::time::Instant;
     use tower::{Layer, ServiceExt, service_fn};
 
-    use super::*;
+    use std::pin::Pin;
+    use std::sync::Arc;
+    use std::task::{Context, Poll};
+    use std::time::Duration;
+
+    use crate::quota::Unit;
+
     use crate::key::GlobalKey;
+    use crate::layer::stream::*;
     use crate::policy::Policy;
     use crate::quota::Quota;
     use crate::{RateLimitLayer, RequestBody};
@@ -1077,7 +559,7 @@ mod message_tests {
         }
     }
 
-    use super::tests::Counted;
+    use super::bytes::Counted;
 
     fn layer(unit: Unit, mode: StreamMode, store: &Counted) -> RateLimitLayer<GlobalKey, Counted> {
         let policy = Policy::builder("messages")
@@ -1129,10 +611,10 @@ mod message_tests {
         // first message, so exactly the budget (20 frames) is read.
         let (read, status, checks) = police_upload(5).await;
         assert_eq!((read, status.as_str()), (100, "8"));
-        // The admission (the first message), six leases of 16 (97 charged, 100 read: 3
-        // owed), and the refused lease that stops the stream: the 3 the tier has left would
-        // pay the debt but leave no room (the debt is charged when the body is dropped).
-        assert_eq!(checks, 1 + 6 + 1);
+        // The admission (the first message); leases growing with what the stream used (5,
+        // 10, then five of 16: 96 charged, 100 read: 4 owed); and the refused lease that
+        // stops the stream: the 4 the tier has left pay the debt but leave no room.
+        assert_eq!(checks, 1 + 7 + 1);
     }
 
     #[tokio::test(start_paused = true)]
@@ -1164,11 +646,12 @@ mod message_tests {
             largest = largest.max(data.len() / MESSAGE);
         }
         assert_eq!((messages, largest), (250, 16));
-        // A burst of 100, then 100/s: the last lease (messages 241 to 256) fits at
-        // (256 - 100) / 100 s.
-        assert_eq!(start.elapsed(), Duration::from_millis(1_560));
-        // The admission (which charged no message: shaping), then 16 leases of 16.
-        assert_eq!(store.checks(), 1 + 16);
+        // A burst of 100, then 100/s. Leases of 16 (the messages in hand, at most 16), the
+        // seventh cut to the 4 the burst had left (taken now rather than 16 reserved
+        // ahead): the last lease (messages 245 to 260) fits at (260 - 100) / 100 s.
+        assert_eq!(start.elapsed(), Duration::from_millis(1_600));
+        // The admission (which charged no message: shaping), then 17 leases.
+        assert_eq!(store.checks(), 1 + 17);
     }
 
     #[tokio::test(start_paused = true)]

@@ -1,0 +1,349 @@
+//! [`Leases`]: the bytes or messages of one stream, charged to the store in leases as they
+//! pass.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use smallvec::SmallVec;
+
+use super::gate::{Gate, Stopped};
+use super::{MESSAGE_LEASE, SHAPE_AHEAD, STREAM_LEASE, StreamMode};
+use crate::decision::Decision;
+use crate::error::StoreError;
+use crate::key::Key;
+use crate::limiter::Limiter;
+use crate::quota::{Priority, TierKind, Unit};
+use crate::store::{Check, Store, Verdict};
+
+type Asking<T> = Pin<Box<dyn Future<Output = Result<Verdict<T>, StoreError>> + Send>>;
+
+enum State<T> {
+    /// Nothing under way.
+    Idle,
+    /// A lease of `.1` bytes asked for, the store not having answered yet.
+    Asking(Asking<T>, u64),
+    /// Waiting for the instant a shaped lease was reserved at, or for a refused one to fit.
+    Sleeping(Pin<Box<tokio::time::Sleep>>),
+}
+
+/// A [`Gate`] on a store: the leases of one body under one policy and key.
+pub(crate) struct Leases<St: Store> {
+    limiter: Limiter<St>,
+    key: Key,
+    priority: Priority,
+    /// The tiers counting the body's unit, charged each lease.
+    tiers: SmallVec<[usize; 2]>,
+    /// Per tier of the policy, what the next lease costs: its size on `tiers`, 0 elsewhere
+    /// (neither checked nor charged); built once, its sizes written per lease.
+    costs: SmallVec<[u64; 4]>,
+    /// The largest lease the tiers can ever admit.
+    largest: u64,
+    /// Some tier it charges has a penalty box: a lease asks only for what the stream really
+    /// let through or has in hand, so that a refusal is a breach by the key.
+    penalized: bool,
+    /// What the stream let through so far: the next lease may be as large again (leases grow
+    /// by doubling, from what the first frame needs up to `largest`).
+    used: u64,
+    /// What the tiers had left at the last decision, the least of them: a lease asks no more
+    /// while that covers what the stream needs (it would be refused, or wait, for nothing).
+    known_left: Option<u64>,
+    police: bool,
+    fail_open: bool,
+    /// The ticket of the current lease, to give back what it did not use; `None` when it
+    /// was given uncharged (failing open) or there is none.
+    lease: Option<St::Ticket>,
+    /// The size of the current lease.
+    leased: u64,
+    /// What the current lease still covers.
+    left: u64,
+    /// Bytes let through past the leases, paid from the next ones.
+    owed: u64,
+    state: State<St::Ticket>,
+}
+
+impl<St: Store> Leases<St> {
+    /// The leases of a body counted in `unit` under `limiter`'s policy, for `key`.
+    pub(crate) fn new(
+        limiter: &Limiter<St>,
+        key: Key,
+        priority: Priority,
+        unit: Unit,
+        mode: StreamMode,
+        fail_open: bool,
+    ) -> Self {
+        let policy = limiter.policy();
+        let counting =
+            |t: &&crate::policy::Tier| t.unit() == unit && t.kind() != TierKind::Concurrency;
+        let tiers: SmallVec<[usize; 2]> = policy
+            .tiers()
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| counting(t))
+            .map(|(i, _)| i)
+            .collect();
+        let largest = policy
+            .tiers()
+            .iter()
+            .filter(counting)
+            .map(|t| t.capacity_for(priority))
+            .min()
+            .unwrap_or(STREAM_LEASE)
+            .min(match unit {
+                Unit::RequestMessages | Unit::ResponseMessages => MESSAGE_LEASE,
+                _ => STREAM_LEASE,
+            });
+        let costs = SmallVec::from_elem(0, policy.tiers().len());
+        let penalized = tiers.iter().any(|&i| policy.tiers()[i].penalty().is_some());
+        Self {
+            limiter: limiter.clone(),
+            key,
+            priority,
+            tiers,
+            costs,
+            largest,
+            penalized,
+            used: 0,
+            known_left: None,
+            police: mode == StreamMode::Police,
+            fail_open,
+            lease: None,
+            leased: 0,
+            left: 0,
+            owed: 0,
+            state: State::Idle,
+        }
+    }
+
+    /// The first `units` were charged at admission: they pass without a lease (a call's
+    /// first message each way, charged as a unary call's).
+    pub(crate) fn prepaid(mut self, units: u64) -> Self {
+        self.left = units;
+        self
+    }
+
+    /// The size of the next lease: what the stream owes and has in hand (`want`); and, once
+    /// it used a quarter of the largest lease, and but under a penalty box, room ahead as
+    /// large as what it used so far (leases grow by doubling). Never more than the body has
+    /// left (`remaining`, when known), than the tiers had left at the last decision when that
+    /// covers the need, nor than the largest lease. A short body is so charged what it sends,
+    /// and holds nothing that other streams of the key could use.
+    fn next_size(&self, remaining: Option<u64>, want: u64) -> u64 {
+        let need = self.owed.saturating_add(want).clamp(1, self.largest);
+        let ahead = match self.penalized || self.used < self.largest / 4 {
+            true => 0,
+            false => self.used,
+        };
+        let mut size = self.owed.saturating_add(want.max(ahead)).clamp(1, self.largest);
+        if let Some(left) = remaining {
+            size = size.min(self.owed.saturating_add(left).max(1));
+        }
+        if let Some(left) = self.known_left.filter(|&left| left >= need) {
+            size = size.min(left);
+        }
+        size.clamp(1, self.largest)
+    }
+
+    /// Notes what the tiers have left after `decision`.
+    fn note(&mut self, decision: &Decision) {
+        let tiers = decision.tiers();
+        self.known_left =
+            self.tiers.iter().filter_map(|&i| tiers.get(i)).map(|t| t.remaining()).min();
+    }
+
+    /// Asks the store for a lease of `size` bytes: the answer if it came at once.
+    fn ask(&mut self, size: u64) -> Option<Result<Verdict<St::Ticket>, StoreError>> {
+        for &i in &self.tiers {
+            self.costs[i] = size;
+        }
+        let mut check =
+            Check::new(&self.key, 1).with_costs(&self.costs).with_priority(self.priority);
+        check.ticket = true;
+        if !self.police {
+            check.max_delay = Some(SHAPE_AHEAD);
+        }
+        if let Some(answer) = self.limiter.check_sync(check) {
+            return Some(answer);
+        }
+        let (limiter, key, priority, police, costs) = (
+            self.limiter.clone(),
+            self.key.clone(),
+            self.priority,
+            self.police,
+            self.costs.clone(),
+        );
+        self.state = State::Asking(
+            Box::pin(async move {
+                let mut check = Check::new(&key, 1).with_costs(&costs).with_priority(priority);
+                check.ticket = true;
+                if !police {
+                    check.max_delay = Some(SHAPE_AHEAD);
+                }
+                limiter.decide(check).await
+            }),
+            size,
+        );
+        None
+    }
+
+    /// Takes the store's answer to a lease of `size`: `Err` when the stream stops.
+    fn answered(
+        &mut self,
+        size: u64,
+        answer: Result<Verdict<St::Ticket>, StoreError>,
+    ) -> Result<(), Stopped> {
+        if let Ok(verdict) = &answer {
+            self.note(&verdict.decision);
+        }
+        match answer {
+            Ok(verdict) if verdict.decision.is_allowed() => {
+                let delay = verdict.decision.delay();
+                // The previous lease is spent: dropping its ticket keeps its charge.
+                self.lease = verdict.ticket;
+                self.grant(size);
+                if !delay.is_zero() {
+                    self.state = State::Sleeping(Box::pin(tokio::time::sleep(delay)));
+                }
+                Ok(())
+            }
+            Ok(verdict) => match verdict.decision.retry_after() {
+                // Policing: what the stream let through is charged whatever the tiers say
+                // (the handler has it: the bound allows it), and a smaller lease of what the
+                // tier has left is asked for, when that lets a unit through (once per
+                // refusal).
+                _ if self.police => {
+                    let paid = self.close_lease();
+                    match self.smaller(size, &verdict.decision, paid) {
+                        Some(smaller) => match self.ask(smaller) {
+                            Some(answer) => self.answered(smaller, answer),
+                            None => Ok(()),
+                        },
+                        None => Err(Stopped::Limited(verdict.decision)),
+                    }
+                }
+                Some(wait) if !self.police => {
+                    self.state = State::Sleeping(Box::pin(tokio::time::sleep(wait)));
+                    Ok(())
+                }
+                // Policing, or a lease that can never fit (a reserve withholding the tier).
+                _ => Err(Stopped::Limited(verdict.decision)),
+            },
+            Err(error) if self.fail_open => {
+                tracing::warn!(%error, "tollgate: a stream's lease could not be decided; failing open");
+                self.lease = None;
+                self.grant(size);
+                Ok(())
+            }
+            Err(error) => {
+                tracing::warn!(%error, "tollgate: a stream's lease could not be decided; failing closed");
+                Err(Stopped::Unavailable(Arc::new(error)))
+            }
+        }
+    }
+
+    /// What the tiers have left after refusing a lease of `size`, less `paid` (what the
+    /// stream was charged since): when that is less than `size` and lets a unit through.
+    fn smaller(&self, size: u64, refusal: &Decision, paid: u64) -> Option<u64> {
+        let tiers = refusal.tiers();
+        let left = self.tiers.iter().filter_map(|&i| tiers.get(i)).map(|t| t.remaining()).min()?;
+        let left = left.saturating_sub(paid);
+        (left < size && left > 0).then_some(left)
+    }
+
+    /// Ends the current lease at what the stream used of it, its debt included (charged
+    /// whatever the tiers say: it passed): the unused part is given back, the debt paid.
+    /// Returns the debt.
+    fn close_lease(&mut self) -> u64 {
+        let debt = std::mem::take(&mut self.owed);
+        let used = (self.leased - self.left).saturating_add(debt);
+        let leased = std::mem::take(&mut self.leased);
+        self.left = 0;
+        let Some(mut ticket) = self.lease.take() else { return debt };
+        if used == leased {
+            return debt;
+        }
+        let settled: SmallVec<[(usize, u64); 2]> = self.tiers.iter().map(|&i| (i, used)).collect();
+        let limiter = self.limiter.clone();
+        crate::limiter::run_or_spawn(async move {
+            let settling = limiter.store().settle_tiers(limiter.bound(), &mut ticket, &settled);
+            if let Err(error) = settling.await {
+                tracing::warn!(%error, "tollgate: could not settle a stream's lease");
+            }
+        });
+        debt
+    }
+
+    /// A lease of `size` bytes was granted: it pays what is owed first.
+    fn grant(&mut self, size: u64) {
+        let paid = size.min(self.owed);
+        self.owed -= paid;
+        self.leased = size;
+        self.left = size - paid;
+    }
+}
+
+impl<St: Store> Gate for Leases<St> {
+    fn poll_room(
+        &mut self,
+        cx: &mut Context<'_>,
+        remaining: Option<u64>,
+        want: u64,
+    ) -> Poll<Result<u64, Stopped>> {
+        loop {
+            match &mut self.state {
+                State::Sleeping(sleep) => {
+                    if sleep.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                    self.state = State::Idle;
+                }
+                State::Asking(future, size) => {
+                    let size = *size;
+                    let Poll::Ready(answer) = future.as_mut().poll(cx) else {
+                        return Poll::Pending;
+                    };
+                    self.state = State::Idle;
+                    if let Err(stopped) = self.answered(size, answer) {
+                        return Poll::Ready(Err(stopped));
+                    }
+                }
+                State::Idle => {
+                    if self.owed == 0 && self.left > 0 {
+                        return Poll::Ready(Ok(self.left));
+                    }
+                    let size = self.next_size(remaining, want);
+                    if let Some(answer) = self.ask(size) {
+                        if let Err(stopped) = self.answered(size, answer) {
+                            return Poll::Ready(Err(stopped));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn spend(&mut self, len: u64) {
+        self.used = self.used.saturating_add(len);
+        let covered = len.min(self.left);
+        self.left -= covered;
+        self.owed = self.owed.saturating_add(len - covered);
+    }
+
+    #[inline]
+    fn ready(&self) -> u64 {
+        match self.state {
+            State::Idle if self.owed == 0 => self.left,
+            _ => 0,
+        }
+    }
+}
+
+impl<St: Store> Drop for Leases<St> {
+    /// Gives back the part of the last lease the body did not use (all of it when the body
+    /// was dropped while waiting for its reserved instant), or charges what it let through
+    /// past it.
+    fn drop(&mut self) {
+        self.close_lease();
+    }
+}
