@@ -26,7 +26,9 @@ use crate::config::{Extension, Report, Unit};
 use crate::settings::{RedisKind, RedisTarget};
 
 /// The stores a configuration is bound to, shared by every configuration loaded, and the
-/// clock of their windows.
+/// clock of their windows: [`memory`](Self::memory), or [`redis`](Self::redis) (which also
+/// keeps a memory store, for `failure_mode: local`). See [`Config::build`](crate::config::Config::build)
+/// for an example.
 #[derive(Debug)]
 pub struct Backends {
     memory: MemoryStore,

@@ -61,7 +61,33 @@ impl Default for Options {
     }
 }
 
-/// The rate limit service: the running configuration, swapped whole on reload.
+/// The rate limit service: the running configuration, swapped whole on reload. It implements
+/// the generated `RateLimitService` trait, for tonic.
+///
+/// ```
+/// use std::sync::Arc;
+/// use tollgate_server::config::{Config, LoadOptions, Source};
+/// use tollgate_server::engine::Backends;
+/// use tollgate_server::pb::envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry};
+/// use tollgate_server::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+/// use tollgate_server::service::{Options, RateLimiter};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let text = "domain: rl\ndescriptors:\n  - key: user\n    rate_limit: {unit: day, requests_per_unit: 2}\n";
+/// let backends = Arc::new(Backends::memory());
+/// let sources = [Source { name: "rl.yaml".into(), text: text.into() }];
+/// let config = Config::build(&sources, LoadOptions::default(), &backends).unwrap();
+/// let service = RateLimiter::new(config, backends, Options::default());
+/// let entry = Entry { key: "user".into(), value: "alice".into() };
+/// let request = RateLimitRequest {
+///     domain: "rl".into(),
+///     descriptors: vec![RateLimitDescriptor { entries: vec![entry], ..Default::default() }],
+///     hits_addend: 1,
+/// };
+/// let response = service.should_rate_limit(&request).await.unwrap();
+/// assert_eq!(response.statuses[0].limit_remaining, 1);
+/// # }
+/// ```
 #[derive(Debug, Clone)]
 pub struct RateLimiter {
     inner: Arc<Inner>,

@@ -252,6 +252,20 @@ pub struct Config {
 impl Config {
     /// Reads, checks and binds `sources`.
     ///
+    /// ```
+    /// use tollgate_server::config::{Config, LoadOptions, Source};
+    /// use tollgate_server::engine::Backends;
+    ///
+    /// let text = "domain: rl\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 10}\n";
+    /// let sources = [Source { name: "rl.yaml".into(), text: text.into() }];
+    /// let config = Config::build(&sources, LoadOptions::default(), &Backends::memory()).unwrap();
+    /// assert_eq!((config.domain_names(), config.limits), (vec!["rl"], 1));
+    ///
+    /// let bad = [Source { name: "rl.yaml".into(), text: text.replace("minute", "moon") }];
+    /// let e = Config::build(&bad, LoadOptions::default(), &Backends::memory()).unwrap_err();
+    /// assert_eq!(e.to_string(), "rl.yaml:4:17: descriptors[0].rate_limit: invalid rate limit unit 'moon'");
+    /// ```
+    ///
     /// # Errors
     /// The first [`ConfigError`]: a file that is not YAML, a key the reference does not know,
     /// a duplicate domain or descriptor, an invalid unit, a companion entry naming a
