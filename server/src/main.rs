@@ -35,9 +35,7 @@ async fn run() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .init();
     Settings::warn_unsupported(env);
-    let prometheus = if settings.metrics.is_some()
-        || settings.http.is_some() && std::env::var("USE_PROMETHEUS").is_ok_and(|v| v == "true")
-    {
+    let prometheus = if settings.metrics.is_some() {
         match metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder() {
             Ok(h) => Some(h),
             Err(e) => {
