@@ -8,7 +8,7 @@
 //! - `bytes-settle`: the same policy plus a response-bytes tier, settled once when the body
 //!   ends (`StreamMode::Settle`);
 //! - `bytes-shape` / `bytes-police`: the byte tier charged as the body streams, one store call
-//!   per lease of 64 KiB (`StreamMode::Shape`, `StreamMode::Police`);
+//!   per grant of 64 KiB (`StreamMode::Shape`, `StreamMode::Police`);
 //! - `bytes-default`: no `on_stream`: the layer's own mode (policing), as a user gets it;
 //! - `bare`: the router without the layer.
 //!

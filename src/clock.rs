@@ -59,15 +59,26 @@ pub trait Clock: Send + Sync + 'static {
     fn now(&self) -> u64;
 }
 
-/// The default clock: monotonic, read from the CPU's time-stamp counter where it is reliable
-/// (an invariant TSC), calibrated against the OS clock, and from the OS's monotonic clock
-/// otherwise (the [`quanta`](https://docs.rs/quanta) crate, which governor uses too).
-/// Nanoseconds since the Unix epoch: the system clock is read once, when the clock is made, and
-/// the monotonic clock counts from there (so a later step of the system clock does not move
-/// it).
+/// The stores' default clock, monotonic, in nanoseconds since the Unix epoch. The system clock
+/// is read once, when the clock is made, and the monotonic clock counts from there, so a later
+/// step of the system clock does not move it. It does not follow `tokio::time::pause()`
+/// (tests on a paused tokio clock use [`TokioClock`]).
 ///
-/// A reading costs a few nanoseconds where `std::time::Instant::now()` costs tens. It does not
-/// follow `tokio::time::pause()`; tests on a paused tokio clock use [`TokioClock`].
+/// ```
+/// use tollgate::clock::{Clock, MonotonicClock};
+///
+/// let clock = MonotonicClock::new();
+/// let (a, b) = (clock.now(), clock.now());
+/// assert!(b >= a); // never backwards
+/// assert!(a > 1_700_000_000_000_000_000); // nanoseconds since 1970: after November 2023
+/// ```
+///
+/// # How it works
+///
+/// It reads the CPU's time-stamp counter where it is reliable (an invariant TSC), calibrated
+/// against the OS clock, and the OS's monotonic clock otherwise (the
+/// [`quanta`](https://docs.rs/quanta) crate, which governor uses too). A reading of the TSC
+/// costs a fraction of what `std::time::Instant::now()` costs.
 #[derive(Debug, Clone)]
 pub struct MonotonicClock {
     // An instance rather than quanta's global clock: reading it skips the thread-local mock

@@ -15,7 +15,16 @@ fn optional(nanos: u64) -> Option<Duration> {
     (nanos != NONE).then(|| Duration::from_nanos(nanos))
 }
 
-/// What happened to a request.
+/// What happened to a request: admitted, or refused for now, or refused for good.
+///
+/// ```
+/// use tollgate::{Limiter, Outcome, Policy, Quota, key::Key};
+///
+/// let limiter = Limiter::new(Policy::single("api", Quota::per_minute(5)).unwrap());
+/// assert_eq!(limiter.check_now(&Key::Global, 6).outcome(), Outcome::CostExceedsCapacity);
+/// assert_eq!(limiter.check_now(&Key::Global, 5).outcome(), Outcome::Allowed);
+/// assert_eq!(limiter.check_now(&Key::Global, 1).outcome(), Outcome::Limited);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Outcome {

@@ -84,17 +84,17 @@ pub enum ConfigError {
         /// The ceiling.
         max: u64,
     },
-    /// A concurrency tier's lease is shorter than 1 ms or longer than
-    /// [`MAX_SPAN`](crate::Quota::MAX_SPAN).
+    /// A concurrency tier's time to live ([`Concurrency::with_ttl`](crate::Concurrency::with_ttl))
+    /// is shorter than 1 ms or longer than [`MAX_SPAN`](crate::Quota::MAX_SPAN).
     #[error("tier `{tier}`: lease {lease:?} must be between {min:?} and {max:?}")]
     LeaseOutOfRange {
         /// The tier's name.
         tier: String,
-        /// The lease given.
+        /// The time to live given.
         lease: Duration,
-        /// The shortest lease.
+        /// The shortest time to live.
         min: Duration,
-        /// The longest lease.
+        /// The longest time to live.
         max: Duration,
     },
     /// A calendar tier names a time zone the IANA time zone database does not have (or no
@@ -194,6 +194,16 @@ impl fmt::Debug for ConfigError {
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A store failed to decide (unreachable, timed out, returned nonsense).
+///
+/// ```
+/// use std::error::Error;
+/// use tollgate::StoreError;
+///
+/// // What a store outside this crate returns when its backend fails.
+/// let err = StoreError::backend("connection refused");
+/// assert_eq!(err.to_string(), "store backend error: connection refused");
+/// assert_eq!(err.source().unwrap().to_string(), "connection refused");
+/// ```
 ///
 /// The layer turns this into the configured failure outcome (fail open, fail closed), never into
 /// the inner service's error. [`source`](std::error::Error::source) gives the backend's own

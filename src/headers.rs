@@ -15,7 +15,29 @@ use crate::decision::Decision;
 use crate::policy::{Policy, Tier};
 use crate::quota::{Algorithm, TierKind, Unit};
 
-/// Which rate-limit headers responses carry.
+/// Which rate-limit headers responses carry (default [`Ietf`](Self::Ietf)). Set it with
+/// [`RateLimitLayerBuilder::headers`](crate::RateLimitLayerBuilder::headers).
+///
+/// ```
+/// use http::{Request, Response};
+/// use http_body_util::Full;
+/// use tollgate::{HeaderStyle, Policy, Quota, RateLimitLayer, key::GlobalKey};
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_minute(5)).unwrap())
+///     .key(GlobalKey)
+///     .headers(HeaderStyle::Both)
+///     .build()
+///     .unwrap();
+/// let svc = layer.layer(service_fn(|_req| async {
+///     Ok::<_, std::convert::Infallible>(Response::new(Full::<bytes::Bytes>::default()))
+/// }));
+/// let res = svc.oneshot(Request::new(Full::<bytes::Bytes>::default())).await.unwrap();
+/// assert_eq!(res.headers()["ratelimit"], r#""api";r=4;t=12"#);
+/// assert_eq!(res.headers()["x-ratelimit-remaining"], "4");
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[cfg_attr(feature = "config", derive(serde::Deserialize), serde(rename_all = "snake_case"))]
 #[non_exhaustive]
@@ -38,9 +60,22 @@ pub enum HeaderStyle {
 }
 
 /// Which revision of the IETF httpapi ratelimit-headers draft the `RateLimit*` fields follow
-/// (with [`HeaderStyle::Ietf`] or [`HeaderStyle::Both`]). Clients written against an older
-/// revision read an older shape; express-rate-limit's `standardHeaders` offers the same
-/// choice. Every value is an RFC 9651 structured field.
+/// (default [`Draft10`](Self::Draft10), with [`HeaderStyle::Ietf`] or [`HeaderStyle::Both`]),
+/// for clients written against an older revision. Set it with
+/// [`RateLimitLayerBuilder::header_format`](crate::RateLimitLayerBuilder::header_format), as
+/// express-rate-limit's `standardHeaders` offers the same choice.
+///
+/// ```
+/// use tollgate::{HeaderFormat, Policy, Quota, RateLimitLayer};
+///
+/// let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(5)).unwrap())
+///     .header_format(HeaderFormat::Draft7) // RateLimit: limit=5, remaining=4, reset=1
+///     .build()
+///     .unwrap();
+/// # let _ = layer;
+/// ```
+///
+/// Every value is an RFC 9651 structured field:
 ///
 /// | format | `RateLimit-Policy` | state |
 /// |---|---|---|

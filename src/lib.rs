@@ -144,12 +144,12 @@ mod moved {
 
     #[deprecated(note = "moved: tollgate::layer::DecisionEvent")]
     pub type DecisionEvent<'a> = crate::layer::DecisionEvent<'a>;
-    #[deprecated(note = "moved: tollgate::layer::LeanFuture")]
-    pub type LeanFuture<F, B, E> = crate::layer::LeanFuture<F, B, E>;
-    #[deprecated(note = "moved: tollgate::layer::LeanLayer")]
-    pub type LeanLayer<K, St> = crate::layer::LeanLayer<K, St>;
-    #[deprecated(note = "moved: tollgate::layer::LeanRateLimit")]
-    pub type LeanRateLimit<S, K, St> = crate::layer::LeanRateLimit<S, K, St>;
+    #[deprecated(note = "use tollgate::layer::ResponseFuture<F, B, E, Lean>")]
+    pub type LeanFuture<F, B, E> = crate::layer::ResponseFuture<F, B, E, crate::layer::Lean>;
+    #[deprecated(note = "use RateLimitLayer<K, St, Lean>, which RateLimitLayer::lean returns")]
+    pub type LeanLayer<K, St> = crate::RateLimitLayer<K, St, crate::layer::Lean>;
+    #[deprecated(note = "use tollgate::layer::RateLimit<S, K, St, Lean>")]
+    pub type LeanRateLimit<S, K, St> = crate::layer::RateLimit<S, K, St, crate::layer::Lean>;
     #[deprecated(note = "moved: tollgate::layer::LogKeys")]
     pub type LogKeys = crate::layer::LogKeys;
     #[deprecated(note = "moved: tollgate::layer::Observed")]
@@ -162,12 +162,12 @@ mod moved {
     pub type ResponseFuture<F, B, E> = crate::layer::ResponseFuture<F, B, E>;
     #[deprecated(note = "moved: tollgate::layer::Unselected")]
     pub type Unselected = crate::layer::Unselected;
-    #[deprecated(note = "moved: StreamMode::MESSAGE_LEASE")]
-    pub const MESSAGE_LEASE: u64 = crate::StreamMode::MESSAGE_LEASE;
-    #[deprecated(note = "moved: StreamMode::STREAM_LEASE")]
-    pub const STREAM_LEASE: u64 = crate::StreamMode::STREAM_LEASE;
-    #[deprecated(note = "moved: Concurrency::DEFAULT_LEASE")]
-    pub const DEFAULT_LEASE: Duration = crate::Concurrency::DEFAULT_LEASE;
+    #[deprecated(note = "renamed: StreamMode::MESSAGE_GRANT")]
+    pub const MESSAGE_LEASE: u64 = crate::StreamMode::MESSAGE_GRANT;
+    #[deprecated(note = "renamed: StreamMode::STREAM_GRANT")]
+    pub const STREAM_LEASE: u64 = crate::StreamMode::STREAM_GRANT;
+    #[deprecated(note = "renamed: Concurrency::DEFAULT_TTL")]
+    pub const DEFAULT_LEASE: Duration = crate::Concurrency::DEFAULT_TTL;
     #[deprecated(note = "moved: Concurrency::DEFAULT_TYPICAL_HOLD")]
     pub const DEFAULT_TYPICAL_HOLD: Duration = crate::Concurrency::DEFAULT_TYPICAL_HOLD;
     #[deprecated(note = "moved: Quota::MAX_COUNT")]

@@ -99,14 +99,9 @@ impl<St: Store> Limiter<St> {
         Ok(Self::assemble(policy, store, bound))
     }
 
-    /// Binds `policy` to this limiter's store in place of this limiter's policy, carrying over
-    /// the state of the tiers that did not change where the store can ([`Store::rebind`]):
-    /// what a configuration reload does. This limiter keeps working on the old policy, and on
-    /// a [`MemoryStore`] loses no charge to the reload: once the new limiter exists, what this
-    /// one charges to a tier that did not change is charged where the new one counts it, so
-    /// requests still in flight through this limiter and new ones through the new limiter
-    /// share that tier's quota exactly (when this limiter is its policy's only binding in the
-    /// store; see [`MemoryStore::rebind_policy`](crate::store::MemoryStore::rebind_policy)).
+    /// Binds `policy` to this limiter's store in place of this limiter's policy, as a
+    /// configuration reload does. Tiers that did not change keep each key's state where the
+    /// store can ([`Store::rebind`]), and this limiter keeps working on the old policy.
     ///
     /// ```
     /// use tollgate::{Limiter, Policy, Quota, key::Key};
@@ -130,6 +125,14 @@ impl<St: Store> Limiter<St> {
     /// assert_eq!((d.tiers()[0].remaining(), d.tiers()[1].remaining()), (5, 5_000));
     /// # }
     /// ```
+    ///
+    /// # Requests in flight
+    ///
+    /// On a [`MemoryStore`] the reload loses no charge: once the new limiter exists, what this
+    /// one charges to a tier that did not change is charged where the new one counts it, so
+    /// requests still in flight through this limiter and new ones through the new limiter
+    /// share that tier's quota exactly (when this limiter is its policy's only binding in the
+    /// store; see [`MemoryStore::rebind_policy`](crate::store::MemoryStore::rebind_policy)).
     ///
     /// # Errors
     /// What [`Store::rebind`] refuses.
@@ -172,9 +175,9 @@ impl<St: Store> Limiter<St> {
         &self.inner.bound
     }
 
-    /// Decides `cost` units for `key` now, charging every tier when admitted. The decision
-    /// says whether it was ([`Decision::is_allowed`]). Concurrency slots it takes are given
-    /// back at once: to hold them while the work runs, [`reserve`](Self::reserve).
+    /// Decides `cost` units for `key` now, charging every tier when admitted
+    /// ([`Decision::is_allowed`] says whether it was). Concurrency slots it takes are given
+    /// back at once (to hold them while the work runs, [`reserve`](Self::reserve)).
     ///
     /// # Errors
     /// [`StoreError`] when the store cannot decide.
@@ -224,9 +227,23 @@ impl<St: Store> Limiter<St> {
         Ok(verdict.decision)
     }
 
-    /// Like [`check`](Self::check), with a refusal as an error: `Ok` when admitted, else
-    /// [`Rejection::Limited`] (or [`Rejection::Unavailable`] when the store cannot decide).
-    /// With the `axum` feature a handler can return it as it is (`?`): it is a 429 response.
+    /// Like [`check`](Self::check), but a refusal is an error ([`Rejection::Limited`], or
+    /// [`Rejection::Unavailable`] when the store cannot decide). With the `axum` feature a
+    /// handler can return it as it is (`?`), as a 429 response.
+    ///
+    /// ```
+    /// use axum::{Router, extract::State, routing::post};
+    /// use tollgate::{Limiter, Policy, Quota, Rejection, key::Key};
+    ///
+    /// async fn send_sms(State(sms): State<Limiter>) -> Result<&'static str, Rejection> {
+    ///     sms.enforce(&Key::Global, 1).await?; // refused: a 429 with Retry-After
+    ///     Ok("sent")
+    /// }
+    ///
+    /// let sms = Limiter::new(Policy::single("sms", Quota::per_minute(10)).unwrap());
+    /// # #[cfg(feature = "axum")]
+    /// let app: Router = Router::new().route("/sms", post(send_sms)).with_state(sms);
+    /// ```
     ///
     /// # Errors
     /// The [`Rejection`].
@@ -265,17 +282,9 @@ impl<St: Store> Limiter<St> {
         self.reserve_with(Check::new(key, cost).shape(max_delay)).await
     }
 
-    /// Decides `check` (its costs per tier, its shaping budget) and keeps the charge revocable:
-    /// what the layer calls for each request. The reservation always has a ticket when
-    /// something was charged.
-    ///
-    /// When shaping (`check.max_delay` is set) and the policy has concurrency tiers, a request
-    /// refused only because a concurrency tier is full (its rate and calendar tiers would admit
-    /// it within what is left of the budget) waits for a slot and tries again, until the budget
-    /// runs out: woken by the release on a [`MemoryStore`], polling every 2 ms to 100 ms
-    /// (doubling) on a store that cannot tell ([`Store::released`]). The budget counts from the
-    /// call, on tokio's clock; a reservation that then comes with a shaping delay has that
-    /// much of the budget left at most. Without a slot by then, the last refusal is returned.
+    /// Decides `check` (its costs per tier, its shaping budget) and keeps the charge revocable,
+    /// as the layer does for each request. The reservation always has a ticket when something
+    /// was charged.
     ///
     /// ```
     /// use std::time::Duration;
@@ -299,6 +308,16 @@ impl<St: Store> Limiter<St> {
     /// assert_eq!(waiter.await.unwrap(), (true, released));
     /// # }
     /// ```
+    ///
+    /// # Waiting for a concurrency slot
+    ///
+    /// When shaping (`check.max_delay` is set) and the policy has concurrency tiers, a request
+    /// refused only because a concurrency tier is full (its rate and calendar tiers would admit
+    /// it within what is left of the budget) waits for a slot and tries again, until the budget
+    /// runs out: woken by the release on a [`MemoryStore`], polling every 2 ms to 100 ms
+    /// (doubling) on a store that cannot tell ([`Store::released`]). The budget counts from the
+    /// call, on tokio's clock; a reservation that then comes with a shaping delay has that
+    /// much of the budget left at most. Without a slot by then, the last refusal is returned.
     ///
     /// # Errors
     /// [`StoreError`] when the store cannot decide.
@@ -366,12 +385,11 @@ impl<St: Store> Limiter<St> {
         Ok(reservation)
     }
 
-    /// Waits until `cost` units for `key` fit and takes them, like governor's
-    /// `until_key_ready`: the earliest slot within `max_wait` is reserved at once (so concurrent
-    /// waiters queue up rather than stampede) and slept through. Returns the decision when the
-    /// slot comes; if the returned future is dropped before, the slot is given back. A full
-    /// concurrency tier is waited for too; its slot is given back when this returns (use
-    /// [`acquire`](Self::acquire) to hold it).
+    /// Waits until `cost` units for `key` fit, at most `max_wait`, and takes them (governor's
+    /// `until_key_ready`). The earliest slot is reserved at once, so concurrent waiters queue up
+    /// rather than stampede, and given back if the returned future is dropped before it comes.
+    /// A full concurrency tier is waited for too, and its slot given back when this returns
+    /// ([`acquire`](Self::acquire) holds it).
     ///
     /// ```
     /// use std::time::Duration;
@@ -495,23 +513,9 @@ impl<St: Store> Limiter<St> {
 }
 
 /// A decided request whose charge can still be given back or settled at another cost, and
-/// which holds the concurrency slots it took until it is released.
-///
-/// Dropped without [`commit`](Self::commit) or [`cancel`](Self::cancel) it is committed,
-/// unless [`cancel_on_drop`](Self::cancel_on_drop) was set; then the charge is given back on
-/// a spawned task (so this needs a tokio runtime; without one the charge is kept). Either way
-/// its concurrency slots are released.
-///
-/// For the life of a request (what the layer does):
-///
-/// 1. [`Limiter::reserve_with`] with the request's [costs](Policy::costs): a reservation
-///    (it waits for a concurrency slot when shaping);
-/// 2. [`wait`](Self::wait) for its shaping delay, then [`hold`](Self::hold) it while the
-///    response is produced and streamed: a [`Held`] keeps the leases of a shared store
-///    refreshed;
-/// 3. when the response body ends, is dropped, or the handler panics:
-///    [`Held::finish`] with what was counted (request and response bytes, reported tokens),
-///    or just drop the [`Held`]: the slots are released and the estimates kept.
+/// which holds the concurrency slots it took until it is released. Made by
+/// [`Limiter::reserve`] and its variants; dropped uncommitted, it is committed (see
+/// [Dropping](#dropping)).
 ///
 /// ```
 /// use tollgate::clock::FakeClock;
@@ -540,6 +544,26 @@ impl<St: Store> Limiter<St> {
 /// assert_eq!(d.tiers()[2].remaining(), 2, "the slot is back");
 /// # }
 /// ```
+///
+/// # The life of a request
+///
+/// What the layer does for each request, as the example above:
+///
+/// 1. [`Limiter::reserve_with`] with the request's [costs](Policy::costs): a reservation
+///    (it waits for a concurrency slot when shaping);
+/// 2. [`wait`](Self::wait) for its shaping delay, then [`hold`](Self::hold) it while the
+///    response is produced and streamed: a [`Held`] keeps the slots of a shared store
+///    refreshed;
+/// 3. when the response body ends, is dropped, or the handler panics:
+///    [`Held::finish`] with what was counted (request and response bytes, reported tokens),
+///    or just drop the [`Held`]: the slots are released and the estimates kept.
+///
+/// # Dropping
+///
+/// Dropped without [`commit`](Self::commit) or [`cancel`](Self::cancel) it is committed,
+/// unless [`cancel_on_drop`](Self::cancel_on_drop) was set; then the charge is given back on
+/// a spawned task (so this needs a tokio runtime; without one the charge is kept). Either way
+/// its concurrency slots are released.
 #[must_use = "a reservation is committed when dropped; call cancel() to give it back"]
 pub struct Reservation<St: Store = MemoryStore> {
     limiter: Limiter<St>,
@@ -583,7 +607,7 @@ impl<St: Store> Reservation<St> {
     }
 
     /// Keeps the charge, and releases the concurrency slots (in memory at once; on Redis from a
-    /// spawned task, or by lease expiry without a runtime).
+    /// spawned task, or when their time to live runs out without a runtime).
     pub fn commit(mut self) {
         self.ticket = None;
     }
@@ -599,8 +623,8 @@ impl<St: Store> Reservation<St> {
     /// the hold is recorded for the tiers' typical hold.
     ///
     /// # Errors
-    /// [`StoreError`] when the store cannot be reached (on Redis the slots then come back when
-    /// their leases expire).
+    /// [`StoreError`] when the store cannot be reached (on Redis the release is then retried
+    /// in the background until it lands or the slots' time to live runs out).
     pub async fn release(mut self) -> Result<(), StoreError> {
         match self.ticket.take() {
             Some(ticket) => {
@@ -611,10 +635,10 @@ impl<St: Store> Reservation<St> {
         }
     }
 
-    /// Settles single tiers, and keeps holding: each `(tier index, cost)` settles that rate or
-    /// calendar tier at `cost` (see [`Store::settle_tiers`]); the other tiers, and the
-    /// concurrency slots, are left as they are. Settling again counts from the last settled
-    /// cost.
+    /// Settles single rate or calendar tiers and keeps holding the reservation. Each
+    /// `(tier index, cost)` settles that tier at `cost` (see [`Store::settle_tiers`]), leaving
+    /// the other tiers and the concurrency slots as they are. Settling again counts from the
+    /// last settled cost.
     ///
     /// # Errors
     /// [`StoreError`] when the store cannot be reached (nothing is settled then).
@@ -642,8 +666,8 @@ impl<St: Store> Reservation<St> {
         self.settle_tiers(&costs).await
     }
 
-    /// Extends the leases of the concurrency slots (on a store whose slots expire: Redis);
-    /// `Ok(false)` when a lease had expired already. Call it every
+    /// Extends the time to live of the concurrency slots (on a store whose slots expire:
+    /// Redis); `Ok(false)` when a slot had expired already. Call it every
     /// [`refresh_every`](Self::refresh_every), or let [`hold`](Self::hold) do it.
     ///
     /// # Errors
@@ -658,7 +682,7 @@ impl<St: Store> Reservation<St> {
         }
     }
 
-    /// How often to [`refresh`](Self::refresh): a third of the shortest lease, when this
+    /// How often to [`refresh`](Self::refresh): a third of the shortest time to live, when this
     /// reservation holds slots on a store whose slots expire; `None` otherwise.
     #[must_use]
     pub fn refresh_every(&self) -> Option<Duration> {
@@ -670,8 +694,8 @@ impl<St: Store> Reservation<St> {
     }
 
     /// Holds the reservation while the work runs, for code that cannot await (a response
-    /// body's `poll_frame`): the returned [`Held`] refreshes the leases every
-    /// [`refresh_every`](Self::refresh_every) on a spawned task (only when there are leases
+    /// body's `poll_frame`): the returned [`Held`] refreshes the slots every
+    /// [`refresh_every`](Self::refresh_every) on a spawned task (only when there are slots
     /// to refresh), and settles and releases when finished or dropped.
     pub fn hold(self) -> Held<St> {
         let (Some(every), Ok(handle)) =
@@ -738,9 +762,9 @@ pub struct Held<St: Store = MemoryStore> {
 }
 
 enum HeldState<St: Store> {
-    /// No leases to refresh: the reservation itself.
+    /// No slots to refresh: the reservation itself.
     Here(Option<Reservation<St>>),
-    /// A task holds it, refreshing its leases, until told to finish (or until this is dropped).
+    /// A task holds it, refreshing its slots, until told to finish (or until this is dropped).
     Task(Option<oneshot::Sender<Vec<(Unit, u64)>>>),
 }
 
@@ -756,7 +780,7 @@ impl<St: Store> Held<St> {
     /// counted while the body streamed, response bytes sent, tokens the handler reported), then
     /// releases the concurrency slots. With a store that answers at once ([`MemoryStore`]) this
     /// happens before it returns; otherwise on a spawned task (without a tokio runtime, the
-    /// settlement is skipped and the slots come back when their leases expire).
+    /// settlement is skipped and the slots come back when their time to live runs out).
     pub fn finish(mut self, settled: &[(Unit, u64)]) {
         match &mut self.state {
             HeldState::Here(reservation) => {
@@ -796,7 +820,7 @@ async fn settle_units<St: Store>(reservation: &mut Reservation<St>, settled: &[(
     }
 }
 
-/// Holds `reservation`, refreshing its leases every `every`, until `finish` says what to settle
+/// Holds `reservation`, refreshing its slots every `every`, until `finish` says what to settle
 /// (or its sender is dropped); then releases.
 async fn keep<St: Store>(
     mut reservation: Reservation<St>,

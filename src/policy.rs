@@ -15,7 +15,21 @@ use crate::quota::{
     MIN_HOLD, NANOSECOND_SPAN, Penalty, Priority, Quota, Reserve, TierKind, Unit,
 };
 
-/// One validated limit of a policy: a name and a quota, with the quota in nanoseconds.
+/// One validated limit of a policy: a name and a quota, with the quota in nanoseconds. Read
+/// them from [`Policy::tiers`], in the order they were added.
+///
+/// ```
+/// use tollgate::{Concurrency, Policy, Quota, TierKind};
+///
+/// let policy = Policy::builder("api")
+///     .tier("second", Quota::per_second(10).with_burst(20))
+///     .concurrency("in-flight", Concurrency::new(4))
+///     .build()
+///     .unwrap();
+/// let [rate, slots] = policy.tiers() else { unreachable!() };
+/// assert_eq!((rate.name(), rate.kind(), rate.capacity()), ("second", TierKind::Rate, 20));
+/// assert_eq!((slots.kind(), slots.capacity()), (TierKind::Concurrency, 4));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Tier {
     name: Arc<str>,
@@ -49,7 +63,7 @@ impl Tier {
     }
 
     /// What kind of limit the tier is. For a concurrency tier, [`quota`](Self::quota) is
-    /// `max` per lease; for a calendar tier, `count` per the longest window
+    /// `max` per time to live; for a calendar tier, `count` per the longest window
     /// ([`CalendarPeriod::longest`](crate::CalendarPeriod::longest)).
     #[must_use]
     pub fn kind(&self) -> TierKind {
@@ -200,6 +214,12 @@ pub struct Policy {
     penalized: bool,
 }
 
+/// The critical reserve of `tier` when it keeps a line for it (see [`Policy::line_reserve`]).
+fn lined(tier: &Tier) -> Option<u64> {
+    let critical = tier.reserve.map_or(0, |r| r.critical);
+    (matches!(tier.kind, Kind::Rate) && critical > 0).then_some(critical)
+}
+
 impl Policy {
     /// Starts a policy named `name` (printable ASCII; shown in headers and problem bodies, and
     /// part of every store key).
@@ -278,6 +298,19 @@ impl Policy {
         self.tiers.len() + self.tiers[..i].iter().filter(|t| t.penalty.is_some()).count()
     }
 
+    /// The critical reserve of tier `i` when the tier keeps a line for it (a rate tier that
+    /// reserves units for critical requests: see `algorithm::line`), in units.
+    pub(crate) fn line_reserve(&self, i: usize) -> Option<u64> {
+        lined(&self.tiers[i])
+    }
+
+    /// Where the line of tier `i` (which keeps one) is kept in a key's states: after the
+    /// penalty boxes, one per tier with a line, in tier order.
+    pub(crate) fn line_slot(&self, i: usize) -> usize {
+        let boxes = self.tiers.iter().filter(|t| t.penalty.is_some()).count();
+        self.tiers.len() + boxes + self.tiers[..i].iter().filter(|t| lined(t).is_some()).count()
+    }
+
     /// Whether some tier is a concurrency tier.
     pub(crate) fn has_concurrency(&self) -> bool {
         self.tiers.iter().any(|t| matches!(t.kind, Kind::Concurrency(_)))
@@ -335,7 +368,23 @@ impl Policy {
     }
 }
 
-/// Builds a [`Policy`]; see [`Policy::builder`].
+/// Builds a [`Policy`]: start with [`Policy::builder`], add tiers of any kind, then
+/// [`build`](Self::build), which checks them all and names the tier it refuses.
+///
+/// ```
+/// use tollgate::{Calendar, Concurrency, Policy, Quota};
+///
+/// let policy = Policy::builder("llm")
+///     .tier("second", Quota::per_second(10))
+///     .concurrency("in-flight", Concurrency::new(4))
+///     .calendar("monthly", Calendar::per_month(100_000).in_time_zone("Europe/Berlin"))
+///     .build()
+///     .unwrap();
+/// assert_eq!(policy.tiers().len(), 3);
+///
+/// let twice = Policy::builder("llm").tier("a", Quota::per_second(1)).tier("a", Quota::per_hour(9));
+/// assert_eq!(twice.build().unwrap_err().to_string(), "duplicate tier name `a`");
+/// ```
 #[derive(Debug, Clone)]
 #[must_use]
 pub struct PolicyBuilder {
@@ -440,10 +489,11 @@ impl PolicyBuilder {
     ///
     /// # Errors
     /// [`ConfigError`] naming the tier when a count, period or burst is zero or too large, when
-    /// a span exceeds [`MAX_SPAN`](crate::Quota::MAX_SPAN), when a window algorithm gets a burst other than its count,
-    /// when a sliding log exceeds [`MAX_SLIDING_LOG`](crate::Quota::MAX_SLIDING_LOG), when a concurrency tier's lease is out of
-    /// range, when a calendar tier's time zone is unknown, when tier names repeat, when there
-    /// are no tiers, when a name is empty or not printable ASCII, or when a [`Penalty`] names
+    /// a span exceeds [`MAX_SPAN`](crate::Quota::MAX_SPAN), when a window algorithm gets a burst
+    /// other than its count, when a sliding log exceeds
+    /// [`MAX_SLIDING_LOG`](crate::Quota::MAX_SLIDING_LOG), when a concurrency tier's time to
+    /// live is out of range, when a calendar tier's time zone is unknown, when tier names
+    /// repeat, when there are no tiers, when a name is empty or not printable ASCII, or when a [`Penalty`] names
     /// no tier, a concurrency tier, or a tier that has one already, or is out of range
     /// ([`ConfigError::Penalty`]), or when a [`Reserve`] names no tier, a tier that is not a
     /// rate, a tier that has one already, a policy whose algorithm is not GCRA, or reserves
@@ -686,7 +736,7 @@ mod tests {
             ConfigError::ZeroCount { tier: "c".into() }
         );
         assert!(matches!(
-            err(p().concurrency("c", Concurrency::new(2).with_lease(Duration::ZERO))),
+            err(p().concurrency("c", Concurrency::new(2).with_ttl(Duration::ZERO))),
             ConfigError::LeaseOutOfRange { tier, .. } if tier == "c"
         ));
         assert_eq!(
@@ -712,7 +762,7 @@ mod tests {
         let mixed = Policy::builder("p")
             .tier("a", Quota::per_second(10))
             .calendar("y", Calendar::per_year(1000))
-            .concurrency("c", Concurrency::new(3).with_lease(Duration::from_secs(86_400 * 365)))
+            .concurrency("c", Concurrency::new(3).with_ttl(Duration::from_secs(86_400 * 365)))
             .build()
             .unwrap();
         assert_eq!(mixed.precision(), Duration::from_nanos(1));

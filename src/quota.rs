@@ -4,29 +4,23 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The largest accepted `count` or `burst`, 2^32 - 1: with nanosecond instants every product
-/// the algorithms form then fits in 128 bits, so their arithmetic is exact.
+/// [`Quota::MAX_COUNT`].
 pub(crate) const MAX_COUNT: u64 = u32::MAX as u64;
 
-/// The largest accepted sliding-window-log limit (requests per window).
-///
-/// The log keeps one entry per admitted request (a weighted entry for a cost above 1), so its
-/// memory per key is O(limit): a limit of 1,000,000 per minute would cost megabytes per key.
+/// [`Quota::MAX_SLIDING_LOG`].
 pub(crate) const MAX_SLIDING_LOG: u64 = 10_000;
 
-/// The longest span a tier may cover: its period, and the time its burst takes to refill
-/// (`burst x period / count`): 2^50 microseconds, about 35.7 years.
+/// [`Quota::MAX_SPAN`] (`burst x period / count` is the time a burst takes to refill).
 pub(crate) const MAX_SPAN: Duration = Duration::from_micros(1 << 50);
 
 /// Spans up to 2^50 ns (about 13 days) are decided to the nanosecond; a policy with a longer
 /// span is decided in microseconds (so that every store represents it exactly).
 pub(crate) const NANOSECOND_SPAN: u128 = 1 << 50;
 
-/// A quota: `count` units per `period`, with a `burst` capacity.
-///
-/// `count / period` is the sustained rate; `burst` is how many units may be spent at once after
-/// an idle spell (default: `count`). Units are requests unless the layer sets a cost, or the
-/// quota [counts](Self::counting) something else (bytes, tokens).
+/// A rate quota of `count` units per `period` (the sustained rate), of which `burst` may be
+/// spent at once after an idle spell (default `count`). Units are requests unless the layer
+/// sets a cost or the quota [counts](Self::counting) something else (bytes, tokens). It is
+/// checked when its policy is built ([`ConfigError`](crate::ConfigError) naming the tier).
 ///
 /// ```
 /// use std::time::Duration;
@@ -41,7 +35,8 @@ pub(crate) const NANOSECOND_SPAN: u128 = 1 << 50;
 /// A bucket (GCRA, the default, and the token and leaky buckets) starts full: a client may
 /// spend the whole burst at once and then one unit every `period / count` as it refills. So
 /// **in its first period a quota admits `burst + count - 1`**, and `count` per period after
-/// that. For `Quota::per_minute(5)` under steady traffic (a request every 100 ms, measured):
+/// that. For `Quota::per_minute(5)` under steady traffic (a request every 100 ms; the example
+/// of [`at_most`](Self::at_most) checks the first two rows):
 ///
 /// | algorithm | first minute | each later minute |
 /// |---|---|---|
@@ -68,8 +63,9 @@ impl Quota {
     /// product the algorithms form then fits in 128 bits, so their arithmetic is exact.
     pub const MAX_COUNT: u64 = MAX_COUNT;
 
-    /// The largest accepted sliding-window-log limit (requests per window): the log keeps one
-    /// entry per admitted request, so its memory per key is O(limit).
+    /// The largest accepted sliding-window-log limit (requests per window). The log keeps one
+    /// entry per admitted request (a weighted entry for a cost above 1), so its memory per key
+    /// is O(limit): a limit of 1,000,000 per minute would cost megabytes per key.
     pub const MAX_SLIDING_LOG: u64 = MAX_SLIDING_LOG;
 
     /// The longest span a tier may cover (its period, and the time its burst takes to
@@ -106,11 +102,12 @@ impl Quota {
         Self::new(count, Duration::from_secs(86_400))
     }
 
-    /// At most `count` units in any window of `period`, the first one included: the rate of
-    /// [`new`](Self::new) with a burst of 1, so that units are admitted at least
-    /// `period / count` apart and never two at once. `Quota::per_minute(5)` admits 9 requests
-    /// in its first minute (its burst of 5, then one every 12 s); `at_most(5, 1 min)` admits 5,
-    /// one every 12 s.
+    /// At most `count` units in any window of `period`, the first one included. It is the rate
+    /// of [`new`](Self::new) with a burst of 1, so units are admitted at least `period / count`
+    /// apart and never two at once.
+    ///
+    /// `Quota::per_minute(5)` admits 9 requests in its first minute (its burst of 5, then one
+    /// every 12 s); `at_most(5, 1 min)` admits 5, one every 12 s:
     ///
     /// ```
     /// use std::time::Duration;
@@ -182,18 +179,8 @@ impl Quota {
 
     /// The same quota counting `unit` instead of requests: `5 per second` of
     /// [`Unit::Requests`] next to `1,000,000 per second` of [`Unit::RequestBytes`] limits a
-    /// client to 5 requests/s **and** 1 MB/s. See [`Unit`] for how each unit is charged.
-    ///
-    /// ```
-    /// use tollgate::{Policy, Quota, Unit};
-    ///
-    /// let policy = Policy::builder("upload")
-    ///     .tier("requests", Quota::per_second(5))
-    ///     .tier("bytes", Quota::per_second(1_000_000).counting(Unit::RequestBytes))
-    ///     .build()
-    ///     .unwrap();
-    /// assert_eq!(policy.tiers()[1].unit(), Unit::RequestBytes);
-    /// ```
+    /// client to 5 requests/s **and** 1 MB/s, as the example of [`Unit`] shows. See [`Unit`]
+    /// for how each unit is charged.
     #[must_use]
     pub const fn counting(mut self, unit: Unit) -> Self {
         self.unit = unit;
@@ -207,14 +194,31 @@ impl Quota {
     }
 }
 
-/// What a tier counts: its cost per request.
+/// What a tier counts, and so what a request costs on it (default [`Unit::Requests`]). Set with
+/// [`Quota::counting`] or [`Calendar::counting`].
+///
+/// ```
+/// use tollgate::{Policy, Quota, Unit};
+///
+/// // 5 requests and 1 MB of uploads a second per client.
+/// let policy = Policy::builder("upload")
+///     .tier("requests", Quota::per_second(5))
+///     .tier("bytes", Quota::per_second(1_000_000).counting(Unit::RequestBytes))
+///     .build()
+///     .unwrap();
+/// // A request with a 2,048-byte body costs 1 request and 2,048 bytes.
+/// assert_eq!(&*policy.costs(1, Some(2_048)), [1, 2_048]);
+/// ```
+///
+/// # How it works
 ///
 /// A check says what each tier costs ([`Check::costs`](crate::store::Check::costs), built with
-/// [`Policy::costs`](crate::Policy::costs)); a tier whose cost is only known later is charged an estimate when the
-/// request is admitted (one unit: the request needs at least one unit free) and **settled** at
-/// the real amount afterwards ([`Reservation::settle_unit`](crate::Reservation::settle_unit)).
-/// A settlement charges the difference unconditionally (the work was done), so a tier can run
-/// into debt, which later requests then wait out.
+/// [`Policy::costs`](crate::Policy::costs)); a tier whose cost is only known later is charged
+/// an estimate when the request is admitted (one unit: the request needs at least one unit
+/// free) and **settled** at the real amount afterwards
+/// ([`Reservation::settle_unit`](crate::Reservation::settle_unit)). A settlement charges the
+/// difference unconditionally (the work was done), so a tier can run into debt, which later
+/// requests then wait out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
 pub enum Unit {
@@ -224,11 +228,11 @@ pub enum Unit {
     /// Bytes of the request body: its `Content-Length` when the request has one; otherwise one
     /// unit at admission, settled at the bytes counted while the body streams (or, with a
     /// layer's [`StreamMode::Shape`](crate::StreamMode::Shape) or
-    /// [`Police`](crate::StreamMode::Police), charged in leases as the body streams, the
+    /// [`Police`](crate::StreamMode::Police), charged in grants as the body streams, the
     /// stream paused or stopped when the tier runs out).
     RequestBytes,
     /// Bytes of the response body: one unit at admission, settled at the bytes sent (or
-    /// charged in leases as they are sent, as for [`RequestBytes`](Self::RequestBytes)).
+    /// charged in grants as they are sent, as for [`RequestBytes`](Self::RequestBytes)).
     ResponseBytes,
     /// A cost the handler reports (for example the tokens an LLM call used): one unit at
     /// admission, settled at what the handler reports.
@@ -238,12 +242,13 @@ pub enum Unit {
     /// streams of its key). With a layer's [`StreamMode::Shape`](crate::StreamMode::Shape) or
     /// [`Police`](crate::StreamMode::Police), the messages of a gRPC call's request body are
     /// counted as they stream (each length-prefixed message of gRPC over HTTP/2, read from its
-    /// 5-byte prefix, the payload never decoded) and charged in leases of at most
-    /// [`MESSAGE_LEASE`](crate::StreamMode::MESSAGE_LEASE) messages, the stream paused or stopped when the
-    /// tier runs out (the default: as the layer decides requests). Under
+    /// 5-byte prefix, the payload never decoded) and charged in grants of at most
+    /// [`MESSAGE_GRANT`](crate::StreamMode::MESSAGE_GRANT) messages, the stream paused or
+    /// stopped when the tier runs out (the default: as the layer decides requests). Under
     /// [`StreamMode::Settle`](crate::StreamMode::Settle) a gRPC call is charged one message
-    /// at admission and settled at the messages counted when its response ends. The Text and Binary messages a WebSocket receives are counted
-    /// alike by the socket its handler wraps (cargo feature `ws`, module `tollgate::ws`).
+    /// at admission and settled at the messages counted when its response ends. The Text and
+    /// Binary messages a WebSocket receives are counted alike by the socket its handler wraps
+    /// (cargo feature `ws`, module `tollgate::ws`).
     RequestMessages,
     /// Messages the server sends: as [`RequestMessages`](Self::RequestMessages), for the
     /// response body (and the messages a WebSocket sends).
@@ -266,26 +271,42 @@ impl Unit {
     }
 }
 
-/// The default lease of a concurrency slot on a shared store: 30 s (see
-/// [`Concurrency::with_lease`]).
+/// [`Concurrency::DEFAULT_TTL`].
 pub(crate) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
-/// The default typical hold of a concurrency slot before any has been observed: 1 s (see
-/// [`Concurrency::with_typical_hold`]).
+/// [`Concurrency::DEFAULT_TYPICAL_HOLD`].
 pub(crate) const DEFAULT_TYPICAL_HOLD: Duration = Duration::from_secs(1);
 
-/// The shortest lease and typical hold: 1 ms.
+/// The shortest time to live and typical hold: 1 ms.
 pub(crate) const MIN_HOLD: Duration = Duration::from_millis(1);
 
-/// A concurrency limit: at most `max` requests in flight per key.
+/// A concurrency limit of at most `max` requests in flight per key, one slot each. A slot is
+/// held until the request's [`Reservation`](crate::Reservation) is released (the layer
+/// releases it when the response body ends), and a refusal's `Retry-After` is the tier's
+/// typical hold.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::{Concurrency, Policy, Quota};
+///
+/// let policy = Policy::builder("reports")
+///     .concurrency("in-flight", Concurrency::new(4).with_ttl(Duration::from_secs(60)))
+///     .tier("hourly", Quota::per_hour(100))
+///     .build()
+///     .unwrap();
+/// let slots = policy.tiers()[0].concurrency().unwrap();
+/// assert_eq!((slots.max(), slots.refresh_every()), (4, Duration::from_secs(20)));
+/// ```
+///
+/// # How it works
 ///
 /// A slot is taken when a request is admitted (together with every other tier of the policy:
 /// all or nothing) and given back when the holder releases it
 /// ([`Reservation::release`](crate::Reservation::release), or by dropping the reservation).
 ///
-/// On a shared store (Redis) a slot is a **lease**: it expires [`lease`](Self::lease) after it
-/// was taken or last refreshed, so that slots held by an app server that crashed come back by
-/// themselves. Holders refresh every third of the lease
+/// On a shared store (Redis) a slot has a **time to live**: it expires [`ttl`](Self::ttl) after
+/// it was taken or last refreshed, so that slots held by an app server that crashed come back
+/// by themselves. Holders refresh every third of it
 /// ([`Reservation::refresh`](crate::Reservation::refresh), or
 /// [`Reservation::hold`](crate::Reservation::hold), which does it for them). In memory a slot
 /// lives exactly as long as its holder (the process cannot crash without it).
@@ -293,19 +314,6 @@ pub(crate) const MIN_HOLD: Duration = Duration::from_millis(1);
 /// A refusal's `Retry-After` is the **typical hold**: the average time the tier's slots were
 /// held (an exponentially weighted average, weight 1/8, of the holds the binding observed),
 /// [`typical_hold`](Self::typical_hold) until the first release; never below 1 ms.
-///
-/// ```
-/// use std::time::Duration;
-/// use tollgate::{Concurrency, Policy, Quota};
-///
-/// let policy = Policy::builder("reports")
-///     .concurrency("in-flight", Concurrency::new(4).with_lease(Duration::from_secs(60)))
-///     .tier("hourly", Quota::per_hour(100))
-///     .build()
-///     .unwrap();
-/// let slots = policy.tiers()[0].concurrency().unwrap();
-/// assert_eq!((slots.max(), slots.refresh_every()), (4, Duration::from_secs(20)));
-/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Concurrency {
     pub(crate) max: u64,
@@ -314,27 +322,38 @@ pub struct Concurrency {
 }
 
 impl Concurrency {
-    /// The default lease of a slot on a shared store: 30 s (see [`with_lease`](Self::with_lease)).
-    pub const DEFAULT_LEASE: Duration = DEFAULT_LEASE;
+    /// The default time to live of a slot on a shared store: 30 s (see
+    /// [`with_ttl`](Self::with_ttl)).
+    pub const DEFAULT_TTL: Duration = DEFAULT_LEASE;
 
     /// The default typical hold of a slot before any was observed: 1 s (see
     /// [`with_typical_hold`](Self::with_typical_hold)).
     pub const DEFAULT_TYPICAL_HOLD: Duration = DEFAULT_TYPICAL_HOLD;
 
     /// At most `max` requests in flight per key (a request takes one slot), with the default
-    /// lease ([`DEFAULT_LEASE`](crate::Concurrency::DEFAULT_LEASE)) and typical hold ([`DEFAULT_TYPICAL_HOLD`](crate::Concurrency::DEFAULT_TYPICAL_HOLD)).
+    /// time to live ([`DEFAULT_TTL`](Self::DEFAULT_TTL)) and typical hold
+    /// ([`DEFAULT_TYPICAL_HOLD`](Self::DEFAULT_TYPICAL_HOLD)).
     #[must_use]
     pub const fn new(max: u64) -> Self {
         Self { max, lease: DEFAULT_LEASE, typical_hold: DEFAULT_TYPICAL_HOLD }
     }
 
-    /// How long a slot on a shared store lasts without a refresh: at least 1 ms, at most
-    /// [`MAX_SPAN`](crate::Quota::MAX_SPAN) (checked when the policy is built; rounded up to milliseconds). Choose it
-    /// well above the time a refresh takes to arrive: holders refresh every third of it.
+    /// How long a slot on a shared store lasts without a refresh (its time to live, default
+    /// 30 s). Holders refresh every third of it, so choose it well above the time a refresh
+    /// takes to arrive. It is rounded up to milliseconds, and a time to live under 1 ms or
+    /// over [`MAX_SPAN`](crate::Quota::MAX_SPAN) is refused when the policy is built
+    /// ([`ConfigError::LeaseOutOfRange`](crate::ConfigError::LeaseOutOfRange)).
     #[must_use]
-    pub const fn with_lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+    pub const fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.lease = ttl;
         self
+    }
+
+    /// The former name of [`with_ttl`](Self::with_ttl).
+    #[deprecated(note = "renamed: Concurrency::with_ttl (a lease is a block of a key's budget)")]
+    #[must_use]
+    pub const fn with_lease(self, lease: Duration) -> Self {
+        self.with_ttl(lease)
     }
 
     /// The hold reported as `Retry-After` until a slot of the tier has been released (then the
@@ -351,7 +370,14 @@ impl Concurrency {
         self.max
     }
 
-    /// The lease of a slot on a shared store.
+    /// The time to live of a slot on a shared store.
+    #[must_use]
+    pub const fn ttl(&self) -> Duration {
+        self.lease
+    }
+
+    /// The former name of [`ttl`](Self::ttl).
+    #[deprecated(note = "renamed: Concurrency::ttl")]
     #[must_use]
     pub const fn lease(&self) -> Duration {
         self.lease
@@ -363,14 +389,14 @@ impl Concurrency {
         self.typical_hold
     }
 
-    /// How often a holder refreshes its lease: a third of it.
+    /// How often a holder refreshes its slot: a third of its time to live.
     #[must_use]
     pub const fn refresh_every(&self) -> Duration {
         Duration::from_nanos((self.lease.as_nanos() / 3) as u64)
     }
 }
 
-/// The calendar unit of a [`Calendar`] tier's windows.
+/// The calendar unit of a [`Calendar`] tier's windows, in the tier's time zone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum CalendarPeriod {
@@ -426,24 +452,11 @@ impl CalendarPeriod {
     }
 }
 
-/// A calendar quota: `count` units per calendar window (minute, hour, day, ISO week, month,
+/// A calendar quota of `count` units per calendar window (minute, hour, day, ISO week, month,
 /// year) of UTC or of a named IANA time zone, e.g. "10,000 per month, resetting on the 1st at
-/// 00:00 in the customer's time zone".
-///
-/// Windows follow the zone's clock, daylight-saving changes included (the time zone
-/// arithmetic is [jiff](https://docs.rs/jiff)'s, over the IANA time zone database). Instants of
-/// the store's clock are taken as nanoseconds since the Unix epoch, UTC (as the built-in
-/// clocks count). A refused request's `Retry-After`, and the tier's `reset_after`, point to the
-/// start of the next window.
-///
-/// When shaping, a request leaves at the earliest instant at which every tier of its policy
-/// has room for it, and is charged to the window holding that instant (a full window has room
-/// again only when the next one starts), so that no window ever counts more than `count`. That
-/// window may be the current one or one of the next seven (8 windows in all: eight minutes for
-/// a per-minute tier), the windows the Redis store is told of. A request that would leave
-/// later is refused whatever the budget, with `retry_after` the end of the current window (when
-/// the eight windows move on) or, if later, the wait until its departure is within the budget:
-/// not an earlier retry succeeds, and a retry then may find the departure still too far.
+/// 00:00 in the customer's time zone". A refused request's `Retry-After`, and the tier's
+/// `reset_after`, point to the start of the next window. An unknown time zone is refused when
+/// the policy is built ([`ConfigError::UnknownTimeZone`](crate::ConfigError::UnknownTimeZone)).
 ///
 /// ```
 /// use tollgate::{Calendar, Policy};
@@ -460,6 +473,24 @@ impl CalendarPeriod {
 ///     .unwrap_err();
 /// assert!(err.to_string().starts_with("tier `monthly`: unknown time zone \"Mars/Olympus_Mons\""));
 /// ```
+///
+/// # How it works
+///
+/// Windows follow the zone's clock, daylight-saving changes included (the time zone
+/// arithmetic is [jiff](https://docs.rs/jiff)'s, over the IANA time zone database). Instants of
+/// the store's clock are taken as nanoseconds since the Unix epoch, UTC (as the built-in
+/// clocks count).
+///
+/// # Shaping
+///
+/// When shaping, a request leaves at the earliest instant at which every tier of its policy
+/// has room for it, and is charged to the window holding that instant (a full window has room
+/// again only when the next one starts), so that no window ever counts more than `count`. That
+/// window may be the current one or one of the next seven (8 windows in all: eight minutes for
+/// a per-minute tier), the windows the Redis store is told of. A request that would leave
+/// later is refused whatever the budget, with `retry_after` the end of the current window (when
+/// the eight windows move on) or, if later, the wait until its departure is within the budget:
+/// not an earlier retry succeeds, and a retry then may find the departure still too far.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Calendar {
     pub(crate) count: u64,
@@ -556,12 +587,28 @@ impl Calendar {
 /// The most refusals a [`Penalty`] may count before it blocks: 1,000.
 pub(crate) const MAX_PENALTY_REFUSALS: u32 = 1_000;
 
-/// A penalty box on a tier: once the tier refuses a key, **every** request of that key under
-/// the policy is refused for the block duration; rate-limiter-flexible's `blockDuration`,
-/// optionally only after `refusals` refusals within a window. Set with
-/// [`PolicyBuilder::penalty`](crate::PolicyBuilder::penalty).
+/// A penalty box on a tier (rate-limiter-flexible's `blockDuration`), which refuses **every**
+/// request of a key under the policy for the block duration once the tier refused the key (or
+/// refused it `refusals` times within a window). Set it with
+/// [`PolicyBuilder::penalty`](crate::PolicyBuilder::penalty), and a block or window out of
+/// range is refused when the policy is built ([`ConfigError::Penalty`](crate::ConfigError::Penalty)).
 ///
-/// Exactly:
+/// ```
+/// use std::time::Duration;
+/// use tollgate::{Penalty, Policy, Quota};
+///
+/// let minute = Duration::from_secs(60);
+/// // 10 a minute; a client refused 3 times within a minute is shut out for 15 minutes.
+/// let policy = Policy::builder("login")
+///     .tier("minute", Quota::per_minute(10))
+///     .penalty("minute", Penalty::new(15 * minute).after(3, minute))
+///     .build()
+///     .unwrap();
+/// let penalty = policy.tiers()[0].penalty().unwrap();
+/// assert_eq!((penalty.block(), penalty.refusals(), penalty.within()), (15 * minute, 3, minute));
+/// ```
+///
+/// # How it works
 ///
 /// - **A breach** is a refused check (outcome [`Limited`](crate::Outcome::Limited)) that the
 ///   tier itself could not admit at that instant: one of the tiers the decision names as
@@ -597,21 +644,6 @@ pub(crate) const MAX_PENALTY_REFUSALS: u32 = 1_000;
 ///   has ended and whose counted breaches have left the window is idle and swept like any other;
 ///   on Redis it is part of the key's one state string, decided atomically with the check in
 ///   the same script, and its TTL covers the block.
-///
-/// ```
-/// use std::time::Duration;
-/// use tollgate::{Penalty, Policy, Quota};
-///
-/// let minute = Duration::from_secs(60);
-/// // 10 a minute; a client refused 3 times within a minute is shut out for 15 minutes.
-/// let policy = Policy::builder("login")
-///     .tier("minute", Quota::per_minute(10))
-///     .penalty("minute", Penalty::new(15 * minute).after(3, minute))
-///     .build()
-///     .unwrap();
-/// let penalty = policy.tiers()[0].penalty().unwrap();
-/// assert_eq!((penalty.block(), penalty.refusals(), penalty.within()), (15 * minute, 3, minute));
-/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Penalty {
     pub(crate) block: Duration,
@@ -623,17 +655,19 @@ impl Penalty {
     /// The most refusals a penalty box may count before it blocks: 1,000.
     pub const MAX_REFUSALS: u32 = MAX_PENALTY_REFUSALS;
 
-    /// Blocks a key for `block` from its first breach of the tier. `block` is at least 1 ns and
-    /// at most [`MAX_SPAN`](crate::Quota::MAX_SPAN) (checked when the policy is built).
+    /// Blocks a key for `block` from its first breach of the tier. `block` is 1 ns to
+    /// [`MAX_SPAN`](crate::Quota::MAX_SPAN) (checked when the policy is built).
     #[must_use]
     pub const fn new(block: Duration) -> Self {
         Self { block, refusals: 1, within: Duration::ZERO }
     }
 
     /// Blocks only at the `refusals`-th breach of which the first came less than `within`
-    /// before it. `refusals` is 1 to [`MAX_REFUSALS`](crate::Penalty::MAX_REFUSALS); above 1, `within` is at least
-    /// 1 ns and at most [`MAX_SPAN`](crate::Quota::MAX_SPAN) (checked when the policy is built). Refusals in the window
-    /// are kept as instants, at most `refusals - 1` per key.
+    /// before it. `refusals` is 1 to [`MAX_REFUSALS`](Self::MAX_REFUSALS) and, above 1,
+    /// `within` is 1 ns to [`MAX_SPAN`](crate::Quota::MAX_SPAN) (checked when the policy is
+    /// built).
+    ///
+    /// Refusals in the window are kept as instants, at most `refusals - 1` per key.
     #[must_use]
     pub const fn after(mut self, refusals: u32, within: Duration) -> Self {
         self.refusals = refusals;
@@ -660,13 +694,21 @@ impl Penalty {
     }
 }
 
-/// The class of a request, for tiers that reserve part of their capacity ([`Reserve`]): one
-/// limit shared by three classes, refused from the lowest up as it nears. Carried by each
-/// check ([`Check::priority`](crate::store::Check::priority)); the layer picks it per request
+/// The class of a request, for tiers that reserve part of their capacity ([`Reserve`]), which
+/// refuse sheddable requests first as their limit nears, then standard ones. Each check
+/// carries one ([`Check::priority`](crate::store::Check::priority), standard by default), and
+/// the layer picks it per request
 /// ([`RateLimitLayerBuilder::priority`](crate::RateLimitLayerBuilder::priority)). On a tier
 /// without a reserve every class decides alike.
 ///
-/// The three classes are Envoy's and Armeria's request priorities, and the "critical /
+/// ```
+/// use tollgate::Priority;
+///
+/// assert_eq!(Priority::default(), Priority::Standard);
+/// assert!(Priority::Critical < Priority::Standard && Priority::Standard < Priority::Sheddable);
+/// ```
+///
+/// [`Limiter::check_as`](crate::Limiter::check_as) shows a reserve at work. The three classes are Envoy's and Armeria's request priorities, and the "critical /
 /// standard / sheddable" classes of load-shedding literature (Google SRE book, "Handling
 /// Overload": criticality).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -719,8 +761,27 @@ impl Priority {
     }
 }
 
-/// Capacity of a tier reserved for the higher [`Priority`] classes (Envoy's and Armeria's
-/// "reserved capacity"). Set with [`PolicyBuilder::reserve`](crate::PolicyBuilder::reserve).
+/// Capacity of a tier reserved for the higher [`Priority`] classes, in the tier's units
+/// (Envoy's and Armeria's "reserved capacity"). Set it with
+/// [`PolicyBuilder::reserve`](crate::PolicyBuilder::reserve), on a GCRA rate tier, leaving
+/// room for every class ([`ConfigError::Reserve`](crate::ConfigError::Reserve) otherwise).
+///
+/// ```
+/// use tollgate::{Policy, Priority, Quota, Reserve};
+///
+/// // 100 a second shared; 20 kept for critical requests, 30 more for standard ones.
+/// let policy = Policy::builder("api")
+///     .tier("second", Quota::per_second(100))
+///     .reserve("second", Reserve::new().critical(20).standard(30))
+///     .build()
+///     .unwrap();
+/// let tier = &policy.tiers()[0];
+/// assert_eq!(tier.capacity_for(Priority::Critical), 100);
+/// assert_eq!(tier.capacity_for(Priority::Standard), 80);
+/// assert_eq!(tier.capacity_for(Priority::Sheddable), 50);
+/// ```
+///
+/// # How it works
 ///
 /// Exactly, on a tier of capacity `C` (its burst) with reserves `r_c` (critical) and `r_s`
 /// (standard), all classes share the tier's one state and one limit, and a request of cost
@@ -738,9 +799,12 @@ impl Priority {
 ///   by every admitted request whatever its class);
 /// - sheddable requests are refused first as the limit nears, then standard ones;
 /// - a critical request is refused only once less than its cost is left, which lower classes
-///   cannot bring about: they stop `r_c` units short. So a critical request is never refused
-///   while the critical reserve is unused, and critical traffic within `r_c` units of burst
-///   above its share of the rate is never refused, whatever the other classes send;
+///   cannot bring about: they stop `r_c` units short (also when shaping: see below). So a
+///   critical request is never refused while the critical reserve is unused, and, policing,
+///   critical traffic within `r_c` units of burst above its share of the rate is never
+///   refused, whatever the other classes send (shaping, the lower classes may book the rate
+///   ahead, up to the shaping budget: critical requests then get `r_c` units at once each time
+///   that schedule turns over, and wait behind it beyond);
 /// - each class's `retry_after` is exact for that class (when a request of its class would be
 ///   admitted), and its `remaining` and `limit` (the `RateLimit` headers) are what that class
 ///   sees: `C - r_c` is a standard request's limit. A request whose cost exceeds its class's
@@ -752,6 +816,22 @@ impl Priority {
 ///   `C` = 100 a second and `r_c` = 20, within 1 % of the limit, and no critical request
 ///   (30 a second) refused, on both stores (the crate's tests hold this).
 ///
+/// **Shaping.** A shaped request that waits for its slot is charged when it is decided and
+/// leaves later, so requests of the lower classes booked ahead would hold the tier past their
+/// line, into the critical reserve, until they leave. The critical reserve is kept out of that
+/// schedule: a critical request is admitted at once, ahead of the requests booked and waiting,
+/// while the critical units admitted so (and those the key held past the standard line when the
+/// schedule began) stay within `r_c`. Each request waiting conformed to its class's line, so
+/// it leaves with room for `r_c` units ahead of it, and what leaves, in the order it leaves,
+/// never exceeds the tier's limit. Once used, the reserve comes back when the requests booked
+/// while it was used have left, and one emission interval per unit used after that: at most the
+/// shaping budget and `r_c` intervals after the last critical request admitted ahead. A critical
+/// request the reserve cannot serve then waits behind the whole schedule (within its own
+/// shaping budget), or is refused with the exact `retry_after` (the instant the reserve comes
+/// back, when that is sooner). The standard reserve `r_s` is kept in the order requests are
+/// decided: a standard request waits behind the sheddable ones booked ahead of it. The crate's
+/// tests hold this over HTTP and over random traces of classes and shaping, on both stores.
+///
 /// On a tier that also has a [`Penalty`], a request its class may not admit is a breach like
 /// any other refusal of the tier (a sheddable client refused at its threshold can be blocked).
 ///
@@ -759,21 +839,6 @@ impl Priority {
 /// tier's capacity, so that every class can be admitted. A policy with a reserve is decided
 /// on the stores' general path (with the other tier kinds), atomically with the check (in the
 /// same Redis script).
-///
-/// ```
-/// use tollgate::{Policy, Priority, Quota, Reserve};
-///
-/// // 100 a second shared; 20 kept for critical requests, 30 more for standard ones.
-/// let policy = Policy::builder("api")
-///     .tier("second", Quota::per_second(100))
-///     .reserve("second", Reserve::new().critical(20).standard(30))
-///     .build()
-///     .unwrap();
-/// let tier = &policy.tiers()[0];
-/// assert_eq!(tier.capacity_for(Priority::Critical), 100);
-/// assert_eq!(tier.capacity_for(Priority::Standard), 80);
-/// assert_eq!(tier.capacity_for(Priority::Sheddable), 50);
-/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Reserve {
     pub(crate) critical: u64,
@@ -846,7 +911,26 @@ pub enum TierKind {
     Calendar,
 }
 
-/// The algorithm a policy runs, the same in every store.
+/// The algorithm a policy runs, the same in every store. Set it with
+/// [`PolicyBuilder::algorithm`](crate::PolicyBuilder::algorithm) (default [`Gcra`](Self::Gcra)).
+///
+/// ```
+/// use tollgate::{Algorithm, Policy, Quota};
+///
+/// let policy = Policy::builder("api")
+///     .tier("minute", Quota::per_minute(100))
+///     .algorithm(Algorithm::SlidingLog)
+///     .build()
+///     .unwrap();
+/// assert_eq!(policy.algorithm().name(), "sliding_log");
+/// // The window algorithms admit `count` per window: they have no burst of their own.
+/// let err = Policy::builder("api")
+///     .tier("minute", Quota::per_minute(100).with_burst(200))
+///     .algorithm(Algorithm::FixedWindow)
+///     .build()
+///     .unwrap_err();
+/// assert!(err.to_string().ends_with("burst 200 != count 100"));
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
 pub enum Algorithm {

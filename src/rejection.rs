@@ -535,13 +535,9 @@ impl RateLimited {
         too_many_requests(&self.surface, &self.decision, style)
     }
 
-    /// The response to a gRPC call ([`crate::grpc`]): a trailers-only response with HTTP
-    /// status 200, `content-type: application/grpc`, `grpc-status: 8` (`RESOURCE_EXHAUSTED`),
-    /// a `grpc-message` naming the policy (percent-encoded, as the gRPC over HTTP/2 protocol
-    /// requires), `grpc-retry-pushback-ms` with [`retry_after_ms`](Self::retry_after_ms)
-    /// (gRFC A6; absent when the cost can never fit), the IETF `RateLimit-Policy` /
-    /// `RateLimit` headers, and an empty body. No `Retry-After`: gRPC clients read the
-    /// pushback.
+    /// The trailers-only response to a gRPC call ([`crate::grpc`]), HTTP 200 with
+    /// `grpc-status: 8` (`RESOURCE_EXHAUSTED`) and an empty body. It carries no `Retry-After`,
+    /// since gRPC clients read `grpc-retry-pushback-ms` instead.
     ///
     /// ```
     /// use tollgate::{Limiter, Policy, Quota, Rejection};
@@ -561,6 +557,11 @@ impl RateLimited {
     /// assert_eq!(res.headers()["grpc-retry-pushback-ms"], "60000");
     /// # }
     /// ```
+    ///
+    /// Its fields: `content-type: application/grpc`, `grpc-status: 8`, a `grpc-message`
+    /// naming the policy (percent-encoded, as the gRPC over HTTP/2 protocol requires),
+    /// `grpc-retry-pushback-ms` with [`retry_after_ms`](Self::retry_after_ms) (gRFC A6; absent
+    /// when the cost can never fit), and the IETF `RateLimit-Policy` / `RateLimit` headers.
     #[must_use]
     pub fn to_grpc_response(&self) -> Response<Full<Bytes>> {
         self.grpc_response(Fields::default()).map(Full::new)
@@ -584,7 +585,17 @@ impl From<RateLimited> for Response<Full<Bytes>> {
 }
 
 /// Every refusal, as a value: what [`Limiter::enforce`](crate::Limiter::enforce) returns and
-/// what the layer answers with when it does not pass a request on.
+/// what the layer answers with when it does not pass a request on. Each gives its HTTP and
+/// gRPC status and response.
+///
+/// ```
+/// use tollgate::{Rejection, StoreError};
+///
+/// let refusal = Rejection::Unavailable(StoreError::backend("connection refused"));
+/// assert_eq!(refusal.status(), 503);
+/// assert_eq!(refusal.grpc_status(), 14); // UNAVAILABLE
+/// assert_eq!(refusal.to_response().headers()["retry-after"], "1");
+/// ```
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Rejection {
@@ -641,12 +652,12 @@ impl Rejection {
         }
     }
 
-    /// The `grpc-status` of the gRPC response ([`to_grpc_response`](Self::to_grpc_response)):
-    /// 8 (`RESOURCE_EXHAUSTED`) when limited; 14 (`UNAVAILABLE`) when the store cannot
-    /// decide; for a missing key or an unselected request, from the configured HTTP status:
-    /// 16 (`UNAUTHENTICATED`) for 401, 7 (`PERMISSION_DENIED`) for 403, and 3
-    /// (`INVALID_ARGUMENT`) for any other (the default 400 included): the call lacks what the
-    /// limiter needs, and retrying it unchanged cannot help.
+    /// The `grpc-status` of the gRPC response ([`to_grpc_response`](Self::to_grpc_response)),
+    /// 8 (`RESOURCE_EXHAUSTED`) when limited and 14 (`UNAVAILABLE`) when the store cannot
+    /// decide. A missing key or an unselected request maps its configured HTTP status, 401 to
+    /// 16 (`UNAUTHENTICATED`), 403 to 7 (`PERMISSION_DENIED`) and any other (the default 400
+    /// included) to 3 (`INVALID_ARGUMENT`), since the call lacks what the limiter needs and
+    /// retrying it unchanged cannot help.
     #[must_use]
     pub fn grpc_status(&self) -> u8 {
         match self {
@@ -681,10 +692,10 @@ impl Rejection {
         }
     }
 
-    /// The response to a gRPC call ([`crate::grpc`]): trailers-only (HTTP 200,
-    /// `content-type: application/grpc`, empty body) with `grpc-status` of
-    /// [`grpc_status`](Self::grpc_status) and a percent-encoded `grpc-message`. Limited: see
-    /// [`RateLimited::to_grpc_response`]. Store failure (`UNAVAILABLE`): with
+    /// The trailers-only response to a gRPC call ([`crate::grpc`]), HTTP 200 with
+    /// `content-type: application/grpc`, the `grpc-status` of [`grpc_status`](Self::grpc_status),
+    /// a percent-encoded `grpc-message` and an empty body. A limited call's carries what
+    /// [`RateLimited::to_grpc_response`] lists, and a store failure's (`UNAVAILABLE`)
     /// `grpc-retry-pushback-ms: 1000`, as the HTTP 503 carries `Retry-After: 1`.
     #[must_use]
     pub fn to_grpc_response(&self) -> Response<Full<Bytes>> {

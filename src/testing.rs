@@ -362,17 +362,8 @@ pub struct ReportedQuota {
     pub unit: Option<String>,
 }
 
-/// The rate-limit headers of a response as typed values: every quota it reports and its
-/// `Retry-After`.
-///
-/// Quotas come from the IETF `RateLimit` field (each item's `r` and `t`, with `q`, `w` and
-/// `qu` of the `RateLimit-Policy` item of the same name; the first 16 items) when it is present
-/// and valid, otherwise from the legacy `X-RateLimit-Limit` / `-Remaining` / `-Reset` (one
-/// quota, unnamed; a `-Reset` above 10^9 is a Unix timestamp, taken relative to the `Date`
-/// header, else the system clock). Drafts 7 and 6 of the IETF fields
-/// ([`HeaderFormat`](crate::HeaderFormat)) are read through the `X-RateLimit-*` fields only:
-/// test them with [`HeaderStyle::Both`](crate::HeaderStyle::Both). Reading is total: a field
-/// that does not parse counts as absent.
+/// The rate-limit headers of a response as typed values, every quota it reports and its
+/// `Retry-After`. Reading is total, a field that does not parse counting as absent.
 ///
 /// ```
 /// use std::time::Duration;
@@ -394,6 +385,16 @@ pub struct ReportedQuota {
 /// assert_eq!(daily.window, Some(Duration::from_secs(86_400)));
 /// assert_eq!(daily.reset, Some(Duration::from_secs(60)));
 /// ```
+///
+/// # Which fields are read
+///
+/// Quotas come from the IETF `RateLimit` field (each item's `r` and `t`, with `q`, `w` and
+/// `qu` of the `RateLimit-Policy` item of the same name; the first 16 items) when it is present
+/// and valid, otherwise from the legacy `X-RateLimit-Limit` / `-Remaining` / `-Reset` (one
+/// quota, unnamed; a `-Reset` above 10^9 is a Unix timestamp, taken relative to the `Date`
+/// header, else the system clock). Drafts 7 and 6 of the IETF fields
+/// ([`HeaderFormat`](crate::HeaderFormat)) are read through the `X-RateLimit-*` fields only:
+/// test them with [`HeaderStyle::Both`](crate::HeaderStyle::Both).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct RateLimitHeaders {
@@ -528,10 +529,10 @@ pub fn assert_admitted<B>(res: &Response<B>) -> RateLimitHeaders {
     RateLimitHeaders::from_response(res)
 }
 
-/// Asserts that `res` is a refusal (429) that tells the client to come back in `expected`:
-/// its `Retry-After` is `expected` in whole seconds rounded up, and at least 1, as the layer
-/// writes it. For a refusal until an instant, pass [`VirtualClock::until`] of it. Returns its
-/// rate-limit headers for further checks.
+/// Asserts that `res` is a refusal (429) whose `Retry-After` tells the client to come back in
+/// `expected`, rounded up to whole seconds and at least 1, as the layer writes it. For a
+/// refusal until an instant, pass [`VirtualClock::until`] of it. Returns its rate-limit
+/// headers for further checks.
 ///
 /// # Panics
 ///

@@ -9,6 +9,7 @@ mod bucket;
 pub(crate) mod calendar;
 pub(crate) mod compiled;
 mod gcra;
+mod line;
 mod log;
 mod penalty;
 pub(crate) mod slots;
@@ -24,6 +25,7 @@ use compiled::{Kind, Rate};
 pub(crate) use bucket::Level;
 pub(crate) use gcra::{Step as GcraStep, WholeGcra};
 
+pub(crate) use line::Line;
 pub(crate) use log::Log;
 pub(crate) use penalty::Strikes;
 
@@ -44,6 +46,9 @@ pub(crate) enum TierState {
     Calendar(calendar::Counted),
     /// A tier's penalty box, kept after the tiers' own states (see [`Policy::penalty_slot`]).
     Penalty(Box<Strikes>),
+    /// The line of a tier with a critical reserve, kept after the penalty boxes (see
+    /// [`Policy::line_slot`] and [`line`]).
+    Line(Line),
 }
 
 /// What each tier was charged, inline for up to two tiers.
@@ -200,12 +205,15 @@ impl TierState {
 
     /// The windows this state counts in (window algorithms and calendar tiers; 0 for the
     /// others): what bounds the rounds of [`converge`].
-    /// Whether the state holds windows or log entries, which a decision prunes once they end.
+    /// Whether the state holds windows, log entries or a line, which a decision prunes once
+    /// they end.
     pub(crate) fn has_entries(&self) -> bool {
         match self {
             Self::Windows(w) => !w.is_empty(),
             Self::Calendar(c) => !c.is_empty(),
             Self::Log(l) => !l.is_empty(),
+            // A line is forgotten when its tier is idle (see `prune_kinds`).
+            Self::Line(l) => l.until > 0,
             _ => false,
         }
     }
@@ -214,18 +222,54 @@ impl TierState {
         match self {
             Self::Windows(w) => w.len(),
             Self::Calendar(c) => c.len(),
+            // A critical request admitted on a line until it ends, then by the TAT: like a
+            // window, it can move the candidate once out of it.
+            Self::Line(l) => usize::from(l.until > 0),
             _ => 0,
         }
     }
 }
 
-/// The penalty boxes of a key never seen: one per tier that has one, after the tiers' states.
+/// The penalty boxes of a key never seen, one per tier that has one, then its lines, one per
+/// tier with a critical reserve: what a key keeps after its tiers' states.
 pub(crate) fn fresh_boxes(policy: &Policy) -> impl Iterator<Item = TierState> + '_ {
-    policy
-        .tiers()
-        .iter()
-        .filter(|t| t.penalty.is_some())
-        .map(|_| TierState::Penalty(Box::default()))
+    let tiers = policy.tiers();
+    let boxes =
+        tiers.iter().filter(|t| t.penalty.is_some()).map(|_| TierState::Penalty(Box::default()));
+    let lines = (0..tiers.len())
+        .filter(|&i| policy.line_reserve(i).is_some())
+        .map(|_| TierState::Line(Line::default()));
+    boxes.chain(lines)
+}
+
+/// The line of tier `i` in `states` and the tier's critical reserve, if it keeps one.
+fn line_of(policy: &Policy, states: &[TierState], i: usize) -> Option<(Line, u64)> {
+    let reserve = policy.line_reserve(i)?;
+    match states.get(policy.line_slot(i)) {
+        Some(TierState::Line(l)) => Some((*l, reserve)),
+        _ => None,
+    }
+}
+
+/// Stores `line` as tier `i`'s.
+fn set_line(policy: &Policy, states: &mut [TierState], i: usize, line: Line) {
+    if let Some(s) = states.get_mut(policy.line_slot(i)) {
+        *s = TierState::Line(line);
+    }
+}
+
+/// The tolerance of tier `i` for standard requests (its burst less the critical reserve),
+/// scaled as GCRA scales instants (by the count).
+fn tau_std(tier: &Tier, reserve: u64) -> u128 {
+    u128::from(tier.rate.burst.saturating_sub(reserve)) * u128::from(tier.rate.period)
+}
+
+/// The scaled TAT of a GCRA state (0 for any other).
+fn tat_of(state: &TierState) -> u128 {
+    match state {
+        TierState::Gcra(tat) => *tat,
+        _ => 0,
+    }
 }
 
 /// The box of tier `i` in `states`, if the tier has one.
@@ -426,6 +470,17 @@ pub(crate) fn prune_kinds(policy: &Policy, states: &mut [TierState], now: u64) {
             }
         }
     }
+    for i in 0..tiers.len() {
+        if let Some((mut line, _)) = line_of(policy, states, i) {
+            let r = tiers[i].rate;
+            line.prune(r, now);
+            // A tier whose TAT is not after now schedules nothing ahead (as `lua/line.lua`).
+            if tat_of(&states[i]) <= u128::from(now) * u128::from(r.count) {
+                line = Line::default();
+            }
+            set_line(policy, states, i, line);
+        }
+    }
 }
 
 /// [`decide_kinds`] with `now` and the mode's budget in the policy's unit.
@@ -461,7 +516,11 @@ fn decide_kinds_in_units(
     let departure = converge(now, rounds(states), |t| {
         (0..tiers.len())
             .filter(|&i| cost(i) > 0)
-            .map(|i| departure_kind(policy, &tiers[i], class, &states[i], t, cost(i), shaping))
+            .map(|i| match on_line(policy, states, i, class, now, cost(i)) {
+                // On the line, a critical request leaves at once or not at all.
+                Some((back, _)) if t == now && back == now => now,
+                _ => departure_kind(policy, &tiers[i], class, &states[i], t, cost(i), shaping),
+            })
             .fold(t, u64::max)
     });
     let full = |i: usize| match (&tiers[i].kind, &states[i]) {
@@ -480,6 +539,26 @@ fn decide_kinds_in_units(
         // Unsettled (ruled out by `rounds`): refused, never charged where a tier is full.
         None => (now, Some(1)),
     };
+    // A critical request refused may be admitted sooner on a line, decided then.
+    if let (Some(r), Priority::Critical) = (retry, class) {
+        let lined = |i: usize| on_line(policy, states, i, class, now, cost(i));
+        if (0..tiers.len()).any(|i| cost(i) > 0 && lined(i).is_some()) {
+            let decided = converge(now, rounds(states), |t| {
+                (0..tiers.len())
+                    .filter(|&i| cost(i) > 0)
+                    .map(|i| match lined(i) {
+                        Some((back, until)) if t.max(back) < until => t.max(back),
+                        _ => {
+                            departure_kind(policy, &tiers[i], class, &states[i], t, cost(i), false)
+                        }
+                    })
+                    .fold(t, u64::max)
+            });
+            if let Some(t) = decided.filter(|t| *t > now) {
+                retry = Some(r.min(t - now));
+            }
+        }
+    }
     // A departure after a calendar tier's lookahead is refused too (Redis holds the bounds of
     // no later window): not before the lookahead moves on, when the current window ends.
     for (i, tier) in tiers.iter().enumerate().filter(|_| !plain) {
@@ -507,7 +586,10 @@ fn decide_kinds_in_units(
                 (Kind::Calendar(_), TierState::Calendar(c)) => {
                     calendar::earliest(c, tiers[i].capacity(), unit, now, cost(i))
                 }
-                (_, s) => s.earliest(alg, tiers[i].rate_for(class), now, cost(i)),
+                (_, s) => {
+                    let e = s.earliest(alg, tiers[i].rate_for(class), now, cost(i));
+                    on_line(policy, states, i, class, now, cost(i)).map_or(e, |(b, _)| b.min(e))
+                }
             } - now;
             (own > 0, (own > 0).then_some(own))
         };
@@ -544,6 +626,14 @@ fn decide_kinds_in_units(
         return (decision, None);
     }
     let wait = at - now;
+    // The lines of tiers with a critical reserve follow the charges (see `line`).
+    let lines: SmallVec<[(usize, u128, bool); 2]> = (0..tiers.len())
+        .filter(|&i| cost(i) > 0 && policy.line_reserve(i).is_some())
+        .map(|i| {
+            let full = states[i].earliest(alg, tiers[i].rate, at, cost(i)) <= at;
+            (i, tat_of(&states[i]), full)
+        })
+        .collect();
     let mut charges = Charges::new();
     for (i, (s, tier)) in states.iter_mut().zip(tiers).enumerate() {
         let c = cost(i);
@@ -563,9 +653,39 @@ fn decide_kinds_in_units(
             _ => Charge { at, cost: 0, id: 0 },
         });
     }
+    for (i, before, full) in lines {
+        let Some((mut line, reserve)) = line_of(policy, states, i) else { continue };
+        let (r, tau) = (tiers[i].rate, tau_std(&tiers[i], reserve));
+        match class {
+            Priority::Critical => {
+                let after = tat_of(&states[i]);
+                line.critical(r, reserve, tau, now, at, cost(i), !full, after);
+            }
+            Priority::Standard | Priority::Sheddable => line.lower(r, tau, now, at, before),
+        }
+        set_line(policy, states, i, line);
+    }
     let decision =
         report_kinds(policy, class, states, now, Outcome::Allowed, wait, None, |_| (false, None));
     (decision, Some(charges))
+}
+
+/// For a critical request of `cost` on tier `i` with a line, decided at `now` or later: the
+/// earliest instant at which the line admits it ahead of the schedule ([`Line::back`]), and
+/// when the schedule ends (see [`line`]).
+fn on_line(
+    policy: &Policy,
+    states: &[TierState],
+    i: usize,
+    class: Priority,
+    now: u64,
+    cost: u64,
+) -> Option<(u64, u64)> {
+    if class != Priority::Critical {
+        return None;
+    }
+    let (line, reserve) = line_of(policy, states, i)?;
+    line.back(policy.tiers()[i].rate, reserve, now, cost).map(|b| (b, line.until))
 }
 
 /// Gives back (or, with `extra`, charges more of) `cost` on tier `i`, of any kind, for the
@@ -573,7 +693,7 @@ fn decide_kinds_in_units(
 pub(crate) fn settle_tier(
     policy: &Policy,
     i: usize,
-    state: &mut TierState,
+    states: &mut [TierState],
     charge: Charge,
     now: u64,
     cost: u64,
@@ -581,9 +701,16 @@ pub(crate) fn settle_tier(
 ) {
     let tier = &policy.tiers()[i];
     let alg = policy.algorithm();
+    let Some(state) = states.get_mut(i) else { return };
     match (&tier.kind, &mut *state) {
         (Kind::Rate, s) if extra => {
             s.charge(alg, tier.rate, now, charge.at.max(now), cost);
+            // Charged now, ahead of any schedule: a line counts it (see `line`).
+            let after = tat_of(s);
+            if let Some((mut line, reserve)) = line_of(policy, states, i) {
+                line.taken(tier.rate, tau_std(tier, reserve), now, cost, after);
+                set_line(policy, states, i, line);
+            }
         }
         (Kind::Rate, s) => s.refund(alg, tier.rate, charge, cost),
         (Kind::Calendar(spec), TierState::Calendar(c)) if extra => {
@@ -631,6 +758,13 @@ fn report_kinds(
                 (tier.capacity().saturating_sub(*held), 0)
             }
             _ => (tier.capacity(), 0),
+        };
+        // A critical request may also take what the line holds of its reserve.
+        let remaining = match (class, line_of(policy, states, i)) {
+            (Priority::Critical, Some((line, reserve))) => {
+                remaining.max(line.room(tier.rate, reserve, now))
+            }
+            _ => remaining,
         };
         // A blocked tier has nothing left until the block ends.
         let block = if boxes { blocked(policy, states, i, now) } else { None };

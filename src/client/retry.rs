@@ -144,6 +144,22 @@ fn grpc_hint(status: &impl GrpcStatus) -> Option<Duration> {
 
 /// Decides whether an error of the inner service (no response at all) is worth retrying.
 ///
+/// ```
+/// use tollgate::client::RetryPolicy;
+///
+/// #[derive(Debug)]
+/// enum ClientError {
+///     Connect, // never sent: safe to send again
+///     Reset,   // sent, and perhaps processed
+/// }
+///
+/// let policy = RetryPolicy::<String>::builder()
+///     .retry_errors_if(|e: &ClientError| matches!(e, ClientError::Connect))
+///     .build()
+///     .unwrap();
+/// # let _ = (policy, ClientError::Reset);
+/// ```
+///
 /// The default, [`NoErrors`], retries none: whether a request that failed in transport reached
 /// the server is unknown, and the errors of HTTP clients differ by crate. Pass a closure
 /// `Fn(&E) -> bool` to [`RetryPolicyBuilder::retry_errors_if`] to retry the transient ones (for
@@ -251,44 +267,9 @@ impl<B, C> Config<B, C> {
 }
 
 /// A [`tower::retry::Policy`] for clients of rate-limited HTTP services, and a retry loop for
-/// gRPC calls ([`call`](Self::call)).
-///
-/// **What is retried**: responses with status 429 Too Many Requests or 503 Service
-/// Unavailable, and gRPC trailers-only responses (HTTP 200 with `grpc-status` in the headers)
-/// whose status is 8 `RESOURCE_EXHAUSTED` or 14 `UNAVAILABLE`; errors of the inner service only
-/// when [`retry_errors_if`](RetryPolicyBuilder::retry_errors_if) says so (none by default).
-/// Only requests whose method is idempotent (RFC 9110 §9.2.2: GET, HEAD, OPTIONS, TRACE, PUT,
-/// DELETE; see [`methods`](RetryPolicyBuilder::methods)) and whose body can be cloned are
-/// retried; any other request is sent once and its response returned as it is.
-///
-/// **gRPC**: as a Tower layer around a tonic `Channel` the policy retries nothing: every gRPC
-/// call is a POST whose body is a stream of messages that cannot be cloned. Retry tonic calls
-/// at the message level instead, with [`call`](Self::call), which re-issues the call (a
-/// closure) on `RESOURCE_EXHAUSTED` and `UNAVAILABLE` by the same rules, with the same attempts,
-/// budget and backoff.
-///
-/// **When**: the `n`-th retry (from 0) waits `max(jitter, hint)`, where `jitter` is drawn from
-/// `[0, min(cap, base x 2^n)]` (capped exponential backoff with full jitter, AWS Architecture
-/// Blog, "Exponential Backoff And Jitter") and `hint` is the longest of the response's
-/// `Retry-After` (delay-seconds, or an HTTP-date relative to the response's `Date` header, else
-/// to the system clock; RFC 9110 §10.2.3) and `grpc-retry-pushback-ms` (gRFC A6). A negative or
-/// malformed pushback means "do not retry"; a malformed `Retry-After` is ignored. Retries of
-/// one policy and its clones are spread out: each goes no sooner than a spacing (its hint, at
-/// most `base`) after the latest one scheduled, so that calls refused together do not all
-/// come back at the instant the server frees one unit (a retry storm).
-///
-/// **Until**: at most [`max_attempts`](RetryPolicyBuilder::max_attempts) attempts in all, and no
-/// wait that would end after the [`budget`](RetryPolicyBuilder::budget) (measured from when the
-/// first attempt was sent): then the last response is returned.
-///
-/// **Bodies**: [`RetryPolicy::builder`] clones bodies with `B: Clone` (`Full<Bytes>`, `String`,
-/// ...); [`RetryPolicy::builder_with_clone`] takes a function `Fn(&B) -> Option<B>` for body
-/// types that can be cloned only sometimes (a buffered body, not a stream): `None` sends the
-/// request once. Headers, URI, version and extensions are cloned with it.
-///
-/// Time is tokio's ([`tokio::time::Instant`], [`tokio::time::sleep`]), so a test under
-/// `tokio::time::pause()` sees exact delays. Clones share their settings and their jitter
-/// source; each request keeps its own attempt count.
+/// gRPC calls ([`call`](Self::call)). It retries 429, 503 and gRPC `RESOURCE_EXHAUSTED` /
+/// `UNAVAILABLE` with capped exponential backoff and full jitter, never sooner than the
+/// server's `Retry-After` or pushback, within a number of attempts and a time budget.
 ///
 /// ```
 /// use std::time::Duration;
@@ -322,6 +303,50 @@ impl<B, C> Config<B, C> {
 /// assert_eq!(start.elapsed(), Duration::from_secs(1)); // the server's Retry-After
 /// # }
 /// ```
+///
+/// # What is retried
+///
+/// Responses with status 429 Too Many Requests or 503 Service Unavailable, and gRPC
+/// trailers-only responses (HTTP 200 with `grpc-status` in the headers) whose status is 8
+/// `RESOURCE_EXHAUSTED` or 14 `UNAVAILABLE`; errors of the inner service only when [`retry_errors_if`](RetryPolicyBuilder::retry_errors_if) says so (none by default).
+/// Only requests whose method is idempotent (RFC 9110 §9.2.2: GET, HEAD, OPTIONS, TRACE, PUT,
+/// DELETE; see [`methods`](RetryPolicyBuilder::methods)) and whose body can be cloned are
+/// retried; any other request is sent once and its response returned as it is.
+///
+/// As a Tower layer around a tonic `Channel` the policy retries nothing: every gRPC call is a
+/// POST whose body is a stream of messages that cannot be cloned. Retry tonic calls at the
+/// message level instead, with [`call`](Self::call), which re-issues the call (a
+/// closure) on `RESOURCE_EXHAUSTED` and `UNAVAILABLE` by the same rules, with the same attempts,
+/// budget and backoff.
+///
+/// # When
+///
+/// The `n`-th retry (from 0) waits `max(jitter, hint)`, where `jitter` is drawn from
+/// `[0, min(cap, base x 2^n)]` (capped exponential backoff with full jitter, AWS Architecture
+/// Blog, "Exponential Backoff And Jitter") and `hint` is the longest of the response's
+/// `Retry-After` (delay-seconds, or an HTTP-date relative to the response's `Date` header, else
+/// to the system clock; RFC 9110 §10.2.3) and `grpc-retry-pushback-ms` (gRFC A6). A negative or
+/// malformed pushback means "do not retry"; a malformed `Retry-After` is ignored. Retries of
+/// one policy and its clones are spread out: each goes no sooner than a spacing (its hint, at
+/// most `base`) after the latest one scheduled, so that calls refused together do not all
+/// come back at the instant the server frees one unit (a retry storm).
+///
+/// # Until
+///
+/// At most [`max_attempts`](RetryPolicyBuilder::max_attempts) attempts in all, and no wait
+/// that would end after the [`budget`](RetryPolicyBuilder::budget) (measured from when the
+/// first attempt was sent): then the last response is returned.
+///
+/// # Bodies
+///
+/// [`RetryPolicy::builder`] clones bodies with `B: Clone` (`Full<Bytes>`, `String`, ...);
+/// [`RetryPolicy::builder_with_clone`] takes a function `Fn(&B) -> Option<B>` for body
+/// types that can be cloned only sometimes (a buffered body, not a stream): `None` sends the
+/// request once. Headers, URI, version and extensions are cloned with it.
+///
+/// Time is tokio's ([`tokio::time::Instant`], [`tokio::time::sleep`]), so a test under
+/// `tokio::time::pause()` sees exact delays. Clones share their settings and their jitter
+/// source; each request keeps its own attempt count.
 pub struct RetryPolicy<B, C = NoErrors> {
     config: Arc<Config<B, C>>,
     /// Retries scheduled so far for this request (0 in the policy a service holds).
@@ -388,22 +413,11 @@ impl<B> RetryPolicy<B> {
 }
 
 impl<B, C> RetryPolicy<B, C> {
-    /// Makes a call, and makes it again while it fails with a retryable gRPC status:
-    /// `RESOURCE_EXHAUSTED` (8) or `UNAVAILABLE` (14). `attempt` starts one call (a closure
-    /// returning its future, as a tonic client method does); its error is a [`GrpcStatus`]
-    /// (`tonic::Status` with the `tonic` feature).
-    ///
-    /// The `n`-th retry (from 0) waits `max(jitter, pushback)`, the jitter drawn from
-    /// `[0, min(cap, base x 2^n)]` and the pushback the status's `grpc-retry-pushback-ms`
-    /// (gRFC A6; milliseconds). A negative or malformed pushback means "do not retry": that
-    /// status is returned. At most [`max_attempts`](RetryPolicyBuilder::max_attempts) calls,
-    /// and no wait that would end after the [`budget`](RetryPolicyBuilder::budget) (from the
-    /// first call): then the last status is returned. Any other status, and success, is
-    /// returned at once. The policy's HTTP methods do not apply: `RESOURCE_EXHAUSTED` from a
-    /// rate limiter means the call was not processed, but retry `UNAVAILABLE` only for calls
-    /// that are safe to repeat.
-    ///
-    /// Time is tokio's, so a test under `tokio::time::pause()` sees exact delays.
+    /// Makes a call, and makes it again while it fails with `RESOURCE_EXHAUSTED` (8) or
+    /// `UNAVAILABLE` (14), waiting as the policy says. `attempt` starts one call (a closure
+    /// returning its future, as a tonic client method does), whose error is a [`GrpcStatus`]
+    /// (`tonic::Status` with the `tonic` feature). It returns the first success or status not
+    /// retried, or the last status once the attempts or the budget are spent.
     ///
     /// ```
     /// use std::sync::atomic::{AtomicU32, Ordering};
@@ -458,6 +472,20 @@ impl<B, C> RetryPolicy<B, C> {
     /// # Ok(())
     /// # }
     /// ```
+    ///
+    /// # How it works
+    ///
+    /// The `n`-th retry (from 0) waits `max(jitter, pushback)`, the jitter drawn from
+    /// `[0, min(cap, base x 2^n)]` and the pushback the status's `grpc-retry-pushback-ms`
+    /// (gRFC A6; milliseconds). A negative or malformed pushback means "do not retry": that
+    /// status is returned. At most [`max_attempts`](RetryPolicyBuilder::max_attempts) calls,
+    /// and no wait that would end after the [`budget`](RetryPolicyBuilder::budget) (from the
+    /// first call): then the last status is returned. Any other status, and success, is
+    /// returned at once. The policy's HTTP methods do not apply: `RESOURCE_EXHAUSTED` from a
+    /// rate limiter means the call was not processed, but retry `UNAVAILABLE` only for calls
+    /// that are safe to repeat.
+    ///
+    /// Time is tokio's, so a test under `tokio::time::pause()` sees exact delays.
     pub async fn call<T, S, F, Fut>(&self, mut attempt: F) -> Result<T, S>
     where
         S: GrpcStatus,
@@ -556,8 +584,9 @@ where
     }
 }
 
-/// Builds a [`RetryPolicy`]; see [`RetryPolicy::builder`]. Setters only collect values;
-/// [`build`](Self::build) checks them all.
+/// Builds a [`RetryPolicy`], started by [`RetryPolicy::builder`] (see [`RetryPolicy`] for an
+/// example).
+/// Setters only collect values, and [`build`](Self::build) checks them all.
 #[must_use]
 pub struct RetryPolicyBuilder<B, C = NoErrors> {
     max_attempts: u32,
@@ -619,7 +648,7 @@ impl<B, C> RetryPolicyBuilder<B, C> {
         self
     }
 
-    /// The backoff's cap: no jitter ceiling above it (default 20 s; at least
+    /// The backoff's cap, above which no jitter ceiling goes (default 20 s; at least
     /// [`base`](Self::base)). A server's hint may be longer.
     pub fn cap(mut self, cap: Duration) -> Self {
         self.cap = cap;

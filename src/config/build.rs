@@ -19,7 +19,9 @@ use crate::headers::{HeaderFormat, HeaderStyle};
 use crate::layer::{LogKeys, MissingKey, OnStoreError, RateLimitLayer, StreamMode, Unselected};
 use crate::limiter::Limiter;
 use crate::policy::{Policy, PolicyBuilder};
-use crate::quota::{Algorithm, Calendar, Concurrency, Penalty, Quota, Reserve, Unit};
+use crate::quota::{
+    Algorithm, Calendar, Concurrency, MAX_PENALTY_REFUSALS, Penalty, Quota, Reserve, Unit,
+};
 use crate::store::{Carry, Store};
 
 /// A checked policy, with the places of its values.
@@ -36,19 +38,27 @@ pub(super) struct PolicyDef {
 struct PolicyPlaces {
     /// `policies.NAME`.
     path: String,
+    algorithm: Algorithm,
     /// The policy's table.
     span: Span,
     tiers_span: Span,
     tiers: Vec<TierSpans>,
 }
 
-/// Where a tier's values are written.
+/// Where a tier's values are written, and the values a refusal is traced back to its field
+/// with.
 #[derive(Debug, Clone)]
 struct TierSpans {
     name: String,
     kind: TierKindName,
     /// The span of each field the tier sets, by its name in the file (`name` first).
     fields: Vec<(&'static str, Span)>,
+    /// A rate tier's quota.
+    quota: Option<Quota>,
+    /// The tier's penalty box, as given.
+    penalty: Option<Penalty>,
+    /// The tier's reserve, as given.
+    reserve: Option<Reserve>,
 }
 
 impl TierSpans {
@@ -166,7 +176,7 @@ fn policy(
         (builder, spans) = tier(builder, t, &format!("{path}.tiers[{i}]"), src)?;
         tiers.push(spans);
     }
-    let places = PolicyPlaces { path, span, tiers_span, tiers };
+    let places = PolicyPlaces { path, algorithm, span, tiers_span, tiers };
     match builder.build() {
         Ok(policy) => Ok(PolicyDef { policy, carry, places }),
         Err(e) => Err(places.locate(&name, e, src)),
@@ -254,8 +264,10 @@ fn tier(
     };
     let name = t.name.into_inner();
     let unit = t.unit.map_or(Unit::Requests, |u| u.into_inner().0);
+    let mut rate = None;
     // The penalty box of a rate or calendar tier: `block`, and with `block_after` above 1,
-    // `block_window`.
+    // `block_window`. Values out of range are the builder's to refuse (`PolicyPlaces::locate`
+    // finds the field it refused).
     let penalty = match (t.block, t.block_after, t.block_window) {
         (None, None, None) => None,
         (None, Some(s), _) => {
@@ -265,12 +277,21 @@ fn tier(
             return Err(err(&s.span(), "block_window", needs_block("block_window")));
         }
         (Some(block), after, window) => {
-            let mut p = Penalty::new(block.into_inner().0);
-            match (after.map(Spanned::into_inner), window) {
-                (None | Some(1), None) => {}
-                (Some(n), Some(w)) => p = p.after(n, w.into_inner().0),
-                (None, Some(w)) => p = p.after(1, w.into_inner().0),
-                (Some(_), None) => {
+            let p = Penalty::new(block.into_inner().0);
+            let after = after.map(Spanned::into_inner);
+            match (after, window) {
+                (None | Some(1), None) => Some(p),
+                (None | Some(1), Some(w)) => {
+                    return Err(err(
+                        &w.span(),
+                        "block_window",
+                        "`block_window` counts breaches only when `block_after` is above 1 (the \
+                         first breach blocks); leave it out, or set `block_after`"
+                            .to_owned(),
+                    ));
+                }
+                (Some(n), Some(w)) => Some(p.after(n, w.into_inner().0)),
+                (Some(n), None) if (2..=MAX_PENALTY_REFUSALS).contains(&n) => {
                     return Err(err(
                         &name_span,
                         "block_window",
@@ -279,8 +300,9 @@ fn tier(
                             .to_owned(),
                     ));
                 }
+                // Out of range: refused by the builder, at `block_after`.
+                (Some(n), None) => Some(p.after(n, Duration::ZERO)),
             }
-            Some(p)
         }
     };
     let builder = match kind {
@@ -293,13 +315,14 @@ fn tier(
             if let Some(burst) = t.burst {
                 quota = quota.with_burst(burst.into_inner());
             }
+            rate = Some(quota);
             builder.tier(name.clone(), quota)
         }
         TierKindName::Concurrency => {
             let max = t.max.ok_or_else(|| missing("max"))?;
             let mut limit = Concurrency::new(max.into_inner());
             if let Some(lease) = t.lease {
-                limit = limit.with_lease(lease.into_inner().0);
+                limit = limit.with_ttl(lease.into_inner().0);
             }
             if let Some(hold) = t.typical_hold {
                 limit = limit.with_typical_hold(hold.into_inner().0);
@@ -323,15 +346,18 @@ fn tier(
         None => builder,
     };
     // Reserved capacity of a rate tier: either field alone reserves that much, the other 0.
-    let builder = match (t.reserve_critical, t.reserve_standard) {
-        (None, None) => builder,
+    let reserve = match (t.reserve_critical, t.reserve_standard) {
+        (None, None) => None,
         (critical, standard) => {
             let units = |v: Option<Spanned<u64>>| v.map_or(0, Spanned::into_inner);
-            let r = Reserve::new().critical(units(critical)).standard(units(standard));
-            builder.reserve(name.clone(), r)
+            Some(Reserve::new().critical(units(critical)).standard(units(standard)))
         }
     };
-    Ok((builder, TierSpans { name, kind, fields }))
+    let builder = match reserve {
+        Some(r) => builder.reserve(name.clone(), r),
+        None => builder,
+    };
+    Ok((builder, TierSpans { name, kind, fields, quota: rate, penalty, reserve }))
 }
 
 impl PolicyPlaces {
@@ -362,8 +388,10 @@ impl PolicyPlaces {
                 at(tier, 0, &[count(tier)])
             }
             ConfigError::TooLarge { tier, what, .. } => at(tier, 0, &[what, "count"]),
-            ConfigError::ZeroPeriod { tier } | ConfigError::SpanTooLong { tier, .. } => {
-                at(tier, 0, &["period"])
+            ConfigError::ZeroPeriod { tier } => at(tier, 0, &["period"]),
+            ConfigError::SpanTooLong { tier, .. } => {
+                let field = self.first(tier).map_or("period", |t| self.span_field(t));
+                at(tier, 0, &[field, "period"])
             }
             ConfigError::ZeroBurst { tier } | ConfigError::BurstNotSupported { tier, .. } => {
                 at(tier, 0, &["burst", "count"])
@@ -371,10 +399,12 @@ impl PolicyPlaces {
             ConfigError::LeaseOutOfRange { tier, .. } => at(tier, 0, &["lease"]),
             ConfigError::UnknownTimeZone { tier, .. } => at(tier, 0, &["time_zone"]),
             ConfigError::Penalty { tier, .. } => {
-                at(tier, 0, &["block", "block_after", "block_window"])
+                let field = self.first(tier).and_then(|t| t.penalty).map_or("block", penalty_field);
+                at(tier, 0, &[field, "block"])
             }
             ConfigError::Reserve { tier, .. } => {
-                at(tier, 0, &["reserve_critical", "reserve_standard"])
+                let field = self.first(tier).map_or("reserve_critical", |t| self.reserve_field(t));
+                at(tier, 0, &[field, "reserve_critical", "reserve_standard"])
             }
             ConfigError::DuplicateTier(tier) => at(tier, 1, &["name"]),
             ConfigError::NoTiers(_) => {
@@ -388,6 +418,64 @@ impl PolicyPlaces {
         };
         let (span, field) = found.unwrap_or_else(|| (self.span.clone(), self.path.clone()));
         src.caused(&span, field, e)
+    }
+}
+
+impl PolicyPlaces {
+    /// The first tier named `name`.
+    fn first(&self, name: &str) -> Option<&TierSpans> {
+        self.tiers.iter().find(|t| t.name == name)
+    }
+
+    /// Which field of rate tier `t` makes its span too long: its period, when the period
+    /// alone is refused, else its burst (whose refill, `burst x period / count`, is).
+    fn span_field(&self, t: &TierSpans) -> &'static str {
+        let Some(q) = t.quota else { return "period" };
+        let period_alone = Quota::new(q.count(), q.period());
+        let refused = Policy::builder("probe")
+            .algorithm(self.algorithm)
+            .tier("t", period_alone)
+            .build()
+            .is_err_and(|e| matches!(e, ConfigError::SpanTooLong { .. }));
+        if refused { "period" } else { "burst" }
+    }
+
+    /// Which field of tier `t`'s reserve the builder refuses: `reserve_critical` when it is
+    /// given and refused alone, else `reserve_standard` when given (it is the standard reserve
+    /// on top of the critical one that does not fit).
+    fn reserve_field(&self, t: &TierSpans) -> &'static str {
+        let critical = t.span("reserve_critical").is_some();
+        let standard = t.span("reserve_standard").is_some();
+        let (Some(q), Some(r)) = (t.quota, t.reserve) else { return "reserve_critical" };
+        let refused = |r: Reserve| {
+            Policy::builder("probe")
+                .algorithm(self.algorithm)
+                .tier("t", q)
+                .reserve("t", r)
+                .build()
+                .is_err()
+        };
+        if critical && (!standard || refused(Reserve::new().critical(r.critical_units()))) {
+            "reserve_critical"
+        } else {
+            "reserve_standard"
+        }
+    }
+}
+
+/// Which field of penalty box `p` the builder refuses: each value is tried beside valid ones
+/// (the builder's ranges stay in one place, `Policy::build`).
+fn penalty_field(p: Penalty) -> &'static str {
+    let refused = |p: Penalty| {
+        Policy::builder("probe").tier("t", Quota::per_second(1)).penalty("t", p).build().is_err()
+    };
+    let valid = Duration::from_secs(1);
+    if refused(Penalty::new(p.block())) {
+        "block"
+    } else if refused(Penalty::new(valid).after(p.refusals(), valid)) {
+        "block_after"
+    } else {
+        "block_window"
     }
 }
 

@@ -109,8 +109,24 @@ impl<S, St: Store> Layer<S> for LimitsLayer<St> {
     }
 }
 
-/// Replaces the configuration of a [`LimitsLayer`] while it serves; made by
-/// [`LimitsLayer::handle`]. Cheap to clone.
+/// Replaces the configuration of a [`LimitsLayer`] while it serves, and gives the running
+/// policies' limiters. Made by [`LimitsLayer::handle`], and cheap to clone.
+///
+/// ```
+/// use tollgate::config::{LimitsConfig, LimitsLayer};
+/// use tollgate::key::Key;
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let v1 = "[policies.api]\ntiers = [{ name = \"api\", count = 10, period = \"1m\" }]\n";
+/// let layer = LimitsLayer::new(LimitsConfig::from_toml(v1, "v1.toml").unwrap()).unwrap();
+/// let handle = layer.handle();
+/// handle.limiter("api").unwrap().check(&Key::text("k"), 4).await.unwrap();
+/// let v2 = v1.replace("count = 10", "count = 20");
+/// handle.reload(LimitsConfig::from_toml(&v2, "v2.toml").unwrap()).unwrap();
+/// let now = handle.limiter("api").unwrap().check(&Key::text("k"), 0).await.unwrap();
+/// assert_eq!(now.tiers()[0].remaining(), 20); // a changed tier starts full (by default)
+/// # }
+/// ```
 ///
 /// A reload builds the new configuration beside the running one and swaps it in atomically:
 /// requests already in progress finish under the configuration they started with, new ones
@@ -207,24 +223,11 @@ impl<St: Store> ReloadHandle<St> {
         self.shared.current.load().limiters.get(name).cloned()
     }
 
-    /// Watches the file at `path`: every `every` (at least 1 ms; a shorter period is taken as
-    /// 1 ms) it reads the file, and when its content differs from what was last read, and a
-    /// second read a moment later (a quarter of `every`, between 1 ms and 250 ms) gives the
-    /// same bytes, it [reloads](Self::reload) it. A file still being written is read again on
-    /// the next tick; a file that defines no policy, or none of the running ones, is refused
-    /// unless it says `replace_all = true` (so a file truncated mid-rewrite never lifts the
-    /// limits, and its keys keep their state when the complete file follows). Logs (`tracing`) each reload at `info` (with the kept,
-    /// changed, added and removed policies) and each refused file at `error` with the
-    /// [`ConfigFileError`] (`file:line:column: field: message`); a refused file keeps the
-    /// running configuration. A file that cannot be read (being replaced, say) is logged at
-    /// `warn` once and tried again on the next tick.
-    ///
-    /// The content is compared, not only the modification time, whose granularity is too
-    /// coarse on some file systems to tell two writes apart. When the running configuration
-    /// was [loaded](LimitsConfig::load) from `path`, its text is what was last read.
-    ///
-    /// The future runs until every layer, service and handle of this configuration is dropped;
-    /// spawn it, and abort its task to stop watching sooner:
+    /// Watches the file at `path` and [reloads](Self::reload) it whenever its content changes,
+    /// checking every `every` (at least 1 ms). A file being written, or refused, leaves the
+    /// running configuration in place, and each reload or refusal is logged. The future runs
+    /// until every layer, service and handle of this configuration is dropped, so spawn it,
+    /// and abort its task to stop watching sooner.
     ///
     /// ```no_run
     /// # use std::time::Duration;
@@ -236,6 +239,24 @@ impl<St: Store> ReloadHandle<St> {
     /// watcher.abort();
     /// # Ok(()) }
     /// ```
+    ///
+    /// # How it works
+    ///
+    /// Every `every` (a shorter period than 1 ms is taken as 1 ms) it reads the file, and when
+    /// its content differs from what was last read, and a second read a moment later (a
+    /// quarter of `every`, between 1 ms and 250 ms) gives the same bytes, it reloads it. A file
+    /// still being written is read again on the next tick; a file that defines no policy, or
+    /// none of the running ones, is refused unless it says `replace_all = true` (so a file
+    /// truncated mid-rewrite never lifts the limits, and its keys keep their state when the
+    /// complete file follows). Logs (`tracing`) each reload at `info` (with the kept, changed,
+    /// added and removed policies) and each refused file at `error` with the
+    /// [`ConfigFileError`] (`file:line:column: field: message`); a refused file keeps the
+    /// running configuration. A file that cannot be read (being replaced, say) is logged at
+    /// `warn` once and tried again on the next tick.
+    ///
+    /// The content is compared, not only the modification time, whose granularity is too
+    /// coarse on some file systems to tell two writes apart. When the running configuration
+    /// was [loaded](LimitsConfig::load) from `path`, its text is what was last read.
     pub async fn watch(self, path: impl Into<PathBuf>, every: Duration) {
         let path = path.into();
         let running = self.config();

@@ -176,7 +176,7 @@
 //!     .concurrency(
 //!         "in-flight",
 //!         Concurrency::new(4)
-//!             .with_lease(Duration::from_secs(60))
+//!             .with_ttl(Duration::from_secs(60))
 //!             .with_typical_hold(Duration::from_secs(2)),
 //!     )
 //!     .tier("upload-bytes", Quota::per_second(1_000_000).counting(Unit::RequestBytes))
@@ -200,7 +200,7 @@
 //! A rate or calendar tier may carry a penalty box ([`Penalty`](crate::Penalty)): `block`, how
 //! long a key that breaches the tier is refused (a duration); `block_after`, the breaches that
 //! start a block (default 1), and `block_window`, the window they are counted in (needed when
-//! `block_after` is above 1).
+//! `block_after` is above 1, refused otherwise: the first breach would block regardless).
 //!
 //! ```toml
 //! [policies.login]

@@ -60,7 +60,25 @@ pub(crate) fn peer(parts: &RequestHead<'_>) -> Option<IpAddr> {
     parts.extensions.get::<SocketAddr>().map(SocketAddr::ip)
 }
 
-/// The TCP peer's address. Read from the request extensions:
+/// The TCP peer's address, with IPv6 grouped by /64 (see [`ipv6_prefix`](Self::ipv6_prefix)),
+/// and the layer's default key extractor. Use it when clients connect directly, since behind a proxy every
+/// client would share the proxy's bucket ([`ClientIp`] reads the client behind it). A request
+/// whose server recorded no peer address has no key.
+///
+/// ```
+/// use std::net::SocketAddr;
+/// use tollgate::key::{Key, KeyExtractor, PeerIp, RequestHead};
+///
+/// let mut req = http::Request::get("/").body(()).unwrap();
+/// // What a hyper server's service inserts for each connection (axum: `ConnectInfo`).
+/// req.extensions_mut().insert("[2001:db8::7]:4000".parse::<SocketAddr>().unwrap());
+/// let key = PeerIp::new().extract(&RequestHead::from(&req));
+/// assert_eq!(key, Some(Key::Ip("2001:db8::".parse().unwrap())));
+/// ```
+///
+/// # Where the address comes from
+///
+/// From the request extensions:
 ///
 /// - axum (feature `axum`): `ConnectInfo<SocketAddr>`, present when the app is served with
 ///   `into_make_service_with_connect_info::<SocketAddr>()`, or `MockConnectInfo<SocketAddr>`
@@ -72,9 +90,6 @@ pub(crate) fn peer(parts: &RequestHead<'_>) -> Option<IpAddr> {
 ///   (`req.extensions_mut().insert(remote_addr)` in the service that hyper calls).
 ///
 /// No key without one of them (the layer's missing-key setting then applies).
-///
-/// Use this when clients connect directly; behind a proxy every client would share the proxy's
-/// bucket: use [`ClientIp`].
 #[derive(Debug, Clone, Copy)]
 pub struct PeerIp {
     v6_prefix: u8,
@@ -126,7 +141,18 @@ fn no_peer(extractor: &'static str) -> KeyMissing {
     )
 }
 
-/// Which header a trusted proxy writes the client address to.
+/// Which header a trusted proxy writes the client address to (default `X-Forwarded-For`), as
+/// [`ClientIp::header`] reads it.
+///
+/// ```
+/// use std::net::SocketAddr;
+/// use tollgate::key::{ClientIp, ForwardedHeader, Key, KeyExtractor, RequestHead};
+///
+/// let ex = ClientIp::from_cidrs(["10.0.0.0/8"]).unwrap().header(ForwardedHeader::Forwarded);
+/// let mut req = http::Request::get("/").header("forwarded", "for=203.0.113.7").body(()).unwrap();
+/// req.extensions_mut().insert("10.0.0.1:5000".parse::<SocketAddr>().unwrap());
+/// assert_eq!(ex.extract(&RequestHead::from(&req)), Some(Key::Ip("203.0.113.7".parse().unwrap())));
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[cfg_attr(feature = "config", derive(serde::Deserialize), serde(rename_all = "kebab-case"))]
 #[non_exhaustive]
@@ -141,18 +167,9 @@ pub enum ForwardedHeader {
     XRealIp,
 }
 
-/// The client address behind trusted proxies.
-///
-/// The TCP peer is read as [`PeerIp`] reads it: axum's `ConnectInfo`, tonic's
-/// `TcpConnectInfo` (feature `tonic`), or a `SocketAddr` extension.
-///
-/// When the TCP peer is **not** in the trusted list, the key is the peer itself, whatever the
-/// request's headers say (they are client-written, hence spoofable). When it is trusted, the
-/// chosen header is walked from the **right**: trusted hops are skipped and the first untrusted
-/// address is the client. A hop that is not an address (`unknown`, an obfuscated `_id`, garbage,
-/// bytes that are not UTF-8) ends the walk and the key is the trusted proxy that wrote it: the
-/// client cannot choose its own key by writing junk. If every hop is trusted, the left-most one
-/// is used. Never the left-most value of an untrusted chain.
+/// The client address behind trusted proxies, read from the header they write
+/// ([`ForwardedHeader`]). A peer that is not a trusted proxy is the key itself, whatever the
+/// headers say; see [`from_cidrs`](Self::from_cidrs) for its error.
 ///
 /// ```
 /// use std::net::SocketAddr;
@@ -165,6 +182,19 @@ pub enum ForwardedHeader {
 /// req.extensions_mut().insert("10.0.0.1:5000".parse::<SocketAddr>().unwrap());
 /// assert_eq!(ex.extract(&RequestHead::from(&req)), Some(Key::Ip("203.0.113.7".parse().unwrap())));
 /// ```
+///
+/// # How it works
+///
+/// The TCP peer is read as [`PeerIp`] reads it: axum's `ConnectInfo`, tonic's
+/// `TcpConnectInfo` (feature `tonic`), or a `SocketAddr` extension.
+///
+/// When the TCP peer is **not** in the trusted list, the key is the peer itself, whatever the
+/// request's headers say (they are client-written, hence spoofable). When it is trusted, the
+/// chosen header is walked from the **right**: trusted hops are skipped and the first untrusted
+/// address is the client. A hop that is not an address (`unknown`, an obfuscated `_id`, garbage,
+/// bytes that are not UTF-8) ends the walk and the key is the trusted proxy that wrote it: the
+/// client cannot choose its own key by writing junk. If every hop is trusted, the left-most one
+/// is used. Never the left-most value of an untrusted chain.
 #[derive(Debug, Clone)]
 pub struct ClientIp {
     trusted: Vec<IpNet>,

@@ -41,17 +41,25 @@ pub use ip::{ClientIp, DEFAULT_IPV6_PREFIX, ForwardedHeader, PeerIp, group_ip};
 /// attacker cannot make the store hold megabyte-sized keys.
 pub const MAX_KEY_BYTES: usize = 256;
 
-/// The identity being limited.
+/// The identity being limited, read from each request by a [`KeyExtractor`]. Cheap to clone
+/// (addresses inline, text behind an `Arc`). Its `Display` form is an unambiguous encoding
+/// (used in Redis keys), `m` for the shared missing-key bucket.
 ///
-/// Cheap to clone (addresses inline, text behind an `Arc`). Its `Display` form is an
-/// unambiguous encoding (used in Redis keys): `g`, `ip:203.0.113.7`, `s5:alice`,
-/// `t2(ip:203.0.113.7,s5:alice)`, `m` for the shared missing-key bucket.
+/// ```
+/// use std::net::IpAddr;
+/// use tollgate::key::Key;
+///
+/// let ip = Key::from("203.0.113.7".parse::<IpAddr>().unwrap());
+/// let user = Key::text("alice");
+/// assert_eq!((Key::Global.to_string(), ip.to_string()), ("g".into(), "ip:203.0.113.7".into()));
+/// assert_eq!(user.to_string(), "s5:alice"); // a tuple key: t2(ip:203.0.113.7,s5:alice)
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[non_exhaustive]
 pub enum Key {
     /// One bucket for everything.
     Global,
-    /// A client address (IPv6 already grouped by prefix).
+    /// A client address ([`PeerIp`] and [`ClientIp`] group IPv6 by prefix, see [`group_ip`]).
     Ip(IpAddr),
     /// Text: a header value, user id, route, method.
     Text(Arc<str>),
@@ -164,9 +172,9 @@ impl fmt::Display for Redacted<'_> {
     }
 }
 
-/// A request's head, borrowed: what key extractors and cost functions read. Made from a
-/// `&Request<B>` without touching the body or copying anything, or from `&Parts`. Its fields
-/// are named like [`Parts`]'s.
+/// A request's head, borrowed, which key extractors and cost functions read. It is made from a
+/// `&Request<B>` (without touching the body or copying anything) or from `&Parts`, and its
+/// fields are named like [`Parts`]'s.
 ///
 /// ```
 /// use tollgate::key::RequestHead;
@@ -345,7 +353,14 @@ tuple_extractor!(A B);
 tuple_extractor!(A B C);
 tuple_extractor!(A B C D);
 
-/// One bucket shared by every request.
+/// One bucket shared by every request: a limit for the whole service.
+///
+/// ```
+/// use tollgate::key::{GlobalKey, Key, KeyExtractor, RequestHead};
+///
+/// let req = http::Request::get("/anything").body(()).unwrap();
+/// assert_eq!(GlobalKey.extract(&RequestHead::from(&req)), Some(Key::Global));
+/// ```
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GlobalKey;
 
@@ -355,15 +370,9 @@ impl KeyExtractor for GlobalKey {
     }
 }
 
-/// The value of a request header, e.g. an API key. Missing, empty, or longer than
-/// [`MAX_KEY_BYTES`] counts as no key; bytes that are not UTF-8 are kept (replaced by U+FFFD).
-/// When the header repeats, the first line is used.
-///
-/// Also the extractor for gRPC metadata: ASCII metadata travel as HTTP/2 headers of the same
-/// (lowercase) name, so `HeaderKey::new(HeaderName::from_static("x-api-key"))` keys a tonic
-/// service by the `x-api-key` metadata a client set with
-/// `request.metadata_mut().insert("x-api-key", ..)`. Binary metadata (names ending in `-bin`)
-/// travel base64-encoded, and the key is that text: still one key per value.
+/// The value of a request header, e.g. an API key, or of gRPC metadata. A value that is
+/// missing, empty or longer than [`MAX_KEY_BYTES`] counts as no key, and bytes that are not
+/// UTF-8 are kept (replaced by U+FFFD). When the header repeats, the first line is used.
 ///
 /// ```
 /// use http::HeaderName;
@@ -377,6 +386,14 @@ impl KeyExtractor for GlobalKey {
 /// let key = HeaderKey::new(HeaderName::from_static("x-api-key"));
 /// assert_eq!(key.extract(&RequestHead::from(&req)), Some(Key::text("k1")));
 /// ```
+///
+/// # gRPC metadata
+///
+/// ASCII metadata travel as HTTP/2 headers of the same (lowercase) name, so
+/// `HeaderKey::new(HeaderName::from_static("x-api-key"))` keys a tonic service by the
+/// `x-api-key` metadata a client set with `request.metadata_mut().insert("x-api-key", ..)`.
+/// Binary metadata (names ending in `-bin`) travel base64-encoded, and the key is that text:
+/// still one key per value.
 #[derive(Debug, Clone)]
 pub struct HeaderKey {
     name: http::HeaderName,
@@ -418,8 +435,26 @@ impl KeyExtractor for HeaderKey {
     }
 }
 
-/// A value that an earlier layer (authentication) put in the request extensions, keyed by its
-/// `Display` form: e.g. a `UserId`.
+/// A value that an earlier layer (authentication) put in the request extensions, e.g. a
+/// `UserId`, keyed by its `Display` form. No key when the request has none.
+///
+/// ```
+/// use tollgate::key::{ExtensionKey, Key, KeyExtractor, RequestHead};
+///
+/// #[derive(Clone)]
+/// struct UserId(u64);
+///
+/// impl std::fmt::Display for UserId {
+///     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+///         write!(f, "user:{}", self.0)
+///     }
+/// }
+///
+/// let mut req = http::Request::get("/").body(()).unwrap();
+/// req.extensions_mut().insert(UserId(42)); // as an authentication layer would
+/// let key = ExtensionKey::<UserId>::new();
+/// assert_eq!(key.extract(&RequestHead::from(&req)), Some(Key::text("user:42")));
+/// ```
 pub struct ExtensionKey<T> {
     _t: PhantomData<fn() -> T>,
 }
@@ -468,7 +503,21 @@ impl<T: fmt::Display + Send + Sync + 'static> KeyExtractor for ExtensionKey<T> {
 }
 
 /// The route template axum matched (`/users/{id}`, from `MatchedPath`): one bucket per route,
-/// whatever the path parameters. No key when the router matched nothing.
+/// whatever the path parameters. No key when the router matched nothing, so add the layer with
+/// `Router::route_layer` (or `Router::layer`), which run after routing.
+///
+/// ```
+/// use axum::{Router, routing::get};
+/// use tollgate::key::{PeerIp, RouteKey};
+/// use tollgate::{Policy, Quota, RateLimitLayer};
+///
+/// // One budget per client and route: /users/1 and /users/2 share one.
+/// let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(5)).unwrap())
+///     .key((PeerIp::new(), RouteKey))
+///     .build()
+///     .unwrap();
+/// let app: Router = Router::new().route("/users/{id}", get(|| async { "user" })).route_layer(layer);
+/// ```
 #[cfg(feature = "axum")]
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 #[derive(Debug, Clone, Copy, Default)]
@@ -491,7 +540,14 @@ impl KeyExtractor for RouteKey {
     }
 }
 
-/// The request method.
+/// The request method: one bucket per method, or per client and method as part of a tuple.
+///
+/// ```
+/// use tollgate::key::{Key, KeyExtractor, MethodKey, RequestHead};
+///
+/// let req = http::Request::post("/orders").body(()).unwrap();
+/// assert_eq!(MethodKey.extract(&RequestHead::from(&req)), Some(Key::text("POST")));
+/// ```
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MethodKey;
 
@@ -506,12 +562,6 @@ impl KeyExtractor for MethodKey {
 /// [`GrpcMethod::service`]. A path of another shape, or longer than [`MAX_KEY_BYTES`], has no
 /// key.
 ///
-/// It reads the path only, so gRPC-Web calls (same paths) are keyed alike. Combine it with a
-/// client key for a budget per client and method, `(PeerIp::new(), GrpcMethod::new())`; to give
-/// methods different *policies*, choose the policy from the path with the layer's
-/// [`select`](crate::RateLimitLayerBuilder::select) (or build one layer per method with a
-/// [`filter`](crate::RateLimitLayerBuilder::filter)).
-///
 /// ```
 /// use tollgate::key::{GrpcMethod, Key, KeyExtractor, RequestHead};
 ///
@@ -522,6 +572,12 @@ impl KeyExtractor for MethodKey {
 /// let req = http::Request::get("/index.html").body(()).unwrap();
 /// assert_eq!(GrpcMethod::new().extract(&RequestHead::from(&req)), None);
 /// ```
+///
+/// It reads the path only, so gRPC-Web calls (same paths) are keyed alike. Combine it with a
+/// client key for a budget per client and method, `(PeerIp::new(), GrpcMethod::new())`; to give
+/// methods different *policies*, choose the policy from the path with the layer's
+/// [`select`](crate::RateLimitLayerBuilder::select) (or build one layer per method with a
+/// [`filter`](crate::RateLimitLayerBuilder::filter)).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GrpcMethod {
     service_only: bool,

@@ -29,7 +29,7 @@ pin_project! {
     /// A body and the meters of the layers that observe it, innermost first: the one type
     /// behind [`RequestBody`] and [`ResponseBody`]. A request's frames cannot be cut (their
     /// data is any `Buf`): each waits, whole, until every gate has room
-    /// ([`poll_whole`](Self::poll_whole)). A response's frames are cut to their leases, each
+    /// ([`poll_whole`](Self::poll_whole)). A response's frames are cut to their grants, each
     /// meter reading what the meters inside it let out ([`poll_cut`](Self::poll_cut)).
     pub(crate) struct Metered<B> {
         #[pin]
@@ -81,29 +81,8 @@ pin_project! {
     /// a boxed body, a user's own), with its frames, errors, end and size hint passed through
     /// unchanged.
     ///
-    /// Under a policy with a tier counting [`Unit::RequestBytes`](crate::Unit::RequestBytes),
-    /// a request without a valid `Content-Length` is charged the bytes of the data frames that
-    /// pass through this body as the handler reads them (settled once, when the response body
-    /// ends, by the rule both bodies share: see [`ResponseBody`]); a request with one is charged its
-    /// `Content-Length` at admission. No other work is done
-    /// per frame, and nothing is allocated for a request that is not counted. Under a layer
-    /// metering streams ([`StreamMode::Shape`](crate::StreamMode::Shape),
-    /// [`Police`](crate::StreamMode::Police)), the next frame of such a body waits for the
-    /// tier's next lease: its frames, errors and end are still the body's own, delivered
-    /// later, and a body stopped by policing yields nothing more (the layer answers in the
-    /// handler's place). Under tiers counting [`Unit::RequestMessages`](crate::Unit), the
-    /// gRPC messages of a call's body are counted from their 5-byte prefixes as the frames
-    /// pass (read in place, never copied nor decoded), and metered the same way.
-    ///
-    /// With a body-size limit, put tower-http's `RequestBodyLimitLayer` outside the rate limit
-    /// in the same `ServiceBuilder` (`ServiceBuilder::new().layer(limit).layer(rate_limit)`),
-    /// or use axum's `DefaultBodyLimit`: an upload over the limit then gets 413 and is charged
-    /// the bytes read (up to the limit and the frame that crossed it). A separate
-    /// `Router::layer` call between the two boxes the body once more, and axum's extractors
-    /// look for a length-limit error through two such boxes only (answering 400 beyond).
-    ///
-    /// axum's and tonic's routers take any body type, so nothing changes for them. A plain
-    /// hyper handler behind the layer names this type:
+    /// axum's and tonic's routers take any body type, so nothing changes for them; a plain
+    /// hyper handler behind the layer names this type.
     ///
     /// ```
     /// use std::convert::Infallible;
@@ -123,6 +102,32 @@ pin_project! {
     /// # let _ = svc;
     /// # Ok(()) }
     /// ```
+    ///
+    /// # How it works
+    ///
+    /// Under a policy with a tier counting [`Unit::RequestBytes`](crate::Unit::RequestBytes),
+    /// a request without a valid `Content-Length` is charged the bytes of the data frames that
+    /// pass through this body as the handler reads them (settled once, when the response body
+    /// ends, by the rule both bodies share: see [`ResponseBody`]); a request with one is
+    /// charged its `Content-Length` at admission. No other work is done per frame, and nothing
+    /// is allocated for a request that is not counted. Under a layer metering streams
+    /// ([`StreamMode::Shape`](crate::StreamMode::Shape),
+    /// [`Police`](crate::StreamMode::Police)), the next frame of such a body waits for the
+    /// tier's next grant: its frames, errors and end are still the body's own, delivered
+    /// later, and a body stopped by policing yields nothing more (the layer answers in the
+    /// handler's place). Under tiers counting
+    /// [`Unit::RequestMessages`](crate::Unit::RequestMessages), the gRPC messages of a call's
+    /// body are counted from their 5-byte prefixes as the frames pass (read in place, never
+    /// copied nor decoded), and metered the same way.
+    ///
+    /// # With a body-size limit
+    ///
+    /// With a body-size limit, put tower-http's `RequestBodyLimitLayer` outside the rate limit
+    /// in the same `ServiceBuilder` (`ServiceBuilder::new().layer(limit).layer(rate_limit)`),
+    /// or use axum's `DefaultBodyLimit`: an upload over the limit then gets 413 and is charged
+    /// the bytes read (up to the limit and the frame that crossed it). A separate
+    /// `Router::layer` call between the two boxes the body once more, and axum's extractors
+    /// look for a length-limit error through two such boxes only (answering 400 beyond).
     pub struct RequestBody<B> {
         #[pin]
         metered: Metered<B>,
@@ -163,7 +168,7 @@ impl<B> RequestBody<B> {
         meter.signal.get_or_insert(signal);
     }
 
-    /// Meters the gRPC messages of the data frames from now on with `gate` (a lease of
+    /// Meters the gRPC messages of the data frames from now on with `gate` (a grant of
     /// messages, or a tally), telling `signal` when policing stops the body.
     pub(crate) fn gate_messages(&mut self, gate: Box<dyn Gate>, signal: Arc<Signal>) {
         let meter = self.metered.own_meter();
@@ -236,7 +241,7 @@ impl<B: Body> Metered<B> {
                         None => Poll::Pending,
                     };
                 }
-                // Within the lease (most frames): nothing to poll. A refusal stops the body
+                // Within the grant (most frames): nothing to poll. A refusal stops the body
                 // at its next data frame: its end is never refused.
                 let gate = meter.bytes.as_mut().filter(|gate| gate.ready() == 0);
                 if let (Some(gate), None) = (gate, &meter.refused_bytes) {
@@ -246,7 +251,7 @@ impl<B: Body> Metered<B> {
                         Poll::Ready(Err(why)) => meter.refused_bytes = Some(why),
                     }
                 }
-                // Messages: a refused lease stops the stream at the next message only.
+                // Messages: a refused grant stops the stream at the next message only.
                 if meter.refused.is_some() {
                     continue;
                 }
@@ -337,6 +342,8 @@ pin_project! {
     /// bytes of a response the layer made itself (a 429, a 503, a 400). No boxing either way,
     /// however many layers limited the request.
     ///
+    /// # How a body ends
+    ///
     /// Under a policy with concurrency tiers or tiers counting bytes, messages or reported
     /// units, the body also ends the request's hold. One rule ends every body the layer
     /// observes, this one and the [`RequestBody`] the handler read, for every layer that
@@ -356,13 +363,13 @@ pin_project! {
     /// request body until then (a request with a valid `Content-Length` was charged it at
     /// admission); tiers counting [`Usage`](crate::Usage), what the handler reported. The
     /// units charged at admission are replaced by these counts (given back where they are
-    /// fewer), and a body metered as it streams gives back the unused part of its last lease
+    /// fewer), and a body metered as it streams gives back the unused part of its last grant
     /// when it is dropped (see [`StreamMode`](crate::StreamMode)). A request body that
     /// finishes, is abandoned or is dropped settles nothing itself: what it handed on is
-    /// settled when the response body ends, and its leases give back their unused part when
+    /// settled when the response body ends, and its grants give back their unused part when
     /// it is dropped. A response whose status gives the charge back settles every such tier
     /// at nothing instead. A request whose handler fails or panics, or that is dropped
-    /// before its response, keeps its admission charge, less the tiers metered by leases,
+    /// before its response, keeps its admission charge, less the tiers metered by grants,
     /// which are charged what streamed.
     pub struct ResponseBody<B> {
         #[pin]
@@ -583,9 +590,9 @@ impl<S: Body<Data = Bytes>> Below<'_, S> {
     }
 }
 
-/// A response body metered as it streams: each data frame waits for its lease (cut to what
-/// the lease covers, the rest kept for the next call; with message tiers, cut before the
-/// prefix of the first message past the lease), and a gRPC response ends with
+/// A response body metered as it streams: each data frame waits for its grant (cut to what
+/// the grant covers, the rest kept for the next call; with message tiers, cut before the
+/// prefix of the first message past the grant), and a gRPC response ends with
 /// `RESOURCE_EXHAUSTED` trailers when policing stops its request or its response.
 fn poll_streamed<S>(
     meter: &mut Meter,
@@ -621,11 +628,11 @@ where
         }
     }
     let rest = meter.rest.len() as u64;
-    // What may pass: the bytes the byte tiers' lease covers, cut at the message past the
-    // message tiers' lease.
+    // What may pass: the bytes the byte tiers' grant covers, cut at the message past the
+    // message tiers' grant.
     let mut room = rest;
     if let Some(gate) = meter.bytes.as_mut() {
-        // Within the lease (most frames): a comparison, no size hint, no poll.
+        // Within the grant (most frames): a comparison, no size hint, no poll.
         let mut bytes = gate.ready();
         if bytes == 0 {
             let remaining = body.size_hint().exact().map(|left| left.saturating_add(rest));
@@ -659,8 +666,8 @@ where
 }
 
 /// How much of the first `take` bytes of a response's pending data may pass as its message
-/// tiers' lease says: cut at the start of the first message past it (bytes that end no
-/// prefix, a payload's rest, pass without a lease). All of them without message tiers.
+/// tiers' grant says: cut at the start of the first message past it (bytes that end no
+/// prefix, a payload's rest, pass without a grant). All of them without message tiers.
 fn cut_at_messages(
     meter: &mut Meter,
     take: usize,
@@ -670,7 +677,7 @@ fn cut_at_messages(
     let window = &meter.rest[..take];
     let mut scan = framer.scan(window, 0);
     if scan.bytes < window.len() {
-        // The messages this frame starts: what the lease may cover at once.
+        // The messages this frame starts: what the grant may cover at once.
         let want = framer.scan(window, u64::MAX).messages.max(1);
         match gate.poll_room(cx, None, want) {
             Poll::Pending => return Poll::Pending,

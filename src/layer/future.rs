@@ -1,5 +1,5 @@
 //! [`ResponseFuture`], the future of [`RateLimit`](crate::layer::RateLimit), and the state machine it
-//! shares with [`LeanFuture`](crate::layer::LeanFuture).
+//! shares for either kind of bodies ([`Bodies`]).
 
 use std::fmt;
 use std::future::Future;
@@ -11,6 +11,7 @@ use http::{Response, StatusCode};
 use pin_project_lite::pin_project;
 
 use super::body::ResponseBody;
+use super::service::{Bodies, Metered};
 use crate::headers::Prepared;
 use crate::key::Key;
 
@@ -70,9 +71,9 @@ pin_project! {
     ///
     /// # Panics
     /// When polled again after it completed (the `Future` contract).
-    pub struct ResponseFuture<F, B, E> {
+    pub struct ResponseFuture<F, B, E, M: Bodies = Metered> {
         #[pin]
-        state: State<F, ResponseBody<B>, E>,
+        state: State<F, M::Response<B>, E>,
     }
 }
 
@@ -90,33 +91,33 @@ impl<F, B, E> ResponseFuture<F, B, E> {
     }
 }
 
-impl<F, B, E> From<State<F, ResponseBody<B>, E>> for ResponseFuture<F, B, E> {
-    fn from(state: State<F, ResponseBody<B>, E>) -> Self {
+impl<F, B, E, M: Bodies> From<State<F, M::Response<B>, E>> for ResponseFuture<F, B, E, M> {
+    fn from(state: State<F, M::Response<B>, E>) -> Self {
         Self { state }
     }
 }
 
-impl<F, B, E> fmt::Debug for ResponseFuture<F, B, E> {
+impl<F, B, E, M: Bodies> fmt::Debug for ResponseFuture<F, B, E, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResponseFuture").field("state", &self.state.name()).finish()
     }
 }
 
-impl<F, B, E> Future for ResponseFuture<F, B, E>
+impl<F, B, E, M: Bodies> Future for ResponseFuture<F, B, E, M>
 where
     F: Future<Output = Result<Response<B>, E>>,
 {
-    type Output = Result<Response<ResponseBody<B>>, E>;
+    type Output = Result<Response<M::Response<B>>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.project().state.poll_with(cx, ResponseBody::inner)
+        self.project().state.poll_with(cx, M::response)
     }
 }
 
 pin_project! {
     /// Where a response future of the layer is: `F` the inner service's future, `R` the body
     /// it answers with (the inner body mapped, or a refusal's), `E` the inner error. One state
-    /// machine for [`ResponseFuture`] and [`LeanFuture`](crate::layer::LeanFuture), which differ in
+    /// machine for [`ResponseFuture`] of either kind of bodies ([`Bodies`]), which differ in
     /// the body only.
     #[project = StateProj]
     pub(crate) enum State<F, R, E> {

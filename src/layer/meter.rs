@@ -144,7 +144,7 @@ pub(super) struct Counters {
     response_bytes: bool,
     usage: Option<Usage>,
     /// The request body is metered as it streams ([`StreamMode`](super::StreamMode)): its
-    /// tiers are charged by leases, and the unit charged at admission is given back.
+    /// tiers are charged by grants, and the unit charged at admission is given back.
     request_streamed: bool,
     /// The messages of a gRPC call counted as its bodies stream, under
     /// [`StreamMode::Settle`](super::StreamMode::Settle): settled when the response ends.
@@ -194,9 +194,9 @@ pub(super) type StopTrailers = Box<dyn Fn(&Stopped) -> HeaderMap + Send>;
 /// policing stopped its request, and how a gRPC response stopped by policing ends.
 #[derive(Default)]
 pub(crate) struct Streamed {
-    /// The response bytes' leases.
+    /// The response bytes' grants.
     pub(crate) gate: Option<Box<dyn Gate>>,
-    /// The response messages' leases (a gRPC call), and where the response stands in its
+    /// The response messages' grants (a gRPC call), and where the response stands in its
     /// messages.
     pub(crate) messages: Option<(Box<dyn Gate>, Framer)>,
     /// Where the request body tells that policing stopped it (a gRPC call only).
@@ -231,31 +231,31 @@ struct Settlement {
 ///
 /// Ending, once: a meter handed the request's hold settles it (tiers counting response
 /// bytes at the bytes handed on, the request's bytes and messages at their counters, reported
-/// units at what the handler reported, the tiers metered by leases at nothing) and releases
+/// units at what the handler reported, the tiers metered by grants at nothing) and releases
 /// its concurrency slots; a meter without one (a request body's) settles nothing itself: its
-/// counts are read by the response's meter when that ends. Its leases (dropped with it) give
-/// back the unused part of their last lease.
+/// counts are read by the response's meter when that ends. Its grants (dropped with it) give
+/// back the unused part of their last grant.
 pub(crate) struct Meter {
     /// Bytes of the data frames handed on.
     passed: u64,
     /// Where the bytes handed on are also added: a request body's bytes, settled by the
     /// response's meter.
     tally: Option<Arc<AtomicU64>>,
-    /// The leases of the body's bytes.
+    /// The grants of the body's bytes.
     pub(super) bytes: Option<Box<dyn Gate>>,
-    /// The leases (or the tally) of the body's gRPC messages, and where it stands in them.
+    /// The grants (or the tally) of the body's gRPC messages, and where it stands in them.
     pub(super) messages: Option<(Box<dyn Gate>, Framer)>,
     /// Where a stop by policing is told (a request body) or heard (a gRPC response).
     pub(super) signal: Option<Arc<Signal>>,
-    /// A request body's message tier refused the next lease: the stream stops at its next
+    /// A request body's message tier refused the next grant: the stream stops at its next
     /// message (what comes first may be the end, or the rest of a message already counted).
     pub(super) refused: Option<Stopped>,
-    /// A request body's byte tier refused the next lease with nothing owed: the stream stops
+    /// A request body's byte tier refused the next grant with nothing owed: the stream stops
     /// at its next data frame (what comes first may be its end).
     pub(super) refused_bytes: Option<Stopped>,
     /// Stopped by policing: nothing more passes.
     pub(super) stopped: bool,
-    /// The part of a response's data frame past its lease, handed on when the next lease
+    /// The part of a response's data frame past its grant, handed on when the next grant
     /// comes.
     pub(super) rest: Bytes,
     /// The trailers of a gRPC response stopped by policing.
@@ -337,7 +337,7 @@ impl Meter {
 
     /// The body was finished, abandoned or dropped (see [`Meter`]): settle and release, once.
     pub(super) fn end(&mut self) {
-        // The leases end with the body: the unused part of each last lease is given back now,
+        // The grants end with the body: the unused part of each last grant is given back now,
         // not when the body is dropped later.
         let leased_bytes = self.bytes.take().is_some();
         self.messages = None;
@@ -348,7 +348,7 @@ impl Meter {
         // A refund from the head settles every unit at 0: counts do not apply.
         let refunded = |unit: Unit| settled.iter().any(|(u, _)| *u == unit);
         let mut counted = Vec::with_capacity(3);
-        // A streamed body's bytes were charged by its leases: the unit charged at admission
+        // A streamed body's bytes were charged by its grants: the unit charged at admission
         // is given back.
         if let Some(bytes) = &counters.request_bytes {
             counted.push((Unit::RequestBytes, bytes.load(Ordering::Relaxed)));

@@ -1,5 +1,5 @@
 //! Serving an admitted request whose policy meters something while it runs: concurrency slots
-//! held, bytes or messages counted or leased as they stream, units reported.
+//! held, bytes or messages counted or granted as they stream, units reported.
 
 use super::meter::Needs;
 use crate::limiter::Limiter;
@@ -18,8 +18,8 @@ use super::messages::Framer;
 use super::meter::{Counters, Finish, Meter, StopTrailers, Streamed};
 use super::plan::Demand;
 use super::serve::settled_by_head;
-use super::service::{Carry, Observing};
-use super::stream::{Gate, Leases, Signal, Stopped, StreamMode, Tally};
+use super::service::{Carry, Metered};
+use super::stream::{Gate, Grants, Signal, Stopped, StreamMode, Tally};
 use super::{Config, OnStoreError};
 use crate::headers::Prepared;
 use crate::key::{Key, KeyExtractor};
@@ -28,7 +28,7 @@ use crate::quota::Unit;
 use crate::store::Store;
 
 /// Serves an admitted request whose policy meters something while it runs: concurrency slots
-/// held, bytes or messages counted or leased as they stream, units reported.
+/// held, bytes or messages counted or granted as they stream, units reported.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn serve_metered<S, K, St, ReqB, ResB>(
     config: Arc<Config<K, St>>,
@@ -70,7 +70,7 @@ where
         Err(why) => {
             held.finish();
             let res = config.stopped(metering.limiter, &key, why, (grpc, collect));
-            let mut res = res.map(<Observing as Carry<ReqB, ResB>>::refusal);
+            let mut res = res.map(<Metered as Carry<ReqB, ResB>>::refusal);
             if closes {
                 close(&mut res);
             }
@@ -81,7 +81,7 @@ where
     // not take its budget is refused (500), logged once and counted.
     #[cfg(feature = "ws")]
     if let Some(refused) = metering.unmetered_upgrade(&res, linger.as_deref()) {
-        return Ok(refused.map(<Observing as Carry<ReqB, ResB>>::refusal));
+        return Ok(refused.map(<Metered as Carry<ReqB, ResB>>::refusal));
     }
     let (mut head, body) = res.into_parts();
     headers.apply_parts(&mut head);
@@ -151,8 +151,8 @@ struct Metering<'a, K, St: Store> {
 }
 
 /// What metering the request left for its response: the counters, where policing tells that
-/// it stopped the upload, the messages tallied under `Settle`, and the tiers metered by leases
-/// (settled at nothing, the leases having charged what streamed).
+/// it stopped the upload, the messages tallied under `Settle`, and the tiers metered by grants
+/// (settled at nothing, the grants having charged what streamed).
 struct Requested {
     counters: Counters,
     signal: Option<Arc<Signal>>,
@@ -183,14 +183,14 @@ impl<'a, K: KeyExtractor, St: Store> Metering<'a, K, St> {
         }
     }
 
-    /// The leases of `unit` for this request's key.
-    fn leases(&self, unit: Unit, mode: StreamMode, fail_open: bool) -> Leases<St> {
+    /// The grants of `unit` for this request's key.
+    fn grants(&self, unit: Unit, mode: StreamMode, fail_open: bool) -> Grants<St> {
         let (key, priority) = (self.key.clone(), self.demand.priority);
-        Leases::new(self.limiter, key, priority, unit, mode, fail_open)
+        Grants::new(self.limiter, key, priority, unit, mode, fail_open)
     }
 
-    /// Meters the request body: its bytes leased as it streams (a body whose length was not
-    /// charged at admission) or counted, its gRPC messages leased or tallied.
+    /// Meters the request body: its bytes granted as it streams (a body whose length was not
+    /// charged at admission) or counted, its gRPC messages granted or tallied.
     fn request<ReqB>(&self, req: &mut Request<RequestBody<ReqB>>) -> Requested {
         let (needs, mode, grpc) = (self.needs, self.mode, self.grpc);
         let stream_bytes = mode.streams() && needs.request_bytes() && self.demand.length.is_none();
@@ -200,13 +200,13 @@ impl<'a, K: KeyExtractor, St: Store> Metering<'a, K, St> {
         let mut counters =
             Counters::install(needs, req.extensions_mut(), length_known, stream_bytes);
         if let (true, Some(signal)) = (stream_bytes, &signal) {
-            let gate = self.leases(Unit::RequestBytes, mode, self.fail_open);
+            let gate = self.grants(Unit::RequestBytes, mode, self.fail_open);
             req.body_mut().gate(Box::new(gate), Arc::clone(signal));
         } else if let Some(counter) = counters.request_bytes() {
             req.body_mut().count_into(counter);
         }
         if let (true, Some(signal)) = (request_messages, &signal) {
-            let gate = self.leases(Unit::RequestMessages, mode, self.fail_open);
+            let gate = self.grants(Unit::RequestMessages, mode, self.fail_open);
             req.body_mut().gate_messages(Box::new(gate.prepaid(self.prepaid)), Arc::clone(signal));
         }
         // Settling (or a dry run): a gRPC call's messages are counted, and the message each
@@ -226,8 +226,8 @@ impl<'a, K: KeyExtractor, St: Store> Metering<'a, K, St> {
                 ..Streamed::default()
             }
         });
-        // The tiers metered by leases were charged a unit at admission (policing) that the
-        // leases replace: given back however the request ends, stopped or dropped before its
+        // The tiers metered by grants were charged a unit at admission (policing) that the
+        // grants replace: given back however the request ends, stopped or dropped before its
         // response (a client gone) included, so that such a tier is charged what streamed.
         let mut streamed_units = SmallVec::new();
         if stream_bytes {
@@ -240,7 +240,7 @@ impl<'a, K: KeyExtractor, St: Store> Metering<'a, K, St> {
     }
 
     /// The meter of the response body, ending the request's hold with `finish`: its bytes
-    /// and gRPC messages leased as they stream (not for a response whose status gives the
+    /// and gRPC messages granted as they stream (not for a response whose status gives the
     /// charge back: its units are settled at nothing when it ends), or its messages tallied.
     fn response(
         &self,
@@ -269,14 +269,14 @@ impl<'a, K: KeyExtractor, St: Store> Metering<'a, K, St> {
             false => (StreamMode::Shape, true),
         };
         let gate = response_bytes
-            .then(|| Box::new(self.leases(Unit::ResponseBytes, mode, fail_open)) as Box<dyn Gate>);
+            .then(|| Box::new(self.grants(Unit::ResponseBytes, mode, fail_open)) as Box<dyn Gate>);
         let policy = self.policy;
         let trailers = grpc.then(|| {
             let config: Arc<Config<K, St>> = Arc::clone(config);
             Box::new(move |why: &Stopped| config.stop_trailers(policy, why)) as StopTrailers
         });
         let messages = response_messages.then(|| {
-            let gate = self.leases(Unit::ResponseMessages, mode, fail_open);
+            let gate = self.grants(Unit::ResponseMessages, mode, fail_open);
             (Box::new(gate.prepaid(self.prepaid)) as Box<dyn Gate>, Framer::default())
         });
         let signal = if grpc { signal } else { None };
@@ -334,7 +334,7 @@ impl<'a, K: KeyExtractor, St: Store> Metering<'a, K, St> {
 }
 
 /// A request held while its handler runs: when it ends before a response (stopped by
-/// policing, or dropped), it settles the tiers metered by leases at nothing (their leases
+/// policing, or dropped), it settles the tiers metered by grants at nothing (their grants
 /// charged what streamed), then releases its slots.
 struct Holding<St: Store> {
     held: Option<Held<St>>,
@@ -343,7 +343,7 @@ struct Holding<St: Store> {
 
 impl<St: Store> Holding<St> {
     /// The hold, finished by whatever ends the request (its response body, or an upgraded
-    /// socket): with what that settles, and the tiers metered by leases at nothing unless it
+    /// socket): with what that settles, and the tiers metered by grants at nothing unless it
     /// settled them itself (a response body that ended does).
     fn into_finish(mut self) -> Finish {
         let (held, units) = (self.held.take(), std::mem::take(&mut self.settled));
@@ -368,7 +368,7 @@ impl<St: Store> Holding<St> {
 impl<St: Store> Drop for Holding<St> {
     fn drop(&mut self) {
         match self.held.take() {
-            // Nothing metered by leases: dropped as before, keeping every estimate.
+            // Nothing metered by grants: dropped as before, keeping every estimate.
             Some(held) if self.settled.is_empty() => drop(held),
             Some(held) => held.finish(&self.settled),
             None => {}

@@ -38,6 +38,7 @@ mod stream;
 pub(crate) mod websocket;
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,12 +49,13 @@ use tower_layer::Layer;
 
 pub use body::{RequestBody, ResponseBody};
 pub use future::ResponseFuture;
+#[allow(deprecated)]
 pub use lean::{LeanFuture, LeanLayer, LeanRateLimit};
 pub use meter::Usage;
 pub use observe::{DecisionEvent, LogKeys, Observed};
 pub use scope::Unselected;
-pub use service::RateLimit;
-pub use stream::{MESSAGE_LEASE, STREAM_LEASE, StreamMode};
+pub use service::{Bodies, Lean, Metered, RateLimit};
+pub use stream::{MESSAGE_GRANT, STREAM_GRANT, StreamMode};
 
 use observe::{Failing, HookFn, MissingKeys, Observer};
 use scope::{Added, Condition, Scope, ScopeBuilder};
@@ -266,17 +268,12 @@ impl Default for Settings {
 }
 
 /// A Tower layer that rate-limits requests by key under one [`Policy`] (or one of several,
-/// chosen per request by a [selector](RateLimitLayerBuilder::select)).
-///
-/// Police (default) answers 429 at once; [`shape`](RateLimitLayerBuilder::shape) holds a
-/// request until its reserved slot. Clones share state: add the same layer to several routes
-/// and they share one budget. So do layers built separately with one policy on one store:
-/// for a budget per route, give each route a policy of its own name, or put the route in the
-/// key (see [one policy, one budget](crate::store#one-policy-on-one-store-is-one-budget)).
-///
-/// gRPC calls (`content-type: application/grpc...`, see [`crate::grpc`]) are refused in gRPC
-/// form: `grpc-status: 8` (`RESOURCE_EXHAUSTED`) with `grpc-retry-pushback-ms`, instead of a
-/// 429 their clients could not read.
+/// chosen per request by a [selector](RateLimitLayerBuilder::select)). A request over the
+/// limit gets a 429 with `Retry-After` and the rate-limit headers (policing, the default), or
+/// waits for its slot when the layer [shapes](RateLimitLayerBuilder::shape). Made by
+/// [`builder`](Self::builder) (or [`with_limiter`](Self::with_limiter)), whose
+/// [`build`](RateLimitLayerBuilder::build) refuses a configuration that cannot work
+/// ([`ConfigError`]).
 ///
 /// ```
 /// use http::{Request, StatusCode};
@@ -301,17 +298,29 @@ impl Default for Settings {
 /// assert_eq!(second.headers()["retry-after"], "60");
 /// # }
 /// ```
-pub struct RateLimitLayer<K = PeerIp, St: Store = MemoryStore> {
+///
+/// # How it works
+///
+/// Clones share state: add the same layer to several routes and they share one budget. So do layers built separately with one policy on one store:
+/// for a budget per route, give each route a policy of its own name, or put the route in the
+/// key (see [one policy, one budget](crate::store#one-policy-on-one-store-is-one-budget)).
+///
+/// gRPC calls (`content-type: application/grpc...`, see [`crate::grpc`]) are refused in gRPC
+/// form: `grpc-status: 8` (`RESOURCE_EXHAUSTED`) with `grpc-retry-pushback-ms`, instead of a
+/// 429 their clients could not read.
+pub struct RateLimitLayer<K = PeerIp, St: Store = MemoryStore, B = Metered> {
     config: Arc<Config<K, St>>,
+    /// How its service carries bodies: [`Metered`], or [`Lean`] (see [`Bodies`]).
+    bodies: PhantomData<fn() -> B>,
 }
 
-impl<K, St: Store> Clone for RateLimitLayer<K, St> {
+impl<K, St: Store, B> Clone for RateLimitLayer<K, St, B> {
     fn clone(&self) -> Self {
-        Self { config: Arc::clone(&self.config) }
+        Self { config: Arc::clone(&self.config), bodies: PhantomData }
     }
 }
 
-impl<K, St: Store> fmt::Debug for RateLimitLayer<K, St> {
+impl<K, St: Store, B> fmt::Debug for RateLimitLayer<K, St, B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayer")
             .field("policy", &self.config.limiter.policy().name())
@@ -345,7 +354,7 @@ impl<St: Store> RateLimitLayer<PeerIp, St> {
     }
 }
 
-impl<K, St: Store> RateLimitLayer<K, St> {
+impl<K, St: Store, B> RateLimitLayer<K, St, B> {
     /// The limiter the layer decides through: that of the policy the builder started with.
     #[must_use]
     pub fn limiter(&self) -> &Limiter<St> {
@@ -360,8 +369,8 @@ impl<K, St: Store> RateLimitLayer<K, St> {
     }
 }
 
-impl<S, K, St: Store> Layer<S> for RateLimitLayer<K, St> {
-    type Service = RateLimit<S, K, St>;
+impl<S, K, St: Store, B> Layer<S> for RateLimitLayer<K, St, B> {
+    type Service = RateLimit<S, K, St, B>;
 
     fn layer(&self, inner: S) -> Self::Service {
         RateLimit::new(inner, Arc::clone(&self.config))
@@ -373,8 +382,25 @@ enum Source<St: Store> {
     Limiter(Limiter<St>),
 }
 
-/// Builds a [`RateLimitLayer`]; see [`RateLimitLayer::builder`]. Setters only collect values;
-/// [`build`](Self::build) checks them all.
+/// Builds a [`RateLimitLayer`], started by [`RateLimitLayer::builder`] or
+/// [`RateLimitLayer::with_limiter`]. Setters only collect values, and
+/// [`build`](Self::build) checks them all, naming the setting it refuses.
+///
+/// ```
+/// use tollgate::{HeaderStyle, MissingKey, OnStoreError, Policy, Quota, RateLimitLayer};
+///
+/// let policy = Policy::single("api", Quota::per_second(10)).unwrap();
+/// let layer = RateLimitLayer::builder(policy.clone())
+///     .missing_key(MissingKey::Shared)
+///     .headers(HeaderStyle::Both)
+///     .on_store_error(OnStoreError::FailOpen)
+///     .refund_if(|status| status.is_server_error())
+///     .build()
+///     .unwrap();
+/// // A setting that cannot work is refused, naming it.
+/// let err = RateLimitLayer::builder(policy).cost(11).build().unwrap_err();
+/// assert_eq!(err.to_string(), "cost: 11 units exceed the capacity of tier `api` (10 units)");
+/// ```
 #[must_use]
 pub struct RateLimitLayerBuilder<K = PeerIp, St: Store = MemoryStore> {
     source: Source<St>,
@@ -404,11 +430,11 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         }
     }
 
-    /// Sets the store (default: a new [`MemoryStore`]). Pass a clone of one store to several
-    /// layers to keep their states in one place: layers of different policies keep apart,
-    /// layers of one policy share its budget
-    /// ([one policy, one budget](crate::store#one-policy-on-one-store-is-one-budget)); a layer
-    /// made [`with_limiter`](RateLimitLayer::with_limiter) keeps its limiter's store.
+    /// Sets the store: by default a new [`MemoryStore`], or the limiter's own for a builder
+    /// made [`with_limiter`](RateLimitLayer::with_limiter) (this call replaces that limiter with
+    /// its policy bound afresh to `store`). Layers given clones of one store keep their states
+    /// in one place, apart by policy, and layers of one policy share its budget
+    /// ([one policy, one budget](crate::store#one-policy-on-one-store-is-one-budget)).
     ///
     /// The default store reads the system's monotonic clock, which `tokio::time::pause()` and
     /// `tokio::time::advance` do not move: a test on tokio's paused clock gives the layer a
@@ -436,10 +462,10 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         self
     }
 
-    /// Picks each request's class ([`Priority`]) from its head: from a header, the route, an
-    /// authenticated user. Tiers with a [`Reserve`](crate::Reserve) give each class what it
-    /// reserves; other tiers ignore the class. Without this, every request is
-    /// [`Priority::Standard`].
+    /// Picks each request's class ([`Priority`]) from its head, e.g. from a header, the route
+    /// or an authenticated user (default: every request is [`Priority::Standard`]). Only tiers
+    /// with a [`Reserve`](crate::Reserve) tell the classes apart, each class getting what the
+    /// tier reserves for it.
     ///
     /// ```
     /// use tollgate::{Policy, Priority, Quota, RateLimitLayer, Reserve};
@@ -467,10 +493,11 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         self
     }
 
-    /// Reads each request's class from the header `name`: `critical`, `standard` or
-    /// `sheddable` ([`Priority::from_name`]); a missing or unknown value is standard (so a
-    /// client cannot claim more than standard by sending garbage; strip the header at your
-    /// edge if clients may not choose `critical`). Shorthand for [`priority`](Self::priority).
+    /// Reads each request's class from the header `name` (`critical`, `standard` or
+    /// `sheddable`, as [`Priority::from_name`] reads them), a shorthand for
+    /// [`priority`](Self::priority). A missing or unknown value is standard, so a client cannot
+    /// claim more than standard by sending garbage. Strip the header at your edge if clients
+    /// may not choose `critical`.
     pub fn priority_header(self, name: http::HeaderName) -> Self {
         self.priority(move |head| {
             head.headers
@@ -481,12 +508,36 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         })
     }
 
-    /// Shapes instead of policing: a request that would conform within `max_delay` reserves
-    /// its slot and waits for it; one that would wait longer is rejected as when policing
-    /// (nginx `limit_req burst=N delay=M`), its `Retry-After` the wait until its slot is
-    /// within `max_delay`. The slot is the earliest instant at which every tier has room, and
-    /// every tier is charged there (a calendar tier in the window holding it). A request
-    /// dropped while waiting gives its slot back.
+    /// Shapes instead of policing (nginx `limit_req burst=N delay=M`), holding a request that
+    /// would conform within `max_delay` until its reserved slot. One that would wait longer is
+    /// refused as when policing, its `Retry-After` the wait until its slot is within
+    /// `max_delay`. A request dropped while waiting gives its slot back.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use http::{Request, Response};
+    /// use http_body_util::Full;
+    /// use tollgate::{Policy, Quota, RateLimitLayer, clock::TokioClock, key::GlobalKey};
+    /// use tower::{Layer, ServiceExt, service_fn};
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// // A store on tokio's clock, which the paused test controls.
+    /// let store = tollgate::store::MemoryStore::builder().clock(TokioClock::new()).build().unwrap();
+    /// let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(2)).unwrap())
+    ///     .key(GlobalKey).store(store).shape(Duration::from_secs(1)).build().unwrap();
+    /// let ok = || async { Ok::<_, std::convert::Infallible>(Response::new(Full::<bytes::Bytes>::default())) };
+    /// let svc = layer.layer(service_fn(move |_req| ok()));
+    /// let start = tokio::time::Instant::now();
+    /// for _ in 0..3 {
+    ///     svc.clone().oneshot(Request::new(Full::<bytes::Bytes>::default())).await.unwrap();
+    /// }
+    /// // Two at once (the burst); the third held until its slot, 500 ms later.
+    /// assert_eq!(start.elapsed(), Duration::from_millis(500));
+    /// # }
+    /// ```
+    ///
+    /// The slot is the earliest instant at which every tier has room, and every tier is
+    /// charged there (a calendar tier in the window holding it).
     pub fn shape(mut self, max_delay: Duration) -> Self {
         self.settings.chose("shape");
         self.settings.max_delay = Some(max_delay);
@@ -547,14 +598,16 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         self
     }
 
-    /// Whether a refusal for a missing key explains itself in the response: its problem+json
-    /// `detail` (gRPC: `grpc-message`) then names the key extractor, what it looked for and
-    /// the usual fix ([`KeyExtractor::explain_missing`]), e.g. "PeerIp found no key: it
-    /// looked for the peer's address in the request extensions ... Fix: axum: serve with
-    /// `app.into_make_service_with_connect_info::<SocketAddr>()` ...". Default: on in debug
-    /// builds (`debug_assertions`), off in release builds, where the response says only that
-    /// no key could be read. The log explains either way: the first such refusal of a layer
-    /// is a `warn` event with the explanation, later ones are `debug` events.
+    /// Whether a refusal for a missing key explains itself in the response (default: on in
+    /// debug builds, `debug_assertions`, and off in release builds). Its problem+json `detail`
+    /// (gRPC: `grpc-message`) then names the key extractor, what it looked for and the usual
+    /// fix ([`KeyExtractor::explain_missing`]); otherwise it says only that no key could be read.
+    ///
+    /// For example: "PeerIp found no key: it looked for the peer's address in the request
+    /// extensions ... Fix: axum: serve with
+    /// `app.into_make_service_with_connect_info::<SocketAddr>()` ...". The log explains either
+    /// way: the first such refusal of a layer is a `warn` event with the explanation, later
+    /// ones are `debug` events.
     pub fn explain_missing_key(mut self, on: bool) -> Self {
         self.settings.chose("explain_missing_key");
         self.settings.explain_missing = on;
@@ -587,6 +640,17 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// the charge is given back, exactly, on every tier and in every store, when the response
     /// head arrives).
     ///
+    /// ```
+    /// use tollgate::{Policy, Quota, RateLimitLayer};
+    ///
+    /// let policy = Policy::single("login", Quota::per_hour(3)).unwrap();
+    /// // Handlers here answer 405 after doing work: keep its charge.
+    /// let layer = RateLimitLayer::builder(policy).charge_method_not_allowed(true).build().unwrap();
+    /// # let _ = layer;
+    /// ```
+    ///
+    /// # How it works
+    ///
     /// A 405 says that the resource does not serve the request's method (RFC 9110 §15.5.6):
     /// in axum it is the router's answer, and axum's `Router::route_layer` puts the layer
     /// around that answer too (each route's method router, including its method-not-allowed
@@ -600,15 +664,6 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
     /// the budget, and the layer cannot tell the router's 404 from a handler's. Under
     /// `route_layer` the router's 404s never reach the layer (only matched routes are
     /// wrapped); under `Router::layer` they are charged.
-    ///
-    /// ```
-    /// use tollgate::{Policy, Quota, RateLimitLayer};
-    ///
-    /// let policy = Policy::single("login", Quota::per_hour(3)).unwrap();
-    /// // Handlers here answer 405 after doing work: keep its charge.
-    /// let layer = RateLimitLayer::builder(policy).charge_method_not_allowed(true).build().unwrap();
-    /// # let _ = layer;
-    /// ```
     pub fn charge_method_not_allowed(mut self, charge: bool) -> Self {
         self.settings.charge_method_not_allowed = charge;
         self
@@ -658,14 +713,16 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         self
     }
 
-    /// Dry run (shadow mode): decide and charge admitted requests, but never refuse or delay
-    /// one. A request that would have been refused passes uncharged, and is reported: a
-    /// tracing event (`info`, "tollgate: dry run: would have limited", with the policy, the
-    /// redacted key and the violated tiers), the `dry_run_limited` outcome of the
-    /// `tollgate_decisions_total` metric (feature `metrics`) and of the
-    /// [decision hook](Self::on_decision). Its response is the handler's, without rate-limit
+    /// Dry run (shadow mode) decides and charges admitted requests, but never refuses or
+    /// delays one (default off). A request that would have been refused passes uncharged, and
+    /// is reported. Admitted responses carry the true remaining quota.
+    ///
+    /// The report is a tracing event (`info`, "tollgate: dry run: would have limited", with
+    /// the policy, the redacted key and the violated tiers), the `dry_run_limited` outcome of
+    /// the `tollgate_decisions_total` metric (feature `metrics`) and of the
+    /// [decision hook](Self::on_decision). The response is the handler's, without rate-limit
     /// headers: an `r=0` would tell clients that pace themselves to stop while nothing is
-    /// enforced. Admitted responses carry the true remaining quota.
+    /// enforced.
     pub fn dry_run(mut self, on: bool) -> Self {
         self.settings.dry_run = on;
         self
@@ -706,10 +763,10 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         self
     }
 
-    /// Limits only the requests for which `f` is true; the others pass through untouched: no
-    /// key is read, nothing is charged, no rate-limit header is added. Several filters (and
-    /// [`only_methods`](Self::only_methods) / [`skip_methods`](Self::skip_methods)) combine:
-    /// a request is limited only when every one of them says so.
+    /// Limits only the requests for which `f` is true, passing the others through untouched
+    /// (no key read, nothing charged, no rate-limit header added). Several filters (and
+    /// [`only_methods`](Self::only_methods) / [`skip_methods`](Self::skip_methods)) combine, a
+    /// request being limited only when every one of them says so.
     ///
     /// ```
     /// use tollgate::{Policy, Quota, RateLimitLayer};
@@ -743,9 +800,9 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         self
     }
 
-    /// Never limits these keys (e.g. an internal service's API key): their requests pass
-    /// through untouched. A composite key (a tuple extractor) is allowed when it equals one
-    /// of these or one of its parts does. Adds to earlier calls.
+    /// Never limits these keys (e.g. an internal service's API key), whose requests pass
+    /// through untouched; adds to earlier calls. A composite key (a tuple extractor) is allowed
+    /// when it equals one of these or one of its parts does.
     pub fn allow_keys(mut self, keys: impl IntoIterator<Item = impl Into<Key>>) -> Self {
         self.scope.allow_keys.extend(keys.into_iter().map(Into::into));
         self
@@ -804,12 +861,11 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         self
     }
 
-    /// Chooses the policy of each request by [name](Policy::name), from its head: e.g. the
-    /// caller's plan in a header, or in an extension that an authentication layer set.
-    /// The candidates are the builder's policy and those added with
-    /// [`policy`](Self::policy). A request for which `f` returns `None`, or a name no policy
-    /// has, is handled as [`unselected`](Self::unselected) says (default: passed on
-    /// unlimited).
+    /// Chooses the policy of each request by [name](Policy::name) from its head, e.g. the
+    /// caller's plan in a header, or in an extension that an authentication layer set. The
+    /// candidates are the builder's policy and those added with [`policy`](Self::policy). A
+    /// request for which `f` returns `None`, or a name no policy has, is handled as
+    /// [`unselected`](Self::unselected) says (default: passed on unlimited).
     ///
     /// ```
     /// use tollgate::layer::Unselected;
@@ -896,6 +952,7 @@ impl<K, St: Store> RateLimitLayerBuilder<K, St> {
         let limiters = std::iter::once(&limiter).chain(others);
         let plans = limiters.map(|l| plan::Plan::new(&settings, l)).collect();
         Ok(RateLimitLayer {
+            bodies: PhantomData,
             config: Arc::new(Config {
                 limiter,
                 key: self.key,

@@ -30,7 +30,25 @@ pub enum Observed {
 }
 
 /// One decision the layer made, as the [decision hook](super::RateLimitLayerBuilder::on_decision)
-/// sees it.
+/// sees it. It borrows from the request, so the hook copies what it keeps.
+///
+/// ```
+/// use tollgate::key::Redacted;
+/// use tollgate::layer::{DecisionEvent, Observed};
+/// use tollgate::{Policy, Quota, RateLimitLayer};
+///
+/// // An audit line for each refusal: the route, the redacted key, the tiers that refused.
+/// let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(5)).unwrap())
+///     .on_decision(|event: &DecisionEvent<'_>| {
+///         if let (Observed::Limited, Some(decision)) = (event.outcome, event.decision) {
+///             let tiers: Vec<&str> = decision.violated_names(event.policy).collect();
+///             eprintln!("{} {} limited by {tiers:?}", event.head.uri, Redacted(event.key));
+///         }
+///     })
+///     .build()
+///     .unwrap();
+/// # let _ = layer;
+/// ```
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub struct DecisionEvent<'a> {

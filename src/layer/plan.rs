@@ -33,7 +33,7 @@ pub(super) struct Plan {
     /// Whether a `refund_if` predicate is set (statuses other than 405 may give back).
     pub(super) refund_if: bool,
     /// Shaping streamed bodies: their byte tiers (and a gRPC call's message tiers) are not
-    /// checked at admission (the body's first lease waits for room instead of the request
+    /// checked at admission (the body's first grant waits for room instead of the request
     /// being refused).
     pub(super) shape_streams: bool,
 }

@@ -2,6 +2,7 @@
 //! [`decide`](super::decide::decide).
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -26,22 +27,24 @@ use crate::store::Store;
 /// Decides in `call`, never in `poll_ready` (which is delegated to the inner service), so no
 /// capacity is taken for a request that never comes. Limits become responses; the inner
 /// service's error passes through unchanged.
-pub struct RateLimit<S, K, St: Store> {
+pub struct RateLimit<S, K, St: Store, B = Metered> {
     inner: S,
     config: Arc<Config<K, St>>,
     /// One of several layers limiting each request (the rules of a configuration file that
     /// apply together): the rate-limit headers are handed on in the response's extensions,
     /// for the outermost to write them once.
     collect: bool,
+    bodies: PhantomData<fn() -> B>,
 }
 
-impl<S: Clone, K, St: Store> Clone for RateLimit<S, K, St> {
+impl<S: Clone, K, St: Store, B> Clone for RateLimit<S, K, St, B> {
     fn clone(&self) -> Self {
-        Self { inner: self.inner.clone(), config: Arc::clone(&self.config), collect: self.collect }
+        let (inner, config) = (self.inner.clone(), Arc::clone(&self.config));
+        Self { inner, config, collect: self.collect, bodies: PhantomData }
     }
 }
 
-impl<S: fmt::Debug, K, St: Store> fmt::Debug for RateLimit<S, K, St> {
+impl<S: fmt::Debug, K, St: Store, B> fmt::Debug for RateLimit<S, K, St, B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
@@ -50,9 +53,9 @@ impl<S: fmt::Debug, K, St: Store> fmt::Debug for RateLimit<S, K, St> {
     }
 }
 
-impl<S, K, St: Store> RateLimit<S, K, St> {
+impl<S, K, St: Store, B> RateLimit<S, K, St, B> {
     pub(crate) fn new(inner: S, config: Arc<Config<K, St>>) -> Self {
-        Self { inner, config, collect: false }
+        Self { inner, config, collect: false, bodies: PhantomData }
     }
 
     /// This service, handing its rate-limit headers on as values
@@ -64,9 +67,19 @@ impl<S, K, St: Store> RateLimit<S, K, St> {
     }
 
     inner_service_accessors!();
+
+    /// The inner service, mutably, and the layer's config: what `call` decides with.
+    pub(super) fn parts(&mut self) -> (&mut S, &Arc<Config<K, St>>) {
+        (&mut self.inner, &self.config)
+    }
+
+    /// The inner service, mutably (for `poll_ready`).
+    pub(super) fn inner_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
 }
 
-impl<S, K, St, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, K, St>
+impl<S, K, St, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, K, St, Metered>
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Clone + Send + 'static,
     S::Future: Send,
@@ -86,18 +99,71 @@ where
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
         let metered = Some(metered::<S, K, St, ReqB, ResB> as _);
-        decide::<Observing, _, _, _, _, _>(
-            &mut self.inner,
-            &self.config,
-            self.collect,
-            metered,
-            req,
-        )
-        .into()
+        decide::<Metered, _, _, _, _, _>(&mut self.inner, &self.config, self.collect, metered, req)
+            .into()
     }
 }
 
-/// How a service of the layer hands bodies on and back. [`Observing`] wraps both in the
+/// How a layer's service hands bodies on and back, a sealed type parameter of
+/// [`RateLimitLayer`](crate::RateLimitLayer). [`Metered`] (the default) wraps them in the
+/// layer's own [`RequestBody`] and [`ResponseBody`] to meter them, and [`Lean`] hands on the
+/// request's own body and answers with the inner service's own response body, for policies
+/// that observe no body ([`RateLimitLayer::lean`](crate::RateLimitLayer::lean)).
+///
+/// ```
+/// use tollgate::layer::{Lean, Metered, RateLimitLayer};
+/// use tollgate::{Policy, Quota};
+///
+/// let layer: RateLimitLayer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(5)).unwrap())
+///     .build()
+///     .unwrap();
+/// let lean: RateLimitLayer<_, _, Lean> = layer.lean().unwrap();
+/// # let _: RateLimitLayer<_, _, Metered> = layer;
+/// # let _ = lean;
+/// ```
+pub trait Bodies: sealed::Sealed + Send + Sync + 'static {
+    /// The body the service answers with, the inner service answering with `B`.
+    type Response<B>;
+
+    /// The inner service's response body as the service answers with it.
+    fn response<B>(body: B) -> Self::Response<B>;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::Metered {}
+    impl Sealed for super::Lean {}
+}
+
+/// The bodies of the layer's service wrapped to be metered (the default): the handler gets
+/// [`RequestBody`], the service answers with [`ResponseBody`]. See [`Bodies`].
+#[derive(Debug)]
+pub enum Metered {}
+
+impl Bodies for Metered {
+    type Response<B> = ResponseBody<B>;
+
+    #[inline]
+    fn response<B>(body: B) -> ResponseBody<B> {
+        ResponseBody::inner(body)
+    }
+}
+
+/// The bodies of the layer's service handed on as they are, for policies that observe no
+/// body ([`RateLimitLayer::lean`](crate::RateLimitLayer::lean)). See [`Bodies`].
+#[derive(Debug)]
+pub enum Lean {}
+
+impl Bodies for Lean {
+    type Response<B> = B;
+
+    #[inline]
+    fn response<B>(body: B) -> B {
+        body
+    }
+}
+
+/// How a service of the layer hands bodies on and back. [`Metered`] wraps both in the
 /// layer's own bodies ([`RequestBody`], [`ResponseBody`]) so that it can meter them; [`Lean`]
 /// hands on the request's own body and answers with the inner service's own response body,
 /// for policies that observe no body. The decision steps are written once, over this.
@@ -114,10 +180,7 @@ pub(super) trait Carry<ReqB, ResB>: 'static {
     fn refusal(body: Bytes) -> Self::Res;
 }
 
-/// [`RateLimit`]'s bodies: both wrapped, to be metered.
-pub(super) enum Observing {}
-
-impl<ReqB: http_body::Body + Send + 'static, ResB: Send + 'static> Carry<ReqB, ResB> for Observing {
+impl<ReqB: http_body::Body + Send + 'static, ResB: Send + 'static> Carry<ReqB, ResB> for Metered {
     type Req = RequestBody<ReqB>;
     type Res = ResponseBody<ResB>;
 
@@ -136,9 +199,6 @@ impl<ReqB: http_body::Body + Send + 'static, ResB: Send + 'static> Carry<ReqB, R
         ResponseBody::own(Full::new(body))
     }
 }
-
-/// The lean service's bodies: handed on and back as they are; a refusal's made from its bytes.
-pub(super) enum Lean {}
 
 impl<ReqB: http_body::Body + Send + 'static, ResB: From<Bytes> + Send + 'static> Carry<ReqB, ResB>
     for Lean
@@ -167,7 +227,7 @@ impl<ReqB: http_body::Body + Send + 'static, ResB: From<Bytes> + Send + 'static>
 /// ([`RateLimit`]'s: [`serve_metered`]). A function pointer handed to the shared steps rather
 /// than a method of [`Carry`]: the inner service's bounds, written over `Carry`'s associated
 /// body types, do not carry over to a generic method's implementations.
-pub(super) type Metered<S, K, St, Q, R, E> = fn(
+pub(super) type ServeMetered<S, K, St, Q, R, E> = fn(
     Arc<Config<K, St>>,
     (usize, bool),
     S,
@@ -177,9 +237,9 @@ pub(super) type Metered<S, K, St, Q, R, E> = fn(
     Prepared,
 ) -> Slow<R, E>;
 
-/// The [`Metered`] of a service carrying bodies as `C` does; `None` for one that meters nothing.
+/// The [`ServeMetered`] of a service carrying bodies as `C` does; `None` for one that meters nothing.
 pub(super) type MeteredBy<C, S, K, St, ReqB, ResB> = Option<
-    Metered<
+    ServeMetered<
         S,
         K,
         St,
@@ -189,7 +249,7 @@ pub(super) type MeteredBy<C, S, K, St, ReqB, ResB> = Option<
     >,
 >;
 
-/// [`serve_metered`], boxed: [`RateLimit`]'s [`Metered`].
+/// [`serve_metered`], boxed: [`RateLimit`]'s [`ServeMetered`].
 fn metered<S, K, St, ReqB, ResB>(
     config: Arc<Config<K, St>>,
     policy: (usize, bool),

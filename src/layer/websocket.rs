@@ -1,6 +1,6 @@
 //! WebSocket messages as a tier's unit: the layer cannot see the frames of an upgraded
 //! connection, so it hands the handler a [`MessageBudget`] that meters the socket the
-//! handler wraps with it, in the same leases as the messages of a gRPC stream.
+//! handler wraps with it, in the same grants as the messages of a gRPC stream.
 
 use std::fmt;
 use std::pin::Pin;
@@ -19,7 +19,7 @@ use http::StatusCode;
 use smallvec::SmallVec;
 
 use super::meter::Finish;
-use super::stream::{Gate, Leases, Stopped, StreamMode, Tally};
+use super::stream::{Gate, Grants, Stopped, StreamMode, Tally};
 use crate::key::Key;
 use crate::limiter::Limiter;
 use crate::quota::{Priority, Unit};
@@ -103,58 +103,12 @@ impl Drop for Linger {
     }
 }
 
-/// The message budget of one admitted WebSocket upgrade: the layer's store and policy, the
-/// request's key and [`StreamMode`], to meter the upgraded socket with.
-///
-/// [`RateLimitLayer`](crate::RateLimitLayer) puts one in the extensions of each request it
-/// lets through that asks for a WebSocket upgrade (an `Upgrade: websocket` header, or
-/// HTTP/2's extended `CONNECT`, RFC 8441): metering the socket when the request was admitted
-/// under a policy with a tier counting [`Unit::RequestMessages`] or
-/// [`Unit::ResponseMessages`], and metering nothing otherwise (see
-/// [`is_metered`](Self::is_metered)). Stacked layers each add their tiers to the one budget:
-/// a message is charged to all of them. The layer cannot see the messages of an upgraded
-/// connection: the handler wraps its socket with [`wrap`](Self::wrap), and the
-/// [`MeteredWebSocket`] it gets charges each Text or Binary message it receives to the tiers counting
-/// `RequestMessages` and each it sends to those counting `ResponseMessages` (Ping, Pong and
-/// Close frames are not counted). An upgrade whose handler does not take the budget is
-/// refused with a `500` (logged once, counted in `tollgate_config_warnings_total`): its
-/// socket could not be metered.
-///
-/// The upgrade request itself is admitted as a unary call is, and charged one message each
-/// way (a key that has spent its tier gets a `429` to the upgrade); those are the first
-/// message each way on the socket. The messages then share the
-/// key's budget with its unary calls and its other sockets, and are charged in leases of at
-/// most [`MESSAGE_LEASE`](crate::StreamMode::MESSAGE_LEASE) (16) messages, exactly as a gRPC stream's;
-/// the unused part of the last lease is given back when the socket is dropped. The socket is
-/// metered as the layer decides requests (see [`StreamMode`]); what happens when a tier has no
-/// room for the next message:
-///
-/// - [`StreamMode::Shape`]: the next message waits. Receiving, the socket is not read any
-///   more (TCP flow control slows the client); sending,
-///   [`poll_ready`](Sink::poll_ready) (and [`MeteredWebSocket::send`]) waits.
-/// - [`StreamMode::Police`]: the socket sends a Close frame with code 1008 (policy violation,
-///   RFC 6455 §7.4.1) and the reason `rate limited; retry-after=N`, `N` being the seconds
-///   (rounded up, at least 1) until the tier has room for the lease it refused, then ends
-///   (see [`MeteredWebSocket`]). The message past the budget is not delivered, so the
-///   handler receives (and the client receives) exactly the messages the tier admits.
-/// - [`StreamMode::Settle`], and a [dry run](crate::RateLimitLayerBuilder::dry_run): the
-///   socket is never slowed nor stopped; its messages are counted, and the message each way
-///   charged at admission is settled at the count when the socket ends (what it used past
-///   the tier is owed by the key's next requests).
-///
-/// Code 1008 rather than 1013 (try again later, IANA WebSocket close code registry): the
-/// client sent, or asked for, more than its policy allows, which is what 1008 says; 1013
-/// describes a server-side condition, and is what a socket gets when the store cannot decide
-/// and the layer fails closed
-/// ([`on_store_error`](crate::RateLimitLayerBuilder::on_store_error)); failing open lets the
-/// lease through uncharged.
-///
-/// The upgrade request is held until its socket ends: when the `101` response has been sent
-/// and the budget and every [`MeteredWebSocket`] wrapped with it are dropped. A
-/// [concurrency](crate::Concurrency) tier's slot ("at most 5 open sockets per key") is taken
-/// for that long, under a policy counting messages or not. Under a policy counting no
-/// messages, a handler that does not take the budget ends the request with its `101`
-/// response.
+/// The message budget of one admitted WebSocket upgrade, an axum extractor whose
+/// [`wrap`](Self::wrap) meters the handler's socket. The [`MeteredWebSocket`] it gives charges
+/// each Text or Binary message received to the tiers counting [`Unit::RequestMessages`], and
+/// each sent to those counting [`Unit::ResponseMessages`], shaped or policed as the layer
+/// decides requests. An upgrade whose handler does not take the budget of a policy counting
+/// messages is refused with a `500`.
 ///
 /// ```
 /// use axum::extract::ws::{Message, WebSocketUpgrade};
@@ -185,6 +139,9 @@ impl Drop for Linger {
 /// # let _ = app;
 /// # Ok(()) }
 /// ```
+///
+/// What the client sees when a tier runs out, and how the upgrade is held: see
+/// [how it works](crate::ws#how-it-works).
 #[derive(Clone, Default)]
 pub struct MessageBudget {
     /// One per layer that admitted the upgrade under a policy counting messages (layers may
@@ -228,7 +185,7 @@ impl MessageBudget {
                 let counted = if unit == Unit::RequestMessages { received } else { sent };
                 return Some(Box::new(Tally(Arc::clone(counted))) as Box<dyn Gate>);
             }
-            let gate = Leases::new(&limiter, key.clone(), priority, unit, mode, fail_open);
+            let gate = Grants::new(&limiter, key.clone(), priority, unit, mode, fail_open);
             // The upgrade was charged one message each way at admission.
             Some(Box::new(gate.prepaid(1)) as Box<dyn Gate>)
         };
@@ -403,8 +360,8 @@ impl BudgetSpent {
         self.unit
     }
 
-    /// How long until the tier has room for the lease it refused (at most
-    /// [`MESSAGE_LEASE`](crate::StreamMode::MESSAGE_LEASE) messages); `None` when that lease can never
+    /// How long until the tier has room for the grant it refused (at most
+    /// [`MESSAGE_GRANT`](crate::StreamMode::MESSAGE_GRANT) messages); `None` when that grant can never
     /// fit, or when the store could not decide.
     #[must_use]
     pub fn retry_after(&self) -> Option<Duration> {
@@ -419,7 +376,7 @@ impl BudgetSpent {
     }
 
     /// The Close frame that tells the client: 1008 and `rate limited; retry-after=N` (whole
-    /// seconds rounded up, at least 1; `rate limited` alone when the lease can never fit), or
+    /// seconds rounded up, at least 1; `rate limited` alone when the grant can never fit), or
     /// 1013 and `rate limit unavailable`.
     fn close_frame(&self) -> CloseFrame {
         if self.unavailable {
@@ -472,14 +429,34 @@ enum State {
 /// [`MessageBudget::wrap`]): a [`Stream`] of the messages received and a [`Sink`] of those
 /// to send, as `WebSocket` is, with the same [`recv`](Self::recv) and [`send`](Self::send).
 ///
+/// ```
+/// use axum::extract::ws::Message;
+/// use tollgate::ws::MeteredWebSocket;
+///
+/// /// Pushes updates until the client goes or policing closes the socket.
+/// async fn push(mut socket: MeteredWebSocket, updates: Vec<String>) {
+///     for update in updates {
+///         if socket.send(Message::Text(update.into())).await.is_err() {
+///             if let Some(spent) = socket.spent() {
+///                 eprintln!("closed by the rate limit: {spent}");
+///                 // Close gracefully: receive until the client answers the Close frame.
+///                 while socket.recv().await.is_some() {}
+///             }
+///             return;
+///         }
+///     }
+/// }
+/// ```
+///
 /// Under [`StreamMode::Police`], when a tier has no room for the next message the socket
-/// sends the Close frame [`MessageBudget`] describes and then: a message past the budget
+/// sends the Close frame the [ws module](crate::ws#how-it-works) describes and then: a message
+/// past the budget
 /// that was received is not delivered, and the stream of messages ends (`None`) once the
 /// client answered the Close (or after 5 seconds); a message past the budget that was to be
 /// sent is dropped, and that send fails with [`BudgetSpent`], as every send after it does.
 /// To close gracefully after a refused send, keep receiving until `None`.
 ///
-/// Dropping the socket gives back the unused part of each direction's last lease.
+/// Dropping the socket gives back the unused part of each direction's last grant.
 pub struct MeteredWebSocket {
     socket: WebSocket,
     receiving: Option<Box<dyn Gate>>,
@@ -490,7 +467,7 @@ pub struct MeteredWebSocket {
     outgoing: Option<Message>,
     state: State,
     spent: Option<BudgetSpent>,
-    /// Last: the leases above are settled before the requests are finished.
+    /// Last: the grants above are settled before the requests are finished.
     _parts: Vec<Arc<Part>>,
 }
 
@@ -764,7 +741,7 @@ mod tests {
         // Never 0: a client told to retry at once would be refused again.
         let frame = spent(Some(Duration::ZERO), false).close_frame();
         assert_eq!(frame.reason.as_str(), "rate limited; retry-after=1");
-        // A lease that can never fit has no wait to tell.
+        // A grant that can never fit has no wait to tell.
         let frame = spent(None, false).close_frame();
         assert_eq!((frame.code, frame.reason.as_str()), (1008, "rate limited"));
         // The store could not decide, failing closed: try again later.

@@ -280,8 +280,8 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// What an admitted request was charged, so that [`settle`](Self::settle) can give it back
     /// or charge more. Dropping a ticket keeps the charge, and gives back the concurrency slots
-    /// it holds (as soon as the store can: at once in memory; from a spawned task on Redis, or
-    /// when the leases expire).
+    /// it holds (as soon as the store can: at once in memory; from a spawned task on Redis,
+    /// retried while Redis does not answer, until the slots' time to live runs out).
     type Ticket: Send + Sync + 'static;
 
     /// Validates `policy` for this store and prepares it. Called once, when a
@@ -408,8 +408,8 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// the ticket does the same without waiting for it (the default).
     ///
     /// # Errors
-    /// [`StoreError`] when the backend cannot be reached (the slots then come back when their
-    /// leases expire).
+    /// [`StoreError`] when the backend cannot be reached (on Redis the release is then retried
+    /// in the background until it lands or the slots' time to live runs out).
     fn release(
         &self,
         bound: &Self::Bound,
@@ -420,9 +420,8 @@ pub trait Store: Clone + Send + Sync + 'static {
         std::future::ready(Ok(()))
     }
 
-    /// Extends the leases of the concurrency slots the ticket holds by their full length;
-    /// `Ok(false)` when a lease had expired already (its slot may have been taken by another
-    /// request since). Stores whose slots do not expire answer `Ok(true)` (the default).
+    /// Extends the concurrency slots the ticket holds by their full time to live; `Ok(false)`
+    /// when a slot had expired already (it may have been taken by another request since). Stores whose slots do not expire answer `Ok(true)` (the default).
     ///
     /// # Errors
     /// [`StoreError`] when the backend cannot be reached.
@@ -436,7 +435,7 @@ pub trait Store: Clone + Send + Sync + 'static {
     }
 
     /// How often holders of concurrency slots under `bound` should [`refresh`](Self::refresh)
-    /// them: a third of the shortest lease, on stores whose slots expire; `None` (the
+    /// them: a third of the shortest time to live, on stores whose slots expire; `None` (the
     /// default) when they do not.
     fn refresh_every(&self, bound: &Self::Bound) -> Option<Duration> {
         let _ = bound;

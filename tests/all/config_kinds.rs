@@ -175,7 +175,7 @@ tiers = [
         .concurrency(
             "leased",
             Concurrency::new(2)
-                .with_lease(Duration::from_secs(60))
+                .with_ttl(Duration::from_secs(60))
                 .with_typical_hold(Duration::from_millis(250)),
         )
         .build()
@@ -261,11 +261,12 @@ block_window = "10m"
     );
     assert_eq!(place(&e).2, Some("policies.p.tiers[0].block"));
     assert!(e.message().starts_with("a concurrency tier has no `block` (rate and calendar"));
-    // Out of range (the builder's refusal), at the box's first field.
+    // Out of range (the builder's refusal), at the field refused (tests/all/config_errors.rs
+    // has every field).
     let e = error(
         "[policies.p]\ntiers = [{ name = \"r\", count = 5, period = \"1m\", block = \"1m\", block_after = 5000, block_window = \"1m\" }]\n",
     );
-    assert_eq!(place(&e), (Some(2), Some(58), Some("policies.p.tiers[0].block")));
+    assert_eq!(place(&e), (Some(2), Some(78), Some("policies.p.tiers[0].block_after")));
     assert!(e.to_string().contains("penalty"), "{e}");
 }
 
@@ -734,7 +735,7 @@ fn the_documented_tier_example_is_the_policy_built_in_code() {
         .concurrency(
             "in-flight",
             Concurrency::new(4)
-                .with_lease(Duration::from_secs(60))
+                .with_ttl(Duration::from_secs(60))
                 .with_typical_hold(Duration::from_secs(2)),
         )
         .tier("upload-bytes", Quota::per_second(1_000_000).counting(Unit::RequestBytes))

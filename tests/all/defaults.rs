@@ -1,7 +1,7 @@
 //! Right by default, over real HTTP/1.1 on loopback: a tier counting request bytes holds with
 //! no stream setting (streams are metered as the layer decides requests), an upload larger
 //! than a tier can ever hold is shaped through or refused with 413, an HTTP/1 client reads the
-//! refusals of uploads it is still sending, and a stream's leases are never a breach of the
+//! refusals of uploads it is still sending, and a stream's grants are never a breach of the
 //! key's penalty box nor keep concurrent bodies that fit from being admitted.
 #![cfg(feature = "axum")]
 
@@ -101,7 +101,7 @@ async fn a_sized_upload_larger_than_the_burst_is_shaped_through() {
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "300000");
     // 100 KB of burst, then 200 KB at 100 KB/s, less what the bound lets a stream be ahead
-    // of the rate: its last lease (at most 64 KiB) and a frame read before a lease (16 KiB).
+    // of the rate: its last grant (at most 64 KiB) and a frame read before a grant (16 KiB).
     let elapsed = start.elapsed();
     let ahead = (64 + 16) * 1024;
     let least = Duration::from_secs_f64((300_000 - 100_000 - ahead) as f64 / 100_000.0);
@@ -180,7 +180,7 @@ async fn an_http1_client_reads_the_429_of_an_upload_it_is_still_sending() {
 
 /// A tier of 100,000 bytes an hour whose first breach blocks the key for 10 minutes: chunked
 /// uploads of 10 KiB are admitted while they fit (the fifth at 41 KB used, the ninth at
-/// 82 KB); the streams' leases are never counted as breaches. The tenth runs past the budget:
+/// 82 KB); the streams' grants are never counted as breaches. The tenth runs past the budget:
 /// refused, and the key blocked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uploads_within_the_budget_never_trip_the_penalty_box() {
@@ -214,7 +214,7 @@ async fn uploads_within_the_budget_never_trip_the_penalty_box() {
 }
 
 /// Six chunked uploads of 600 bytes at once against a tier of 4,000 bytes (the clock stands
-/// still): they fit together, so all are admitted, whatever leases their streams took; three
+/// still): they fit together, so all are admitted, whatever grants their streams took; three
 /// rounds, each on a store of its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_uploads_that_fit_together_are_all_admitted() {

@@ -1,6 +1,6 @@
 //! The layer with tier kinds beyond request rates: concurrency slots held until the response
 //! body ends (released on a body drop, a handler panic, a client disconnect), bytes counted in
-//! and out, units a handler reports, and leases refreshed on Redis while a request runs.
+//! and out, units a handler reports, and grants refreshed on Redis while a request runs.
 #[cfg(any(feature = "axum", feature = "redis"))]
 use crate::support;
 
@@ -458,29 +458,29 @@ async fn a_client_that_disconnects_mid_response_gives_its_slot_back() {
     assert_eq!(until_free(&limiter, 0, 1).await, 1);
 }
 
-/// On Redis a slot is a lease: refreshed while its request runs, so a request longer than the
-/// lease keeps its slot; released when the response ends.
+/// On Redis a slot is a grant: refreshed while its request runs, so a request longer than the
+/// grant keeps its slot; released when the response ends.
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn on_redis_a_long_request_keeps_its_slot_by_refreshing_its_lease() {
     use tollgate::store::RedisStore;
 
     let Some(server) = support::redis::Server::start("redis-server") else { return };
-    let store = RedisStore::builder(server.url()).prefix("lease:").no_fallback().build().unwrap();
+    let store = RedisStore::builder(server.url()).prefix("grant:").no_fallback().build().unwrap();
     let policy = Policy::builder("slow")
-        .concurrency("slots", Concurrency::new(1).with_lease(Duration::from_millis(900)))
+        .concurrency("slots", Concurrency::new(1).with_ttl(Duration::from_millis(900)))
         .build()
         .unwrap();
     let layer = RateLimitLayer::builder(policy).store(store).key(GlobalKey).build().unwrap();
     let svc = layer.layer(service_fn(|_req: Request<RequestBody<Empty<Bytes>>>| async {
-        // Longer than the lease: it is refreshed every 300 ms meanwhile (a lease of 900 ms
+        // Longer than the grant: it is refreshed every 300 ms meanwhile (a grant of 900 ms
         // leaves a busy machine 600 ms of slack for each refresh).
         tokio::time::sleep(Duration::from_millis(2_500)).await;
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"report"))))
     }));
     let slow = tokio::spawn(svc.clone().oneshot(Request::new(Empty::new())));
     tokio::time::sleep(Duration::from_millis(1_500)).await;
-    // Past the lease, the slot is still held.
+    // Past the grant, the slot is still held.
     let refused = svc.clone().oneshot(Request::new(Empty::new())).await.unwrap();
     assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
     let res = slow.await.unwrap().unwrap();
@@ -791,7 +791,7 @@ fn slot_and_bytes(unit: Unit, mode: Option<StreamMode>) -> RateLimitLayer<Global
 }
 
 /// The two ways a body's bytes are metered: settled when it ends (what it used is read
-/// between), and the default, leased as it streams (only the end is checked).
+/// between), and the default, granted as it streams (only the end is checked).
 const METERINGS: [Option<StreamMode>; 2] = [Some(StreamMode::Settle), None];
 
 /// The free slots and bytes left of [`slot_and_bytes`]'s policy.
@@ -874,7 +874,7 @@ async fn a_request_body_read_in_part_is_charged_the_bytes_read() {
 // One rule ends every body the layer observes, request or response: finished (its end),
 // abandoned (an error from the inner body) or dropped unfinished, the body is settled at what
 // it handed on, exactly, and the request's slot is free. Below, each kind of observed body
-// (counted whole and settled at its end, metered by leases as it streams with no length
+// (counted whole and settled at its end, metered by grants as it streams with no length
 // known, gRPC messages) meets each end, on the side it is observed on.
 
 /// `frames` copies of `frame`, then the body's end as `end` says.
@@ -993,7 +993,7 @@ async fn counted_whole(end: End) {
     assert_eq!(observed(Unit::ResponseBytes, settle, end).await, [1, 998_600]);
 }
 
-/// Both sides' bytes, metered by leases as they stream (no length known): the leases settle
+/// Both sides' bytes, metered by grants as they stream (no length known): the grants settle
 /// at the 2 x 700 bytes that passed, and the unit charged at admission is given back.
 async fn leased_bytes(end: End) {
     let police = tollgate::StreamMode::Police;
@@ -1002,7 +1002,7 @@ async fn leased_bytes(end: End) {
     assert_eq!(observed(Unit::ResponseBytes, shape, end).await, [1, 998_600]);
 }
 
-/// A gRPC call's messages, each way, counted and settled at the end (`Settle`) or leased as
+/// A gRPC call's messages, each way, counted and settled at the end (`Settle`) or granted as
 /// they stream (`Police`, which charges the first message at admission): 2 messages.
 async fn grpc_messages(end: End) {
     for mode in [tollgate::StreamMode::Settle, tollgate::StreamMode::Police] {
@@ -1056,7 +1056,7 @@ async fn grpc_bodies_dropped_are_charged_their_messages() {
     grpc_messages(End::Hang).await;
 }
 
-/// A streamed response's slot is free when it finishes, and its last lease is settled then
+/// A streamed response's slot is free when it finishes, and its last grant is settled then
 /// at the 1,400 bytes it used (the body dropped later changes nothing).
 #[tokio::test(start_paused = true)]
 async fn a_finished_streamed_response_frees_its_slot_and_settles_its_lease_at_its_end() {

@@ -332,7 +332,7 @@ async fn policing_stops_a_client_stream_after_exactly_the_budget_shared_with_una
     let refused = server.upload(1_000).await.unwrap_err();
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
     assert_eq!(server.received.load(Ordering::SeqCst), 70);
-    // The pushback is the wait for the refused lease: 16 messages at 100/s.
+    // The pushback is the wait for the refused grant: 16 messages at 100/s.
     assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("160"));
     // A unary call of the same key is refused while the budget is spent.
     let refused = server.echo().await.unwrap_err();
@@ -364,7 +364,7 @@ async fn shaping_paces_a_client_stream_to_the_rate() {
     let start = Instant::now();
     assert_eq!(server.upload(300).await.unwrap(), 300);
     let elapsed = start.elapsed();
-    // (300 - 100) / 100 per second = 2 s, less the lease taken ahead of the last message.
+    // (300 - 100) / 100 per second = 2 s, less the grant taken ahead of the last message.
     assert!(elapsed >= Duration::from_millis(1_900), "{elapsed:?}");
 }
 
@@ -422,7 +422,7 @@ async fn shaping_paces_a_bidirectional_stream_offered_ten_times_the_rate_to_the_
     let (came, end) = server.chat_offered(4_000, 10).await;
     end.unwrap();
     assert_eq!(came.len(), 4_000);
-    // The rate over the last 2,000 answers, all paced. A lease of 16 messages is taken as a
+    // The rate over the last 2,000 answers, all paced. A grant of 16 messages is taken as a
     // whole, so a block may pass up to 16 ms early (0.8 % of 2 s); the rest of the ±2 % is
     // for the loopback and the scheduler.
     let paced = came[3_999].duration_since(came[1_999]).as_secs_f64();
@@ -446,7 +446,7 @@ async fn settling_lets_a_stream_run_and_charges_its_messages_when_it_ends() {
 }
 
 /// A stream within the budget is charged exactly its messages (the unused part of its last
-/// lease comes back), and a stream past it gets exactly what is left; the tier refills one
+/// grant comes back), and a stream past it gets exactly what is left; the tier refills one
 /// message every 36 s, so nothing refills meanwhile.
 async fn a_stream_is_charged_exactly_its_messages<St: Store>(store: St) {
     let policy = Policy::builder("slow")
@@ -462,11 +462,11 @@ async fn a_stream_is_charged_exactly_its_messages<St: Store>(store: St) {
     let limiter = layer.limiter().clone();
     let mut server = serve(layer).await;
     let left = || async {
-        // The settlement of the last lease may still be on its way to a remote store.
+        // The settlement of the last grant may still be on its way to a remote store.
         tokio::time::sleep(Duration::from_millis(100)).await;
         limiter.check(&tollgate::key::Key::Global, 0).await.unwrap().tiers()[0].remaining()
     };
-    // 40 messages: the first charged at admission, then three leases of 16, nine of them
+    // 40 messages: the first charged at admission, then three grants of 16, nine of them
     // unused and given back.
     assert_eq!(server.upload(40).await.unwrap(), 40);
     assert_eq!(left().await, 60);
@@ -506,7 +506,7 @@ async fn settling_counts_a_server_stream_and_charges_it_when_it_ends() {
 // Concurrency while calls are paused or stopped: one call in flight (a concurrency tier of
 // 1) beside a tier of 40 messages and a tier of 1 MB, on a store whose clock stands still,
 // so that what the tiers charged can be read back exactly. The tiers refill one unit a
-// second: a shaped lease past the burst waits more than a second (it is not reserved
+// second: a shaped grant past the burst waits more than a second (it is not reserved
 // ahead), and the keys a Redis store expires when a tier would be full again (in real
 // time) outlive the test.
 
@@ -543,11 +543,11 @@ async fn until<F: Future<Output = bool>>(mut done: impl FnMut() -> F) {
     }
 }
 
-/// A client-streaming call paused by shaping (its leases, growing with what it used, have
+/// A client-streaming call paused by shaping (its grants, growing with what it used, have
 /// taken the burst of 40 messages; the clock is frozen) holds its slot: a unary call of the
 /// key is refused. The client cancels the call (the HTTP/2 stream is reset): the slot comes
 /// back, the message tier is charged the 40 messages read and the byte tier their bytes (the
-/// rest of its last byte lease given back).
+/// rest of its last byte grant given back).
 async fn a_paused_call_holds_its_slot_until_cancelled<St: Store>(store: St) {
     let layer = one_call(Unit::RequestMessages, StreamMode::Shape, store);
     let limiter = layer.limiter().clone();
@@ -572,7 +572,7 @@ async fn a_paused_call_holds_its_slot_until_cancelled<St: Store>(store: St) {
     assert_eq!(server.received.load(Ordering::SeqCst), 40);
 }
 
-/// A server-streaming call paused by shaping (cut where its leases took the burst of 40
+/// A server-streaming call paused by shaping (cut where its grants took the burst of 40
 /// messages) holds its slot; the client drops the stream: the slot comes back, charged
 /// exactly the 40 messages and their bytes.
 async fn a_paused_server_stream_holds_its_slot_until_dropped<St: Store>(store: St) {

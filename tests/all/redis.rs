@@ -19,8 +19,7 @@ use tollgate::store::{
 };
 use tollgate::{
     Algorithm, Calendar, CalendarPeriod, Concurrency, Decision, Limiter, OnStoreError, Penalty,
-    Policy, Priority, Quota, RateLimitLayer, Reservation, Reserve, Source, StoreError, TierKind,
-    Unit,
+    Policy, Priority, Quota, RateLimitLayer, Reservation, Reserve, Source, StoreError, Unit,
 };
 
 /// One check of `cost` units for `key` under `policy`, through `store`.
@@ -125,7 +124,7 @@ impl Trace {
         for (i, extra) in self.extra.iter().enumerate() {
             let name = format!("x{i}");
             b = match *extra {
-                Extra::Slots(n) => b.concurrency(name, Concurrency::new(n).with_lease(TRACE_LEASE)),
+                Extra::Slots(n) => b.concurrency(name, Concurrency::new(n).with_ttl(TRACE_LEASE)),
                 Extra::Calendar(count, period, zone) => {
                     let period = [
                         CalendarPeriod::Minute,
@@ -290,8 +289,6 @@ fn keys() -> [Key; 3] {
 async fn replay(store: RedisStore, clock: FakeClock, trace: &Trace) -> Result<u64, String> {
     let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     let policy = trace.policy();
-    let plain =
-        policy.tiers().iter().all(|t| t.kind() == TierKind::Rate && t.unit() == Unit::Requests);
     let memory = Limiter::with_store(policy.clone(), memory).unwrap();
     let store = Limiter::with_store(policy.clone(), store).unwrap();
     let (m_store, m_bound) = (memory.store(), memory.bound());
@@ -340,8 +337,7 @@ async fn replay(store: RedisStore, clock: FakeClock, trace: &Trace) -> Result<u6
                 r_store.settle(r_bound, b, *cost).await.map_err(redis_error)?;
             }
             Step::SettleTier { which, tier, cost } => {
-                // A policy of request rates settles all its tiers together on Redis.
-                if tickets.is_empty() || plain {
+                if tickets.is_empty() {
                     continue;
                 }
                 let n = tickets.len();
@@ -633,7 +629,7 @@ async fn standalone_admits_exactly_100_of_1000_concurrent_on_one_connection() {
 /// test only on New Year's Eve at midnight), a rate counting bytes, both with a concurrency tier
 /// that never fills up, and a concurrency tier of 100 slots nobody releases.
 fn kinds_policies() -> Vec<Policy> {
-    let slots = || Concurrency::new(1000).with_lease(Duration::from_secs(600));
+    let slots = || Concurrency::new(1000).with_ttl(Duration::from_secs(600));
     vec![
         Policy::builder("conc-calendar")
             .calendar("year", Calendar::per_year(100))
@@ -646,7 +642,7 @@ fn kinds_policies() -> Vec<Policy> {
             .build()
             .unwrap(),
         Policy::builder("conc-held")
-            .concurrency("slots", Concurrency::new(100).with_lease(Duration::from_secs(600)))
+            .concurrency("slots", Concurrency::new(100).with_ttl(Duration::from_secs(600)))
             .build()
             .unwrap(),
     ]
@@ -742,7 +738,7 @@ const API_KEY: &str = "sk_live_SECRET";
 /// One policy per algorithm with two rate tiers, and one per algorithm with a concurrency and
 /// a calendar tier beside its rate (sliding-log sets, lease sets and calendar windows).
 fn secret_policies() -> Vec<Policy> {
-    let lease = Concurrency::new(5).with_lease(Duration::from_secs(600));
+    let lease = Concurrency::new(5).with_ttl(Duration::from_secs(600));
     let mut out = Vec::new();
     for algorithm in Algorithm::ALL {
         let plain = Policy::builder(format!("plain-{}", algorithm.name()))
@@ -1443,7 +1439,7 @@ async fn a_stale_ticket_cannot_cancel_a_later_entry() {
 
 fn slots_policy(name: &str, max: u64, lease: Duration) -> Policy {
     Policy::builder(name)
-        .concurrency("in-flight", Concurrency::new(max).with_lease(lease))
+        .concurrency("in-flight", Concurrency::new(max).with_ttl(lease))
         .build()
         .unwrap()
 }
@@ -2326,6 +2322,36 @@ fn reserves_decide_exactly_like_memory() {
         });
     seeded_differential(traces, 5, 256, |clock, prefix| {
         fake_clock_store(RedisStore::builder(&url), clock, format!("reserve{prefix}"))
+    });
+}
+
+/// The same with most checks shaped, critical reserves of at least an eighth of the tier and
+/// a third of the checks critical: the lower classes' schedules push the tier's TAT past their
+/// line, and critical requests are admitted ahead of them on the tier's line (see `Reserve`),
+/// alike on both stores, the clock stepping back in half of them.
+#[test]
+fn reserves_under_shaping_decide_exactly_like_memory() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let url = server.url();
+    let traces = (
+        proptest::bool::ANY.prop_flat_map(trace),
+        (1u64..=3, 0u64..=3),
+        proptest::collection::vec(0u8..3, 80),
+        proptest::collection::vec(proptest::option::weighted(0.8, 0u64..=2_000_000_000), 80),
+    )
+        .prop_map(|(mut trace, reserve, classes, budgets)| {
+            trace.algorithm = Algorithm::Gcra;
+            trace.reserve = Some(reserve);
+            trace.classes = classes;
+            for (step, budget) in trace.steps.iter_mut().zip(budgets) {
+                if let Step::Check { shape, .. } = step {
+                    *shape = budget;
+                }
+            }
+            trace
+        });
+    seeded_differential(traces, 7, 256, |clock, prefix| {
+        fake_clock_store(RedisStore::builder(&url), clock, format!("reshape{prefix}"))
     });
 }
 

@@ -160,7 +160,7 @@ async fn ten_chunked_uploads(url: &str) -> Vec<Option<StatusCode>> {
 }
 
 /// The bytes read by `until`, and whether at every read all reads so far were within
-/// burst + rate x elapsed + one 64 KiB lease per stream (of ten).
+/// burst + rate x elapsed + one 64 KiB grant per stream (of ten).
 fn read_by(log: &Log, until: Duration) -> u64 {
     let mut log = log.lock().unwrap().clone();
     log.sort_by_key(|(at, _)| *at);
@@ -168,7 +168,7 @@ fn read_by(log: &Log, until: Duration) -> u64 {
     let mut by = 0;
     for (at, len) in log {
         read += len;
-        let bound = MB + (MB as f64 * at.as_secs_f64()) as u64 + 10 * StreamMode::STREAM_LEASE;
+        let bound = MB + (MB as f64 * at.as_secs_f64()) as u64 + 10 * StreamMode::STREAM_GRANT;
         assert!(read <= bound, "{read} bytes read by {at:?}, beyond the bound {bound}");
         if at <= until {
             by = read;
@@ -232,7 +232,7 @@ async fn policing_answers_429_with_retry_after_to_an_upload_past_the_tier() {
             .await
             .expect("handshake");
     let _driver = tokio::spawn(conn);
-    // 2 MB chunked, in frames the server reads one lease at a time: refused after the 1 MB
+    // 2 MB chunked, in frames the server reads one grant at a time: refused after the 1 MB
     // burst, before the handler could answer.
     let req = http::Request::post(format!("http://{addr}/upload"))
         .body(Frames::new(2 * MB, 16 * 1024, false))
@@ -273,7 +273,7 @@ async fn an_upload_with_a_content_length_is_charged_at_admission() {
 }
 
 /// A chunked upload of 200,000 bytes against a slow tier (burst 1 MB, 10 MB an hour) is
-/// charged exactly its bytes: its leases took 4 x 64 KiB, and the part of the last one it did
+/// charged exactly its bytes: its grants took 4 x 64 KiB, and the part of the last one it did
 /// not use came back when the body ended.
 async fn an_upload_is_charged_exactly_its_bytes<St: Store>(store: St) {
     let policy = Policy::builder("slow-upload")
@@ -299,15 +299,15 @@ async fn an_upload_is_charged_exactly_its_bytes<St: Store>(store: St) {
     let res = client.request(req).await.unwrap();
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "200000");
-    // The settlement of the last lease may still be on its way to a remote store.
+    // The settlement of the last grant may still be on its way to a remote store.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let left = limiter.check(&tollgate::key::Key::Global, 0).await.unwrap().tiers()[0].remaining();
     // 2,778 bytes a second refill meanwhile.
     let refilled = (2_778.0 * start.elapsed().as_secs_f64()).ceil() as u64;
     assert!(
         (MB - 200_000..=MB - 200_000 + refilled).contains(&left),
-        "{left} bytes left (4 leases kept whole would leave {})",
-        MB - 4 * StreamMode::STREAM_LEASE
+        "{left} bytes left (4 grants kept whole would leave {})",
+        MB - 4 * StreamMode::STREAM_GRANT
     );
 }
 
@@ -316,10 +316,10 @@ async fn an_upload_is_charged_exactly_its_bytes_in_memory() {
     an_upload_is_charged_exactly_its_bytes(tollgate::store::MemoryStore::new()).await;
 }
 
-/// A 100 MB download shaped to 10 MB/s (burst one lease) takes at least 9.5 s: never faster
+/// A 100 MB download shaped to 10 MB/s (burst one grant) takes at least 9.5 s: never faster
 /// than the rate. And not grossly slower: at most 15 s plus the time the same download takes
-/// unlimited on this machine now (charging each lease twice would take 20 s). The slack is
-/// lateness the burst cannot make up for: with a burst of one lease, each of the 1,600 leases
+/// unlimited on this machine now (charging each grant twice would take 20 s). The slack is
+/// lateness the burst cannot make up for: with a burst of one grant, each of the 1,600 grants
 /// that starts late (a timer's millisecond, a store round trip on a loaded machine) loses
 /// that time, which a loaded 2-core machine puts at up to 1.5 s.
 async fn shaped_download<St: Store>(store: St) {
@@ -327,7 +327,7 @@ async fn shaped_download<St: Store>(store: St) {
         .tier(
             "bytes",
             Quota::per_second(10 * MB)
-                .with_burst(StreamMode::STREAM_LEASE)
+                .with_burst(StreamMode::STREAM_GRANT)
                 .counting(Unit::ResponseBytes),
         )
         .build()
@@ -402,9 +402,9 @@ mod redis {
 // of 1) beside a byte tier, on a store whose clock stands still, so that the bytes charged
 // can be read back exactly.
 
-/// The byte tier's burst: three leases and 20,000 bytes, so that a shaped stream pauses after
-/// three leases (the fourth does not fit), with room for the part of a frame past them.
-const BURST: u64 = 3 * StreamMode::STREAM_LEASE + 20_000;
+/// The byte tier's burst: three grants and 20,000 bytes, so that a shaped stream pauses after
+/// three grants (the fourth does not fit), with room for the part of a frame past them.
+const BURST: u64 = 3 * StreamMode::STREAM_GRANT + 20_000;
 
 /// One request in flight of the one key, and a byte tier of `unit`: a burst of [`BURST`]
 /// bytes, refilled at 1,000 bytes a second (on a frozen clock: never).
@@ -543,7 +543,7 @@ fn h2_upload(addr: std::net::SocketAddr) -> tokio::task::JoinHandle<()> {
     })
 }
 
-/// A chunked upload paused by shaping (its leases took the burst; the clock is frozen)
+/// A chunked upload paused by shaping (its grants took the burst; the clock is frozen)
 /// holds its slot: the key's next request is refused. The client goes away (its HTTP/2 connection closed): the
 /// slot comes back, and the tier is charged exactly the bytes the handler read.
 async fn a_paused_upload_holds_its_slot_until_the_client_goes<St: Store>(store: St) {
@@ -556,7 +556,7 @@ async fn a_paused_upload_holds_its_slot_until_the_client_goes<St: Store>(store: 
     let client: Client<_, Frames> = Client::builder(TokioExecutor::new()).build_http();
     let upload = h2_upload(addr);
     let read_now = || read.load(std::sync::atomic::Ordering::SeqCst);
-    until("three leases read", || async { read_now() >= 3 * StreamMode::STREAM_LEASE }).await;
+    until("three grants read", || async { read_now() >= 3 * StreamMode::STREAM_GRANT }).await;
     // Paused, in flight: the one slot is taken.
     assert_eq!(ping(&client, &server).await, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(slots_and_charged(&limiter).await.0, 0);
@@ -569,7 +569,7 @@ async fn a_paused_upload_holds_its_slot_until_the_client_goes<St: Store>(store: 
     assert_eq!(ping(&client, &server).await, StatusCode::OK);
 }
 
-/// A download paused by shaping (cut where its leases took the burst) holds its slot; the
+/// A download paused by shaping (cut where its grants took the burst) holds its slot; the
 /// client drops the body: the slot comes back, and the tier is charged exactly the burst.
 async fn a_paused_download_holds_its_slot_until_the_client_goes<St: Store>(store: St) {
     let layer = paused_layer(Unit::ResponseBytes, StreamMode::Shape, store);
@@ -610,7 +610,7 @@ async fn a_policed_upload_gives_its_slot_back_when_stopped<St: Store>(store: St)
         assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
     }
     let read = read.load(std::sync::atomic::Ordering::SeqCst);
-    until("the lease settled", || async { slots_and_charged(&limiter).await == (1, read) }).await;
+    until("the grant settled", || async { slots_and_charged(&limiter).await == (1, read) }).await;
     assert_eq!(slots_and_charged(&limiter).await, (1, read));
     // The burst whole, and less than a frame past it.
     assert!((BURST..BURST + 16 * 1024).contains(&read), "{read}");

@@ -17,6 +17,7 @@ mod flood;
 mod redis_busy;
 mod redis_load;
 mod sentinel;
+mod sentinel_slots;
 
 /// Taken by every test of this binary for its whole run.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());

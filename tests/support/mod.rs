@@ -8,6 +8,9 @@ pub mod priority;
 pub mod prometheus;
 #[cfg(feature = "redis")]
 pub mod redis;
+pub mod seams;
+pub mod seams_bounds;
+pub mod seams_model;
 pub mod stores;
 
 use std::net::SocketAddr;

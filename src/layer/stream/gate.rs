@@ -12,7 +12,7 @@ use crate::error::StoreError;
 /// Why a stream was stopped.
 #[derive(Debug, Clone)]
 pub(crate) enum Stopped {
-    /// The tier had no room for the next lease: the refusal.
+    /// The tier had no room for the next grant: the refusal.
     Limited(Decision),
     /// The store could not decide, and the layer fails closed.
     Unavailable(Arc<StoreError>),
@@ -94,12 +94,12 @@ impl Signal {
     }
 }
 
-/// The bytes of one body, charged to the store in leases as they pass.
+/// The bytes of one body, charged to the store in grants as they pass.
 pub(crate) trait Gate: Send {
     /// Waits until the body may let bytes through: `Ok(n)` with the `n` bytes (at least 1)
-    /// its lease still covers, once the bytes it let through past its leases are paid; the
+    /// its grant still covers, once the bytes it let through past its grants are paid; the
     /// refusal when policing stops the stream. `remaining` is the exact number of bytes the
-    /// body has left, when it knows (a lease is no larger); `want` what the body has in hand
+    /// body has left, when it knows (a grant is no larger); `want` what the body has in hand
     /// to let through (a response's frame; 1 when it does not know yet).
     fn poll_room(
         &mut self,
@@ -108,12 +108,12 @@ pub(crate) trait Gate: Send {
         want: u64,
     ) -> Poll<Result<u64, Stopped>>;
 
-    /// `len` bytes passed (beyond the room, they are owed to the next leases).
+    /// `len` bytes passed (beyond the room, they are owed to the next grants).
     fn spend(&mut self, len: u64);
 
-    /// The room the current lease has now, when nothing needs polling (no store call under
+    /// The room the current grant has now, when nothing needs polling (no store call under
     /// way, no wait, nothing owed): what [`poll_room`](Self::poll_room) would answer at once.
-    /// 0 when it must be polled. Lets a frame within its lease pass without the body's size
+    /// 0 when it must be polled. Lets a frame within its grant pass without the body's size
     /// hint or a poll.
     fn ready(&self) -> u64;
 }

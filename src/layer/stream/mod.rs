@@ -1,49 +1,50 @@
 //! Byte tiers metered while a body streams ([`StreamMode::Shape`], [`StreamMode::Police`]):
-//! leases of bytes taken from the store chunk by chunk, and what a body does when the tier
+//! grants of bytes taken from the store chunk by chunk, and what a body does when the tier
 //! has no room for the next one.
 
 mod gate;
-mod leases;
+mod grants;
 #[cfg(test)]
 mod tests;
 
 pub(crate) use gate::{Gate, Signal, Stopped, Tally};
-pub(crate) use leases::Leases;
+pub(crate) use grants::Grants;
 
 use std::time::Duration;
 
-/// The largest lease of bytes a streamed body takes from the store at once: 64 KiB.
+/// The largest grant of bytes a streamed body takes from the store at once: 64 KiB.
 ///
 /// A body metered with [`StreamMode::Shape`] or [`StreamMode::Police`] asks the store for
 /// this many bytes (fewer when the tier's capacity, or the bytes the body has left, are
-/// fewer) when it has spent its previous lease: one store call per lease, whatever the size
+/// fewer) when it has spent its previous grant: one store call per grant, whatever the size
 /// of its frames (two when the store refuses it first: policing, a tier with less than a
-/// lease left, asked again for what it has; shaping, more than a second of leases reserved
+/// grant left, asked again for what it has; shaping, more than a second of grants reserved
 /// ahead, asked again when it is within a second). When the body is dropped (a server drops a
-/// body once it ended; or unfinished), one more settles the last lease at what it carried,
+/// body once it ended; or unfinished), one more settles the last grant at what it carried,
 /// unless it carried exactly its size.
-pub const STREAM_LEASE: u64 = 64 * 1024;
+pub const STREAM_GRANT: u64 = 64 * 1024;
 
-/// The largest lease of messages a gRPC stream takes from the store at once: 16.
+/// The largest grant of messages a gRPC stream takes from the store at once: 16.
 ///
 /// A gRPC call (or a WebSocket metered through `tollgate::ws`, cargo feature `ws`) metered
-/// with [`StreamMode::Shape`] or [`StreamMode::Police`] under a tier
-/// counting [`Unit::RequestMessages`](crate::Unit::RequestMessages) or [`Unit::ResponseMessages`](crate::Unit::ResponseMessages) asks the store for this
-/// many messages (fewer when the tier's capacity is smaller, or, policing, when the tier has
-/// fewer left) when it has spent its previous lease: one store call per lease, never one per
-/// message. The part of the last lease the stream did not use is given back when it ends.
-pub const MESSAGE_LEASE: u64 = 16;
+/// with [`StreamMode::Shape`] or [`StreamMode::Police`] under a tier counting
+/// [`Unit::RequestMessages`](crate::Unit::RequestMessages) or
+/// [`Unit::ResponseMessages`](crate::Unit::ResponseMessages) asks the store for this many
+/// messages (fewer when the tier's capacity is smaller, or, policing, when the tier has
+/// fewer left) when it has spent its previous grant: one store call per grant, never one per
+/// message. The part of the last grant the stream did not use is given back when it ends.
+pub const MESSAGE_GRANT: u64 = 16;
 
-/// How long a shaped lease may be reserved ahead: a lease that would have to wait longer is
+/// How long a shaped grant may be reserved ahead: a grant that would have to wait longer is
 /// not reserved, and asked for again when the store says it would fit.
 pub(super) const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 
-/// How tiers counting bytes or messages meter what streams: a request body whose length was
-/// not charged at admission, every response body, and the messages of a gRPC call or a
-/// WebSocket. Without [`on_stream`](crate::RateLimitLayerBuilder::on_stream) it follows the
-/// layer: [`Police`](Self::Police) when the layer polices, [`Shape`](Self::Shape) when it
-/// [shapes](crate::RateLimitLayerBuilder::shape); [`Settle`](Self::Settle) is the choice for
-/// billing-style tiers that charge a body when it ends.
+/// How tiers counting bytes or messages meter what streams, in grants of at most
+/// [`STREAM_GRANT`](Self::STREAM_GRANT) bytes or [`MESSAGE_GRANT`](Self::MESSAGE_GRANT)
+/// messages. Unless [`on_stream`](crate::RateLimitLayerBuilder::on_stream) says otherwise it
+/// follows the layer, [`Police`](Self::Police) when the layer polices and
+/// [`Shape`](Self::Shape) when it [shapes](crate::RateLimitLayerBuilder::shape), while
+/// [`Settle`](Self::Settle) suits billing-style tiers that charge a body when it ends.
 ///
 /// ```
 /// use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};
@@ -63,28 +64,30 @@ pub(super) const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 ///
 /// # How it works
 ///
-/// With [`Shape`](Self::Shape) or [`Police`](Self::Police) the body is charged as its frames
-/// pass, in leases of at most [`STREAM_LEASE`] bytes (64 KiB) taken from the store when the
-/// previous one is spent: one store call per lease, never one per frame. The unit the request
+/// What streams is a request body whose length was not charged at admission, every response
+/// body, and the messages of a gRPC call or a WebSocket. With [`Shape`](Self::Shape) or
+/// [`Police`](Self::Police) the body is charged as its frames pass, in grants of at most
+/// [`STREAM_GRANT`] bytes (64 KiB) taken from the store when the previous one is spent: one
+/// store call per grant, never one per frame. The unit the request
 /// was charged at admission is given back when the body ends, and so is the part of the last
-/// lease it did not use (a body dropped unfinished included).
+/// grant it did not use (a body dropped unfinished included).
 ///
 /// # The bound
 ///
 /// Over any span of time, the bytes that all the streams of one key let through are at most
 /// what the tier admits (for GCRA and the buckets, `burst + rate x elapsed`), plus, per
-/// stream, the part of one frame past the end of its lease: a response body is cut to its
-/// lease, so it adds nothing; a request body is let through a frame at a time, so each adds
+/// stream, the part of one frame past the end of its grant: a response body is cut to its
+/// grant, so it adds nothing; a request body is let through a frame at a time, so each adds
 /// less than one frame (hyper's HTTP/2 frames are at most 16 KiB; on HTTP/1 a frame is at most
 /// one chunk of a chunked upload and what one read of the connection returned). A request
 /// with a valid `Content-Length` is charged it at admission, as in
 /// [`Settle`](Self::Settle). A [dry run](crate::RateLimitLayerBuilder::dry_run) meters every
 /// body as `Settle` does: it never slows nor stops a stream. A response whose status gives
 /// the charge back (a `405`, [`refund_if`](crate::RateLimitLayerBuilder::refund_if)) gives
-/// back what was charged at admission; the leases of bytes that did stream stay charged.
-/// The store errors of a lease follow
+/// back what was charged at admission; the grants of bytes that did stream stay charged.
+/// The store errors of a grant follow
 /// [`on_store_error`](crate::RateLimitLayerBuilder::on_store_error): failing open lets the
-/// lease through uncharged, failing closed stops the stream as policing does (a plain HTTP
+/// grant through uncharged, failing closed stops the stream as policing does (a plain HTTP
 /// response under way is let through).
 ///
 /// # Concurrency, and streams that end early
@@ -94,11 +97,11 @@ pub(super) const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 /// request may be refused meanwhile. A stream that ends early (stopped by policing, or
 /// cancelled: an HTTP/2 stream reset, a connection closed, a response body dropped, a request
 /// timeout that drops the handler) gives its slots back at once, on either store, and its
-/// tiers are charged exactly what streamed: the unused part of its last lease is given back,
+/// tiers are charged exactly what streamed: the unused part of its last grant is given back,
 /// and so is the unit a byte tier was charged at admission (a frame read by the layer but
 /// never handed to the handler is charged to no tier; a message tier keeps the first message
-/// policing charged at admission, as a unary call's). One limit: an HTTP/1.1 upload paused by shaping is not
-/// read, so the server cannot see its client go away (TCP delivers the close only after the
+/// policing charged at admission, as a unary call's). One limit: an HTTP/1.1 upload paused by
+/// shaping is not read, so the server cannot see its client go away (TCP delivers the close only after the
 /// bytes the connection still holds) until the upload resumes and reads to its end; over
 /// HTTP/2, gRPC included, a reset or a closed connection is seen at once. A request timeout
 /// outside the layer (for example tower-http's `TimeoutLayer`) bounds how long a vanished
@@ -106,23 +109,24 @@ pub(super) const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 ///
 /// # Messages
 ///
-/// Tiers counting [`Unit::RequestMessages`](crate::Unit::RequestMessages) or [`Unit::ResponseMessages`](crate::Unit::ResponseMessages) meter the messages
-/// of a gRPC call (and of a WebSocket, through the handler: `tollgate::ws::MessageBudget`,
-/// cargo feature `ws`) the same way (a request that is not a gRPC call counts as one message,
+/// Tiers counting [`Unit::RequestMessages`](crate::Unit::RequestMessages) or
+/// [`Unit::ResponseMessages`](crate::Unit::ResponseMessages) meter the messages of a gRPC call
+/// (and of a WebSocket, through the handler: `tollgate::ws::MessageBudget`, cargo feature
+/// `ws`) the same way (a request that is not a gRPC call counts as one message,
 /// charged at admission). Each length-prefixed message of the HTTP/2 body counts once, read
 /// from its 5-byte prefix (the payload is never decoded, compressed or not; a message split
-/// across frames counts once, several in one frame each count), in leases of at most
-/// [`MESSAGE_LEASE`] (16) messages: one store call per lease, never one per message.
+/// across frames counts once, several in one frame each count), in grants of at most
+/// [`MESSAGE_GRANT`] (16) messages: one store call per grant, never one per message.
 /// Policing charges the call's first message each way at admission, as a unary call's (so a
 /// unary call costs one message each way, and is refused at once when its key has spent the
-/// tier); shaping charges none there and lets the first lease wait. Shaping delays the next
+/// tier); shaping charges none there and lets the first grant wait. Shaping delays the next
 /// message: a request frame is not read, a response frame not sent, until the tier has room.
 /// Policing stops the stream at the first message past the tier (what the client sees: see
 /// [`Police`](Self::Police)). The bound: a response is cut at the start of the first message
-/// past its lease, so the messages sent are exactly what the tier admits; a request's frame
-/// cannot be cut, and is read when the lease has room for at least one message, so each
+/// past its grant, so the messages sent are exactly what the tier admits; a request's frame
+/// cannot be cut, and is read when the grant has room for at least one message, so each
 /// stream adds at most the messages of one HTTP/2 DATA frame, less one (none when each
-/// message comes in a frame of its own). The end of a stream is never refused: a lease
+/// message comes in a frame of its own). The end of a stream is never refused: a grant
 /// refused after the last message is only held against a next one. A dry run, and
 /// [`Settle`](Self::Settle), charge a call one message each way at admission and settle it
 /// at the messages counted when the call ends, never slowing nor stopping it.
@@ -134,10 +138,10 @@ pub enum StreamMode {
     /// never slowed or stopped, and what it used past the tier is owed by the key's next
     /// requests (billing-style tiers). Only by choice: the bound below does not hold.
     Settle,
-    /// Backpressure: when the tier has no room for the next lease, the body's next frame
+    /// Backpressure: when the tier has no room for the next grant, the body's next frame
     /// waits until it has (a request body is then no longer read from the connection, so
     /// the client's flow control slows it; a response body is no longer written, as nginx
-    /// `limit_rate` does). A lease is reserved up to 1 s ahead, so concurrent streams of one
+    /// `limit_rate` does). A grant is reserved up to 1 s ahead, so concurrent streams of one
     /// key take turns in the order they asked.
     ///
     /// Only flow control stops an HTTP/2 client while its stream is not read, and hyper's
@@ -146,7 +150,7 @@ pub enum StreamMode {
     /// small messages sent one per frame, keep the stream window small (for tonic,
     /// `Server::builder().initial_stream_window_size(16 * 1024)`).
     Shape,
-    /// The stream is stopped when the tier has no room for its next lease. What the client
+    /// The stream is stopped when the tier has no room for its next grant. What the client
     /// sees:
     ///
     /// - a request body that runs out before the handler answered: the handler's future is
@@ -163,19 +167,19 @@ pub enum StreamMode {
     ///   read.
     ///
     /// The `grpc-retry-pushback-ms` of a stream stopped mid-way is the wait until the tier
-    /// has room for the lease it refused (at most [`STREAM_LEASE`] bytes or
-    /// [`MESSAGE_LEASE`] messages), not for one more byte or message.
+    /// has room for the grant it refused (at most [`STREAM_GRANT`] bytes or
+    /// [`MESSAGE_GRANT`] messages), not for one more byte or message.
     Police,
 }
 
 impl StreamMode {
-    /// The largest lease of bytes a stream takes from the store at once: 64 KiB (see
-    /// [`STREAM_LEASE`]).
-    pub const STREAM_LEASE: u64 = STREAM_LEASE;
+    /// The largest grant of bytes a stream takes from the store at once: 64 KiB (see
+    /// [`STREAM_GRANT`]).
+    pub const STREAM_GRANT: u64 = STREAM_GRANT;
 
-    /// The largest lease of messages a stream takes from the store at once: 16 (see
-    /// [`MESSAGE_LEASE`]).
-    pub const MESSAGE_LEASE: u64 = MESSAGE_LEASE;
+    /// The largest grant of messages a stream takes from the store at once: 16 (see
+    /// [`MESSAGE_GRANT`]).
+    pub const MESSAGE_GRANT: u64 = MESSAGE_GRANT;
 
     /// Whether bodies are metered as they stream.
     pub(crate) fn streams(self) -> bool {

@@ -22,7 +22,7 @@ mod bytes {
     use crate::key::GlobalKey;
     use crate::key::Key;
     use crate::layer::stream::gate::*;
-    use crate::layer::stream::leases::*;
+    use crate::layer::stream::grants::*;
     use crate::layer::stream::*;
     use crate::limiter::Limiter;
     use crate::policy::Policy;
@@ -93,7 +93,7 @@ mod bytes {
         }
     }
 
-    /// A memory store on tokio's clock, counting the checks it decides (leases included).
+    /// A memory store on tokio's clock, counting the checks it decides (grants included).
     #[derive(Clone)]
     pub(super) struct Counted {
         inner: MemoryStore,
@@ -230,13 +230,13 @@ mod bytes {
         let read: u64 = log.lock().unwrap().iter().map(|(_, len)| len).sum();
         assert_eq!(read, 10 * MB);
         // 1 MB of burst, 9 MB at 1 MB/s (the ten admission units are given back at the end;
-        // the last 64 KiB lease is taken when the body still has 16,960 bytes to go).
+        // the last 64 KiB grant is taken when the body still has 16,960 bytes to go).
         assert!(elapsed >= Duration::from_secs(9), "{elapsed:?}");
         assert!(elapsed <= Duration::from_millis(9_700), "{elapsed:?}");
         assert_bound(&log, 10, 4_096);
-        // Ten admissions, then 21 leases per 1 MB stream: what its frames need until it used
+        // Ten admissions, then 21 grants per 1 MB stream: what its frames need until it used
         // a quarter of 64 KiB, then growing by doubling what it used, up to 64 KiB: one store
-        // call per lease, not one per frame (245 frames per stream).
+        // call per grant, not one per frame (245 frames per stream).
         assert_eq!(store.checks(), 10 + 10 * 21);
     }
 
@@ -248,10 +248,10 @@ mod bytes {
         assert_eq!(statuses, vec![StatusCode::TOO_MANY_REQUESTS; 10]);
         let read: u64 = log.lock().unwrap().iter().map(|(_, len)| len).sum();
         // Time stood still (nothing slept): the burst, less the ten admission units, plus
-        // less than a frame per stream past its last lease (cut to what the tier had left).
+        // less than a frame per stream past its last grant (cut to what the tier had left).
         assert!(read > MB - 10 - 10 * 4_096 && read < MB - 10 + 10 * 4_096, "{read}");
         assert_bound(&log, 10, 4_096);
-        // Exactly what was read is charged: the unread parts of the leases came back, what
+        // Exactly what was read is charged: the unread parts of the grants came back, what
         // passed beyond them was charged when the bodies were dropped, and the unit each
         // request was charged at admission was given back when it was stopped. At 1 byte/us,
         // the next byte fits once that debt is paid.
@@ -264,8 +264,8 @@ mod bytes {
 
     #[tokio::test(start_paused = true)]
     async fn frames_larger_than_a_lease_are_owed_and_paid_before_the_next_read() {
-        // Frames of 100,000 bytes: each overshoots a 64 KiB lease; the debt is paid from the
-        // next leases before the next frame is read, so the bound holds with one frame per
+        // Frames of 100,000 bytes: each overshoots a 64 KiB grant; the debt is paid from the
+        // next grants before the next frame is read, so the bound holds with one frame per
         // stream.
         let (statuses, log, _store) = ten_uploads(StreamMode::Shape, 100_000).await;
         assert_eq!(statuses, vec![StatusCode::OK; 10]);
@@ -278,7 +278,7 @@ mod bytes {
         let policy = Policy::builder("download")
             .tier(
                 "bytes",
-                Quota::per_second(MB).with_burst(STREAM_LEASE).counting(Unit::ResponseBytes),
+                Quota::per_second(MB).with_burst(STREAM_GRANT).counting(Unit::ResponseBytes),
             )
             .build()
             .unwrap();
@@ -305,14 +305,14 @@ mod bytes {
         }
         let elapsed = start.elapsed();
         assert_eq!(read, 2 * MB);
-        assert_eq!(largest, STREAM_LEASE, "frames are cut to their lease");
-        // A burst of one lease, then 1 MB/s: (2 MB - 65,536) / 1 MB/s.
-        let expected = Duration::from_micros(2 * MB - STREAM_LEASE);
+        assert_eq!(largest, STREAM_GRANT, "frames are cut to their grant");
+        // A burst of one grant, then 1 MB/s: (2 MB - 65,536) / 1 MB/s.
+        let expected = Duration::from_micros(2 * MB - STREAM_GRANT);
         assert!(
             elapsed >= expected && elapsed <= expected + Duration::from_millis(70),
             "{elapsed:?}"
         );
-        // One admission, then 30 leases of 64 KiB and a last one of the 33,920 bytes left.
+        // One admission, then 30 grants of 64 KiB and a last one of the 33,920 bytes left.
         assert_eq!(store.checks(), 1 + 31);
     }
 
@@ -339,7 +339,7 @@ mod bytes {
         assert_eq!(first.status(), StatusCode::OK);
         let second = svc.clone().oneshot(upload(600_000)).await.unwrap();
         assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
-        // Two admissions, no lease.
+        // Two admissions, no grant.
         assert_eq!(store.checks(), 2);
     }
 
@@ -399,7 +399,7 @@ mod bytes {
             }
         }
         // The burst less the unit charged at admission (time stands still: nothing refills),
-        // the last lease cut to what the tier had left; then the trailers.
+        // the last grant cut to what the tier had left; then the trailers.
         assert_eq!(read, MB - 1);
         let trailers = trailers.expect("trailers end the response");
         assert_eq!(trailers["grpc-status"], "8");
@@ -451,7 +451,7 @@ mod bytes {
         assert_eq!(res.status(), StatusCode::OK);
         assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "2000000");
         assert_eq!(start.elapsed(), Duration::ZERO);
-        // The admission, and no lease: the bytes are settled when the body ends.
+        // The admission, and no grant: the bytes are settled when the body ends.
         assert_eq!(store.checks(), 1);
     }
 
@@ -461,12 +461,12 @@ mod bytes {
         let policy = Policy::builder("upload")
             .tier(
                 "bytes",
-                Quota::per_second(MB).with_burst(STREAM_LEASE).counting(Unit::RequestBytes),
+                Quota::per_second(MB).with_burst(STREAM_GRANT).counting(Unit::RequestBytes),
             )
             .build()
             .unwrap();
         let limiter = Limiter::with_store(policy, store.clone()).unwrap();
-        let mut leases = Leases::new(
+        let mut grants = Grants::new(
             &limiter,
             Key::Global,
             Priority::Standard,
@@ -475,17 +475,17 @@ mod bytes {
             false,
         );
         let mut cx = Context::from_waker(Waker::noop());
-        // The burst: one lease at once, spent whole.
+        // The burst: one grant at once, spent whole.
         assert!(matches!(
-            leases.poll_room(&mut cx, None, STREAM_LEASE),
-            Poll::Ready(Ok(STREAM_LEASE))
+            grants.poll_room(&mut cx, None, STREAM_GRANT),
+            Poll::Ready(Ok(STREAM_GRANT))
         ));
-        leases.spend(STREAM_LEASE);
-        // The next lease is reserved 65,536 us ahead: the body waits for it.
-        assert!(leases.poll_room(&mut cx, None, STREAM_LEASE).is_pending());
+        grants.spend(STREAM_GRANT);
+        // The next grant is reserved 65,536 us ahead: the body waits for it.
+        assert!(grants.poll_room(&mut cx, None, STREAM_GRANT).is_pending());
         assert_eq!(store.checks(), 2);
-        drop(leases);
-        // Given back: the next byte fits after 1 us, as after the first lease alone.
+        drop(grants);
+        // Given back: the next byte fits after 1 us, as after the first grant alone.
         let next = limiter.check(&Key::Global, 1).await.unwrap();
         assert_eq!(next.retry_after(), Some(Duration::from_micros(1)));
     }
@@ -611,8 +611,8 @@ mod messages {
         // first message, so exactly the budget (20 frames) is read.
         let (read, status, checks) = police_upload(5).await;
         assert_eq!((read, status.as_str()), (100, "8"));
-        // The admission (the first message); leases growing with what the stream used (5,
-        // 10, then five of 16: 96 charged, 100 read: 4 owed); and the refused lease that
+        // The admission (the first message); grants growing with what the stream used (5,
+        // 10, then five of 16: 96 charged, 100 read: 4 owed); and the refused grant that
         // stops the stream: the 4 the tier has left pay the debt but leave no room.
         assert_eq!(checks, 1 + 7 + 1);
     }
@@ -646,11 +646,11 @@ mod messages {
             largest = largest.max(data.len() / MESSAGE);
         }
         assert_eq!((messages, largest), (250, 16));
-        // A burst of 100, then 100/s. Leases of 16 (the messages in hand, at most 16), the
+        // A burst of 100, then 100/s. Grants of 16 (the messages in hand, at most 16), the
         // seventh cut to the 4 the burst had left (taken now rather than 16 reserved
-        // ahead): the last lease (messages 245 to 260) fits at (260 - 100) / 100 s.
+        // ahead): the last grant (messages 245 to 260) fits at (260 - 100) / 100 s.
         assert_eq!(start.elapsed(), Duration::from_millis(1_600));
-        // The admission (which charged no message: shaping), then 17 leases.
+        // The admission (which charged no message: shaping), then 17 grants.
         assert_eq!(store.checks(), 1 + 17);
     }
 

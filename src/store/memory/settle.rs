@@ -51,7 +51,7 @@ impl Inner {
                 prune_kinds(policy, states, now_units);
             }
             for &(i, units, extra) in &changes {
-                settle_tier(policy, i, &mut states[i], ticket.charges[i], now_units, units, extra);
+                settle_tier(policy, i, states, ticket.charges[i], now_units, units, extra);
             }
             if core.guarded && !changes.is_empty() {
                 states.guard = at;

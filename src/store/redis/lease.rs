@@ -138,13 +138,39 @@ const CAPACITY: usize = 4096;
 /// already granted are still spent (Redis charged them), and every check that needs a new
 /// block is decided as in exact mode: by the local fallback, or the layer's failure policy.
 ///
-/// **Headers.** A check decided from a block reports, per tier, `remaining` as the units this
-/// instance still holds of the block (what it can promise; never more than the key has; with
-/// [`schedule`](Self::schedule), those of them that conform now), and
-/// the tier's reset counted down from the grant; a check that took a new block reports what
-/// exact mode would have at that instant (the block's rest plus what Redis has left). A check
-/// refused while waiting for a useful block reports `remaining` 0 on every tier, the reset
-/// counted down from the grant, and as violated the tiers that had the least left at the
+/// **Headers.** A check decided from a block reports, per tier, as `remaining` (the
+/// `RateLimit` field's `r`) what Redis had left of the tier at this instance's last lease call
+/// for the key, after charging the block, plus the units of the block this instance still
+/// holds (with [`schedule`](Self::schedule), those that conform now), at most the tier's
+/// limit: Redis's last report less what this instance spent since, never the block alone. Its
+/// `reset_after` (`t`) is the reset Redis reported then, counted down. A check that took a new
+/// block reports the same, which is what exact mode reports at that instant. While this
+/// instance waits for a useful block (see "Waiting for a useful block"), a tier that had less
+/// than one left in Redis reports only the units held: once they are spent, this instance
+/// refuses until the wait ends, however little Redis has.
+///
+/// *How stale.* Let `E` be what an exact check of the key reports at the same instant (units
+/// held by any instance count as spent there) and `h` the units this instance holds. Since
+/// this instance's last lease call for the key (at most one [lifetime](Self::lifetime)
+/// earlier: a block is spent only within it) other instances and exact checks may have taken
+/// units from Redis, and the key may have refilled or been given units back. Per tier:
+///
+/// - `remaining ≤ E + h + taken`, `taken` being what the others took from Redis since that
+///   call (their blocks, at most `max_block` each at a time, and their exact charges);
+/// - `remaining ≥ E − refilled − given back − w`, the refill and the give-backs since that
+///   call, and `w` the tier's rest in Redis when this instance waits on it (less than a useful
+///   block, so at most `max_block`; 0 otherwise).
+///
+/// So a client that paces on `remaining` and `reset_after` alone (waiting for the reset when
+/// `remaining` is below its cost, and for `retry_after` after a refusal) is refused by the
+/// instance that answered it only when the others took, since that answer's lease call, more
+/// than the answer promised beyond the check: for a tier, `taken > remaining − cost` (its
+/// limit once its reset has passed). One instance alone (or one leasing a key the others do
+/// not use) is never refused where its headers said it would be admitted. The crate's tests
+/// hold both bounds and this over random lease traces of several instances.
+///
+/// A check refused while waiting for a useful block reports `remaining` 0 on every tier, the
+/// reset counted down from the grant, and as violated the tiers that had the least left at the
 /// grant, each with the wait's `retry_after`.
 ///
 /// **Which checks lease.** Policing checks of a cost above 0; shaping checks and queries are
@@ -499,6 +525,9 @@ struct Held {
     /// Until when (same clock) this instance refuses the checks its block cannot serve,
     /// waiting for a useful block to build up in Redis; 0 for none.
     hold: u64,
+    /// The useful block the last grant asked for (see [`Begin::useful`]): the tiers that had
+    /// less than that left in Redis are those this instance waits on until `hold`.
+    useful: u64,
     /// The grant's decision (limits and resets), for the checks decided from the block.
     decision: Option<Decision>,
     /// The size of the next block to ask for (0: a key not leased yet, which asks for 1).
@@ -606,6 +635,23 @@ impl Held {
             self.older = 0;
         }
     }
+}
+
+/// Whether, at `now`, this instance waits on a tier that had `rest` units left in Redis at
+/// the last grant: it waits for a useful block (until `held.hold`), and the tier had less than
+/// one. Such a tier's units in Redis are not this instance's to promise until the wait ends.
+fn waits_on(held: &Held, now: u64) -> impl Fn(u64) -> bool + use<> {
+    let (waiting, useful) = (now < held.hold, held.useful);
+    move |rest| waiting && rest < useful
+}
+
+/// What a decision made from a block reports as a tier's `remaining`: the tier's rest in
+/// Redis at the last lease call (`t.remaining` of the decision kept) plus `left`, the units
+/// held that this instance can spend now, at most the tier's limit; `left` alone on a tier it
+/// waits on (see [`waits_on`]).
+fn promised(t: &crate::decision::TierDecision, left: u64, waits: bool) -> u64 {
+    let rest = if waits { 0 } else { t.remaining };
+    rest.saturating_add(left).min(t.limit())
 }
 
 /// What a check that took units from a block, or was refused while its instance waits, got.
@@ -889,13 +935,16 @@ impl Leases {
         let prefetch = self.wants_prefetch(&mut held, now);
         let mut d = held.decision.clone()?;
         let (decided, left) = (held.decided, held.conforming(now));
+        let waits = waits_on(&held, now);
         let elapsed = now - decided;
         drop(held);
         d.outcome = Outcome::Allowed;
         d.delay = 0;
         d.retry_after = NONE;
         for t in &mut d.tiers {
-            t.remaining = left;
+            // Redis's rest at the last lease call (the decision kept is Redis's) less what
+            // this instance spent since: see `Lease`, "Headers".
+            t.remaining = promised(t, left, waits(t.remaining));
             t.reset_after = t.reset_after.saturating_sub(elapsed);
             t.retry_after = NONE;
             t.violated = false;
@@ -1043,6 +1092,7 @@ impl Leases {
             held.sent = sent;
             held.until = until;
             held.hold = hold;
+            held.useful = useful;
             held.decision = Some(decision);
             held.room = room;
             held.next = held.next.saturating_mul(2).min(self.config.max_block);
@@ -1247,6 +1297,7 @@ impl Leases {
                 sent,
                 until,
                 hold,
+                useful,
                 decision: Some(decision.clone()),
                 next,
                 room,
@@ -1275,14 +1326,15 @@ impl Leases {
             }
             // What this instance can promise now: the units of the block that conform.
             let left = held.conforming(at);
+            let waits = waits_on(&held, at);
             drop(held);
             self.counters.grants.fetch_add(1, Ordering::Relaxed);
             self.counters.units_granted.fetch_add(take, Ordering::Relaxed);
             self.metrics.granted(take);
-            // What exact mode reports at this instant: what Redis has left plus the block's
-            // rest.
+            // What exact mode reports at this instant, what Redis has left plus the block's
+            // rest, but on a tier this instance now waits on, the block's rest alone.
             for t in &mut decision.tiers {
-                t.remaining = t.remaining.saturating_add(left).min(u64::from(t.limit));
+                t.remaining = promised(t, left, waits(t.remaining));
             }
             decision
         }
@@ -1518,7 +1570,7 @@ impl Back {
     async fn give(&self, key: &Key, rest: &Rest) -> Result<(), crate::StoreError> {
         let hash = self.refusals.as_ref().map_or(0, |r| r.hash(key));
         let _forgetting = super::forgetting(self.refusals.as_deref(), &self.inner, hash);
-        let record = self.prepared.settle(rest.granted, &rest.charges, rest.spent);
+        let record = self.prepared.settle(&rest.charges, |_| rest.granted, |_| rest.spent);
         let state_key = state_key(&self.key_parts, &self.key_names, key);
         let keys = self.prepared.keys(state_key);
         self.inner.submit(&self.prepared, keys, record, 0).await.map(drop)
@@ -1646,8 +1698,9 @@ mod tests {
             for left in (0..b.block - 1).rev() {
                 let (d, granted_at) = l.spend(&slot, 1, Some(S + MS)).unwrap();
                 assert_eq!(granted_at, Some(S));
-                // Then what this instance holds, counted down from the grant.
-                assert_eq!(d.tiers()[0].remaining(), left);
+                // Then Redis's rest at the grant plus what this instance still holds: never
+                // the block alone (50 left in Redis), and the reset counted down.
+                assert_eq!(d.tiers()[0].remaining(), 50 + left);
                 assert_eq!(d.tiers()[0].reset_after(), Duration::from_nanos(S - MS));
             }
             assert!(l.spend(&slot, 1, Some(S + MS)).is_none());

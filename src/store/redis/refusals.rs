@@ -238,7 +238,16 @@ impl Refusals {
         // and log tiers at a key's last charge, which may be later than `decided`, and its
         // decision does not count down until the clock gets there.
         let behind = sent.is_none() && self.latest.fetch_max(decided, Ordering::Relaxed) > decided;
-        let kept = if behind { None } else { stable_for(policy, &asked.costs, decision, decided) };
+        // A critical request on a tier with a line (see `algorithm::line`) may be admitted
+        // again when the lower classes' schedule leaves, an instant its decision does not
+        // tell: its refusals are not kept.
+        let lined = asked.priority == Priority::Critical
+            && (0..policy.tiers().len()).any(|i| policy.line_reserve(i).is_some());
+        let kept = if behind || lined {
+            None
+        } else {
+            stable_for(policy, &asked.costs, decision, decided)
+        };
         let Some(span) = kept else {
             // Only an admission changes the key (a refusal charges nothing): refusals in
             // flight meanwhile are not kept, and one held is dropped unless Redis decided it

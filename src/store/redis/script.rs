@@ -74,6 +74,7 @@ static KINDS_RATE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         include_str!("lua/prelude.lua"),
         include_str!("lua/rate.lua"),
+        include_str!("lua/line.lua"),
         include_str!("lua/kinds.lua")
     ))
 });
@@ -81,6 +82,7 @@ static KINDS_WINDOW: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         include_str!("lua/prelude.lua"),
         include_str!("lua/window.lua"),
+        include_str!("lua/line.lua"),
         include_str!("lua/kinds.lua")
     ))
 });
@@ -88,6 +90,7 @@ static KINDS_LOG: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         include_str!("lua/prelude.lua"),
         include_str!("lua/log.lua"),
+        include_str!("lua/line.lua"),
         include_str!("lua/kinds.lua")
     ))
 });
@@ -240,6 +243,10 @@ pub(crate) fn family(policy: &Policy) -> Family {
 /// own; the same with other kinds of tiers), and they stay, so that a plain policy's state
 /// keeps its keys, read and written alike by nodes of either version during a rolling deploy.
 fn layout(policy: &Policy) -> u64 {
+    // A critical reserve keeps a line per key after the penalty boxes (`lua/line.lua`).
+    if (0..policy.tiers().len()).any(|i| policy.line_reserve(i).is_some()) {
+        return 7;
+    }
     match (family(policy), policy.is_plain()) {
         (Family::Gcra, _) => 0,
         (Family::Rate, true) => 1,
@@ -573,22 +580,26 @@ impl Prepared {
         record
     }
 
-    /// Settles a plain policy's charge of `charged` units (`charges` per tier, instants in
-    /// units) at `cost`: for `kinds.lua` a settlement of
-    /// [`settle_kinds`](Self::settle_kinds)'s layout giving no slots back.
-    pub(crate) fn settle(&self, charged: u64, charges: &Charges, cost: u64) -> Vec<f64> {
+    /// Settles a plain policy's charges (`charges` per tier, instants in units): tier `i` from
+    /// `old(i)` units to `new(i)` (a plain policy is the same-cost case of the general one, and
+    /// settles its tiers alike: [`Store::settle_tiers`](crate::store::Store::settle_tiers)).
+    /// For `kinds.lua` a settlement of [`settle_kinds`](Self::settle_kinds)'s layout giving no
+    /// slots back; for `gcra.lua` the same per tier, after op, key and policy.
+    pub(crate) fn settle(
+        &self,
+        charges: &Charges,
+        old: impl Fn(usize) -> u64,
+        new: impl Fn(usize) -> u64,
+    ) -> Vec<f64> {
         let per_sec = NANOS_PER_SEC / self.unit;
-        if self.family == Family::Gcra {
-            let mut record = vec![2.0, 0.0, 0.0, f(charged), f(cost)];
-            for c in charges {
-                record.extend([f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
-            }
-            return record;
-        }
         let mut record = Vec::with_capacity(5 + 5 * self.ntiers);
-        record.extend([2.0, 0.0, 0.0, f(5 + 5 * self.ntiers as u64), 0.0]);
-        for c in charges {
-            record.extend([f(charged), f(cost), f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
+        if self.family == Family::Gcra {
+            record.extend([2.0, 0.0, 0.0]);
+        } else {
+            record.extend([2.0, 0.0, 0.0, f(5 + 5 * self.ntiers as u64), 0.0]);
+        }
+        for (i, c) in charges.iter().enumerate() {
+            record.extend([f(old(i)), f(new(i)), f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
         }
         record
     }
@@ -930,10 +941,18 @@ mod tests {
             [Charge { at: 7_000_000_009, cost: 3, id: 0 }, Charge { at: 5, cost: 3, id: 2 }]
                 .into_iter()
                 .collect();
-        // op, key, policy, length, no release, then per tier old, new, instant, entry id.
+        // op, key, policy, length, no release, then per tier old, new, instant, entry id; the
+        // tiers at costs of their own.
         assert_eq!(
-            prepared.settle(3, &charges, 1),
-            [2.0, 0.0, 0.0, 15.0, 0.0, 3.0, 1.0, 7.0, 9.0, 0.0, 3.0, 1.0, 0.0, 5.0, 2.0]
+            prepared.settle(&charges, |_| 3, |i| [1, 2][i]),
+            [2.0, 0.0, 0.0, 15.0, 0.0, 3.0, 1.0, 7.0, 9.0, 0.0, 3.0, 2.0, 0.0, 5.0, 2.0]
+        );
+        // gcra.lua's: op, key, policy, then the same per tier.
+        let whole = Prepared::new(&policy("api", Algorithm::Gcra), 0);
+        assert_eq!(whole.family, Family::Gcra);
+        assert_eq!(
+            whole.settle(&charges, |_| 3, |i| [1, 2][i]),
+            [2.0, 0.0, 0.0, 3.0, 1.0, 7.0, 9.0, 0.0, 3.0, 2.0, 0.0, 5.0, 2.0]
         );
         // op, key, policy, length, cost, block, useful, then the previous lease settled.
         let rest = Rest { granted: 3, spent: 2, charges };

@@ -9,7 +9,8 @@
 -- per call only its argument and reply tables, two per policy and one per key. It reads a
 -- single key with GET (the common case: one check or one lease call), several with one MGET.
 --
--- Records: op 1 a check, op 2 a settlement, op 3 a lease, op 4 a lease of the key's schedule
+-- Records: op 1 a check, op 2 a settlement (per tier the old and new cost, the charge's
+-- instant and entry id, as kinds.lua's), op 3 a lease, op 4 a lease of the key's schedule
 -- (op 3's record and one more number, the horizon: see `Prepared::lease_ahead`).
 
 local call, floor, ceil, max, tonumber = redis.call, math.floor, math.ceil, math.max, tonumber
@@ -61,7 +62,7 @@ do
     end
     local op = C[i]
     if op == 1 then i = i + 5
-    elseif op == 2 then i = i + 5 + 3 * POL[C[i + 2]].n
+    elseif op == 2 then i = i + 3 + 5 * POL[C[i + 2]].n
     elseif op == 3 then i = i + 8 + 3 * POL[C[i + 2]].n
     else i = i + 9 + 3 * POL[C[i + 2]].n end
   end
@@ -98,10 +99,25 @@ while i <= nc do
     TAT[name], KPOL[name] = tat, pol
     order[#order + 1] = name
   end
-  if op ~= 1 then
-    -- A settlement (op 2), or the lease of op 3 or 4 settling the node's previous lease first.
-    local s = i + 3
-    if op >= 3 then s = i + 6 end
+  if op == 2 then
+    -- A settlement, tier by tier (equal costs settle nothing).
+    for t = 1, n do
+      local j = i + 3 + 5 * (t - 1)
+      local old, new = C[j], C[j + 1]
+      if old ~= new then
+        local at = (C[j + 2] - now_s) * pol.per + (C[j + 3] - pol.u)
+        if at < 0 then at = 0 end
+        if new < old then
+          tat[t] = tat[t] - (old - new) * Ts[t]
+        else
+          tat[t] = max(tat[t], at) + (new - old) * Ts[t]
+        end
+        DIRTY[name] = true
+      end
+    end
+  elseif op ~= 1 then
+    -- The lease of op 3 or 4 settling the node's previous lease first.
+    local s = i + 6
     local old, new = C[s], C[s + 1]
     if old ~= new then
       -- Every tier was charged at the same instant.
@@ -119,7 +135,7 @@ while i <= nc do
     end
   end
   if op == 2 then
-    i = i + 5 + 3 * n
+    i = i + 3 + 5 * n
   else
     local cost, budget = C[i + 3], C[i + 4]
     local useful, ahead, horizon = 0, false, 0

@@ -61,7 +61,7 @@ local function kpolicies()
   local out, i = {}, 1
   while i <= #P do
     local n = P[i + 3]
-    local tiers, nrate, nconc, ncal, npen = {}, 0, 0, 0, 0
+    local tiers, nrate, nconc, ncal, npen, nline = {}, 0, 0, 0, 0, 0
     local whole, withheld = true, false
     for t = 1, n do
       local j = i + 5 + (t - 1) * 9
@@ -69,7 +69,7 @@ local function kpolicies()
       -- Every field in the constructor (a table grown field by field is rehashed as it grows,
       -- at a cost the server pays per call): `false` for what the tier has not.
       local tier = { kind = kind, c = false, p = false, b = false, r = false, T = false,
-                     tau = false, cap = false, pen = false, withheld = false }
+                     tau = false, cap = false, pen = false, withheld = false, line = false }
       if P[j + 4] > 0 then
         npen = npen + 1
         tier.pen = { block = P[j + 4], after = P[j + 5], within = P[j + 6], x = npen }
@@ -81,6 +81,11 @@ local function kpolicies()
         if P[j + 7] + P[j + 8] > 0 then
           tier.withheld = { 0, P[j + 7], P[j + 7] + P[j + 8] }
           whole, withheld = false, true
+        end
+        -- A critical reserve keeps a line per key (line.lua).
+        if P[j + 7] > 0 then
+          nline = nline + 1
+          tier.line = { x = nline, reserve = P[j + 7] }
         end
         -- GCRA's emission interval T and tolerance tau (= T x burst), when T is whole units.
         if tier.p % tier.c == 0 then
@@ -109,8 +114,9 @@ local function kpolicies()
     -- the buckets, which only grow stricter when the clock steps back (as the memory store's
     -- `Core::guarded`).
     local guard = not (F.rate == true and P[i + 4] == 1)
-    -- Lean: loading the key's state changes nothing stored (rate.lua's F prunes nothing).
-    local lean = F.rate == true and ncal == 0 and npen == 0
+    -- Lean: loading the key's state changes nothing stored (rate.lua's F prunes nothing, and
+    -- there is no calendar window, penalty box or line to forget).
+    local lean = F.rate == true and ncal == 0 and npen == 0 and nline == 0
     -- The flat path (see `flat_batch`): GCRA rate tiers of whole-unit T, no reserve, no
     -- penalty box.
     local flat = F.rate == true and P[i + 2] == 0 and npen == 0 and whole and guard
@@ -124,6 +130,7 @@ local function kpolicies()
     end
     out[#out + 1] = { unit = P[i], grace = P[i + 1], alg = P[i + 2], n = n, tiers = tiers,
                       nrate = nrate, nconc = nconc, ncal = ncal, npen = npen, lean = lean,
+                      nline = nline,
                       flat = flat, rates = rates, guard = guard, per = 1e9 / P[i], oh = oh,
                       blank = blank }
     i = i + 5 + n * 9
@@ -850,6 +857,7 @@ local function load(k, pol)
       end
     end
   end
+  if pol.nline > 0 then j = L.load(st, raw, j) end
   local rate_tiers, tiers = {}, pol.tiers
   for t = 1, pol.n do
     local tier = tiers[t]
@@ -857,6 +865,7 @@ local function load(k, pol)
   end
   st.tiers = rate_tiers
   F.load(st, raw, j)
+  if pol.nline > 0 then L.prune(st) end
   -- The slots held per concurrency tier, counted once per batch (see `held`).
   if pol.nconc > 0 then st.held = {} end
   return st
@@ -1121,6 +1130,7 @@ local function decide(st, class, budget_arg, id, B)
     local rounds = 2
     if F.entries then rounds = rounds + 2 * F.entries(st) end
     for w = 1, pol.ncal do rounds = rounds + 2 * #st.cal[w] end
+    for x = 1, pol.nline do if st.line[x].u > 0 then rounds = rounds + 2 end end
     local at, settled = 0, false
     local rts = st.tiers
     for _ = 1, rounds do
@@ -1137,7 +1147,10 @@ local function decide(st, class, budget_arg, id, B)
         end
       else
         for t = 1, n do
-          if cost[t] > 0 then nxt = max(nxt, K.depart(st, tiers[t], class, at, cost[t], shaping)) end
+          local c = cost[t]
+          if c > 0 then
+            nxt = max(nxt, L.depart(st, tiers[t], class, at, c, K.depart(st, tiers[t], class, at, c, shaping)))
+          end
         end
       end
       if nxt == at then settled = true; break end
@@ -1161,6 +1174,8 @@ local function decide(st, class, budget_arg, id, B)
     elseif at > budget then
       retry = at - budget
     end
+    -- A critical request refused may be admitted sooner on a line, decided then (line.lua).
+    if pol.nline > 0 then retry = L.retry(st, class, cost, rounds, retry, K.depart) end
     -- A departure after a calendar tier's lookahead is refused too: not before the lookahead
     -- moves on, when the current window ends. A policed request leaves now or is refused
     -- (with a retry after its departure, later than the current window's end when the
@@ -1185,7 +1200,7 @@ local function decide(st, class, budget_arg, id, B)
         elseif cost[t] == 0 or tiers[t].kind == 1 then
           own[t], viol[t], entry[t] = -1, 0, 0
         else
-          local e = earliest(st, tiers[t], class, 0, cost[t])
+          local e = L.own(st, tiers[t], class, cost[t], earliest(st, tiers[t], class, 0, cost[t]))
           if e > 0 then
             own[t], viol[t], entry[t] = e, 1, 0
           else
@@ -1224,7 +1239,9 @@ local function decide(st, class, budget_arg, id, B)
         -- Units charged to a rate or calendar tier move the guard; slots taken alone do not.
         if c > 0 and tier.kind ~= 1 then st.charged = true end
         if c > 0 then
-          if tier.kind == 0 then
+          if tier.line then
+            e = L.charge(st, tier, class, at, c)
+          elseif tier.kind == 0 then
             e = F.charge(st, rts[tier.r], at, c)
           elseif tier.kind == 2 then
             K.cal_charge(st, tier, B[tier.w], at, c)
@@ -1248,6 +1265,7 @@ local function decide(st, class, budget_arg, id, B)
       remaining, reset = F.status(st, st.tiers[t])
     elseif tier.kind == 0 then
       remaining, reset = F.status(st, rt_for(st, tier, class))
+      remaining = L.remaining(st, tier, class, remaining)
     elseif tier.kind == 2 then
       remaining, reset = K.cal_status(st, tier)
     else
@@ -1343,6 +1361,9 @@ local function settle(st, i)
         F.refund(st, rt(st, tier), at, id, old, old - new)
       elseif new > old then
         F.charge(st, rt(st, tier), max(at, 0), new - old)
+        -- Charged now, ahead of any schedule: a line counts it (line.lua).
+        local ln, r = tier.line, rt(st, tier)
+        if ln then L.taken(r, st.line[ln.x], ln.reserve, new - old, r.xn, r.xf) end
       end
     elseif tier.kind == 2 then
       if new < old then
@@ -1481,6 +1502,7 @@ for _, st in ipairs(order) do
           end
         end
       end
+      if pol.nline > 0 then L.save(st, v) end
       F.save(st, v)
       call('SET', st.name, pack(v), 'PX', ttl_ms(st.unit, ttl, st.grace))
       if F.expire then F.expire(st, ttl_ms(st.unit, ttl, st.grace)) end

@@ -1,4 +1,4 @@
-//! [`Leases`]: the bytes or messages of one stream, charged to the store in leases as they
+//! [`Grants`]: the bytes or messages of one stream, charged to the store in grants as they
 //! pass.
 
 use std::future::Future;
@@ -9,7 +9,7 @@ use std::task::{Context, Poll};
 use smallvec::SmallVec;
 
 use super::gate::{Gate, Stopped};
-use super::{MESSAGE_LEASE, SHAPE_AHEAD, STREAM_LEASE, StreamMode};
+use super::{MESSAGE_GRANT, SHAPE_AHEAD, STREAM_GRANT, StreamMode};
 use crate::decision::Decision;
 use crate::error::StoreError;
 use crate::key::Key;
@@ -22,49 +22,49 @@ type Asking<T> = Pin<Box<dyn Future<Output = Result<Verdict<T>, StoreError>> + S
 enum State<T> {
     /// Nothing under way.
     Idle,
-    /// A lease of `.1` bytes asked for, the store not having answered yet.
+    /// A grant of `.1` bytes asked for, the store not having answered yet.
     Asking(Asking<T>, u64),
-    /// Waiting for the instant a shaped lease was reserved at, or for a refused one to fit.
+    /// Waiting for the instant a shaped grant was reserved at, or for a refused one to fit.
     Sleeping(Pin<Box<tokio::time::Sleep>>),
 }
 
-/// A [`Gate`] on a store: the leases of one body under one policy and key.
-pub(crate) struct Leases<St: Store> {
+/// A [`Gate`] on a store: the grants of one body under one policy and key.
+pub(crate) struct Grants<St: Store> {
     limiter: Limiter<St>,
     key: Key,
     priority: Priority,
-    /// The tiers counting the body's unit, charged each lease.
+    /// The tiers counting the body's unit, charged each grant.
     tiers: SmallVec<[usize; 2]>,
-    /// Per tier of the policy, what the next lease costs: its size on `tiers`, 0 elsewhere
-    /// (neither checked nor charged); built once, its sizes written per lease.
+    /// Per tier of the policy, what the next grant costs: its size on `tiers`, 0 elsewhere
+    /// (neither checked nor charged); built once, its sizes written per grant.
     costs: SmallVec<[u64; 4]>,
-    /// The largest lease the tiers can ever admit.
+    /// The largest grant the tiers can ever admit.
     largest: u64,
-    /// Some tier it charges has a penalty box: a lease asks only for what the stream really
+    /// Some tier it charges has a penalty box: a grant asks only for what the stream really
     /// let through or has in hand, so that a refusal is a breach by the key.
     penalized: bool,
-    /// What the stream let through so far: the next lease may be as large again (leases grow
+    /// What the stream let through so far: the next grant may be as large again (grants grow
     /// by doubling, from what the first frame needs up to `largest`).
     used: u64,
-    /// What the tiers had left at the last decision, the least of them: a lease asks no more
+    /// What the tiers had left at the last decision, the least of them: a grant asks no more
     /// while that covers what the stream needs (it would be refused, or wait, for nothing).
     known_left: Option<u64>,
     police: bool,
     fail_open: bool,
-    /// The ticket of the current lease, to give back what it did not use; `None` when it
+    /// The ticket of the current grant, to give back what it did not use; `None` when it
     /// was given uncharged (failing open) or there is none.
-    lease: Option<St::Ticket>,
-    /// The size of the current lease.
-    leased: u64,
-    /// What the current lease still covers.
+    grant: Option<St::Ticket>,
+    /// The size of the current grant.
+    granted: u64,
+    /// What the current grant still covers.
     left: u64,
-    /// Bytes let through past the leases, paid from the next ones.
+    /// Bytes let through past the grants, paid from the next ones.
     owed: u64,
     state: State<St::Ticket>,
 }
 
-impl<St: Store> Leases<St> {
-    /// The leases of a body counted in `unit` under `limiter`'s policy, for `key`.
+impl<St: Store> Grants<St> {
+    /// The grants of a body counted in `unit` under `limiter`'s policy, for `key`.
     pub(crate) fn new(
         limiter: &Limiter<St>,
         key: Key,
@@ -89,10 +89,10 @@ impl<St: Store> Leases<St> {
             .filter(counting)
             .map(|t| t.capacity_for(priority))
             .min()
-            .unwrap_or(STREAM_LEASE)
+            .unwrap_or(STREAM_GRANT)
             .min(match unit {
-                Unit::RequestMessages | Unit::ResponseMessages => MESSAGE_LEASE,
-                _ => STREAM_LEASE,
+                Unit::RequestMessages | Unit::ResponseMessages => MESSAGE_GRANT,
+                _ => STREAM_GRANT,
             });
         let costs = SmallVec::from_elem(0, policy.tiers().len());
         let penalized = tiers.iter().any(|&i| policy.tiers()[i].penalty().is_some());
@@ -108,26 +108,26 @@ impl<St: Store> Leases<St> {
             known_left: None,
             police: mode == StreamMode::Police,
             fail_open,
-            lease: None,
-            leased: 0,
+            grant: None,
+            granted: 0,
             left: 0,
             owed: 0,
             state: State::Idle,
         }
     }
 
-    /// The first `units` were charged at admission: they pass without a lease (a call's
+    /// The first `units` were charged at admission: they pass without a grant (a call's
     /// first message each way, charged as a unary call's).
     pub(crate) fn prepaid(mut self, units: u64) -> Self {
         self.left = units;
         self
     }
 
-    /// The size of the next lease: what the stream owes and has in hand (`want`); and, once
-    /// it used a quarter of the largest lease, and but under a penalty box, room ahead as
-    /// large as what it used so far (leases grow by doubling). Never more than the body has
+    /// The size of the next grant: what the stream owes and has in hand (`want`); and, once
+    /// it used a quarter of the largest grant, and but under a penalty box, room ahead as
+    /// large as what it used so far (grants grow by doubling). Never more than the body has
     /// left (`remaining`, when known), than the tiers had left at the last decision when that
-    /// covers the need, nor than the largest lease. A short body is so charged what it sends,
+    /// covers the need, nor than the largest grant. A short body is so charged what it sends,
     /// and holds nothing that other streams of the key could use.
     fn next_size(&self, remaining: Option<u64>, want: u64) -> u64 {
         let need = self.owed.saturating_add(want).clamp(1, self.largest);
@@ -152,7 +152,7 @@ impl<St: Store> Leases<St> {
             self.tiers.iter().filter_map(|&i| tiers.get(i)).map(|t| t.remaining()).min();
     }
 
-    /// Asks the store for a lease of `size` bytes: the answer if it came at once.
+    /// Asks the store for a grant of `size` bytes: the answer if it came at once.
     fn ask(&mut self, size: u64) -> Option<Result<Verdict<St::Ticket>, StoreError>> {
         for &i in &self.tiers {
             self.costs[i] = size;
@@ -187,7 +187,7 @@ impl<St: Store> Leases<St> {
         None
     }
 
-    /// Takes the store's answer to a lease of `size`: `Err` when the stream stops.
+    /// Takes the store's answer to a grant of `size`: `Err` when the stream stops.
     fn answered(
         &mut self,
         size: u64,
@@ -199,8 +199,8 @@ impl<St: Store> Leases<St> {
         match answer {
             Ok(verdict) if verdict.decision.is_allowed() => {
                 let delay = verdict.decision.delay();
-                // The previous lease is spent: dropping its ticket keeps its charge.
-                self.lease = verdict.ticket;
+                // The previous grant is spent: dropping its ticket keeps its charge.
+                self.grant = verdict.ticket;
                 self.grant(size);
                 if !delay.is_zero() {
                     self.state = State::Sleeping(Box::pin(tokio::time::sleep(delay)));
@@ -209,7 +209,7 @@ impl<St: Store> Leases<St> {
             }
             Ok(verdict) => match verdict.decision.retry_after() {
                 // Policing: what the stream let through is charged whatever the tiers say
-                // (the handler has it: the bound allows it), and a smaller lease of what the
+                // (the handler has it: the bound allows it), and a smaller grant of what the
                 // tier has left is asked for, when that lets a unit through (once per
                 // refusal).
                 _ if self.police => {
@@ -226,23 +226,23 @@ impl<St: Store> Leases<St> {
                     self.state = State::Sleeping(Box::pin(tokio::time::sleep(wait)));
                     Ok(())
                 }
-                // Policing, or a lease that can never fit (a reserve withholding the tier).
+                // Policing, or a grant that can never fit (a reserve withholding the tier).
                 _ => Err(Stopped::Limited(verdict.decision)),
             },
             Err(error) if self.fail_open => {
-                tracing::warn!(%error, "tollgate: a stream's lease could not be decided; failing open");
-                self.lease = None;
+                tracing::warn!(%error, "tollgate: a stream's grant could not be decided; failing open");
+                self.grant = None;
                 self.grant(size);
                 Ok(())
             }
             Err(error) => {
-                tracing::warn!(%error, "tollgate: a stream's lease could not be decided; failing closed");
+                tracing::warn!(%error, "tollgate: a stream's grant could not be decided; failing closed");
                 Err(Stopped::Unavailable(Arc::new(error)))
             }
         }
     }
 
-    /// What the tiers have left after refusing a lease of `size`, less `paid` (what the
+    /// What the tiers have left after refusing a grant of `size`, less `paid` (what the
     /// stream was charged since): when that is less than `size` and lets a unit through.
     fn smaller(&self, size: u64, refusal: &Decision, paid: u64) -> Option<u64> {
         let tiers = refusal.tiers();
@@ -251,16 +251,16 @@ impl<St: Store> Leases<St> {
         (left < size && left > 0).then_some(left)
     }
 
-    /// Ends the current lease at what the stream used of it, its debt included (charged
+    /// Ends the current grant at what the stream used of it, its debt included (charged
     /// whatever the tiers say: it passed): the unused part is given back, the debt paid.
     /// Returns the debt.
     fn close_lease(&mut self) -> u64 {
         let debt = std::mem::take(&mut self.owed);
-        let used = (self.leased - self.left).saturating_add(debt);
-        let leased = std::mem::take(&mut self.leased);
+        let used = (self.granted - self.left).saturating_add(debt);
+        let granted = std::mem::take(&mut self.granted);
         self.left = 0;
-        let Some(mut ticket) = self.lease.take() else { return debt };
-        if used == leased {
+        let Some(mut ticket) = self.grant.take() else { return debt };
+        if used == granted {
             return debt;
         }
         let settled: SmallVec<[(usize, u64); 2]> = self.tiers.iter().map(|&i| (i, used)).collect();
@@ -268,22 +268,22 @@ impl<St: Store> Leases<St> {
         crate::limiter::run_or_spawn(async move {
             let settling = limiter.store().settle_tiers(limiter.bound(), &mut ticket, &settled);
             if let Err(error) = settling.await {
-                tracing::warn!(%error, "tollgate: could not settle a stream's lease");
+                tracing::warn!(%error, "tollgate: could not settle a stream's grant");
             }
         });
         debt
     }
 
-    /// A lease of `size` bytes was granted: it pays what is owed first.
+    /// A grant of `size` bytes was granted: it pays what is owed first.
     fn grant(&mut self, size: u64) {
         let paid = size.min(self.owed);
         self.owed -= paid;
-        self.leased = size;
+        self.granted = size;
         self.left = size - paid;
     }
 }
 
-impl<St: Store> Gate for Leases<St> {
+impl<St: Store> Gate for Grants<St> {
     fn poll_room(
         &mut self,
         cx: &mut Context<'_>,
@@ -339,8 +339,8 @@ impl<St: Store> Gate for Leases<St> {
     }
 }
 
-impl<St: Store> Drop for Leases<St> {
-    /// Gives back the part of the last lease the body did not use (all of it when the body
+impl<St: Store> Drop for Grants<St> {
+    /// Gives back the part of the last grant the body did not use (all of it when the body
     /// was dropped while waiting for its reserved instant), or charges what it let through
     /// past it.
     fn drop(&mut self) {
