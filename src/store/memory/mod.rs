@@ -29,7 +29,7 @@ use crate::decision::Decision;
 use crate::error::{ConfigError, StoreError};
 use crate::key::Key;
 use crate::policy::Policy;
-use crate::quota::TierKind;
+use crate::quota::{Algorithm, TierKind};
 
 /// How often a full shard may be scanned for idle keys to make room for a new key, in
 /// nanoseconds of the store's clock (100 ms). Between scans, new keys of a full shard go to the
@@ -376,15 +376,40 @@ impl MemoryStore {
 
     /// Gives back at once `cost` units charged to `key` by an admitted check of a policy of one
     /// GCRA tier decided in whole nanoseconds (the compact form; see [`Store::refund_sync`]):
-    /// as settling its ticket at 0 would. Any other policy is left unchanged. A key whose
-    /// check went to the overflow bucket of a full store has nothing of its own to give back.
+    /// as settling its ticket at 0 would. A fixed-window policy (rate tiers only) is given the
+    /// units back in each tier's current window, never below 0. Any other policy is left
+    /// unchanged. A key whose check went to the overflow bucket of a full store has nothing of
+    /// its own to give back.
+    ///
+    /// ```
+    /// use tollgate::store::MemoryStore;
+    /// use tollgate::{Algorithm, Limiter, Policy, Quota, key::Key};
+    ///
+    /// let policy = Policy::builder("w").algorithm(Algorithm::FixedWindow).tier("m", Quota::per_minute(5)).build().unwrap();
+    /// let limiter = Limiter::new(policy);
+    /// let k = Key::text("k");
+    /// assert_eq!(limiter.check_now(&k, 5).tiers()[0].remaining(), 0);
+    /// limiter.store().refund_now(limiter.bound(), &k, 2);
+    /// assert_eq!(limiter.check_now(&k, 0).tiers()[0].remaining(), 2);
+    /// ```
     pub fn refund_now(&self, bound: &MemoryPolicy, key: &Key, cost: u64) {
-        if bound.core.whole.is_none() || cost == 0 {
+        if cost == 0 {
             return;
         }
+        let policy = bound.policy();
+        let charges = if bound.core.whole.is_some() {
+            // A GCRA refund needs no instant: the TAT moves back by the cost.
+            std::iter::once(Charge { at: 0, cost, id: 0 }).collect()
+        } else if policy.algorithm() == Algorithm::FixedWindow
+            && policy.tiers().iter().all(|t| t.kind() == TierKind::Rate)
+        {
+            // Given back to the window holding the instant the charge is dated.
+            let now = bound.inner.clock.now();
+            policy.tiers().iter().map(|_| Charge { at: now, cost, id: 0 }).collect()
+        } else {
+            return;
+        };
         let fp = bound.inner.fingerprint(key);
-        // A GCRA refund needs no instant: the TAT moves back by the cost.
-        let charges = std::iter::once(Charge { at: 0, cost, id: 0 }).collect();
         let mut ticket = Charged { fp, cost, charges, overflow: false, holding: None };
         bound.inner.settle(&bound.core, bound.id, &mut ticket, &|_| Some(0), false);
     }
