@@ -44,6 +44,7 @@ struct Options {
     concurrency: usize,
     connections: usize,
     limitador: Option<PathBuf>,
+    pin: bool,
 }
 
 fn options() -> Options {
@@ -57,6 +58,7 @@ fn options() -> Options {
         concurrency: 64,
         connections: 4,
         limitador: None,
+        pin: false,
     };
     let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
     let mut i = 0;
@@ -73,6 +75,11 @@ fn options() -> Options {
             "--concurrency" => o.concurrency = v.parse().unwrap(),
             "--connections" => o.connections = v.parse().unwrap(),
             "--limitador" => o.limitador = Some(PathBuf::from(v)),
+            "--pin" => {
+                o.pin = true;
+                i += 1;
+                continue;
+            }
             other => panic!("unknown argument {other}"),
         }
         i += 2;
@@ -94,12 +101,40 @@ struct Redis {
     dir: PathBuf,
 }
 
+/// `program`, on the second CPU when `pin` (the service's side: the server and its Redis).
+fn command(program: impl AsRef<std::ffi::OsStr>, pin: bool) -> Command {
+    if pin {
+        let mut c = Command::new("taskset");
+        c.args(["-c", SERVICE_CPU]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
+}
+
+/// With `--pin`: the CPU of the servers and Redis; the generator keeps the others.
+const SERVICE_CPU: &str = "1";
+
+/// Keeps this process (the generator, all its threads) off [`SERVICE_CPU`].
+fn pin_generator() {
+    let cpus = std::thread::available_parallelism().map_or(2, usize::from);
+    let others: Vec<String> =
+        (0..cpus).map(|c| c.to_string()).filter(|c| c != SERVICE_CPU).collect();
+    let status = Command::new("taskset")
+        .args(["-a", "-p", "-c", &others.join(",")])
+        .arg(std::process::id().to_string())
+        .stdout(Stdio::null())
+        .status()
+        .expect("taskset");
+    assert!(status.success(), "taskset could not pin the generator");
+}
+
 impl Redis {
-    fn start() -> Self {
+    fn start(pin: bool) -> Self {
         let port = free_port();
         let dir = std::env::temp_dir().join(format!("tollgate-bench-redis-{port}"));
         std::fs::create_dir_all(&dir).unwrap();
-        let child = Command::new("redis-server")
+        let child = command("redis-server", pin)
             .args([
                 "--port",
                 &port.to_string(),
@@ -234,12 +269,14 @@ impl Drop for Server {
 
 fn start(which: &str, o: &Options, store: &str, entries: usize, redis: Option<&Redis>) -> Server {
     let port = free_port();
-    let dir = std::env::temp_dir().join(format!("tollgate-bench-{which}-{port}"));
+    let dir = std::env::temp_dir().join(format!("tollgate-bench-{port}"));
     std::fs::create_dir_all(&dir).unwrap();
     let mut cmd = match which {
-        "tollgate" => {
+        t if t == "tollgate" || t.starts_with("tollgate@") => {
             std::fs::write(dir.join("config.yaml"), tollgate_config(entries)).unwrap();
-            let mut c = Command::new(env!("CARGO_BIN_EXE_tollgate-server"));
+            // `tollgate@<path>`: another build of tollgate-server, to compare two builds.
+            let binary = t.strip_prefix("tollgate@").unwrap_or(env!("CARGO_BIN_EXE_tollgate-server"));
+            let mut c = command(binary, o.pin);
             c.args(["--config", dir.to_str().unwrap(), "--listen", &format!("127.0.0.1:{port}")]);
             if store == "redis" {
                 c.args(["--redis", &redis.unwrap().url()]);
@@ -250,7 +287,7 @@ fn start(which: &str, o: &Options, store: &str, entries: usize, redis: Option<&R
         "limitador" => {
             let limits = dir.join("limits.yaml");
             std::fs::write(&limits, limitador_config(entries)).unwrap();
-            let mut c = Command::new(o.limitador.as_ref().unwrap());
+            let mut c = command(o.limitador.as_ref().unwrap(), o.pin);
             c.arg(&limits).args([
                 "--rls-ip",
                 "127.0.0.1",
@@ -339,15 +376,26 @@ async fn open_loop(
     let n = (rate * secs) as u64;
     let interval = Duration::from_secs_f64(1.0 / rate);
     let start = tokio::time::Instant::now() + Duration::from_millis(10);
+    let at = |i: u64| start + interval * u32::try_from(i).unwrap();
     let mut tasks = Vec::with_capacity(n as usize);
-    for i in 0..n {
-        let at = start + interval * u32::try_from(i).unwrap();
-        tokio::time::sleep_until(at).await;
-        let mut c = clients[i as usize % clients.len()].clone();
-        tasks.push(tokio::spawn(async move {
-            let ok = c.should_rate_limit(request(entries, keys)).await.is_ok();
-            ok.then(|| u64::try_from(at.elapsed().as_micros()).unwrap_or(u64::MAX))
-        }));
+    let mut i = 0;
+    while i < n {
+        // Every call that is due is sent now: a timer wakes the loop at most once a
+        // millisecond, and later still on a busy runtime, so one call per wake-up would fall
+        // behind the schedule (and time the generator, not the server).
+        let now = tokio::time::Instant::now();
+        while i < n && at(i) <= now {
+            let scheduled = at(i);
+            let mut c = clients[i as usize % clients.len()].clone();
+            tasks.push(tokio::spawn(async move {
+                let ok = c.should_rate_limit(request(entries, keys)).await.is_ok();
+                ok.then(|| u64::try_from(scheduled.elapsed().as_micros()).unwrap_or(u64::MAX))
+            }));
+            i += 1;
+        }
+        if i < n {
+            tokio::time::sleep_until(at(i)).await;
+        }
     }
     let mut lat = Vec::with_capacity(tasks.len());
     for t in tasks {
@@ -386,11 +434,15 @@ fn main() {
     let o = options();
     let tick = ticks_per_second();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    if o.pin {
+        // After the runtime is built: `-a` moves its worker threads too.
+        pin_generator();
+    }
     let mut results: HashMap<(String, String, usize, u64), Vec<Sample>> = HashMap::new();
     let mut order = Vec::new();
     for run in 0..o.runs {
         for store in &o.stores {
-            let redis = (store == "redis").then(Redis::start);
+            let redis = (store == "redis").then(|| Redis::start(o.pin));
             for &entries in &o.entries {
                 for &keys in &o.keys {
                     for server in &o.servers {
