@@ -275,7 +275,8 @@ fn start(which: &str, o: &Options, store: &str, entries: usize, redis: Option<&R
         t if t == "tollgate" || t.starts_with("tollgate@") => {
             std::fs::write(dir.join("config.yaml"), tollgate_config(entries)).unwrap();
             // `tollgate@<path>`: another build of tollgate-server, to compare two builds.
-            let binary = t.strip_prefix("tollgate@").unwrap_or(env!("CARGO_BIN_EXE_tollgate-server"));
+            let binary =
+                t.strip_prefix("tollgate@").unwrap_or(env!("CARGO_BIN_EXE_tollgate-server"));
             let mut c = command(binary, o.pin);
             c.args(["--config", dir.to_str().unwrap(), "--listen", &format!("127.0.0.1:{port}")]);
             if store == "redis" {

@@ -23,6 +23,7 @@ pub mod server;
 pub mod service;
 pub mod settings;
 pub(crate) mod stats;
+pub(crate) mod threads;
 
 /// The Envoy protos this service speaks (re-exported from `envoy-types`).
 pub use envoy_types::pb;

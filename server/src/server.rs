@@ -16,7 +16,6 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 
 use crate::config::{Config, LoadOptions, Source, read_sources};
@@ -24,6 +23,7 @@ use crate::engine::Backends;
 use crate::service::{Options, RateLimiter};
 use crate::settings::Settings;
 use crate::stats;
+use crate::threads::Threads;
 
 /// Why the server could not start.
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +39,9 @@ pub enum StartError {
         /// Why.
         source: std::io::Error,
     },
+    /// The threads serving the gRPC port could not be started.
+    #[error("cannot start the gRPC threads: {0}")]
+    Threads(std::io::Error),
     /// Redis could not be reached.
     #[error("cannot reach Redis: {0}")]
     Redis(tollgate::StoreError),
@@ -246,42 +249,41 @@ pub async fn start_with(
         }));
     }
 
-    let grpc_service = RateLimitServiceServer::new(service.clone());
-    let stopping = {
-        let reporter = reporter.clone();
-        let healthy = healthy.clone();
-        let rx = stopped.clone();
-        async move {
-            signal(rx).await;
-            healthy.store(false, Ordering::SeqCst);
-            reporter.set_not_serving::<RateLimitServiceServer<RateLimiter>>().await;
-            reporter.set_service_status("", ServingStatus::NotServing).await;
-        }
-    };
-    let incoming = TcpIncoming::from(grpc_listener).with_nodelay(Some(true));
-    let grace = settings.grace;
-    let mut deadline = stopped.clone();
+    let routes = tonic::service::Routes::new(health_service)
+        .add_service(RateLimitServiceServer::new(service.clone()));
+    let count = std::thread::available_parallelism().map_or(1, usize::from);
+    let mut threads =
+        Threads::start(count, &routes, &stopped, settings.grace).map_err(StartError::Threads)?;
+    let mut stopping = stopped.clone();
     let task = tokio::spawn(async move {
-        let serve = tonic::transport::Server::builder()
-            .add_service(health_service)
-            .add_service(grpc_service)
-            .serve_with_incoming_shutdown(incoming, stopping);
-        // Stopping, the server answers the calls under way and sends GOAWAY; clients that keep
-        // their connections open anyway (Envoy does) are cut off after the grace period.
-        let cut_off = async move {
-            let _ = deadline.wait_for(|s| *s).await;
-            tokio::time::sleep(grace).await;
-        };
-        tokio::select! {
-            served = serve => {
-                if let Err(e) = served {
-                    tracing::error!(error = %e, "tollgate-server: the gRPC port failed");
+        loop {
+            let accepted = tokio::select! {
+                accepted = grpc_listener.accept() => accepted,
+                _ = stopping.wait_for(|s| *s) => break,
+            };
+            match accepted {
+                Ok((stream, _)) => {
+                    let _ = stream.set_nodelay(true);
+                    match stream.into_std() {
+                        Ok(s) => threads.hand(s),
+                        Err(e) => {
+                            tracing::debug!(error = %e, "tollgate-server: a connection was lost")
+                        }
+                    }
+                }
+                Err(e) => {
+                    // Out of file descriptors, say: wait a little rather than spin.
+                    tracing::debug!(error = %e, "tollgate-server: accepting failed");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
                 }
             }
-            () = cut_off => {
-                tracing::info!("tollgate-server: closing the connections still open after {grace:?}");
-            }
         }
+        // Health turns NOT_SERVING before the port closes.
+        healthy.store(false, Ordering::SeqCst);
+        reporter.set_not_serving::<RateLimitServiceServer<RateLimiter>>().await;
+        reporter.set_service_status("", ServingStatus::NotServing).await;
+        drop(grpc_listener);
+        threads.join().await;
         for t in tasks {
             let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
         }
