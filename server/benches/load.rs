@@ -9,14 +9,22 @@
 //! 1. **peak**: a closed loop of `--concurrency` calls for `--secs`: decisions per second, and
 //!    decisions per CPU-second of the server (its user + system time from `/proc`);
 //! 2. **half**: an open loop at half of that peak rate for `--secs`: p50 and p99 latency,
-//!    each call timed from its scheduled instant (no coordinated omission).
+//!    each call timed from its scheduled instant (no coordinated omission), the calls paced by
+//!    a thread of their own (Tokio's millisecond timer would add up to a millisecond).
 //!
 //! Runs are interleaved (every server once per run); the report gives medians and ranges.
 //!
+//! The generator runs on the same machine, and a tonic client spends more CPU per call than
+//! the servers do: on a small machine it is what limits the peak, and what it and other
+//! processes take from the server's CPU shows in the latency. `--pin` keeps the generator
+//! off CPU 1 and runs the server (and its Redis) on CPU 1 alone, with `taskset`, so that
+//! the two do not take turns on one CPU; `--servers tollgate@<path>` runs another build of
+//! tollgate-server beside this one, to compare two builds.
+//!
 //! ```text
 //! cargo bench -p tollgate-server --bench load -- --limitador /work/peers/limitador/target/release/limitador-server
-//!     [--stores memory,redis] [--entries 1,3] [--keys 1,100000] [--runs 3] [--secs 5]
-//!     [--concurrency 64] [--connections 4]
+//!     [--servers tollgate,limitador] [--stores memory,redis] [--entries 1,3] [--keys 1,100000]
+//!     [--runs 3] [--secs 5] [--concurrency 64] [--connections 4] [--pin]
 //! ```
 
 use std::collections::HashMap;
@@ -376,28 +384,36 @@ async fn open_loop(
 ) -> Vec<u64> {
     let n = (rate * secs) as u64;
     let interval = Duration::from_secs_f64(1.0 / rate);
-    let start = tokio::time::Instant::now() + Duration::from_millis(10);
-    let at = |i: u64| start + interval * u32::try_from(i).unwrap();
-    let mut tasks = Vec::with_capacity(n as usize);
-    let mut i = 0;
-    while i < n {
-        // Every call that is due is sent now: a timer wakes the loop at most once a
-        // millisecond, and later still on a busy runtime, so one call per wake-up would fall
-        // behind the schedule (and time the generator, not the server).
-        let now = tokio::time::Instant::now();
-        while i < n && at(i) <= now {
-            let scheduled = at(i);
-            let mut c = clients[i as usize % clients.len()].clone();
-            tasks.push(tokio::spawn(async move {
-                let ok = c.should_rate_limit(request(entries, keys)).await.is_ok();
-                ok.then(|| u64::try_from(scheduled.elapsed().as_micros()).unwrap_or(u64::MAX))
-            }));
-            i += 1;
+    let clients = clients.to_vec();
+    let runtime = tokio::runtime::Handle::current();
+    // The calls are paced by a thread of their own: Tokio's timer wakes on whole milliseconds,
+    // which would send a call due sooner up to a millisecond late (counted as latency); a
+    // thread's sleep wakes within tens of microseconds. Every call that is due is sent at each
+    // wake-up, so a busy generator sends late rather than fewer (no coordinated omission).
+    let tasks = tokio::task::spawn_blocking(move || {
+        let start = Instant::now() + Duration::from_millis(10);
+        let at = |i: u64| start + interval * u32::try_from(i).unwrap();
+        let mut tasks = Vec::with_capacity(n as usize);
+        let mut i = 0;
+        while i < n {
+            let now = Instant::now();
+            while i < n && at(i) <= now {
+                let scheduled = at(i);
+                let mut c = clients[i as usize % clients.len()].clone();
+                tasks.push(runtime.spawn(async move {
+                    let ok = c.should_rate_limit(request(entries, keys)).await.is_ok();
+                    ok.then(|| u64::try_from(scheduled.elapsed().as_micros()).unwrap_or(u64::MAX))
+                }));
+                i += 1;
+            }
+            if i < n {
+                std::thread::sleep(at(i).saturating_duration_since(Instant::now()));
+            }
         }
-        if i < n {
-            tokio::time::sleep_until(at(i)).await;
-        }
-    }
+        tasks
+    })
+    .await
+    .unwrap();
     let mut lat = Vec::with_capacity(tasks.len());
     for t in tasks {
         if let Ok(Some(l)) = t.await {
