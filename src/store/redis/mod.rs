@@ -1333,7 +1333,7 @@ impl RedisStore {
         }
         let mut block = begin.block;
         if let Some(room) = begin.room {
-            block = block.min((room / 4).max(check.cost));
+            block = block.min(lease::lease_share(room).max(check.cost));
         }
         loop {
             let costs: SmallVec<[u64; 4]> = (0..n).map(|_| block).collect();
@@ -1366,7 +1366,7 @@ impl RedisStore {
                 return Ok(Verdict { decision, ticket: None });
             }
             let room = decision.tiers.iter().map(|t| t.remaining).min().unwrap_or(0);
-            block = (room / 4).max(check.cost).min(block - 1);
+            block = lease::lease_share(room).max(check.cost).min(block - 1);
         }
     }
 
