@@ -9,70 +9,18 @@ use crate::support;
 
 use std::time::Duration;
 
+use support::lease::{
+    N, asked_on_cluster, check, duration_ns, fleet, fleet_of, futures_join, hammer, left,
+    on_cluster,
+};
 use support::redis::{Cluster, Server};
 use tollgate::clock::{Clock, FakeClock};
 use tollgate::key::Key;
-use tollgate::store::{Check, Lease, RedisPolicy, RedisStore, RedisStoreBuilder, Store};
-use tollgate::{Algorithm, ConfigError, Decision, Outcome, Policy, Quota, Source};
+use tollgate::store::{Check, Lease, RedisPolicy, RedisStore, Store};
+use tollgate::{Algorithm, ConfigError, Outcome, Policy, Quota, Source};
 
 const MS: u64 = 1_000_000;
 const S: u64 = 1_000_000_000;
-/// Instances leasing the hot key.
-const N: usize = 4;
-
-fn store(builder: RedisStoreBuilder, clock: &FakeClock, prefix: &str) -> RedisStore {
-    builder
-        .clock(clock.clone())
-        .prefix(prefix)
-        // The fake clock stands still in real time: keep keys for the whole test.
-        .ttl_grace(Duration::from_secs(3600))
-        .timeout(Duration::from_secs(5))
-        .build()
-        .unwrap()
-}
-
-/// `N` leasing instances of `policy` and one exact instance, sharing one budget.
-fn fleet(
-    url: &str,
-    clock: &FakeClock,
-    policy: &Policy,
-    lease: Lease,
-) -> (Vec<(RedisStore, RedisPolicy)>, (RedisStore, RedisPolicy)) {
-    fleet_of(N, url, clock, policy, lease)
-}
-
-/// [`fleet`] of `n` leasing instances.
-fn fleet_of(
-    n: usize,
-    url: &str,
-    clock: &FakeClock,
-    policy: &Policy,
-    lease: Lease,
-) -> (Vec<(RedisStore, RedisPolicy)>, (RedisStore, RedisPolicy)) {
-    let prefix = format!("lease{}:", fastrand::u32(..));
-    let leasing = (0..n)
-        .map(|_| {
-            let s =
-                store(RedisStore::builder(url).lease_policy(policy.name(), lease), clock, &prefix);
-            let b = s.bind(policy).unwrap();
-            assert_eq!(b.lease(), Some(lease));
-            (s, b)
-        })
-        .collect();
-    let s = store(RedisStore::builder(url), clock, &prefix);
-    let b = s.bind(policy).unwrap();
-    assert_eq!(b.lease(), None);
-    (leasing, (s, b))
-}
-
-async fn check(node: &(RedisStore, RedisPolicy), key: &Key, cost: u64) -> Decision {
-    node.0.check(&node.1, Check::new(key, cost)).await.expect("redis answers").decision
-}
-
-/// What the key has left in Redis, by a query of the exact instance.
-async fn left(exact: &(RedisStore, RedisPolicy), key: &Key) -> u64 {
-    check(exact, key, 0).await.tiers()[0].remaining()
-}
 
 /// Whether node `i` asks for a unit at step `step` (1 ms each): every node asks often but not
 /// always, and node 3 pauses for 40 ms of every 250, so blocks end unspent and come back.
@@ -84,54 +32,6 @@ fn demands(i: usize, step: u64) -> bool {
         return i == 0 && step % 3 == 0;
     }
     step % every == 0 && !(i == 3 && step % 250 < 40)
-}
-
-/// Runs the fleet for `steps` ms of fake time, every node checking concurrently within a
-/// step; returns the admission instants (ns) of each node.
-async fn hammer(
-    nodes: &[(RedisStore, RedisPolicy)],
-    clock: &FakeClock,
-    key: &Key,
-    steps: u64,
-    demands: fn(usize, u64) -> bool,
-) -> Vec<u64> {
-    let mut admitted = Vec::new();
-    for step in 0..steps {
-        let now = clock.now();
-        let asks = (0..N).filter(|&i| demands(i, step)).map(|i| check(&nodes[i], key, 1));
-        let decided = futures_join(asks).await;
-        for d in decided {
-            if d.is_allowed() {
-                assert_eq!(d.source(), Source::Store);
-                admitted.push(now);
-            }
-        }
-        clock.advance(Duration::from_millis(1));
-    }
-    admitted
-}
-
-/// Awaits every future, polled together (so the nodes' calls overlap).
-async fn futures_join<F: std::future::Future>(futures: impl Iterator<Item = F>) -> Vec<F::Output> {
-    let mut set = Vec::new();
-    for f in futures {
-        set.push(Box::pin(f));
-    }
-    let mut out: Vec<Option<F::Output>> = set.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (f, o) in set.iter_mut().zip(out.iter_mut()) {
-            if o.is_none() {
-                match f.as_mut().poll(cx) {
-                    std::task::Poll::Ready(v) => *o = Some(v),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending { std::task::Poll::Pending } else { std::task::Poll::Ready(()) }
-    })
-    .await;
-    out.into_iter().map(|o| o.expect("ready")).collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -655,10 +555,6 @@ async fn instances_at_the_keys_rate(n: usize, lease: Lease, burst: u64) -> Optio
     Some(Run { calls, exact_wait })
 }
 
-fn duration_ns(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
-}
-
 /// One instance leasing a key's schedule (100,000 a second, T = 10 µs, a burst of 1,000;
 /// useful blocks of 64): when the key has less than a useful block, a call takes one anyway,
 /// and each unit is admitted at the instant it conforms, exactly, with the wait for the next
@@ -1092,35 +988,4 @@ async fn prefetching_instances_on_a_cluster_admit_each_keys_burst_once() {
     assert_eq!(asked_on_cluster(&nodes, 300).await, vec![400; 6]);
     let prefetched: u64 = nodes.iter().map(|n| n.1.lease_stats().prefetched).sum();
     assert!(prefetched > 0);
-}
-
-/// Two instances leasing `policy` on `cluster`, on one fake clock.
-fn on_cluster(cluster: &Cluster, policy: &Policy, lease: Lease) -> Vec<(RedisStore, RedisPolicy)> {
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
-    let prefix = format!("cluster{}:", fastrand::u32(..));
-    (0..2)
-        .map(|_| {
-            let builder =
-                RedisStore::cluster_builder(cluster.urls()).lease_policy(policy.name(), lease);
-            let s = store(builder, &clock, &prefix);
-            let b = s.bind(policy).unwrap();
-            (s, b)
-        })
-        .collect()
-}
-
-/// `rounds` rounds of every node asking for a unit of each of 6 keys, concurrently: the units
-/// admitted per key.
-async fn asked_on_cluster(nodes: &[(RedisStore, RedisPolicy)], rounds: usize) -> Vec<u64> {
-    let keys: Vec<Key> = (0..6).map(|i| Key::text(format!("k{i}"))).collect();
-    let mut admitted = vec![0u64; keys.len()];
-    for _ in 0..rounds {
-        let asks = keys.iter().flat_map(|k| nodes.iter().map(move |n| check(n, k, 1)));
-        let decided = futures_join(asks).await;
-        for (i, d) in decided.iter().enumerate() {
-            admitted[i / nodes.len()] += u64::from(d.is_allowed());
-        }
-    }
-    admitted
 }
