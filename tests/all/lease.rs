@@ -10,8 +10,8 @@ use crate::support;
 use std::time::Duration;
 
 use support::lease::{
-    N, asked_on_cluster, check, duration_ns, fleet, fleet_of, futures_join, hammer, left,
-    on_cluster,
+    N, asked_on_cluster, check, duration_ns, fixed_window, fleet, fleet_of, futures_join, hammer,
+    left, on_cluster, started,
 };
 use support::redis::{Cluster, Server};
 use tollgate::clock::{Clock, FakeClock};
@@ -36,14 +36,8 @@ fn demands(i: usize, step: u64) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_leasing_instances_admit_at_most_the_limit_in_every_fixed_window() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
-    let policy = Policy::builder("hot")
-        .algorithm(Algorithm::FixedWindow)
-        .tier("second", Quota::per_second(1_000))
-        .build()
-        .unwrap();
+    let Some((server, clock)) = started() else { return };
+    let policy = fixed_window("hot", "second", Quota::per_second(1_000));
     let lease = Lease::new().max_block(32).lifetime(Duration::from_millis(100));
     let (nodes, _exact) = fleet(&server.url(), &clock, &policy, lease);
     let key = Key::text("hot");
@@ -92,9 +86,7 @@ async fn four_instances_leasing_the_schedule_keep_gcra_within_the_same_bound() {
 
 async fn four_gcra_instances_within_the_bound(lease: Lease) {
     let prefetch = lease.prefetches();
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
+    let Some((server, clock)) = started() else { return };
     // T = 2 ms, burst 50.
     let policy = Policy::single("hot", Quota::per_second(500).with_burst(50)).unwrap();
     let lease = lease.max_block(8).lifetime(Duration::from_millis(30));
@@ -135,9 +127,7 @@ async fn granted(node: &(RedisStore, RedisPolicy), grants: u64) {
 /// and it never holds more than 64 units.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefetching_instance_asks_for_the_next_block_when_half_is_spent() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
+    let Some((server, clock)) = started() else { return };
     let policy = Policy::single("hot", Quota::per_second(100_000).with_burst(1_000)).unwrap();
     let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100)).prefetch(true);
     let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
@@ -237,9 +227,7 @@ async fn at_the_keys_rate_an_instance_waits_for_a_useful_block_without_calling()
 /// with no call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_lease_call_is_waited_out_with_that_retry() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
+    let Some((server, clock)) = started() else { return };
     let policy = Policy::single("hot", Quota::per_second(100_000).with_burst(1_000)).unwrap();
     let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100));
     let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
@@ -301,9 +289,7 @@ fn each_tier_within(admitted: &[u64], tiers: &[(u64, u64)], bound: u64, what: &s
 /// interval.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_instances_leasing_the_schedule_keep_each_of_two_gcra_tiers_within_the_bound() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
+    let Some((server, clock)) = started() else { return };
     let policy = Policy::builder("two")
         .tier("fast", Quota::per_second(500).with_burst(20))
         .tier("slow", Quota::per_second(250).with_burst(50))
@@ -385,9 +371,7 @@ async fn a_horizon_past_the_fast_tiers_fill_keeps_each_tier_within_the_bound() {
 /// cost: the instance's own refusals never say less than Redis's exact wait for that cost.
 #[tokio::test]
 async fn a_weighted_check_is_never_told_to_retry_before_redis_would_admit_it() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
+    let Some((server, clock)) = started() else { return };
     // 100 a second: a useful block (1 ms of refill) is one unit.
     let policy = Policy::single("weighted", Quota::per_second(100)).unwrap();
     let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100));
@@ -412,9 +396,7 @@ async fn a_weighted_check_is_never_told_to_retry_before_redis_would_admit_it() {
 /// not when the instance asks Redis again.
 #[tokio::test]
 async fn a_weighted_check_leasing_the_schedule_is_never_told_to_retry_before_it_conforms() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
+    let Some((server, clock)) = started() else { return };
     // T = 10 ms, a burst of 100; the horizon is half the lifetime, 50 ms.
     let policy = Policy::single("weighted", Quota::per_second(100)).unwrap();
     let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100)).schedule(true);
@@ -561,9 +543,7 @@ async fn instances_at_the_keys_rate(n: usize, lease: Lease, burst: u64) -> Optio
 /// as `retry_after` and `remaining` the units that conform now.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_leasing_the_schedule_admits_each_unit_when_it_conforms() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
+    let Some((server, clock)) = started() else { return };
     let policy = Policy::single("hot", Quota::per_second(100_000).with_burst(1_000)).unwrap();
     let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100)).schedule(true);
     let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
@@ -627,14 +607,8 @@ async fn an_instance_leasing_the_schedule_admits_each_unit_when_it_conforms() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocks_grow_with_demand_and_come_back_when_dropped() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
-    let policy = Policy::builder("w")
-        .algorithm(Algorithm::FixedWindow)
-        .tier("minute", Quota::per_minute(100))
-        .build()
-        .unwrap();
+    let Some((server, clock)) = started() else { return };
+    let policy = fixed_window("w", "minute", Quota::per_minute(100));
     let lease = Lease::new().max_block(16).lifetime(Duration::from_secs(10));
     let (mut nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
     let key = Key::text("k");
@@ -665,14 +639,8 @@ async fn blocks_grow_with_demand_and_come_back_when_dropped() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_is_never_spent_after_its_lifetime_and_its_rest_comes_back() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
-    let policy = Policy::builder("w")
-        .algorithm(Algorithm::FixedWindow)
-        .tier("minute", Quota::per_minute(100))
-        .build()
-        .unwrap();
+    let Some((server, clock)) = started() else { return };
+    let policy = fixed_window("w", "minute", Quota::per_minute(100));
     let lease = Lease::new().max_block(4).lifetime(Duration::from_millis(50));
     let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
     let key = Key::text("k");
@@ -708,14 +676,8 @@ async fn a_block_is_never_spent_after_its_lifetime_and_its_rest_comes_back() {
 /// Redis, which has the units again (a shaping check, which is exact in lease mode).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_given_back_by_the_sweeper_forgets_the_keys_refusal() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
-    let policy = Policy::builder("w")
-        .algorithm(Algorithm::FixedWindow)
-        .tier("minute", Quota::per_minute(100))
-        .build()
-        .unwrap();
+    let Some((server, clock)) = started() else { return };
+    let policy = fixed_window("w", "minute", Quota::per_minute(100));
     let lease = Lease::new().max_block(4).lifetime(Duration::from_millis(50));
     let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
     let (node, key) = (&nodes[0], Key::text("k"));
@@ -745,9 +707,7 @@ async fn a_block_given_back_by_the_sweeper_forgets_the_keys_refusal() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_next_block_gives_back_the_rest_of_the_last_in_the_same_call() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
+    let Some((server, clock)) = started() else { return };
     let policy = Policy::single("g", Quota::per_minute(60)).unwrap();
     let lease = Lease::new().max_block(8).lifetime(Duration::from_millis(10));
     let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
@@ -769,14 +729,8 @@ async fn the_next_block_gives_back_the_rest_of_the_last_in_the_same_call() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn near_the_limit_blocks_shrink_to_one_unit_and_refusals_are_exact() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
-    let policy = Policy::builder("w")
-        .algorithm(Algorithm::FixedWindow)
-        .tier("minute", Quota::per_minute(10))
-        .build()
-        .unwrap();
+    let Some((server, clock)) = started() else { return };
+    let policy = fixed_window("w", "minute", Quota::per_minute(10));
     let lease = Lease::new().max_block(64).lifetime(Duration::from_secs(30));
     let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
     let key = Key::text("k");
@@ -797,9 +751,7 @@ async fn near_the_limit_blocks_shrink_to_one_unit_and_refusals_are_exact() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outage_is_decided_per_check_as_in_exact_mode() {
-    let Some(mut server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
+    let Some((mut server, clock)) = started() else { return };
     let policy = Policy::single("g", Quota::per_minute(600)).unwrap();
     let lease = Lease::new().max_block(4).lifetime(Duration::from_secs(30));
     let s = RedisStore::builder(server.url())
@@ -852,14 +804,8 @@ fn policies_that_cannot_lease_are_refused_or_stay_exact() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ticket_from_a_block_settles_in_redis() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
-    let policy = Policy::builder("w")
-        .algorithm(Algorithm::FixedWindow)
-        .tier("minute", Quota::per_minute(100))
-        .build()
-        .unwrap();
+    let Some((server, clock)) = started() else { return };
+    let policy = fixed_window("w", "minute", Quota::per_minute(100));
     let lease = Lease::new().max_block(8).lifetime(Duration::from_secs(10));
     let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
     let (s, b) = &nodes[0];
@@ -964,11 +910,7 @@ async fn two_leasing_app_instances_enforce_one_limit_over_http_and_count_their_l
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leasing_instances_on_a_cluster_admit_each_keys_limit_once() {
     let Some(cluster) = Cluster::start() else { return };
-    let policy = Policy::builder("c")
-        .algorithm(Algorithm::FixedWindow)
-        .tier("minute", Quota::per_minute(50))
-        .build()
-        .unwrap();
+    let policy = fixed_window("c", "minute", Quota::per_minute(50));
     let lease = Lease::new().max_block(16).lifetime(Duration::from_secs(30));
     let nodes = on_cluster(&cluster, &policy, lease);
     assert_eq!(asked_on_cluster(&nodes, 40).await, vec![50; 6]);

@@ -5,27 +5,31 @@ use std::time::Duration;
 
 use tollgate::clock::{Clock, FakeClock};
 use tollgate::key::Key;
-use tollgate::store::{Check, Lease, RedisPolicy, RedisStore, RedisStoreBuilder, Store};
-use tollgate::{Decision, Policy, Source};
+use tollgate::store::{Check, Lease, RedisPolicy, RedisStore, Store};
+use tollgate::{Algorithm, Decision, Policy, Quota, Source};
 
-use super::redis::Cluster;
+use super::redis::{Cluster, Server};
+use super::stores::redis::on_clock;
 
 /// A second, in nanoseconds.
 const S: u64 = 1_000_000_000;
 
+/// A throw-away redis-server and a fake clock at 1,000 s, where the lease tests start; `None`
+/// when redis-server is not installed (the test then passes without running).
+pub fn started() -> Option<(Server, FakeClock)> {
+    let server = Server::start("redis-server")?;
+    let clock = FakeClock::new();
+    clock.set(1_000 * S);
+    Some((server, clock))
+}
+
+/// A policy `name` of one fixed-window tier `tier` of `quota`.
+pub fn fixed_window(name: &str, tier: &str, quota: Quota) -> Policy {
+    Policy::builder(name).algorithm(Algorithm::FixedWindow).tier(tier, quota).build().unwrap()
+}
+
 /// Instances leasing the hot key.
 pub const N: usize = 4;
-
-pub fn store(builder: RedisStoreBuilder, clock: &FakeClock, prefix: &str) -> RedisStore {
-    builder
-        .clock(clock.clone())
-        .prefix(prefix)
-        // The fake clock stands still in real time: keep keys for the whole test.
-        .ttl_grace(Duration::from_secs(3600))
-        .timeout(Duration::from_secs(5))
-        .build()
-        .unwrap()
-}
 
 /// `N` leasing instances of `policy` and one exact instance, sharing one budget.
 pub fn fleet(
@@ -48,14 +52,17 @@ pub fn fleet_of(
     let prefix = format!("lease{}:", fastrand::u32(..));
     let leasing = (0..n)
         .map(|_| {
-            let s =
-                store(RedisStore::builder(url).lease_policy(policy.name(), lease), clock, &prefix);
+            let s = on_clock(
+                RedisStore::builder(url).lease_policy(policy.name(), lease),
+                clock,
+                &prefix,
+            );
             let b = s.bind(policy).unwrap();
             assert_eq!(b.lease(), Some(lease));
             (s, b)
         })
         .collect();
-    let s = store(RedisStore::builder(url), clock, &prefix);
+    let s = on_clock(RedisStore::builder(url), clock, &prefix);
     let b = s.bind(policy).unwrap();
     assert_eq!(b.lease(), None);
     (leasing, (s, b))
@@ -137,7 +144,7 @@ pub fn on_cluster(
         .map(|_| {
             let builder =
                 RedisStore::cluster_builder(cluster.urls()).lease_policy(policy.name(), lease);
-            let s = store(builder, &clock, &prefix);
+            let s = on_clock(builder, &clock, &prefix);
             let b = s.bind(policy).unwrap();
             (s, b)
         })

@@ -18,36 +18,14 @@ fn slots_policy(name: &str, max: u64, lease: Duration) -> Policy {
 /// and every task gets its turn.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_holders_on_redis_never_exceed_four_in_flight() {
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use crate::support::stores::most_in_flight;
     let Some(server) = Server::start("redis-server") else { return };
     let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(10)).build().unwrap();
     let limiter =
         Limiter::with_store(slots_policy("thousand", 4, Duration::from_secs(60)), store).unwrap();
-    let inside = std::sync::Arc::new(AtomicUsize::new(0));
-    let most = std::sync::Arc::new(AtomicUsize::new(0));
-    let tasks: Vec<_> = (0..1000)
-        .map(|_| {
-            let (limiter, inside, most) = (limiter.clone(), inside.clone(), most.clone());
-            tokio::spawn(async move {
-                let slot = limiter
-                    .acquire(&Key::text("api-key"), 1, Duration::from_secs(300))
-                    .await
-                    .expect("a slot within five minutes");
-                let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
-                most.fetch_max(now, Ordering::SeqCst);
-                assert!(now <= 4, "{now} in flight");
-                for _ in 0..3 {
-                    tokio::task::yield_now().await;
-                }
-                inside.fetch_sub(1, Ordering::SeqCst);
-                slot.release().await.expect("released");
-            })
-        })
-        .collect();
-    for t in tasks {
-        t.await.unwrap();
-    }
-    assert_eq!(most.load(Ordering::SeqCst), 4);
+    let most =
+        most_in_flight(&limiter, &Key::text("api-key"), 1000, 4, Duration::from_secs(300)).await;
+    assert_eq!(most, 4);
     let d = limiter.check(&Key::text("api-key"), 0).await.unwrap();
     assert_eq!((d.tiers()[0].remaining(), d.source()), (4, Source::Store));
     // Every lease is gone: so is the set.
