@@ -11,7 +11,7 @@ use std::time::Duration;
 
 #[cfg(feature = "axum")]
 use crate::support::bodies::{Chunks, Endless};
-use crate::support::bodies::{End, InFlight, Repeat, Script};
+use crate::support::bodies::{End, InFlight, Repeat};
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
@@ -677,7 +677,7 @@ async fn a_response_body_that_fails_is_settled_at_the_bytes_it_sent() {
     for mode in METERINGS {
         let layer = slot_and_bytes(Unit::ResponseBytes, mode);
         let svc = layer.layer(service_fn(|_req: Request<RequestBody<Empty<Bytes>>>| async {
-            Ok::<_, Infallible>(Response::new(Script { frames: 2, len: 700, end: End::Fail }))
+            Ok::<_, Infallible>(Response::new(Repeat::bytes(2, 700, End::Fail)))
         }));
         let mut body = svc.oneshot(Request::new(Empty::new())).await.unwrap().into_body();
         let settled = mode == Some(StreamMode::Settle);
@@ -705,7 +705,7 @@ async fn a_response_body_dropped_unfinished_is_settled_at_the_bytes_it_sent() {
     for mode in METERINGS {
         let layer = slot_and_bytes(Unit::ResponseBytes, mode);
         let svc = layer.layer(service_fn(|_req: Request<RequestBody<Empty<Bytes>>>| async {
-            Ok::<_, Infallible>(Response::new(Script { frames: 1, len: 700, end: End::Hang }))
+            Ok::<_, Infallible>(Response::new(Repeat::bytes(1, 700, End::Hang)))
         }));
         let mut body = svc.oneshot(Request::new(Empty::new())).await.unwrap().into_body();
         assert_eq!(body.frame().await.unwrap().unwrap().into_data().unwrap().len(), 700);
@@ -724,14 +724,14 @@ async fn a_response_body_dropped_unfinished_is_settled_at_the_bytes_it_sent() {
 async fn a_request_body_read_in_part_is_charged_the_bytes_read() {
     for mode in METERINGS {
         let layer = slot_and_bytes(Unit::RequestBytes, mode);
-        let svc = layer.layer(service_fn(|req: Request<RequestBody<Script>>| async move {
+        let svc = layer.layer(service_fn(|req: Request<RequestBody<Repeat>>| async move {
             let mut body = req.into_body();
             let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
             // The rest of the upload is never read.
             drop(body);
             Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(first.len().to_string()))))
         }));
-        let upload = Script { frames: 3, len: 400, end: End::Done };
+        let upload = Repeat::bytes(3, 400, End::Done);
         let res = svc.oneshot(Request::new(upload)).await.unwrap();
         if mode == Some(StreamMode::Settle) {
             assert_eq!(slot_and_bytes_left(&layer).await, [0, 9_999]);

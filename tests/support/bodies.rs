@@ -95,14 +95,7 @@ impl Body for Endless {
     }
 }
 
-/// A body of `frames` data frames of `len` bytes, then its end: done, an error, or none (it
-/// never ends).
-pub struct Script {
-    pub frames: usize,
-    pub len: usize,
-    pub end: End,
-}
-
+/// How a test body ends after its frames: done, with an error, or never (it hangs).
 #[derive(Clone, Copy)]
 pub enum End {
     Done,
@@ -110,31 +103,18 @@ pub enum End {
     Hang,
 }
 
-impl Body for Script {
-    type Data = Bytes;
-    type Error = &'static str;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, &'static str>>> {
-        if self.frames > 0 {
-            self.frames -= 1;
-            return Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![b'z'; self.len])))));
-        }
-        match self.end {
-            End::Done => Poll::Ready(None),
-            End::Fail => Poll::Ready(Some(Err("reset"))),
-            End::Hang => Poll::Pending,
-        }
-    }
-}
-
 /// `frames` copies of `frame`, then the body's end as `end` says.
 pub struct Repeat {
     pub frame: Bytes,
     pub frames: usize,
     pub end: End,
+}
+
+impl Repeat {
+    /// `frames` data frames of `len` bytes each, then the body's end as `end` says.
+    pub fn bytes(frames: usize, len: usize, end: End) -> Self {
+        Self { frame: Bytes::from(vec![b'z'; len]), frames, end }
+    }
 }
 
 impl Body for Repeat {
