@@ -281,37 +281,3 @@ fn shaping_with_long_and_calendar_tiers_decides_exactly_like_memory_for_every_al
         });
     }
 }
-
-/// Of 100 requests of one key against 5 an hour: how many a limiter built for each request
-/// from one policy admits, and how many two layers built separately from one policy admit
-/// together (alternating), on `store`.
-async fn one_policy_one_budget<St: Store>(store: St) -> (usize, usize) {
-    use tower::{Layer as _, ServiceExt as _};
-    let policy = Policy::single("per-request", Quota::per_hour(5)).unwrap();
-    let mut per_request = 0;
-    for _ in 0..100 {
-        let limiter = Limiter::with_store(policy.clone(), store.clone()).unwrap();
-        per_request += usize::from(limiter.check(&Key::text("k"), 1).await.unwrap().is_allowed());
-    }
-    let policy = Policy::single("two-layers", Quota::per_hour(5)).unwrap();
-    let layer = || {
-        let layer = RateLimitLayer::builder(policy.clone()).key(GlobalKey).store(store.clone());
-        layer.build().unwrap().layer(support::ok_service())
-    };
-    let (a, b) = (layer(), layer());
-    let mut layered = 0;
-    for i in 0..100 {
-        let svc = if i % 2 == 0 { a.clone() } else { b.clone() };
-        let res = svc.oneshot(http::Request::new(axum::body::Body::empty())).await.unwrap();
-        layered += usize::from(res.status() == http::StatusCode::OK);
-    }
-    (per_request, layered)
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_policy_on_one_store_is_one_budget_in_memory_as_on_redis() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let redis = RedisStore::builder(server.url()).timeout(Duration::from_secs(10)).build().unwrap();
-    assert_eq!(one_policy_one_budget(redis).await, (5, 5));
-    assert_eq!(one_policy_one_budget(MemoryStore::new()).await, (5, 5));
-}
