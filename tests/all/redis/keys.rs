@@ -41,11 +41,11 @@ async fn a_policys_keys_share_one_cluster_slot_and_keys_spread_over_nodes() {
 // Keys stay secret: Redis holds a keyed hash of each key, never the key.
 
 /// An API key: what must not be readable in Redis.
-pub(super) const API_KEY: &str = "sk_live_SECRET";
+const API_KEY: &str = "sk_live_SECRET";
 
 /// One policy per algorithm with two rate tiers, and one per algorithm with a concurrency and
 /// a calendar tier beside its rate (sliding-log sets, lease sets and calendar windows).
-pub(super) fn secret_policies() -> Vec<Policy> {
+fn secret_policies() -> Vec<Policy> {
     let lease = Concurrency::new(5).with_ttl(Duration::from_secs(600));
     let mut out = Vec::new();
     for algorithm in Algorithm::ALL {
@@ -68,7 +68,7 @@ pub(super) fn secret_policies() -> Vec<Policy> {
 }
 
 /// The keys checked: the API key alone, and with an address.
-pub(super) fn secret_keys() -> [Key; 2] {
+fn secret_keys() -> [Key; 2] {
     let ip = Key::Ip("203.0.113.7".parse().unwrap());
     [Key::text(API_KEY), Key::Tuple(vec![ip, Key::text(API_KEY)].into())]
 }
@@ -76,7 +76,7 @@ pub(super) fn secret_keys() -> [Key; 2] {
 /// Two requests through the layer keyed by an `x-api-key` header (policy `layer`), then two
 /// reservations per policy and key (held, so leases are in Redis when it is read), and a
 /// settlement of one of them at another cost.
-pub(super) async fn secret_checks(store: &RedisStore) -> Vec<tollgate::Reservation<RedisStore>> {
+async fn secret_checks(store: &RedisStore) -> Vec<tollgate::Reservation<RedisStore>> {
     use tower::{Layer as _, ServiceExt as _};
     let layer = RateLimitLayer::builder(Policy::single("layer", Quota::per_minute(10)).unwrap())
         .key(tollgate::key::HeaderKey::new(http::HeaderName::from_static("x-api-key")))
@@ -110,7 +110,7 @@ pub(super) async fn secret_checks(store: &RedisStore) -> Vec<tollgate::Reservati
 
 /// Every key name on a server (`SCAN`) with its value: a string's bytes (`GET`), a sorted set's
 /// members (`ZRANGE`); any other type fails the test.
-pub(super) fn everything_in(conn: &mut redis::Connection) -> Vec<(String, Vec<Vec<u8>>)> {
+fn everything_in(conn: &mut redis::Connection) -> Vec<(String, Vec<Vec<u8>>)> {
     let mut names: Vec<Vec<u8>> = Vec::new();
     let mut cursor = 0_u64;
     loop {
@@ -136,13 +136,13 @@ pub(super) fn everything_in(conn: &mut redis::Connection) -> Vec<(String, Vec<Ve
         .collect()
 }
 
-pub(super) fn contains(haystack: &[u8], needle: &str) -> bool {
+fn contains(haystack: &[u8], needle: &str) -> bool {
     haystack.windows(needle.len()).any(|w| w == needle.as_bytes())
 }
 
 /// Asserts that no key name or value holds the API key's secret part, and that every policy's
 /// keys are there: a state key per policy and key, sliding-log sets and lease sets.
-pub(super) fn assert_secret_kept(everything: &[(String, Vec<Vec<u8>>)]) {
+fn assert_secret_kept(everything: &[(String, Vec<Vec<u8>>)]) {
     for (name, values) in everything {
         assert!(!contains(name.as_bytes(), "SECRET") && !name.contains("sk_live"), "{name}");
         for v in values {

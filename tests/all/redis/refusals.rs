@@ -18,7 +18,7 @@ pub(super) fn script_calls(conn: &mut redis::Connection) -> u64 {
 
 /// Traces that hammer keys already refused: many cost-1 checks a few milliseconds apart, now
 /// and then another cost, shaping budget or settlement, on one or two keys.
-pub(super) fn hot_trace() -> impl Strategy<Value = Trace> {
+fn hot_trace() -> impl Strategy<Value = Trace> {
     let step = || {
         let cost = || prop_oneof![8 => Just(1u64), 2 => 0u64..=3];
         let check = (

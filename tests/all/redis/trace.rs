@@ -63,10 +63,10 @@ pub(super) struct Trace {
 }
 
 /// Long enough that no lease expires within a trace (in memory slots do not expire).
-pub(super) const TRACE_LEASE: Duration = Duration::from_secs(20 * 365 * 86_400);
+const TRACE_LEASE: Duration = Duration::from_secs(20 * 365 * 86_400);
 
 /// A trace's tiers, other kinds, first instant and steps, as the strategies draw them.
-pub(super) type TraceParts = (Vec<(u64, u64, u64)>, Vec<Extra>, u64, Vec<Step>);
+type TraceParts = (Vec<(u64, u64, u64)>, Vec<Extra>, u64, Vec<Step>);
 
 impl Trace {
     /// A trace without penalty boxes, reserves or classes.
@@ -349,7 +349,7 @@ pub(super) async fn replay(
     Ok(r_bound.refused_locally())
 }
 
-pub(super) fn clock_now(clock: &FakeClock) -> u64 {
+fn clock_now(clock: &FakeClock) -> u64 {
     use tollgate::clock::Clock;
     clock.now()
 }
@@ -386,7 +386,7 @@ pub(super) fn seeded_differential(
 
 /// Replays the traces `runner` draws through both stores (see [`replay`]): panics at the first
 /// difference; returns how many checks the Redis stores answered from their local refusals.
-pub(super) fn differential_in(
+fn differential_in(
     mut runner: TestRunner,
     traces: impl Strategy<Value = Trace>,
     connect: impl Fn(FakeClock, String) -> RedisStore,
