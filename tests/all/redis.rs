@@ -559,6 +559,27 @@ fn a_fresh_tier_beside_a_settled_one_decides_exactly_like_memory_store() {
     replay_kept(&server, &trace);
 }
 
+/// A trace the clock-step test drew (about 1 in 20 runs), kept, and its leaky-bucket twin: a
+/// tier refunded to idle (Redis deletes the key), then settled up again (Redis writes the other
+/// tier fresh), then the clock stepped back a nanosecond: a fresh bucket is full (empty) far in
+/// the past on both stores, never as of now, which would project backwards.
+#[test]
+fn a_fresh_bucket_beside_a_settled_one_decides_exactly_like_memory_store() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let check = Step::Check { key: 0, cost: 1, costs: vec![1; 5], shape: None };
+    let steps = vec![
+        check,
+        Step::Advance(10_000_000),
+        Step::SettleTier { which: 0, tier: 0, cost: 0 },
+        Step::SettleTier { which: 0, tier: 0, cost: 1 },
+        Step::Back(1),
+    ];
+    for algorithm in [Algorithm::LeakyBucket, Algorithm::TokenBucket] {
+        let tiers = vec![(1, 10_000_000, 2), (3, 10_000_000, 1)];
+        replay_kept(&server, &Trace::new(algorithm, (tiers, vec![], 0, steps.clone())));
+    }
+}
+
 #[test]
 fn valkey_decides_exactly_like_memory_store() {
     let Some(server) = Server::start("valkey-server") else { return };
