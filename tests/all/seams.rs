@@ -67,12 +67,6 @@ const KNOWN: &[Known] = &[
         on: &[On::Memory, On::Redis],
         why: "a settlement below the charge gives back room ahead of shaped requests (redis-truth)",
     },
-    Known {
-        labels: &["calendar", "back"],
-        on: &[On::Redis],
-        why: "a clock step back over 60 s behind a calendar key's last charge fails the check on \
-              Redis (redis-truth)",
-    },
 ];
 
 /// The first known seam on `on` that `config` falls in, but those whose labels are all in
@@ -530,11 +524,10 @@ fn concurrency_x_reload_on_redis() {
 }
 
 #[test]
-#[ignore = "issue 33: calendar × clock step back over 60 s on Redis (new), fixed by redis-truth"]
 fn calendar_x_clock_back_on_redis() {
     // A calendar tier of hours charged at 01:30; the clock steps back 40 minutes, to 00:50:
-    // the next check of the key fails on Redis ("the calendar windows sent do not cover the
-    // server clock"); memory decides it (at the key's last charge, 01:30).
+    // both stores decide the next check at the key's last charge, 01:30 (Redis once failed it:
+    // "the calendar windows sent do not cover the server clock").
     let tiers = vec![TierChoice::Calendar { count: 3, hour: true }];
     let c = seam_of(false, tiers, Mix { back: true, ..Mix::default() });
     let steps = vec![
