@@ -5,7 +5,9 @@
 //! miss the key's instant: the script then stops before it changes anything, naming that
 //! instant (`lua/cover.lua`), and the call is sent again with windows reaching it, as do the
 //! policy's next calls while that instant lies ahead (at most 10,000 windows: a step back
-//! further than that, a week of minute windows, still fails the call).
+//! further than that, a week of minute windows, still fails the call). A server clock more
+//! than 60 s ahead of this process's is reached the same way; one more than 60 s behind still
+//! fails the call (the windows sent start 60 s before this process's clock).
 
 use super::Inner;
 use super::script::Prepared;
