@@ -126,7 +126,7 @@ impl Inner {
     /// # Errors
     /// [`StoreError::Timeout`] when the check gives up (a call answered later may still have
     /// charged it in Redis); the call's error otherwise.
-    pub(super) async fn submit(
+    pub(super) async fn submit_once(
         &self,
         prepared: &Prepared,
         keys: Vec<String>,

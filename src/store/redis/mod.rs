@@ -4,6 +4,7 @@ mod binding;
 mod breaker;
 mod builder;
 mod cluster;
+mod cover;
 mod health;
 mod inner;
 mod io;
@@ -78,7 +79,10 @@ const DEFAULT_LOCAL_REFUSALS: usize = 4096;
 ///   no time zone data) and sent with each check: those from 60 s before this process's clock
 ///   to the one holding 60 s past it, and for a shaped check or a settlement the seven after
 ///   that (a settlement adds the window each calendar tier's charge fell in). A server clock
-///   further off fails the call (and the local fallback decides).
+///   further behind fails the call (and the local fallback decides). A server clock further
+///   ahead, or a key whose clock guard does (the clock stepped back), is decided there: the
+///   script names the instant and the call is sent again with windows reaching it (within
+///   10,000 windows).
 /// - **Long horizons.** State is packed binary, instants as (seconds, units), so periods up to
 ///   [`MAX_SPAN`](crate::Quota::MAX_SPAN) work (yearly quotas), at the policy's
 ///   [`precision`](Policy::precision).

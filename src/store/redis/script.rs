@@ -89,6 +89,7 @@ static KINDS_RATE: LazyLock<Script> = LazyLock::new(|| {
         include_str!("lua/rate.lua"),
         include_str!("lua/line.lua"),
         include_str!("lua/boxes.lua"),
+        include_str!("lua/cover.lua"),
         include_str!("lua/kinds.lua")
     ))
 });
@@ -98,6 +99,7 @@ static KINDS_WINDOW: LazyLock<Script> = LazyLock::new(|| {
         include_str!("lua/window.lua"),
         include_str!("lua/line.lua"),
         include_str!("lua/boxes.lua"),
+        include_str!("lua/cover.lua"),
         include_str!("lua/kinds.lua")
     ))
 });
@@ -107,6 +109,7 @@ static KINDS_LOG: LazyLock<Script> = LazyLock::new(|| {
         include_str!("lua/log.lua"),
         include_str!("lua/line.lua"),
         include_str!("lua/boxes.lua"),
+        include_str!("lua/cover.lua"),
         include_str!("lua/kinds.lua")
     ))
 });

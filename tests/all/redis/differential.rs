@@ -97,6 +97,57 @@ fn a_fresh_tier_beside_a_settled_one_decides_exactly_like_memory_store() {
     replay_kept(&server, &trace);
 }
 
+/// A trace the clock-step test drew (about 1 in 20 runs), kept, and its leaky-bucket twin: a
+/// tier refunded to idle (Redis deletes the key), then settled up again (Redis writes the other
+/// tier fresh), then the clock stepped back a nanosecond: a fresh bucket is full (empty) far in
+/// the past on both stores, never as of now, which would project backwards.
+#[test]
+fn a_fresh_bucket_beside_a_settled_one_decides_exactly_like_memory_store() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let check = Step::Check { key: 0, cost: 1, costs: vec![1; 5], shape: None };
+    let steps = vec![
+        check,
+        Step::Advance(10_000_000),
+        Step::SettleTier { which: 0, tier: 0, cost: 0 },
+        Step::SettleTier { which: 0, tier: 0, cost: 1 },
+        Step::Back(1),
+    ];
+    for algorithm in [Algorithm::LeakyBucket, Algorithm::TokenBucket] {
+        let tiers = vec![(1, 10_000_000, 2), (3, 10_000_000, 1)];
+        replay_kept(&server, &Trace::new(algorithm, (tiers, vec![], 0, steps.clone())));
+    }
+}
+
+/// A calendar key charged, then the clock stepped back two hours (past the 60 s the calendar
+/// windows sent reach either side of now): a shaped check, settlements up and down and policed
+/// checks are decided at the key's last charge on both stores, the Redis calls sent again with
+/// windows reaching it (they once failed: "the calendar windows sent do not cover").
+#[test]
+fn a_calendar_key_two_hours_ahead_of_the_clock_decides_exactly_like_memory_store() {
+    let Some(server) = Server::start("redis-server") else { return };
+    let check = |shape: Option<u64>| Step::Check { key: 0, cost: 1, costs: vec![1; 5], shape };
+    let hour = 3_600_000_000_000;
+    let steps = vec![
+        check(None),
+        Step::Advance(hour / 2),
+        check(None),
+        Step::Back(2 * hour),
+        check(Some(hour)),
+        Step::SettleTier { which: 0, tier: 1, cost: 3 },
+        check(None),
+        Step::Settle { which: 1, cost: 0 },
+        check(None),
+        Step::Advance(hour),
+        check(None),
+    ];
+    for (period, zone) in [(0, 0), (1, 1), (2, 2)] {
+        let extra = vec![Extra::Calendar(3, period, zone)];
+        let start = instant("2025-10-26T00:00:00Z") + 3 * hour;
+        let tiers = vec![(10, 1_000_000_000, 10)];
+        replay_kept(&server, &Trace::new(Algorithm::Gcra, (tiers, extra, start, steps.clone())));
+    }
+}
+
 #[test]
 fn valkey_decides_exactly_like_memory_store() {
     let Some(server) = Server::start("valkey-server") else { return };

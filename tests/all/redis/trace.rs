@@ -360,14 +360,31 @@ pub(super) fn differential(cases: u32, connect: impl Fn(FakeClock, String) -> Re
     differential_of(trace(false), cases, connect);
 }
 
-/// [`differential`] of `traces`; returns how many checks were answered from local refusals.
+/// The seeds of the traces [`differential_of`] runs in CI, half of its cases each.
+const DIFFERENTIAL_SEEDS: [u8; 2] = [0x3c, 0xd1];
+
+/// [`differential`] of `traces`: in CI the same `cases` traces on every run (from
+/// [`DIFFERENTIAL_SEEDS`]); under `TOLLGATE_LONG_TESTS=1` ten times as many, drawn at random.
+/// Returns how many checks were answered from local refusals.
 pub(super) fn differential_of(
-    traces: impl Strategy<Value = Trace>,
+    traces: impl Strategy<Value = Trace> + 'static,
     cases: u32,
     connect: impl Fn(FakeClock, String) -> RedisStore,
 ) -> u64 {
-    let runner = TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
-    differential_in(runner, traces, connect)
+    let traces = traces.boxed();
+    if std::env::var("TOLLGATE_LONG_TESTS").is_ok_and(|v| v == "1") {
+        let config = Config { cases: cases * 10, failure_persistence: None, ..Config::default() };
+        return differential_in(TestRunner::new(config), traces, connect);
+    }
+    let per_seed = cases.div_ceil(2);
+    DIFFERENTIAL_SEEDS
+        .iter()
+        .map(|&seed| {
+            seeded_differential(traces.clone(), seed, per_seed, |clock, prefix| {
+                connect(clock, format!("s{seed:x}{prefix}"))
+            })
+        })
+        .sum()
 }
 
 /// [`differential_of`] from a fixed seed (`seed` in each of the RNG's 32 bytes): the same

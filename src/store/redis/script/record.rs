@@ -73,6 +73,10 @@ pub(super) struct Kinds {
     pub(super) calendars: Vec<Arc<CalendarSpec>>,
     /// The kind of each tier: 0 rate, 1 concurrency, 2 calendar.
     pub(super) tags: Vec<u8>,
+    /// The latest instant (nanoseconds; 0: none) at which a script found a key deciding that
+    /// the windows sent did not cover: the bounds reach it while it lies ahead (see
+    /// `lua/cover.lua`).
+    pub(super) cover: AtomicU64,
 }
 
 impl Prepared {
@@ -92,8 +96,13 @@ impl Prepared {
         if family != Family::Gcra {
             args.push(f(u64::from(policy.is_plain())));
         }
-        let mut kinds =
-            Kinds { conc: 0, named: Vec::new(), calendars: Vec::new(), tags: Vec::new() };
+        let mut kinds = Kinds {
+            conc: 0,
+            named: Vec::new(),
+            calendars: Vec::new(),
+            tags: Vec::new(),
+            cover: AtomicU64::new(0),
+        };
         for t in policy.tiers() {
             let r = t.rate;
             if family != Family::Gcra {
@@ -167,12 +176,47 @@ impl Prepared {
     /// leaves now or not at all, so it needs no lookahead: it sends one or two windows.
     pub(super) fn bounds(&self, record: &mut Vec<f64>, now: u64, lookahead: usize) {
         let Some(kinds) = &self.kinds else { return };
+        let until = kinds.cover.load(Ordering::Relaxed);
         for spec in &kinds.calendars {
-            let b = calendar::bounds(spec, now, CALENDAR_MARGIN_SECS, lookahead);
+            let b = calendar::bounds(spec, now, until, CALENDAR_MARGIN_SECS, lookahead);
             record.push(f(b.len() as u64));
             #[allow(clippy::cast_precision_loss)] // seconds since the epoch, below 2^53
             record.extend(b.iter().map(|s| *s as f64));
         }
+    }
+
+    /// Whether the policy has calendar tiers, whose records carry window bounds.
+    pub(crate) fn has_calendars(&self) -> bool {
+        self.kinds.as_ref().is_some_and(|k| !k.calendars.is_empty())
+    }
+
+    /// `record` (a check or settlement of [`check_kinds`](Self::check_kinds) or
+    /// [`settle_kinds`](Self::settle_kinds)) with its calendar bounds made again at `now`, to
+    /// reach `need` (nanoseconds: a key's instant a script asked for) and any later record's;
+    /// `None` for another record.
+    pub(crate) fn rebound(&self, record: &[f64], now: u64, need: u64) -> Option<Vec<f64>> {
+        let kinds = self.kinds.as_ref()?;
+        kinds.cover.fetch_max(need, Ordering::Relaxed);
+        let n = self.ntiers;
+        let op = *record.first()?;
+        let (start, lookahead) = if op == 1.0 {
+            (7 + n, if *record.get(4)? >= 0.0 { LOOKAHEAD } else { 1 })
+        } else if op == 2.0 {
+            (5 + 5 * n, LOOKAHEAD)
+        } else {
+            return None;
+        };
+        let mut end = start;
+        for _ in &kinds.calendars {
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // a count we wrote
+            let count = *record.get(end)? as usize;
+            end += 1 + count;
+        }
+        let mut out = record.get(..start)?.to_vec();
+        self.bounds(&mut out, now, lookahead);
+        out.extend_from_slice(record.get(end..)?);
+        out[3] = f(out.len() as u64);
+        Some(out)
     }
 
     /// A check of a policy of several kinds: `costs` per tier (resolved), `max_delay` as for
