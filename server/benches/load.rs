@@ -10,7 +10,10 @@
 //!    decisions per CPU-second of the server (its user + system time from `/proc`);
 //! 2. **half**: an open loop at half of that peak rate for `--secs`: p50 and p99 latency,
 //!    each call timed from its scheduled instant (no coordinated omission), the calls paced by
-//!    a thread of their own (Tokio's millisecond timer would add up to a millisecond).
+//!    a thread of their own (Tokio's millisecond timer would add up to a millisecond). The
+//!    generator's lag (from a call's scheduled instant until its task runs, before anything
+//!    is sent) is reported beside: when its p99 nears the latency's, the generator, not the
+//!    server, made the tail.
 //!
 //! Runs are interleaved (every server once per run); the report gives medians and ranges.
 //!
@@ -381,7 +384,7 @@ async fn open_loop(
     secs: f64,
     entries: usize,
     keys: u64,
-) -> Vec<u64> {
+) -> (Vec<u64>, Vec<u64>) {
     let n = (rate * secs) as u64;
     let interval = Duration::from_secs_f64(1.0 / rate);
     let clients = clients.to_vec();
@@ -401,8 +404,9 @@ async fn open_loop(
                 let scheduled = at(i);
                 let mut c = clients[i as usize % clients.len()].clone();
                 tasks.push(runtime.spawn(async move {
+                    let lag = micros(scheduled.elapsed());
                     let ok = c.should_rate_limit(request(entries, keys)).await.is_ok();
-                    ok.then(|| u64::try_from(scheduled.elapsed().as_micros()).unwrap_or(u64::MAX))
+                    ok.then(|| (micros(scheduled.elapsed()), lag))
                 }));
                 i += 1;
             }
@@ -415,13 +419,20 @@ async fn open_loop(
     .await
     .unwrap();
     let mut lat = Vec::with_capacity(tasks.len());
+    let mut lags = Vec::with_capacity(tasks.len());
     for t in tasks {
-        if let Ok(Some(l)) = t.await {
+        if let Ok(Some((l, lag))) = t.await {
             lat.push(l);
+            lags.push(lag);
         }
     }
     lat.sort_unstable();
-    lat
+    lags.sort_unstable();
+    (lat, lags)
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 fn pct(sorted: &[u64], p: f64) -> f64 {
@@ -440,6 +451,7 @@ struct Sample {
     redis_cpu: f64,
     p50: f64,
     p99: f64,
+    lag99: f64,
 }
 
 fn median_range(v: &mut [f64]) -> (f64, f64, f64) {
@@ -482,7 +494,8 @@ fn main() {
                             let redis_cpu =
                                 (redis.as_ref().map_or(0, Redis::cpu_ticks) - r0) as f64 / tick;
                             let rate = n as f64 / wall;
-                            let lat = open_loop(&clients, rate / 2.0, o.secs, entries, keys).await;
+                            let (lat, lags) =
+                                open_loop(&clients, rate / 2.0, o.secs, entries, keys).await;
                             Sample {
                                 rate,
                                 per_cpu: n as f64 / server_cpu.max(1.0 / tick),
@@ -490,16 +503,18 @@ fn main() {
                                 redis_cpu: redis_cpu / wall,
                                 p50: pct(&lat, 0.5),
                                 p99: pct(&lat, 0.99),
+                                lag99: pct(&lags, 0.99),
                             }
                         });
                         eprintln!(
-                            "run {run} {store:6} entries={entries} keys={keys:6} {server:9}: {:>8.0}/s, {:>8.0} per server CPU-s (server {:.2} cores, redis {:.2}), half load p50 {:.0} us p99 {:.0} us",
+                            "run {run} {store:6} entries={entries} keys={keys:6} {server:9}: {:>8.0}/s, {:>8.0} per server CPU-s (server {:.2} cores, redis {:.2}), half load p50 {:.0} us p99 {:.0} us (generator lag p99 {:.0} us)",
                             sample.rate,
                             sample.per_cpu,
                             sample.server_cpu,
                             sample.redis_cpu,
                             sample.p50,
-                            sample.p99
+                            sample.p99,
+                            sample.lag99
                         );
                         let key = (store.clone(), server.clone(), entries, keys);
                         if !results.contains_key(&key) {
@@ -514,7 +529,7 @@ fn main() {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
         out,
-        "\n| store | entries | keys | server | decisions/s | per server CPU-s | server cores | redis cores | p50 at half (us) | p99 at half (us) |\n|---|---|---|---|---|---|---|---|---|---|"
+        "\n| store | entries | keys | server | decisions/s | per server CPU-s | server cores | redis cores | p50 at half (us) | p99 at half (us) | generator lag p99 (us) |\n|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for key in &order {
         let v = &results[key];
@@ -530,7 +545,7 @@ fn main() {
         };
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             key.0,
             key.2,
             key.3,
@@ -540,7 +555,8 @@ fn main() {
             g(|s| s.server_cpu),
             g(|s| s.redis_cpu),
             f(|s| s.p50),
-            f(|s| s.p99)
+            f(|s| s.p99),
+            f(|s| s.lag99)
         );
     }
 }
