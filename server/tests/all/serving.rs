@@ -85,3 +85,38 @@ async fn the_one_command_serves_the_example_and_stops_on_sigterm() {
     let status = child.wait().unwrap();
     assert!(status.success(), "{status}");
 }
+
+/// Connections are served on several threads (one per CPU): the calls of many connections,
+/// at once, share one count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_on_many_connections_at_once_share_one_limit() {
+    const LIMIT: &str = "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 20}\n";
+    let s = serve(&[("config.yaml", LIMIT)], &[]).await;
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        // A connection of its own: the server hands connections to its threads in turn.
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", s.running.grpc))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let client = tollgate_server::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::new(channel);
+        tasks.push(tokio::spawn(async move {
+            let calls = (0..5).map(|_| {
+                let mut c = client.clone();
+                async move {
+                    let r = c.should_rate_limit(one("d", &[("k", "shared")])).await.unwrap();
+                    code(r.into_inner().overall_code) == Code::Ok
+                }
+            });
+            futures_util::future::join_all(calls).await.into_iter().filter(|ok| *ok).count()
+        }));
+    }
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += t.await.unwrap();
+    }
+    // 40 calls on 8 connections against one limit of 20 a minute (the clock stands still).
+    assert_eq!(admitted, 20);
+    s.running.shutdown().await;
+}
