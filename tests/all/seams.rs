@@ -19,6 +19,7 @@
 use crate::support;
 
 use std::cell::RefCell;
+#[cfg(feature = "redis")]
 use std::time::Duration;
 
 use proptest::test_runner::{
@@ -173,6 +174,7 @@ async fn one(
     run(config, trace, memory(&clock), &clock, &ALL).await.map_err(|e| format!("memory: {e}"))
 }
 
+#[cfg(feature = "redis")]
 /// Memory and Redis decide alike: the same decision (outcome, delay, retry, every tier's
 /// remaining, limit, reset and violation) and the same settlements, step by step.
 fn alike(trace: &[Step], memory: &[Seen], redis: &[Seen]) -> Result<(), String> {
@@ -260,6 +262,8 @@ fn seam_on(
     labels: &'static [&'static str],
     per_seed: u32,
 ) -> Tally {
+    #[cfg(not(feature = "redis"))]
+    let _ = server;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let tally = RefCell::new(Tally::default());
     for seed in SEEDS {
