@@ -13,8 +13,10 @@
 //!   (police, or shaped with no delay) when its key is not blocked, its other tiers have room,
 //!   and no critical request departed within `k` emission intervals before it: "a critical
 //!   request is never refused while the critical reserve is unused, whatever the other classes
-//!   send". (A critical request settled above its charge puts its own class into debt: the
-//!   promise is then off for its key.)
+//!   send"; and no settlement above its charge left a debt that has not drained, by `k`
+//!   emission intervals, from the later of the charge's instant and the settlement's (`Reserve`:
+//!   a debt is charged whatever the class, into the reserve if it must, as the units were
+//!   used: the tier's limit comes first).
 //!
 //! Traces whose clock steps back are held to the model and to memory ≡ Redis only: intervals
 //! and windows assume a clock that only moves forward.
@@ -55,6 +57,10 @@ pub struct Log {
     events: Vec<Event>,
     /// Per key, the last departure of a critical request admitted.
     critical: HashMap<u8, u64>,
+    /// Per key, when the debts of settlements above their charge on the reserve tier have
+    /// drained (each runs `extra` emission intervals from the later of its charge's instant,
+    /// the settlement's and the end of the debts before it).
+    debt: HashMap<u8, u64>,
     /// Whether the next decision must admit at once (the reserve's promise), and why.
     promised: Option<String>,
     back: bool,
@@ -86,6 +92,7 @@ impl Log {
             reserve: config.reserve,
             events: Vec::new(),
             critical: HashMap::new(),
+            debt: HashMap::new(),
             promised: None,
             back: false,
         }
@@ -101,13 +108,15 @@ impl Log {
         self.events.push(e);
     }
 
-    /// A critical request of `key` was settled above its charge on tier `tier`: the critical
-    /// class itself ran into debt, so the reserve's promise no longer holds for the key (the
-    /// promise is about what the *other* classes do).
-    pub fn critical_debt(&mut self, key: u8, tier: usize) {
-        if self.reserve.is_some_and(|(r, ..)| r == tier) {
-            self.critical.insert(key, u64::MAX);
-        }
+    /// A request of `key` (any class) charged at `at` was settled at `now` above its charge by
+    /// `extra` units on tier `tier`: a debt the key pays, into the reserve if it must
+    /// (`Reserve`), so the reserve's promise waits until it drained.
+    pub fn debt(&mut self, key: u8, tier: usize, at: u64, now: u64, extra: u64) {
+        let Some((r, ..)) = self.reserve.filter(|(r, ..)| *r == tier) else { return };
+        let Bound::Rate { count, period, .. } = self.bounds[r] else { return };
+        let interval = period.div_ceil(count);
+        let from = at.max(now).max(self.debt.get(&key).copied().unwrap_or(0));
+        self.debt.insert(key, from.saturating_add(extra.saturating_mul(interval)));
     }
 
     /// The clock stepped back: from now on only the model and the other store judge.
@@ -133,17 +142,15 @@ impl Log {
         }
         let Bound::Rate { count, period, .. } = self.bounds[r] else { return Ok(()) };
         let interval = period.div_ceil(count);
-        let unused = self
-            .critical
-            .get(&key)
-            .is_none_or(|t| *t != u64::MAX && t.saturating_add(k * interval) <= now);
+        let unused = self.critical.get(&key).is_none_or(|t| t.saturating_add(k * interval) <= now)
+            && self.debt.get(&key).is_none_or(|d| d.saturating_add(k * interval) <= now);
         let others =
             (0..costs.len()).filter(|&i| i != r).all(|i| model.room(key, now, i, costs[i], class));
         if unused && others && !model.blocked(key, now) {
             self.promised = Some(format!(
                 "reserve: a critical request of {k} (reserve {critical}) must be admitted at once \
-                 ({}; no critical request in the last {k} intervals, the other tiers have room, \
-                 the key is not blocked)",
+                 ({}; no critical request nor debt in the last {k} intervals, the other tiers \
+                 have room, the key is not blocked)",
                 if budget.is_some() { "shaped" } else { "policed" },
             ));
         }
