@@ -10,6 +10,7 @@ use std::task::{Context, Poll, ready};
 use http::{Response, StatusCode};
 use pin_project_lite::pin_project;
 
+#[cfg(feature = "config")]
 use super::body::ResponseBody;
 use super::service::{Bodies, Metered};
 use crate::headers::Prepared;
