@@ -48,11 +48,6 @@ struct Known {
 /// named after it).
 const KNOWN: &[Known] = &[
     Known {
-        labels: &["reserve", "shape"],
-        on: &[On::Memory, On::Redis],
-        why: "issue 33: shaped lower classes take the critical reserve (redis-truth)",
-    },
-    Known {
         labels: &["shape", "refund"],
         on: &[On::Memory, On::Redis],
         why: "a refund gives back room ahead of shaped requests already reserved (redis-truth)",
@@ -418,13 +413,11 @@ fn reserve_x_shape() -> (Config, Vec<Step>) {
 }
 
 #[test]
-#[ignore = "issue 33: reserves × shaping, fixed by redis-truth"]
 fn reserve_x_shape_on_memory() {
     known_seam(On::Memory, &["reserve", "shape"], reserve_x_shape());
 }
 
 #[test]
-#[ignore = "issue 33: reserves × shaping, fixed by redis-truth"]
 fn reserve_x_shape_on_redis() {
     known_seam(On::Redis, &["reserve", "shape"], reserve_x_shape());
 }
