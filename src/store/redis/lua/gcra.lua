@@ -111,7 +111,8 @@ while i <= nc do
         local at = (C[j + 2] - now_s) * pol.per + (C[j + 3] - pol.u)
         if at < 0 then at = 0 end
         if new < old then
-          tat[t] = tat[t] - (old - new) * Ts[t]
+          -- Nothing while the TAT is past now + tau (requests booked ahead: gcra.rs `refund`).
+          if tat[t] <= taus[t] then tat[t] = tat[t] - (old - new) * Ts[t] end
         else
           tat[t] = max(tat[t], at) + (new - old) * Ts[t]
         end
@@ -129,7 +130,7 @@ while i <= nc do
       for t = 1, n do
         local T = Ts[t]
         if new < old then
-          tat[t] = tat[t] - (old - new) * T
+          if tat[t] <= taus[t] then tat[t] = tat[t] - (old - new) * T end
         else
           tat[t] = max(tat[t], at) + (new - old) * T
         end
