@@ -34,14 +34,7 @@ pub(crate) fn charge(r: Rate, tat: &mut Tat, at: u64, cost: u64) {
     *tat = (*tat).max(scaled(r, at)) + u128::from(cost) * u128::from(r.period);
 }
 
-/// Gives back `cost` units at `now`, but nothing while the TAT is past `now + tau`: requests
-/// shaped ahead are then booked to leave later (or a debt is being paid), and the room the
-/// charge held lies ahead of them, so giving it back would let them and the next ones leave
-/// at once, past the burst (see `Quota`, "Shaping").
-pub(crate) fn refund(r: Rate, tat: &mut Tat, now: u64, cost: u64) {
-    if *tat > scaled(r, now) + u128::from(r.burst) * u128::from(r.period) {
-        return;
-    }
+pub(crate) fn refund(r: Rate, tat: &mut Tat, cost: u64) {
     *tat = tat.saturating_sub(u128::from(cost) * u128::from(r.period));
 }
 
@@ -127,12 +120,8 @@ impl WholeGcra {
         (self.tau.saturating_sub(backlog) / self.per_t, backlog)
     }
 
-    /// Gives back `cost` units at `now` ([`refund`]: nothing while the TAT is past
-    /// `now + tau`).
-    pub(crate) fn refund(&self, tat: u64, now: u64, cost: u64) -> u64 {
-        if tat > now.saturating_add(self.tau) {
-            return tat;
-        }
+    /// Gives back `cost` units.
+    pub(crate) fn refund(&self, tat: u64, cost: u64) -> u64 {
         tat.saturating_sub(cost.saturating_mul(self.t))
     }
 

@@ -152,11 +152,10 @@ impl TierState {
         Charge { at, cost, id }
     }
 
-    /// Gives back `cost` of an earlier `charge` (at most what it charged) at `now` (GCRA: not
-    /// while requests are booked past the tolerance, see [`gcra::refund`]).
-    pub(crate) fn refund(&mut self, alg: Algorithm, r: Rate, charge: Charge, now: u64, cost: u64) {
+    /// Gives back `cost` of an earlier `charge` (at most what it charged).
+    pub(crate) fn refund(&mut self, alg: Algorithm, r: Rate, charge: Charge, cost: u64) {
         match (alg, self) {
-            (Algorithm::Gcra, Self::Gcra(tat)) => gcra::refund(r, tat, now, cost),
+            (Algorithm::Gcra, Self::Gcra(tat)) => gcra::refund(r, tat, cost),
             (Algorithm::TokenBucket, Self::Bucket(s)) => bucket::token::refund(r, s, cost),
             (Algorithm::LeakyBucket, Self::Bucket(s)) => bucket::leaky::refund(r, s, cost),
             (Algorithm::FixedWindow | Algorithm::SlidingCounter, Self::Windows(w)) => {
@@ -713,7 +712,7 @@ pub(crate) fn settle_tier(
                 set_line(policy, states, i, line);
             }
         }
-        (Kind::Rate, s) => s.refund(alg, tier.rate, charge, now, cost),
+        (Kind::Rate, s) => s.refund(alg, tier.rate, charge, cost),
         (Kind::Calendar(spec), TierState::Calendar(c)) if extra => {
             calendar::charge(c, spec, policy.unit(), charge.at.max(now), cost);
         }

@@ -475,8 +475,8 @@ proptest! {
                 let alg = policy.algorithm();
                 let charge = super::Charge { at, cost: charged, id: 0 };
                 if new_cost < charged {
-                    states[0].refund(alg, rate, charge, now, charged - new_cost);
-                    tat = w.refund(tat, now, charged - new_cost);
+                    states[0].refund(alg, rate, charge, charged - new_cost);
+                    tat = w.refund(tat, charged - new_cost);
                 } else if new_cost > charged {
                     states[0].charge(alg, rate, now, at.max(now), new_cost - charged);
                     tat = w.charge(tat, at.max(now), new_cost - charged);

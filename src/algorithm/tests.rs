@@ -255,7 +255,7 @@ fn refund_gives_the_slot_back_for_every_algorithm() {
         assert!(allowed(&d), "{alg:?}");
         assert!(!allowed(&r.at(0, 1)), "{alg:?}");
         let c = charges.unwrap()[0];
-        r.states[0].refund(alg, r.policy.tiers()[0].rate, c, 0, 1);
+        r.states[0].refund(alg, r.policy.tiers()[0].rate, c, 1);
         assert!(allowed(&r.at(0, 1)), "{alg:?} after refund");
         assert!(!allowed(&r.at(0, 1)), "{alg:?} refund gave back only 1");
     }

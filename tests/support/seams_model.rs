@@ -441,7 +441,7 @@ impl Model {
         let s = &mut states[i];
         match t.kind {
             Kind::Slots { .. } => return,
-            Kind::Gcra { period, count, burst } => {
+            Kind::Gcra { period, count, .. } => {
                 if cost > was {
                     let at = u128::from(charged.at.max(now)) * u128::from(count);
                     s.tat = s.tat.max(at) + u128::from(cost - was) * u128::from(period);
@@ -450,11 +450,7 @@ impl Model {
                         let tat = s.tat;
                         s.line.taken(count, period, t.tau_std(), now, cost - was, tat);
                     }
-                } else if s.tat
-                    <= u128::from(now) * u128::from(count) + u128::from(burst) * u128::from(period)
-                {
-                    // Nothing while the TAT is past now + tau: requests booked ahead (`Quota`,
-                    // "Shaping").
+                } else {
                     s.tat = s.tat.saturating_sub(u128::from(was - cost) * u128::from(period));
                 }
             }

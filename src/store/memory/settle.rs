@@ -87,11 +87,8 @@ impl Inner {
             let mut tables = self.shard(fp).compact.lock();
             match tables.tat_mut(id, fp) {
                 Some(tat) => {
-                    let new = if *more {
-                        w.charge(*tat, at, *units)
-                    } else {
-                        w.refund(*tat, now, *units)
-                    };
+                    let new =
+                        if *more { w.charge(*tat, at, *units) } else { w.refund(*tat, *units) };
                     // Given back to idle: the key is forgotten (0 is a fresh key), as the Redis
                     // store deletes it, so that a clock stepping back finds it fresh on both.
                     *tat = if new > now { new } else { 0 };

@@ -111,8 +111,7 @@ while i <= nc do
         local at = (C[j + 2] - now_s) * pol.per + (C[j + 3] - pol.u)
         if at < 0 then at = 0 end
         if new < old then
-          -- Nothing while the TAT is past now + tau (requests booked ahead: gcra.rs `refund`).
-          if tat[t] <= taus[t] then tat[t] = tat[t] - (old - new) * Ts[t] end
+          tat[t] = tat[t] - (old - new) * Ts[t]
         else
           tat[t] = max(tat[t], at) + (new - old) * Ts[t]
         end
@@ -130,7 +129,7 @@ while i <= nc do
       for t = 1, n do
         local T = Ts[t]
         if new < old then
-          if tat[t] <= taus[t] then tat[t] = tat[t] - (old - new) * T end
+          tat[t] = tat[t] - (old - new) * T
         else
           tat[t] = max(tat[t], at) + (new - old) * T
         end

@@ -103,12 +103,6 @@ function F.charge(st, t, at, cost)
 end
 
 function F.refund(st, t, at, id, charged, cost)
-  -- GCRA gives nothing back while its TAT is past now + tau: requests are booked ahead of the
-  -- room the charge held (gcra.rs `refund`).
-  if st.alg == 0 then
-    local tn, tf = times_t(t, t.b)
-    if mixed_less(tn, tf, t.xn, t.xf) then return end
-  end
   local qn, qf = times_t(t, cost)
   t.xn, t.xf = mixed_sub(t.xn, t.xf, qn, qf, t.c)
   if st.alg ~= 0 and mixed_less(t.xn, t.xf, t.last, 0) then t.xn, t.xf = t.last, 0 end
