@@ -129,9 +129,8 @@ impl<St: Store> Grants<St> {
 
     /// The size of the next grant: what the stream owes and has in hand (`want`); and, once
     /// it used a quarter of the largest grant, and but under a penalty box, room ahead as
-    /// large as what it used so far (grants grow by doubling), at most a 64th of what the
-    /// tiers had left (shaping: while that covers the need; past it the tiers pace the key,
-    /// and doubling keeps one store call per grant). Never more than the body has
+    /// large as what it used so far (grants grow by doubling), policing at most a 64th of
+    /// what the tiers had left. Never more than the body has
     /// left (`remaining`, when known), than the tiers had left at the last decision when that
     /// covers the need, nor than the largest grant. A short body is so charged what it sends,
     /// and holds nothing that other streams of the key could use.
@@ -140,15 +139,11 @@ impl<St: Store> Grants<St> {
         // Policing, room ahead only with plenty left (a 64th of what the tiers had left at
         // the last decision): near the limit a stream asks for what it needs, so that what
         // other streams of the key hold unused never refuses bodies that fit together.
+        // Shaping, what others hold ahead only delays a stream, by what they hold at the rate.
         let ahead = match (self.penalized || self.used < self.largest / 4, self.police) {
             (true, _) => 0,
             (false, true) => self.used.min(self.known_left.unwrap_or(0) / AHEAD_SHARE),
-            // Shaping with room for the need, as policing: bodies that fit together never wait
-            // for what the others hold ahead; once the tiers pace the key, by doubling.
-            (false, false) => match self.known_left.filter(|&left| left >= need) {
-                Some(left) => self.used.min(left / AHEAD_SHARE),
-                None => self.used,
-            },
+            (false, false) => self.used,
         };
         let mut size = self.owed.saturating_add(want.max(ahead)).clamp(1, self.largest);
         if let Some(left) = remaining {
