@@ -15,7 +15,7 @@ outlives the slow server), then the instruction counters are zeroed
 admitted, are sent (64 pipelined), and the counters dumped (`callgrind_control -d`): the
 instructions of the whole server (scripts, commands, networking) divided by the checks.
 
-Cases (as `Prepared::new` and `Prepared::check_kinds` in src/store/redis/script.rs send them;
+Cases (as `Prepared::new` and `Prepared::check_kinds` in src/store/redis/script/record.rs send them;
 unit 1 ns, grace 0):
   cal   kinds.lua: GCRA 1,000,000/s burst 1,000,000 + a calendar day in Europe/Berlin (4e9 a
         day); a policed check sends the bounds of the windows holding now -/+ 60 s (here: one

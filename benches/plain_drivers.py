@@ -43,7 +43,7 @@ def src(name, folder=LUA):
     return open(os.path.join(folder, name)).read()
 
 
-# The cases: algorithm number (script.rs's `alg`), family file, tiers as (count, period ns,
+# The cases: algorithm number (script/record.rs's `alg`), family file, tiers as (count, period ns,
 # burst). Every check is admitted, as in the kinds bench: the charging path.
 CASES_ALL = [
     ("token bucket, 1 tier", 1, "rate.lua", [(1000, 10**9, 1000)]),

@@ -14,7 +14,7 @@ def enc(*args):
 
 
 def d(*xs):
-    """Little-endian doubles, as `src/store/redis/script.rs` packs a script's records."""
+    """Little-endian doubles, as `src/store/redis/script/record.rs` packs a script's records."""
     return struct.pack("<%dd" % len(xs), *xs)
 
 

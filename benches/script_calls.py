@@ -8,7 +8,7 @@ INCR and an empty script: `INFO commandstats` (usec_per_call: time inside the co
     python3 benches/script_calls.py 7400                      # then kill it
 
 Standard library only (the RESP client of `benches/resp.py`); loopback only. It runs RESETSTAT between
-cases, so point it at a throw-away server. Records as `script.rs` packs them: GCRA at 400,000 a
+cases, so point it at a throw-away server. Records as `script/record.rs` packs them: GCRA at 400,000 a
 second with a burst of 4,000 (T = 2,500 ns, tau = 10 ms), the server's clock.
 """
 import os

@@ -258,13 +258,20 @@ pub(crate) fn status(counted: &Counted, count: u64, unit: u64, now: u64) -> (u64
 }
 
 /// The bounds of the windows around `now` (nanoseconds) that a Redis script needs to decide
-/// at its own clock, which may differ from `now` by up to `margin` seconds: every window from
-/// the one holding `now - margin` to the `lookahead - 1`-th after the one holding
-/// `now + margin`, as their starts and the last one's end.
+/// at its own clock, which may differ from `now` by up to `margin` seconds, or at a key's
+/// clock guard up to `until` (nanoseconds; ignored when before `now`): every window from the
+/// one holding `now - margin` to the `lookahead - 1`-th after the one holding the later of
+/// `now` and `until`, plus `margin`, as their starts and the last one's end (at most 10,000).
 #[cfg(feature = "redis")]
-pub(crate) fn bounds(spec: &CalendarSpec, now: u64, margin: u64, lookahead: usize) -> Vec<i64> {
+pub(crate) fn bounds(
+    spec: &CalendarSpec,
+    now: u64,
+    until: u64,
+    margin: u64,
+    lookahead: usize,
+) -> Vec<i64> {
     let first = window_at(spec, now.saturating_sub(margin * NANOS_PER_SEC));
-    let last = window_at(spec, now.saturating_add(margin * NANOS_PER_SEC));
+    let last = window_at(spec, now.max(until).saturating_add(margin * NANOS_PER_SEC));
     let mut out = vec![first.0];
     let mut w = first;
     // Up to the window holding `now + margin`, then `lookahead - 1` more; bounded in case the
@@ -382,10 +389,16 @@ mod tests {
     fn bounds_cover_the_margin_and_the_lookahead() {
         let minutes = spec(Calendar::per_minute(1));
         let now = 1_000_000 * NANOS_PER_SEC + 30 * NANOS_PER_SEC; // 30 s into minute 16,667
-        let b = bounds(&minutes, now, 60, LOOKAHEAD);
+        let b = bounds(&minutes, now, 0, 60, LOOKAHEAD);
         let m = 1_000_030 / 60 * 60; // the minute holding `now` starts here
         assert_eq!(b.first(), Some(&(m - 60)));
         assert_eq!(b.last(), Some(&(m + 60 + 60 * 8)));
         assert!(b.windows(2).all(|p| p[1] - p[0] == 60));
+        // A key's guard 10 minutes ahead: its window, and the margin after it, are covered.
+        let b = bounds(&minutes, now, now + 600 * NANOS_PER_SEC, 60, 1);
+        assert_eq!(b.first(), Some(&(m - 60)));
+        assert_eq!(b.last(), Some(&(m + 60 * 12)));
+        // A guard behind now changes nothing.
+        assert_eq!(bounds(&minutes, now, 5, 60, 1), bounds(&minutes, now, 0, 60, 1));
     }
 }

@@ -203,10 +203,9 @@ impl TierState {
         if shaping { e.saturating_add(self.queue_wait(alg, r, e)) } else { e }
     }
 
-    /// The windows this state counts in (window algorithms and calendar tiers; 0 for the
-    /// others): what bounds the rounds of [`converge`].
-    /// Whether the state holds windows, log entries or a line, which a decision prunes once
-    /// they end.
+    /// Whether the state holds windows, log entries, a line, or a penalty box's block or
+    /// breaches, which a decision prunes once they end (and the Redis store then writes the
+    /// key back, or deletes it when idle: the memory store forgets it then too).
     pub(crate) fn has_entries(&self) -> bool {
         match self {
             Self::Windows(w) => !w.is_empty(),
@@ -214,10 +213,13 @@ impl TierState {
             Self::Log(l) => !l.is_empty(),
             // A line is forgotten when its tier is idle (see `prune_kinds`).
             Self::Line(l) => l.until > 0,
+            Self::Penalty(s) => s.until > 0 || !s.at.is_empty(),
             _ => false,
         }
     }
 
+    /// The windows this state counts in (window algorithms and calendar tiers; 0 for the
+    /// others): what bounds the rounds of [`converge`].
     fn entries(&self) -> usize {
         match self {
             Self::Windows(w) => w.len(),

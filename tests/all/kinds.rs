@@ -2,10 +2,9 @@
 //! concurrency, released and waited for), costs per tier (bytes, tokens; all or nothing), and
 //! calendar windows across daylight-saving changes and month ends, on injected clocks.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use crate::support::stores::most_in_flight;
 use proptest::prelude::*;
 use tollgate::clock::{FakeClock, TokioClock};
 use tollgate::key::Key;
@@ -41,31 +40,9 @@ async fn a_thousand_holders_never_exceed_four_in_flight() {
     let policy =
         Policy::builder("slow").concurrency("in-flight", Concurrency::new(4)).build().unwrap();
     let limiter = Limiter::new(policy);
-    let inside = Arc::new(AtomicUsize::new(0));
-    let most = Arc::new(AtomicUsize::new(0));
-    let tasks: Vec<_> = (0..1000)
-        .map(|_| {
-            let (limiter, inside, most) = (limiter.clone(), inside.clone(), most.clone());
-            tokio::spawn(async move {
-                let slot = limiter
-                    .acquire(&Key::text("api-key"), 1, Duration::from_secs(60))
-                    .await
-                    .expect("a slot within a minute");
-                let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
-                most.fetch_max(now, Ordering::SeqCst);
-                assert!(now <= 4, "{now} in flight");
-                for _ in 0..3 {
-                    tokio::task::yield_now().await;
-                }
-                inside.fetch_sub(1, Ordering::SeqCst);
-                slot.release().await.unwrap();
-            })
-        })
-        .collect();
-    for t in tasks {
-        t.await.unwrap();
-    }
-    assert_eq!(most.load(Ordering::SeqCst), 4);
+    let most =
+        most_in_flight(&limiter, &Key::text("api-key"), 1000, 4, Duration::from_secs(60)).await;
+    assert_eq!(most, 4);
     let d = limiter.check(&Key::text("api-key"), 0).await.unwrap();
     assert_eq!(d.tiers()[0].remaining(), 4, "every slot came back");
 }

@@ -5,15 +5,17 @@
 use crate::support;
 
 use std::convert::Infallible;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::task::{Context, Poll};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
+
+#[cfg(feature = "axum")]
+use crate::support::bodies::{Chunks, Endless};
+use crate::support::bodies::{End, InFlight, Repeat};
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
-use http_body::{Body, Frame};
+use http_body::Body;
 use http_body_util::{BodyExt, Empty, Full};
 use tollgate::RequestBody;
 use tollgate::clock::{Clock, TokioClock};
@@ -24,44 +26,6 @@ use tollgate::{
     Usage,
 };
 use tower::{Layer, Service, ServiceExt, service_fn};
-
-/// A response body of `len` bytes that counts itself in flight until it is dropped.
-struct Tracked {
-    data: Option<Bytes>,
-    in_flight: Arc<InFlight>,
-}
-
-#[derive(Default)]
-struct InFlight {
-    now: AtomicUsize,
-    max: AtomicUsize,
-}
-
-impl InFlight {
-    fn enter(self: &Arc<Self>, len: usize) -> Tracked {
-        let now = self.now.fetch_add(1, Ordering::SeqCst) + 1;
-        self.max.fetch_max(now, Ordering::SeqCst);
-        Tracked { data: Some(Bytes::from(vec![b'x'; len])), in_flight: Arc::clone(self) }
-    }
-}
-
-impl Drop for Tracked {
-    fn drop(&mut self) {
-        self.in_flight.now.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-impl Body for Tracked {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        Poll::Ready(self.data.take().map(|d| Ok(Frame::data(d))))
-    }
-}
 
 fn paused_store() -> MemoryStore {
     MemoryStore::builder().clock(TokioClock::new()).build().unwrap()
@@ -342,8 +306,8 @@ async fn streamed_uploads_are_counted_as_their_bytes_arrive() {
         .layer(layer);
     let server = support::serve(app).await;
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<chunks::Chunks>();
-    let req = Request::post(server.url("/")).body(chunks::Chunks::new(5, 1_000)).unwrap();
+        .build_http::<Chunks>();
+    let req = Request::post(server.url("/")).body(Chunks::new(5, 1_000)).unwrap();
     assert!(req.headers().get("content-length").is_none());
     let res = client.request(req).await.unwrap();
     assert_eq!(res.status(), StatusCode::OK);
@@ -353,64 +317,6 @@ async fn streamed_uploads_are_counted_as_their_bytes_arrive() {
     assert_eq!(&echoed[..], b"5000");
     let remaining = limiter.check(&Key::Global, 0).await.unwrap().tiers()[0].remaining();
     assert_eq!(remaining, 95_000);
-}
-
-/// A body of `n` data frames of `len` bytes and no known length: sent chunked.
-#[cfg(feature = "axum")]
-mod chunks {
-    use std::pin::Pin;
-    use std::task::{Context, Poll};
-
-    use bytes::Bytes;
-    use http_body::{Body, Frame};
-
-    pub(crate) struct Chunks {
-        left: usize,
-        len: usize,
-    }
-
-    impl Chunks {
-        pub(crate) fn new(n: usize, len: usize) -> Self {
-            Self { left: n, len }
-        }
-    }
-
-    impl Body for Chunks {
-        type Data = Bytes;
-        type Error = std::convert::Infallible;
-
-        fn poll_frame(
-            mut self: Pin<&mut Self>,
-            _: &mut Context<'_>,
-        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-            if self.left == 0 {
-                return Poll::Ready(None);
-            }
-            self.left -= 1;
-            Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![b'y'; self.len])))))
-        }
-    }
-}
-
-/// A response body that sends one chunk and then never ends.
-#[cfg(feature = "axum")]
-struct Endless(bool);
-
-#[cfg(feature = "axum")]
-impl Body for Endless {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        if std::mem::replace(&mut self.0, true) {
-            Poll::Pending
-        } else {
-            Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"first chunk")))))
-        }
-    }
 }
 
 /// Polls `free_slots` until it is `want`, at most 5 s (bounded; a real server frees the slot
@@ -574,10 +480,9 @@ mod every_body_type {
     /// Sends one chunked upload of `CHUNKS` x `CHUNK` bytes; the status and the body.
     async fn upload(addr: SocketAddr, chunks: usize) -> (StatusCode, Bytes) {
         let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
-            .build_http::<chunks::Chunks>();
-        let req = Request::post(format!("http://{addr}/"))
-            .body(chunks::Chunks::new(chunks, CHUNK))
-            .unwrap();
+            .build_http::<Chunks>();
+        let req =
+            Request::post(format!("http://{addr}/")).body(Chunks::new(chunks, CHUNK)).unwrap();
         assert!(req.headers().get("content-length").is_none());
         let res = client.request(req).await.unwrap();
         let status = res.status();
@@ -740,41 +645,6 @@ mod every_body_type {
     }
 }
 
-/// A body of `frames` data frames of `len` bytes, then its end: done, an error, or none (it
-/// never ends).
-struct Script {
-    frames: usize,
-    len: usize,
-    end: End,
-}
-
-#[derive(Clone, Copy)]
-enum End {
-    Done,
-    Fail,
-    Hang,
-}
-
-impl Body for Script {
-    type Data = Bytes;
-    type Error = &'static str;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, &'static str>>> {
-        if self.frames > 0 {
-            self.frames -= 1;
-            return Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![b'z'; self.len])))));
-        }
-        match self.end {
-            End::Done => Poll::Ready(None),
-            End::Fail => Poll::Ready(Some(Err("reset"))),
-            End::Hang => Poll::Pending,
-        }
-    }
-}
-
 /// A layer over one concurrency slot and 10,000 bytes an hour of `unit`, on tokio's clock,
 /// metering streams as `mode` says (`None`: the default, policing as it streams).
 fn slot_and_bytes(unit: Unit, mode: Option<StreamMode>) -> RateLimitLayer<GlobalKey> {
@@ -807,7 +677,7 @@ async fn a_response_body_that_fails_is_settled_at_the_bytes_it_sent() {
     for mode in METERINGS {
         let layer = slot_and_bytes(Unit::ResponseBytes, mode);
         let svc = layer.layer(service_fn(|_req: Request<RequestBody<Empty<Bytes>>>| async {
-            Ok::<_, Infallible>(Response::new(Script { frames: 2, len: 700, end: End::Fail }))
+            Ok::<_, Infallible>(Response::new(Repeat::bytes(2, 700, End::Fail)))
         }));
         let mut body = svc.oneshot(Request::new(Empty::new())).await.unwrap().into_body();
         let settled = mode == Some(StreamMode::Settle);
@@ -835,7 +705,7 @@ async fn a_response_body_dropped_unfinished_is_settled_at_the_bytes_it_sent() {
     for mode in METERINGS {
         let layer = slot_and_bytes(Unit::ResponseBytes, mode);
         let svc = layer.layer(service_fn(|_req: Request<RequestBody<Empty<Bytes>>>| async {
-            Ok::<_, Infallible>(Response::new(Script { frames: 1, len: 700, end: End::Hang }))
+            Ok::<_, Infallible>(Response::new(Repeat::bytes(1, 700, End::Hang)))
         }));
         let mut body = svc.oneshot(Request::new(Empty::new())).await.unwrap().into_body();
         assert_eq!(body.frame().await.unwrap().unwrap().into_data().unwrap().len(), 700);
@@ -854,14 +724,14 @@ async fn a_response_body_dropped_unfinished_is_settled_at_the_bytes_it_sent() {
 async fn a_request_body_read_in_part_is_charged_the_bytes_read() {
     for mode in METERINGS {
         let layer = slot_and_bytes(Unit::RequestBytes, mode);
-        let svc = layer.layer(service_fn(|req: Request<RequestBody<Script>>| async move {
+        let svc = layer.layer(service_fn(|req: Request<RequestBody<Repeat>>| async move {
             let mut body = req.into_body();
             let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
             // The rest of the upload is never read.
             drop(body);
             Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(first.len().to_string()))))
         }));
-        let upload = Script { frames: 3, len: 400, end: End::Done };
+        let upload = Repeat::bytes(3, 400, End::Done);
         let res = svc.oneshot(Request::new(upload)).await.unwrap();
         if mode == Some(StreamMode::Settle) {
             assert_eq!(slot_and_bytes_left(&layer).await, [0, 9_999]);
@@ -876,33 +746,6 @@ async fn a_request_body_read_in_part_is_charged_the_bytes_read() {
 // it handed on, exactly, and the request's slot is free. Below, each kind of observed body
 // (counted whole and settled at its end, metered by grants as it streams with no length
 // known, gRPC messages) meets each end, on the side it is observed on.
-
-/// `frames` copies of `frame`, then the body's end as `end` says.
-struct Repeat {
-    frame: Bytes,
-    frames: usize,
-    end: End,
-}
-
-impl Body for Repeat {
-    type Data = Bytes;
-    type Error = &'static str;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, &'static str>>> {
-        if self.frames > 0 {
-            self.frames -= 1;
-            return Poll::Ready(Some(Ok(Frame::data(self.frame.clone()))));
-        }
-        match self.end {
-            End::Done => Poll::Ready(None),
-            End::Fail => Poll::Ready(Some(Err("reset"))),
-            End::Hang => Poll::Pending,
-        }
-    }
-}
 
 /// Two frames of what `unit` counts: 700 bytes each, or one gRPC message each (a 5-byte
 /// prefix and 8 bytes of payload).

@@ -29,6 +29,7 @@ const VARIANTS: [&str; 9] =
 
 /// The settings that wait (shaping, the tarpit) on tokio's timer: with the memory store only,
 /// whose tests run on paused time.
+#[cfg(feature = "redis")]
 const WAITING: [&str; 2] = ["shaped", "tarpit"];
 
 /// "api": 3 a minute, GCRA (a burst of 3, one back each 20 s); "pro": 10 a minute, chosen by

@@ -9,70 +9,18 @@ use crate::support;
 
 use std::time::Duration;
 
+use support::lease::{
+    N, asked_on_cluster, check, duration_ns, fixed_window, fleet, fleet_of, futures_join, hammer,
+    left, on_cluster, started,
+};
 use support::redis::{Cluster, Server};
 use tollgate::clock::{Clock, FakeClock};
 use tollgate::key::Key;
-use tollgate::store::{Check, Lease, RedisPolicy, RedisStore, RedisStoreBuilder, Store};
-use tollgate::{Algorithm, ConfigError, Decision, Outcome, Policy, Quota, Source};
+use tollgate::store::{Check, Lease, RedisPolicy, RedisStore, Store};
+use tollgate::{Algorithm, ConfigError, Outcome, Policy, Quota, Source};
 
 const MS: u64 = 1_000_000;
 const S: u64 = 1_000_000_000;
-/// Instances leasing the hot key.
-const N: usize = 4;
-
-fn store(builder: RedisStoreBuilder, clock: &FakeClock, prefix: &str) -> RedisStore {
-    builder
-        .clock(clock.clone())
-        .prefix(prefix)
-        // The fake clock stands still in real time: keep keys for the whole test.
-        .ttl_grace(Duration::from_secs(3600))
-        .timeout(Duration::from_secs(5))
-        .build()
-        .unwrap()
-}
-
-/// `N` leasing instances of `policy` and one exact instance, sharing one budget.
-fn fleet(
-    url: &str,
-    clock: &FakeClock,
-    policy: &Policy,
-    lease: Lease,
-) -> (Vec<(RedisStore, RedisPolicy)>, (RedisStore, RedisPolicy)) {
-    fleet_of(N, url, clock, policy, lease)
-}
-
-/// [`fleet`] of `n` leasing instances.
-fn fleet_of(
-    n: usize,
-    url: &str,
-    clock: &FakeClock,
-    policy: &Policy,
-    lease: Lease,
-) -> (Vec<(RedisStore, RedisPolicy)>, (RedisStore, RedisPolicy)) {
-    let prefix = format!("lease{}:", fastrand::u32(..));
-    let leasing = (0..n)
-        .map(|_| {
-            let s =
-                store(RedisStore::builder(url).lease_policy(policy.name(), lease), clock, &prefix);
-            let b = s.bind(policy).unwrap();
-            assert_eq!(b.lease(), Some(lease));
-            (s, b)
-        })
-        .collect();
-    let s = store(RedisStore::builder(url), clock, &prefix);
-    let b = s.bind(policy).unwrap();
-    assert_eq!(b.lease(), None);
-    (leasing, (s, b))
-}
-
-async fn check(node: &(RedisStore, RedisPolicy), key: &Key, cost: u64) -> Decision {
-    node.0.check(&node.1, Check::new(key, cost)).await.expect("redis answers").decision
-}
-
-/// What the key has left in Redis, by a query of the exact instance.
-async fn left(exact: &(RedisStore, RedisPolicy), key: &Key) -> u64 {
-    check(exact, key, 0).await.tiers()[0].remaining()
-}
 
 /// Whether node `i` asks for a unit at step `step` (1 ms each): every node asks often but not
 /// always, and node 3 pauses for 40 ms of every 250, so blocks end unspent and come back.
@@ -86,64 +34,10 @@ fn demands(i: usize, step: u64) -> bool {
     step % every == 0 && !(i == 3 && step % 250 < 40)
 }
 
-/// Runs the fleet for `steps` ms of fake time, every node checking concurrently within a
-/// step; returns the admission instants (ns) of each node.
-async fn hammer(
-    nodes: &[(RedisStore, RedisPolicy)],
-    clock: &FakeClock,
-    key: &Key,
-    steps: u64,
-    demands: fn(usize, u64) -> bool,
-) -> Vec<u64> {
-    let mut admitted = Vec::new();
-    for step in 0..steps {
-        let now = clock.now();
-        let asks = (0..N).filter(|&i| demands(i, step)).map(|i| check(&nodes[i], key, 1));
-        let decided = futures_join(asks).await;
-        for d in decided {
-            if d.is_allowed() {
-                assert_eq!(d.source(), Source::Store);
-                admitted.push(now);
-            }
-        }
-        clock.advance(Duration::from_millis(1));
-    }
-    admitted
-}
-
-/// Awaits every future, polled together (so the nodes' calls overlap).
-async fn futures_join<F: std::future::Future>(futures: impl Iterator<Item = F>) -> Vec<F::Output> {
-    let mut set = Vec::new();
-    for f in futures {
-        set.push(Box::pin(f));
-    }
-    let mut out: Vec<Option<F::Output>> = set.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (f, o) in set.iter_mut().zip(out.iter_mut()) {
-            if o.is_none() {
-                match f.as_mut().poll(cx) {
-                    std::task::Poll::Ready(v) => *o = Some(v),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending { std::task::Poll::Pending } else { std::task::Poll::Ready(()) }
-    })
-    .await;
-    out.into_iter().map(|o| o.expect("ready")).collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_leasing_instances_admit_at_most_the_limit_in_every_fixed_window() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
-    let policy = Policy::builder("hot")
-        .algorithm(Algorithm::FixedWindow)
-        .tier("second", Quota::per_second(1_000))
-        .build()
-        .unwrap();
+    let Some((server, clock)) = started() else { return };
+    let policy = fixed_window("hot", "second", Quota::per_second(1_000));
     let lease = Lease::new().max_block(32).lifetime(Duration::from_millis(100));
     let (nodes, _exact) = fleet(&server.url(), &clock, &policy, lease);
     let key = Key::text("hot");
@@ -192,9 +86,7 @@ async fn four_instances_leasing_the_schedule_keep_gcra_within_the_same_bound() {
 
 async fn four_gcra_instances_within_the_bound(lease: Lease) {
     let prefetch = lease.prefetches();
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
+    let Some((server, clock)) = started() else { return };
     // T = 2 ms, burst 50.
     let policy = Policy::single("hot", Quota::per_second(500).with_burst(50)).unwrap();
     let lease = lease.max_block(8).lifetime(Duration::from_millis(30));
@@ -235,9 +127,7 @@ async fn granted(node: &(RedisStore, RedisPolicy), grants: u64) {
 /// and it never holds more than 64 units.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefetching_instance_asks_for_the_next_block_when_half_is_spent() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
+    let Some((server, clock)) = started() else { return };
     let policy = Policy::single("hot", Quota::per_second(100_000).with_burst(1_000)).unwrap();
     let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100)).prefetch(true);
     let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
@@ -337,9 +227,7 @@ async fn at_the_keys_rate_an_instance_waits_for_a_useful_block_without_calling()
 /// with no call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_lease_call_is_waited_out_with_that_retry() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
+    let Some((server, clock)) = started() else { return };
     let policy = Policy::single("hot", Quota::per_second(100_000).with_burst(1_000)).unwrap();
     let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100));
     let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
@@ -401,9 +289,7 @@ fn each_tier_within(admitted: &[u64], tiers: &[(u64, u64)], bound: u64, what: &s
 /// interval.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_instances_leasing_the_schedule_keep_each_of_two_gcra_tiers_within_the_bound() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
+    let Some((server, clock)) = started() else { return };
     let policy = Policy::builder("two")
         .tier("fast", Quota::per_second(500).with_burst(20))
         .tier("slow", Quota::per_second(250).with_burst(50))
@@ -485,9 +371,7 @@ async fn a_horizon_past_the_fast_tiers_fill_keeps_each_tier_within_the_bound() {
 /// cost: the instance's own refusals never say less than Redis's exact wait for that cost.
 #[tokio::test]
 async fn a_weighted_check_is_never_told_to_retry_before_redis_would_admit_it() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
+    let Some((server, clock)) = started() else { return };
     // 100 a second: a useful block (1 ms of refill) is one unit.
     let policy = Policy::single("weighted", Quota::per_second(100)).unwrap();
     let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100));
@@ -512,9 +396,7 @@ async fn a_weighted_check_is_never_told_to_retry_before_redis_would_admit_it() {
 /// not when the instance asks Redis again.
 #[tokio::test]
 async fn a_weighted_check_leasing_the_schedule_is_never_told_to_retry_before_it_conforms() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
+    let Some((server, clock)) = started() else { return };
     // T = 10 ms, a burst of 100; the horizon is half the lifetime, 50 ms.
     let policy = Policy::single("weighted", Quota::per_second(100)).unwrap();
     let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100)).schedule(true);
@@ -655,19 +537,13 @@ async fn instances_at_the_keys_rate(n: usize, lease: Lease, burst: u64) -> Optio
     Some(Run { calls, exact_wait })
 }
 
-fn duration_ns(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
-}
-
 /// One instance leasing a key's schedule (100,000 a second, T = 10 µs, a burst of 1,000;
 /// useful blocks of 64): when the key has less than a useful block, a call takes one anyway,
 /// and each unit is admitted at the instant it conforms, exactly, with the wait for the next
 /// as `retry_after` and `remaining` the units that conform now.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_leasing_the_schedule_admits_each_unit_when_it_conforms() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
+    let Some((server, clock)) = started() else { return };
     let policy = Policy::single("hot", Quota::per_second(100_000).with_burst(1_000)).unwrap();
     let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100)).schedule(true);
     let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
@@ -731,14 +607,8 @@ async fn an_instance_leasing_the_schedule_admits_each_unit_when_it_conforms() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocks_grow_with_demand_and_come_back_when_dropped() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
-    let policy = Policy::builder("w")
-        .algorithm(Algorithm::FixedWindow)
-        .tier("minute", Quota::per_minute(100))
-        .build()
-        .unwrap();
+    let Some((server, clock)) = started() else { return };
+    let policy = fixed_window("w", "minute", Quota::per_minute(100));
     let lease = Lease::new().max_block(16).lifetime(Duration::from_secs(10));
     let (mut nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
     let key = Key::text("k");
@@ -769,14 +639,8 @@ async fn blocks_grow_with_demand_and_come_back_when_dropped() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_is_never_spent_after_its_lifetime_and_its_rest_comes_back() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
-    let policy = Policy::builder("w")
-        .algorithm(Algorithm::FixedWindow)
-        .tier("minute", Quota::per_minute(100))
-        .build()
-        .unwrap();
+    let Some((server, clock)) = started() else { return };
+    let policy = fixed_window("w", "minute", Quota::per_minute(100));
     let lease = Lease::new().max_block(4).lifetime(Duration::from_millis(50));
     let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
     let key = Key::text("k");
@@ -812,14 +676,8 @@ async fn a_block_is_never_spent_after_its_lifetime_and_its_rest_comes_back() {
 /// Redis, which has the units again (a shaping check, which is exact in lease mode).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_given_back_by_the_sweeper_forgets_the_keys_refusal() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
-    let policy = Policy::builder("w")
-        .algorithm(Algorithm::FixedWindow)
-        .tier("minute", Quota::per_minute(100))
-        .build()
-        .unwrap();
+    let Some((server, clock)) = started() else { return };
+    let policy = fixed_window("w", "minute", Quota::per_minute(100));
     let lease = Lease::new().max_block(4).lifetime(Duration::from_millis(50));
     let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
     let (node, key) = (&nodes[0], Key::text("k"));
@@ -849,9 +707,7 @@ async fn a_block_given_back_by_the_sweeper_forgets_the_keys_refusal() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_next_block_gives_back_the_rest_of_the_last_in_the_same_call() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
+    let Some((server, clock)) = started() else { return };
     let policy = Policy::single("g", Quota::per_minute(60)).unwrap();
     let lease = Lease::new().max_block(8).lifetime(Duration::from_millis(10));
     let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
@@ -873,14 +729,8 @@ async fn the_next_block_gives_back_the_rest_of_the_last_in_the_same_call() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn near_the_limit_blocks_shrink_to_one_unit_and_refusals_are_exact() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
-    let policy = Policy::builder("w")
-        .algorithm(Algorithm::FixedWindow)
-        .tier("minute", Quota::per_minute(10))
-        .build()
-        .unwrap();
+    let Some((server, clock)) = started() else { return };
+    let policy = fixed_window("w", "minute", Quota::per_minute(10));
     let lease = Lease::new().max_block(64).lifetime(Duration::from_secs(30));
     let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
     let key = Key::text("k");
@@ -901,9 +751,7 @@ async fn near_the_limit_blocks_shrink_to_one_unit_and_refusals_are_exact() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outage_is_decided_per_check_as_in_exact_mode() {
-    let Some(mut server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
+    let Some((mut server, clock)) = started() else { return };
     let policy = Policy::single("g", Quota::per_minute(600)).unwrap();
     let lease = Lease::new().max_block(4).lifetime(Duration::from_secs(30));
     let s = RedisStore::builder(server.url())
@@ -956,14 +804,8 @@ fn policies_that_cannot_lease_are_refused_or_stay_exact() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ticket_from_a_block_settles_in_redis() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
-    let policy = Policy::builder("w")
-        .algorithm(Algorithm::FixedWindow)
-        .tier("minute", Quota::per_minute(100))
-        .build()
-        .unwrap();
+    let Some((server, clock)) = started() else { return };
+    let policy = fixed_window("w", "minute", Quota::per_minute(100));
     let lease = Lease::new().max_block(8).lifetime(Duration::from_secs(10));
     let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
     let (s, b) = &nodes[0];
@@ -1068,11 +910,7 @@ async fn two_leasing_app_instances_enforce_one_limit_over_http_and_count_their_l
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leasing_instances_on_a_cluster_admit_each_keys_limit_once() {
     let Some(cluster) = Cluster::start() else { return };
-    let policy = Policy::builder("c")
-        .algorithm(Algorithm::FixedWindow)
-        .tier("minute", Quota::per_minute(50))
-        .build()
-        .unwrap();
+    let policy = fixed_window("c", "minute", Quota::per_minute(50));
     let lease = Lease::new().max_block(16).lifetime(Duration::from_secs(30));
     let nodes = on_cluster(&cluster, &policy, lease);
     assert_eq!(asked_on_cluster(&nodes, 40).await, vec![50; 6]);
@@ -1092,35 +930,4 @@ async fn prefetching_instances_on_a_cluster_admit_each_keys_burst_once() {
     assert_eq!(asked_on_cluster(&nodes, 300).await, vec![400; 6]);
     let prefetched: u64 = nodes.iter().map(|n| n.1.lease_stats().prefetched).sum();
     assert!(prefetched > 0);
-}
-
-/// Two instances leasing `policy` on `cluster`, on one fake clock.
-fn on_cluster(cluster: &Cluster, policy: &Policy, lease: Lease) -> Vec<(RedisStore, RedisPolicy)> {
-    let clock = FakeClock::new();
-    clock.set(1_000 * S);
-    let prefix = format!("cluster{}:", fastrand::u32(..));
-    (0..2)
-        .map(|_| {
-            let builder =
-                RedisStore::cluster_builder(cluster.urls()).lease_policy(policy.name(), lease);
-            let s = store(builder, &clock, &prefix);
-            let b = s.bind(policy).unwrap();
-            (s, b)
-        })
-        .collect()
-}
-
-/// `rounds` rounds of every node asking for a unit of each of 6 keys, concurrently: the units
-/// admitted per key.
-async fn asked_on_cluster(nodes: &[(RedisStore, RedisPolicy)], rounds: usize) -> Vec<u64> {
-    let keys: Vec<Key> = (0..6).map(|i| Key::text(format!("k{i}"))).collect();
-    let mut admitted = vec![0u64; keys.len()];
-    for _ in 0..rounds {
-        let asks = keys.iter().flat_map(|k| nodes.iter().map(move |n| check(n, k, 1)));
-        let decided = futures_join(asks).await;
-        for (i, d) in decided.iter().enumerate() {
-            admitted[i / nodes.len()] += u64::from(d.is_allowed());
-        }
-    }
-    admitted
 }

@@ -12,6 +12,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
 use support::redis::Server;
+use support::stores::redis::on_clock;
 use tollgate::clock::{Clock, FakeClock};
 use tollgate::key::Key;
 use tollgate::store::{Check, Lease, LeaseStats, RedisPolicy, RedisStore, Store};
@@ -29,14 +30,7 @@ fn node(url: &str, clock: &FakeClock, prefix: &str, policy: &Policy, lease: Opti
     if let Some(lease) = lease {
         builder = builder.lease_policy(policy.name(), lease);
     }
-    let store = builder
-        .clock(clock.clone())
-        .prefix(prefix)
-        // The fake clock stands still in real time: keep keys for the whole test.
-        .ttl_grace(Duration::from_secs(3600))
-        .timeout(Duration::from_secs(5))
-        .build()
-        .unwrap();
+    let store = on_clock(builder, clock, prefix);
     let bound = store.bind(policy).unwrap();
     assert_eq!(bound.lease(), lease);
     (store, bound)

@@ -18,6 +18,7 @@ use axum::Router;
 use axum::routing::get;
 use http::StatusCode;
 use support::redis::Server;
+use support::stores::redis::on_clock;
 use tollgate::clock::FakeClock;
 use tollgate::config::{LimitsConfig, LimitsLayer};
 use tollgate::store::{Lease, RedisStore};
@@ -63,15 +64,8 @@ async fn fleet_of(
     let prefix = format!("lease-reload{}:", fastrand::u32(..));
     let mut apps = Vec::new();
     for _ in 0..2 {
-        let store = RedisStore::builder(server.url())
-            .lease_policy("api", lease)
-            .clock(clock.clone())
-            .prefix(prefix.clone())
-            // The fake clock stands still in real time: keep keys for the whole test.
-            .ttl_grace(Duration::from_secs(3600))
-            .timeout(Duration::from_secs(5))
-            .build()
-            .unwrap();
+        let builder = RedisStore::builder(server.url()).lease_policy("api", lease);
+        let store = on_clock(builder, &clock, &prefix);
         let layer = LimitsLayer::with_store(config.clone(), store).unwrap();
         let app = Router::new().route("/", get(|| async { "ok" })).layer(layer.clone());
         apps.push((layer, support::serve(app).await));

@@ -692,24 +692,15 @@ fn random_reloads_never_unblock_a_key_nor_lose_a_slot_in_memory() {
 mod on_redis {
     use super::*;
     use crate::support::redis::Server;
-    use tollgate::store::{Lease, RedisStore, RedisStoreBuilder};
-
-    /// A store of `builder` on `clock`, under `prefix`: keys kept an hour past their state's
-    /// needs (the fake clock stands still in real time, Redis expires keys on its own).
-    pub(super) fn on(builder: RedisStoreBuilder, clock: &FakeClock, prefix: &str) -> RedisStore {
-        builder
-            .clock(clock.clone())
-            .prefix(prefix)
-            .ttl_grace(Duration::from_secs(3600))
-            .timeout(Duration::from_secs(5))
-            .build()
-            .unwrap()
-    }
+    use crate::support::stores::redis::on_clock;
+    use tollgate::store::{Lease, RedisStore};
 
     #[test]
     fn random_reloads_never_unblock_a_key_nor_lose_a_slot_on_redis() {
         let Some(server) = Server::start("redis-server") else { return };
-        traces(64, true, |clock, prefix| on(RedisStore::builder(server.url()), clock, &prefix));
+        traces(64, true, |clock, prefix| {
+            on_clock(RedisStore::builder(server.url()), clock, &prefix)
+        });
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -717,7 +708,7 @@ mod on_redis {
         let Some(server) = Server::start("redis-server") else { return };
         let clock = FakeClock::new();
         clock.set(MIDNIGHT);
-        login_guard(on(RedisStore::builder(server.url()), &clock, "guard:"), &clock).await;
+        login_guard(on_clock(RedisStore::builder(server.url()), &clock, "guard:"), &clock).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -725,7 +716,7 @@ mod on_redis {
         let Some(server) = Server::start("redis-server") else { return };
         let clock = FakeClock::new();
         clock.set(MIDNIGHT + 3_600_000_000_000);
-        let store = |prefix: &str| on(RedisStore::builder(server.url()), &clock, prefix);
+        let store = |prefix: &str| on_clock(RedisStore::builder(server.url()), &clock, prefix);
         rates_and_calendars(store("rates:"), true).await;
         other_units(store("units:"), true).await;
         reserves(store("reserves:"), true).await;
@@ -750,7 +741,7 @@ mod on_redis {
         let lease = Lease::new().max_block(8).lifetime(Duration::from_secs(30));
         let builder = RedisStore::builder(server.url()).lease_policy("p", lease);
         let layer =
-            LimitsLayer::with_store(config(&leased("hourly")), on(builder, &clock, "lease:"))
+            LimitsLayer::with_store(config(&leased("hourly")), on_clock(builder, &clock, "lease:"))
                 .unwrap();
         let handle = layer.handle();
         let key = Key::text("hot");
@@ -768,7 +759,7 @@ mod on_redis {
         // What Redis charged is what was granted: 3 of the 100.
         let exact = LimitsLayer::with_store(
             config(&leased("per-hour")),
-            on(RedisStore::builder(server.url()), &clock, "lease:"),
+            on_clock(RedisStore::builder(server.url()), &clock, "lease:"),
         )
         .unwrap();
         assert_eq!(remaining(&exact.handle(), &key).await, [97]);

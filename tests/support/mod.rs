@@ -1,6 +1,9 @@
 //! Test harness: serve an axum app on an ephemeral loopback port and talk to it over real HTTP.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod bodies;
+#[cfg(feature = "redis")]
+pub mod lease;
 pub mod logs;
 pub mod penalty;
 pub mod priority;

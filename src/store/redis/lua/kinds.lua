@@ -143,9 +143,10 @@ local POL = kpolicies()
 -- only then are the functions for them below made (`if KINDS then`, into `K`). Every function
 -- a call of a script defines is a closure made anew, with each local it captures, and
 -- collected after: a batch of plain policies would pay for two dozen it never calls.
-local KINDS = false
+local KINDS, CAL = false, false
 for _, pol in ipairs(POL) do
   if not pol.rates then KINDS = true end
+  if pol.ncal > 0 then CAL = true end
 end
 -- Those functions, in one table: a function that may call them captures it alone (each local
 -- a function captures is found and kept apart per call).
@@ -267,6 +268,7 @@ end
 -- (below) only for a batch that does not: every function a call of a script defines is a
 -- closure made anew, paid for on every call.
 if flat_batch() then
+  if CAL then cover_all(C, POL, STORED, LOOKAHEAD) end
 
   -- The key's now in milliseconds since the epoch (lease expiries).
   local function flat_ms(st)
@@ -1384,6 +1386,7 @@ if KINDS then
 end
 
 STORED = stored(C, POL, function(C, i) return i + C[i + 3] end)
+if CAL then cover_all(C, POL, STORED, LOOKAHEAD) end
 local i = 1
 while i <= #C do
   local op, k, pol = C[i], C[i + 1], POL[C[i + 2]]

@@ -52,11 +52,12 @@ function F.load(st, raw, o)
       local j = o + (i - 1) * 5
       t.xn, t.xf, t.last = rel(c, raw[j + 1], raw[j + 2]), raw[j + 3], rel(c, raw[j + 4], raw[j + 5])
     else
-      -- Fresh: GCRA's TAT far in the past (2^52 units before now: see gcra.lua's FRESH), as
-      -- the memory store's 0 is; a token bucket full now; a leaky bucket empty now (as
-      -- bucket.rs's `fresh`).
-      t.xn, t.xf, t.last = 0, 0, 0
-      if st.alg == 0 then t.xn = -4503599627370496 end
+      -- Fresh, far in the past (2^52 units before now: see gcra.lua's FRESH), as the memory
+      -- store's fresh state is as of its epoch (`Core::fresh`): GCRA's TAT, and the instant a
+      -- token bucket was full (a leaky bucket empty) with its last instant. A bucket fresh as
+      -- of now would project backwards when the clock steps back, and refuse what a fresh key
+      -- in memory admits.
+      t.xn, t.xf, t.last = -4503599627370496, 0, -4503599627370496
     end
   end
 end
