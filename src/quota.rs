@@ -815,6 +815,12 @@ impl Priority {
 ///   `C + rate * s` (the tier's limit); at three times the limit's rate for 30 s with
 ///   `C` = 100 a second and `r_c` = 20, within 1 % of the limit, and no critical request
 ///   (30 a second) refused, on both stores (the crate's tests hold this).
+/// - a settlement above the charge ([`Store::settle`](crate::store::Store::settle),
+///   `settle_tiers`) is a debt the key pays: it is charged whatever the request's class, into
+///   the critical reserve if it must, as those units were used and the tier's limit comes
+///   first. A critical request is then refused (with the exact `retry_after`) until the debt
+///   has drained by its cost, one emission interval per unit: the promise above is about what
+///   the lower classes are admitted, not what they report after.
 ///
 /// **Shaping.** A shaped request that waits for its slot is charged when it is decided and
 /// leaves later, so requests of the lower classes booked ahead would hold the tier past their

@@ -49,16 +49,6 @@ struct Known {
 /// named after it).
 const KNOWN: &[Known] = &[
     Known {
-        labels: &["reserve", "shape"],
-        on: &[On::Memory, On::Redis],
-        why: "issue 33: shaped lower classes take the critical reserve (redis-truth)",
-    },
-    Known {
-        labels: &["reserve", "settle"],
-        on: &[On::Memory, On::Redis],
-        why: "a lower class settled above its charge takes the critical reserve (redis-truth)",
-    },
-    Known {
         labels: &["shape", "refund"],
         on: &[On::Memory, On::Redis],
         why: "a refund gives back room ahead of shaped requests already reserved (redis-truth)",
@@ -415,32 +405,38 @@ fn reserve_x_shape() -> (Config, Vec<Step>) {
 }
 
 #[test]
-#[ignore = "issue 33: reserves × shaping, fixed by redis-truth"]
 fn reserve_x_shape_on_memory() {
     known_seam(On::Memory, &["reserve", "shape"], reserve_x_shape());
 }
 
 #[test]
-#[ignore = "issue 33: reserves × shaping, fixed by redis-truth"]
 fn reserve_x_shape_on_redis() {
     known_seam(On::Redis, &["reserve", "shape"], reserve_x_shape());
 }
 
 fn reserve_x_settle() -> (Config, Vec<Step>) {
-    // A standard request settled at 10 (a reported cost, say) fills the tier: a critical
-    // request is refused, its reserve never used by a critical one.
+    // A standard request settled at 10 (a reported cost, say) fills the tier: the debt is the
+    // key's, charged into the reserve as the units were used (`Reserve`: the tier's limit
+    // comes first), so a critical request is refused until the debt drained enough for it
+    // (retry 2 s, one interval), and the reserve's promise is off meanwhile.
     let c = reserved(Mix { settle: true, ..Mix::default() });
-    (c, vec![held(Standard, 1), Step::Settle { hold: 0, to: 10 }, call(Critical, 1)])
+    let steps = vec![
+        held(Standard, 1),
+        Step::Settle { hold: 0, to: 10 },
+        call(Critical, 1),
+        Step::Tick { scale: 2, frac: 13_107 },
+        call(Critical, 1),
+        call(Critical, 1),
+    ];
+    (c, steps)
 }
 
 #[test]
-#[ignore = "issue 33: reserves × settlements above the charge (new), fixed by redis-truth"]
 fn reserve_x_settle_on_memory() {
     known_seam(On::Memory, &["reserve", "settle"], reserve_x_settle());
 }
 
 #[test]
-#[ignore = "issue 33: reserves × settlements above the charge (new), fixed by redis-truth"]
 fn reserve_x_settle_on_redis() {
     known_seam(On::Redis, &["reserve", "settle"], reserve_x_settle());
 }

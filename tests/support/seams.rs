@@ -711,8 +711,9 @@ pub async fn run<St: Store>(
                     if r.is_ok() {
                         for &(i, c) in &costs {
                             let was = h.charged.costs[i];
-                            if h.class == Priority::Critical && c > was {
-                                log.critical_debt(h.charged.key, i);
+                            if c > was {
+                                let (key, at) = (h.charged.key, h.charged.at);
+                                log.debt(key, i, at, now, c - was);
                             }
                             model.settle_tier(&mut h.charged, i, c, now);
                             log.push(Event::Settled {

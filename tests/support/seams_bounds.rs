@@ -11,10 +11,23 @@
 //! - **Concurrency**: when a request is admitted, at most `max` slots are held with it.
 //! - **Reserves** (`Reserve`): a critical request of cost `k <= r_c` is admitted at once
 //!   (police, or shaped with no delay) when its key is not blocked, its other tiers have room,
-//!   and no critical request departed within `k` emission intervals before it: "a critical
-//!   request is never refused while the critical reserve is unused, whatever the other classes
-//!   send". (A critical request settled above its charge puts its own class into debt: the
-//!   promise is then off for its key.)
+//!   and the reserve is unused: "a critical request is never refused while the critical
+//!   reserve is unused, whatever the other classes send". Unused means, from the docs, with
+//!   `T` the emission interval and `S` the last departure booked on the tier when an event
+//!   came:
+//!   - no critical request admitted with nothing booked ahead left within `k` intervals
+//!     before (policing);
+//!   - none admitted while requests were booked ahead (or waiting behind them) within `r_c`
+//!     intervals after the later of its departure and `S` ("Shaping": the reserve comes back
+//!     when the requests booked while it was used have left, and one interval per unit used
+//!     after that), and none of the first kind within `r_c + 1` intervals before a schedule
+//!     of the lower classes began (its units past the standard line count as used then, a
+//!     part interval rounded up);
+//!   - no settlement above its charge (a debt, any class: charged into the reserve if it
+//!     must, as the units were used, the tier's limit first) has failed to drain by `k`
+//!     intervals: each runs its `extra` intervals from the later of its charge's instant, the
+//!     settlement's and the debts before it (and, with requests booked ahead, from `S`, `r_c`
+//!     intervals more).
 //!
 //! Traces whose clock steps back are held to the model and to memory ≡ Redis only: intervals
 //! and windows assume a clock that only moves forward.
@@ -38,6 +51,19 @@ pub enum Event {
     Released { key: u8, costs: Vec<u64> },
 }
 
+/// What a key's reserve tier saw (see the module docs): instants in ns.
+#[derive(Debug, Clone, Copy, Default)]
+struct Reserved {
+    /// The last departure booked on the tier.
+    booked: u64,
+    /// The last departure of a critical request admitted with nothing booked ahead.
+    free: Option<u64>,
+    /// When the reserve is back from critical requests admitted with requests booked ahead.
+    line: u64,
+    /// When the debts have drained.
+    debt: u64,
+}
+
 /// How a tier is bounded.
 #[derive(Debug, Clone, Copy)]
 enum Bound {
@@ -53,8 +79,8 @@ pub struct Log {
     slack: u64,
     reserve: Option<(usize, u64, u64)>,
     events: Vec<Event>,
-    /// Per key, the last departure of a critical request admitted.
-    critical: HashMap<u8, u64>,
+    /// Per key, what the reserve tier saw (see the module docs).
+    reserved: HashMap<u8, Reserved>,
     /// Whether the next decision must admit at once (the reserve's promise), and why.
     promised: Option<String>,
     back: bool,
@@ -85,7 +111,7 @@ impl Log {
             slack: 0,
             reserve: config.reserve,
             events: Vec::new(),
-            critical: HashMap::new(),
+            reserved: HashMap::new(),
             promised: None,
             back: false,
         }
@@ -101,13 +127,26 @@ impl Log {
         self.events.push(e);
     }
 
-    /// A critical request of `key` was settled above its charge on tier `tier`: the critical
-    /// class itself ran into debt, so the reserve's promise no longer holds for the key (the
-    /// promise is about what the *other* classes do).
-    pub fn critical_debt(&mut self, key: u8, tier: usize) {
-        if self.reserve.is_some_and(|(r, ..)| r == tier) {
-            self.critical.insert(key, u64::MAX);
+    /// The reserve tier's emission interval and critical reserve, if the seam has a reserve.
+    fn reserve_tier(&self, tier: usize) -> Option<(u64, u64)> {
+        let (r, critical, _) = self.reserve.filter(|(r, ..)| *r == tier)?;
+        let Bound::Rate { count, period, .. } = self.bounds[r] else { return None };
+        Some((period.div_ceil(count), critical))
+    }
+
+    /// A request of `key` (any class) charged at `at` was settled at `now` above its charge by
+    /// `extra` units on tier `tier`: a debt the key pays, into the reserve if it must
+    /// (`Reserve`), so the reserve's promise waits until it drained.
+    pub fn debt(&mut self, key: u8, tier: usize, at: u64, now: u64, extra: u64) {
+        let Some((interval, critical)) = self.reserve_tier(tier) else { return };
+        let r = self.reserved.entry(key).or_default();
+        let mut from = at.max(now).max(r.debt);
+        let mut units = extra;
+        if r.booked > now {
+            from = from.max(r.booked);
+            units += critical;
         }
+        r.debt = from.saturating_add(units.saturating_mul(interval));
     }
 
     /// The clock stepped back: from now on only the model and the other store judge.
@@ -133,17 +172,17 @@ impl Log {
         }
         let Bound::Rate { count, period, .. } = self.bounds[r] else { return Ok(()) };
         let interval = period.div_ceil(count);
-        let unused = self
-            .critical
-            .get(&key)
-            .is_none_or(|t| *t != u64::MAX && t.saturating_add(k * interval) <= now);
+        let seen = self.reserved.get(&key).copied().unwrap_or_default();
+        let unused = seen.free.is_none_or(|t| t.saturating_add(k * interval) <= now)
+            && seen.line <= now
+            && seen.debt.saturating_add(k * interval) <= now;
         let others =
             (0..costs.len()).filter(|&i| i != r).all(|i| model.room(key, now, i, costs[i], class));
         if unused && others && !model.blocked(key, now) {
             self.promised = Some(format!(
                 "reserve: a critical request of {k} (reserve {critical}) must be admitted at once \
-                 ({}; no critical request in the last {k} intervals, the other tiers have room, \
-                 the key is not blocked)",
+                 ({}; the reserve unused: {seen:?}; the other tiers have room, the key is not \
+                 blocked)",
                 if budget.is_some() { "shaped" } else { "policed" },
             ));
         }
@@ -169,8 +208,26 @@ impl Log {
             return Ok(());
         }
         let at = now + u64::try_from(d.delay().as_nanos()).unwrap();
-        if class == Priority::Critical {
-            self.critical.insert(key, at);
+        if let Some((r, ..)) = self.reserve.filter(|(r, ..)| costs[*r] > 0) {
+            let (interval, critical) = self.reserve_tier(r).unwrap_or((0, 0));
+            let s = self.reserved.entry(key).or_default();
+            let pending = s.booked > now;
+            s.booked = s.booked.max(at);
+            match class {
+                Priority::Critical if pending || at > now => {
+                    let back = at.max(s.booked) + critical * interval;
+                    s.line = s.line.max(back);
+                }
+                Priority::Critical => s.free = Some(s.free.map_or(at, |f| f.max(at))),
+                _ if at > now && !pending => {
+                    // A schedule begins: the critical units past the standard line count as
+                    // used until they leave.
+                    if let Some(f) = s.free {
+                        s.line = s.line.max(f + (critical + 1) * interval);
+                    }
+                }
+                _ => {}
+            }
         }
         self.events.push(Event::Admitted { key, at, costs: costs.to_vec() });
         if self.back {

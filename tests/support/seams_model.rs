@@ -14,7 +14,9 @@
 //!   instant; the `k`-th breach within `within` blocks the key for `block`; blocked checks are
 //!   refused, charge nothing and are no breach; a cost above capacity is no breach);
 //! - reserved capacity (`Reserve`: a class decides with the burst less what is withheld from
-//!   it, on the tier's one state);
+//!   it, on the tier's one state; shaping, the critical reserve is kept out of the schedule of
+//!   the lower classes by a line per key, as `Reserve`'s "Shaping" and `algorithm::line` say:
+//!   [`Line`]);
 //! - settlements (`Store::settle`, `settle_tiers`: less gives back, more charges the extra
 //!   unconditionally at the later of the charge's instant and now; a window's refund reaches
 //!   it only while it is counted) and releases of slots.
@@ -58,9 +60,41 @@ struct Tier {
     penalty: Option<(u64, u64, u64)>,
     /// Units withheld from standard and from sheddable requests.
     withheld: [u64; 2],
+    /// The critical reserve of a GCRA tier that keeps one (0: none, and no line).
+    reserve: u64,
 }
 
 impl Tier {
+    /// `(count, period, critical reserve)` of a GCRA tier that keeps a line.
+    fn lined(&self) -> Option<(u64, u64, u64)> {
+        match self.kind {
+            Kind::Gcra { count, period, .. } if self.reserve > 0 => {
+                Some((count, period, self.reserve))
+            }
+            _ => None,
+        }
+    }
+
+    /// The standard line: the burst less the critical reserve, in scaled units.
+    fn tau_std(&self) -> u128 {
+        match self.kind {
+            Kind::Gcra { period, burst, .. } => {
+                u128::from(burst - self.reserve) * u128::from(period)
+            }
+            _ => 0,
+        }
+    }
+
+    /// For a critical request of `cost` decided at `now` on a tier with a line: the earliest
+    /// instant the line lets it leave ahead of the schedule, and the schedule's end.
+    fn on_line(&self, s: &State, class: Priority, now: u64, cost: u64) -> Option<(u64, u64)> {
+        let (count, period, reserve) = self.lined()?;
+        if class != Priority::Critical || cost == 0 {
+            return None;
+        }
+        s.line.back(count, period, reserve, now, cost).map(|b| (b, s.line.until))
+    }
+
     fn capacity(&self, class: Priority) -> u64 {
         let withheld = match class {
             Priority::Critical => 0,
@@ -87,6 +121,86 @@ struct State {
     /// Penalty box: breaches counted, and the end of the block (0: none).
     breaches: Vec<u64>,
     until: u64,
+    /// A reserve tier's line.
+    line: Line,
+}
+
+/// The critical reserve kept out of the schedule (`Reserve`, "Shaping"): `until`, when the
+/// last request scheduled ahead leaves; `used`, the critical units admitted ahead of it (or
+/// past the standard line when it began), which come back `used` intervals after `used_until`
+/// (the schedule that saw them left). Instants in ns; TATs scaled by the count.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Line {
+    until: u64,
+    used_until: u64,
+    used: u64,
+}
+
+impl Line {
+    fn reset(&self, count: u64, period: u64) -> u128 {
+        u128::from(self.used_until) * u128::from(count) + u128::from(self.used) * u128::from(period)
+    }
+
+    fn used_at(&self, count: u64, period: u64, t: u64) -> u64 {
+        let gone = self.reset(count, period) <= u128::from(t) * u128::from(count);
+        if self.used == 0 || gone { 0 } else { self.used }
+    }
+
+    fn prune(&mut self, count: u64, period: u64, now: u64) {
+        if now >= self.until {
+            *self = Self::default();
+        } else if self.used_at(count, period, now) == 0 {
+            self.used = 0;
+        }
+    }
+
+    fn admits(&self, count: u64, period: u64, reserve: u64, t: u64, cost: u64) -> bool {
+        t < self.until && self.used_at(count, period, t) + cost <= reserve
+    }
+
+    /// The earliest instant `>= now` a critical request of `cost` decided then leaves on the
+    /// line, if any.
+    fn back(&self, count: u64, period: u64, reserve: u64, now: u64, cost: u64) -> Option<u64> {
+        if self.admits(count, period, reserve, now, cost) {
+            return Some(now);
+        }
+        let back = u64::try_from(self.reset(count, period).div_ceil(u128::from(count))).unwrap();
+        (self.used > 0 && cost <= reserve && back < self.until).then(|| back.max(now))
+    }
+
+    /// Units past the standard line `tau_std` a TAT of `tat` is at `now`, rounded up.
+    fn past(count: u64, period: u64, tau_std: u128, now: u64, tat: u128) -> u64 {
+        let s = tat.saturating_sub(u128::from(now) * u128::from(count) + tau_std);
+        u64::try_from(s.div_ceil(u128::from(period))).unwrap()
+    }
+
+    /// A lower-class request leaving at `at`, decided at `now` on a TAT of `tat` before its
+    /// charge.
+    fn lower(&mut self, count: u64, period: u64, tau_std: u128, now: u64, at: u64, tat: u128) {
+        if at <= now {
+            return;
+        }
+        if self.until == 0 {
+            self.used = Self::past(count, period, tau_std, now, tat);
+            self.used_until = now;
+        }
+        self.until = self.until.max(at);
+    }
+
+    /// Units charged now ahead of the schedule, outside the line's own admissions (`tat`
+    /// after the charge).
+    fn taken(&mut self, count: u64, period: u64, tau_std: u128, now: u64, cost: u64, tat: u128) {
+        if now >= self.until {
+            return;
+        }
+        let used = self.used_at(count, period, now);
+        let past = Self::past(count, period, tau_std, now, tat);
+        let new = (used + cost).min(used.max(past));
+        if new != used {
+            self.used = new;
+            self.used_until = self.until;
+        }
+    }
 }
 
 /// What the model says of one check.
@@ -166,7 +280,11 @@ impl Model {
                 let r = t.reserve().unwrap_or_default();
                 let withheld =
                     [r.withheld_from(Priority::Standard), r.withheld_from(Priority::Sheddable)];
-                Tier { kind, penalty, withheld }
+                let reserve = match kind {
+                    Kind::Gcra { .. } => r.critical_units(),
+                    _ => 0,
+                };
+                Tier { kind, penalty, withheld, reserve }
             })
             .collect();
         Self { tiers, keys: HashMap::new() }
@@ -207,8 +325,10 @@ impl Model {
             return (e, None);
         }
         // Each tier's own earliest instant from `now`, and whether a concurrency tier is full.
-        let own =
-            |states: &[State], i: usize| earliest(&tiers[i], &states[i], now, costs[i], class);
+        let own = |states: &[State], i: usize| {
+            let e = earliest(&tiers[i], &states[i], now, costs[i], class);
+            tiers[i].on_line(&states[i], class, now, costs[i]).map_or(e, |(b, _)| b.min(e))
+        };
         let full = |states: &[State], i: usize| match tiers[i].kind {
             Kind::Slots { max } => costs[i] > 0 && states[i].held + costs[i] > max,
             _ => false,
@@ -220,6 +340,26 @@ impl Model {
         // Past the budget, the retry is when the departure is within it; past a calendar
         // tier's lookahead, not before the current window ends.
         let mut retry = (departure - now > budget).then(|| departure - now - budget);
+        // A critical request refused may be admitted sooner on a line, decided then.
+        let lined = |i: usize| tiers[i].on_line(&states[i], class, now, costs[i]);
+        if let Some(r) = retry.filter(|_| (0..tiers.len()).any(|i| lined(i).is_some())) {
+            let mut t = now;
+            loop {
+                let next = (0..tiers.len())
+                    .map(|i| match lined(i) {
+                        Some((back, until)) if t.max(back) < until => t.max(back),
+                        _ => earliest(&tiers[i], &states[i], t, costs[i], class),
+                    })
+                    .fold(t, u64::max);
+                if next == t {
+                    break;
+                }
+                t = next;
+            }
+            if t > now {
+                retry = Some(r.min(t - now));
+            }
+        }
         if let Some(end) = beyond {
             retry = Some(retry.unwrap_or(0).max(end - now));
         }
@@ -250,8 +390,40 @@ impl Model {
             return refused(if any_full { None } else { retry }, false);
         }
         let at = departure;
+        // Whether the TAT alone (the whole burst) admits it at its departure, and the TAT
+        // before, of each tier keeping a line.
+        let before: Vec<(bool, u128)> = (0..tiers.len())
+            .map(|i| {
+                let full = earliest(&tiers[i], &states[i], at, costs[i], Priority::Critical);
+                (full <= at, states[i].tat)
+            })
+            .collect();
         for (i, t) in tiers.iter().enumerate() {
             charge(t, &mut states[i], at, costs[i]);
+        }
+        for (i, t) in tiers.iter().enumerate() {
+            let Some((count, period, reserve)) = t.lined() else { continue };
+            if costs[i] == 0 {
+                continue;
+            }
+            let (tau, (full, was), s) = (t.tau_std(), before[i], &mut states[i]);
+            if class != Priority::Critical {
+                s.line.lower(count, period, tau, now, at, was);
+                continue;
+            }
+            let line = &mut s.line;
+            if !full {
+                // Admitted on the line, ahead of the schedule.
+                line.used = line.used_at(count, period, at) + costs[i];
+                line.used_until = line.until;
+            } else if at > now {
+                // Waiting behind the schedule: no room ahead of it until it leaves.
+                line.until = line.until.max(at);
+                line.used = reserve;
+                line.used_until = line.until;
+            } else {
+                line.taken(count, period, tau, now, costs[i], s.tat);
+            }
         }
         let e = Expect { outcome: Outcome::Allowed, delay: at - now, retry: None, blocked: false };
         (e, Some(Charged { key, at, costs: costs.to_vec() }))
@@ -264,6 +436,8 @@ impl Model {
         let t = &tiers[i];
         let was = charged.costs[i];
         let states = self.states(charged.key);
+        // A settlement first forgets what no longer matters, as a check does.
+        prune(&tiers, states, now);
         let s = &mut states[i];
         match t.kind {
             Kind::Slots { .. } => return,
@@ -271,6 +445,11 @@ impl Model {
                 if cost > was {
                     let at = u128::from(charged.at.max(now)) * u128::from(count);
                     s.tat = s.tat.max(at) + u128::from(cost - was) * u128::from(period);
+                    // Charged now, ahead of any schedule: the line counts it.
+                    if t.lined().is_some() {
+                        let tat = s.tat;
+                        s.line.taken(count, period, t.tau_std(), now, cost - was, tat);
+                    }
                 } else {
                     s.tat = s.tat.saturating_sub(u128::from(was - cost) * u128::from(period));
                 }
@@ -347,6 +526,13 @@ fn prune(tiers: &[Tier], states: &mut [State], now: u64) {
             let k = now / len;
             s.windows.retain(|w, _| *w >= k);
         }
+        if let Some((count, period, _)) = t.lined() {
+            s.line.prune(count, period, now);
+            // A tier whose TAT is not after now schedules nothing ahead.
+            if s.tat <= u128::from(now) * u128::from(count) {
+                s.line = Line::default();
+            }
+        }
         if let Some((_, _, within)) = t.penalty {
             if s.until <= now {
                 s.until = 0;
@@ -396,7 +582,11 @@ fn depart(
     let mut t = now;
     loop {
         let next = (0..tiers.len())
-            .map(|i| earliest(&tiers[i], &states[i], t, costs[i], class))
+            .map(|i| match tiers[i].on_line(&states[i], class, now, costs[i]) {
+                // On the line, a critical request leaves at once or not at all.
+                Some((back, _)) if t == now && back == now => now,
+                _ => earliest(&tiers[i], &states[i], t, costs[i], class),
+            })
             .fold(t, u64::max);
         if next == t {
             break;
