@@ -812,15 +812,11 @@ impl Priority {
 /// - a reserve is kept, not lent: while no critical request comes, the lower classes leave
 ///   `r_c` units unused however much they ask. So over a span `s` in which the lower classes
 ///   saturate the tier, all classes together are admitted between `C + rate * s - r_c` and
-///   `C + rate * s` (the tier's limit); at three times the limit's rate for 30 s with
-///   `C` = 100 a second and `r_c` = 20, within 1 % of the limit, and no critical request
-///   (30 a second) refused, on both stores (the crate's tests hold this).
-/// - a settlement above the charge ([`Store::settle`](crate::store::Store::settle),
-///   `settle_tiers`) is a debt the key pays: it is charged whatever the request's class, into
-///   the critical reserve if it must, as those units were used and the tier's limit comes
-///   first. A critical request is then refused (with the exact `retry_after`) until the debt
-///   has drained by its cost, one emission interval per unit: the promise above is about what
-///   the lower classes are admitted, not what they report after.
+///   `C + rate * s` (the tier's limit), as the crate's tests hold on both stores.
+/// - a settlement above the charge ([`Store::settle`](crate::store::Store::settle)) is a debt
+///   the key pays, into the critical reserve if it must (the tier's limit comes first): a
+///   critical request is refused, with the exact `retry_after`, until the debt has drained by
+///   its cost. The promise above is about what lower classes are admitted, not what they report.
 ///
 /// **Shaping.** A shaped request that waits for its slot is charged when it is decided and
 /// leaves later, so requests of the lower classes booked ahead would hold the tier past their
