@@ -91,7 +91,7 @@ def kinds_case(tiers):
         for _ in range(ncal):
             body += bounds(int(time.time()))
         return [1, k, 1, 4 + len(body)] + body
-    return ("prelude.lua", "rate.lua", "kinds.lua"), d(*policy), record
+    return ("prelude.lua", "rate.lua", "line.lua", "boxes.lua", "cover.lua", "kinds.lua", "kinds_flat.lua", "kinds_general.lua"), d(*policy), record
 
 
 def gcra_case(tiers):

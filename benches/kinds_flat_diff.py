@@ -36,7 +36,7 @@ PORT = int(sys.argv[1]); SEED = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 SLACK = int(os.environ.get("SLACK", "20"))
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 L = os.path.join(ROOT, "src/store/redis/lua")
-SRC = "".join(open(os.path.join(L, f)).read() for f in ("prelude.lua", "rate.lua", "kinds.lua"))
+SRC = "".join(open(os.path.join(L, f)).read() for f in ("prelude.lua", "rate.lua", "line.lua", "boxes.lua", "cover.lua", "kinds.lua", "kinds_flat.lua", "kinds_general.lua"))
 if os.environ.get("COUNTFLAT"):
     SRC = SRC.replace("if flat_batch() then", "if flat_batch() then redis.call('INCR', '__flat')")
     SRC = SRC.replace("if zero or slow then return flat_decide(st, i) end",
@@ -44,7 +44,7 @@ if os.environ.get("COUNTFLAT"):
 OLD = os.environ.get("OLD")
 SRC_B = SRC
 if OLD:
-    SRC_B = "".join(open(os.path.join(OLD, f)).read() for f in ("prelude.lua", "rate.lua", "kinds.lua"))
+    SRC_B = "".join(open(os.path.join(OLD, f)).read() for f in ("prelude.lua", "rate.lua", "line.lua", "boxes.lua", "cover.lua", "kinds.lua", "kinds_flat.lua", "kinds_general.lua"))
 SKEW = float(os.environ.get("SKEW", "0"))
 TRUNC = float(os.environ.get("TRUNC", "0"))
 # PXLOG=1: every SET's key and PX logged (list __px), compared exactly, not within SLACK.

@@ -87,7 +87,7 @@ pub(crate) struct Item {
     pub(crate) family: Family,
     /// Whether its policy is plain. Plain policies and the others of a family run one script,
     /// but are sent in calls of their own: a call holding only policies of whole-unit GCRA
-    /// rate tiers (none of them plain: those run `gcra.lua`) takes `kinds.lua`'s flat path,
+    /// rate tiers (none of them plain: those run `gcra.lua`) takes the flat path (`kinds_flat.lua`),
     /// which one plain bucket's check in it would forgo.
     pub(crate) plain: bool,
     /// The Cluster slot of its keys (0 on a standalone server).

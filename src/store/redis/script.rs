@@ -90,7 +90,9 @@ static KINDS_RATE: LazyLock<Script> = LazyLock::new(|| {
         include_str!("lua/line.lua"),
         include_str!("lua/boxes.lua"),
         include_str!("lua/cover.lua"),
-        include_str!("lua/kinds.lua")
+        include_str!("lua/kinds.lua"),
+        include_str!("lua/kinds_flat.lua"),
+        include_str!("lua/kinds_general.lua")
     ))
 });
 static KINDS_WINDOW: LazyLock<Script> = LazyLock::new(|| {
@@ -100,7 +102,9 @@ static KINDS_WINDOW: LazyLock<Script> = LazyLock::new(|| {
         include_str!("lua/line.lua"),
         include_str!("lua/boxes.lua"),
         include_str!("lua/cover.lua"),
-        include_str!("lua/kinds.lua")
+        include_str!("lua/kinds.lua"),
+        include_str!("lua/kinds_flat.lua"),
+        include_str!("lua/kinds_general.lua")
     ))
 });
 static KINDS_LOG: LazyLock<Script> = LazyLock::new(|| {
@@ -110,7 +114,9 @@ static KINDS_LOG: LazyLock<Script> = LazyLock::new(|| {
         include_str!("lua/line.lua"),
         include_str!("lua/boxes.lua"),
         include_str!("lua/cover.lua"),
-        include_str!("lua/kinds.lua")
+        include_str!("lua/kinds.lua"),
+        include_str!("lua/kinds_flat.lua"),
+        include_str!("lua/kinds_general.lua")
     ))
 });
 
