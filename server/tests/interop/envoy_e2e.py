@@ -10,7 +10,6 @@ writes from the service's statuses. Stops everything it started.
 
 import http.server
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -20,6 +19,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+
+import harness
 
 CONFIG = """
 domain: e2e
@@ -88,18 +89,8 @@ static_resources:
         endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {grpc}}}}}}}}}]}}]
 """
 
-passed = 0
-failed = 0
-
-
-def check(name, got, want):
-    global passed, failed
-    if got == want:
-        passed += 1
-        print(f"ok {name}")
-    else:
-        failed += 1
-        print(f"FAILED {name}: got {got!r}, want {want!r}")
+TALLY = harness.Tally()
+check = TALLY.check
 
 
 def free_port():
@@ -139,16 +130,10 @@ def main():
         os.makedirs(os.path.join(tmp, "config"))
         with open(os.path.join(tmp, "config", "config.yaml"), "w") as f:
             f.write(CONFIG)
-        server = subprocess.Popen(
-            [binary, "--config", os.path.join(tmp, "config"), "--listen", "127.0.0.1:0", "--grace", "200ms"],
-            stdout=subprocess.PIPE,
-            text=True,
-            env={k: v for k, v in os.environ.items() if not k.startswith("REDIS")},
-        )
+        server, address = harness.start(binary, os.path.join(tmp, "config"))
         procs.append(server)
         try:
-            line = server.stdout.readline()
-            grpc_port = int(re.search(r"serving ShouldRateLimit on 127\.0\.0\.1:(\d+)", line).group(1))
+            grpc_port = int(address.rsplit(":", 1)[1])
             port, admin = free_port(), free_port()
             with open(os.path.join(tmp, "envoy.yaml"), "w") as f:
                 f.write(ENVOY.format(admin=admin, port=port, backend=backend.server_address[1], grpc=grpc_port))
@@ -178,8 +163,7 @@ def main():
             codes = [p.wait(timeout=30) for p in procs]
         check("tollgate-server stops on SIGTERM with status 0", codes[0], 0)
     backend.shutdown()
-    print(f"{passed} passed, {failed} failed")
-    sys.exit(1 if failed else 0)
+    TALLY.exit()
 
 
 def run(port):

@@ -8,9 +8,6 @@ Starts the server binary on a loopback port, checks exact counts, stops it with 
 """
 
 import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,6 +17,8 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf import wrappers_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import harness
 
 CONFIG = """
 domain: interop
@@ -38,18 +37,8 @@ descriptors:
 
 OK = rls_pb2.RateLimitResponse.OK
 OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
-passed = 0
-failed = 0
-
-
-def check(name, got, want):
-    global passed, failed
-    if got == want:
-        passed += 1
-        print(f"ok {name}")
-    else:
-        failed += 1
-        print(f"FAILED {name}: got {got!r}, want {want!r}")
+TALLY = harness.Tally()
+check = TALLY.check
 
 
 def descriptor(*entries, hits=None):
@@ -70,24 +59,13 @@ def main():
     with tempfile.TemporaryDirectory() as config:
         with open(os.path.join(config, "config.yaml"), "w") as f:
             f.write(CONFIG)
-        server = subprocess.Popen(
-            [binary, "--config", config, "--listen", "127.0.0.1:0", "--grace", "200ms"],
-            stdout=subprocess.PIPE,
-            text=True,
-            env={k: v for k, v in os.environ.items() if not k.startswith("REDIS")},
-        )
+        server, address = harness.start(binary, config)
         try:
-            line = server.stdout.readline()
-            match = re.search(r"serving ShouldRateLimit on (\S+)", line)
-            if not match:
-                raise SystemExit(f"the server did not say where it serves: {line!r}")
-            run(match.group(1))
+            run(address)
         finally:
-            server.send_signal(signal.SIGTERM)
-            code = server.wait(timeout=30)
+            code = harness.stop(server)
         check("the server stops on SIGTERM with status 0", code, 0)
-    print(f"{passed} passed, {failed} failed")
-    sys.exit(1 if failed else 0)
+    TALLY.exit()
 
 
 def run(address):
