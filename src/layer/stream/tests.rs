@@ -343,6 +343,21 @@ mod bytes {
         assert_eq!(store.checks(), 2);
     }
 
+    /// 1 MB/s of response bytes (a burst of 1 MB).
+    fn download_policy() -> Policy {
+        Policy::builder("download")
+            .tier("bytes", Quota::per_second(MB).counting(Unit::ResponseBytes))
+            .build()
+            .unwrap()
+    }
+
+    /// A handler answering 2 MB in 16 KiB frames.
+    async fn two_mb(
+        _req: Request<RequestBody<Full<Bytes>>>,
+    ) -> Result<Response<Frames>, Infallible> {
+        Ok(Response::new(Frames { left: 2 * MB as usize, frame: 16_384, sized: false }))
+    }
+
     fn grpc_layer(policy: Policy, store: &Counted) -> RateLimitLayer<GlobalKey, Counted> {
         RateLimitLayer::builder(policy)
             .key(GlobalKey)
@@ -377,17 +392,7 @@ mod bytes {
 
     #[tokio::test(start_paused = true)]
     async fn a_grpc_response_past_its_tier_ends_with_resource_exhausted_trailers() {
-        let store = Counted::new();
-        let policy = Policy::builder("download")
-            .tier("bytes", Quota::per_second(MB).counting(Unit::ResponseBytes))
-            .build()
-            .unwrap();
-        let svc = grpc_layer(policy, &store).layer(service_fn(
-            |_req: Request<RequestBody<Full<Bytes>>>| async {
-                let body = Frames { left: 2 * MB as usize, frame: 16_384, sized: false };
-                Ok::<_, Infallible>(Response::new(body))
-            },
-        ));
+        let svc = grpc_layer(download_policy(), &Counted::new()).layer(service_fn(two_mb));
         let res = svc.oneshot(grpc_call(Full::default())).await.unwrap();
         assert_eq!(res.status(), StatusCode::OK);
         let mut body = res.into_body();
@@ -408,17 +413,7 @@ mod bytes {
 
     #[tokio::test(start_paused = true)]
     async fn a_plain_http_response_under_policing_is_shaped() {
-        let store = Counted::new();
-        let policy = Policy::builder("download")
-            .tier("bytes", Quota::per_second(MB).counting(Unit::ResponseBytes))
-            .build()
-            .unwrap();
-        let svc = grpc_layer(policy, &store).layer(service_fn(
-            |_req: Request<RequestBody<Full<Bytes>>>| async {
-                let body = Frames { left: 2 * MB as usize, frame: 16_384, sized: false };
-                Ok::<_, Infallible>(Response::new(body))
-            },
-        ));
+        let svc = grpc_layer(download_policy(), &Counted::new()).layer(service_fn(two_mb));
         let start = Instant::now();
         let res = svc.oneshot(Request::new(Full::default())).await.unwrap();
         let read = res.into_body().collect().await.unwrap().to_bytes().len() as u64;
