@@ -1,5 +1,5 @@
 //! The engines that decide a limit: tollgate's [`Limiter`] over the memory store or Redis, and
-//! the reference's fixed windows on Redis ([`compat`](crate::compat)).
+//! the reference's fixed windows on Redis (the private `compat` module).
 //!
 //! A limit of envoyproxy/ratelimit's files is a fixed window of `requests_per_unit` per unit,
 //! aligned to the Unix epoch as the reference aligns it: a [`Limiter`] of one

@@ -15,6 +15,8 @@
 //! # Ok(()) }
 //! ```
 
+#![warn(missing_docs)]
+
 pub(crate) mod compat;
 pub mod config;
 pub mod engine;
