@@ -41,9 +41,9 @@ const MAX_POLL: Duration = Duration::from_millis(100);
 /// // Reserve while choosing; only the impression actually served is kept.
 /// let shown = limiter.reserve(&user, 1).await.unwrap();
 /// assert!(shown.decision().is_allowed());
-/// shown.commit();
+/// drop(shown); // kept
 /// let skipped = limiter.reserve(&user, 1).await.unwrap();
-/// skipped.cancel().await.unwrap();
+/// skipped.settle(0).await.unwrap(); // given back
 /// assert_eq!(limiter.check(&user, 0).await.unwrap().tiers()[0].remaining(), 2);
 /// # }
 /// ```
@@ -257,8 +257,8 @@ impl<St: Store> Limiter<St> {
     }
 
     /// Like [`check`](Self::check), but keeps the charge revocable: the returned
-    /// [`Reservation`] is committed with [`Reservation::commit`] (or by dropping it) and given
-    /// back with [`Reservation::cancel`].
+    /// [`Reservation`] keeps it when dropped and gives it back with
+    /// [`settle(0)`](Reservation::settle).
     ///
     /// # Errors
     /// [`StoreError`] when the store cannot decide.
@@ -446,9 +446,7 @@ impl<St: Store> Limiter<St> {
             tokio::time::sleep(Duration::from_nanos(fastrand::u64(0..=nanos))).await;
         }
         reservation.cancel_on_drop = false;
-        let decision = reservation.decision().clone();
-        reservation.commit();
-        Ok(decision)
+        Ok(reservation.decision().clone())
     }
 
     /// Decides at once when the store can.
@@ -514,7 +512,7 @@ impl<St: Store> Limiter<St> {
 
 /// A decided request whose charge can still be given back or settled at another cost, and
 /// which holds the concurrency slots it took until it is released. Made by
-/// [`Limiter::reserve`] and its variants; dropped uncommitted, it is committed (see
+/// [`Limiter::reserve`] and its variants; dropped, it keeps its charge (see
 /// [Dropping](#dropping)).
 ///
 /// ```
@@ -560,11 +558,13 @@ impl<St: Store> Limiter<St> {
 ///
 /// # Dropping
 ///
-/// Dropped without [`commit`](Self::commit) or [`cancel`](Self::cancel) it is committed,
-/// unless [`cancel_on_drop`](Self::cancel_on_drop) was set; then the charge is given back on
-/// a spawned task (so this needs a tokio runtime; without one the charge is kept). Either way
-/// its concurrency slots are released.
-#[must_use = "a reservation is committed when dropped; call cancel() to give it back"]
+/// A reservation ends in one of three ways: dropped, it keeps its charge and releases its
+/// slots (in memory at once, on Redis from a spawned task); [`release`](Self::release) does
+/// the same and waits for the store; [`settle`](Self::settle) changes the charge (0 gives it
+/// back) and releases. With [`cancel_on_drop`](Self::cancel_on_drop) set, dropping gives the
+/// charge back instead, on a spawned task (so this needs a tokio runtime; without one the
+/// charge is kept).
+#[must_use = "a reservation keeps its charge when dropped; settle(0) gives it back"]
 pub struct Reservation<St: Store = MemoryStore> {
     limiter: Limiter<St>,
     decision: Decision,
@@ -585,7 +585,7 @@ impl<St: Store> Reservation<St> {
         &self.decision
     }
 
-    /// Gives the charge back if this reservation is dropped uncommitted.
+    /// Gives the charge back if this reservation is dropped (rather than released or settled).
     pub fn cancel_on_drop(mut self) -> Self {
         self.cancel_on_drop = true;
         self
@@ -608,7 +608,13 @@ impl<St: Store> Reservation<St> {
 
     /// Keeps the charge, and releases the concurrency slots (in memory at once; on Redis from a
     /// spawned task, or when their time to live runs out without a runtime).
-    pub fn commit(mut self) {
+    #[deprecated(note = "drop the reservation (it keeps its charge), or await `release()`")]
+    pub fn commit(self) {
+        self.keep();
+    }
+
+    /// Keeps the charge and releases the slots, whatever `cancel_on_drop` says.
+    pub(crate) fn keep(mut self) {
         self.ticket = None;
     }
 
@@ -712,6 +718,7 @@ impl<St: Store> Reservation<St> {
     ///
     /// # Errors
     /// [`StoreError`] when the store cannot be reached.
+    #[deprecated(note = "use `settle(0)`, which is the same")]
     pub async fn cancel(self) -> Result<(), StoreError> {
         self.settle(0).await
     }

@@ -297,8 +297,8 @@ impl Charge {
     /// Keeps the charge.
     pub(crate) fn keep(self) {
         match self {
-            Self::Memory(r) => r.commit(),
-            Self::Redis(r) => r.commit(),
+            Self::Memory(r) => drop(r),
+            Self::Redis(r) => drop(r),
             Self::None | Self::Compat { .. } => {}
         }
     }
@@ -307,8 +307,8 @@ impl Charge {
     pub(crate) async fn give_back(self) {
         let result = match self {
             Self::None => Ok(()),
-            Self::Memory(r) => r.cancel().await,
-            Self::Redis(r) => r.cancel().await,
+            Self::Memory(r) => r.settle(0).await,
+            Self::Redis(r) => r.settle(0).await,
             Self::Compat { client, key, hits } => client.refund(&key, hits).await.map(drop),
         };
         if let Err(error) = result {

@@ -73,7 +73,7 @@ pub(super) async fn settle<K, St: Store>(
     let refund = config.refunds(head.status);
     let cost = if refund { Some(0) } else { settings.settle_cost.as_ref().and_then(|f| f(head)) };
     let Some(cost) = cost else {
-        reservation.commit();
+        reservation.keep();
         return false;
     };
     if let Err(error) = reservation.settle(cost).await {

@@ -204,7 +204,7 @@ async fn a_request_that_fits_the_request_tier_but_not_the_byte_tier_charges_neit
         (r.decision().tiers()[0].remaining(), r.decision().tiers()[1].remaining()),
         (4, 100_000)
     );
-    r.commit();
+    drop(r);
     let refused = check(200_000).await;
     let d = refused.decision();
     assert_eq!(d.outcome(), Outcome::Limited);
@@ -249,7 +249,7 @@ async fn response_bytes_and_tokens_are_settled_tier_by_tier() {
     assert_eq!(d.outcome(), Outcome::Limited);
     assert_eq!(d.violated_names(&policy).collect::<Vec<_>>(), ["out"]);
     // Cancelling gives every tier back.
-    r.cancel().await.unwrap();
+    r.settle(0).await.unwrap();
     let d = limiter.check(&key, 0).await.unwrap();
     assert_eq!(remaining(d)[0], 99);
 }
@@ -320,17 +320,17 @@ async fn shaping_reserves_in_the_next_window_but_no_further_than_eight_windows()
     let key = Key::Global;
     let r = limiter.reserve_within(&key, 2, Duration::from_secs(60)).await.unwrap();
     assert_eq!(r.decision().delay(), Duration::ZERO);
-    r.commit();
+    drop(r);
     // The next minute starts in 15 s.
     let r = limiter.reserve_within(&key, 2, Duration::from_secs(60)).await.unwrap();
     assert_eq!(r.decision().delay(), Duration::from_secs(15));
-    r.commit();
+    drop(r);
     // Six more minutes fill the lookahead; the ninth window is beyond it: refused, to try again
     // when the current window ends (and the lookahead moves on).
     for minute in 1..7u64 {
         let r = limiter.reserve_within(&key, 2, Duration::from_secs(3600)).await.unwrap();
         assert_eq!(r.decision().delay(), Duration::from_secs(15 + 60 * minute));
-        r.commit();
+        drop(r);
     }
     let r = limiter.reserve_within(&key, 2, Duration::from_secs(3600)).await.unwrap();
     assert_eq!(r.decision().outcome(), Outcome::Limited);
@@ -371,7 +371,7 @@ async fn shaping_never_fills_a_calendar_minute_past_its_limit() {
             *per_minute.entry((start / 1_000_000_000 + delay) / 60 % 60).or_default() += 1;
         }
         got.push(shaped(r.decision()));
-        r.commit();
+        drop(r);
     }
     let refused = Err(Some(2));
     assert_eq!(got, [Ok(0), Ok(1), Ok(2), Ok(3), Ok(4), Ok(62), Ok(63), Ok(64), refused, refused]);
@@ -401,7 +401,7 @@ async fn a_departure_past_the_calendar_lookahead_is_refused() {
     let hour = Duration::from_secs(3600);
     let r = limiter.reserve_within(&Key::Global, 1, hour).await.unwrap();
     assert_eq!(shaped(r.decision()), Ok(0));
-    r.commit();
+    drop(r);
     // The next may leave ten minutes on, in the eleventh window.
     let d = limiter.reserve_within(&Key::Global, 1, hour).await.unwrap();
     assert_eq!(shaped(d.decision()), Err(Some(30)));

@@ -196,8 +196,8 @@ async fn shaping_never_fills_a_calendar_minute_past_its_limit_on_redis() {
         } else {
             refused.push(d.retry_after());
         }
-        m.commit();
-        r.commit();
+        drop(m);
+        drop(r);
     }
     assert_eq!(per_minute.into_iter().collect::<Vec<_>>(), [(0, 2), (1, 3), (2, 3)]);
     assert_eq!(refused, [Some(Duration::from_secs(2)); 2]);

@@ -364,7 +364,7 @@ async fn a_stale_ticket_cannot_cancel_a_later_entry() {
     let state = limiter.bound().state_key(&Key::Global);
     assert_eq!(redis::cmd("EXISTS").arg(&state).query::<i64>(&mut conn).unwrap(), 0);
     assert!(limiter.check(&Key::Global, 1).await.unwrap().is_allowed());
-    stale.cancel().await.unwrap();
+    stale.settle(0).await.unwrap();
     let d = limiter.check(&Key::Global, 1).await.unwrap();
     assert!(!d.is_allowed(), "the later entry still counts");
 }
