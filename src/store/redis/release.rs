@@ -37,7 +37,13 @@ impl Slots {
                 tries += 1;
                 let new: Vec<u64> = charges.iter().map(|c| c.cost).collect();
                 let store = &self.store;
-                let record = self.prepared.settle_kinds(&charges, &new, true, store.app_now());
+                let record = self.prepared.settle(
+                    &charges,
+                    |i| charges[i].cost,
+                    |i| new[i],
+                    true,
+                    store.app_now(),
+                );
                 let keys = self.prepared.keys(state_key.clone());
                 match store.submit(&self.prepared, keys, record, 0).await {
                     Ok(_) => {

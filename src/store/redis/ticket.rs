@@ -92,7 +92,8 @@ pub(super) async fn settle_remote(
     new: &[u64],
     release: bool,
 ) -> Result<(), StoreError> {
-    let record = prepared.settle_kinds(charges, new, release, inner.app_now());
+    let record =
+        prepared.settle(charges, |i| charges[i].cost, |i| new[i], release, inner.app_now());
     let keys = prepared.keys(state_key);
     let (_, at) = inner.submit(prepared, keys, record, 0).await?;
     if release {

@@ -190,8 +190,8 @@ impl Prepared {
         self.kinds.as_ref().is_some_and(|k| !k.calendars.is_empty())
     }
 
-    /// `record` (a check or settlement of [`check_kinds`](Self::check_kinds) or
-    /// [`settle_kinds`](Self::settle_kinds)) with its calendar bounds made again at `now`, to
+    /// `record` (a check or settlement of [`check`](Self::check) or
+    /// [`settle`](Self::settle)) with its calendar bounds made again at `now`, to
     /// reach `need` (nanoseconds: a key's instant a script asked for) and any later record's;
     /// `None` for another record.
     pub(crate) fn rebound(&self, record: &[f64], now: u64, need: u64) -> Option<Vec<f64>> {
@@ -219,10 +219,13 @@ impl Prepared {
         Some(out)
     }
 
-    /// A check of a policy of several kinds: `costs` per tier (resolved), `max_delay` as for
-    /// [`check`](Self::check), the lease id of its slots, the request's class, and `now` (this
-    /// process's clock, for the calendar bounds).
-    pub(crate) fn check_kinds(
+    /// A check: `costs` per tier (resolved: a plain policy's are all the check's cost),
+    /// `max_delay` `None` polices and `Some` shapes (clamped to the longest span), the lease
+    /// id of its slots (0 for none), the request's class, and `now` (this process's clock, for
+    /// the calendar bounds). The key and policy indices (the second and third numbers) are set
+    /// when the batch is assembled. `gcra.lua` reads `op, key, policy, cost, budget`; the
+    /// other scripts `op, key, policy, length, budget, lease, costs.., class, bounds..`.
+    pub(crate) fn check(
         &self,
         costs: &[u64],
         max_delay: Option<Duration>,
@@ -232,7 +235,11 @@ impl Prepared {
     ) -> Vec<f64> {
         let budget =
             max_delay.map_or(-1.0, |d| f((duration_to_nanos(d) / self.unit).min(MAX_SPAN_UNITS)));
-        let mut record = vec![1.0, 0.0, 0.0, 0.0, budget, f(lease)];
+        if self.family == Family::Gcra {
+            return vec![1.0, 0.0, 0.0, f(costs.first().copied().unwrap_or(0)), budget];
+        }
+        let mut record = Vec::with_capacity(7 + self.ntiers);
+        record.extend([1.0, 0.0, 0.0, 0.0, budget, f(lease)]);
         record.extend(costs.iter().map(|c| f(*c)));
         record.push(f(class.index()));
         self.bounds(&mut record, now, if max_delay.is_some() { LOOKAHEAD } else { 1 });
@@ -240,20 +247,31 @@ impl Prepared {
         record
     }
 
-    /// A settlement of a policy of several kinds: per tier the charge and the cost it is
-    /// settled at (`new`), the slots given back with `release`; `now` as for
-    /// [`check_kinds`](Self::check_kinds).
-    pub(crate) fn settle_kinds(
+    /// A settlement: per tier its charge (instant and entry id in `charges`), settled from
+    /// `old(i)` units to `new(i)`, the slots given back with `release`; `now` as for
+    /// [`check`](Self::check). `gcra.lua` reads per tier the same five numbers after op, key
+    /// and policy; the other scripts also a length and `release` before them, and the
+    /// calendar tiers' bounds and windows after.
+    pub(crate) fn settle(
         &self,
         charges: &Charges,
-        new: &[u64],
+        old: impl Fn(usize) -> u64,
+        new: impl Fn(usize) -> u64,
         release: bool,
         now: u64,
     ) -> Vec<f64> {
         let per_sec = NANOS_PER_SEC / self.unit;
-        let mut record = vec![2.0, 0.0, 0.0, 0.0, f(u64::from(release))];
-        for (c, new) in charges.iter().zip(new) {
-            record.extend([f(c.cost), f(*new), f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
+        let mut record = Vec::with_capacity(5 + 5 * self.ntiers);
+        if self.family == Family::Gcra {
+            record.extend([2.0, 0.0, 0.0]);
+        } else {
+            record.extend([2.0, 0.0, 0.0, 0.0, f(u64::from(release))]);
+        }
+        for (i, c) in charges.iter().enumerate() {
+            record.extend([f(old(i)), f(new(i)), f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
+        }
+        if self.family == Family::Gcra {
+            return record;
         }
         // The whole lookahead: a charge grown after a step back of the server's clock goes to
         // the window holding the key's later now, which may lie in it.
@@ -286,48 +304,6 @@ impl Prepared {
     /// The numbers a refresh adds to the reply: one per concurrency tier.
     pub(crate) fn refresh_reply_len(&self) -> usize {
         self.kinds.as_ref().map_or(0, |k| k.conc)
-    }
-
-    /// A check of `cost` units on every tier of a plain policy; `max_delay` `None` polices,
-    /// `Some` shapes (clamped to the longest span). The key and policy indices (the second and
-    /// third numbers) are set when the batch is assembled. `gcra.lua` reads `op, key, policy,
-    /// cost, budget`; `kinds.lua` a check of [`check_kinds`](Self::check_kinds)'s layout (no
-    /// slots, the standard class, no calendar bounds).
-    pub(crate) fn check(&self, cost: u64, max_delay: Option<Duration>) -> Vec<f64> {
-        let budget =
-            max_delay.map_or(-1.0, |d| f((duration_to_nanos(d) / self.unit).min(MAX_SPAN_UNITS)));
-        if self.family == Family::Gcra {
-            return vec![1.0, 0.0, 0.0, f(cost), budget];
-        }
-        let mut record = Vec::with_capacity(7 + self.ntiers);
-        record.extend([1.0, 0.0, 0.0, f(7 + self.ntiers as u64), budget, 0.0]);
-        record.extend(std::iter::repeat_n(f(cost), self.ntiers));
-        record.push(f(Priority::Standard.index()));
-        record
-    }
-
-    /// Settles a plain policy's charges (`charges` per tier, instants in units): tier `i` from
-    /// `old(i)` units to `new(i)` (a plain policy is the same-cost case of the general one, and
-    /// settles its tiers alike: [`Store::settle_tiers`](crate::store::Store::settle_tiers)).
-    /// For `kinds.lua` a settlement of [`settle_kinds`](Self::settle_kinds)'s layout giving no
-    /// slots back; for `gcra.lua` the same per tier, after op, key and policy.
-    pub(crate) fn settle(
-        &self,
-        charges: &Charges,
-        old: impl Fn(usize) -> u64,
-        new: impl Fn(usize) -> u64,
-    ) -> Vec<f64> {
-        let per_sec = NANOS_PER_SEC / self.unit;
-        let mut record = Vec::with_capacity(5 + 5 * self.ntiers);
-        if self.family == Family::Gcra {
-            record.extend([2.0, 0.0, 0.0]);
-        } else {
-            record.extend([2.0, 0.0, 0.0, f(5 + 5 * self.ntiers as u64), 0.0]);
-        }
-        for (i, c) in charges.iter().enumerate() {
-            record.extend([f(old(i)), f(new(i)), f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
-        }
-        record
     }
 
     /// A lease: at least `cost` units and at most `block` (Redis grants at most a quarter of
