@@ -21,7 +21,7 @@ use super::serve::settled_by_head;
 use super::service::{Carry, Metered};
 use super::stream::{Gate, Grants, Signal, Stopped, StreamMode, Tally};
 use super::{Config, OnStoreError};
-use crate::headers::Prepared;
+use crate::headers::PreparedHeaders;
 use crate::key::{Key, KeyExtractor};
 use crate::limiter::{Held, Reservation};
 use crate::quota::Unit;
@@ -37,7 +37,7 @@ pub(super) async fn serve_metered<S, K, St, ReqB, ResB>(
     mut req: Request<RequestBody<ReqB>>,
     (key, demand): (Key, Demand),
     reservation: Reservation<St>,
-    headers: Prepared,
+    headers: PreparedHeaders,
 ) -> Result<Response<ResponseBody<ResB>>, S::Error>
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + 'static,

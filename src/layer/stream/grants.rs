@@ -223,7 +223,7 @@ impl<St: Store> Grants<St> {
                 // tier has left is asked for, when that lets a unit through (once per
                 // refusal).
                 _ if self.police => {
-                    let paid = self.close_lease();
+                    let paid = self.close_grant();
                     match self.smaller(size, &verdict.decision, paid) {
                         Some(smaller) => match self.ask(smaller) {
                             Some(answer) => self.answered(smaller, answer),
@@ -264,7 +264,7 @@ impl<St: Store> Grants<St> {
     /// Ends the current grant at what the stream used of it, its debt included (charged
     /// whatever the tiers say: it passed): the unused part is given back, the debt paid.
     /// Returns the debt.
-    fn close_lease(&mut self) -> u64 {
+    fn close_grant(&mut self) -> u64 {
         let debt = std::mem::take(&mut self.owed);
         let used = (self.granted - self.left).saturating_add(debt);
         let granted = std::mem::take(&mut self.granted);
@@ -354,6 +354,6 @@ impl<St: Store> Drop for Grants<St> {
     /// was dropped while waiting for its reserved instant), or charges what it let through
     /// past it.
     fn drop(&mut self) {
-        self.close_lease();
+        self.close_grant();
     }
 }

@@ -222,7 +222,7 @@ mod bytes {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn shaping_paces_concurrent_uploads_one_lease_per_store_call() {
+    async fn shaping_paces_concurrent_uploads_one_grant_per_store_call() {
         let start = Instant::now();
         let (statuses, log, store) = ten_uploads(StreamMode::Shape, 4_096).await;
         let elapsed = start.elapsed();
@@ -241,7 +241,7 @@ mod bytes {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn policing_stops_uploads_past_the_burst_and_gives_the_unused_leases_back() {
+    async fn policing_stops_uploads_past_the_burst_and_gives_the_unused_grants_back() {
         let (statuses, log, store) = ten_uploads(StreamMode::Police, 4_096).await;
         // The streams take turns: each is refused mid-way, none having its 1 MB from a 1 MB
         // burst, and the layer answers in its handler's place.
@@ -263,7 +263,7 @@ mod bytes {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn frames_larger_than_a_lease_are_owed_and_paid_before_the_next_read() {
+    async fn frames_larger_than_a_grant_are_owed_and_paid_before_the_next_read() {
         // Frames of 100,000 bytes: each overshoots a 64 KiB grant; the debt is paid from the
         // next grants before the next frame is read, so the bound holds with one frame per
         // stream.
@@ -273,7 +273,7 @@ mod bytes {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_shaped_download_is_cut_to_its_leases_and_paced() {
+    async fn a_shaped_download_is_cut_to_its_grants_and_paced() {
         let store = Counted::new();
         let policy = Policy::builder("download")
             .tier(
@@ -451,7 +451,7 @@ mod bytes {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_stream_dropped_while_its_lease_is_reserved_ahead_gives_it_back() {
+    async fn a_stream_dropped_while_its_grant_is_reserved_ahead_gives_it_back() {
         let store = Counted::new();
         let policy = Policy::builder("upload")
             .tier(
@@ -601,7 +601,7 @@ mod messages {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn policing_an_upload_stops_it_at_the_budget_with_one_store_call_per_lease() {
+    async fn policing_an_upload_stops_it_at_the_budget_with_one_store_call_per_grant() {
         // Five messages to a frame: a frame is read only while the tier has room for its
         // first message, so exactly the budget (20 frames) is read.
         let (read, status, checks) = police_upload(5).await;

@@ -50,21 +50,21 @@ impl RedisStore {
             (0..tiers.len()).map(|i| policy.tier_cost(i, check.cost, check.costs)).collect();
         let takes_slots =
             tiers.iter().zip(&costs).any(|(t, c)| matches!(t.kind, Kind::Concurrency(_)) && *c > 0);
-        // A lease id unique enough among the slots of one key (52 random bits: exact as a
+        // A holder id unique enough among the slots of one key (52 random bits: exact as a
         // double in the script).
-        let lease = if takes_slots { fastrand::u64(1..1 << 52) } else { 0 };
+        let holder = if takes_slots { fastrand::u64(1..1 << 52) } else { 0 };
         let state_key = bound.state_key(check.key);
         // A ticket when the request takes slots, or wants one and costs something.
         let wanted = takes_slots || (check.ticket && costs.iter().any(|c| *c > 0));
         let ticket_key = wanted.then(|| state_key.clone());
         let keys = prepared.keys(state_key);
         let record =
-            prepared.check(&costs, check.max_delay, lease, check.priority, inner.app_now());
+            prepared.check(&costs, check.max_delay, holder, check.priority, inner.app_now());
         let epoch = bound.refusal_epoch(check.key);
         let sent = inner.settings.clock.is_none().then(Instant::now);
         let answered = inner.submit(prepared, keys, record, prepared.check_reply_len()).await;
         let decided = answered.and_then(|(reply, at)| {
-            script::decode_costs(policy, &|i| costs[i], lease, check.priority, at, &reply)
+            script::decode_costs(policy, &|i| costs[i], holder, check.priority, at, &reply)
                 .map(|d| (d, at))
         });
         let ((mut decision, charges), at) = match decided {
@@ -76,8 +76,8 @@ impl RedisStore {
             slots::fill(policy, &bound.holds, &mut decision);
         }
         let ticket = charges.zip(ticket_key).map(|(charges, state_key)| {
-            let slots = takes_slots.then(|| Slots {
-                id: lease,
+            let slots = takes_slots.then(|| HeldSlots {
+                id: holder,
                 store: Arc::clone(&self.inner),
                 prepared: Arc::clone(prepared),
                 policy: policy.clone(),
@@ -87,7 +87,7 @@ impl RedisStore {
                 state_key,
                 refusal: bound.refusal_hash(check.key),
                 charges,
-                lease: slots,
+                slots,
             })))
         });
         Ok(Verdict { decision, ticket })

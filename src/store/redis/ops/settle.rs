@@ -19,7 +19,7 @@ impl RedisStore {
             }
             Charged::Remote(mut remote) => {
                 let _forgetting = bound.forgetting(inner, remote.refusal);
-                let lease = remote.lease.take();
+                let slots = remote.slots.take();
                 // Each tier from what it was charged (single tiers may have been settled).
                 let new: SmallVec<[u64; 4]> = bound
                     .policy
@@ -32,11 +32,11 @@ impl RedisStore {
                     })
                     .collect();
                 let changed = remote.charges.iter().zip(&new).any(|(c, n)| c.cost != *n);
-                if !changed && lease.is_none() {
+                if !changed && slots.is_none() {
                     return Ok(());
                 }
                 let state_key = std::mem::take(&mut remote.state_key);
-                let kept = lease.as_ref().map(|_| state_key.clone());
+                let kept = slots.as_ref().map(|_| state_key.clone());
                 let settled = settle_remote(
                     inner,
                     &bound.prepared,
@@ -45,13 +45,13 @@ impl RedisStore {
                     state_key,
                     &remote.charges,
                     &new,
-                    lease.is_some(),
+                    slots.is_some(),
                 )
                 .await;
                 // The slots, at least, are released later (see `release`); the units'
                 // settlement is not sent twice.
-                if let (Err(_), Some(lease), Some(state_key)) = (&settled, lease, kept) {
-                    lease.release_later(state_key, remote.charges.clone());
+                if let (Err(_), Some(slots), Some(state_key)) = (&settled, slots, kept) {
+                    slots.release_later(state_key, remote.charges.clone());
                 }
                 settled
             }

@@ -55,7 +55,7 @@ pub(crate) struct Prepared {
     pub(super) ntiers: usize,
     /// Nanoseconds per unit.
     pub(crate) unit: u64,
-    /// For a policy that is not plain: the lease sets after the log sets (one per concurrency
+    /// For a policy that is not plain: the slot sets after the log sets (one per concurrency
     /// tier), then the penalty boxes, and the calendar tiers, whose window bounds each record
     /// carries.
     pub(super) kinds: Option<Kinds>,
@@ -66,7 +66,7 @@ pub(crate) struct Prepared {
 pub(super) struct Kinds {
     /// Concurrency tiers.
     pub(super) conc: usize,
-    /// The names of the lease sets and penalty boxes after a key's name: `:c:{tier}` per
+    /// The names of the slot sets and penalty boxes after a key's name: `:c:{tier}` per
     /// concurrency tier, then `:p:{tier}` per tier with a box (see [`Prepared::keys`]).
     pub(super) named: Vec<String>,
     /// The calendar tiers' windows, in tier order.
@@ -111,7 +111,7 @@ impl Prepared {
                     Kind::Concurrency(s) => {
                         kinds.conc += 1;
                         kinds.named.push(format!(":c:{}", escape(t.name())));
-                        args.extend([1.0, f(s.max), f(s.lease_ms), 0.0]);
+                        args.extend([1.0, f(s.max), f(s.ttl_ms), 0.0]);
                     }
                     Kind::Calendar(spec) => {
                         kinds.calendars.push(Arc::clone(spec));
@@ -150,7 +150,7 @@ impl Prepared {
     }
 
     /// The keys of a check on `state_key`: it, then the sliding-log sets (`{state_key}:z1`,
-    /// ...), then the lease sets and the penalty boxes. Those two hold state a reload keeps
+    /// ...), then the slot sets and the penalty boxes. Those two hold state a reload keeps
     /// (see `MemoryStore::rebind_policy`): they are named by the policy, the key and the tier
     /// (`{prefix}{{policy}|{key}}:c:{tier}`, `...:p:{tier}`), not by the policy's fingerprint,
     /// so every definition of a policy of that name finds them.
@@ -220,16 +220,16 @@ impl Prepared {
     }
 
     /// A check: `costs` per tier (resolved: a plain policy's are all the check's cost),
-    /// `max_delay` `None` polices and `Some` shapes (clamped to the longest span), the lease
+    /// `max_delay` `None` polices and `Some` shapes (clamped to the longest span), the holder
     /// id of its slots (0 for none), the request's class, and `now` (this process's clock, for
     /// the calendar bounds). The key and policy indices (the second and third numbers) are set
     /// when the batch is assembled. `gcra.lua` reads `op, key, policy, cost, budget`; the
-    /// other scripts `op, key, policy, length, budget, lease, costs.., class, bounds..`.
+    /// other scripts `op, key, policy, length, budget, holder, costs.., class, bounds..`.
     pub(crate) fn check(
         &self,
         costs: &[u64],
         max_delay: Option<Duration>,
-        lease: u64,
+        holder: u64,
         class: Priority,
         now: u64,
     ) -> Vec<f64> {
@@ -239,7 +239,7 @@ impl Prepared {
             return vec![1.0, 0.0, 0.0, f(costs.first().copied().unwrap_or(0)), budget];
         }
         let mut record = Vec::with_capacity(7 + self.ntiers);
-        record.extend([1.0, 0.0, 0.0, 0.0, budget, f(lease)]);
+        record.extend([1.0, 0.0, 0.0, 0.0, budget, f(holder)]);
         record.extend(costs.iter().map(|c| f(*c)));
         record.push(f(class.index()));
         self.bounds(&mut record, now, if max_delay.is_some() { LOOKAHEAD } else { 1 });
@@ -291,11 +291,11 @@ impl Prepared {
         record
     }
 
-    /// A refresh of the leases `lease` holds: the slots of each concurrency tier, from the
+    /// A refresh of the slots `holder` holds: those of each concurrency tier, from the
     /// charges.
-    pub(crate) fn refresh(&self, charges: &Charges, lease: u64) -> Vec<f64> {
+    pub(crate) fn refresh(&self, charges: &Charges, holder: u64) -> Vec<f64> {
         let tags = self.kinds.as_ref().map_or(&[][..], |k| &k.tags[..]);
-        let mut record = vec![4.0, 0.0, 0.0, 0.0, f(lease)];
+        let mut record = vec![4.0, 0.0, 0.0, 0.0, f(holder)];
         record.extend(tags.iter().zip(charges).filter(|(t, _)| **t == 1).map(|(_, c)| f(c.cost)));
         record[3] = f(record.len() as u64);
         record
