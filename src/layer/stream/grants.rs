@@ -72,6 +72,9 @@ pub(crate) struct Grants<St: Store> {
     grant_credit: u64,
     /// The admission's units a grant counted: they stay charged when the stream ends.
     credit_kept: u64,
+    /// Shaping, a grant with room ahead is asked for only if it fits now: when it does not,
+    /// the grant of what the stream needs (this) is asked for next, shaped.
+    fallback: Option<u64>,
     state: State<St::Ticket>,
 }
 
@@ -128,6 +131,7 @@ impl<St: Store> Grants<St> {
             asking_credit: 0,
             grant_credit: 0,
             credit_kept: 0,
+            fallback: None,
             state: State::Idle,
         }
     }
@@ -148,32 +152,35 @@ impl<St: Store> Grants<St> {
         self
     }
 
-    /// The size of the next grant: what the stream owes and has in hand (`want`); and, once
-    /// it used a quarter of the largest grant, and but under a penalty box, room ahead as
-    /// large as what it used so far (grants grow by doubling), policing at most a 64th of
-    /// what the tiers had left. Never more than the body has
-    /// left (`remaining`, when known), than the tiers had left at the last decision when that
-    /// covers the need, nor than the largest grant. A short body is so charged what it sends,
-    /// and holds nothing that other streams of the key could use.
-    fn next_size(&self, remaining: Option<u64>, want: u64) -> u64 {
-        let need = self.owed.saturating_add(want).clamp(1, self.largest);
-        // Policing, room ahead only with plenty left (a 64th of what the tiers had left at
-        // the last decision): near the limit a stream asks for what it needs, so that what
-        // other streams of the key hold unused never refuses bodies that fit together.
-        // Shaping, what others hold ahead only delays a stream, by what they hold at the rate.
-        let ahead = match (self.penalized || self.used < self.largest / 4, self.police) {
+    /// The size of the next grant, and what the stream needs of it: what it owes and has in
+    /// hand (`want`); and, once it used a quarter of the largest grant, but under a penalty
+    /// box, room ahead as large as what it used so far (grants grow by doubling), at most a
+    /// 64th of what the tiers had left (near the limit a stream asks for what it needs, so
+    /// that what other streams of the key hold unused never stops bodies that fit together;
+    /// shaping a stream past what the tiers have, all of it: the grant sets its pace).
+    /// Never more than the body has left (`remaining`, when known), than the tiers had left at
+    /// the last decision when that covers the need, nor than the largest grant; shaping, what
+    /// the tiers had left when that is less than the need (a response's frame is cut to it).
+    fn next_size(&self, remaining: Option<u64>, want: u64) -> (u64, u64) {
+        let ahead = match (self.penalized || self.used < self.largest / 4, self.known_left) {
             (true, _) => 0,
-            (false, true) => self.used.min(self.known_left.unwrap_or(0) / AHEAD_SHARE),
-            (false, false) => self.used,
+            // Shaping past what the tiers have now: the grant is reserved ahead in time, and
+            // its size is the stream's pace (one store call per grant, not per frame).
+            (false, Some(0)) if !self.police => self.used,
+            (false, left) => self.used.min(left.unwrap_or(0) / AHEAD_SHARE),
         };
+        let mut need = self.owed.saturating_add(want).clamp(1, self.largest);
         let mut size = self.owed.saturating_add(want.max(ahead)).clamp(1, self.largest);
         if let Some(left) = remaining {
-            size = size.min(self.owed.saturating_add(left).max(1));
+            let body = self.owed.saturating_add(left).max(1);
+            (size, need) = (size.min(body), need.min(body));
         }
-        if let Some(left) = self.known_left.filter(|&left| left >= need) {
-            size = size.min(left);
+        match self.known_left {
+            Some(left) if left >= need => size = size.min(left),
+            Some(left) if !self.police && left > 0 => (size, need) = (left, left),
+            _ => {}
         }
-        size.clamp(1, self.largest)
+        (size, need)
     }
 
     /// Notes what the tiers have left after `decision`.
@@ -183,28 +190,34 @@ impl<St: Store> Grants<St> {
             self.tiers.iter().filter_map(|&i| tiers.get(i)).map(|t| t.remaining()).min();
     }
 
+    /// Asks the store for a grant of `size` bytes, or, shaping, when it holds room ahead of
+    /// what the stream needs (`need`), for one that fits now (then `need`, shaped): the answer
+    /// if it came at once.
+    fn ask_for(&mut self, size: u64, need: u64) -> Option<Result<Verdict<St::Ticket>, StoreError>> {
+        let room_now = self.known_left != Some(0);
+        self.fallback = (!self.police && room_now && size > need).then_some(need);
+        self.ask(size)
+    }
+
     /// Asks the store for a grant of `size` bytes: the answer if it came at once.
     fn ask(&mut self, size: u64) -> Option<Result<Verdict<St::Ticket>, StoreError>> {
         self.asking_credit = if size > self.credit { self.credit } else { 0 };
         for &i in &self.tiers {
             self.costs[i] = size - self.asking_credit;
         }
+        // Policed: the grant of a policing stream, or one with room ahead that must fit now.
+        let police = self.police || self.fallback.is_some();
         let mut check =
             Check::new(&self.key, 1).with_costs(&self.costs).with_priority(self.priority);
         check.ticket = true;
-        if !self.police {
+        if !police {
             check.max_delay = Some(SHAPE_AHEAD);
         }
         if let Some(answer) = self.limiter.check_sync(check) {
             return Some(answer);
         }
-        let (limiter, key, priority, police, costs) = (
-            self.limiter.clone(),
-            self.key.clone(),
-            self.priority,
-            self.police,
-            self.costs.clone(),
-        );
+        let (limiter, key, priority, costs) =
+            (self.limiter.clone(), self.key.clone(), self.priority, self.costs.clone());
         self.state = State::Asking(
             Box::pin(async move {
                 let mut check = Check::new(&key, 1).with_costs(&costs).with_priority(priority);
@@ -228,6 +241,7 @@ impl<St: Store> Grants<St> {
         if let Ok(verdict) = &answer {
             self.note(&verdict.decision);
         }
+        let fallback = self.fallback.take();
         match answer {
             Ok(verdict) if verdict.decision.is_allowed() => {
                 let delay = verdict.decision.delay();
@@ -241,6 +255,14 @@ impl<St: Store> Grants<St> {
                     self.state = State::Sleeping(Box::pin(tokio::time::sleep(delay)));
                 }
                 Ok(())
+            }
+            // Room ahead that does not fit now: what the stream needs, shaped.
+            Ok(_) if fallback.is_some() => {
+                let need = fallback.unwrap_or(size);
+                match self.ask(need) {
+                    Some(answer) => self.answered(need, answer),
+                    None => Ok(()),
+                }
             }
             Ok(verdict) => match verdict.decision.retry_after() {
                 // Policing: what the stream let through is charged whatever the tiers say
@@ -355,8 +377,8 @@ impl<St: Store> Gate for Grants<St> {
                     if self.owed == 0 && self.left > 0 {
                         return Poll::Ready(Ok(self.left));
                     }
-                    let size = self.next_size(remaining, want);
-                    if let Some(answer) = self.ask(size) {
+                    let (size, need) = self.next_size(remaining, want);
+                    if let Some(answer) = self.ask_for(size, need) {
                         if let Err(stopped) = self.answered(size, answer) {
                             return Poll::Ready(Err(stopped));
                         }

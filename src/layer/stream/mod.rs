@@ -18,7 +18,8 @@ use std::time::Duration;
 /// this many bytes (fewer when the tier's capacity, or the bytes the body has left, are
 /// fewer) when it has spent its previous grant: one store call per grant, whatever the size
 /// of its frames (two when the store refuses it first: policing, a tier with less than a
-/// grant left, asked again for what it has; shaping, more than a second of grants reserved
+/// grant left, asked again for what it has; shaping, a grant with room ahead that does not
+/// fit now, asked again for what the body needs; or more than a second of grants reserved
 /// ahead, asked again when it is within a second). When the body is dropped (a server drops a
 /// body once it ended; or unfinished), one more settles the last grant at what it carried,
 /// unless it carried exactly its size.
@@ -68,9 +69,9 @@ pub(super) const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 /// body, and the messages of a gRPC call or a WebSocket. With [`Shape`](Self::Shape) or
 /// [`Police`](Self::Police) the body is charged as its frames pass, in grants of at most
 /// [`STREAM_GRANT`] bytes (64 KiB) taken from the store when the previous one is spent: one
-/// store call per grant, never one per frame. The unit the request
-/// was charged at admission is given back when the body ends, and so is the part of the last
-/// grant it did not use (a body dropped unfinished included).
+/// store call per grant, never one per frame. The unit the request was charged at admission
+/// counts as a response's first byte (a body that sends none gets it back), and the part of
+/// the last grant a body did not use is given back when it ends (dropped unfinished too).
 ///
 /// # The bound
 ///
