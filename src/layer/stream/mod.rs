@@ -69,9 +69,10 @@ pub(super) const SHAPE_AHEAD: Duration = Duration::from_secs(1);
 /// body, and the messages of a gRPC call or a WebSocket. With [`Shape`](Self::Shape) or
 /// [`Police`](Self::Police) the body is charged as its frames pass, in grants of at most
 /// [`STREAM_GRANT`] bytes (64 KiB) taken from the store when the previous one is spent: one
-/// store call per grant, never one per frame. The unit the request was charged at admission
-/// counts as a response's first byte (a body that sends none gets it back), and the part of
-/// the last grant a body did not use is given back when it ends (dropped unfinished too).
+/// store call per grant, never one per frame. The unit a response's bytes were charged at
+/// admission counts as its first byte (given back if it sends none), a request's is given back
+/// when its body ends, and so is the part of the last grant a body did not use (dropped
+/// unfinished too).
 ///
 /// # The bound
 ///
