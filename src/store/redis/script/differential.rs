@@ -36,8 +36,7 @@ const INTERVALS: [u64; 4] = [50_000_000, 250_000_000, SECOND, 3 * SECOND];
 
 /// Steps of the clock between batches (ns): none, a nanosecond, across half seconds and
 /// minutes (calendar windows), and back 300 ms now and then (the stored guard).
-fn step(rng: &mut fastrand::Rng, now: u64) -> u64 {
-    let mut now = now;
+fn step(rng: &mut fastrand::Rng, mut now: u64) -> u64 {
     if rng.u8(..10) == 0 {
         // On the next minute's boundary (a calendar window's end), or 1 ns before it.
         now = (now / (60 * SECOND) + 1) * 60 * SECOND - u64::from(rng.bool());
@@ -73,7 +72,7 @@ fn long_rate(rng: &mut fastrand::Rng) -> Quota {
     Quota::new(count, Duration::from_secs(count * 15 * 86_400)).with_burst(rng.u64(1..=count))
 }
 
-/// The reply's doubles, or the error without its line numbers.
+/// A script's reply as its doubles, or the server's error.
 type Reply = Result<Vec<f64>, String>;
 
 /// What a key holds after a batch: its value (a string's, or a sorted set's members and
@@ -81,6 +80,7 @@ type Reply = Result<Vec<f64>, String>;
 /// [`Side`]).
 struct Stored {
     value: redis::Value,
+    exists: bool,
     expires: Option<i128>,
 }
 
@@ -99,15 +99,22 @@ impl fmt::Debug for Stored {
 /// rounded up from an instant counted from the unit (1 ns or 1 us) its now falls in.
 const EXPIRY_ROUNDING: i128 = 2_000_000;
 
-/// Whether two keys hold the same and expire at the same instant (within [`EXPIRY_ROUNDING`]).
+/// Whether two keys hold the same and expire at the same instant.
 fn same(a: &Stored, b: &Stored) -> bool {
+    a.value == b.value && same_expiry(a, b)
+}
+
+/// Whether two keys both exist or not, and expire at the same instant (within
+/// [`EXPIRY_ROUNDING`]).
+fn same_expiry(a: &Stored, b: &Stored) -> bool {
     let expiry = match (a.expires, b.expires) {
         (Some(x), Some(y)) => (x - y).abs() <= EXPIRY_ROUNDING,
         (x, y) => x == y,
     };
-    a.value == b.value && expiry
+    a.exists == b.exists && expiry
 }
 
+/// The doubles of a packed string.
 fn doubles_of(bytes: &[u8]) -> Vec<f64> {
     bytes.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()
 }
@@ -212,8 +219,8 @@ impl Side {
                     self.expiries.remove(*k);
                 }
                 let expires = self.expiries.get(*k).copied();
-                assert!(!exists || expires.is_some(), "{k} was written without a TTL");
-                Stored { value: v[0].clone(), expires }
+                assert!(!exists || expires.is_some(), "{k} was written without a TTL: {v:?}");
+                Stored { value: v[0].clone(), exists, expires }
             })
             .collect();
         (reply, stored)
@@ -321,8 +328,8 @@ enum Sent {
 /// took) and with a trailing check of a policy the flat path does not take, on a key of its
 /// own (database 1: the general driver, which the test checks it took), gives the same reply
 /// (but the trailing check's part) and leaves every key of the batch alike: equal values
-/// (state strings, lease sets with their scores) and PTTLs equal but for the time between the
-/// two calls (see [`same_ttl`]). Batches of one to five records over two keys of five random
+/// (state strings, lease sets with their scores), expiring at the same instant of the scripts'
+/// clock (see [`Side`] and [`same`]). Batches of one to five records over two keys of five random
 /// policies (drawn again every 300 batches): the same key twice, costs 0 to above capacity,
 /// every class, releases of slots held, released already or never held, and a clock that
 /// crosses calendar windows and now and then steps back 300 ms.
@@ -506,13 +513,11 @@ fn gcra_policy(rng: &mut fastrand::Rng, name: &str) -> Policy {
 /// the TAT, its fraction, which whole-unit intervals keep 0, and the bucket's last instant,
 /// which GCRA never moves); `None` when absent.
 fn tats(value: &redis::Value, ntiers: usize, general: bool) -> Option<Vec<(f64, f64)>> {
-    let bytes = match value {
+    let v = match value {
         redis::Value::Nil => return None,
-        redis::Value::BulkString(b) => b,
+        redis::Value::BulkString(b) => doubles_of(b),
         other => panic!("a state key holds {other:?}"),
     };
-    let v: Vec<f64> =
-        bytes.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
     if !general {
         assert_eq!(v.len(), 2 * ntiers, "gcra.lua's layout: {v:?}");
         return Some(v.chunks_exact(2).map(|p| (p[0], p[1])).collect());
@@ -536,8 +541,8 @@ fn tats(value: &redis::Value, ntiers: usize, general: bool) -> Option<Vec<(f64, 
 /// Invariant: the same trace, each record made by the `Prepared` of either binding, gives
 /// equal replies (every decision, delay, retry, each tier's remaining, reset and own retry,
 /// each lease's units and hold, the instant decided at), and leaves each key's TATs equal
-/// (the layouts differ: see [`tats`]) with PTTLs equal but for the time between the two calls
-/// ([`same_ttl`]). Batches of one to four records over three keys of three random policies
+/// (the layouts differ: see [`tats`]), expiring at the same instant of the scripts' clock
+/// ([`same_expiry`]). Batches of one to four records over three keys of three random policies
 /// (drawn again every 300 batches): policed and shaped checks of costs 0 to above capacity,
 /// settlements of admitted checks to smaller, equal or larger costs per tier, lease calls
 /// (with and without a useful block) giving back the previous lease's rest, a clock that
@@ -655,11 +660,7 @@ fn gcra_fast_path_decides_as_the_general_scripts() {
                 let ntiers = policies[key].0.tiers().len();
                 let (tx, ty) = (tats(&x.value, ntiers, false), tats(&y.value, ntiers, true));
                 assert!(
-                    tx == ty
-                        && same(
-                            &Stored { value: redis::Value::Nil, ..*x },
-                            &Stored { value: redis::Value::Nil, ..*y }
-                        ),
+                    tx == ty && same_expiry(x, y),
                     "{k} differs (gcra.lua, kinds.lua): {tx:?} {:?} {ty:?} {:?}: {}",
                     x.expires,
                     y.expires,
