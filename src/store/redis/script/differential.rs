@@ -128,7 +128,7 @@ fn brief(policy: &Policy) -> String {
             let r = t.rate;
             match &t.kind {
                 Kind::Rate => format!("rate({}, {}, {})", r.count, r.period, r.burst),
-                Kind::Concurrency(c) => format!("slots({}, {} ms)", c.max, c.lease_ms),
+                Kind::Concurrency(c) => format!("slots({}, {} ms)", c.max, c.ttl_ms),
                 Kind::Calendar(_) => format!("minute({})", r.count),
             }
         })
@@ -314,8 +314,8 @@ fn counting_flat() -> Script {
 
 /// A record of a batch and what the trace remembers of it.
 enum Sent {
-    /// A check of these per-tier costs, its lease id and class (its reply follows).
-    Check { key: usize, costs: Vec<u64>, lease: u64, class: Priority },
+    /// A check of these per-tier costs, its slots' holder id and class (its reply follows).
+    Check { key: usize, costs: Vec<u64>, holder: u64, class: Priority },
     /// A settlement (no reply).
     Settle,
 }
@@ -328,7 +328,7 @@ enum Sent {
 /// took) and with a trailing check of a policy the flat path does not take, on a key of its
 /// own (database 1: the general driver, which the test checks it took), gives the same reply
 /// (but the trailing check's part) and leaves every key of the batch alike: equal values
-/// (state strings, lease sets with their scores), expiring at the same instant of the scripts'
+/// (state strings, slot sets with their scores), expiring at the same instant of the scripts'
 /// clock (see [`Side`] and [`same`]). Batches of one to five records over two keys of five random
 /// policies (drawn again every 300 batches): the same key twice, costs 0 to above capacity,
 /// every class, releases of slots held, released already or never held, and a clock that
@@ -342,7 +342,7 @@ fn kinds_flat_path_decides_as_the_general_driver() {
     let force = Policy::single("force", Quota::new(3, Duration::from_secs(1))).expect("valid");
     let forced = Prepared::new(&force, 1000);
     let force_key = "force:00000000".to_owned();
-    let force_record = forced.check(1, None);
+    let force_record = forced.check(&[1], None, 0, Priority::Standard, 0);
     let classes = [Priority::Critical, Priority::Standard, Priority::Sheddable];
     let per_seed = batches(3000);
     for seed in SEEDS {
@@ -351,7 +351,7 @@ fn kinds_flat_path_decides_as_the_general_driver() {
         let mut policies: Vec<(Policy, Prepared)> = Vec::new();
         // Per (key, policy): the charges of checks admitted and not released.
         let mut held: HashMap<(usize, usize), Vec<Charges>> = HashMap::new();
-        let mut next_lease = 1;
+        let mut next_holder = 1;
         // Batches that took the flat path on each side.
         let (mut took_flat, mut took_general) = (0, 0);
         // Checks limited, allowed and above capacity, and releases of slots held: the trace
@@ -383,9 +383,9 @@ fn kinds_flat_path_decides_as_the_general_driver() {
                 let (policy, prepared) = &policies[p];
                 let index = keys.len() + 1;
                 keys.extend(prepared.keys(format!("k{key}p{p}:00000000")));
-                let leases = held.entry((key, p)).or_default();
-                if !leases.is_empty() && rng.u8(..10) < 4 {
-                    // A release: of slots held, or (one in seven) of a lease never granted.
+                let admitted = held.entry((key, p)).or_default();
+                if !admitted.is_empty() && rng.u8(..10) < 4 {
+                    // A release: of slots held, or (one in seven) of a holder that never held any.
                     let charges = if rng.u8(..7) == 0 {
                         let at = now / policy.unit();
                         policy
@@ -395,7 +395,7 @@ fn kinds_flat_path_decides_as_the_general_driver() {
                                 at,
                                 cost: rng.u64(1..=2),
                                 id: if matches!(t.kind, Kind::Concurrency(_)) {
-                                    next_lease + 10_000_000
+                                    next_holder + 10_000_000
                                 } else {
                                     0
                                 },
@@ -403,15 +403,15 @@ fn kinds_flat_path_decides_as_the_general_driver() {
                             .collect()
                     } else {
                         releases += 1;
-                        leases.swap_remove(rng.usize(..leases.len()))
+                        admitted.swap_remove(rng.usize(..admitted.len()))
                     };
-                    let same: Vec<u64> = charges.iter().map(|c| c.cost).collect();
+                    let same = |i: usize| charges[i].cost;
                     let release = rng.u8(..4) != 0;
-                    records.push((index, p, prepared.settle_kinds(&charges, &same, release, now)));
+                    records.push((index, p, prepared.settle(&charges, same, same, release, now)));
                     sent.push(Sent::Settle);
                 } else {
-                    let lease = next_lease;
-                    next_lease += 1;
+                    let holder = next_holder;
+                    next_holder += 1;
                     let costs: Vec<u64> = policy
                         .tiers()
                         .iter()
@@ -424,8 +424,8 @@ fn kinds_flat_path_decides_as_the_general_driver() {
                         })
                         .collect();
                     let class = classes[rng.usize(..3)];
-                    records.push((index, p, prepared.check_kinds(&costs, None, lease, class, now)));
-                    sent.push(Sent::Check { key, costs, lease, class });
+                    records.push((index, p, prepared.check(&costs, None, holder, class, now)));
+                    sent.push(Sent::Check { key, costs, holder, class });
                 }
             }
             // Every key of the batch, once, to compare.
@@ -465,12 +465,12 @@ fn kinds_flat_path_decides_as_the_general_driver() {
             // The slots of admitted checks, for later releases.
             let mut at = 0;
             for (s, (_, p, _)) in sent.iter().zip(&records) {
-                let Sent::Check { key, costs, lease, class } = s else { continue };
+                let Sent::Check { key, costs, holder, class } = s else { continue };
                 let (policy, prepared) = &policies[*p];
                 let part = ints(&a[at..at + prepared.check_reply_len()]);
                 at += prepared.check_reply_len();
                 seen[usize::try_from(part[0]).expect("an outcome")] += 1;
-                let (_, charges) = decode_costs(policy, &|i| costs[i], *lease, *class, now, &part)
+                let (_, charges) = decode_costs(policy, &|i| costs[i], *holder, *class, now, &part)
                     .expect("decodes");
                 if let Some(charges) = charges.filter(|_| costs.iter().any(|c| *c > 0)) {
                     held.entry((*key, *p)).or_default().push(charges);
@@ -606,8 +606,10 @@ fn gcra_fast_path_decides_as_the_general_scripts() {
                     let charges = held[key].swap_remove(pick);
                     let new: Vec<u64> = charges.iter().map(|c| rng.u64(0..=c.cost + 2)).collect();
                     let old = |i: usize| charges[i].cost;
-                    let (a, b) =
-                        (f.settle(&charges, old, |i| new[i]), s.settle(&charges, old, |i| new[i]));
+                    let (a, b) = (
+                        f.settle(&charges, old, |i| new[i], false, now),
+                        s.settle(&charges, old, |i| new[i], false, now),
+                    );
                     (a, b, Op::Settle)
                 } else {
                     let capacity =
@@ -623,7 +625,13 @@ fn gcra_fast_path_decides_as_the_general_scripts() {
                         [0, interval / 2, interval, 3 * interval, 20 * interval][rng.usize(..5)];
                     let shape = rng.u8(..5) < 2;
                     let max_delay = shape.then(|| Duration::from_nanos(delay));
-                    (f.check(cost, max_delay), s.check(cost, max_delay), Op::Check(cost))
+                    let costs = vec![cost; policy.tiers().len()];
+                    let standard = Priority::Standard;
+                    let (a, b) = (
+                        f.check(&costs, max_delay, 0, standard, now),
+                        s.check(&costs, max_delay, 0, standard, now),
+                    );
+                    (a, b, Op::Check(cost))
                 };
                 records.push((key, a, b, op));
             }
