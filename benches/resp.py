@@ -1,5 +1,5 @@
 """A minimal RESP client for the benches' Python drivers (`script_calls.py`,
-`kinds_flat_diff.py`): standard library only, loopback only."""
+`plain_drivers.py`, `calendar_cost.py`): standard library only, loopback only."""
 import socket
 import struct
 

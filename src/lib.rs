@@ -85,6 +85,11 @@ macro_rules! inner_service_accessors {
     };
 }
 
+// The Redis scripts' unit tests start their servers with the integration tests' helper
+// (`tests/support/redis.rs`), which names this crate `tollgate`.
+#[cfg(all(test, feature = "redis"))]
+extern crate self as tollgate;
+
 mod algorithm;
 #[cfg(feature = "client")]
 #[cfg_attr(docsrs, doc(cfg(feature = "client")))]

@@ -6,6 +6,8 @@
 //! would create every time. Every check of a batch is packed as little-endian doubles; the
 //! reply is turned back into decisions.
 
+#[cfg(test)]
+mod differential;
 mod keys;
 mod record;
 mod reply;
@@ -81,44 +83,34 @@ pub(crate) enum Family {
     Log,
 }
 
-static GCRA: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/gcra.lua")));
+/// The source of [`Family::Gcra`]'s script.
+const GCRA_SOURCE: &str = include_str!("lua/gcra.lua");
 
-static KINDS_RATE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
-        include_str!("lua/prelude.lua"),
-        include_str!("lua/rate.lua"),
-        include_str!("lua/line.lua"),
-        include_str!("lua/boxes.lua"),
-        include_str!("lua/cover.lua"),
-        include_str!("lua/kinds.lua"),
-        include_str!("lua/kinds_flat.lua"),
-        include_str!("lua/kinds_general.lua")
-    ))
-});
-static KINDS_WINDOW: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
-        include_str!("lua/prelude.lua"),
-        include_str!("lua/window.lua"),
-        include_str!("lua/line.lua"),
-        include_str!("lua/boxes.lua"),
-        include_str!("lua/cover.lua"),
-        include_str!("lua/kinds.lua"),
-        include_str!("lua/kinds_flat.lua"),
-        include_str!("lua/kinds_general.lua")
-    ))
-});
-static KINDS_LOG: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
-        include_str!("lua/prelude.lua"),
-        include_str!("lua/log.lua"),
-        include_str!("lua/line.lua"),
-        include_str!("lua/boxes.lua"),
-        include_str!("lua/cover.lua"),
-        include_str!("lua/kinds.lua"),
-        include_str!("lua/kinds_flat.lua"),
-        include_str!("lua/kinds_general.lua")
-    ))
-});
+static GCRA: LazyLock<Script> = LazyLock::new(|| Script::new(GCRA_SOURCE));
+
+/// A family's script: the prelude, the family's arithmetic (`$family`) and the driver.
+macro_rules! kinds_source {
+    ($family:literal) => {
+        concat!(
+            include_str!("lua/prelude.lua"),
+            include_str!($family),
+            include_str!("lua/line.lua"),
+            include_str!("lua/boxes.lua"),
+            include_str!("lua/cover.lua"),
+            include_str!("lua/kinds.lua"),
+            include_str!("lua/kinds_flat.lua"),
+            include_str!("lua/kinds_general.lua")
+        )
+    };
+}
+
+/// The source of [`Family::Rate`]'s script.
+const KINDS_RATE_SOURCE: &str = kinds_source!("lua/rate.lua");
+
+static KINDS_RATE: LazyLock<Script> = LazyLock::new(|| Script::new(KINDS_RATE_SOURCE));
+static KINDS_WINDOW: LazyLock<Script> =
+    LazyLock::new(|| Script::new(kinds_source!("lua/window.lua")));
+static KINDS_LOG: LazyLock<Script> = LazyLock::new(|| Script::new(kinds_source!("lua/log.lua")));
 
 impl Family {
     pub(crate) const ALL: [Self; 4] = [Self::Gcra, Self::Rate, Self::Window, Self::Log];
@@ -192,7 +184,8 @@ pub(crate) fn family(policy: &Policy) -> Family {
     match policy.algorithm() {
         Algorithm::Gcra
             if policy.is_plain()
-                && policy.tiers().iter().all(|t| t.rate.period % t.rate.count == 0) =>
+                && policy.tiers().iter().all(|t| t.rate.period % t.rate.count == 0)
+                && !general_forced() =>
         {
             Family::Gcra
         }
@@ -200,6 +193,34 @@ pub(crate) fn family(policy: &Policy) -> Family {
         Algorithm::FixedWindow | Algorithm::SlidingCounter => Family::Window,
         Algorithm::SlidingLog => Family::Log,
     }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Whether [`family`] sends plain GCRA policies of whole-unit emission intervals to the
+    /// general scripts (`lua/rate.lua` and `lua/kinds.lua`) on this thread: see [`general`].
+    static GENERAL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Tests: runs `f` (which binds policies: [`Prepared::new`]) with the GCRA fast path
+/// (`lua/gcra.lua`) switched off on this thread, so that its plain policies are bound to the
+/// general scripts, which decide them alike (`differential.rs` holds them to that).
+#[cfg(test)]
+pub(crate) fn general<T>(f: impl FnOnce() -> T) -> T {
+    GENERAL.with(|g| g.set(true));
+    let out = f();
+    GENERAL.with(|g| g.set(false));
+    out
+}
+
+#[cfg(test)]
+fn general_forced() -> bool {
+    GENERAL.with(std::cell::Cell::get)
+}
+
+#[cfg(not(test))]
+const fn general_forced() -> bool {
+    false
 }
 
 /// How `policy`'s state is stored, as a number its keys' fingerprint mixes in. It names the

@@ -190,10 +190,13 @@ while i <= nc do
     end
     if budget < 0 then budget = 0 end
     local over, wait = false, 0
+    -- (A TAT in the past stays as it is: a later settlement charges from the later of it and
+    -- its charge's instant, as the memory store does.)
     for t = 1, n do
       local T, tau = Ts[t], taus[t]
-      if tat[t] < 0 then tat[t] = 0 end
-      local o = tat[t] + cost * T - tau
+      local b = tat[t]
+      if b < 0 then b = 0 end
+      local o = b + cost * T - tau
       if o > wait then wait = o end
       if cost * T > tau then over = true end
     end
@@ -226,6 +229,7 @@ while i <= nc do
     for t = 1, n do
       local T, tau = Ts[t], taus[t]
       local b = tat[t]
+      if b < 0 then b = 0 end
       local room = tau - b
       local q = floor(room / T)
       if q * T > room then q = q - 1 elseif (q + 1) * T <= room then q = q + 1 end
@@ -247,7 +251,9 @@ while i <= nc do
       local hold = 0
       if useful > 0 and outcome ~= 2 then
         for t = 1, n do
-          local h = tat[t] + useful * Ts[t] - taus[t] - horizon
+          local b = tat[t]
+          if b < 0 then b = 0 end
+          local h = b + useful * Ts[t] - taus[t] - horizon
           if h > hold then hold = h end
         end
       end

@@ -399,10 +399,12 @@ if flat_batch() then
         st = { k, pol, cs, cu, false, false, false, false, name, unpack(pol.blank) }
         local packed = STORED[name]
         if not packed then
+          -- Fresh: the TAT and `last` far in the past, as `F.load` makes them (see gcra.lua's
+          -- FRESH), and `F.save` writes them.
+          local fs, fu = abs(c, -4503599627370496)
           for r = 1, pol.nrate do
             local q = 7 + 3 * r
-            -- Fresh: the TAT in the past; `last` now (what `F.save` writes for it).
-            st[q], st[q + 1], st[q + 2] = 0, cs, cu
+            st[q], st[q + 1], st[q + 2] = -4503599627370496, fs, fu
           end
           for w = 1, pol.ncal do st[(pol.oh + pol.nconc) + w] = {} end
         else
