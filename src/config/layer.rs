@@ -364,12 +364,14 @@ impl Reloaded {
         &self.kept
     }
 
-    /// Policies whose algorithm or tiers changed: bound anew. Their keys keep their penalty
-    /// blocks and breaches, and their slots held (requests in flight count against the new
-    /// `max`); a rate or calendar tier that did not change keeps its state (on Redis: when no
-    /// rate or calendar tier changed), including what requests still in progress under the old
-    /// configuration charge it; a changed one starts as the policy's `changed_tiers` says (full
-    /// by default). The [module docs](super#reloading) list it per kind of tier.
+    /// Policies whose algorithm or tiers changed, which are bound anew with their keys' state
+    /// carried over as the [module docs](super#reloading) list it per kind of tier.
+    ///
+    /// Their keys keep their penalty blocks and breaches, and their slots held (requests in
+    /// flight count against the new `max`); a rate or calendar tier that did not change keeps
+    /// its state (on Redis: when no rate or calendar tier changed), including what requests
+    /// still in progress under the old configuration charge it; a changed one starts as the
+    /// policy's `changed_tiers` says (full by default).
     #[must_use]
     pub fn changed(&self) -> &[String] {
         &self.changed

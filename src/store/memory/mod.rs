@@ -116,12 +116,12 @@ struct Inner {
     rebinding: Mutex<()>,
 }
 
-/// A policy bound to a [`MemoryStore`] ([`Store::bind`]): its table in every shard, the
-/// compact GCRA form when it applies, and its overflow bucket, shared by every binding of the
-/// same policy (name, algorithm and tiers) to the same store. The state outlives them: the next
-/// binding of the policy finds it, until its keys are idle and swept.
+/// A policy bound to a [`MemoryStore`] ([`Store::bind`]), which always decides in the store
+/// that bound it. Every binding of the same policy (name, algorithm and tiers) to the same store
+/// shares one state, which outlives them until its keys are idle and swept.
 ///
-/// It always decides in the store that bound it.
+/// That state is the policy's table in every shard, the compact GCRA form when it applies, and
+/// its overflow bucket: the next binding of the policy finds it.
 pub struct MemoryPolicy {
     id: usize,
     core: Arc<Core>,
@@ -282,11 +282,13 @@ impl MemoryStore {
     }
 
     /// Gives back at once `cost` units charged to `key` by an admitted check of a policy of one
-    /// GCRA tier decided in whole nanoseconds (the compact form; see [`Store::refund_sync`]):
+    /// GCRA tier decided in whole nanoseconds (the compact form; see [`Store::refund_sync`]),
     /// as settling its ticket at 0 would. A fixed-window policy (rate tiers only) is given the
-    /// units back in each tier's current window, never below 0. Any other policy is left
-    /// unchanged. A key whose check went to the overflow bucket of a full store has nothing of
-    /// its own to give back.
+    /// units back in each tier's current window, never below 0, and any other policy is left
+    /// unchanged.
+    ///
+    /// A key whose check went to the overflow bucket of a full store has nothing of its own to
+    /// give back.
     ///
     /// ```
     /// use tollgate::store::MemoryStore;

@@ -36,12 +36,14 @@ impl RedisPolicy {
         &self.policy
     }
 
-    /// The Redis key of the state of `key` (for inspection: `TTL`, `EXISTS`): by default
+    /// The Redis key of the state of `key`, for inspection (`TTL`, `EXISTS`). By default
     /// `{prefix}{{policy}|#{hash}}:{fingerprint}`, with the keyed hash of `key` (see
     /// [`RedisStoreBuilder::key_secret`]), or with the key itself under
-    /// [`raw_keys`](RedisStoreBuilder::raw_keys). Sliding-log policies also use `{this}:z1`,
-    /// `{this}:z2`, ... per rate tier; a concurrency tier keeps its slots, and a penalty box
-    /// its block, under the same name less `:{fingerprint}`, plus `:c:{tier}` or `:p:{tier}`.
+    /// [`raw_keys`](RedisStoreBuilder::raw_keys).
+    ///
+    /// Sliding-log policies also use `{this}:z1`, `{this}:z2`, ... per rate tier. A
+    /// concurrency tier keeps its slots, and a penalty box its block, under the same name less
+    /// `:{fingerprint}`, plus `:c:{tier}` or `:p:{tier}`.
     ///
     /// ```
     /// use tollgate::key::Key;
