@@ -329,6 +329,19 @@ impl<St: Store> ReloadHandle<St> {
 }
 
 /// What a [reload](ReloadHandle::reload) did to each policy, by name (sorted).
+///
+/// ```
+/// use tollgate::config::{LimitsConfig, LimitsLayer};
+///
+/// let v1 = "[policies.api]\ntiers = [{ name = \"api\", count = 10, period = \"1m\" }]\n\
+///           [policies.login]\ntiers = [{ name = \"login\", count = 5, period = \"1m\" }]\n";
+/// let layer = LimitsLayer::new(LimitsConfig::from_toml(v1, "v1.toml").unwrap()).unwrap();
+/// let v2 = v1.replace("count = 10", "count = 20");
+/// let reloaded = layer.handle().reload(LimitsConfig::from_toml(&v2, "v2.toml").unwrap()).unwrap();
+/// assert_eq!(reloaded.changed(), ["api"]);
+/// assert_eq!(reloaded.kept(), ["login"]);
+/// assert!(reloaded.added().is_empty() && reloaded.removed().is_empty());
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct Reloaded {

@@ -18,7 +18,7 @@ use crate::headers::{Collected, PreparedHeaders};
 use crate::layer::{RequestBody, ResponseBody, ResponseFuture};
 use crate::store::{MemoryStore, Store};
 
-/// The service made by [`LimitsLayer`](super::LimitsLayer).
+/// The service made by [`LimitsLayer`](super::LimitsLayer), whose example shows it serving.
 ///
 /// Reads the running configuration once per request (without locking), then: no rule matches,
 /// the inner service's future as it is; one rule, that rule's

@@ -350,6 +350,8 @@ pin_project! {
     /// bytes of a response the layer made itself (a 429, a 503, a 400). No boxing either way,
     /// however many layers limited the request.
     ///
+    /// See [`RateLimitLayer`](crate::RateLimitLayer) for an example.
+    ///
     /// # How a body ends
     ///
     /// Under a policy with concurrency tiers or tiers counting bytes, messages or reported

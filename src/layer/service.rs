@@ -22,7 +22,8 @@ use crate::key::{Key, KeyExtractor};
 use crate::limiter::Reservation;
 use crate::store::Store;
 
-/// The rate-limiting service made by [`RateLimitLayer`](crate::RateLimitLayer).
+/// The rate-limiting service made by [`RateLimitLayer`](crate::RateLimitLayer), whose example
+/// shows it serving.
 ///
 /// Decides in `call`, never in `poll_ready` (which is delegated to the inner service), so no
 /// capacity is taken for a request that never comes. Limits become responses; the inner
@@ -136,7 +137,8 @@ mod sealed {
 }
 
 /// The bodies of the layer's service wrapped to be metered (the default): the handler gets
-/// [`RequestBody`], the service answers with [`ResponseBody`]. See [`Bodies`].
+/// [`RequestBody`], the service answers with [`ResponseBody`]. See [`Bodies`], and
+/// [`RateLimitLayer`](crate::RateLimitLayer) for an example.
 #[derive(Debug)]
 pub enum Metered {}
 
@@ -150,7 +152,8 @@ impl Bodies for Metered {
 }
 
 /// The bodies of the layer's service handed on as they are, for policies that observe no
-/// body ([`RateLimitLayer::lean`](crate::RateLimitLayer::lean)). See [`Bodies`].
+/// body ([`RateLimitLayer::lean`](crate::RateLimitLayer::lean), whose example shows it). See
+/// [`Bodies`].
 #[derive(Debug)]
 pub enum Lean {}
 

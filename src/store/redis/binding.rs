@@ -4,6 +4,22 @@ use super::*;
 
 /// A policy bound to a [`RedisStore`] ([`Store::bind`]): validated for the scripts, with its key
 /// prefix and its part of every script call rendered, and bound to the local fallback store.
+///
+/// ```
+/// use tollgate::store::{Lease, RedisStore, Store};
+/// use tollgate::{Policy, Quota};
+///
+/// # fn main() -> Result<(), tollgate::ConfigError> {
+/// let store = RedisStore::builder("redis://127.0.0.1:6380/")
+///     .lease_policy("search", Lease::new())
+///     .build()?;
+/// // Binding checks the policy for the scripts; it connects nothing.
+/// let search = store.bind(&Policy::single("search", Quota::per_second(1_000))?)?;
+/// assert_eq!(search.policy().name(), "search");
+/// assert_eq!(search.lease(), Some(Lease::new()));
+/// assert_eq!(search.refused_locally(), 0);
+/// # Ok(()) }
+/// ```
 pub struct RedisPolicy {
     pub(super) policy: Policy,
     /// The state key's parts around the key: `{prefix}{{policy}|` and `}:{fingerprint}`.
