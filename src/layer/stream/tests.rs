@@ -403,9 +403,10 @@ mod bytes {
                 Err(frame) => trailers = frame.into_trailers().ok(),
             }
         }
-        // The burst less the unit charged at admission (time stands still: nothing refills),
-        // the last grant cut to what the tier had left; then the trailers.
-        assert_eq!(read, MB - 1);
+        // The burst (time stands still: nothing refills), the unit charged at admission
+        // counted as the body's first and the last grant cut to what the tier had left; then
+        // the trailers.
+        assert_eq!(read, MB);
         let trailers = trailers.expect("trailers end the response");
         assert_eq!(trailers["grpc-status"], "8");
         assert!(trailers.contains_key("grpc-retry-pushback-ms"));
@@ -483,6 +484,44 @@ mod bytes {
         // Given back: the next byte fits after 1 us, as after the first grant alone.
         let next = limiter.check(&Key::Global, 1).await.unwrap();
         assert_eq!(next.retry_after(), Some(Duration::from_micros(1)));
+    }
+
+    /// The unit the admission charged counts as the first of the first grant larger than it:
+    /// the store is asked for the rest, and the unit is kept when the stream used it, left to
+    /// be given back when it did not (a body dropped before its first byte passed).
+    #[tokio::test(start_paused = true)]
+    async fn the_admissions_unit_is_the_first_grants_first_and_kept_only_when_used() {
+        let policy = Policy::builder("download")
+            .tier("bytes", Quota::per_hour(1_000).counting(Unit::ResponseBytes))
+            .build()
+            .unwrap();
+        for used in [0, 1, 300] {
+            let store = MemoryStore::builder().clock(TokioClock::new()).build().unwrap();
+            let limiter = Limiter::with_store(policy.clone(), store).unwrap();
+            // The admission's unit.
+            assert!(limiter.check(&Key::Global, 1).await.unwrap().is_allowed());
+            let mut grants = Grants::new(
+                &limiter,
+                Key::Global,
+                Priority::Standard,
+                Unit::ResponseBytes,
+                StreamMode::Police,
+                false,
+            )
+            .credited(1);
+            let mut cx = Context::from_waker(Waker::noop());
+            let room = grants.poll_room(&mut cx, Some(300), 300);
+            assert!(matches!(room, Poll::Ready(Ok(300))), "{room:?}");
+            // 300 granted, 299 of them charged now: the admission's unit is the first.
+            let left = limiter.check(&Key::Global, 0).await.unwrap().tiers()[0].remaining();
+            assert_eq!(left, 1_000 - 300);
+            grants.spend(used);
+            let kept = grants.end();
+            assert_eq!(kept, u64::from(used > 0), "used {used}");
+            // What the grants charged once ended: what passed, less the unit kept.
+            let left = limiter.check(&Key::Global, 0).await.unwrap().tiers()[0].remaining();
+            assert_eq!(left, 1_000 - 1 - (used - kept), "used {used}");
+        }
     }
 }
 
