@@ -31,8 +31,8 @@ use crate::store::{Carry, Check, Verdict};
 
 impl MemoryStore {
     /// Binds `policy` in place of `old` (see [`Store::rebind`](crate::store::Store::rebind)),
-    /// carrying each key's state over, tier by tier, matched by name. A tier whose state cannot
-    /// be kept starts as `carry` says.
+    /// carrying each key's state over, tier by tier, matched by name. A rate or calendar tier
+    /// whose state cannot be kept starts as `carry` says.
     ///
     /// ```
     /// use std::time::Duration;
