@@ -39,6 +39,14 @@ pub enum Outcome {
 }
 
 /// Which part of the system made the decision.
+///
+/// ```
+/// use tollgate::{Limiter, Policy, Quota, Source, key::Key};
+///
+/// let limiter = Limiter::new(Policy::single("api", Quota::per_second(5)).unwrap());
+/// // A memory store decides itself; a Redis store's local fallback answers `Source::Fallback`.
+/// assert_eq!(limiter.check_now(&Key::text("alice"), 1).source(), Source::Store);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
 pub enum Source {
@@ -52,6 +60,20 @@ pub enum Source {
 /// One tier's part of a decision, as reported in the `RateLimit` headers. The `i`-th entry of
 /// [`Decision::tiers`] is about the `i`-th tier of the policy ([`Policy::tiers`]), which has
 /// its name and quota.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::{Limiter, Policy, Quota, key::Key};
+///
+/// let limiter = Limiter::new(Policy::single("api", Quota::per_minute(10)).unwrap());
+/// let key = Key::text("alice");
+/// let tier = limiter.check_now(&key, 10).tiers()[0];
+/// assert_eq!((tier.limit(), tier.remaining()), (10, 0));
+/// assert!(!tier.is_violated() && tier.retry_after().is_none());
+/// let refused = limiter.check_now(&key, 1).tiers()[0];
+/// assert!(refused.is_violated());
+/// assert!(refused.retry_after().unwrap() <= Duration::from_secs(6)); // one unit every 6 s
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TierDecision {
     pub(crate) remaining: u64,

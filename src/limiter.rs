@@ -763,6 +763,29 @@ impl<St: Store> Drop for Reservation<St> {
 ///
 /// Dropped, it releases the concurrency slots and keeps every charge as it stands (the
 /// estimates of the tiers settled later).
+///
+/// ```
+/// use tollgate::clock::FakeClock;
+/// use tollgate::store::MemoryStore;
+/// use tollgate::{Concurrency, Limiter, Policy, Quota, key::Key};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let policy = Policy::builder("jobs")
+///     .tier("minute", Quota::per_minute(10))
+///     .concurrency("in-flight", Concurrency::new(1))
+///     .build()
+///     .unwrap();
+/// let store = MemoryStore::builder().clock(FakeClock::new()).build().unwrap();
+/// let limiter = Limiter::with_store(policy, store).unwrap();
+/// let key = Key::text("alice");
+/// let held = limiter.reserve(&key, 1).await.unwrap().hold();
+/// assert_eq!(limiter.check(&key, 0).await.unwrap().tiers()[1].remaining(), 0, "slot taken");
+/// drop(held); // the client went away
+/// let d = limiter.check(&key, 0).await.unwrap();
+/// assert_eq!(d.tiers()[1].remaining(), 1, "the slot is back");
+/// assert_eq!(d.tiers()[0].remaining(), 9, "the charge stays");
+/// # }
+/// ```
 #[must_use = "dropping a Held releases its slots at once"]
 pub struct Held<St: Store = MemoryStore> {
     state: HeldState<St>,

@@ -143,6 +143,29 @@ impl Tier {
 
 /// The cost of each tier of a policy for one request, in the policy's tier order: what
 /// [`Check::costs`](crate::store::Check::costs) takes. See [`Policy::costs`].
+///
+/// ```
+/// use tollgate::clock::FakeClock;
+/// use tollgate::key::Key;
+/// use tollgate::store::{Check, MemoryStore};
+/// use tollgate::{Costs, Policy, Quota, Unit};
+///
+/// let policy = Policy::builder("upload")
+///     .tier("requests", Quota::per_minute(60))
+///     .tier("bytes", Quota::per_minute(1_000_000).counting(Unit::RequestBytes))
+///     .build()
+///     .unwrap();
+/// // One request of 4,096 bytes (its `Content-Length`).
+/// let costs = policy.costs(1, Some(4_096));
+/// assert_eq!(costs, Costs::from_slice(&[1, 4_096]));
+///
+/// let store = MemoryStore::builder().clock(FakeClock::new()).build().unwrap();
+/// let bound = store.bind_policy(&policy);
+/// let key = Key::text("alice");
+/// let d = store.check_now(&bound, Check::new(&key, 1).with_costs(&costs)).decision;
+/// assert_eq!(d.tiers()[0].remaining(), 59);
+/// assert_eq!(d.tiers()[1].remaining(), 995_904);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Costs(SmallVec<[u64; 4]>);
 

@@ -177,10 +177,9 @@ impl Quota {
         self.burst
     }
 
-    /// The same quota counting `unit` instead of requests: `5 per second` of
-    /// [`Unit::Requests`] next to `1,000,000 per second` of [`Unit::RequestBytes`] limits a
-    /// client to 5 requests/s **and** 1 MB/s, as the example of [`Unit`] shows. See [`Unit`]
-    /// for how each unit is charged.
+    /// The same quota counting `unit` instead of requests: `5 per second` of [`Unit::Requests`]
+    /// next to `1,000,000 per second` of [`Unit::RequestBytes`] limits a client to 5 requests/s
+    /// **and** 1 MB/s, as the example of [`Unit`] shows. See [`Unit`] for how each unit is charged.
     #[must_use]
     pub const fn counting(mut self, unit: Unit) -> Self {
         self.unit = unit;
@@ -225,11 +224,10 @@ pub enum Unit {
     /// Requests (default): a request costs the check's `cost`, usually 1.
     #[default]
     Requests,
-    /// Bytes of the request body: its `Content-Length` when the request has one; otherwise one
-    /// unit at admission, settled at the bytes counted while the body streams (or, with a
-    /// layer's [`StreamMode::Shape`](crate::StreamMode::Shape) or
-    /// [`Police`](crate::StreamMode::Police), charged in grants as the body streams, the
-    /// stream paused or stopped when the tier runs out).
+    /// Bytes of the request body: its `Content-Length` when the request has one; otherwise one unit
+    /// at admission, settled at the bytes counted while the body streams (or, with a layer's
+    /// [`StreamMode::Shape`](crate::StreamMode::Shape) or [`Police`](crate::StreamMode::Police),
+    /// charged in grants as the body streams, the stream paused or stopped when the tier runs out).
     RequestBytes,
     /// Bytes of the response body: one unit at admission, settled at the bytes sent (or
     /// charged in grants as they are sent, as for [`RequestBytes`](Self::RequestBytes)).
@@ -280,10 +278,9 @@ pub(crate) const DEFAULT_TYPICAL_HOLD: Duration = Duration::from_secs(1);
 /// The shortest time to live and typical hold: 1 ms.
 pub(crate) const MIN_HOLD: Duration = Duration::from_millis(1);
 
-/// A concurrency limit of at most `max` requests in flight per key, one slot each. A slot is
-/// held until the request's [`Reservation`](crate::Reservation) is released (the layer
-/// releases it when the response body ends), and a refusal's `Retry-After` is the tier's
-/// typical hold.
+/// A concurrency limit of at most `max` requests in flight per key, one slot each. A slot is held
+/// until the request's [`Reservation`](crate::Reservation) is released (the layer releases it when
+/// the response body ends), and a refusal's `Retry-After` is the tier's typical hold.
 ///
 /// ```
 /// use std::time::Duration;
@@ -397,14 +394,18 @@ impl Concurrency {
 }
 
 /// The calendar unit of a [`Calendar`] tier's windows, in the tier's time zone.
+///
+/// ```
+/// # use tollgate::{Calendar, CalendarPeriod};
+/// assert_eq!(Calendar::per_week(500).period(), CalendarPeriod::Week);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum CalendarPeriod {
     /// From second 0 of each minute of the zone's clock.
     Minute,
-    /// From minute 0 of each hour of the zone's clock (a zone's offset change starts a new
-    /// window: the repeated hour of a change back from daylight-saving time is a window of its
-    /// own).
+    /// From minute 0 of each hour of the zone's clock (a zone's offset change starts a new window:
+    /// the repeated hour of a change back from daylight-saving time is a window of its own).
     Hour,
     /// From 00:00 of each day (a day is 23 or 25 hours long across a daylight-saving change;
     /// where midnight is skipped, the day starts at the first instant after it).
@@ -476,10 +477,9 @@ impl CalendarPeriod {
 ///
 /// # How it works
 ///
-/// Windows follow the zone's clock, daylight-saving changes included (the time zone
-/// arithmetic is [jiff](https://docs.rs/jiff)'s, over the IANA time zone database). Instants of
-/// the store's clock are taken as nanoseconds since the Unix epoch, UTC (as the built-in
-/// clocks count).
+/// Windows follow the zone's clock, daylight-saving changes included (the time zone arithmetic is
+/// [jiff](https://docs.rs/jiff)'s, over the IANA time zone database). Instants of the store's clock
+/// are taken as nanoseconds since the Unix epoch, UTC (as the built-in clocks count).
 ///
 /// # Shaping
 ///
@@ -615,10 +615,9 @@ pub(crate) const MAX_PENALTY_REFUSALS: u32 = 1_000;
 ///   violated. A request whose cost exceeds the tier's capacity
 ///   ([`CostExceedsCapacity`](crate::Outcome::CostExceedsCapacity)) is no breach (it could never
 ///   be admitted, and retrying it changes nothing), and neither is a query (cost 0).
-/// - With [`after(k, within)`](Self::after), the breach that blocks is the `k`-th of breaches
-///   of which the first came less than `within` before it (breaches older than that are
-///   forgotten); by default the first breach blocks. Counted breaches are cleared when a block
-///   starts.
+/// - With [`after(k, within)`](Self::after), the breach that blocks is the `k`-th of breaches of
+///   which the first came less than `within` before it (breaches older than that are forgotten); by
+///   default the first breach blocks. Counted breaches are cleared when a block starts.
 /// - **The block** starts at the breaching check and lasts [`block`](Self::block) (rounded up
 ///   to the policy's [precision](crate::Policy::precision)). The breaching request is refused with
 ///   `retry_after` the longer of the block and the wait the tiers themselves give.
@@ -627,13 +626,12 @@ pub(crate) const MAX_PENALTY_REFUSALS: u32 = 1_000;
 ///   it counts as no breach: refused requests neither extend the block nor count towards the
 ///   next one. A check whose cost exceeds a tier's capacity still gets
 ///   `CostExceedsCapacity`; a query is still answered.
-/// - **What a client is told during the block:** `retry_after` is exactly the time left in
-///   the block, or the wait the tiers themselves give if that is longer (a block shorter than
-///   a tier's refill), so that a retry then is refused neither by the block nor by the tiers;
-///   `Retry-After` rounds it up to whole seconds like every other refusal. The blocking tier
-///   reports `remaining` 0 and a `reset_after` of at least the time left (the `RateLimit`
-///   header's `r=0` and `t`), and is named violated with that retry. Other tiers report their
-///   own state.
+/// - **What a client is told during the block:** `retry_after` is exactly the time left in the
+///   block, or the wait the tiers themselves give if that is longer (a block shorter than a tier's
+///   refill), so that a retry then is refused neither by the block nor by the tiers; `Retry-After`
+///   rounds it up to whole seconds like every other refusal. The blocking tier reports `remaining`
+///   0 and a `reset_after` of at least the time left (the `RateLimit` header's `r=0` and `t`), and
+///   is named violated with that retry. Other tiers report their own state.
 /// - After the block the tiers decide on their own state, which the blocked requests did not
 ///   touch: if a tier is still exhausted then (a block shorter than its refill), a request
 ///   that comes before the retry it was given is refused by it, a new breach.
@@ -662,10 +660,9 @@ impl Penalty {
         Self { block, refusals: 1, within: Duration::ZERO }
     }
 
-    /// Blocks only at the `refusals`-th breach of which the first came less than `within`
-    /// before it. `refusals` is 1 to [`MAX_REFUSALS`](Self::MAX_REFUSALS) and, above 1,
-    /// `within` is 1 ns to [`MAX_SPAN`](crate::Quota::MAX_SPAN) (checked when the policy is
-    /// built).
+    /// Blocks only at the `refusals`-th breach of which the first came less than `within` before
+    /// it. `refusals` is 1 to [`MAX_REFUSALS`](Self::MAX_REFUSALS) and, above 1, `within` is 1 ns
+    /// to [`MAX_SPAN`](crate::Quota::MAX_SPAN) (checked when the policy is built).
     ///
     /// Refusals in the window are kept as instants, at most `refusals - 1` per key.
     #[must_use]
@@ -695,11 +692,10 @@ impl Penalty {
 }
 
 /// The class of a request, for tiers that reserve part of their capacity ([`Reserve`]), which
-/// refuse sheddable requests first as their limit nears, then standard ones. Each check
-/// carries one ([`Check::priority`](crate::store::Check::priority), standard by default), and
-/// the layer picks it per request
-/// ([`RateLimitLayerBuilder::priority`](crate::RateLimitLayerBuilder::priority)). On a tier
-/// without a reserve every class decides alike.
+/// refuse sheddable requests first as their limit nears, then standard ones. Each check carries one
+/// ([`Check::priority`](crate::store::Check::priority), standard by default), and the layer picks
+/// it per request ([`RateLimitLayerBuilder::priority`](crate::RateLimitLayerBuilder::priority)). On
+/// a tier without a reserve every class decides alike.
 ///
 /// ```
 /// use tollgate::Priority;
@@ -749,8 +745,7 @@ impl Priority {
         }
     }
 
-    /// The class's number in the Redis script's arguments (0 critical, 1 standard, 2
-    /// sheddable).
+    /// The class's number in the Redis script's arguments (0 critical, 1 standard, 2 sheddable).
     #[cfg(feature = "redis")]
     pub(crate) const fn index(self) -> u64 {
         match self {
@@ -902,6 +897,12 @@ impl Reserve {
 }
 
 /// What kind of limit a [`Tier`](crate::Tier) is.
+///
+/// ```
+/// # use tollgate::{Concurrency, Policy, TierKind};
+/// let policy = Policy::builder("jobs").concurrency("in-flight", Concurrency::new(4)).build().unwrap();
+/// assert_eq!(policy.tiers()[0].kind(), TierKind::Concurrency);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum TierKind {

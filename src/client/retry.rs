@@ -107,6 +107,37 @@ impl Jitter for FullJitter {
 
 /// A failed gRPC call's status, as [`RetryPolicy::call`] reads it: implemented for
 /// `tonic::Status` (with the `tonic` feature); implement it for another gRPC library's status.
+///
+/// ```
+/// use tollgate::client::{GrpcStatus, RetryPolicy};
+///
+/// /// Another gRPC library's status.
+/// struct Status {
+///     code: i32,
+/// }
+///
+/// impl GrpcStatus for Status {
+///     fn grpc_code(&self) -> i32 {
+///         self.code
+///     }
+///     fn retry_pushback(&self) -> Option<&[u8]> {
+///         None
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// let policy = RetryPolicy::<()>::builder().max_attempts(3).build().unwrap();
+/// let mut calls = 0;
+/// let result: Result<(), Status> = policy
+///     .call(|| {
+///         calls += 1;
+///         async { Err(Status { code: 8 }) } // RESOURCE_EXHAUSTED
+///     })
+///     .await;
+/// assert_eq!(calls, 3);
+/// assert_eq!(result.err().map(|s| s.code), Some(8));
+/// # }
+/// ```
 pub trait GrpcStatus {
     /// The status code, numbered as gRPC does (8 `RESOURCE_EXHAUSTED`, 14 `UNAVAILABLE`).
     fn grpc_code(&self) -> i32;
@@ -170,7 +201,8 @@ pub trait RetryErrors<E>: Send + Sync + 'static {
     fn is_transient(&self, error: &E) -> bool;
 }
 
-/// Retries no error (the default of [`RetryPolicy`]); see [`RetryErrors`].
+/// Retries no error (the default of [`RetryPolicy`]); see [`RetryErrors`], whose example
+/// chooses errors to retry instead.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NoErrors;
 
@@ -584,9 +616,25 @@ where
     }
 }
 
-/// Builds a [`RetryPolicy`], started by [`RetryPolicy::builder`] (see [`RetryPolicy`] for an
-/// example).
-/// Setters only collect values, and [`build`](Self::build) checks them all.
+/// Builds a [`RetryPolicy`], started by [`RetryPolicy::builder`]. Setters only collect values,
+/// and [`build`](Self::build) checks them all, failing with [`ConfigError::Invalid`] naming the
+/// setting.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::client::RetryPolicy;
+/// use tollgate::ConfigError;
+///
+/// let policy = RetryPolicy::<String>::builder()
+///     .max_attempts(4)
+///     .base(Duration::from_millis(50))
+///     .build()
+///     .unwrap();
+/// assert_eq!(policy.backoff_ceiling(2), Duration::from_millis(200));
+///
+/// let err = RetryPolicy::<String>::builder().max_attempts(0).build().unwrap_err();
+/// assert!(matches!(err, ConfigError::Invalid { setting: "max_attempts", .. }));
+/// ```
 #[must_use]
 pub struct RetryPolicyBuilder<B, C = NoErrors> {
     max_attempts: u32,

@@ -329,6 +329,19 @@ impl<St: Store> ReloadHandle<St> {
 }
 
 /// What a [reload](ReloadHandle::reload) did to each policy, by name (sorted).
+///
+/// ```
+/// use tollgate::config::{LimitsConfig, LimitsLayer};
+///
+/// let v1 = "[policies.api]\ntiers = [{ name = \"api\", count = 10, period = \"1m\" }]\n\
+///           [policies.login]\ntiers = [{ name = \"login\", count = 5, period = \"1m\" }]\n";
+/// let layer = LimitsLayer::new(LimitsConfig::from_toml(v1, "v1.toml").unwrap()).unwrap();
+/// let v2 = v1.replace("count = 10", "count = 20");
+/// let reloaded = layer.handle().reload(LimitsConfig::from_toml(&v2, "v2.toml").unwrap()).unwrap();
+/// assert_eq!(reloaded.changed(), ["api"]);
+/// assert_eq!(reloaded.kept(), ["login"]);
+/// assert!(reloaded.added().is_empty() && reloaded.removed().is_empty());
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct Reloaded {
@@ -364,12 +377,14 @@ impl Reloaded {
         &self.kept
     }
 
-    /// Policies whose algorithm or tiers changed: bound anew. Their keys keep their penalty
-    /// blocks and breaches, and their slots held (requests in flight count against the new
-    /// `max`); a rate or calendar tier that did not change keeps its state (on Redis: when no
-    /// rate or calendar tier changed), including what requests still in progress under the old
-    /// configuration charge it; a changed one starts as the policy's `changed_tiers` says (full
-    /// by default). The [module docs](super#reloading) list it per kind of tier.
+    /// Policies whose algorithm or tiers changed, which are bound anew with their keys' state
+    /// carried over as the [module docs](super#reloading) list it per kind of tier.
+    ///
+    /// Their keys keep their penalty blocks and breaches, and their slots held (requests in
+    /// flight count against the new `max`); a rate or calendar tier that did not change keeps
+    /// its state (on Redis: when no rate or calendar tier changed), including what requests
+    /// still in progress under the old configuration charge it; a changed one starts as the
+    /// policy's `changed_tiers` says (full by default).
     #[must_use]
     pub fn changed(&self) -> &[String] {
         &self.changed

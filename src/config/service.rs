@@ -18,7 +18,44 @@ use crate::headers::{Collected, PreparedHeaders};
 use crate::layer::{RequestBody, ResponseBody, ResponseFuture};
 use crate::store::{MemoryStore, Store};
 
-/// The service made by [`LimitsLayer`](super::LimitsLayer).
+/// The service made by [`LimitsLayer`](super::LimitsLayer). `poll_ready` is the inner
+/// service's; nothing is decided before `call`.
+///
+/// ```
+/// use std::convert::Infallible;
+/// use http::{Request, Response};
+/// use tollgate::RequestBody;
+/// use tollgate::config::{LimitsConfig, LimitsLayer};
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let toml = r#"
+///     [policies.api]
+///     tiers = [{ name = "api", count = 10, period = "1m" }]
+///     [policies.fleet]
+///     tiers = [{ name = "fleet", count = 100, period = "1m" }]
+///     [[rules]]
+///     name = "api"
+///     paths = ["/api/*"]
+///     key = "global"
+///     policy = "api"
+///     [[rules]]
+///     name = "fleet"
+///     paths = ["/api/*"]
+///     key = "global"
+///     policy = "fleet"
+/// "#;
+/// let layer = LimitsLayer::new(LimitsConfig::from_toml(toml, "limits.toml").unwrap()).unwrap();
+/// let svc = layer.layer(service_fn(|_req: Request<RequestBody<String>>| async {
+///     Ok::<_, Infallible>(Response::new(String::new()))
+/// }));
+/// let res = svc.oneshot(Request::get("/api/a").body(String::new()).unwrap()).await.unwrap();
+/// // Both rules limited the request; their items are written once, the first rule's first.
+/// assert_eq!(res.headers()["ratelimit"], r#""api";r=9;t=6, "fleet";r=99;t=1"#);
+/// # }
+/// ```
+///
+/// # How it works
 ///
 /// Reads the running configuration once per request (without locking), then: no rule matches,
 /// the inner service's future as it is; one rule, that rule's
@@ -28,7 +65,6 @@ use crate::store::{MemoryStore, Store};
 /// are one body, metered by each rule in turn, and their rate-limit headers are written once,
 /// from the decisions each rule hands on, the first rule's items first (see
 /// [several rules](super#several-rules-one-policy)).
-/// `poll_ready` is the inner service's; nothing is decided before `call`.
 pub struct Limits<S, St: Store = MemoryStore> {
     inner: S,
     shared: Arc<Shared<St>>,

@@ -350,6 +350,31 @@ pin_project! {
     /// bytes of a response the layer made itself (a 429, a 503, a 400). No boxing either way,
     /// however many layers limited the request.
     ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use http::{Request, Response, StatusCode};
+    /// use http_body_util::BodyExt;
+    /// use tollgate::{Policy, Quota, RateLimitLayer, RequestBody, key::GlobalKey};
+    /// use tower::{Layer, ServiceExt, service_fn};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_minute(1)).unwrap())
+    ///     .key(GlobalKey)
+    ///     .build()
+    ///     .unwrap();
+    /// let svc = layer.layer(service_fn(|_req: Request<RequestBody<String>>| async {
+    ///     Ok::<_, Infallible>(Response::new(String::from("hi")))
+    /// }));
+    /// let ok = svc.clone().oneshot(Request::new(String::new())).await.unwrap();
+    /// assert_eq!(ok.into_body().collect().await.unwrap().to_bytes(), "hi"); // the handler's body
+    /// let refused = svc.oneshot(Request::new(String::new())).await.unwrap();
+    /// assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    /// let body = refused.into_body().collect().await.unwrap().to_bytes(); // the layer's own
+    /// let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    /// assert_eq!(problem["violated-policies"], serde_json::json!(["api"]));
+    /// # }
+    /// ```
+    ///
     /// # How a body ends
     ///
     /// Under a policy with concurrency tiers or tiers counting bytes, messages or reported

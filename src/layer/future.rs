@@ -61,8 +61,9 @@ pub(crate) type Refund = Box<dyn FnOnce(StatusCode) -> Option<Settle> + Send>;
 pub(crate) type Settle = Pin<Box<dyn Future<Output = PreparedHeaders> + Send>>;
 
 pin_project! {
-    /// The response future of [`RateLimit`](crate::layer::RateLimit): `F` is the inner service's future,
-    /// `B` its response body, `E` its error.
+    /// The response future of [`RateLimit`](crate::layer::RateLimit): `F` is the inner
+    /// service's future, `B` its response body, `E` its error. See
+    /// [`RateLimitLayer`](crate::RateLimitLayer) for an example.
     ///
     /// A request the store decides at once and admits is the inner future plus its prepared
     /// headers, and the charge to give back if its response says so (a `405 Method Not

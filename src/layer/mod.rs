@@ -70,6 +70,23 @@ use crate::rejection::RateLimited;
 use crate::store::{MemoryStore, Store};
 
 /// What to do with a request whose key cannot be read.
+///
+/// ```
+/// use http::{HeaderName, Request, Response, StatusCode};
+/// use tollgate::{MissingKey, Policy, Quota, RateLimitLayer, key::HeaderKey};
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(10)).unwrap())
+///     .key(HeaderKey::new(HeaderName::from_static("x-api-key")))
+///     .missing_key(MissingKey::Reject(StatusCode::UNAUTHORIZED)) // the default answers 400
+///     .build()
+///     .unwrap();
+/// let svc = layer.layer(service_fn(|_req| async { Ok::<_, String>(Response::new(String::new())) }));
+/// let res = svc.oneshot(Request::new(String::new())).await.unwrap(); // no `x-api-key` header
+/// assert_eq!(res.status(), StatusCode::UNAUTHORIZED);
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum MissingKey {
@@ -91,6 +108,15 @@ impl Default for MissingKey {
 /// (`RedisStore`, by default) falls back before this applies. Either
 /// way the failure is logged once when it starts and once when it ends, and counted
 /// (`tollgate_store_failures_total`, feature `metrics`).
+///
+/// ```
+/// use tollgate::{OnStoreError, Policy, Quota, RateLimitLayer};
+///
+/// let policy = Policy::single("api", Quota::per_second(10)).unwrap();
+/// // Availability over strictness, by explicit choice (the default is `FailClosed`):
+/// let layer = RateLimitLayer::builder(policy).on_store_error(OnStoreError::FailOpen).build();
+/// assert!(layer.is_ok());
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[cfg_attr(feature = "config", derive(serde::Deserialize), serde(rename_all = "snake_case"))]
 #[non_exhaustive]

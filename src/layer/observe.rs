@@ -12,6 +12,33 @@ use crate::policy::Policy;
 
 /// What happened to a request, as the layer reports it to the
 /// [decision hook](super::RateLimitLayerBuilder::on_decision) and to metrics.
+///
+/// ```
+/// use std::sync::{Arc, Mutex};
+/// use bytes::Bytes;
+/// use http::{Request, Response};
+/// use http_body_util::Full;
+/// use tollgate::layer::Observed;
+/// use tollgate::{Policy, Quota, RateLimitLayer, key::GlobalKey};
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let seen = Arc::new(Mutex::new(Vec::new()));
+/// let log = Arc::clone(&seen);
+/// let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_minute(1)).unwrap())
+///     .key(GlobalKey)
+///     .on_decision(move |event| log.lock().unwrap().push(event.outcome))
+///     .build()
+///     .unwrap();
+/// let svc = layer.layer(service_fn(|_req| async {
+///     Ok::<_, std::convert::Infallible>(Response::new(Full::<Bytes>::default()))
+/// }));
+/// for _ in 0..2 {
+///     svc.clone().oneshot(Request::new(Full::<Bytes>::default())).await.unwrap();
+/// }
+/// assert_eq!(*seen.lock().unwrap(), [Observed::Admitted, Observed::Limited]);
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Observed {
@@ -66,6 +93,19 @@ pub struct DecisionEvent<'a> {
 }
 
 /// How keys appear in the layer's log events.
+///
+/// ```
+/// use tollgate::layer::LogKeys;
+/// use tollgate::{Policy, Quota, RateLimitLayer};
+///
+/// assert_eq!(LogKeys::default(), LogKeys::Redacted);
+/// // Keys as they are in the log, while debugging:
+/// let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(10)).unwrap())
+///     .log_keys(LogKeys::Raw)
+///     .build()
+///     .unwrap();
+/// # let _ = layer;
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[cfg_attr(feature = "config", derive(serde::Deserialize), serde(rename_all = "snake_case"))]
 #[non_exhaustive]

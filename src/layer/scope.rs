@@ -15,6 +15,31 @@ use crate::store::Store;
 
 /// What to do with a request the layer's [selector](super::RateLimitLayerBuilder::select)
 /// chose no policy for.
+///
+/// ```
+/// use bytes::Bytes;
+/// use http::{Request, Response, StatusCode};
+/// use http_body_util::Full;
+/// use tollgate::layer::Unselected;
+/// use tollgate::{Policy, Quota, RateLimitLayer, key::GlobalKey};
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let layer = RateLimitLayer::builder(Policy::single("pro", Quota::per_second(100)).unwrap())
+///     .key(GlobalKey)
+///     .select(|head| head.headers.get("x-plan").and_then(|v| v.to_str().ok()))
+///     .unselected(Unselected::Reject(StatusCode::FORBIDDEN))
+///     .build()
+///     .unwrap();
+/// let svc = layer.layer(service_fn(|_req| async {
+///     Ok::<_, std::convert::Infallible>(Response::new(Full::<Bytes>::default()))
+/// }));
+/// let pro = Request::builder().header("x-plan", "pro").body(Full::<Bytes>::default()).unwrap();
+/// assert_eq!(svc.clone().oneshot(pro).await.unwrap().status(), StatusCode::OK);
+/// let none = Request::new(Full::<Bytes>::default());
+/// assert_eq!(svc.oneshot(none).await.unwrap().status(), StatusCode::FORBIDDEN);
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum Unselected {

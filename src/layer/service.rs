@@ -27,6 +27,28 @@ use crate::store::Store;
 /// Decides in `call`, never in `poll_ready` (which is delegated to the inner service), so no
 /// capacity is taken for a request that never comes. Limits become responses; the inner
 /// service's error passes through unchanged.
+///
+/// ```
+/// use std::convert::Infallible;
+/// use http::{Request, Response, StatusCode};
+/// use tollgate::{Policy, Quota, RateLimitLayer, RequestBody, key::GlobalKey};
+/// use tower::{Layer, Service, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_minute(1)).unwrap())
+///     .key(GlobalKey)
+///     .build()
+///     .unwrap();
+/// let mut svc = layer.layer(service_fn(|_req: Request<RequestBody<String>>| async {
+///     Ok::<_, Infallible>(Response::new(String::from("hi")))
+/// }));
+/// for _ in 0..3 {
+///     svc.ready().await.unwrap(); // readiness takes no quota
+/// }
+/// let res = svc.call(Request::new(String::new())).await.unwrap();
+/// assert_eq!(res.status(), StatusCode::OK); // the minute's one request
+/// # }
+/// ```
 pub struct RateLimit<S, K, St: Store, B = Metered> {
     inner: S,
     config: Arc<Config<K, St>>,
@@ -136,7 +158,8 @@ mod sealed {
 }
 
 /// The bodies of the layer's service wrapped to be metered (the default): the handler gets
-/// [`RequestBody`], the service answers with [`ResponseBody`]. See [`Bodies`].
+/// [`RequestBody`], the service answers with [`ResponseBody`]. See [`Bodies`], and
+/// [`RateLimitLayer`](crate::RateLimitLayer) for an example.
 #[derive(Debug)]
 pub enum Metered {}
 
@@ -150,7 +173,8 @@ impl Bodies for Metered {
 }
 
 /// The bodies of the layer's service handed on as they are, for policies that observe no
-/// body ([`RateLimitLayer::lean`](crate::RateLimitLayer::lean)). See [`Bodies`].
+/// body ([`RateLimitLayer::lean`](crate::RateLimitLayer::lean), whose example shows it). See
+/// [`Bodies`].
 #[derive(Debug)]
 pub enum Lean {}
 

@@ -322,6 +322,15 @@ pub(crate) fn unmetered_upgrade() -> http::Response<bytes::Bytes> {
 /// The refusal of a handler asking for a [`MessageBudget`] that the layer did not give: a
 /// server misconfiguration, answered `500 Internal Server Error` with a plain-text reason
 /// (the route is not behind a `RateLimitLayer`, or the request is not a WebSocket upgrade).
+///
+/// ```
+/// use axum::response::IntoResponse;
+/// use http::StatusCode;
+/// use tollgate::ws::MissingBudget;
+///
+/// // A handler asking for a `MessageBudget` on a route without the layer gets this answer:
+/// assert_eq!(MissingBudget.into_response().status(), StatusCode::INTERNAL_SERVER_ERROR);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MissingBudget;
 
@@ -344,7 +353,7 @@ impl IntoResponse for MissingBudget {
 
 /// Why a [`MeteredWebSocket`] was closed by policing: the error its sends return from then
 /// on (inside the [`axum::Error`]: `error.into_inner().downcast::<BudgetSpent>()`), also
-/// told by [`MeteredWebSocket::spent`].
+/// told by [`MeteredWebSocket::spent`]. [`MeteredWebSocket`]'s example reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BudgetSpent {
     unit: Unit,

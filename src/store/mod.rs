@@ -200,6 +200,22 @@ impl<'a> Check<'a> {
 /// A store's answer: the decision and, for an admitted request that asked for one
 /// ([`Check::ticket`]) and cost more than 0, or that took concurrency slots, a ticket to settle,
 /// cancel or release it.
+///
+/// ```
+/// use tollgate::clock::FakeClock;
+/// use tollgate::key::Key;
+/// use tollgate::store::{Check, MemoryStore};
+/// use tollgate::{Policy, Quota};
+///
+/// let store = MemoryStore::builder().clock(FakeClock::new()).build().unwrap();
+/// let bound = store.bind_policy(&Policy::single("api", Quota::per_minute(10)).unwrap());
+/// let key = Key::text("alice");
+/// let verdict = store.check_now(&bound, Check::new(&key, 4).with_ticket());
+/// assert!(verdict.decision.is_allowed());
+/// // The request used 1 unit, not the 4 estimated: settling gives 3 back.
+/// store.settle_now(&bound, verdict.ticket.unwrap(), 1);
+/// assert_eq!(store.check_now(&bound, Check::new(&key, 0)).decision.tiers()[0].remaining(), 9);
+/// ```
 #[derive(Debug)]
 #[non_exhaustive]
 pub struct Verdict<T> {

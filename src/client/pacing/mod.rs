@@ -212,7 +212,8 @@ impl<K: KeyExtractor> Shared<K> {
 }
 
 /// The service made by [`PacingLayer`]: holds each request until its partition's server would
-/// accept it, then sends it and reads the response's rate-limit fields.
+/// accept it, then sends it and reads the response's rate-limit fields. See [`PacingLayer`] for
+/// an example.
 ///
 /// `poll_ready` is the inner service's. A request that may go at once is sent on the service
 /// that was polled ready; one that must wait is sent, after the wait, on that service taken out
@@ -285,6 +286,8 @@ where
 /// The response future of [`Pacing`]: the wait for the partition, then the inner service's
 /// future (boxed, as the wait is an `async` state machine). `T` is the response, `E` the inner
 /// service's error, passed through unchanged.
+///
+/// See [`PacingLayer`] for an example.
 pub struct ResponseFuture<T, E> {
     inner: Pin<Box<dyn Future<Output = Result<T, E>> + Send>>,
 }

@@ -3,6 +3,24 @@
 use super::*;
 
 /// Configures a [`MemoryStore`]; see [`MemoryStore::builder`].
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::clock::FakeClock;
+/// use tollgate::store::MemoryStore;
+/// use tollgate::ConfigError;
+///
+/// let store = MemoryStore::builder()
+///     .clock(FakeClock::new())
+///     .max_keys(100_000)
+///     .sweep_interval(Duration::from_secs(30))
+///     .build()
+///     .unwrap();
+/// assert!(store.is_empty());
+///
+/// let err = MemoryStore::builder().max_keys(0).build().unwrap_err();
+/// assert!(matches!(err, ConfigError::Invalid { setting: "max_keys", .. }));
+/// ```
 #[derive(Clone, Debug)]
 #[must_use]
 pub struct MemoryStoreBuilder {

@@ -31,7 +31,36 @@ use crate::store::{Carry, Check, Verdict};
 
 impl MemoryStore {
     /// Binds `policy` in place of `old` (see [`Store::rebind`](crate::store::Store::rebind)),
-    /// carrying each key's state over, tier by tier, matched by name:
+    /// carrying each key's state over, tier by tier, matched by name. A rate or calendar tier
+    /// whose state cannot be kept starts as `carry` says.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::key::Key;
+    /// use tollgate::store::{Carry, Check, MemoryStore};
+    /// use tollgate::{Penalty, Policy, Quota};
+    ///
+    /// let guard = |block: u64| {
+    ///     Policy::builder("login")
+    ///         .tier("minute", Quota::per_minute(2))
+    ///         .penalty("minute", Penalty::new(Duration::from_secs(block * 60)))
+    ///         .build()
+    ///         .unwrap()
+    /// };
+    /// let store = MemoryStore::new();
+    /// let old = store.bind_policy(&guard(15));
+    /// let key = Key::text("mallory");
+    /// let verdicts: Vec<bool> =
+    ///     (0..3).map(|_| store.check_now(&old, Check::new(&key, 1)).decision.is_allowed()).collect();
+    /// assert_eq!(verdicts, [true, true, false]); // the breach blocks for 15 minutes
+    /// let new = store.rebind_policy(&old, &guard(30), Carry::StartFull);
+    /// let d = store.check_now(&new, Check::new(&key, 1)).decision;
+    /// assert!(d.retry_after().unwrap() > Duration::from_secs(14 * 60)); // still blocked
+    /// ```
+    ///
+    /// # How it works
+    ///
+    /// What each tier of `policy` keeps:
     /// - a rate or calendar tier whose definition did not change (its penalty box aside), under
     ///   the same time unit and, for a rate tier, algorithm, keeps its state as it is (between
     ///   the compact one-tier GCRA form and general tables too); another one starts as `carry`
@@ -58,30 +87,6 @@ impl MemoryStore {
     /// charges stay in it and are not seen by the new binding, which then counts no slot
     /// held through them.) Rebinding a binding that was replaced already rebinds its
     /// replacement, which holds the newest state.
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// use tollgate::key::Key;
-    /// use tollgate::store::{Carry, Check, MemoryStore};
-    /// use tollgate::{Penalty, Policy, Quota};
-    ///
-    /// let guard = |block: u64| {
-    ///     Policy::builder("login")
-    ///         .tier("minute", Quota::per_minute(2))
-    ///         .penalty("minute", Penalty::new(Duration::from_secs(block * 60)))
-    ///         .build()
-    ///         .unwrap()
-    /// };
-    /// let store = MemoryStore::new();
-    /// let old = store.bind_policy(&guard(15));
-    /// let key = Key::text("mallory");
-    /// let verdicts: Vec<bool> =
-    ///     (0..3).map(|_| store.check_now(&old, Check::new(&key, 1)).decision.is_allowed()).collect();
-    /// assert_eq!(verdicts, [true, true, false]); // the breach blocks for 15 minutes
-    /// let new = store.rebind_policy(&old, &guard(30), Carry::StartFull);
-    /// let d = store.check_now(&new, Check::new(&key, 1)).decision;
-    /// assert!(d.retry_after().unwrap() > Duration::from_secs(14 * 60)); // still blocked
-    /// ```
     #[must_use]
     pub fn rebind_policy(&self, old: &MemoryPolicy, policy: &Policy, carry: Carry) -> MemoryPolicy {
         let inner = &self.inner;

@@ -116,12 +116,29 @@ struct Inner {
     rebinding: Mutex<()>,
 }
 
-/// A policy bound to a [`MemoryStore`] ([`Store::bind`]): its table in every shard, the
-/// compact GCRA form when it applies, and its overflow bucket, shared by every binding of the
-/// same policy (name, algorithm and tiers) to the same store. The state outlives them: the next
-/// binding of the policy finds it, until its keys are idle and swept.
+/// A policy bound to a [`MemoryStore`] ([`Store::bind`]), which always decides in the store
+/// that bound it. Every binding of the same policy (name, algorithm and tiers) to the same store
+/// shares one state, which outlives them until its keys are idle and swept.
 ///
-/// It always decides in the store that bound it.
+/// That state is the policy's table in every shard, the compact GCRA form when it applies, and
+/// its overflow bucket: the next binding of the policy finds it.
+///
+/// ```
+/// use tollgate::clock::FakeClock;
+/// use tollgate::key::Key;
+/// use tollgate::store::{Check, MemoryStore};
+/// use tollgate::{Policy, Quota};
+///
+/// let store = MemoryStore::builder().clock(FakeClock::new()).build().unwrap();
+/// let policy = Policy::single("api", Quota::per_minute(10)).unwrap();
+/// let first = store.bind_policy(&policy);
+/// store.check_now(&first, Check::new(&Key::text("alice"), 4));
+/// // A second binding of the same policy shares its state.
+/// let second = store.bind_policy(&policy);
+/// assert_eq!(second.policy().name(), "api");
+/// let d = store.check_now(&second, Check::new(&Key::text("alice"), 0)).decision;
+/// assert_eq!(d.tiers()[0].remaining(), 6);
+/// ```
 pub struct MemoryPolicy {
     id: usize,
     core: Arc<Core>,
@@ -154,6 +171,22 @@ impl MemoryPolicy {
 /// What an admitted request was charged in a [`MemoryStore`] (see [`Store::Ticket`]).
 ///
 /// A ticket that holds concurrency slots gives them back when it is dropped.
+///
+/// ```
+/// use tollgate::clock::FakeClock;
+/// use tollgate::key::Key;
+/// use tollgate::store::{Check, MemoryStore};
+/// use tollgate::{Policy, Quota};
+///
+/// let store = MemoryStore::builder().clock(FakeClock::new()).build().unwrap();
+/// let bound = store.bind_policy(&Policy::single("api", Quota::per_minute(10)).unwrap());
+/// let key = Key::text("alice");
+/// let verdict = store.check_now(&bound, Check::new(&key, 4).with_ticket());
+/// assert!(verdict.decision.is_allowed());
+/// // The request used 1 unit, not the 4 estimated: settling gives 3 back.
+/// store.settle_now(&bound, verdict.ticket.unwrap(), 1);
+/// assert_eq!(store.check_now(&bound, Check::new(&key, 0)).decision.tiers()[0].remaining(), 9);
+/// ```
 #[derive(Debug)]
 pub struct MemoryTicket(Box<Charged>);
 
@@ -282,11 +315,13 @@ impl MemoryStore {
     }
 
     /// Gives back at once `cost` units charged to `key` by an admitted check of a policy of one
-    /// GCRA tier decided in whole nanoseconds (the compact form; see [`Store::refund_sync`]):
+    /// GCRA tier decided in whole nanoseconds (the compact form; see [`Store::refund_sync`]),
     /// as settling its ticket at 0 would. A fixed-window policy (rate tiers only) is given the
-    /// units back in each tier's current window, never below 0. Any other policy is left
-    /// unchanged. A key whose check went to the overflow bucket of a full store has nothing of
-    /// its own to give back.
+    /// units back in each tier's current window, never below 0, and any other policy is left
+    /// unchanged.
+    ///
+    /// A key whose check went to the overflow bucket of a full store has nothing of its own to
+    /// give back.
     ///
     /// ```
     /// use tollgate::store::MemoryStore;

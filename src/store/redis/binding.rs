@@ -4,6 +4,22 @@ use super::*;
 
 /// A policy bound to a [`RedisStore`] ([`Store::bind`]): validated for the scripts, with its key
 /// prefix and its part of every script call rendered, and bound to the local fallback store.
+///
+/// ```
+/// use tollgate::store::{Lease, RedisStore, Store};
+/// use tollgate::{Policy, Quota};
+///
+/// # fn main() -> Result<(), tollgate::ConfigError> {
+/// let store = RedisStore::builder("redis://127.0.0.1:6380/")
+///     .lease_policy("search", Lease::new())
+///     .build()?;
+/// // Binding checks the policy for the scripts; it connects nothing.
+/// let search = store.bind(&Policy::single("search", Quota::per_second(1_000))?)?;
+/// assert_eq!(search.policy().name(), "search");
+/// assert_eq!(search.lease(), Some(Lease::new()));
+/// assert_eq!(search.refused_locally(), 0);
+/// # Ok(()) }
+/// ```
 pub struct RedisPolicy {
     pub(super) policy: Policy,
     /// The state key's parts around the key: `{prefix}{{policy}|` and `}:{fingerprint}`.
@@ -36,12 +52,14 @@ impl RedisPolicy {
         &self.policy
     }
 
-    /// The Redis key of the state of `key` (for inspection: `TTL`, `EXISTS`): by default
+    /// The Redis key of the state of `key`, for inspection (`TTL`, `EXISTS`). By default
     /// `{prefix}{{policy}|#{hash}}:{fingerprint}`, with the keyed hash of `key` (see
     /// [`RedisStoreBuilder::key_secret`]), or with the key itself under
-    /// [`raw_keys`](RedisStoreBuilder::raw_keys). Sliding-log policies also use `{this}:z1`,
-    /// `{this}:z2`, ... per rate tier; a concurrency tier keeps its slots, and a penalty box
-    /// its block, under the same name less `:{fingerprint}`, plus `:c:{tier}` or `:p:{tier}`.
+    /// [`raw_keys`](RedisStoreBuilder::raw_keys).
+    ///
+    /// Sliding-log policies also use `{this}:z1`, `{this}:z2`, ... per rate tier. A
+    /// concurrency tier keeps its slots, and a penalty box its block, under the same name less
+    /// `:{fingerprint}`, plus `:c:{tier}` or `:p:{tier}`.
     ///
     /// ```
     /// use tollgate::key::Key;

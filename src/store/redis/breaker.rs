@@ -18,6 +18,17 @@ use tokio::time::Instant;
 use crate::clock::duration_to_nanos;
 
 /// The state of a [`RedisStore`](super::RedisStore)'s circuit breaker.
+///
+/// ```
+/// use tollgate::store::{BreakerState, RedisStore};
+///
+/// # fn main() -> Result<(), tollgate::ConfigError> {
+/// let store = RedisStore::builder("redis://127.0.0.1:6380/").build()?;
+/// // No call has failed yet: calls go to Redis.
+/// assert_eq!(store.breaker_state(), BreakerState::Closed);
+/// assert_eq!(store.breaker_states(), [("127.0.0.1:6380".to_owned(), BreakerState::Closed)]);
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum BreakerState {

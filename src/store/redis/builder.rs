@@ -2,9 +2,25 @@
 
 use super::*;
 
-/// Configures a [`RedisStore`]; see [`RedisStore::builder`], [`RedisStore::cluster_builder`]
-/// and [`RedisStore::sentinel_builder`]. Setters only collect values; [`build`](Self::build)
-/// checks them.
+/// Configures a [`RedisStore`], made by [`RedisStore::builder`], [`RedisStore::cluster_builder`]
+/// or [`RedisStore::sentinel_builder`]. Setters only collect values, and [`build`](Self::build)
+/// checks them, failing with [`ConfigError::Invalid`] naming the setting.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::store::RedisStore;
+/// use tollgate::ConfigError;
+///
+/// // Building connects nothing: the store connects on its first check.
+/// let store = RedisStore::builder("redis://127.0.0.1:6380/")
+///     .prefix("myapp:")
+///     .timeout(Duration::from_millis(50))
+///     .build();
+/// assert!(store.is_ok());
+///
+/// let err = RedisStore::builder("redis://127.0.0.1:6380/").prefix("{bad}").build().unwrap_err();
+/// assert!(matches!(err, ConfigError::Invalid { setting: "prefix", .. }));
+/// ```
 #[must_use]
 pub struct RedisStoreBuilder {
     /// The server's URL, the Cluster's seeds, or the sentinels.
@@ -61,14 +77,12 @@ impl RedisStoreBuilder {
         }
     }
 
-    /// Through Redis Sentinel ([`RedisStore::sentinel_builder`]), how to connect to the servers
-    /// the sentinels name: the scheme of `url` (`redis`, or `rediss` for TLS), its user,
-    /// password and database number (`redis://user:password@master/2`). Its host and port are
-    /// not used (the sentinels give them). By default, plain TCP, no password, database 0.
-    ///
-    /// [`build`](Self::build) fails with [`ConfigError::Invalid`] on `master_url` when the
-    /// `redis` crate cannot parse `url`, or when the store is not built with
-    /// [`RedisStore::sentinel_builder`].
+    /// The scheme (`redis`, or `rediss` for TLS), user, password and database number with which
+    /// to connect to the servers Redis Sentinel names ([`RedisStore::sentinel_builder`]), as a
+    /// URL (`redis://user:password@master/2`; its host and port are not used, the sentinels
+    /// give them). By default, plain TCP, no password, database 0. [`build`](Self::build) fails
+    /// with [`ConfigError::Invalid`] on `master_url` when the `redis` crate cannot parse `url`,
+    /// or when the store is not built with [`RedisStore::sentinel_builder`].
     pub fn master_url(mut self, url: impl Into<String>) -> Self {
         self.master_url = Some(url.into());
         self
@@ -109,20 +123,22 @@ impl RedisStoreBuilder {
     }
 
     /// Names Redis keys by the key itself, `{prefix}{{policy}|{key}}:{fingerprint}` with the
-    /// key's `Display` form (`s5:alice`, `ip:203.0.113.7`), instead of its keyed hash: for
-    /// debugging, on a Redis nobody else reads. The keys then appear in `SCAN`, `MONITOR` and
-    /// RDB files. Nodes with raw keys and nodes with hashed keys do not share budgets.
-    /// Overrides [`key_secret`](Self::key_secret).
+    /// key's `Display` form (`s5:alice`, `ip:203.0.113.7`), instead of its keyed hash, for
+    /// debugging on a Redis nobody else reads. Overrides [`key_secret`](Self::key_secret).
+    ///
+    /// The keys then appear in `SCAN`, `MONITOR` and RDB files. Nodes with raw keys and nodes
+    /// with hashed keys do not share budgets.
     pub fn raw_keys(mut self) -> Self {
         self.key_secret = None;
         self
     }
 
-    /// Decide at this clock's instants instead of the Redis server's `TIME` (default). Every
-    /// instance must then share one time base: meant for deterministic tests with a
-    /// [`FakeClock`](crate::clock::FakeClock). Keys still expire on Redis's clock, so give a
-    /// [`ttl_grace`](Self::ttl_grace) that covers the drift between the two. The default
-    /// fallback store decides on this clock too.
+    /// Decides at this clock's instants instead of the Redis server's `TIME` (the default), for
+    /// deterministic tests with a [`FakeClock`](crate::clock::FakeClock). Every instance must
+    /// then share one time base.
+    ///
+    /// Keys still expire on Redis's clock, so give a [`ttl_grace`](Self::ttl_grace) that covers
+    /// the drift between the two. The default fallback store decides on this clock too.
     pub fn clock(mut self, clock: impl Clock) -> Self {
         let clock = AnyClock::new(clock);
         if self.fallback.is_some() {
@@ -132,9 +148,13 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// How long a check waits for a server that does not answer, from the moment it is made:
-    /// time queued behind other checks and connecting included (default 100 ms; at least 1 ms).
-    /// A check then returns [`StoreError::Timeout`] (and is decided by the fallback, if any).
+    /// How long a check waits for a server that does not answer, counted from the moment it is
+    /// made, time queued behind other checks and connecting included (default 100 ms; at least
+    /// 1 ms). A check then returns [`StoreError::Timeout`] (and is decided by the fallback, if
+    /// any).
+    ///
+    /// # How it works
+    ///
     /// While the server keeps answering, a check late only because this machine is busy waits
     /// for its turn, up to ten times this (see [`RedisStore`], "Timeouts, per check"). The
     /// circuit breaker counts a script call as failed when the server has not replied within
@@ -164,8 +184,8 @@ impl RedisStoreBuilder {
     }
 
     /// Decides on this local store while a server fails or its breaker is open (the default is
-    /// a new [`MemoryStore`]). Each instance then enforces the policy on its own: a fleet of `n`
-    /// admits up to `n` times the limit until Redis answers again. Charges made locally are
+    /// a new [`MemoryStore`]). Each instance then enforces the policy on its own, so a fleet of
+    /// `n` admits up to `n` times the limit until Redis answers again. Charges made locally are
     /// settled locally.
     pub fn fallback(mut self, local: MemoryStore) -> Self {
         self.fallback = Some(local);
@@ -230,15 +250,16 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Lease mode for the policy named `policy` (see [`Lease`]): this instance takes blocks of
-    /// a key's budget from Redis in one call and spends them locally. Overrides
-    /// [`lease`](Self::lease) for that policy. Instances in lease mode and in exact mode share
-    /// one budget.
+    /// Lease mode for the policy named `policy` (see [`Lease`]), overriding
+    /// [`lease`](Self::lease) for that policy. Binding the policy fails with
+    /// [`ConfigError::UnsupportedByStore`], naming the tier, when a tier cannot lease.
+    ///
+    /// This instance takes blocks of a key's budget from Redis in one call and spends them
+    /// locally. Instances in lease mode and in exact mode share one budget.
     ///
     /// Rate tiers of GCRA, the token and leaky buckets and the fixed window lease, beside
-    /// calendar tiers. Binding the policy fails with [`ConfigError::UnsupportedByStore`],
-    /// naming the tier, when it cannot lease: a sliding window or log, a concurrency tier, a
-    /// penalty box or a reserve, or a tier counting other units than requests.
+    /// calendar tiers. A tier cannot lease when it is a sliding window or log, a concurrency
+    /// tier, a penalty box or a reserve, or a tier counting other units than requests.
     ///
     /// A name that no policy bound to the store uses by the store's first check (a misspelling:
     /// `"serch"` for a policy named `"search"`) leases nothing: it is logged once at `warn`,

@@ -157,6 +157,20 @@ pub(crate) struct Node {
 }
 
 /// What a Redis server said of itself (`INFO server`) when a connection to it opened.
+///
+/// ```no_run
+/// use tollgate::store::{RedisStore, ServerKind};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = RedisStore::builder("redis://127.0.0.1:6380/").build()?;
+/// store.connect().await?;
+/// for server in store.servers() {
+///     let name = if server.kind == ServerKind::Valkey { "Valkey" } else { "Redis" };
+///     println!("{}: {name} {}", server.addr, server.version);
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ServerInfo {
@@ -169,6 +183,20 @@ pub struct ServerInfo {
 }
 
 /// The kind of server a [`RedisStore`](super::RedisStore) talks to.
+///
+/// ```no_run
+/// use tollgate::store::{RedisStore, ServerKind};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = RedisStore::builder("redis://127.0.0.1:6380/").build()?;
+/// store.connect().await?;
+/// for server in store.servers() {
+///     let name = if server.kind == ServerKind::Valkey { "Valkey" } else { "Redis" };
+///     println!("{}: {name} {}", server.addr, server.version);
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ServerKind {

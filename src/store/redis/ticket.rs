@@ -4,7 +4,10 @@
 use super::*;
 
 /// What an admitted request was charged through a [`RedisStore`] (see [`Store::Ticket`]): in
-/// Redis, or in the local fallback when Redis could not decide.
+/// Redis, or in the local fallback when Redis could not decide. A [`Reservation`] holds one
+/// (its example settles a ticket, on the memory store).
+///
+/// [`Reservation`]: crate::Reservation
 #[derive(Debug)]
 pub struct RedisTicket(pub(super) Charged);
 

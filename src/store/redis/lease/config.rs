@@ -190,6 +190,7 @@ impl Lease {
     /// The largest block an instance takes for a key, in the policy's units (default 64; at
     /// least 1, checked by [`build`](crate::store::redis::RedisStoreBuilder::build)). It bounds what an
     /// instance can strand and, for the rate algorithms, the extra admissions per instance.
+    ///
     /// An instance spends at most about one block per round trip to Redis on a key (its
     /// checks wait while the next block is taken, unless it was asked for ahead of need, see
     /// [`prefetch`](Self::prefetch)), so size it to what the key admits per instance in a

@@ -4,6 +4,21 @@ use super::*;
 
 /// What a binding's leases have done, since it was made ([`RedisPolicy::lease_stats`]).
 ///
+/// ```
+/// use tollgate::store::{Lease, LeaseStats, RedisStore, Store};
+/// use tollgate::{Policy, Quota};
+///
+/// # fn main() -> Result<(), tollgate::ConfigError> {
+/// let store = RedisStore::builder("redis://127.0.0.1:6380/").lease(Lease::new()).build()?;
+/// let bound = store.bind(&Policy::single("api", Quota::per_second(1_000))?)?;
+/// let stats: LeaseStats = bound.lease_stats();
+/// assert_eq!(stats, LeaseStats::default()); // no check yet
+/// // The checks Redis never saw, of all the leasing checks:
+/// let local = stats.decided_locally + stats.refused_locally;
+/// assert_eq!(local + stats.decided_on_redis, 0);
+/// # Ok(()) }
+/// ```
+///
 /// [`RedisPolicy::lease_stats`]: crate::store::redis::RedisPolicy::lease_stats
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
