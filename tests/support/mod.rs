@@ -126,3 +126,42 @@ pub fn memory_limiter(
     let store = tollgate::store::MemoryStore::builder().clock(clock.clone()).build().unwrap();
     tollgate::Limiter::with_store(policy, store).unwrap()
 }
+
+/// One hour past the fake clock's epoch (ns): where tests on a fake clock start.
+pub const HOUR: u64 = 3_600_000_000_000;
+
+/// A fake clock set to [`HOUR`].
+pub fn clock_at_hour() -> tollgate::clock::FakeClock {
+    let clock = tollgate::clock::FakeClock::new();
+    clock.set(HOUR);
+    clock
+}
+
+/// A memory store on `clock`.
+pub fn memory_store(clock: &tollgate::clock::FakeClock) -> tollgate::store::MemoryStore {
+    tollgate::store::MemoryStore::builder().clock(clock.clone()).build().unwrap()
+}
+
+/// [`memory_limiter`] for the scenarios written once over the store (`every_scenario`): a
+/// limiter of each policy given, on `clock`.
+pub fn memory_limiters(
+    clock: &tollgate::clock::FakeClock,
+) -> impl Fn(tollgate::Policy) -> std::future::Ready<tollgate::Limiter> {
+    let clock = clock.clone();
+    move |policy| std::future::ready(memory_limiter(&clock, policy))
+}
+
+/// Spawns `task(i)` for each `i` in `0..n` at once and waits for them all: their outputs, in
+/// order (a task that panics fails the test).
+pub async fn spawn_all<T, Fut>(n: usize, mut task: impl FnMut(usize) -> Fut) -> Vec<T>
+where
+    T: Send + 'static,
+    Fut: std::future::Future<Output = T> + Send + 'static,
+{
+    let tasks: Vec<_> = (0..n).map(|i| tokio::spawn(task(i))).collect();
+    let mut outputs = Vec::with_capacity(n);
+    for t in tasks {
+        outputs.push(t.await.expect("the task ends without a panic"));
+    }
+    outputs
+}
