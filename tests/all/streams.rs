@@ -15,7 +15,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -24,7 +24,7 @@ use axum::extract::Request as AxumRequest;
 use axum::routing::{get, post};
 use bytes::Bytes;
 use http::StatusCode;
-use http_body::{Body, Frame, SizeHint};
+use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -58,36 +58,33 @@ impl Frames {
     }
 }
 
-impl Body for Frames {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        if let Some(wait) = self.wait.as_mut() {
+support::bodies::body_of_frames!(
+    Frames,
+    Infallible,
+    |this, cx| {
+        if let Some(wait) = this.wait.as_mut() {
             if wait.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
             }
-            self.wait = None;
+            this.wait = None;
         }
-        if self.left == 0 {
+        if this.left == 0 {
             return Poll::Ready(None);
         }
-        let len = (self.frame.len() as u64).min(self.left);
-        self.left -= len;
-        Poll::Ready(Some(Ok(Frame::data(self.frame.slice(..len as usize)))))
-    }
+        let len = (this.frame.len() as u64).min(this.left);
+        this.left -= len;
+        Poll::Ready(Some(Ok(Frame::data(this.frame.slice(..len as usize)))))
+    },
+    {
+        fn is_end_stream(&self) -> bool {
+            self.left == 0
+        }
 
-    fn is_end_stream(&self) -> bool {
-        self.left == 0
+        fn size_hint(&self) -> SizeHint {
+            if self.sized { SizeHint::with_exact(self.left) } else { SizeHint::default() }
+        }
     }
-
-    fn size_hint(&self) -> SizeHint {
-        if self.sized { SizeHint::with_exact(self.left) } else { SizeHint::default() }
-    }
-}
+);
 
 /// What the upload handler read: per frame, when (since the test began) and how much.
 pub(crate) type Log = Arc<Mutex<Vec<(Duration, u64)>>>;
