@@ -477,17 +477,11 @@ async fn a_stream_is_charged_exactly_its_messages<St: Store>(store: St) {
     assert_eq!(left().await, 0);
 }
 
-#[tokio::test]
-async fn a_stream_is_charged_exactly_its_messages_in_memory() {
-    a_stream_is_charged_exactly_its_messages(MemoryStore::new()).await;
-}
-
-#[cfg(feature = "redis")]
-#[tokio::test]
-async fn a_stream_is_charged_exactly_its_messages_on_redis() {
-    let Some(server) = support::redis::Server::start("redis-server") else { return };
-    let store = server.store("messages:");
-    a_stream_is_charged_exactly_its_messages(store).await;
+support::stores::store_tests! {
+    #[tokio::test]
+    a_stream_is_charged_exactly_its_messages_in_memory: a_stream_is_charged_exactly_its_messages(support::stores::on_system_clock());
+    #[cfg(feature = "redis")]
+    a_stream_is_charged_exactly_its_messages_on_redis: a_stream_is_charged_exactly_its_messages(support::stores::redis::server("redis-server", "messages:"));
 }
 
 #[tokio::test]
@@ -610,72 +604,26 @@ async fn a_policed_call_gives_its_slot_back_when_stopped<St: Store>(store: St) {
     assert_eq!(left(&limiter).await, expected);
 }
 
-#[tokio::test]
-async fn a_paused_call_holds_its_slot_until_cancelled_in_memory() {
-    a_paused_call_holds_its_slot_until_cancelled(frozen(&FakeClock::new())).await;
-}
-
-#[tokio::test]
-async fn a_paused_server_stream_holds_its_slot_until_dropped_in_memory() {
-    a_paused_server_stream_holds_its_slot_until_dropped(frozen(&FakeClock::new())).await;
-}
-
-#[tokio::test]
-async fn a_policed_call_gives_its_slot_back_when_stopped_in_memory() {
-    a_policed_call_gives_its_slot_back_when_stopped(frozen(&FakeClock::new())).await;
+support::stores::store_tests! {
+    #[tokio::test]
+    a_paused_call_holds_its_slot_until_cancelled_in_memory: a_paused_call_holds_its_slot_until_cancelled(support::stores::in_memory());
+    a_paused_server_stream_holds_its_slot_until_dropped_in_memory: a_paused_server_stream_holds_its_slot_until_dropped(support::stores::in_memory());
+    a_policed_call_gives_its_slot_back_when_stopped_in_memory: a_policed_call_gives_its_slot_back_when_stopped(support::stores::in_memory());
 }
 
 #[cfg(feature = "redis")]
 mod paused_on_redis {
     use super::*;
 
-    use crate::support::redis::Cluster;
-    use crate::support::stores::redis::{frozen_on as frozen, frozen_on_cluster};
-
-    #[tokio::test]
-    async fn a_paused_call_holds_its_slot_until_cancelled_on_redis() {
-        let Some(server) = support::redis::Server::start("redis-server") else { return };
-        a_paused_call_holds_its_slot_until_cancelled(frozen(&server, "call:")).await;
+    support::stores::store_tests! {
+        #[tokio::test]
+        a_paused_call_holds_its_slot_until_cancelled("call:"): a_paused_call_holds_its_slot_until_cancelled_on_redis, a_paused_call_holds_its_slot_until_cancelled_on_valkey;
+        a_paused_server_stream_holds_its_slot_until_dropped("down:"): a_paused_server_stream_holds_its_slot_until_dropped_on_redis, a_paused_server_stream_holds_its_slot_until_dropped_on_valkey;
+        a_policed_call_gives_its_slot_back_when_stopped("police:"): a_policed_call_gives_its_slot_back_when_stopped_on_redis, a_policed_call_gives_its_slot_back_when_stopped_on_valkey;
     }
 
-    #[tokio::test]
-    async fn a_paused_server_stream_holds_its_slot_until_dropped_on_redis() {
-        let Some(server) = support::redis::Server::start("redis-server") else { return };
-        a_paused_server_stream_holds_its_slot_until_dropped(frozen(&server, "down:")).await;
-    }
-
-    #[tokio::test]
-    async fn a_policed_call_gives_its_slot_back_when_stopped_on_redis() {
-        let Some(server) = support::redis::Server::start("redis-server") else { return };
-        a_policed_call_gives_its_slot_back_when_stopped(frozen(&server, "police:")).await;
-    }
-
-    #[tokio::test]
-    async fn a_paused_call_holds_its_slot_until_cancelled_on_valkey() {
-        let Some(server) = support::redis::Server::start("valkey-server") else { return };
-        a_paused_call_holds_its_slot_until_cancelled(frozen(&server, "call:")).await;
-    }
-
-    #[tokio::test]
-    async fn a_paused_server_stream_holds_its_slot_until_dropped_on_valkey() {
-        let Some(server) = support::redis::Server::start("valkey-server") else { return };
-        a_paused_server_stream_holds_its_slot_until_dropped(frozen(&server, "down:")).await;
-    }
-
-    #[tokio::test]
-    async fn a_policed_call_gives_its_slot_back_when_stopped_on_valkey() {
-        let Some(server) = support::redis::Server::start("valkey-server") else { return };
-        a_policed_call_gives_its_slot_back_when_stopped(frozen(&server, "police:")).await;
-    }
-
-    /// The three scenarios on one Redis Cluster (forming one takes seconds), one after
-    /// another, each under its own prefix.
-    #[tokio::test]
-    async fn paused_and_stopped_calls_hold_and_give_back_their_slots_on_a_cluster() {
-        let Some(cluster) = Cluster::start() else { return };
-        let store = |prefix| frozen_on_cluster(&cluster, prefix);
-        a_paused_call_holds_its_slot_until_cancelled(store("call:")).await;
-        a_paused_server_stream_holds_its_slot_until_dropped(store("down:")).await;
-        a_policed_call_gives_its_slot_back_when_stopped(store("police:")).await;
+    support::stores::store_tests! {
+        #[tokio::test]
+        paused_and_stopped_calls_hold_and_give_back_their_slots_on_a_cluster: on_a_cluster[a_paused_call_holds_its_slot_until_cancelled("call:"), a_paused_server_stream_holds_its_slot_until_dropped("down:"), a_policed_call_gives_its_slot_back_when_stopped("police:")];
     }
 }

@@ -29,7 +29,7 @@ use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use support::serve;
-use support::stores::frozen_memory;
+use support::stores::in_memory;
 use tollgate::store::Store;
 use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};
 
@@ -641,90 +641,28 @@ async fn a_timeout_ends_a_paused_http1_upload<St: Store>(store: St) {
     assert!((BURST..BURST + 16 * 1024).contains(&read), "{read}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_paused_upload_holds_its_slot_until_the_client_goes_in_memory() {
-    a_paused_upload_holds_its_slot_until_the_client_goes(frozen_memory()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_paused_download_holds_its_slot_until_the_client_goes_in_memory() {
-    a_paused_download_holds_its_slot_until_the_client_goes(frozen_memory()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_timeout_ends_a_paused_http1_upload_in_memory() {
-    a_timeout_ends_a_paused_http1_upload(frozen_memory()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_policed_upload_gives_its_slot_back_when_stopped_in_memory() {
-    a_policed_upload_gives_its_slot_back_when_stopped(frozen_memory()).await;
+support::stores::store_tests! {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    a_paused_upload_holds_its_slot_until_the_client_goes_in_memory: a_paused_upload_holds_its_slot_until_the_client_goes(in_memory());
+    a_paused_download_holds_its_slot_until_the_client_goes_in_memory: a_paused_download_holds_its_slot_until_the_client_goes(in_memory());
+    a_timeout_ends_a_paused_http1_upload_in_memory: a_timeout_ends_a_paused_http1_upload(in_memory());
+    a_policed_upload_gives_its_slot_back_when_stopped_in_memory: a_policed_upload_gives_its_slot_back_when_stopped(in_memory());
 }
 
 #[cfg(feature = "redis")]
 mod paused_on_redis {
     use super::*;
 
-    use crate::support::redis::Cluster;
-    use crate::support::stores::redis::{frozen_on as frozen, frozen_on_cluster};
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_paused_upload_holds_its_slot_until_the_client_goes_on_redis() {
-        let Some(server) = support::redis::Server::start("redis-server") else { return };
-        a_paused_upload_holds_its_slot_until_the_client_goes(frozen(&server, "up:")).await;
+    support::stores::store_tests! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        a_paused_upload_holds_its_slot_until_the_client_goes("up:"): a_paused_upload_holds_its_slot_until_the_client_goes_on_redis, a_paused_upload_holds_its_slot_until_the_client_goes_on_valkey;
+        a_paused_download_holds_its_slot_until_the_client_goes("down:"): a_paused_download_holds_its_slot_until_the_client_goes_on_redis, a_paused_download_holds_its_slot_until_the_client_goes_on_valkey;
+        a_timeout_ends_a_paused_http1_upload("timeout:"): a_timeout_ends_a_paused_http1_upload_on_redis, a_timeout_ends_a_paused_http1_upload_on_valkey;
+        a_policed_upload_gives_its_slot_back_when_stopped("police:"): a_policed_upload_gives_its_slot_back_when_stopped_on_redis, a_policed_upload_gives_its_slot_back_when_stopped_on_valkey;
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_paused_download_holds_its_slot_until_the_client_goes_on_redis() {
-        let Some(server) = support::redis::Server::start("redis-server") else { return };
-        a_paused_download_holds_its_slot_until_the_client_goes(frozen(&server, "down:")).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_timeout_ends_a_paused_http1_upload_on_redis() {
-        let Some(server) = support::redis::Server::start("redis-server") else { return };
-        a_timeout_ends_a_paused_http1_upload(frozen(&server, "timeout:")).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_policed_upload_gives_its_slot_back_when_stopped_on_redis() {
-        let Some(server) = support::redis::Server::start("redis-server") else { return };
-        a_policed_upload_gives_its_slot_back_when_stopped(frozen(&server, "police:")).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_paused_upload_holds_its_slot_until_the_client_goes_on_valkey() {
-        let Some(server) = support::redis::Server::start("valkey-server") else { return };
-        a_paused_upload_holds_its_slot_until_the_client_goes(frozen(&server, "up:")).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_paused_download_holds_its_slot_until_the_client_goes_on_valkey() {
-        let Some(server) = support::redis::Server::start("valkey-server") else { return };
-        a_paused_download_holds_its_slot_until_the_client_goes(frozen(&server, "down:")).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_timeout_ends_a_paused_http1_upload_on_valkey() {
-        let Some(server) = support::redis::Server::start("valkey-server") else { return };
-        a_timeout_ends_a_paused_http1_upload(frozen(&server, "timeout:")).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_policed_upload_gives_its_slot_back_when_stopped_on_valkey() {
-        let Some(server) = support::redis::Server::start("valkey-server") else { return };
-        a_policed_upload_gives_its_slot_back_when_stopped(frozen(&server, "police:")).await;
-    }
-
-    /// The four scenarios on one Redis Cluster (forming one takes seconds), one after another,
-    /// each under its own prefix.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn paused_and_stopped_streams_hold_and_give_back_their_slots_on_a_cluster() {
-        let Some(cluster) = Cluster::start() else { return };
-        let store = |prefix| frozen_on_cluster(&cluster, prefix);
-        a_paused_upload_holds_its_slot_until_the_client_goes(store("up:")).await;
-        a_paused_download_holds_its_slot_until_the_client_goes(store("down:")).await;
-        a_timeout_ends_a_paused_http1_upload(store("timeout:")).await;
-        a_policed_upload_gives_its_slot_back_when_stopped(store("police:")).await;
+    support::stores::store_tests! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        paused_and_stopped_streams_hold_and_give_back_their_slots_on_a_cluster: on_a_cluster[a_paused_upload_holds_its_slot_until_the_client_goes("up:"), a_paused_download_holds_its_slot_until_the_client_goes("down:"), a_timeout_ends_a_paused_http1_upload("timeout:"), a_policed_upload_gives_its_slot_back_when_stopped("police:")];
     }
 }
