@@ -189,6 +189,30 @@ async fn serve<K: KeyExtractor, St: Store>(layer: RateLimitLayer<K, St>) -> Grpc
     GrpcServer { client: tonic::client::Grpc::new(channel), received, _stop: stop }
 }
 
+/// Reads the stream a call answered to its end, each message the count after the one before
+/// it from `first` on: how many came, then how the stream ended (the call's own refusal: none
+/// came).
+async fn counted(
+    res: Result<tonic::Response<tonic::Streaming<Bytes>>, Status>,
+    first: u64,
+) -> (u64, Result<(), Status>) {
+    let mut messages = match res {
+        Ok(res) => res.into_inner(),
+        Err(status) => return (0, Err(status)),
+    };
+    let mut came = 0;
+    loop {
+        match messages.message().await {
+            Ok(Some(message)) => {
+                assert_eq!(message, count(first + came), "in order, whole");
+                came += 1;
+            }
+            Ok(None) => return (came, Ok(())),
+            Err(status) => return (came, Err(status)),
+        }
+    }
+}
+
 impl GrpcServer {
     /// Streams `n` messages of 8 bytes to `Upload`: the count it answers.
     async fn upload(&mut self, n: u64) -> Result<u64, Status> {
@@ -203,23 +227,8 @@ impl GrpcServer {
     async fn download(&mut self, n: u64) -> (u64, Result<(), Status>) {
         self.client.ready().await.expect("ready");
         let path = PathAndQuery::from_static("/test.Messages/Download");
-        let res = match self.client.server_streaming(tonic::Request::new(count(n)), path, Raw).await
-        {
-            Ok(res) => res,
-            Err(status) => return (0, Err(status)),
-        };
-        let mut messages = res.into_inner();
-        let mut came = 0;
-        loop {
-            match messages.message().await {
-                Ok(Some(message)) => {
-                    assert_eq!(message, count(came), "in order, whole");
-                    came += 1;
-                }
-                Ok(None) => return (came, Ok(())),
-                Err(status) => return (came, Err(status)),
-            }
-        }
+        let res = self.client.server_streaming(tonic::Request::new(count(n)), path, Raw).await;
+        counted(res, 0).await
     }
 
     /// Sends `n` messages to `Chat`: the answers that came, then how the stream ended.
@@ -227,22 +236,8 @@ impl GrpcServer {
         self.client.ready().await.expect("ready");
         let messages = tokio_stream::iter((0..n).map(count));
         let path = PathAndQuery::from_static("/test.Messages/Chat");
-        let res = match self.client.streaming(tonic::Request::new(messages), path, Raw).await {
-            Ok(res) => res,
-            Err(status) => return (0, Err(status)),
-        };
-        let mut answers = res.into_inner();
-        let mut came = 0;
-        loop {
-            match answers.message().await {
-                Ok(Some(answer)) => {
-                    came += 1;
-                    assert_eq!(answer, count(came), "in order");
-                }
-                Ok(None) => return (came, Ok(())),
-                Err(status) => return (came, Err(status)),
-            }
-        }
+        let res = self.client.streaming(tonic::Request::new(messages), path, Raw).await;
+        counted(res, 1).await
     }
 
     /// Offers `n` messages to `Chat` at `per_ms` messages each millisecond: the instant each
