@@ -105,17 +105,29 @@ pub async fn get(client: &HttpClient, url: &str, headers: &[(&str, &str)]) -> Re
 }
 
 /// An inner service that answers `200 ok` to every request behind the layer.
-pub fn ok_service() -> impl tower::Service<
-    http::Request<tollgate::RequestBody<axum::body::Body>>,
-    Response = http::Response<axum::body::Body>,
-    Error = std::convert::Infallible,
-    Future: Send,
-> + Clone
-+ Send
-+ 'static {
-    tower::service_fn(|_req| async {
-        Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::from("ok")))
-    })
+#[derive(Clone, Copy, Debug)]
+pub struct OkService;
+
+impl tower::Service<http::Request<tollgate::RequestBody<axum::body::Body>>> for OkService {
+    type Response = http::Response<axum::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: http::Request<tollgate::RequestBody<axum::body::Body>>) -> Self::Future {
+        std::future::ready(Ok(http::Response::new(axum::body::Body::from("ok"))))
+    }
+}
+
+/// An [`OkService`].
+pub fn ok_service() -> OkService {
+    OkService
 }
 
 /// A limiter of `policy` on a memory store of its own, on `clock`.
