@@ -164,8 +164,7 @@ async fn serve<K: KeyExtractor, St: Store>(layer: RateLimitLayer<K, St>) -> Grpc
     let addr = listener.local_addr().expect("local addr");
     let service = Messages::default();
     let received = Arc::clone(&service.received);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
+    let stop = support::spawn_until_stopped(|stopped| {
         // A shaped request stream is paused by not reading it, and only HTTP/2 flow control
         // stops the client: h2 ends a connection that buffers too many small DATA frames
         // unread (about half the connection window's worth of framing overhead), so the
@@ -175,11 +174,7 @@ async fn serve<K: KeyExtractor, St: Store>(layer: RateLimitLayer<K, St>) -> Grpc
             .initial_stream_window_size(16 * 1024)
             .layer(layer)
             .add_service(service)
-            .serve_with_incoming_shutdown(TcpIncoming::from(listener), async {
-                let _ = stopped.await;
-            })
-            .await
-            .expect("serve");
+            .serve_with_incoming_shutdown(TcpIncoming::from(listener), stopped)
     });
     let channel = Channel::from_shared(format!("http://{addr}"))
         .expect("endpoint")

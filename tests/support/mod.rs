@@ -65,6 +65,23 @@ pub async fn serve_without_connect_info(app: Router) -> Server {
     Server { addr, task }
 }
 
+/// Spawns the server `serve` makes of its shutdown signal: it serves until the sender returned
+/// is dropped (or sent to); a server that fails fails its task with the error.
+pub fn spawn_until_stopped<Fut, E>(
+    serve: impl FnOnce(std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>) -> Fut,
+) -> tokio::sync::oneshot::Sender<()>
+where
+    Fut: std::future::Future<Output = Result<(), E>> + Send + 'static,
+    E: std::fmt::Debug,
+{
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = serve(Box::pin(async {
+        let _ = stopped.await;
+    }));
+    tokio::spawn(async move { serving.await.expect("serve") });
+    stop
+}
+
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 pub fn client() -> HttpClient {
