@@ -164,8 +164,7 @@ async fn serve<K: KeyExtractor, St: Store>(layer: RateLimitLayer<K, St>) -> Grpc
     let addr = listener.local_addr().expect("local addr");
     let service = Messages::default();
     let received = Arc::clone(&service.received);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
+    let stop = support::spawn_until_stopped(|stopped| {
         // A shaped request stream is paused by not reading it, and only HTTP/2 flow control
         // stops the client: h2 ends a connection that buffers too many small DATA frames
         // unread (about half the connection window's worth of framing overhead), so the
@@ -175,11 +174,7 @@ async fn serve<K: KeyExtractor, St: Store>(layer: RateLimitLayer<K, St>) -> Grpc
             .initial_stream_window_size(16 * 1024)
             .layer(layer)
             .add_service(service)
-            .serve_with_incoming_shutdown(TcpIncoming::from(listener), async {
-                let _ = stopped.await;
-            })
-            .await
-            .expect("serve");
+            .serve_with_incoming_shutdown(TcpIncoming::from(listener), stopped)
     });
     let channel = Channel::from_shared(format!("http://{addr}"))
         .expect("endpoint")
@@ -187,6 +182,30 @@ async fn serve<K: KeyExtractor, St: Store>(layer: RateLimitLayer<K, St>) -> Grpc
         .await
         .expect("connect");
     GrpcServer { client: tonic::client::Grpc::new(channel), received, _stop: stop }
+}
+
+/// Reads the stream a call answered to its end, each message the count after the one before
+/// it from `first` on: how many came, then how the stream ended (the call's own refusal: none
+/// came).
+async fn counted(
+    res: Result<tonic::Response<tonic::Streaming<Bytes>>, Status>,
+    first: u64,
+) -> (u64, Result<(), Status>) {
+    let mut messages = match res {
+        Ok(res) => res.into_inner(),
+        Err(status) => return (0, Err(status)),
+    };
+    let mut came = 0;
+    loop {
+        match messages.message().await {
+            Ok(Some(message)) => {
+                assert_eq!(message, count(first + came), "in order, whole");
+                came += 1;
+            }
+            Ok(None) => return (came, Ok(())),
+            Err(status) => return (came, Err(status)),
+        }
+    }
 }
 
 impl GrpcServer {
@@ -203,23 +222,8 @@ impl GrpcServer {
     async fn download(&mut self, n: u64) -> (u64, Result<(), Status>) {
         self.client.ready().await.expect("ready");
         let path = PathAndQuery::from_static("/test.Messages/Download");
-        let res = match self.client.server_streaming(tonic::Request::new(count(n)), path, Raw).await
-        {
-            Ok(res) => res,
-            Err(status) => return (0, Err(status)),
-        };
-        let mut messages = res.into_inner();
-        let mut came = 0;
-        loop {
-            match messages.message().await {
-                Ok(Some(message)) => {
-                    assert_eq!(message, count(came), "in order, whole");
-                    came += 1;
-                }
-                Ok(None) => return (came, Ok(())),
-                Err(status) => return (came, Err(status)),
-            }
-        }
+        let res = self.client.server_streaming(tonic::Request::new(count(n)), path, Raw).await;
+        counted(res, 0).await
     }
 
     /// Sends `n` messages to `Chat`: the answers that came, then how the stream ended.
@@ -227,22 +231,8 @@ impl GrpcServer {
         self.client.ready().await.expect("ready");
         let messages = tokio_stream::iter((0..n).map(count));
         let path = PathAndQuery::from_static("/test.Messages/Chat");
-        let res = match self.client.streaming(tonic::Request::new(messages), path, Raw).await {
-            Ok(res) => res,
-            Err(status) => return (0, Err(status)),
-        };
-        let mut answers = res.into_inner();
-        let mut came = 0;
-        loop {
-            match answers.message().await {
-                Ok(Some(answer)) => {
-                    came += 1;
-                    assert_eq!(answer, count(came), "in order");
-                }
-                Ok(None) => return (came, Ok(())),
-                Err(status) => return (came, Err(status)),
-            }
-        }
+        let res = self.client.streaming(tonic::Request::new(messages), path, Raw).await;
+        counted(res, 1).await
     }
 
     /// Offers `n` messages to `Chat` at `per_ms` messages each millisecond: the instant each
@@ -477,17 +467,11 @@ async fn a_stream_is_charged_exactly_its_messages<St: Store>(store: St) {
     assert_eq!(left().await, 0);
 }
 
-#[tokio::test]
-async fn a_stream_is_charged_exactly_its_messages_in_memory() {
-    a_stream_is_charged_exactly_its_messages(MemoryStore::new()).await;
-}
-
-#[cfg(feature = "redis")]
-#[tokio::test]
-async fn a_stream_is_charged_exactly_its_messages_on_redis() {
-    let Some(server) = support::redis::Server::start("redis-server") else { return };
-    let store = server.store("messages:");
-    a_stream_is_charged_exactly_its_messages(store).await;
+support::stores::store_tests! {
+    #[tokio::test]
+    a_stream_is_charged_exactly_its_messages_in_memory: a_stream_is_charged_exactly_its_messages(support::stores::on_system_clock());
+    #[cfg(feature = "redis")]
+    a_stream_is_charged_exactly_its_messages_on_redis: a_stream_is_charged_exactly_its_messages(support::stores::redis::server("redis-server", "messages:"));
 }
 
 #[tokio::test]
@@ -610,72 +594,26 @@ async fn a_policed_call_gives_its_slot_back_when_stopped<St: Store>(store: St) {
     assert_eq!(left(&limiter).await, expected);
 }
 
-#[tokio::test]
-async fn a_paused_call_holds_its_slot_until_cancelled_in_memory() {
-    a_paused_call_holds_its_slot_until_cancelled(frozen(&FakeClock::new())).await;
-}
-
-#[tokio::test]
-async fn a_paused_server_stream_holds_its_slot_until_dropped_in_memory() {
-    a_paused_server_stream_holds_its_slot_until_dropped(frozen(&FakeClock::new())).await;
-}
-
-#[tokio::test]
-async fn a_policed_call_gives_its_slot_back_when_stopped_in_memory() {
-    a_policed_call_gives_its_slot_back_when_stopped(frozen(&FakeClock::new())).await;
+support::stores::store_tests! {
+    #[tokio::test]
+    a_paused_call_holds_its_slot_until_cancelled_in_memory: a_paused_call_holds_its_slot_until_cancelled(support::stores::in_memory());
+    a_paused_server_stream_holds_its_slot_until_dropped_in_memory: a_paused_server_stream_holds_its_slot_until_dropped(support::stores::in_memory());
+    a_policed_call_gives_its_slot_back_when_stopped_in_memory: a_policed_call_gives_its_slot_back_when_stopped(support::stores::in_memory());
 }
 
 #[cfg(feature = "redis")]
 mod paused_on_redis {
     use super::*;
 
-    use crate::support::redis::Cluster;
-    use crate::support::stores::redis::{frozen_on as frozen, frozen_on_cluster};
-
-    #[tokio::test]
-    async fn a_paused_call_holds_its_slot_until_cancelled_on_redis() {
-        let Some(server) = support::redis::Server::start("redis-server") else { return };
-        a_paused_call_holds_its_slot_until_cancelled(frozen(&server, "call:")).await;
+    support::stores::store_tests! {
+        #[tokio::test]
+        a_paused_call_holds_its_slot_until_cancelled("call:"): a_paused_call_holds_its_slot_until_cancelled_on_redis, a_paused_call_holds_its_slot_until_cancelled_on_valkey;
+        a_paused_server_stream_holds_its_slot_until_dropped("down:"): a_paused_server_stream_holds_its_slot_until_dropped_on_redis, a_paused_server_stream_holds_its_slot_until_dropped_on_valkey;
+        a_policed_call_gives_its_slot_back_when_stopped("police:"): a_policed_call_gives_its_slot_back_when_stopped_on_redis, a_policed_call_gives_its_slot_back_when_stopped_on_valkey;
     }
 
-    #[tokio::test]
-    async fn a_paused_server_stream_holds_its_slot_until_dropped_on_redis() {
-        let Some(server) = support::redis::Server::start("redis-server") else { return };
-        a_paused_server_stream_holds_its_slot_until_dropped(frozen(&server, "down:")).await;
-    }
-
-    #[tokio::test]
-    async fn a_policed_call_gives_its_slot_back_when_stopped_on_redis() {
-        let Some(server) = support::redis::Server::start("redis-server") else { return };
-        a_policed_call_gives_its_slot_back_when_stopped(frozen(&server, "police:")).await;
-    }
-
-    #[tokio::test]
-    async fn a_paused_call_holds_its_slot_until_cancelled_on_valkey() {
-        let Some(server) = support::redis::Server::start("valkey-server") else { return };
-        a_paused_call_holds_its_slot_until_cancelled(frozen(&server, "call:")).await;
-    }
-
-    #[tokio::test]
-    async fn a_paused_server_stream_holds_its_slot_until_dropped_on_valkey() {
-        let Some(server) = support::redis::Server::start("valkey-server") else { return };
-        a_paused_server_stream_holds_its_slot_until_dropped(frozen(&server, "down:")).await;
-    }
-
-    #[tokio::test]
-    async fn a_policed_call_gives_its_slot_back_when_stopped_on_valkey() {
-        let Some(server) = support::redis::Server::start("valkey-server") else { return };
-        a_policed_call_gives_its_slot_back_when_stopped(frozen(&server, "police:")).await;
-    }
-
-    /// The three scenarios on one Redis Cluster (forming one takes seconds), one after
-    /// another, each under its own prefix.
-    #[tokio::test]
-    async fn paused_and_stopped_calls_hold_and_give_back_their_slots_on_a_cluster() {
-        let Some(cluster) = Cluster::start() else { return };
-        let store = |prefix| frozen_on_cluster(&cluster, prefix);
-        a_paused_call_holds_its_slot_until_cancelled(store("call:")).await;
-        a_paused_server_stream_holds_its_slot_until_dropped(store("down:")).await;
-        a_policed_call_gives_its_slot_back_when_stopped(store("police:")).await;
+    support::stores::store_tests! {
+        #[tokio::test]
+        paused_and_stopped_calls_hold_and_give_back_their_slots_on_a_cluster: on_a_cluster[a_paused_call_holds_its_slot_until_cancelled("call:"), a_paused_server_stream_holds_its_slot_until_dropped("down:"), a_policed_call_gives_its_slot_back_when_stopped("police:")];
     }
 }

@@ -7,25 +7,16 @@ use crate::support::penalty as scenarios;
 
 use std::time::Duration;
 
-use tollgate::clock::{Clock, FakeClock};
+use tollgate::clock::Clock;
 use tollgate::key::Key;
-use tollgate::store::MemoryStore;
 use tollgate::{Limiter, Penalty, Policy, Quota};
 
 use scenarios::MINUTE;
 use support::memory_limiter;
 
-const HOUR: u64 = 3_600_000_000_000;
-
 #[tokio::test]
 async fn a_breach_blocks_the_key_for_exactly_the_block_in_memory() {
-    let clock = FakeClock::new();
-    clock.set(HOUR);
-    scenarios::every_scenario(&clock, |policy| {
-        let clock = clock.clone();
-        async move { memory_limiter(&clock, policy) }
-    })
-    .await;
+    scenarios::every_scenario_in_memory().await;
 }
 
 /// The box's state is swept once the block is over, and not before: a blocked key (whose tiers
@@ -33,9 +24,8 @@ async fn a_breach_blocks_the_key_for_exactly_the_block_in_memory() {
 /// refusal leaves the window.
 #[tokio::test]
 async fn a_box_is_swept_only_once_its_block_and_refusals_no_longer_matter() {
-    let clock = FakeClock::new();
-    clock.set(HOUR);
-    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let clock = support::clock_at_hour();
+    let store = support::memory_store(&clock);
     let policy = Policy::builder("sweep")
         .tier("second", Quota::per_second(1))
         .penalty("second", Penalty::new(Duration::from_secs(60)).after(2, Duration::from_secs(10)))
@@ -121,9 +111,8 @@ async fn a_blocked_client_gets_429_with_the_time_left_over_http() {
     use scenarios::fifteen_minute_policy;
     use tollgate::RateLimitLayer;
 
-    let clock = FakeClock::new();
-    clock.set(HOUR);
-    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let clock = support::clock_at_hour();
+    let store = support::memory_store(&clock);
     let layer =
         RateLimitLayer::builder(fifteen_minute_policy("http")).store(store).build().unwrap();
     let app = Router::new().route("/", get(|| async { "ok" })).layer(layer);
@@ -154,8 +143,8 @@ async fn a_blocked_client_gets_429_with_the_time_left_over_http() {
 /// admitted, one a nanosecond earlier is not.
 #[tokio::test]
 async fn a_block_of_a_policy_decided_in_microseconds_ends_when_its_retry_says() {
-    let clock = FakeClock::new();
-    clock.set(HOUR + 123);
+    let clock = support::clock_at_hour();
+    clock.advance(Duration::from_nanos(123));
     let policy = Policy::builder("yearly")
         .tier("second", Quota::per_second(1))
         .tier("year", Quota::new(1_000_000, Duration::from_secs(365 * 86_400)))
@@ -187,9 +176,8 @@ async fn a_block_of_a_policy_decided_in_microseconds_ends_when_its_retry_says() 
 fn a_reload_keeps_every_block_and_a_changed_block_applies_from_the_next_breach() {
     use tollgate::store::{Carry, Check};
 
-    let clock = FakeClock::new();
-    clock.set(HOUR);
-    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let clock = support::clock_at_hour();
+    let store = support::memory_store(&clock);
     let minute = Quota::per_minute(10);
     let policy = |hourly: u64, block: Option<Duration>| {
         let b =

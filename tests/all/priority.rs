@@ -9,35 +9,18 @@ use crate::support::priority as scenarios;
 
 use axum::Router;
 use axum::routing::get;
-use tollgate::clock::FakeClock;
-use tollgate::store::MemoryStore;
 use tollgate::{Algorithm, Policy, Quota, RateLimitLayer, Reserve};
 
 use support::memory_limiter;
 
-const HOUR: u64 = 3_600_000_000_000;
-
-#[tokio::test]
-async fn each_class_decides_exactly_at_its_threshold_in_memory() {
-    let clock = FakeClock::new();
-    clock.set(HOUR);
-    scenarios::every_scenario(&clock, |policy| {
-        let clock = clock.clone();
-        async move { memory_limiter(&clock, policy) }
-    })
-    .await;
-}
-
 #[tokio::test]
 async fn three_times_overload_refuses_no_critical_request_in_memory() {
-    let clock = FakeClock::new();
-    clock.set(HOUR);
+    let clock = support::clock_at_hour();
     let limiter = memory_limiter(&clock, scenarios::overload_policy("overload"));
     let counts = scenarios::three_times_overload(&clock, &limiter).await;
     // Without the reserve the same trace refuses critical requests like any other: what the
     // test above holds is the reserve's doing.
-    let clock = FakeClock::new();
-    clock.set(HOUR);
+    let clock = support::clock_at_hour();
     let single = Policy::single("overload", Quota::per_second(scenarios::RATE)).unwrap();
     let plain = memory_limiter(&clock, single);
     let without = scenarios::overload(&clock, &plain, 30).await;
@@ -106,9 +89,8 @@ fn reserves_that_cannot_work_are_refused_at_their_field() {
 /// saying what their class has left, while critical requests are still served.
 #[tokio::test]
 async fn the_class_comes_from_a_header_over_http() {
-    let clock = FakeClock::new();
-    clock.set(HOUR);
-    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let clock = support::clock_at_hour();
+    let store = support::memory_store(&clock);
     let layer = RateLimitLayer::builder(scenarios::minute_policy("http"))
         .key(tollgate::key::GlobalKey)
         .store(store)
@@ -137,4 +119,9 @@ async fn the_class_comes_from_a_header_over_http() {
     assert_eq!(critical.status, 200);
     let ratelimit = critical.header("ratelimit").expect("a RateLimit header");
     assert!(ratelimit.contains("\"minute\";r=1;"), "{ratelimit}");
+}
+
+#[tokio::test]
+async fn each_class_decides_exactly_at_its_threshold_in_memory() {
+    scenarios::every_scenario_in_memory().await;
 }

@@ -16,10 +16,8 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
 use tollgate::clock::{Clock, FakeClock};
 use tollgate::key::{GlobalKey, Key};
-use tollgate::store::{Check, MemoryStore, Store};
+use tollgate::store::{Check, Store};
 use tollgate::{Policy, Priority, Quota, RateLimitLayer, Reserve};
-
-const HOUR: u64 = 3_600_000_000_000;
 
 /// 10 a second (T = 100 ms, burst 10), 3 of them kept for critical requests.
 fn policy(name: &str) -> Policy {
@@ -51,6 +49,29 @@ fn app<St: Store>(policy: Policy, store: St, max_delay: Duration) -> Router {
     Router::new().route("/", get(|| async { "ok" })).layer(layer)
 }
 
+/// 7 standard requests to `url`, one after another, each admitted and told what is left of
+/// the standard share (6 down to 0); then 20 more sent at once. How long each of the 7 took,
+/// and the 20 on their way.
+async fn fill_the_standard_share_then_book_twenty(
+    client: &support::HttpClient,
+    url: &str,
+) -> (Vec<Duration>, Vec<tokio::task::JoinHandle<(u16, String, Duration)>>) {
+    let mut took = Vec::new();
+    for left in (0..7).rev() {
+        let (status, header, t) = ask(client, url, "standard").await;
+        assert_eq!(status, 200);
+        assert!(header.contains(&format!("\"second\";r={left};")), "{header}");
+        took.push(t);
+    }
+    let waiting = (0..20)
+        .map(|_| {
+            let (client, url) = (client.clone(), url.to_owned());
+            tokio::spawn(async move { ask(&client, &url, "standard").await })
+        })
+        .collect();
+    (took, waiting)
+}
+
 /// On the memory store, its clock standing still, and tokio's clock paused (it moves only for
 /// the layer's waits): 7 standard requests fill the standard share at once; 20 more book the
 /// next 2 s and wait 100 ms to 2 s. The store's clock has not moved: the 20 are still booked
@@ -58,23 +79,12 @@ fn app<St: Store>(policy: Policy, store: St, max_delay: Duration) -> Router {
 /// waits behind the whole schedule, and so does the next standard request.
 #[tokio::test(start_paused = true)]
 async fn over_http_shaped_standard_traffic_never_takes_the_critical_reserve_in_memory() {
-    let clock = FakeClock::new();
-    clock.set(HOUR);
-    let store = MemoryStore::builder().clock(clock).build().unwrap();
+    let store = support::memory_store(&support::clock_at_hour());
     let server = support::serve(app(policy("reserve-shape"), store, Duration::from_secs(3))).await;
     let client = support::client();
     let url = server.url("/");
-    for left in (0..7).rev() {
-        let (status, header, took) = ask(&client, &url, "standard").await;
-        assert_eq!((status, took), (200, Duration::ZERO));
-        assert!(header.contains(&format!("\"second\";r={left};")), "{header}");
-    }
-    let waiting: Vec<_> = (0..20)
-        .map(|_| {
-            let (client, url) = (client.clone(), url.clone());
-            tokio::spawn(async move { ask(&client, &url, "standard").await })
-        })
-        .collect();
+    let (took, waiting) = fill_the_standard_share_then_book_twenty(&client, &url).await;
+    assert_eq!(took, [Duration::ZERO; 7]);
     let mut waits = Vec::new();
     for w in waiting {
         let (status, _, took) = w.await.unwrap();
@@ -110,17 +120,7 @@ async fn critical_requests_pass_standard_requests_booked_ahead<St: Store + Clone
     let server = support::serve(app(policy, store.clone(), Duration::from_secs(30))).await;
     let client = support::client();
     let url = server.url("/");
-    for left in (0..7).rev() {
-        let (status, header, _) = ask(&client, &url, "standard").await;
-        assert_eq!(status, 200);
-        assert!(header.contains(&format!("\"second\";r={left};")), "{header}");
-    }
-    let waiting: Vec<_> = (0..20)
-        .map(|_| {
-            let (client, url) = (client.clone(), url.clone());
-            tokio::spawn(async move { ask(&client, &url, "standard").await })
-        })
-        .collect();
+    let (_, waiting) = fill_the_standard_share_then_book_twenty(&client, &url).await;
     // Booked once the key is full again 27 s after the (standing) clock's now.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
@@ -146,9 +146,7 @@ async fn critical_requests_pass_standard_requests_booked_ahead<St: Store + Clone
 
 #[tokio::test]
 async fn critical_requests_pass_standard_requests_booked_ahead_in_memory() {
-    let clock = FakeClock::new();
-    clock.set(HOUR);
-    let store = MemoryStore::builder().clock(clock).build().unwrap();
+    let store = support::memory_store(&support::clock_at_hour());
     critical_requests_pass_standard_requests_booked_ahead(store).await;
 }
 
@@ -243,8 +241,7 @@ fn run<St: Store>(cases: u32, make: impl Fn(&FakeClock, u64) -> St) {
     let mut runner = TestRunner::new_with_rng(config, rng);
     let (case, promised) = (std::cell::Cell::new(0u64), std::cell::Cell::new(0u64));
     let result = runner.run(&traces(), |trace| {
-        let clock = FakeClock::new();
-        clock.set(HOUR);
+        let clock = support::clock_at_hour();
         let store = make(&clock, case.replace(case.get() + 1));
         let p = rt.block_on(replay(store, &clock, &trace)).map_err(TestCaseError::fail)?;
         promised.set(promised.get() + p);
@@ -258,22 +255,15 @@ fn run<St: Store>(cases: u32, make: impl Fn(&FakeClock, u64) -> St) {
 
 #[test]
 fn what_leaves_stays_within_the_limit_and_the_reserve_comes_back_in_memory() {
-    run(512, |clock, _| MemoryStore::builder().clock(clock.clone()).build().unwrap());
+    run(512, |clock, _| support::memory_store(clock));
 }
 
 #[cfg(feature = "redis")]
 #[test]
 fn what_leaves_stays_within_the_limit_and_the_reserve_comes_back_on_redis() {
+    use support::stores::redis::on_clock;
     use tollgate::store::RedisStore;
     let Some(server) = support::redis::Server::start("redis-server") else { return };
     let url = server.url();
-    run(96, |clock, n| {
-        RedisStore::builder(&url)
-            .clock(clock.clone())
-            .prefix(format!("reserve-trace{n}:"))
-            .ttl_grace(Duration::from_secs(3600))
-            .timeout(Duration::from_secs(5))
-            .build()
-            .unwrap()
-    });
+    run(96, |clock, n| on_clock(RedisStore::builder(&url), clock, &format!("reserve-trace{n}:")));
 }

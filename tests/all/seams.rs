@@ -370,6 +370,13 @@ fn shaped(class: Priority, requests: u64) -> Step {
     Step::Call { key: 0, class, requests, bytes: 0, shape: Some(u16::MAX), hold: false }
 }
 
+/// A check a tick of scale 3 (`tick`) into the trace, the clock stepping back (`back`), a
+/// check.
+fn checks_around_a_step_back(tick: u16, back: u16) -> Vec<Step> {
+    let tick = Step::Tick { scale: 3, frac: tick };
+    vec![tick, call(Standard, 1), Step::Back { frac: back }, call(Standard, 1)]
+}
+
 /// A seam of these tiers and steps (fixed windows when `window`).
 fn seam_of(window: bool, tiers: Vec<TierChoice>, mix: Mix) -> Config {
     Config { window, tiers, penalty: None, reserve: None, mix }
@@ -397,6 +404,21 @@ fn the_matrix_on_redis_decides_as_memory_does() {
     matrix(On::Redis, 6);
 }
 
+/// The two tests of one seam: `repro()` labelled `labels`, on memory and on Redis.
+macro_rules! seam_on_both_stores {
+    ($repro:ident($($label:literal),*): $on_memory:ident, $on_redis:ident) => {
+        #[test]
+        fn $on_memory() {
+            known_seam(On::Memory, &[$($label),*], $repro());
+        }
+
+        #[test]
+        fn $on_redis() {
+            known_seam(On::Redis, &[$($label),*], $repro());
+        }
+    };
+}
+
 fn reserve_x_shape() -> (Config, Vec<Step>) {
     // Standard requests fill their 8; two more are shaped (leaving at 2 s and 4 s); a critical
     // request is then refused, told to retry in 2 s, its reserve unused.
@@ -404,15 +426,7 @@ fn reserve_x_shape() -> (Config, Vec<Step>) {
     (c, vec![call(Standard, 8), shaped(Standard, 2), call(Critical, 1)])
 }
 
-#[test]
-fn reserve_x_shape_on_memory() {
-    known_seam(On::Memory, &["reserve", "shape"], reserve_x_shape());
-}
-
-#[test]
-fn reserve_x_shape_on_redis() {
-    known_seam(On::Redis, &["reserve", "shape"], reserve_x_shape());
-}
+seam_on_both_stores!(reserve_x_shape("reserve", "shape"): reserve_x_shape_on_memory, reserve_x_shape_on_redis);
 
 fn reserve_x_settle() -> (Config, Vec<Step>) {
     // A standard request settled at 10 (a reported cost, say) fills the tier: the debt is the
@@ -431,15 +445,7 @@ fn reserve_x_settle() -> (Config, Vec<Step>) {
     (c, steps)
 }
 
-#[test]
-fn reserve_x_settle_on_memory() {
-    known_seam(On::Memory, &["reserve", "settle"], reserve_x_settle());
-}
-
-#[test]
-fn reserve_x_settle_on_redis() {
-    known_seam(On::Redis, &["reserve", "settle"], reserve_x_settle());
-}
+seam_on_both_stores!(reserve_x_settle("reserve", "settle"): reserve_x_settle_on_memory, reserve_x_settle_on_redis);
 
 fn shape_x(give_back: Step, mix: Mix) -> (Config, Vec<Step>) {
     // A (held) is admitted now, B shaped to 500 ms; A's charge is given back; C is shaped to
@@ -530,13 +536,7 @@ fn calendar_x_clock_back_on_redis() {
     // "the calendar windows sent do not cover the server clock").
     let tiers = vec![TierChoice::Calendar { count: 3, hour: true }];
     let c = seam_of(false, tiers, Mix { back: true, ..Mix::default() });
-    let steps = vec![
-        Step::Tick { scale: 3, frac: 49_151 },
-        call(Standard, 1),
-        Step::Back { frac: 43_690 },
-        call(Standard, 1),
-    ];
-    known_seam(On::Redis, &["calendar", "back"], (c, steps));
+    known_seam(On::Redis, &["calendar", "back"], (c, checks_around_a_step_back(49_151, 43_690)));
 }
 
 #[test]
@@ -577,18 +577,9 @@ fn reload_x_clock_back_on_redis() {
         TierChoice::Requests { count: 5, period_ms: 10_000, burst_x: 2 },
     ];
     let c = seam_of(false, tiers, Mix { back: true, reload: true, ..Mix::default() });
-    let steps = vec![
-        Step::Tick { scale: 3, frac: 65_425 },
-        call(Standard, 1),
-        Step::Back { frac: 4_433 },
-        call(Standard, 1),
-        call(Standard, 1),
-        Step::Reload,
-        call(Standard, 1),
-        call(Standard, 1),
-        call(Standard, 1),
-        Step::Tick { scale: 1, frac: 24_340 },
-        call(Standard, 1),
-    ];
+    let mut steps = checks_around_a_step_back(65_425, 4_433);
+    steps.extend([call(Standard, 1), Step::Reload]);
+    steps.extend([call(Standard, 1), call(Standard, 1), call(Standard, 1)]);
+    steps.extend([Step::Tick { scale: 1, frac: 24_340 }, call(Standard, 1)]);
     known_seam(On::Redis, &["reload", "back"], (c, steps));
 }

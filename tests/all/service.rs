@@ -1,5 +1,8 @@
 //! The layer as a plain Tower service on a paused tokio clock: exact shaping delays, cancelled
 //! waiters, the waiter bound, tarpit, settlement, store failures, error pass-through.
+use crate::support;
+use crate::support::{OkService, ok_service};
+
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -13,9 +16,11 @@ use http::{Request, Response, StatusCode};
 use tokio::time::Instant;
 use tollgate::RequestBody;
 use tollgate::clock::TokioClock;
+use tollgate::key::{GlobalKey, KeyExtractor};
+use tollgate::layer::RateLimit;
 use tollgate::store::{Check, MemoryStore, Store, Verdict};
 use tollgate::{
-    ConfigError, OnStoreError, Policy, Quota, RateLimitLayer, StoreError, key::GlobalKey,
+    ConfigError, OnStoreError, Policy, Quota, RateLimitLayer, RateLimitLayerBuilder, StoreError,
 };
 use tower::{Layer, Service, ServiceExt, service_fn};
 
@@ -24,45 +29,90 @@ fn paused_store() -> MemoryStore {
     MemoryStore::builder().clock(TokioClock::new()).build().unwrap()
 }
 
+/// A layer of `policy` on a [`paused_store`], its builder finished by `set`.
+fn on_paused_store<K: KeyExtractor>(
+    policy: Policy,
+    set: impl FnOnce(RateLimitLayerBuilder) -> RateLimitLayerBuilder<K>,
+) -> RateLimitLayer<K> {
+    set(RateLimitLayer::builder(policy).store(paused_store())).build().unwrap()
+}
+
+/// [`OkService`] behind [`on_paused_store`].
+fn paused_ok<K: KeyExtractor>(
+    policy: Policy,
+    set: impl FnOnce(RateLimitLayerBuilder) -> RateLimitLayerBuilder<K>,
+) -> RateLimit<OkService, K, MemoryStore> {
+    on_paused_store(policy, set).layer(OkService)
+}
+
+/// [`paused_ok`] on one key for every request, with room for `waiters` requests to wait.
+fn in_a_waiting_room(
+    policy: Policy,
+    waiters: usize,
+    set: impl FnOnce(RateLimitLayerBuilder<GlobalKey>) -> RateLimitLayerBuilder<GlobalKey>,
+) -> RateLimit<OkService, GlobalKey, MemoryStore> {
+    paused_ok(policy, move |b| set(b.key(GlobalKey)).max_waiters(waiters))
+}
+
+/// 10 a second, burst 1: a slot every 100 ms.
+fn ten_a_second() -> Policy {
+    Policy::single("s", Quota::per_second(10).with_burst(1)).unwrap()
+}
+
+/// One an hour.
+fn one_an_hour() -> Policy {
+    Policy::single("p", Quota::per_hour(1)).unwrap()
+}
+
+/// Sends a request through `svc`: the status it was answered, and after how long (on the
+/// paused clock).
+async fn timed<S, B>(svc: &S) -> (StatusCode, Duration)
+where
+    S: Service<Request<Body>, Response = Response<B>> + Clone,
+    S::Error: std::fmt::Debug,
+{
+    let start = Instant::now();
+    let res = svc.clone().oneshot(request()).await.unwrap();
+    (res.status(), start.elapsed())
+}
+
+/// `n` requests sent through `svc` at once, each a task of the set: the status each was
+/// answered, and when.
+fn flood<S, B>(svc: &S, n: usize) -> tokio::task::JoinSet<(StatusCode, Instant)>
+where
+    S: Service<Request<Body>, Response = Response<B>> + Clone + Send + 'static,
+    S::Error: std::fmt::Debug,
+    S::Future: Send,
+{
+    let mut flood = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        let svc = svc.clone();
+        flood.spawn(async move {
+            let status = svc.oneshot(request()).await.unwrap().status();
+            (status, Instant::now())
+        });
+    }
+    flood
+}
+
 fn request() -> Request<Body> {
     let mut req = Request::new(Body::empty());
     req.extensions_mut().insert("192.0.2.1:1234".parse::<SocketAddr>().unwrap());
     req
 }
 
-fn ok_service()
--> impl Service<Request<RequestBody<Body>>, Response = Response<Body>, Error = Infallible, Future: Send>
-+ Clone
-+ Send
-+ 'static {
-    service_fn(|_req: Request<RequestBody<Body>>| async {
-        Ok::<_, Infallible>(Response::new(Body::from("ok")))
-    })
-}
-
 #[tokio::test(start_paused = true)]
 async fn shaping_delays_are_exact_on_a_paused_clock() {
-    let policy = Policy::single("s", Quota::per_second(10).with_burst(1)).unwrap();
-    let layer = RateLimitLayer::builder(policy)
-        .store(paused_store())
-        .shape(Duration::from_millis(250))
-        .build()
-        .unwrap();
-    let svc = layer.layer(ok_service());
+    let svc = paused_ok(ten_a_second(), |b| b.shape(Duration::from_millis(250)));
     let start = Instant::now();
-    let tasks: Vec<_> = (0..5)
-        .map(|_| {
-            let svc = svc.clone();
-            tokio::spawn(async move {
-                let res = svc.oneshot(request()).await.unwrap();
-                (res.status(), start.elapsed())
-            })
-        })
-        .collect();
-    let mut out = Vec::new();
-    for t in tasks {
-        out.push(t.await.unwrap());
-    }
+    let mut out = support::spawn_all(5, |_| {
+        let svc = svc.clone();
+        async move {
+            let res = svc.oneshot(request()).await.unwrap();
+            (res.status(), start.elapsed())
+        }
+    })
+    .await;
     out.sort_by_key(|(s, d)| (s.as_u16(), *d));
     assert_eq!(
         out,
@@ -78,13 +128,7 @@ async fn shaping_delays_are_exact_on_a_paused_clock() {
 
 #[tokio::test(start_paused = true)]
 async fn a_waiter_dropped_while_waiting_gives_its_slot_back() {
-    let policy = Policy::single("s", Quota::per_second(10).with_burst(1)).unwrap();
-    let layer = RateLimitLayer::builder(policy)
-        .store(paused_store())
-        .shape(Duration::from_secs(1))
-        .build()
-        .unwrap();
-    let svc = layer.layer(ok_service());
+    let svc = paused_ok(ten_a_second(), |b| b.shape(Duration::from_secs(1)));
     assert_eq!(svc.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
     // Reserves the 100 ms slot, then gives up after 50 ms.
     let waiting =
@@ -92,36 +136,19 @@ async fn a_waiter_dropped_while_waiting_gives_its_slot_back() {
     assert!(waiting.is_err());
     tokio::task::yield_now().await;
     // The next request gets the returned 100 ms slot: it waits 50 ms more, not 150.
-    let start = Instant::now();
-    assert_eq!(svc.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
-    assert_eq!(start.elapsed(), Duration::from_millis(50));
+    assert_eq!(timed(&svc).await, (StatusCode::OK, Duration::from_millis(50)));
 }
 
 #[tokio::test(start_paused = true)]
 async fn the_number_of_waiters_is_bounded() {
-    let policy = Policy::single("s", Quota::per_second(10).with_burst(1)).unwrap();
-    let layer = RateLimitLayer::builder(policy)
-        .store(paused_store())
-        .key(GlobalKey)
-        .shape(Duration::from_secs(10))
-        .max_waiters(3)
-        .build()
-        .unwrap();
-    let svc = layer.layer(ok_service());
-    let tasks: Vec<_> = (0..10)
-        .map(|_| {
-            let svc = svc.clone();
-            tokio::spawn(async move { svc.oneshot(request()).await.unwrap().status() })
-        })
-        .collect();
-    let mut ok = 0;
-    let mut limited = 0;
-    for t in tasks {
-        match t.await.unwrap() {
-            StatusCode::OK => ok += 1,
-            _ => limited += 1,
-        }
-    }
+    let svc = in_a_waiting_room(ten_a_second(), 3, |b| b.shape(Duration::from_secs(10)));
+    let statuses = support::spawn_all(10, |_| {
+        let svc = svc.clone();
+        async move { svc.oneshot(request()).await.unwrap().status() }
+    })
+    .await;
+    let ok = statuses.iter().filter(|s| **s == StatusCode::OK).count();
+    let limited = statuses.len() - ok;
     // One admitted without waiting (the permit is given back at once), three waited, and the
     // other six were policed: no waiting room left, no slot free now.
     assert_eq!((ok, limited), (4, 6));
@@ -129,13 +156,7 @@ async fn the_number_of_waiters_is_bounded() {
 
 #[tokio::test(start_paused = true)]
 async fn tarpit_delays_rejections() {
-    let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
-    let layer = RateLimitLayer::builder(policy)
-        .store(paused_store())
-        .tarpit(Duration::from_secs(2))
-        .build()
-        .unwrap();
-    let svc = layer.layer(ok_service());
+    let svc = paused_ok(one_an_hour(), |b| b.tarpit(Duration::from_secs(2)));
     let start = Instant::now();
     assert_eq!(svc.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
     assert_eq!(start.elapsed(), Duration::ZERO);
@@ -147,11 +168,9 @@ async fn tarpit_delays_rejections() {
 #[tokio::test(start_paused = true)]
 async fn cost_settled_from_the_response() {
     let policy = Policy::single("tokens", Quota::per_hour(100)).unwrap();
-    let layer = RateLimitLayer::builder(policy)
-        .store(paused_store())
-        .settle_cost(|head| head.headers.get("x-tokens")?.to_str().ok()?.parse().ok())
-        .build()
-        .unwrap();
+    let layer = on_paused_store(policy, |b| {
+        b.settle_cost(|head| head.headers.get("x-tokens")?.to_str().ok()?.parse().ok())
+    });
     let svc = layer.layer(service_fn(|_req: Request<RequestBody<Body>>| async {
         Ok::<_, Infallible>(
             Response::builder().header("x-tokens", "60").body(Body::empty()).unwrap(),
@@ -225,7 +244,7 @@ struct MyError(&'static str);
 
 #[tokio::test]
 async fn the_inner_error_type_passes_through_and_poll_ready_takes_nothing() {
-    let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
+    let policy = one_an_hour();
     let store = MemoryStore::new();
     let layer = RateLimitLayer::builder(policy).store(store.clone()).build().unwrap();
     let mut svc = layer.layer(service_fn(|_req: Request<RequestBody<Body>>| async {
@@ -249,8 +268,7 @@ async fn the_inner_error_type_passes_through_and_poll_ready_takes_nothing() {
 
 #[tokio::test]
 async fn clones_share_state() {
-    let policy = Policy::single("p", Quota::per_hour(2)).unwrap();
-    let layer = RateLimitLayer::builder(policy).store(paused_store()).build().unwrap();
+    let layer = on_paused_store(Policy::single("p", Quota::per_hour(2)).unwrap(), |b| b);
     let a = layer.layer(ok_service());
     let b = layer.clone().layer(ok_service());
     assert_eq!(a.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
@@ -265,25 +283,13 @@ async fn clones_share_state() {
 #[tokio::test(start_paused = true)]
 async fn a_flood_of_would_be_waiters_is_held_to_the_bound_and_cancelling_returns_slots() {
     const WAITERS: usize = 64;
-    let policy = Policy::single("s", Quota::per_second(10).with_burst(1)).unwrap();
-    let layer = RateLimitLayer::builder(policy)
-        .store(paused_store())
-        .key(GlobalKey)
-        .shape(Duration::from_secs(60))
-        .max_waiters(WAITERS)
-        .build()
-        .unwrap();
-    let svc = layer.layer(ok_service());
+    let svc = in_a_waiting_room(ten_a_second(), WAITERS, |b| b.shape(Duration::from_secs(60)));
     let start = Instant::now();
-    let mut flood = tokio::task::JoinSet::new();
-    for _ in 0..20_000 {
-        let svc = svc.clone();
-        flood.spawn(async move { svc.oneshot(request()).await.unwrap().status() });
-    }
+    let mut flood = flood(&svc, 20_000);
     // Let every request run until it either finishes or sleeps for its slot (no time passes).
     let mut answered = Vec::new();
     while flood.len() > WAITERS {
-        answered.push(flood.join_next().await.unwrap().unwrap());
+        answered.push(flood.join_next().await.unwrap().unwrap().0);
     }
     tokio::task::yield_now().await;
     assert_eq!(flood.len(), WAITERS, "only the waiting room is held");
@@ -297,32 +303,15 @@ async fn a_flood_of_would_be_waiters_is_held_to_the_bound_and_cancelling_returns
     tokio::task::yield_now().await;
     // Every slot came back: the next request waits 100 ms (the first slot after the one used
     // at 0), not 6.5 s.
-    let start = Instant::now();
-    assert_eq!(svc.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
-    assert_eq!(start.elapsed(), Duration::from_millis(100));
+    assert_eq!(timed(&svc).await, (StatusCode::OK, Duration::from_millis(100)));
 }
 
 #[tokio::test(start_paused = true)]
 async fn the_tarpit_holds_at_most_the_waiting_room() {
-    let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
-    let layer = RateLimitLayer::builder(policy)
-        .store(paused_store())
-        .key(GlobalKey)
-        .tarpit(Duration::from_secs(2))
-        .max_waiters(8)
-        .build()
-        .unwrap();
-    let svc = layer.layer(ok_service());
-    assert_eq!(svc.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
+    let svc = in_a_waiting_room(one_an_hour(), 8, |b| b.tarpit(Duration::from_secs(2)));
+    assert_eq!(timed(&svc).await, (StatusCode::OK, Duration::ZERO));
     let start = Instant::now();
-    let mut flood = tokio::task::JoinSet::new();
-    for _ in 0..5_000 {
-        let svc = svc.clone();
-        flood.spawn(async move {
-            let status = svc.oneshot(request()).await.unwrap().status();
-            (status, Instant::now())
-        });
-    }
+    let mut flood = flood(&svc, 5_000);
     let mut at_once = 0;
     let mut delayed = 0;
     while let Some(done) = flood.join_next().await {
@@ -340,8 +329,7 @@ async fn the_tarpit_holds_at_most_the_waiting_room() {
 #[tokio::test]
 #[should_panic(expected = "ResponseFuture polled after completion")]
 async fn a_response_future_polled_after_completion_panics() {
-    let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
-    let layer = RateLimitLayer::builder(policy).key(GlobalKey).build().unwrap();
+    let layer = RateLimitLayer::builder(one_an_hour()).key(GlobalKey).build().unwrap();
     let mut svc = layer.layer(ok_service());
     for expected in [StatusCode::OK, StatusCode::TOO_MANY_REQUESTS] {
         let mut future = std::pin::pin!(svc.ready().await.unwrap().call(request()));
@@ -370,9 +358,7 @@ fn with(version: http::Version, headers: &[(&'static str, &str)], keyed: bool) -
 /// connection), nor for HTTP/2, whose streams end on their own.
 #[tokio::test]
 async fn refusals_of_http1_requests_with_a_body_close_the_connection() {
-    let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
-    let layer = RateLimitLayer::builder(policy).store(paused_store()).build().unwrap();
-    let svc = layer.layer(ok_service());
+    let svc = paused_ok(one_an_hour(), |b| b);
     let first = svc.clone().oneshot(with(http::Version::HTTP_11, &[], true)).await.unwrap();
     assert_eq!(first.status(), StatusCode::OK);
     use http::Version as V;
@@ -413,26 +399,19 @@ async fn slow_store_and_scope_refusals_of_uploads_close_the_connection() {
     let connection = |res: &Response<_>| {
         res.headers().get(http::header::CONNECTION).map(|v| v.as_bytes().to_vec())
     };
-    let policy = Policy::single("p", Quota::per_hour(1)).unwrap();
-    let tarpit = RateLimitLayer::builder(policy.clone())
-        .store(paused_store())
-        .tarpit(Duration::from_secs(2))
-        .build()
-        .unwrap()
-        .layer(ok_service());
+    let policy = one_an_hour();
+    let tarpit = paused_ok(policy.clone(), |b| b.tarpit(Duration::from_secs(2)));
     assert_eq!(tarpit.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
     let closed = RateLimitLayer::builder(policy.clone())
         .store(Broken::default())
         .build()
         .unwrap()
         .layer(ok_service());
-    let scoped = RateLimitLayer::builder(policy)
-        .store(paused_store())
-        .select(|head| head.headers.get("x-plan").and_then(|v| v.to_str().ok()))
-        .unselected(tollgate::layer::Unselected::Reject(StatusCode::FORBIDDEN))
-        .build()
-        .unwrap()
-        .layer(ok_service());
+    let scoped = on_paused_store(policy, |b| {
+        b.select(|head| head.headers.get("x-plan").and_then(|v| v.to_str().ok()))
+            .unselected(tollgate::layer::Unselected::Reject(StatusCode::FORBIDDEN))
+    })
+    .layer(ok_service());
     for (version, close) in [(V::HTTP_11, Some(b"close".to_vec())), (V::HTTP_2, None)] {
         let res = tarpit.clone().oneshot(upload(version)).await.unwrap();
         assert_eq!(

@@ -15,7 +15,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -24,12 +24,12 @@ use axum::extract::Request as AxumRequest;
 use axum::routing::{get, post};
 use bytes::Bytes;
 use http::StatusCode;
-use http_body::{Body, Frame, SizeHint};
+use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use support::serve;
-use support::stores::frozen_memory;
+use support::stores::in_memory;
 use tollgate::store::Store;
 use tollgate::{Policy, Quota, RateLimitLayer, StreamMode, Unit};
 
@@ -58,36 +58,33 @@ impl Frames {
     }
 }
 
-impl Body for Frames {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        if let Some(wait) = self.wait.as_mut() {
+support::bodies::body_of_frames!(
+    Frames,
+    Infallible,
+    |this, cx| {
+        if let Some(wait) = this.wait.as_mut() {
             if wait.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
             }
-            self.wait = None;
+            this.wait = None;
         }
-        if self.left == 0 {
+        if this.left == 0 {
             return Poll::Ready(None);
         }
-        let len = (self.frame.len() as u64).min(self.left);
-        self.left -= len;
-        Poll::Ready(Some(Ok(Frame::data(self.frame.slice(..len as usize)))))
-    }
+        let len = (this.frame.len() as u64).min(this.left);
+        this.left -= len;
+        Poll::Ready(Some(Ok(Frame::data(this.frame.slice(..len as usize)))))
+    },
+    {
+        fn is_end_stream(&self) -> bool {
+            self.left == 0
+        }
 
-    fn is_end_stream(&self) -> bool {
-        self.left == 0
+        fn size_hint(&self) -> SizeHint {
+            if self.sized { SizeHint::with_exact(self.left) } else { SizeHint::default() }
+        }
     }
-
-    fn size_hint(&self) -> SizeHint {
-        if self.sized { SizeHint::with_exact(self.left) } else { SizeHint::default() }
-    }
-}
+);
 
 /// What the upload handler read: per frame, when (since the test began) and how much.
 pub(crate) type Log = Arc<Mutex<Vec<(Duration, u64)>>>;
@@ -118,17 +115,44 @@ where
         .route(
             "/upload",
             post(move |req: AxumRequest| async move {
-                let mut body = req.into_body();
-                let mut read = 0;
-                while let Some(frame) = body.frame().await {
-                    let Ok(data) = frame.expect("upload frame").into_data() else { continue };
-                    read += data.len();
-                    log.lock().unwrap().push((start.elapsed(), data.len() as u64));
-                }
+                let each = |len| log.lock().unwrap().push((start.elapsed(), len));
+                let (read, whole) = read_frames(req, each).await;
+                assert!(whole, "upload frame");
                 read.to_string()
             }),
         )
         .layer(layer)
+}
+
+/// `POST url` of `len` bytes in frames of 16 KiB, its length in its size hint only when
+/// `sized` (else sent chunked).
+pub(crate) fn upload(url: &str, len: u64, sized: bool) -> http::Request<Frames> {
+    http::Request::post(url).body(Frames::new(len, 16 * 1024, sized)).unwrap()
+}
+
+/// Sends `req` on a client of its own and asserts that the handler read it whole: `200`, and
+/// the bytes it read as the answer.
+pub(crate) async fn uploaded_whole(req: http::Request<Frames>) {
+    let len = req.body().left;
+    let client: Client<_, Frames> = Client::builder(TokioExecutor::new()).build_http();
+    let res = client.request(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), len.to_string());
+}
+
+/// Reads the body of `req` frame by frame, telling `each` the length of every data frame,
+/// until it ends or fails: the bytes read, and whether it ended without an error.
+async fn read_frames(req: AxumRequest, mut each: impl FnMut(u64)) -> (u64, bool) {
+    let mut body = req.into_body();
+    let mut read = 0;
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else { return (read, false) };
+        if let Ok(data) = frame.into_data() {
+            read += data.len() as u64;
+            each(data.len() as u64);
+        }
+    }
+    (read, true)
 }
 
 /// Ten chunked uploads of 1 MB at once (frames of 16 KiB) to `url`: per upload, its status,
@@ -136,27 +160,21 @@ where
 /// mid-stream leaves the rest unread, so it must say `Connection: close`.
 async fn ten_chunked_uploads(url: &str) -> Vec<Option<StatusCode>> {
     let client: Client<_, Frames> = Client::builder(TokioExecutor::new()).build_http();
-    let uploads: Vec<_> = (0..10)
-        .map(|_| {
-            let client = client.clone();
-            let req = http::Request::post(url).body(Frames::new(MB, 16 * 1024, false)).unwrap();
-            tokio::spawn(async move {
-                let res = client.request(req).await.ok()?;
-                let status = res.status();
-                if status == StatusCode::TOO_MANY_REQUESTS {
-                    let connection = res.headers().get(http::header::CONNECTION);
-                    assert_eq!(connection.map(|v| v.as_bytes()), Some(&b"close"[..]));
-                }
-                res.into_body().collect().await.ok()?;
-                Some(status)
-            })
-        })
-        .collect();
-    let mut statuses = Vec::new();
-    for upload in uploads {
-        statuses.push(upload.await.unwrap());
-    }
-    statuses
+    support::spawn_all(10, |_| {
+        let client = client.clone();
+        let req = upload(url, MB, false);
+        async move {
+            let res = client.request(req).await.ok()?;
+            let status = res.status();
+            if status == StatusCode::TOO_MANY_REQUESTS {
+                let connection = res.headers().get(http::header::CONNECTION);
+                assert_eq!(connection.map(|v| v.as_bytes()), Some(&b"close"[..]));
+            }
+            res.into_body().collect().await.ok()?;
+            Some(status)
+        }
+    })
+    .await
 }
 
 /// The bytes read by `until`, and whether at every read all reads so far were within
@@ -177,12 +195,21 @@ fn read_by(log: &Log, until: Duration) -> u64 {
     by
 }
 
-async fn shaping_paces_ten_chunked_uploads<St: Store>(store: St) {
+/// [`ten_chunked_uploads`] to [`upload_app`] on `store` metered in `mode`: what the handler
+/// read, the statuses, and how long the uploads took.
+async fn ten_chunked_uploads_on<St: Store>(
+    store: St,
+    mode: StreamMode,
+) -> (Log, Vec<Option<StatusCode>>, Duration) {
     let log = Log::default();
     let start = Instant::now();
-    let server = serve(upload_app(store, StreamMode::Shape, &log, start)).await;
+    let server = serve(upload_app(store, mode, &log, start)).await;
     let statuses = ten_chunked_uploads(&server.url("/upload")).await;
-    let elapsed = start.elapsed();
+    (log, statuses, start.elapsed())
+}
+
+async fn shaping_paces_ten_chunked_uploads<St: Store>(store: St) {
+    let (log, statuses, elapsed) = ten_chunked_uploads_on(store, StreamMode::Shape).await;
     assert_eq!(statuses, vec![Some(StatusCode::OK); 10]);
     assert_eq!(read_by(&log, elapsed), 10 * MB);
     // 10 MB against 1 MB/s with a burst of 1 MB: at least 9 s.
@@ -196,11 +223,7 @@ async fn shaping_paces_ten_chunked_uploads_of_one_key() {
 }
 
 async fn policing_stops_ten_chunked_uploads<St: Store>(store: St) {
-    let log = Log::default();
-    let start = Instant::now();
-    let server = serve(upload_app(store, StreamMode::Police, &log, start)).await;
-    let statuses = ten_chunked_uploads(&server.url("/upload")).await;
-    let elapsed = start.elapsed();
+    let (log, statuses, elapsed) = ten_chunked_uploads_on(store, StreamMode::Police).await;
     // The uploads are stopped mid-way: the layer answers 429 in the handler's place (or the
     // client, still sending, sees the connection closed after it). One is stored whole only
     // if the tier refilled enough meanwhile (a machine so loaded that the uploads took
@@ -226,17 +249,10 @@ async fn policing_answers_429_with_retry_after_to_an_upload_past_the_tier() {
     // Over HTTP/2: on HTTP/1.1 the server answers and closes the connection while the client
     // still sends, and the client may see the connection reset before it reads the answer.
     let (addr, _server) = serve_h2(app).await;
-    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let (mut send, conn) =
-        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
-            .await
-            .expect("handshake");
-    let _driver = tokio::spawn(conn);
+    let (mut send, _driver) = h2_connection(addr).await;
     // 2 MB chunked, in frames the server reads one grant at a time: refused after the 1 MB
     // burst, before the handler could answer.
-    let req = http::Request::post(format!("http://{addr}/upload"))
-        .body(Frames::new(2 * MB, 16 * 1024, false))
-        .unwrap();
+    let req = upload(&format!("http://{addr}/upload"), 2 * MB, false);
     let res = send.send_request(req).await.expect("an answer before the upload ends");
     assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
     assert!(res.headers().contains_key("retry-after"));
@@ -291,14 +307,8 @@ async fn an_upload_is_charged_exactly_its_bytes<St: Store>(store: St) {
         .route("/upload", post(|body: Bytes| async move { body.len().to_string() }))
         .layer(layer);
     let server = serve(app).await;
-    let client: Client<_, Frames> = Client::builder(TokioExecutor::new()).build_http();
     let start = Instant::now();
-    let req = http::Request::post(server.url("/upload"))
-        .body(Frames::new(200_000, 16 * 1024, false))
-        .unwrap();
-    let res = client.request(req).await.unwrap();
-    assert_eq!(res.status(), StatusCode::OK);
-    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "200000");
+    uploaded_whole(upload(&server.url("/upload"), 200_000, false)).await;
     // The settlement of the last grant may still be on its way to a remote store.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let left = limiter.check(&tollgate::key::Key::Global, 0).await.unwrap().tiers()[0].remaining();
@@ -372,29 +382,14 @@ async fn a_100_mb_download_shaped_to_10_mb_per_second_takes_10_s() {
 #[cfg(feature = "redis")]
 mod redis {
     use super::*;
+    use crate::support::stores::redis::server;
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn shaping_paces_ten_chunked_uploads_of_one_key_on_redis() {
-        let Some(server) = support::redis::Server::start("redis-server") else { return };
-        shaping_paces_ten_chunked_uploads(server.store("shape:")).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn policing_stops_ten_chunked_uploads_of_one_key_on_redis() {
-        let Some(server) = support::redis::Server::start("redis-server") else { return };
-        policing_stops_ten_chunked_uploads(server.store("police:")).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn an_upload_is_charged_exactly_its_bytes_on_redis() {
-        let Some(server) = support::redis::Server::start("redis-server") else { return };
-        an_upload_is_charged_exactly_its_bytes(server.store("exact:")).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_100_mb_download_shaped_to_10_mb_per_second_takes_10_s_on_redis() {
-        let Some(server) = support::redis::Server::start("redis-server") else { return };
-        shaped_download(server.store("download:")).await;
+    support::stores::store_tests! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        shaping_paces_ten_chunked_uploads_of_one_key_on_redis: shaping_paces_ten_chunked_uploads(server("redis-server", "shape:"));
+        policing_stops_ten_chunked_uploads_of_one_key_on_redis: policing_stops_ten_chunked_uploads(server("redis-server", "police:"));
+        an_upload_is_charged_exactly_its_bytes_on_redis: an_upload_is_charged_exactly_its_bytes(server("redis-server", "exact:"));
+        a_100_mb_download_shaped_to_10_mb_per_second_takes_10_s_on_redis: shaped_download(server("redis-server", "download:"));
     }
 }
 
@@ -456,13 +451,11 @@ fn paused_app<St: Store>(
         .route(
             "/upload",
             post(move |req: AxumRequest| async move {
-                let mut body = req.into_body();
                 // A client that went away ends the body with an error: the handler stops.
-                while let Some(Ok(frame)) = body.frame().await {
-                    if let Ok(data) = frame.into_data() {
-                        read.fetch_add(data.len() as u64, std::sync::atomic::Ordering::SeqCst);
-                    }
-                }
+                let each = |len| {
+                    read.fetch_add(len, std::sync::atomic::Ordering::SeqCst);
+                };
+                read_frames(req, each).await;
                 "stored"
             }),
         )
@@ -526,21 +519,27 @@ async fn serve_h2(app: Router) -> (std::net::SocketAddr, Serving) {
 /// goes away (its connection closed) when the task is aborted.
 fn h2_upload(addr: std::net::SocketAddr) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        let (mut send, conn) = hyper::client::conn::http2::handshake(
-            TokioExecutor::new(),
-            hyper_util::rt::TokioIo::new(stream),
-        )
-        .await
-        .expect("handshake");
-        let driver = tokio::spawn(conn);
-        let req = http::Request::post(format!("http://{addr}/upload"))
-            .body(Frames::new(10 * MB, 16 * 1024, false))
-            .unwrap();
+        let (mut send, driver) = h2_connection(addr).await;
+        let req = upload(&format!("http://{addr}/upload"), 10 * MB, false);
         // Paused: no answer comes before the task is aborted.
         let _ = send.send_request(req).await;
         driver.abort();
     })
+}
+
+/// An HTTP/2 connection (prior knowledge) to `addr`: its sender, and the task driving it.
+async fn h2_connection(
+    addr: std::net::SocketAddr,
+) -> (
+    hyper::client::conn::http2::SendRequest<Frames>,
+    tokio::task::JoinHandle<Result<(), hyper::Error>>,
+) {
+    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let (send, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .expect("handshake");
+    (send, tokio::spawn(conn))
 }
 
 /// A chunked upload paused by shaping (its grants took the burst; the clock is frozen)
@@ -602,8 +601,7 @@ async fn a_policed_upload_gives_its_slot_back_when_stopped<St: Store>(store: St)
     let read = Arc::default();
     let server = serve(paused_app(layer, &read)).await;
     let client: Client<_, Frames> = Client::builder(TokioExecutor::new()).build_http();
-    let req =
-        http::Request::post(server.url("/upload")).body(Frames::new(MB, 16 * 1024, false)).unwrap();
+    let req = upload(&server.url("/upload"), MB, false);
     // The layer answers 429 and closes the connection; the client, still sending, may see
     // the connection closed before it reads the answer.
     if let Ok(res) = client.request(req).await {
@@ -632,9 +630,7 @@ async fn a_timeout_ends_a_paused_http1_upload<St: Store>(store: St) {
     );
     let server = serve(paused_app(layer, &read).layer(timeout)).await;
     let client: Client<_, Frames> = Client::builder(TokioExecutor::new()).build_http();
-    let req = http::Request::post(server.url("/upload"))
-        .body(Frames::new(10 * MB, 16 * 1024, false))
-        .unwrap();
+    let req = upload(&server.url("/upload"), 10 * MB, false);
     let res = client.request(req).await.expect("the timeout answers");
     assert_eq!(res.status(), StatusCode::REQUEST_TIMEOUT);
     let read = read.load(std::sync::atomic::Ordering::SeqCst);
@@ -644,90 +640,28 @@ async fn a_timeout_ends_a_paused_http1_upload<St: Store>(store: St) {
     assert!((BURST..BURST + 16 * 1024).contains(&read), "{read}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_paused_upload_holds_its_slot_until_the_client_goes_in_memory() {
-    a_paused_upload_holds_its_slot_until_the_client_goes(frozen_memory()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_paused_download_holds_its_slot_until_the_client_goes_in_memory() {
-    a_paused_download_holds_its_slot_until_the_client_goes(frozen_memory()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_timeout_ends_a_paused_http1_upload_in_memory() {
-    a_timeout_ends_a_paused_http1_upload(frozen_memory()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_policed_upload_gives_its_slot_back_when_stopped_in_memory() {
-    a_policed_upload_gives_its_slot_back_when_stopped(frozen_memory()).await;
+support::stores::store_tests! {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    a_paused_upload_holds_its_slot_until_the_client_goes_in_memory: a_paused_upload_holds_its_slot_until_the_client_goes(in_memory());
+    a_paused_download_holds_its_slot_until_the_client_goes_in_memory: a_paused_download_holds_its_slot_until_the_client_goes(in_memory());
+    a_timeout_ends_a_paused_http1_upload_in_memory: a_timeout_ends_a_paused_http1_upload(in_memory());
+    a_policed_upload_gives_its_slot_back_when_stopped_in_memory: a_policed_upload_gives_its_slot_back_when_stopped(in_memory());
 }
 
 #[cfg(feature = "redis")]
 mod paused_on_redis {
     use super::*;
 
-    use crate::support::redis::Cluster;
-    use crate::support::stores::redis::{frozen_on as frozen, frozen_on_cluster};
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_paused_upload_holds_its_slot_until_the_client_goes_on_redis() {
-        let Some(server) = support::redis::Server::start("redis-server") else { return };
-        a_paused_upload_holds_its_slot_until_the_client_goes(frozen(&server, "up:")).await;
+    support::stores::store_tests! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        a_paused_upload_holds_its_slot_until_the_client_goes("up:"): a_paused_upload_holds_its_slot_until_the_client_goes_on_redis, a_paused_upload_holds_its_slot_until_the_client_goes_on_valkey;
+        a_paused_download_holds_its_slot_until_the_client_goes("down:"): a_paused_download_holds_its_slot_until_the_client_goes_on_redis, a_paused_download_holds_its_slot_until_the_client_goes_on_valkey;
+        a_timeout_ends_a_paused_http1_upload("timeout:"): a_timeout_ends_a_paused_http1_upload_on_redis, a_timeout_ends_a_paused_http1_upload_on_valkey;
+        a_policed_upload_gives_its_slot_back_when_stopped("police:"): a_policed_upload_gives_its_slot_back_when_stopped_on_redis, a_policed_upload_gives_its_slot_back_when_stopped_on_valkey;
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_paused_download_holds_its_slot_until_the_client_goes_on_redis() {
-        let Some(server) = support::redis::Server::start("redis-server") else { return };
-        a_paused_download_holds_its_slot_until_the_client_goes(frozen(&server, "down:")).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_timeout_ends_a_paused_http1_upload_on_redis() {
-        let Some(server) = support::redis::Server::start("redis-server") else { return };
-        a_timeout_ends_a_paused_http1_upload(frozen(&server, "timeout:")).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_policed_upload_gives_its_slot_back_when_stopped_on_redis() {
-        let Some(server) = support::redis::Server::start("redis-server") else { return };
-        a_policed_upload_gives_its_slot_back_when_stopped(frozen(&server, "police:")).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_paused_upload_holds_its_slot_until_the_client_goes_on_valkey() {
-        let Some(server) = support::redis::Server::start("valkey-server") else { return };
-        a_paused_upload_holds_its_slot_until_the_client_goes(frozen(&server, "up:")).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_paused_download_holds_its_slot_until_the_client_goes_on_valkey() {
-        let Some(server) = support::redis::Server::start("valkey-server") else { return };
-        a_paused_download_holds_its_slot_until_the_client_goes(frozen(&server, "down:")).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_timeout_ends_a_paused_http1_upload_on_valkey() {
-        let Some(server) = support::redis::Server::start("valkey-server") else { return };
-        a_timeout_ends_a_paused_http1_upload(frozen(&server, "timeout:")).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_policed_upload_gives_its_slot_back_when_stopped_on_valkey() {
-        let Some(server) = support::redis::Server::start("valkey-server") else { return };
-        a_policed_upload_gives_its_slot_back_when_stopped(frozen(&server, "police:")).await;
-    }
-
-    /// The four scenarios on one Redis Cluster (forming one takes seconds), one after another,
-    /// each under its own prefix.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn paused_and_stopped_streams_hold_and_give_back_their_slots_on_a_cluster() {
-        let Some(cluster) = Cluster::start() else { return };
-        let store = |prefix| frozen_on_cluster(&cluster, prefix);
-        a_paused_upload_holds_its_slot_until_the_client_goes(store("up:")).await;
-        a_paused_download_holds_its_slot_until_the_client_goes(store("down:")).await;
-        a_timeout_ends_a_paused_http1_upload(store("timeout:")).await;
-        a_policed_upload_gives_its_slot_back_when_stopped(store("police:")).await;
+    support::stores::store_tests! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        paused_and_stopped_streams_hold_and_give_back_their_slots_on_a_cluster: on_a_cluster[a_paused_upload_holds_its_slot_until_the_client_goes("up:"), a_paused_download_holds_its_slot_until_the_client_goes("down:"), a_timeout_ends_a_paused_http1_upload("timeout:"), a_policed_upload_gives_its_slot_back_when_stopped("police:")];
     }
 }

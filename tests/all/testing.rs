@@ -25,6 +25,17 @@ fn app(policy: Policy, store: impl Store) -> Router {
     Router::new().route("/", get(|| async { "ok" })).layer(layer.build().unwrap())
 }
 
+/// A policy of one calendar tier, `tier` of `calendar` in Berlin's time zone.
+fn in_berlin(name: &str, tier: &str, calendar: Calendar) -> Policy {
+    Policy::builder(name).calendar(tier, calendar.in_time_zone("Europe/Berlin")).build().unwrap()
+}
+
+/// [`app`] on the memory store of `clock`, its headers in `style`.
+fn app_styled(policy: Policy, clock: &VirtualClock, style: HeaderStyle) -> Router {
+    let layer = RateLimitLayer::builder(policy).key(GlobalKey).store(clock.memory_store());
+    Router::new().route("/", get(|| async { "ok" })).layer(layer.headers(style).build().unwrap())
+}
+
 async fn call(app: &Router) -> Response<Body> {
     app.clone().oneshot(Request::get("/").body(Body::empty()).unwrap()).await.unwrap()
 }
@@ -75,15 +86,8 @@ fn the_guide_recipe_is_the_test_above() {
 #[tokio::test(start_paused = true)]
 async fn the_monthly_refusal_reports_every_field_exactly() {
     let clock = VirtualClock::starting_at("2026-03-28T12:00:00+01:00").unwrap();
-    let policy = Policy::builder("plan")
-        .calendar("monthly", Calendar::per_month(3).in_time_zone("Europe/Berlin"))
-        .build()
-        .unwrap();
-    let layer = RateLimitLayer::builder(policy)
-        .key(GlobalKey)
-        .store(clock.memory_store())
-        .headers(HeaderStyle::Both);
-    let app = Router::new().route("/", get(|| async { "ok" })).layer(layer.build().unwrap());
+    let policy = in_berlin("plan", "monthly", Calendar::per_month(3));
+    let app = app_styled(policy, &clock, HeaderStyle::Both);
     for remaining in [2, 1, 0] {
         let headers = assert_admitted(&call(&app).await);
         assert_eq!(headers.get("monthly").unwrap().remaining, remaining);
@@ -125,10 +129,7 @@ async fn the_monthly_refusal_reports_every_field_exactly() {
 #[tokio::test(start_paused = true)]
 async fn a_daily_quota_on_the_23_hour_day_is_refused_for_23_hours() {
     let clock = VirtualClock::starting_at("2026-03-29T00:00:00+01:00").unwrap();
-    let policy = Policy::builder("daily")
-        .calendar("day", Calendar::per_day(1).in_time_zone("Europe/Berlin"))
-        .build()
-        .unwrap();
+    let policy = in_berlin("daily", "day", Calendar::per_day(1));
     let app = app(policy, clock.memory_store());
     assert_admitted(&call(&app).await);
     let headers = assert_limited_until(&call(&app).await, Duration::from_secs(23 * 3600));
@@ -240,10 +241,7 @@ async fn a_redis_store_decides_on_the_virtual_clock() {
         .timeout(Duration::from_secs(5))
         .build()
         .unwrap();
-    let policy = Policy::builder("plan")
-        .calendar("monthly", Calendar::per_month(3).in_time_zone("Europe/Berlin"))
-        .build()
-        .unwrap();
+    let policy = in_berlin("plan", "monthly", Calendar::per_month(3));
     let app = app(policy, store);
     for remaining in [2, 1, 0] {
         assert_eq!(assert_admitted(&call(&app).await).get("monthly").unwrap().remaining, remaining);
@@ -359,11 +357,7 @@ async fn legacy_headers_of_the_layer_read_back() {
         .calendar("daily", Calendar::per_day(2).in_time_zone("Europe/Berlin"))
         .build()
         .unwrap();
-    let layer = RateLimitLayer::builder(policy)
-        .key(GlobalKey)
-        .store(clock.memory_store())
-        .headers(HeaderStyle::Legacy);
-    let app = Router::new().route("/", get(|| async { "ok" })).layer(layer.build().unwrap());
+    let app = app_styled(policy, &clock, HeaderStyle::Legacy);
     let headers = assert_admitted(&call(&app).await);
     assert_eq!(headers.quotas.len(), 1);
     let tightest = &headers.quotas[0];

@@ -4,6 +4,7 @@
 #![cfg(feature = "ws")]
 
 use crate::support;
+use crate::support::stores::frozen_memory;
 
 use std::time::{Duration, Instant};
 
@@ -114,6 +115,18 @@ fn layer_of<St: Store>(
     RateLimitLayer::builder(policy).key(GlobalKey).store(store).on_stream(mode).build().unwrap()
 }
 
+/// `policy` on one key for every request, with no stream setting, on a store whose clock
+/// stands still.
+fn layer_of_frozen(policy: Policy) -> RateLimitLayer<GlobalKey, MemoryStore> {
+    RateLimitLayer::builder(policy).key(GlobalKey).store(frozen_memory()).build().unwrap()
+}
+
+/// Serves the routes behind [`layer_of_frozen`]: the server, the handlers' reports.
+async fn serve_frozen(policy: Policy) -> (support::Server, mpsc::UnboundedReceiver<Done>) {
+    let (app, reports) = app(layer_of_frozen(policy));
+    (support::serve(app).await, reports)
+}
+
 /// Serves the app policing `unit` on a store whose clock stands still (nothing refills
 /// unless the test moves it): the clock, the server, the handlers' reports.
 async fn policed(unit: Unit) -> (FakeClock, support::Server, mpsc::UnboundedReceiver<Done>) {
@@ -171,6 +184,25 @@ pub(crate) async fn report(reports: &mut mpsc::UnboundedReceiver<Done>) -> Done 
         .await
         .expect("the handler ends")
         .expect("a report")
+}
+
+/// Serves `app` and opens a socket on `path`: the body of the 500 the upgrade is refused with.
+async fn upgrade_refused_with_500(app: Router, path: &str) -> String {
+    let server = support::serve(app).await;
+    let (status, body) = upgrade_refused(&format!("ws://{}{path}", server.addr)).await;
+    assert_eq!(status, 500);
+    body
+}
+
+/// Opens a socket at `url`, whose upgrade is refused: the status and body it is refused with.
+async fn upgrade_refused(url: &str) -> (u16, String) {
+    match tokio_tungstenite::connect_async(url).await {
+        Err(tokio_tungstenite::tungstenite::Error::Http(res)) => {
+            let body = String::from_utf8(res.body().clone().unwrap_or_default()).unwrap();
+            (res.status().as_u16(), body)
+        }
+        other => panic!("expected a refused upgrade, got {other:?}"),
+    }
 }
 
 fn status_of(res: &support::Reply) -> u16 {
@@ -309,10 +341,7 @@ async fn one_open_socket(policy: Policy) {
     let mut first = connect(&server, "/upload").await;
     // The first socket's `101` went out long ago; its slot is still taken.
     first.send(ClientMessage::text("hello")).await.unwrap();
-    match tokio_tungstenite::connect_async(url.as_str()).await {
-        Err(tokio_tungstenite::tungstenite::Error::Http(res)) => assert_eq!(res.status(), 429),
-        other => panic!("expected a 429, got {other:?}"),
-    }
+    assert_eq!(upgrade_refused(&url).await.0, 429);
     talk(first, 0).await;
     assert_eq!(report(&mut reports).await.received, 1);
     // Closed: the slot is free.
@@ -327,8 +356,7 @@ async fn one_open_socket(policy: Policy) {
 #[tokio::test]
 async fn an_upgrade_dropped_before_its_101_gives_back_its_streamed_bytes_unit() {
     use axum::response::IntoResponse;
-    let clock = FakeClock::new();
-    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let store = frozen_memory();
     let policy = Policy::builder("stuck")
         .tier("bytes", Quota::per_minute(1_000).counting(Unit::RequestBytes))
         .tier("messages", Quota::per_second(100).counting(Unit::RequestMessages))
@@ -346,10 +374,7 @@ async fn an_upgrade_dropped_before_its_101_gives_back_its_streamed_bytes_unit() 
     let app = Router::new().route("/stuck", get(stuck)).route_layer(layer).layer(timeout);
     let server = support::serve(app).await;
     let url = format!("ws://{}/stuck", server.addr);
-    match tokio_tungstenite::connect_async(url.as_str()).await {
-        Err(tokio_tungstenite::tungstenite::Error::Http(res)) => assert_eq!(res.status(), 408),
-        other => panic!("expected a 408, got {other:?}"),
-    }
+    assert_eq!(upgrade_refused(&url).await.0, 408);
     let peek = limiter.check(&Key::Global, 0).await.unwrap();
     assert_eq!(peek.tiers()[0].remaining(), 1_000, "the bytes tier is whole again");
     // The message charged at admission stays charged (an estimate, as for any request).
@@ -361,18 +386,13 @@ async fn an_upgrade_dropped_before_its_101_gives_back_its_streamed_bytes_unit() 
 /// on a socket, so nothing settles it).
 #[tokio::test]
 async fn settling_an_upgrade_that_never_became_a_socket_keeps_its_admission_charge() {
-    let clock = FakeClock::new();
-    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
-    let layer = layer(Unit::RequestMessages, StreamMode::Settle, store);
+    let layer = layer(Unit::RequestMessages, StreamMode::Settle, frozen_memory());
     let limiter = layer.limiter().clone();
     let refuse = |_up: WebSocketUpgrade, _budget: MessageBudget| async { "no socket today" };
     let app = Router::new().route("/refuse", get(refuse)).route_layer(layer);
     let server = support::serve(app).await;
     let url = format!("ws://{}/refuse", server.addr);
-    match tokio_tungstenite::connect_async(url.as_str()).await {
-        Err(tokio_tungstenite::tungstenite::Error::Http(res)) => assert_eq!(res.status(), 200),
-        other => panic!("expected a 200, got {other:?}"),
-    }
+    assert_eq!(upgrade_refused(&url).await.0, 200);
     let peek = limiter.check(&Key::Global, 0).await.unwrap();
     assert_eq!(peek.tiers()[0].remaining(), 99);
 }
@@ -411,16 +431,8 @@ async fn shaping_paces_the_messages_sent() {
 #[tokio::test]
 async fn a_handler_asking_for_a_budget_without_a_layer_in_front_gets_a_500() {
     let (app, _reports) = served(routes());
-    let server = support::serve(app).await;
-    let url = format!("ws://{}/upload", server.addr);
-    match tokio_tungstenite::connect_async(url).await {
-        Err(tokio_tungstenite::tungstenite::Error::Http(res)) => {
-            assert_eq!(res.status(), 500);
-            let body = String::from_utf8(res.body().clone().unwrap_or_default()).unwrap();
-            assert!(body.starts_with("no message budget"), "{body}");
-        }
-        other => panic!("expected a 500, got {other:?}"),
-    }
+    let body = upgrade_refused_with_500(app, "/upload").await;
+    assert!(body.starts_with("no message budget"), "{body}");
 }
 
 #[tokio::test]
@@ -495,28 +507,13 @@ async fn a_socket_is_charged_exactly_its_messages<St: Store>(store: St) {
     assert_eq!(left(0).await, 0);
 }
 
-#[tokio::test]
-async fn a_socket_is_charged_exactly_its_messages_in_memory() {
-    a_socket_is_charged_exactly_its_messages(MemoryStore::new()).await;
-}
-
-#[cfg(feature = "redis")]
-#[tokio::test]
-async fn a_socket_is_charged_exactly_its_messages_on_redis() {
-    let Some(server) = support::redis::Server::start("redis-server") else { return };
-    let store = server.store("websocket:");
-    a_socket_is_charged_exactly_its_messages(store).await;
-}
-
-#[cfg(feature = "redis")]
-#[tokio::test]
-async fn a_socket_is_charged_exactly_its_messages_on_a_redis_cluster() {
-    let Some(cluster) = support::redis::Cluster::start() else { return };
-    let store = tollgate::store::RedisStore::cluster_builder(cluster.urls())
-        .prefix("websocket:")
-        .build()
-        .unwrap();
-    a_socket_is_charged_exactly_its_messages(store).await;
+support::stores::store_tests! {
+    #[tokio::test]
+    a_socket_is_charged_exactly_its_messages_in_memory: a_socket_is_charged_exactly_its_messages(support::stores::on_system_clock());
+    #[cfg(feature = "redis")]
+    a_socket_is_charged_exactly_its_messages_on_redis: a_socket_is_charged_exactly_its_messages(support::stores::redis::server("redis-server", "websocket:"));
+    #[cfg(feature = "redis")]
+    a_socket_is_charged_exactly_its_messages_on_a_redis_cluster: a_socket_is_charged_exactly_its_messages(support::stores::redis::cluster("websocket:"));
 }
 
 /// A layer with no stream setting polices a socket's messages as it polices requests: a
@@ -524,11 +521,8 @@ async fn a_socket_is_charged_exactly_its_messages_on_a_redis_cluster() {
 /// delivered, then the socket is closed with 1008.
 #[tokio::test]
 async fn a_message_tier_is_policed_by_default() {
-    let store = MemoryStore::builder().clock(FakeClock::new()).build().unwrap();
-    let policy = messages_per_second("chat", 10, Unit::RequestMessages);
-    let layer = RateLimitLayer::builder(policy).key(GlobalKey).store(store).build().unwrap();
-    let (app, mut reports) = app(layer);
-    let server = support::serve(app).await;
+    let (server, mut reports) =
+        serve_frozen(messages_per_second("chat", 10, Unit::RequestMessages)).await;
     let seen = talk(connect(&server, "/upload").await, 50).await;
     assert_eq!(report(&mut reports).await.received, 10);
     assert_eq!(seen.close.map(|c| c.code), Some(CloseCode::Policy));
@@ -539,15 +533,12 @@ async fn a_message_tier_is_policed_by_default() {
 /// 5 delivered, no Close from the server; the key's next socket is admitted too.
 #[tokio::test]
 async fn a_socket_within_its_budget_never_trips_the_penalty_box() {
-    let store = MemoryStore::builder().clock(FakeClock::new()).build().unwrap();
     let policy = Policy::builder("chat")
         .tier("messages", Quota::per_hour(10).counting(Unit::RequestMessages))
         .penalty("messages", tollgate::Penalty::new(Duration::from_secs(600)))
         .build()
         .unwrap();
-    let layer = RateLimitLayer::builder(policy).key(GlobalKey).store(store).build().unwrap();
-    let (app, mut reports) = app(layer);
-    let server = support::serve(app).await;
+    let (server, mut reports) = serve_frozen(policy).await;
     let seen = talk(connect(&server, "/upload").await, 5).await;
     let done = report(&mut reports).await;
     assert_eq!((done.received, done.spent.is_none()), (5, true));
@@ -563,9 +554,8 @@ async fn a_socket_within_its_budget_never_trips_the_penalty_box() {
 /// (logged once and counted), instead of letting every message through.
 #[tokio::test]
 async fn an_upgrade_whose_handler_does_not_meter_its_socket_is_refused() {
-    let store = MemoryStore::builder().clock(FakeClock::new()).build().unwrap();
     let policy = messages_per_second("unmetered-chat", 5, Unit::RequestMessages);
-    let layer = RateLimitLayer::builder(policy).key(GlobalKey).store(store).build().unwrap();
+    let layer = layer_of_frozen(policy);
     let echo = |up: WebSocketUpgrade| async move {
         up.on_upgrade(|mut socket| async move {
             while let Some(Ok(message)) = socket.recv().await {
@@ -576,14 +566,6 @@ async fn an_upgrade_whose_handler_does_not_meter_its_socket_is_refused() {
         })
     };
     let app = Router::new().route("/echo", get(echo)).route_layer(layer);
-    let server = support::serve(app).await;
-    let url = format!("ws://{}/echo", server.addr);
-    match tokio_tungstenite::connect_async(url).await {
-        Err(tokio_tungstenite::tungstenite::Error::Http(res)) => {
-            assert_eq!(res.status(), 500);
-            let body = String::from_utf8(res.body().clone().unwrap_or_default()).unwrap();
-            assert!(body.contains("does not meter the socket"), "{body}");
-        }
-        other => panic!("expected a 500, got {other:?}"),
-    }
+    let body = upgrade_refused_with_500(app, "/echo").await;
+    assert!(body.contains("does not meter the socket"), "{body}");
 }

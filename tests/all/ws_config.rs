@@ -10,8 +10,7 @@ use futures_util::SinkExt;
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message as ClientMessage;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
-use tollgate::clock::FakeClock;
-use tollgate::config::{LimitsConfig, LimitsLayer};
+use tollgate::config::{LimitsConfig, LimitsLayer, Reloaded};
 use tollgate::store::MemoryStore;
 
 use crate::websocket::{Client, Done, connect, report, routes, served as with_reports, talk};
@@ -41,7 +40,7 @@ on_stream = "police"
 async fn served(
     count: u64,
 ) -> (LimitsLayer<MemoryStore>, support::Server, mpsc::UnboundedReceiver<Done>) {
-    let store = MemoryStore::builder().clock(FakeClock::new()).build().unwrap();
+    let store = support::stores::frozen_memory();
     let layer = LimitsLayer::with_store(config(count, "v1.toml"), store).unwrap();
     let routes = routes().route("/free", get(|| async { "free" })).layer(layer.clone());
     let (app, reports) = with_reports(routes);
@@ -79,6 +78,20 @@ async fn admitted_unary(server: &support::Server, max: u64) -> u64 {
     max
 }
 
+/// [`served`] at 100 an hour, a socket open on `/upload` that has sent `sent` messages, then
+/// the configuration reloaded to `count` an hour: the server, the handlers' reports, the open
+/// socket, and what the reload did.
+async fn reloaded_with_a_socket_open(
+    sent: u64,
+    count: u64,
+) -> (support::Server, mpsc::UnboundedReceiver<Done>, Client, Reloaded) {
+    let (layer, server, reports) = served(100).await;
+    let mut client = connect(&server, "/upload").await;
+    send(&mut client, sent).await;
+    let reloaded = layer.handle().reload(config(count, "v2.toml")).unwrap();
+    (server, reports, client, reloaded)
+}
+
 #[tokio::test]
 async fn a_message_tier_from_the_file_polices_a_socket_exactly() {
     let (_layer, server, mut reports) = served(100).await;
@@ -92,12 +105,9 @@ async fn a_message_tier_from_the_file_polices_a_socket_exactly() {
 
 #[tokio::test]
 async fn a_socket_open_across_a_reload_keeps_the_budget_it_started_with() {
-    let (layer, server, mut reports) = served(100).await;
-    let mut client = connect(&server, "/upload").await;
-    send(&mut client, 50).await;
     // The quota changes while the socket is open: the socket goes on under the configuration
     // it started with, so it gets the other 50 of its 100 and is closed with 1008.
-    let reloaded = layer.handle().reload(config(200, "v2.toml")).unwrap();
+    let (server, mut reports, client, reloaded) = reloaded_with_a_socket_open(50, 200).await;
     assert_eq!(reloaded.changed(), &["sockets".to_owned()][..]);
     let close = close_after(client, 250).await;
     assert_eq!(received(&mut reports).await, 100);
@@ -110,12 +120,9 @@ async fn a_socket_open_across_a_reload_keeps_the_budget_it_started_with() {
 
 #[tokio::test]
 async fn a_reload_that_keeps_the_policy_keeps_one_budget_for_the_socket_and_new_requests() {
-    let (layer, server, mut reports) = served(100).await;
-    let mut client = connect(&server, "/upload").await;
-    send(&mut client, 40).await;
     // An unchanged policy keeps its limiter: the socket opened before the reload and the plain
     // requests after it spend one budget.
-    let reloaded = layer.handle().reload(config(100, "v2.toml")).unwrap();
+    let (server, mut reports, client, reloaded) = reloaded_with_a_socket_open(40, 100).await;
     assert_eq!(reloaded.kept(), &["sockets".to_owned()][..]);
     let close = close_after(client, 0).await;
     assert_ne!(close, Some(CloseCode::Policy));

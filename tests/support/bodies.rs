@@ -2,13 +2,37 @@
 //! chunks of no known length, never end, or end as a test says (done, an error, or never).
 
 use std::convert::Infallible;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::task::{Context, Poll};
+use std::task::Poll;
 
 use bytes::Bytes;
-use http_body::{Body, Frame};
+use http_body::Frame;
+
+/// Implements `http_body::Body` (data `Bytes`, errors `$error`) for `$body`, its next frame
+/// made by the block (`$this`: `&mut $body`, `$cx`: the task's `Context`), with any further
+/// methods of the trait given in braces: a test body is then only how it makes its frames.
+macro_rules! body_of_frames {
+    ($body:ty, $error:ty, |$this:ident, $cx:tt| $next:block $(, { $($more:tt)* })?) => {
+        impl http_body::Body for $body {
+            type Data = bytes::Bytes;
+            type Error = $error;
+
+            fn poll_frame(
+                mut self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, $error>>> {
+                let $this = &mut *self;
+                let $cx = cx;
+                $next
+            }
+
+            $($($more)*)?
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use body_of_frames;
 
 /// A response body of `len` bytes that counts itself in flight until it is dropped.
 pub struct Tracked {
@@ -36,17 +60,9 @@ impl Drop for Tracked {
     }
 }
 
-impl Body for Tracked {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        Poll::Ready(self.data.take().map(|d| Ok(Frame::data(d))))
-    }
-}
+body_of_frames!(Tracked, Infallible, |this, _| {
+    Poll::Ready(this.data.take().map(|d| Ok(Frame::data(d))))
+});
 
 /// A body of `n` data frames of `len` bytes and no known length: sent chunked.
 pub struct Chunks {
@@ -60,40 +76,24 @@ impl Chunks {
     }
 }
 
-impl Body for Chunks {
-    type Data = Bytes;
-    type Error = std::convert::Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        if self.left == 0 {
-            return Poll::Ready(None);
-        }
-        self.left -= 1;
-        Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![b'y'; self.len])))))
+body_of_frames!(Chunks, Infallible, |this, _| {
+    if this.left == 0 {
+        return Poll::Ready(None);
     }
-}
+    this.left -= 1;
+    Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![b'y'; this.len])))))
+});
 
 /// A response body that sends one chunk and then never ends.
 pub struct Endless(pub bool);
 
-impl Body for Endless {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        if std::mem::replace(&mut self.0, true) {
-            Poll::Pending
-        } else {
-            Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"first chunk")))))
-        }
+body_of_frames!(Endless, Infallible, |this, _| {
+    if std::mem::replace(&mut this.0, true) {
+        Poll::Pending
+    } else {
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"first chunk")))))
     }
-}
+});
 
 /// How a test body ends after its frames: done, with an error, or never (it hangs).
 #[derive(Clone, Copy)]
@@ -117,22 +117,14 @@ impl Repeat {
     }
 }
 
-impl Body for Repeat {
-    type Data = Bytes;
-    type Error = &'static str;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, &'static str>>> {
-        if self.frames > 0 {
-            self.frames -= 1;
-            return Poll::Ready(Some(Ok(Frame::data(self.frame.clone()))));
-        }
-        match self.end {
-            End::Done => Poll::Ready(None),
-            End::Fail => Poll::Ready(Some(Err("reset"))),
-            End::Hang => Poll::Pending,
-        }
+body_of_frames!(Repeat, &'static str, |this, _| {
+    if this.frames > 0 {
+        this.frames -= 1;
+        return Poll::Ready(Some(Ok(Frame::data(this.frame.clone()))));
     }
-}
+    match this.end {
+        End::Done => Poll::Ready(None),
+        End::Fail => Poll::Ready(Some(Err("reset"))),
+        End::Hang => Poll::Pending,
+    }
+});

@@ -65,6 +65,23 @@ pub async fn serve_without_connect_info(app: Router) -> Server {
     Server { addr, task }
 }
 
+/// Spawns the server `serve` makes of its shutdown signal: it serves until the sender returned
+/// is dropped (or sent to); a server that fails fails its task with the error.
+pub fn spawn_until_stopped<Fut, E>(
+    serve: impl FnOnce(std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>) -> Fut,
+) -> tokio::sync::oneshot::Sender<()>
+where
+    Fut: std::future::Future<Output = Result<(), E>> + Send + 'static,
+    E: std::fmt::Debug,
+{
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = serve(Box::pin(async {
+        let _ = stopped.await;
+    }));
+    tokio::spawn(async move { serving.await.expect("serve") });
+    stop
+}
+
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 pub fn client() -> HttpClient {
@@ -105,17 +122,29 @@ pub async fn get(client: &HttpClient, url: &str, headers: &[(&str, &str)]) -> Re
 }
 
 /// An inner service that answers `200 ok` to every request behind the layer.
-pub fn ok_service() -> impl tower::Service<
-    http::Request<tollgate::RequestBody<axum::body::Body>>,
-    Response = http::Response<axum::body::Body>,
-    Error = std::convert::Infallible,
-    Future: Send,
-> + Clone
-+ Send
-+ 'static {
-    tower::service_fn(|_req| async {
-        Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::from("ok")))
-    })
+#[derive(Clone, Copy, Debug)]
+pub struct OkService;
+
+impl tower::Service<http::Request<tollgate::RequestBody<axum::body::Body>>> for OkService {
+    type Response = http::Response<axum::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: http::Request<tollgate::RequestBody<axum::body::Body>>) -> Self::Future {
+        std::future::ready(Ok(http::Response::new(axum::body::Body::from("ok"))))
+    }
+}
+
+/// An [`OkService`].
+pub fn ok_service() -> OkService {
+    OkService
 }
 
 /// A limiter of `policy` on a memory store of its own, on `clock`.
@@ -125,4 +154,43 @@ pub fn memory_limiter(
 ) -> tollgate::Limiter {
     let store = tollgate::store::MemoryStore::builder().clock(clock.clone()).build().unwrap();
     tollgate::Limiter::with_store(policy, store).unwrap()
+}
+
+/// One hour past the fake clock's epoch (ns): where tests on a fake clock start.
+pub const HOUR: u64 = 3_600_000_000_000;
+
+/// A fake clock set to [`HOUR`].
+pub fn clock_at_hour() -> tollgate::clock::FakeClock {
+    let clock = tollgate::clock::FakeClock::new();
+    clock.set(HOUR);
+    clock
+}
+
+/// A memory store on `clock`.
+pub fn memory_store(clock: &tollgate::clock::FakeClock) -> tollgate::store::MemoryStore {
+    tollgate::store::MemoryStore::builder().clock(clock.clone()).build().unwrap()
+}
+
+/// [`memory_limiter`] for the scenarios written once over the store (`every_scenario`): a
+/// limiter of each policy given, on `clock`.
+pub fn memory_limiters(
+    clock: &tollgate::clock::FakeClock,
+) -> impl Fn(tollgate::Policy) -> std::future::Ready<tollgate::Limiter> {
+    let clock = clock.clone();
+    move |policy| std::future::ready(memory_limiter(&clock, policy))
+}
+
+/// Spawns `task(i)` for each `i` in `0..n` at once and waits for them all: their outputs, in
+/// order (a task that panics fails the test).
+pub async fn spawn_all<T, Fut>(n: usize, mut task: impl FnMut(usize) -> Fut) -> Vec<T>
+where
+    T: Send + 'static,
+    Fut: std::future::Future<Output = T> + Send + 'static,
+{
+    let tasks: Vec<_> = (0..n).map(|i| tokio::spawn(task(i))).collect();
+    let mut outputs = Vec::with_capacity(n);
+    for t in tasks {
+        outputs.push(t.await.expect("the task ends without a panic"));
+    }
+    outputs
 }

@@ -46,6 +46,20 @@ async fn admit<St: Store>(limiter: &Limiter<St>, key: &Key, n: usize) {
     }
 }
 
+/// Admits the first `n` requests of the key named `name`, at the clock's instant: the key, and
+/// the instant (ns) a time after that one.
+async fn begin<St: Store>(
+    clock: &FakeClock,
+    limiter: &Limiter<St>,
+    name: &str,
+    n: usize,
+) -> (Key, impl Fn(Duration) -> u64 + use<St>) {
+    let key = Key::text(name);
+    let start = clock.now();
+    admit(limiter, &key, n).await;
+    (key, move |d: Duration| start + u64::try_from(d.as_nanos()).unwrap())
+}
+
 /// Asserts that `d` is the refusal of a key blocked for `left` more by tier 0.
 fn assert_blocked(d: &Decision, left: Duration, what: &str) {
     assert_eq!(d.outcome(), Outcome::Limited, "{what}: {d:?}");
@@ -106,10 +120,7 @@ pub async fn the_third_refusal_within_a_minute_blocks<St: Store>(
     clock: &FakeClock,
     limiter: Limiter<St>,
 ) {
-    let key = Key::text("dave");
-    let start = clock.now();
-    let at = |d: Duration| start + u64::try_from(d.as_nanos()).unwrap();
-    admit(&limiter, &key, 10).await;
+    let (key, at) = begin(clock, &limiter, "dave", 10).await;
     // Two refusals at 0 s and 1 s: the tier's own retry (one request every 6 s).
     let d = check(&limiter, &key).await;
     assert_eq!(d.retry_after(), Some(Duration::from_secs(6)), "{d:?}");
@@ -152,10 +163,7 @@ pub async fn a_short_block_on_a_slow_tier_says_when_the_tier_admits<St: Store>(
     clock: &FakeClock,
     limiter: Limiter<St>,
 ) {
-    let key = Key::text("frank");
-    let start = clock.now();
-    let at = |d: Duration| start + u64::try_from(d.as_nanos()).unwrap();
-    admit(&limiter, &key, 2).await;
+    let (key, at) = begin(clock, &limiter, "frank", 2).await;
     let breach = check(&limiter, &key).await;
     assert_blocked(&breach, 30 * MINUTE, "the breach");
     clock.set(at(MINUTE / 2));
@@ -192,4 +200,10 @@ where
         .build()
         .unwrap();
     a_short_block_on_a_slow_tier_says_when_the_tier_admits(clock, make(slow).await).await;
+}
+
+/// [`every_scenario`] on the in-memory store, on a fake clock from [`super::HOUR`].
+pub async fn every_scenario_in_memory() {
+    let clock = super::clock_at_hour();
+    every_scenario(&clock, super::memory_limiters(&clock)).await;
 }

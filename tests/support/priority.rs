@@ -242,3 +242,9 @@ pub async fn three_times_overload<St: Store>(clock: &FakeClock, limiter: &Limite
     assert!(counts.standard_refused * 2 < counts.sheddable_refused, "{counts:?}");
     counts
 }
+
+/// [`every_scenario`] on the in-memory store, on a fake clock from [`super::HOUR`].
+pub async fn every_scenario_in_memory() {
+    let clock = super::clock_at_hour();
+    every_scenario(&clock, super::memory_limiters(&clock)).await;
+}

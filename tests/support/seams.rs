@@ -71,6 +71,22 @@ pub struct Mix {
     pub back: bool,
 }
 
+impl Mix {
+    /// The switch of the step kind `label` names (`shape`, `hold`, `refund`, `settle`,
+    /// `reload`, `back`); `None` for another label.
+    fn switch(&mut self, label: &str) -> Option<&mut bool> {
+        Some(match label {
+            "shape" => &mut self.shape,
+            "hold" => &mut self.hold,
+            "refund" => &mut self.refund,
+            "settle" => &mut self.settle,
+            "reload" => &mut self.reload,
+            "back" => &mut self.back,
+            _ => return None,
+        })
+    }
+}
+
 /// A seam: a policy of the features that meet, and the steps its traces take.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -395,14 +411,8 @@ pub fn require(mut c: Config, labels: &[&str]) -> Config {
         }
     };
     for label in labels {
-        match *label {
-            "shape" => c.mix.shape = true,
-            "hold" => c.mix.hold = true,
-            "refund" => c.mix.refund = true,
-            "settle" => c.mix.settle = true,
-            "reload" => c.mix.reload = true,
-            "back" => c.mix.back = true,
-            _ => {}
+        if let Some(on) = c.mix.switch(label) {
+            *on = true;
         }
     }
     let kind = |c: &Config, f: fn(&TierChoice) -> bool| c.tiers.iter().any(f);
@@ -551,13 +561,11 @@ pub fn without(mut c: Config, label: &str) -> Option<Config> {
         "gcra" | "window" => Some(|t| matches!(t, TierChoice::Requests { .. })),
         _ => None,
     };
+    if let Some(on) = c.mix.switch(label) {
+        *on = false;
+        return Some(c);
+    }
     match label {
-        "shape" => c.mix.shape = false,
-        "hold" => c.mix.hold = false,
-        "refund" => c.mix.refund = false,
-        "settle" => c.mix.settle = false,
-        "reload" => c.mix.reload = false,
-        "back" => c.mix.back = false,
         "penalty" => c.penalty = None,
         "reserve" => c.reserve = None,
         "plain" => c.tiers.push(TierChoice::Calendar { count: 6, hour: false }),
@@ -601,6 +609,71 @@ pub struct Checks {
     pub promises: bool,
 }
 
+impl<St: Store> Hold<St> {
+    /// Cancels the held ticket, every charge given back: what it had charged, and the store's
+    /// answer; once it is done, the settlement to 0 of each tier `settled` names is logged.
+    async fn cancel(
+        self,
+        log: &mut Log,
+        now: u64,
+        settled: impl Fn(usize) -> bool,
+    ) -> (Charged, Result<(), tollgate::StoreError>) {
+        let r = self.limiter.store().settle(self.limiter.bound(), self.ticket, 0).await;
+        if r.is_ok() {
+            let (key, at) = (self.charged.key, self.charged.at);
+            for (tier, &was) in self.charged.costs.iter().enumerate() {
+                if settled(tier) {
+                    log.push(Event::Settled { key, tier, at, now, was, to: 0 });
+                }
+            }
+        }
+        (self.charged, r)
+    }
+}
+
+/// What a [`Step::Call`] of a seam asks: its key, its costs per tier, its shaping budget (ns).
+struct Ask {
+    key: Key,
+    costs: tollgate::Costs,
+    budget: Option<u64>,
+}
+
+impl Ask {
+    fn new(
+        config: &Config,
+        policy: &Policy,
+        key: u8,
+        requests: u64,
+        bytes: u16,
+        shape: Option<u16>,
+    ) -> Self {
+        let costs = policy.costs(requests, Some(config.bytes(bytes)));
+        let budget = shape.map(|f| config.budget(f));
+        Self { key: Key::text(format!("k{key}")), costs, budget }
+    }
+
+    /// The store's verdict on `requests` requests of `class` so asked through `limiter`, its
+    /// ticket kept when `hold`.
+    async fn check<St: Store>(
+        &self,
+        limiter: &Limiter<St>,
+        requests: u64,
+        class: Priority,
+        hold: bool,
+    ) -> Result<tollgate::store::Verdict<St::Ticket>, String> {
+        let mut check =
+            Check::new(&self.key, requests).with_costs(&self.costs).with_priority(class);
+        if let Some(b) = self.budget {
+            check = check.shape(Duration::from_nanos(b));
+        }
+        if hold {
+            check = check.with_ticket();
+        }
+        let verdict = limiter.store().check(limiter.bound(), check).await;
+        verdict.map_err(|e| format!("store error: {e}"))
+    }
+}
+
 /// The instant traces start: 2026-01-05T00:00:00Z, a Monday, on a whole hour (ns).
 pub const START: u64 = 1_767_571_200 * S;
 
@@ -642,31 +715,19 @@ pub async fn run<St: Store>(
                 Seen::Nothing
             }
             Step::Call { key, class, requests, bytes, shape, hold } => {
-                let costs = policy.costs(*requests, Some(config.bytes(*bytes)));
-                let k = Key::text(format!("k{key}"));
-                let mut check = Check::new(&k, *requests).with_costs(&costs).with_priority(*class);
-                let budget = shape.map(|f| config.budget(f));
-                if let Some(b) = budget {
-                    check = check.shape(Duration::from_nanos(b));
-                }
-                if *hold {
-                    check = check.with_ticket();
-                }
+                let ask = Ask::new(config, &policy, *key, *requests, *bytes, *shape);
+                let (costs, budget) = (&ask.costs, ask.budget);
                 if checks.promises {
-                    log.before(&mut model, *key, now, &costs, *class, budget).map_err(&at)?;
+                    log.before(&mut model, *key, now, costs, *class, budget).map_err(&at)?;
                 }
-                let verdict = limiter
-                    .store()
-                    .check(limiter.bound(), check)
-                    .await
-                    .map_err(|e| at(format!("store error: {e}")))?;
+                let verdict = ask.check(&limiter, *requests, *class, *hold).await.map_err(&at)?;
                 let d = verdict.decision;
-                let (expect, charged) = model.decide(*key, now, &costs, *class, budget);
+                let (expect, charged) = model.decide(*key, now, costs, *class, budget);
                 if checks.model && !back {
                     compare(&d, &expect).map_err(&at)?;
                 }
                 if checks.promises {
-                    log.after(*key, now, &costs, *class, budget, &d).map_err(&at)?;
+                    log.after(*key, now, costs, *class, budget, &d).map_err(&at)?;
                 }
                 match (verdict.ticket, charged) {
                     (Some(ticket), Some(charged)) if *hold => {
@@ -732,26 +793,15 @@ pub async fn run<St: Store>(
             Step::Cancel { hold } => match holds.len() {
                 0 => Seen::Nothing,
                 len => {
-                    let h = holds.remove(hold % len);
-                    let r = h.limiter.store().settle(h.limiter.bound(), h.ticket, 0).await;
+                    let rate =
+                        |i: usize| policy.tiers()[i].kind() != tollgate::TierKind::Concurrency;
+                    let (charged, r) = holds.remove(hold % len).cancel(&mut log, now, rate).await;
                     if r.is_ok() {
-                        for (i, &was) in h.charged.costs.iter().enumerate() {
-                            if policy.tiers()[i].kind() != tollgate::TierKind::Concurrency {
-                                log.push(Event::Settled {
-                                    key: h.charged.key,
-                                    tier: i,
-                                    at: h.charged.at,
-                                    now,
-                                    was,
-                                    to: 0,
-                                });
-                            }
-                        }
                         log.push(Event::Released {
-                            key: h.charged.key,
-                            costs: h.charged.costs.clone(),
+                            key: charged.key,
+                            costs: charged.costs.clone(),
                         });
-                        model.settle(h.charged, 0, now);
+                        model.settle(charged, 0, now);
                     }
                     Seen::Done(r.map_err(|e| e.to_string()))
                 }
@@ -847,27 +897,15 @@ pub async fn run_leased<St: Store>(
                 clock.set(now);
             }
             Step::Call { key, class, requests, bytes, shape, hold } => {
-                let costs = policy.costs(*requests, Some(config.bytes(*bytes)));
-                let k = Key::text(format!("k{key}"));
-                let mut check = Check::new(&k, *requests).with_costs(&costs).with_priority(*class);
-                let budget = shape.map(|f| config.budget(f));
-                if let Some(b) = budget {
-                    check = check.shape(Duration::from_nanos(b));
-                }
-                if *hold {
-                    check = check.with_ticket();
-                }
+                let ask = Ask::new(config, &policy, *key, *requests, *bytes, *shape);
+                let (k, costs, budget) = (&ask.key, &ask.costs, ask.budget);
                 let limiter = &nodes[node];
-                let verdict = limiter
-                    .store()
-                    .check(limiter.bound(), check)
-                    .await
-                    .map_err(|e| at(format!("store error: {e}")))?;
+                let verdict = ask.check(limiter, *requests, *class, *hold).await.map_err(&at)?;
                 let d = verdict.decision;
-                log.after(*key, now, &costs, *class, budget, &d).map_err(&at)?;
+                log.after(*key, now, costs, *class, budget, &d).map_err(&at)?;
                 let leased = node + 1 < nodes.len() && budget.is_none() && *requests > 0;
                 if headers == LeaseHeaders::WithinABlock && leased && d.is_allowed() {
-                    let q = exact.check(&k, 0).await.map_err(|e| at(e.to_string()))?;
+                    let q = exact.check(k, 0).await.map_err(|e| at(e.to_string()))?;
                     for (i, (got, exact)) in d.tiers().iter().zip(q.tiers()).enumerate() {
                         let (r, e) = (got.remaining(), exact.remaining());
                         if r + slack / (nodes.len() as u64 - 1).max(1) < e {
@@ -888,19 +926,8 @@ pub async fn run_leased<St: Store>(
             }
             Step::Cancel { hold } if !holds.is_empty() => {
                 let len = holds.len();
-                let h = holds.remove(hold % len);
-                let r = h.limiter.store().settle(h.limiter.bound(), h.ticket, 0).await;
+                let (_, r) = holds.remove(hold % len).cancel(&mut log, now, |_| true).await;
                 r.map_err(|e| at(format!("cancel: {e}")))?;
-                for (i, &was) in h.charged.costs.iter().enumerate() {
-                    log.push(Event::Settled {
-                        key: h.charged.key,
-                        tier: i,
-                        at: h.charged.at,
-                        now,
-                        was,
-                        to: 0,
-                    });
-                }
             }
             Step::Reload => {
                 let i = n % (nodes.len() - 1);

@@ -16,6 +16,62 @@ pub fn frozen_memory() -> MemoryStore {
     MemoryStore::builder().clock(FakeClock::new()).build().unwrap()
 }
 
+/// Tests of scenarios written once over the store, one test function each, all with the
+/// attribute given first (and a row's own attributes before it):
+/// - `name: scenario(source);` is the test `name` running `scenario(store)` on the store
+///   `source` gives with what must outlive it, or returning at once where it gives none
+///   (sources: [`in_memory`], [`on_system_clock`], with Redis [`redis::frozen_server`],
+///   [`redis::server`], [`redis::cluster`]);
+/// - `scenario(prefix): on_redis, on_valkey;` is the two tests running `scenario` on a
+///   frozen store of a fresh `redis-server` and one of a fresh `valkey-server`, its keys under
+///   `prefix` (with the `redis` feature only);
+/// - `name: on_a_cluster[scenario(prefix), ...];` is the test running the scenarios one after
+///   another on one Redis Cluster (forming one takes seconds), on frozen stores each under
+///   its own prefix.
+#[allow(unused_macros)]
+macro_rules! store_tests {
+    (#[$attr:meta] $($(#[$row:meta])* $name:ident: $scenario:ident($source:expr);)*) => {
+        $(
+            $(#[$row])*
+            #[$attr]
+            async fn $name() {
+                let Some((_server, store)) = $source else { return };
+                $scenario(store).await;
+            }
+        )*
+    };
+    (#[$attr:meta] $($scenario:ident($prefix:literal): $on_redis:ident, $on_valkey:ident;)*) => {
+        $crate::support::stores::store_tests! {
+            #[$attr]
+            $(
+                $on_redis:
+                    $scenario($crate::support::stores::redis::frozen_server("redis-server", $prefix));
+                $on_valkey:
+                    $scenario($crate::support::stores::redis::frozen_server("valkey-server", $prefix));
+            )*
+        }
+    };
+    (#[$attr:meta] $name:ident: on_a_cluster[$($scenario:ident($prefix:literal)),* $(,)?];) => {
+        #[$attr]
+        async fn $name() {
+            let Some(cluster) = $crate::support::redis::Cluster::start() else { return };
+            $($scenario($crate::support::stores::redis::frozen_on_cluster(&cluster, $prefix)).await;)*
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use store_tests;
+
+/// A [`frozen_memory`] store, for [`store_tests!`].
+pub fn in_memory() -> Option<((), MemoryStore)> {
+    Some(((), frozen_memory()))
+}
+
+/// An in-memory store on the system's clock, for [`store_tests!`].
+pub fn on_system_clock() -> Option<((), MemoryStore)> {
+    Some(((), MemoryStore::new()))
+}
+
 /// `holders` tasks each take a slot of `key` through `limiter` (waiting for one up to `wait`),
 /// count themselves in while they hold it (never more than `max`, asserted), yield a little,
 /// and release it: the most that were inside at once.
@@ -96,6 +152,30 @@ pub mod redis {
     /// A frozen store (see [`frozen`]) on a standalone `redis-server` or `valkey-server`.
     pub fn frozen_on(server: &Server, prefix: &str) -> RedisStore {
         frozen(RedisStore::builder(server.url()), prefix)
+    }
+
+    /// A fresh `bin` server (`redis-server` or `valkey-server`) and a frozen store on it
+    /// (see [`frozen`]), for [`store_tests!`]; `None` where `bin` is not installed.
+    pub fn frozen_server(bin: &str, prefix: &str) -> Option<(Server, RedisStore)> {
+        let server = Server::start(bin)?;
+        let store = frozen_on(&server, prefix);
+        Some((server, store))
+    }
+
+    /// A fresh `bin` server and its [`Server::store`] (on the system's clock), for
+    /// [`store_tests!`]; `None` where `bin` is not installed.
+    pub fn server(bin: &str, prefix: &str) -> Option<(Server, RedisStore)> {
+        let server = Server::start(bin)?;
+        let store = server.store(prefix);
+        Some((server, store))
+    }
+
+    /// A fresh Redis Cluster and a store on it (on the system's clock), its keys under
+    /// `prefix`, for [`store_tests!`]; `None` where Redis is not installed.
+    pub fn cluster(prefix: &str) -> Option<(Cluster, RedisStore)> {
+        let cluster = Cluster::start()?;
+        let store = RedisStore::cluster_builder(cluster.urls()).prefix(prefix).build().unwrap();
+        Some((cluster, store))
     }
 
     /// A frozen store (see [`frozen`]) on a Redis Cluster.
