@@ -165,11 +165,15 @@ async fn policing_refuses_beyond_the_slots_and_a_dropped_body_gives_its_slot_bac
     assert_eq!(in_flight.now.load(Ordering::SeqCst), 0);
 }
 
+/// A layer of one concurrency slot, `slots`, on tokio's clock.
+fn one_slot() -> RateLimitLayer<GlobalKey> {
+    let policy = Policy::builder("p").concurrency("slots", Concurrency::new(1)).build().unwrap();
+    RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap()
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_slot_is_free_when_the_last_frame_is_handed_on() {
-    let policy = Policy::builder("p").concurrency("slots", Concurrency::new(1)).build().unwrap();
-    let layer =
-        RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap();
+    let layer = one_slot();
     let svc = layer.layer(service_fn(|_req: Request<RequestBody<Empty<Bytes>>>| async {
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"done"))))
     }));
@@ -184,9 +188,7 @@ async fn the_slot_is_free_when_the_last_frame_is_handed_on() {
 
 #[tokio::test(start_paused = true)]
 async fn a_handler_that_panics_or_fails_releases_its_slot() {
-    let policy = Policy::builder("p").concurrency("slots", Concurrency::new(1)).build().unwrap();
-    let layer =
-        RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap();
+    let layer = one_slot();
     let panicking = layer.layer(service_fn(|_req: Request<RequestBody<Empty<Bytes>>>| async {
         if true {
             panic!("handler bug");
@@ -206,12 +208,7 @@ async fn a_handler_that_panics_or_fails_releases_its_slot() {
 
 #[tokio::test(start_paused = true)]
 async fn response_bytes_and_reported_units_are_settled_when_the_body_ends() {
-    let policy = Policy::builder("llm")
-        .tier("requests", Quota::per_hour(100))
-        .tier("egress", Quota::per_hour(10_000).counting(Unit::ResponseBytes))
-        .tier("tokens", Quota::per_hour(5_000).counting(Unit::Reported))
-        .build()
-        .unwrap();
+    let policy = crate::kinds::llm_policy("egress");
     let layer =
         RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap();
     let svc = layer.layer(service_fn(|req: Request<RequestBody<Empty<Bytes>>>| async move {
@@ -670,16 +667,28 @@ async fn slot_and_bytes_left(layer: &RateLimitLayer<GlobalKey>) -> [u64; 2] {
     [decision.tiers()[0].remaining(), decision.tiers()[1].remaining()]
 }
 
+/// A request through [`slot_and_bytes`] counting response bytes under `mode`, answered with
+/// `body`: the layer and the response body it hands on.
+async fn respond_with(
+    mode: Option<StreamMode>,
+    body: Repeat,
+) -> (RateLimitLayer<GlobalKey>, tollgate::layer::ResponseBody<Repeat>) {
+    let layer = slot_and_bytes(Unit::ResponseBytes, mode);
+    let mut body = Some(body);
+    let svc = layer.clone().layer(service_fn(move |_req: Request<RequestBody<Empty<Bytes>>>| {
+        let body = body.take().expect("one request");
+        async move { Ok::<_, Infallible>(Response::new(body)) }
+    }));
+    let res = svc.oneshot(Request::new(Empty::new())).await.unwrap();
+    (layer, res.into_body())
+}
+
 /// A response body that fails has finished: its slot is free and its byte tier is charged
 /// the bytes it handed on before the error, exactly.
 #[tokio::test(start_paused = true)]
 async fn a_response_body_that_fails_is_settled_at_the_bytes_it_sent() {
     for mode in METERINGS {
-        let layer = slot_and_bytes(Unit::ResponseBytes, mode);
-        let svc = layer.layer(service_fn(|_req: Request<RequestBody<Empty<Bytes>>>| async {
-            Ok::<_, Infallible>(Response::new(Repeat::bytes(2, 700, End::Fail)))
-        }));
-        let mut body = svc.oneshot(Request::new(Empty::new())).await.unwrap().into_body();
+        let (layer, mut body) = respond_with(mode, Repeat::bytes(2, 700, End::Fail)).await;
         let settled = mode == Some(StreamMode::Settle);
         if settled {
             // At admission: the slot, and one byte estimated.
@@ -703,13 +712,8 @@ async fn a_response_body_that_fails_is_settled_at_the_bytes_it_sent() {
 #[tokio::test(start_paused = true)]
 async fn a_response_body_dropped_unfinished_is_settled_at_the_bytes_it_sent() {
     for mode in METERINGS {
-        let layer = slot_and_bytes(Unit::ResponseBytes, mode);
-        let svc = layer.layer(service_fn(|_req: Request<RequestBody<Empty<Bytes>>>| async {
-            Ok::<_, Infallible>(Response::new(Repeat::bytes(1, 700, End::Hang)))
-        }));
-        let mut body = svc.oneshot(Request::new(Empty::new())).await.unwrap().into_body();
+        let (layer, mut body) = respond_with(mode, Repeat::bytes(1, 700, End::Hang)).await;
         assert_eq!(body.frame().await.unwrap().unwrap().into_data().unwrap().len(), 700);
-        eprintln!("DEBUG {mode:?} {:?}", slot_and_bytes_left(&layer).await);
         if mode == Some(StreamMode::Settle) {
             assert_eq!(slot_and_bytes_left(&layer).await, [0, 9_999]);
         }
@@ -854,49 +858,26 @@ async fn grpc_messages(end: End) {
     }
 }
 
-#[tokio::test(start_paused = true)]
-async fn bodies_counted_whole_and_finished_are_settled_at_their_bytes() {
-    counted_whole(End::Done).await;
+/// One paused-clock test a row, running a scenario above with the way the body ends.
+macro_rules! body_end_tests {
+    ($($name:ident: $scenario:ident($end:expr),)*) => {$(
+        #[tokio::test(start_paused = true)]
+        async fn $name() {
+            $scenario($end).await;
+        }
+    )*};
 }
 
-#[tokio::test(start_paused = true)]
-async fn bodies_counted_whole_and_abandoned_are_settled_at_their_bytes() {
-    counted_whole(End::Fail).await;
-}
-
-#[tokio::test(start_paused = true)]
-async fn bodies_counted_whole_and_dropped_are_settled_at_their_bytes() {
-    counted_whole(End::Hang).await;
-}
-
-#[tokio::test(start_paused = true)]
-async fn streamed_bodies_finished_are_charged_their_bytes() {
-    leased_bytes(End::Done).await;
-}
-
-#[tokio::test(start_paused = true)]
-async fn streamed_bodies_abandoned_are_charged_their_bytes() {
-    leased_bytes(End::Fail).await;
-}
-
-#[tokio::test(start_paused = true)]
-async fn streamed_bodies_dropped_are_charged_their_bytes() {
-    leased_bytes(End::Hang).await;
-}
-
-#[tokio::test(start_paused = true)]
-async fn grpc_bodies_finished_are_charged_their_messages() {
-    grpc_messages(End::Done).await;
-}
-
-#[tokio::test(start_paused = true)]
-async fn grpc_bodies_abandoned_are_charged_their_messages() {
-    grpc_messages(End::Fail).await;
-}
-
-#[tokio::test(start_paused = true)]
-async fn grpc_bodies_dropped_are_charged_their_messages() {
-    grpc_messages(End::Hang).await;
+body_end_tests! {
+    bodies_counted_whole_and_finished_are_settled_at_their_bytes: counted_whole(End::Done),
+    bodies_counted_whole_and_abandoned_are_settled_at_their_bytes: counted_whole(End::Fail),
+    bodies_counted_whole_and_dropped_are_settled_at_their_bytes: counted_whole(End::Hang),
+    streamed_bodies_finished_are_charged_their_bytes: leased_bytes(End::Done),
+    streamed_bodies_abandoned_are_charged_their_bytes: leased_bytes(End::Fail),
+    streamed_bodies_dropped_are_charged_their_bytes: leased_bytes(End::Hang),
+    grpc_bodies_finished_are_charged_their_messages: grpc_messages(End::Done),
+    grpc_bodies_abandoned_are_charged_their_messages: grpc_messages(End::Fail),
+    grpc_bodies_dropped_are_charged_their_messages: grpc_messages(End::Hang),
 }
 
 /// A streamed response's slot is free when it finishes, and its last grant is settled then
