@@ -14,6 +14,8 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::{get as route_get, post as route_post};
 use http::{Request, StatusCode};
+use support::config_files::Says::{At, Is};
+use support::config_files::refused;
 use support::logs::Captured;
 use support::{client, get, serve};
 use tollgate::RequestBody;
@@ -196,29 +198,6 @@ fn error(text: &str) -> ConfigFileError {
 /// The error's place and field.
 fn place(e: &ConfigFileError) -> (Option<usize>, Option<usize>, Option<&str>) {
     (e.line(), e.column(), e.field())
-}
-
-/// What the error of a refused file must be: `Is` its whole `Display`, or `At` a line, column
-/// and field.
-#[derive(Debug)]
-enum Says {
-    Is(&'static str),
-    At(usize, usize, &'static str),
-}
-use Says::{At, Is};
-
-/// Reads each case's file, expecting the error it says; panics at the first that differs.
-#[track_caller]
-fn refused<T: AsRef<str>>(cases: &[(T, Says)]) {
-    for (text, says) in cases {
-        let (text, e) = (text.as_ref(), error(text.as_ref()));
-        match *says {
-            Is(display) => assert_eq!(e.to_string(), display, "{text}"),
-            At(line, column, field) => {
-                assert_eq!(place(&e), (Some(line), Some(column), Some(field)), "{text}");
-            }
-        }
-    }
 }
 
 const FREE: &str = "[policies.free]\ntiers = [{ name = \"free\", count = 100, period = \"1m\" }]\n";
