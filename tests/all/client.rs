@@ -364,11 +364,6 @@ impl<S, B> Http<B> for S where
 {
 }
 
-/// tollgate's layer enforcing `quota` on every request together, on the paused clock.
-fn tollgate_layer(quota: Quota) -> RateLimitLayer<GlobalKey, MemoryStore> {
-    tollgate_layer_of(Policy::single("api", quota).unwrap())
-}
-
 /// tokio's clock counted from the Unix epoch at the moment it is made, so that windows start
 /// with the test (tollgate's `TokioClock` starts at the system time: windows aligned to it
 /// would move from run to run).

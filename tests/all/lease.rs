@@ -159,7 +159,7 @@ async fn granted(node: &(RedisStore, RedisPolicy), grants: u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefetching_instance_asks_for_the_next_block_when_half_is_spent() {
     let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100)).prefetch(true);
-    let Some((_server, clock, nodes, exact, key)) = leasing(&hot(), lease) else { return };
+    let Some((_server, _clock, nodes, exact, key)) = leasing(&hot(), lease) else { return };
     let node = &nodes[0];
     let mut started = Vec::new();
     for check_no in 1..=200u64 {
