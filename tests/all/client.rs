@@ -346,31 +346,22 @@ async fn each_request_has_its_own_attempts_and_budget() {
 // Pacing against a tollgate server
 // ---------------------------------------------------------------------------------------------
 
-/// A tollgate server limited to 10 requests per second (burst 10) on the paused clock, and the
-/// number of requests its handler served.
-fn tollgate_server() -> (
-    impl Service<
-        Request<String>,
-        Response = Response<tollgate::layer::ResponseBody<String>>,
-        Error = Infallible,
-        Future: Send,
-    > + Clone
+/// What the tests send requests to: a service of `Request<String>` answering `Response<B>`
+/// that never fails, its futures `Send`, shared between tasks.
+trait Http<B>:
+    Service<Request<String>, Response = Response<B>, Error = Infallible, Future: Send>
+    + Clone
     + Send
-    + 'static,
-    Arc<AtomicUsize>,
-) {
-    let served = Arc::new(AtomicUsize::new(0));
-    let count = Arc::clone(&served);
-    let handler = service_fn(move |_req: Request<tollgate::RequestBody<String>>| {
-        count.fetch_add(1, Ordering::SeqCst);
-        async { Ok::<_, Infallible>(Response::new("ok".to_owned())) }
-    });
-    (tollgate_layer(Quota::per_second(10)).layer(handler), served)
+    + 'static
+{
 }
 
-/// tollgate's layer enforcing `quota` on every request together, on the paused clock.
-fn tollgate_layer(quota: Quota) -> RateLimitLayer<GlobalKey, MemoryStore> {
-    tollgate_layer_of(Policy::single("api", quota).unwrap())
+impl<S, B> Http<B> for S where
+    S: Service<Request<String>, Response = Response<B>, Error = Infallible, Future: Send>
+        + Clone
+        + Send
+        + 'static
+{
 }
 
 /// tokio's clock counted from the Unix epoch at the moment it is made, so that windows start
@@ -392,37 +383,13 @@ fn tollgate_layer_of(policy: Policy) -> RateLimitLayer<GlobalKey, MemoryStore> {
 
 /// A tollgate server enforcing `quota` on the paused clock, and the log of when its handler
 /// served each request.
-fn tollgate_server_with(
-    quota: Quota,
-) -> (
-    impl Service<
-        Request<String>,
-        Response = Response<tollgate::layer::ResponseBody<String>>,
-        Error = Infallible,
-        Future: Send,
-    > + Clone
-    + Send
-    + 'static,
-    Log,
-) {
+fn tollgate_server_with(quota: Quota) -> (impl Http<tollgate::layer::ResponseBody<String>>, Log) {
     tollgate_server_of(Policy::single("api", quota).unwrap())
 }
 
 /// A tollgate server enforcing `policy` on the paused clock, and the log of when its handler
 /// served each request.
-fn tollgate_server_of(
-    policy: Policy,
-) -> (
-    impl Service<
-        Request<String>,
-        Response = Response<tollgate::layer::ResponseBody<String>>,
-        Error = Infallible,
-        Future: Send,
-    > + Clone
-    + Send
-    + 'static,
-    Log,
-) {
+fn tollgate_server_of(policy: Policy) -> (impl Http<tollgate::layer::ResponseBody<String>>, Log) {
     let log = Log::new();
     let served = log.clone();
     let handler = service_fn(move |_req: Request<tollgate::RequestBody<String>>| {
@@ -433,21 +400,7 @@ fn tollgate_server_of(
 }
 
 /// `inner` behind a network that takes `one_way` each way.
-fn over_a_network<S, B>(
-    inner: S,
-    one_way: Duration,
-) -> impl Service<Request<String>, Response = Response<B>, Error = Infallible, Future: Send>
-+ Clone
-+ Send
-+ 'static
-where
-    S: Service<Request<String>, Response = Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send,
-    B: Send + 'static,
-{
+fn over_a_network<B: Send + 'static>(inner: impl Http<B>, one_way: Duration) -> impl Http<B> {
     service_fn(move |req: Request<String>| {
         let inner = inner.clone();
         async move {
@@ -473,15 +426,11 @@ where
 }
 
 /// Sends `tasks x per_task` requests from `tasks` concurrent tasks; returns the 429 count.
-async fn send_concurrently<S, B>(svc: S, tasks: usize, per_task: usize) -> usize
-where
-    S: Service<Request<String>, Response = Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send,
-    B: Send + 'static,
-{
+async fn send_concurrently<B: Send + 'static>(
+    svc: impl Http<B>,
+    tasks: usize,
+    per_task: usize,
+) -> usize {
     let handles: Vec<_> =
         (0..tasks).map(|_| tokio::spawn(send_sequentially(svc.clone(), per_task))).collect();
     let mut refused = 0;
@@ -494,20 +443,20 @@ where
 #[tokio::test(start_paused = true)]
 async fn without_pacing_the_same_client_is_refused() {
     // The control for the two tests below: 100 requests at once, 10 admitted, 90 refused.
-    let (server, served) = tollgate_server();
+    let (server, served) = tollgate_server_with(Quota::per_second(10));
     let start = Instant::now();
     assert_eq!(send_sequentially(server, 100).await, 90);
-    assert_eq!(served.load(Ordering::SeqCst), 10);
+    assert_eq!(served.arrivals().len(), 10);
     assert_eq!(start.elapsed(), Duration::ZERO);
 }
 
 #[tokio::test(start_paused = true)]
 async fn pacing_sends_100_sequential_requests_to_a_10_per_second_server_without_a_429() {
-    let (server, served) = tollgate_server();
+    let (server, served) = tollgate_server_with(Quota::per_second(10));
     let client = PacingLayer::new().layer(server);
     let start = Instant::now();
     assert_eq!(send_sequentially(client, 100).await, 0);
-    assert_eq!(served.load(Ordering::SeqCst), 100);
+    assert_eq!(served.arrivals().len(), 100);
     // The server can serve no more than 10 + 10 per second: 100 by 9 s at the earliest. Ten at
     // 0 s, ten at the reset at 1 s, then one per learned interval (9/s, rising towards 10/s).
     let elapsed = start.elapsed();
@@ -517,11 +466,11 @@ async fn pacing_sends_100_sequential_requests_to_a_10_per_second_server_without_
 
 #[tokio::test(start_paused = true)]
 async fn pacing_sends_100_concurrent_requests_to_a_10_per_second_server_without_a_429() {
-    let (server, served) = tollgate_server();
+    let (server, served) = tollgate_server_with(Quota::per_second(10));
     let client = PacingLayer::new().layer(server);
     let start = Instant::now();
     assert_eq!(send_concurrently(client, 10, 10).await, 0);
-    assert_eq!(served.load(Ordering::SeqCst), 100);
+    assert_eq!(served.arrivals().len(), 100);
     let elapsed = start.elapsed();
     assert_eq!(elapsed, ms(9040));
     assert!((secs(9)..=secs(11)).contains(&elapsed));
@@ -529,15 +478,11 @@ async fn pacing_sends_100_concurrent_requests_to_a_10_per_second_server_without_
 
 /// `workers` tasks each sending one request after another until `duration` has passed since
 /// the start; returns when each 429 arrived, from the start.
-async fn work_for<S, B>(svc: S, workers: usize, duration: Duration) -> Vec<Duration>
-where
-    S: Service<Request<String>, Response = Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send,
-    B: Send + 'static,
-{
+async fn work_for<B: Send + 'static>(
+    svc: impl Http<B>,
+    workers: usize,
+    duration: Duration,
+) -> Vec<Duration> {
     let start = Instant::now();
     let refusals = Arc::new(Mutex::new(Vec::new()));
     let handles: Vec<_> = (0..workers)
@@ -559,6 +504,16 @@ where
     std::mem::take(&mut *refusals.lock().unwrap())
 }
 
+/// Eight paced workers against a tollgate server enforcing `policy`, over a network taking
+/// `one_way` each way, for 21 s: when each 429 arrived, and how many requests the server
+/// served from 1 s to 21 s.
+async fn paced_for_21_s(policy: Policy, one_way: u64) -> (Vec<Duration>, usize) {
+    let (server, log) = tollgate_server_of(policy);
+    let client = PacingLayer::new().layer(over_a_network(server, ms(one_way)));
+    let refusals = work_for(client, 8, secs(21)).await;
+    (refusals, served_between(&log, secs(1), secs(21)))
+}
+
 /// How many of `log`'s arrivals fall in `[from, to)`.
 fn served_between(log: &Log, from: Duration, to: Duration) -> usize {
     log.arrivals().iter().filter(|at| (from..to).contains(*at)).count()
@@ -578,12 +533,9 @@ async fn eight_workers_reach_the_rate_a_tollgate_bucket_allows() {
                 .tier("api", Quota::per_second(rate).with_burst(10))
                 .build()
                 .unwrap();
-            let (server, log) = tollgate_server_of(policy);
-            let client = PacingLayer::new().layer(over_a_network(server, ms(one_way)));
-            let refusals = work_for(client, 8, secs(21)).await;
+            let (refusals, served) = paced_for_21_s(policy, one_way).await;
             let case = format!("{algorithm:?}, {rate}/s over {one_way} ms each way");
             assert_eq!(refusals, [], "{case}: never refused, not even in the first second");
-            let served = served_between(&log, secs(1), secs(21));
             assert_eq!(served, expected, "{case}");
             let share = served as f64 / (rate * 20) as f64;
             let floor = if rate == 10 { 0.95 } else { 0.90 };
@@ -612,12 +564,10 @@ async fn windows_that_refill_at_once_are_refused_once_then_paced_by_their_resets
             .tier("api", Quota::per_second(10))
             .build()
             .unwrap();
-        let (server, log) = tollgate_server_of(policy);
-        let client = PacingLayer::new().layer(over_a_network(server, ms(one_way)));
-        let refusals = work_for(client, 8, secs(21)).await;
+        let (refusals, served) = paced_for_21_s(policy, one_way).await;
         let case = format!("{algorithm:?} over {one_way} ms each way");
         assert_eq!(refusals, refused, "{case}");
-        assert_eq!(served_between(&log, secs(1), secs(21)), expected, "{case}");
+        assert_eq!(served, expected, "{case}");
     }
 }
 
@@ -649,14 +599,7 @@ async fn cold_concurrent_calls_wait_for_the_first_answer() {
 /// A server admitting 10 requests per one-second window (aligned to the start of the test)
 /// and answering the others 429 with `Retry-After` (the seconds to the next window, rounded
 /// up), without rate-limit headers. Returns it, the count of 200s and the count of 429s.
-fn retry_after_server() -> (
-    impl Service<Request<String>, Response = Response<String>, Error = Infallible, Future: Send>
-    + Clone
-    + Send
-    + 'static,
-    Arc<AtomicUsize>,
-    Arc<AtomicUsize>,
-) {
+fn retry_after_server() -> (impl Http<String>, Arc<AtomicUsize>, Arc<AtomicUsize>) {
     let start = Instant::now();
     let window = Arc::new(Mutex::new((0u64, 0u64)));
     let (ok, refused) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
@@ -683,6 +626,14 @@ fn retry_after_server() -> (
     (svc, ok, refused)
 }
 
+/// [`retry_after_server`] behind the retry policy below and the pacing layer, with its counts.
+fn paced_retrying_client() -> (impl Http<String>, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    let (server, ok, refused) = retry_after_server();
+    let client =
+        ServiceBuilder::new().retry(retrying_policy()).layer(PacingLayer::new()).service(server);
+    (client, ok, refused)
+}
+
 fn retrying_policy() -> RetryPolicy<String> {
     RetryPolicy::builder()
         .max_attempts(4)
@@ -694,9 +645,7 @@ fn retrying_policy() -> RetryPolicy<String> {
 
 #[tokio::test(start_paused = true)]
 async fn pacing_with_retries_succeeds_sequentially_against_retry_after_only() {
-    let (server, ok, refused) = retry_after_server();
-    let client =
-        ServiceBuilder::new().retry(retrying_policy()).layer(PacingLayer::new()).service(server);
+    let (client, ok, refused) = paced_retrying_client();
     let start = Instant::now();
     assert_eq!(send_sequentially(client, 100).await, 0, "every request succeeds");
     assert_eq!(ok.load(Ordering::SeqCst), 100);
@@ -708,9 +657,7 @@ async fn pacing_with_retries_succeeds_sequentially_against_retry_after_only() {
 
 #[tokio::test(start_paused = true)]
 async fn pacing_with_retries_succeeds_concurrently_against_retry_after_only() {
-    let (server, ok, refused) = retry_after_server();
-    let client =
-        ServiceBuilder::new().retry(retrying_policy()).layer(PacingLayer::new()).service(server);
+    let (client, ok, refused) = paced_retrying_client();
     let start = Instant::now();
     assert_eq!(send_concurrently(client, 10, 10).await, 0, "every request succeeds");
     assert_eq!(ok.load(Ordering::SeqCst), 100);

@@ -14,6 +14,8 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::{get as route_get, post as route_post};
 use http::{Request, StatusCode};
+use support::config_files::Says::{At, Is};
+use support::config_files::refused;
 use support::logs::Captured;
 use support::{client, get, serve};
 use tollgate::RequestBody;
@@ -243,42 +245,25 @@ fn a_zero_count_is_refused_at_the_count() {
 
 #[test]
 fn values_the_builders_refuse_point_at_their_field() {
-    // Burst 0.
-    let e = error(
-        "[policies.p]\n[[policies.p.tiers]]\nname = \"t\"\ncount = 5\nperiod = \"1s\"\nburst = 0\n",
-    );
-    assert_eq!(
-        e.to_string(),
-        "tollgate.toml:6:9: policies.p.tiers[0].burst: tier `t`: burst must be at least 1"
-    );
-    // A burst on a window algorithm.
-    let e = error(
-        "[policies.p]\nalgorithm = \"fixed_window\"\ntiers = [{ name = \"t\", count = 5, period = \"1s\", burst = 9 }]\n",
-    );
-    assert_eq!(place(&e), (Some(3), Some(58), Some("policies.p.tiers[0].burst")));
-    // Two tiers with one name: the second.
-    let e = error(
-        "[policies.p]\ntiers = [\n  { name = \"t\", count = 5, period = \"1s\" },\n  { name = \"t\", count = 9, period = \"1m\" },\n]\n",
-    );
-    assert_eq!(
-        e.to_string(),
-        "tollgate.toml:4:12: policies.p.tiers[1].name: duplicate tier name `t`"
-    );
+    #[rustfmt::skip]
+    let cases = [
+        // Burst 0.
+        ("[policies.p]\n[[policies.p.tiers]]\nname = \"t\"\ncount = 5\nperiod = \"1s\"\nburst = 0\n".to_owned(), Is("tollgate.toml:6:9: policies.p.tiers[0].burst: tier `t`: burst must be at least 1")),
+        // A burst on a window algorithm.
+        ("[policies.p]\nalgorithm = \"fixed_window\"\ntiers = [{ name = \"t\", count = 5, period = \"1s\", burst = 9 }]\n".to_owned(), At(3, 58, "policies.p.tiers[0].burst")),
+        // Two tiers with one name: the second.
+        ("[policies.p]\ntiers = [\n  { name = \"t\", count = 5, period = \"1s\" },\n  { name = \"t\", count = 9, period = \"1m\" },\n]\n".to_owned(), Is("tollgate.toml:4:12: policies.p.tiers[1].name: duplicate tier name `t`")),
+        // No tiers.
+        ("[policies.p]\ntiers = []\n".to_owned(), Is("tollgate.toml:2:9: policies.p.tiers: policy `p` has no tiers")),
+        // A cost above the capacity.
+        (format!("{FREE}[[rules]]\nname = \"up\"\npolicy = \"free\"\ncost = 200\n"), Is("tollgate.toml:6:8: rules[0].cost: cost: 200 units exceed the capacity of tier `free` (100 units)")),
+        // A zero period.
+        ("[policies.p]\ntiers = [{ name = \"t\", count = 5, period = \"0s\" }]\n".to_owned(), At(2, 44, "policies.p.tiers[0].period")),
+    ];
+    refused(&cases);
     // The first error in the file is the one reported, whatever the policies' names.
     let e = error("[policies.zz]\ntiers = []\n[policies.aa]\ntiers = []\n");
     assert_eq!(e.field(), Some("policies.zz.tiers"));
-    // No tiers.
-    let e = error("[policies.p]\ntiers = []\n");
-    assert_eq!(e.to_string(), "tollgate.toml:2:9: policies.p.tiers: policy `p` has no tiers");
-    // A cost above the capacity.
-    let e = error(&format!("{FREE}[[rules]]\nname = \"up\"\npolicy = \"free\"\ncost = 200\n"));
-    assert_eq!(
-        e.to_string(),
-        "tollgate.toml:6:8: rules[0].cost: cost: 200 units exceed the capacity of tier `free` (100 units)"
-    );
-    // A zero period.
-    let e = error("[policies.p]\ntiers = [{ name = \"t\", count = 5, period = \"0s\" }]\n");
-    assert_eq!(place(&e), (Some(2), Some(44), Some("policies.p.tiers[0].period")));
     // Shaping with no room to wait.
     let e = error(&format!(
         "{FREE}[[rules]]\nname = \"s\"\npolicy = \"free\"\nmax_delay = \"1s\"\nmax_waiters = 0\n"
@@ -322,52 +307,32 @@ fn an_unknown_key_extractor_is_named_in_its_list() {
 
 #[test]
 fn a_rule_naming_an_unknown_policy_is_refused() {
-    let e = error(&format!("{FREE}[[rules]]\nname = \"api\"\npolicy = \"fre\"\n"));
-    assert_eq!(
-        e.to_string(),
-        "tollgate.toml:5:10: rules[0].policy: no policy named \"fre\"; defined: free"
-    );
-    let e = error(&format!(
-        "{FREE}[[rules]]\nname = \"api\"\nplan = {{ header = \"x-plan\", policies = [\"free\", \"gold\"], otherwise = \"pass\" }}\n"
-    ));
-    assert_eq!(place(&e), (Some(5), Some(49), Some("rules[0].plan.policies[1]")));
-    let e = error(&format!(
-        "{FREE}[[rules]]\nname = \"api\"\nplan = {{ header = \"x-plan\", policies = [\"free\"], otherwise = \"policy:pro\" }}\n"
-    ));
-    assert_eq!(
-        e.to_string(),
-        "tollgate.toml:5:62: rules[0].plan.otherwise: \"pro\" is not one of the plan's policies (free)"
-    );
-    // A rule without a policy; two rules with one name.
-    let e = error(&format!("{FREE}[[rules]]\nname = \"api\"\n"));
-    assert_eq!(place(&e), (Some(4), Some(8), Some("rules[0]")));
-    let e = error(&format!(
-        "{FREE}[[rules]]\nname = \"api\"\npolicy = \"free\"\n[[rules]]\nname = \"api\"\npolicy = \"free\"\n"
-    ));
-    assert_eq!(
-        e.to_string(),
-        "tollgate.toml:7:8: rules[1].name: a rule named \"api\" is already defined on line 4"
-    );
+    let rule = |rest: &str| format!("{FREE}[[rules]]\nname = \"api\"\n{rest}");
+    #[rustfmt::skip]
+    let cases = [
+        (rule("policy = \"fre\"\n"), Is("tollgate.toml:5:10: rules[0].policy: no policy named \"fre\"; defined: free")),
+        (rule("plan = { header = \"x-plan\", policies = [\"free\", \"gold\"], otherwise = \"pass\" }\n"), At(5, 49, "rules[0].plan.policies[1]")),
+        (rule("plan = { header = \"x-plan\", policies = [\"free\"], otherwise = \"policy:pro\" }\n"), Is("tollgate.toml:5:62: rules[0].plan.otherwise: \"pro\" is not one of the plan's policies (free)")),
+        // A rule without a policy; two rules with one name.
+        (rule(""), At(4, 8, "rules[0]")),
+        (rule("policy = \"free\"\n[[rules]]\nname = \"api\"\npolicy = \"free\"\n"), Is("tollgate.toml:7:8: rules[1].name: a rule named \"api\" is already defined on line 4")),
+    ];
+    refused(&cases);
 }
 
 #[test]
 fn settings_for_another_key_are_refused() {
     let rule =
         |extra: &str| format!("{FREE}[[rules]]\nname = \"api\"\npolicy = \"free\"\n{extra}\n");
-    let e = error(&rule("trusted_proxies = [\"10.0.0.0/8\"]"));
-    assert_eq!(
-        e.to_string(),
-        "tollgate.toml:6:19: rules[0].trusted_proxies: applies to the `client_ip` key only"
-    );
-    let e = error(&rule("key = \"method\"\nipv6_prefix = 48"));
-    assert_eq!(place(&e), (Some(7), Some(15), Some("rules[0].ipv6_prefix")));
-    let e = error(&rule("ipv6_prefix = 129"));
-    assert_eq!(
-        e.to_string(),
-        "tollgate.toml:6:15: rules[0].ipv6_prefix: must be at most 128 (bits)"
-    );
-    let e = error(&rule("forwarded_header = \"x-real-ip\""));
-    assert_eq!(place(&e), (Some(6), Some(20), Some("rules[0].forwarded_header")));
+    #[rustfmt::skip]
+    let cases = [
+        // (the rule's extra settings, the error expected)
+        ("trusted_proxies = [\"10.0.0.0/8\"]", Is("tollgate.toml:6:19: rules[0].trusted_proxies: applies to the `client_ip` key only")),
+        ("key = \"method\"\nipv6_prefix = 48", At(7, 15, "rules[0].ipv6_prefix")),
+        ("ipv6_prefix = 129", Is("tollgate.toml:6:15: rules[0].ipv6_prefix: must be at most 128 (bits)")),
+        ("forwarded_header = \"x-real-ip\"", At(6, 20, "rules[0].forwarded_header")),
+    ];
+    refused(&cases.map(|(extra, says)| (rule(extra), says)));
     let e = error(&rule("key = \"client_ip\"\ntrusted_proxies = []\nforwarded_header = \"via\""));
     assert_eq!(place(&e), (Some(8), Some(20), Some("rules[0].forwarded_header")));
     assert!(e.message().starts_with("unknown variant `via`"), "{e}");
@@ -391,17 +356,12 @@ fn the_documented_example_parses() {
 
 #[test]
 fn a_bad_cidr_is_named_in_its_list() {
-    let e = error(&format!(
-        "{FREE}[[rules]]\nname = \"api\"\npolicy = \"free\"\nallow_cidrs = [\"10.0.0.0/8\", \"10.0.0.0/33\"]\n"
-    ));
-    assert_eq!(
-        e.to_string(),
-        "tollgate.toml:6:30: rules[0].allow_cidrs[1]: \"10.0.0.0/33\" is not a CIDR (\"10.0.0.0/8\") or an address"
-    );
-    let e = error(&format!(
-        "{FREE}[[rules]]\nname = \"api\"\npolicy = \"free\"\nkey = \"client_ip\"\ntrusted_proxies = [\"proxy.internal\"]\n"
-    ));
-    assert_eq!(place(&e), (Some(7), Some(20), Some("rules[0].trusted_proxies[0]")));
+    #[rustfmt::skip]
+    let cases = [
+        (format!("{FREE}[[rules]]\nname = \"api\"\npolicy = \"free\"\nallow_cidrs = [\"10.0.0.0/8\", \"10.0.0.0/33\"]\n"), Is("tollgate.toml:6:30: rules[0].allow_cidrs[1]: \"10.0.0.0/33\" is not a CIDR (\"10.0.0.0/8\") or an address")),
+        (format!("{FREE}[[rules]]\nname = \"api\"\npolicy = \"free\"\nkey = \"client_ip\"\ntrusted_proxies = [\"proxy.internal\"]\n"), At(7, 20, "rules[0].trusted_proxies[0]")),
+    ];
+    refused(&cases);
 }
 
 #[test]
@@ -543,18 +503,9 @@ async fn reloads_under_traffic_fail_no_request_and_keep_unchanged_counts() {
 
 /// One policy, `count` an hour on a global key, starting changed tiers as `carry` says.
 fn carrying(count: u64, carry: &str) -> String {
-    format!(
-        r#"
-[policies.api]
-changed_tiers = "{carry}"
-tiers = [{{ name = "api", count = {count}, period = "1h" }}]
-
-[[rules]]
-name = "api"
-key = "global"
-policy = "api"
-"#
-    )
+    crate::support::config_files::global_api(&format!(
+        "changed_tiers = \"{carry}\"\ntiers = [{{ name = \"api\", count = {count}, period = \"1h\" }}]"
+    ))
 }
 
 #[tokio::test]

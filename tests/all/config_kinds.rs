@@ -9,6 +9,8 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::support::config_files::Says::{At, Is};
+use crate::support::config_files::refused;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
@@ -41,6 +43,22 @@ fn error(text: &str) -> ConfigFileError {
 /// The error's place and field.
 fn place(e: &ConfigFileError) -> (Option<usize>, Option<usize>, Option<&str>) {
     (e.line(), e.column(), e.field())
+}
+
+/// Policy `p` with one rate tier, `r` (5 a minute), and `fields` besides, in a file.
+fn rate_tier(fields: &str) -> String {
+    format!("[policies.p]\ntiers = [{{ name = \"r\", count = 5, period = \"1m\", {fields} }}]\n")
+}
+
+/// Asserts that `config` reads `policy` (by its name) as built in code, and that it decides a
+/// trace of 400 steps alike, admitting some and refusing some.
+fn reads_as(config: &LimitsConfig, policy: &Policy) {
+    let read = config.policy(policy.name()).unwrap();
+    assert_eq!(read, policy);
+    let decisions = same_decisions(read, policy, "2025-03-30T00:30:00Z", 400);
+    // The trace exercises the tiers: both admissions and refusals.
+    assert!(decisions.iter().any(Decision::is_allowed), "{}", policy.name());
+    assert!(decisions.iter().any(|d| !d.is_allowed()), "{}", policy.name());
 }
 
 /// The ```toml block that follows `heading` in `doc`, with the `//! ` of a module's docs
@@ -113,32 +131,13 @@ fn every_tier_kind_reads_as_the_policy_built_in_code() {
         r#"
 [policies.rates]
 algorithm = "token_bucket"
-[[policies.rates.tiers]]
-name = "per-second"
-count = 10
-period = "1s"
-burst = 25
-[[policies.rates.tiers]]
-name = "upload-bytes"
-kind = "rate"
-count = 1_000_000
-period = "1s"
-unit = "request_bytes"
-[[policies.rates.tiers]]
-name = "download-bytes"
-count = 50_000_000
-period = "1m"
-unit = "response_bytes"
-[[policies.rates.tiers]]
-name = "tokens"
-count = 100_000
-period = "1h"
-unit = "reported"
-[[policies.rates.tiers]]
-name = "requests"
-count = 5
-period = "1h 30m"
-unit = "requests"
+tiers = [
+    { name = "per-second", count = 10, period = "1s", burst = 25 },
+    { name = "upload-bytes", kind = "rate", count = 1_000_000, period = "1s", unit = "request_bytes" },
+    { name = "download-bytes", count = 50_000_000, period = "1m", unit = "response_bytes" },
+    { name = "tokens", count = 100_000, period = "1h", unit = "reported" },
+    { name = "requests", count = 5, period = "1h 30m", unit = "requests" },
+]
 
 [policies.slots]
 tiers = [
@@ -199,11 +198,7 @@ tiers = [
     let expected = [rates, slots, calendars];
     assert_eq!(config.policies().cloned().collect::<Vec<_>>(), expected);
     for policy in &expected {
-        let read = config.policy(policy.name()).unwrap();
-        let decisions = same_decisions(read, policy, "2025-03-30T00:30:00Z", 400);
-        // The trace exercises the tiers: both admissions and refusals.
-        assert!(decisions.iter().any(Decision::is_allowed), "{}", policy.name());
-        assert!(decisions.iter().any(|d| !d.is_allowed()), "{}", policy.name());
+        reads_as(&config, policy);
     }
 }
 
@@ -238,23 +233,15 @@ block_window = "10m"
         .penalty("daily", Penalty::new(60 * minute).after(3, 10 * minute))
         .build()
         .unwrap();
-    let read = config.policy("login").unwrap();
-    assert_eq!(read, &login);
-    let decisions = same_decisions(read, &login, "2025-03-30T00:30:00Z", 400);
-    assert!(decisions.iter().any(Decision::is_allowed));
-    assert!(decisions.iter().any(|d| !d.is_allowed()));
+    reads_as(&config, &login);
 
-    let e = error(
-        "[policies.p]\ntiers = [{ name = \"r\", count = 5, period = \"1m\", block_after = 2 }]\n",
-    );
+    let e = error(&rate_tier("block_after = 2"));
     assert_eq!(place(&e), (Some(2), Some(64), Some("policies.p.tiers[0].block_after")));
     assert_eq!(
         e.message(),
         "`block_after` sets a penalty box, which needs `block` (how long a breach blocks)"
     );
-    let e = error(
-        "[policies.p]\ntiers = [{ name = \"r\", count = 5, period = \"1m\", block = \"1m\", block_after = 2 }]\n",
-    );
+    let e = error(&rate_tier("block = \"1m\", block_after = 2"));
     assert_eq!(place(&e), (Some(2), Some(19), Some("policies.p.tiers[0].block_window")));
     let e = error(
         "[policies.p]\ntiers = [{ name = \"c\", kind = \"concurrency\", max = 2, block = \"1m\" }]\n",
@@ -263,9 +250,7 @@ block_window = "10m"
     assert!(e.message().starts_with("a concurrency tier has no `block` (rate and calendar"));
     // Out of range (the builder's refusal), at the field refused (tests/all/config_errors.rs
     // has every field).
-    let e = error(
-        "[policies.p]\ntiers = [{ name = \"r\", count = 5, period = \"1m\", block = \"1m\", block_after = 5000, block_window = \"1m\" }]\n",
-    );
+    let e = error(&rate_tier("block = \"1m\", block_after = 5000, block_window = \"1m\""));
     assert_eq!(place(&e), (Some(2), Some(78), Some("policies.p.tiers[0].block_after")));
     assert!(e.to_string().contains("penalty"), "{e}");
 }
@@ -276,35 +261,20 @@ block_window = "10m"
 #[test]
 fn a_reserve_reads_as_the_policy_built_in_code() {
     let config = load(
-        r#"
-[policies.api]
-[[policies.api.tiers]]
-name = "hour"
-count = 4
-period = "1h"
-reserve_critical = 1
-reserve_standard = 1
-"#,
+        "[policies.api]\ntiers = [{ name = \"hour\", count = 4, period = \"1h\", reserve_critical = 1, \
+         reserve_standard = 1 }]\n",
     );
     let api = Policy::builder("api")
         .tier("hour", Quota::per_hour(4))
         .reserve("hour", Reserve::new().critical(1).standard(1))
         .build()
         .unwrap();
-    let read = config.policy("api").unwrap();
-    assert_eq!(read, &api);
-    let decisions = same_decisions(read, &api, "2025-03-30T00:30:00Z", 400);
-    assert!(decisions.iter().any(Decision::is_allowed));
-    assert!(decisions.iter().any(|d| !d.is_allowed()));
+    reads_as(&config, &api);
     // One field alone reserves that much, the other nothing.
-    let config = load(
-        "[policies.p]\ntiers = [{ name = \"r\", count = 5, period = \"1m\", reserve_standard = 1 }]\n",
-    );
+    let config = load(&rate_tier("reserve_standard = 1"));
     assert_eq!(config.policy("p").unwrap().tiers()[0].reserve(), Some(Reserve::new().standard(1)));
 
-    let e = error(
-        "[policies.p]\ntiers = [{ name = \"r\", count = 5, period = \"1m\", reserve_critical = 5 }]\n",
-    );
+    let e = error(&rate_tier("reserve_critical = 5"));
     assert_eq!(place(&e).2, Some("policies.p.tiers[0].reserve_critical"));
     assert_eq!(
         e.message(),
@@ -707,21 +677,18 @@ async fn priority_header_gives_each_request_its_class() {
 
 #[test]
 fn bad_rule_settings_are_refused_at_their_field() {
-    let e = error(&rule("refund_on = [\"5xx\", \"6xx\"]"));
-    assert_eq!(
-        e.to_string(),
-        "tollgate.toml:7:21: rules[0].refund_on[1]: \"6xx\" is not a status (\"503\") or a class \
-         of them (\"5xx\")"
-    );
-    let e = error(&rule("refund_on = [\"99\"]"));
-    assert_eq!(place(&e), (Some(7), Some(14), Some("rules[0].refund_on[0]")));
-    let e = error(&rule("refund_on = []"));
-    assert_eq!(place(&e), (Some(7), Some(13), Some("rules[0].refund_on")));
     let e = error(&rule("header_format = \"draft8\""));
     assert_eq!(place(&e), (Some(7), Some(17), Some("rules[0].header_format")));
     assert!(e.message().starts_with("unknown variant `draft8`"), "{e}");
-    let e = error(&rule("explain_missing_key = \"yes\""));
-    assert_eq!(place(&e), (Some(7), Some(23), Some("rules[0].explain_missing_key")));
+    #[rustfmt::skip]
+    let cases = [
+        // (the rule's extra settings, the error expected)
+        ("refund_on = [\"5xx\", \"6xx\"]", Is("tollgate.toml:7:21: rules[0].refund_on[1]: \"6xx\" is not a status (\"503\") or a class of them (\"5xx\")")),
+        ("refund_on = [\"99\"]", At(7, 14, "rules[0].refund_on[0]")),
+        ("refund_on = []", At(7, 13, "rules[0].refund_on")),
+        ("explain_missing_key = \"yes\"", At(7, 23, "rules[0].explain_missing_key")),
+    ];
+    refused(&cases.map(|(extra, says)| (rule(extra), says)));
 }
 
 /// The example in the module documentation's "Tiers" section reads as the builder calls it

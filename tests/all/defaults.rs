@@ -29,6 +29,12 @@ fn bytes_tier(rate: u64, burst: u64) -> Policy {
         .unwrap()
 }
 
+/// A layer enforcing `policy` on one key for every request, on a memory store of its own whose
+/// clock stands still (nothing refills).
+fn frozen_layer(policy: Policy) -> RateLimitLayer<GlobalKey, MemoryStore> {
+    RateLimitLayer::builder(policy).key(GlobalKey).store(frozen_memory()).build().unwrap()
+}
+
 /// The bytes the handler read, in all.
 fn read(log: &Log) -> u64 {
     log.lock().unwrap().iter().map(|(_, len)| len).sum()
@@ -63,11 +69,7 @@ async fn at_once(url: &str, n: usize, body: impl Fn() -> Frames) -> Vec<Option<S
 /// (not even one that ran alone), and the key is charged exactly what was read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chunked_uploads_are_policed_as_they_stream_by_default() {
-    let layer = RateLimitLayer::builder(bytes_tier(MB, MB))
-        .key(GlobalKey)
-        .store(frozen_memory())
-        .build()
-        .unwrap();
+    let layer = frozen_layer(bytes_tier(MB, MB));
     let limiter = layer.limiter().clone();
     let log = Log::default();
     let server = serve(uploads_behind(layer, &log, Instant::now())).await;
@@ -132,11 +134,7 @@ async fn answered(url: &str, tries: usize, len: usize, expected: StatusCode) -> 
 /// hyper's HTTP/1 client reads it (the rest of the upload is read off and dropped).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sized_upload_no_tier_can_hold_gets_413_when_policing() {
-    let layer = RateLimitLayer::builder(bytes_tier(MB, MB))
-        .key(GlobalKey)
-        .store(frozen_memory())
-        .build()
-        .unwrap();
+    let layer = frozen_layer(bytes_tier(MB, MB));
     let log = Log::default();
     let server = serve(uploads_behind(layer, &log, Instant::now())).await;
     let req = http::Request::post(server.url("/upload"))
@@ -165,11 +163,7 @@ async fn a_sized_upload_no_tier_can_hold_gets_413_when_policing() {
 /// (before the body was read off, about a quarter failed with a broken pipe).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http1_client_reads_the_429_of_an_upload_it_is_still_sending() {
-    let layer = RateLimitLayer::builder(bytes_tier(4 * MB, 4 * MB))
-        .key(GlobalKey)
-        .store(frozen_memory())
-        .build()
-        .unwrap();
+    let layer = frozen_layer(bytes_tier(4 * MB, 4 * MB));
     let log = Log::default();
     let server = serve(uploads_behind(layer, &log, Instant::now())).await;
     let url = server.url("/upload");
@@ -190,8 +184,7 @@ async fn uploads_within_the_budget_never_trip_the_penalty_box() {
         .penalty("bytes", Penalty::new(Duration::from_secs(600)))
         .build()
         .unwrap();
-    let layer =
-        RateLimitLayer::builder(policy).key(GlobalKey).store(frozen_memory()).build().unwrap();
+    let layer = frozen_layer(policy);
     let log = Log::default();
     let server = serve(uploads_behind(layer, &log, Instant::now())).await;
     let client: Client<_, Frames> = Client::builder(TokioExecutor::new()).build_http();
@@ -220,11 +213,7 @@ async fn uploads_within_the_budget_never_trip_the_penalty_box() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_uploads_that_fit_together_are_all_admitted() {
     for round in 0..3 {
-        let layer = RateLimitLayer::builder(bytes_tier(1, 4_000))
-            .key(GlobalKey)
-            .store(MemoryStore::builder().clock(tollgate::clock::FakeClock::new()).build().unwrap())
-            .build()
-            .unwrap();
+        let layer = frozen_layer(bytes_tier(1, 4_000));
         let limiter = layer.limiter().clone();
         let log = Log::default();
         let server = serve(uploads_behind(layer, &log, Instant::now())).await;

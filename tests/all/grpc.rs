@@ -82,6 +82,31 @@ fn store(clock: &FakeClock) -> MemoryStore {
     MemoryStore::builder().clock(clock.clone()).build().unwrap()
 }
 
+/// A layer of one tier, `name`, enforcing `quota` per peer address on a memory store on `clock`.
+fn per_peer(name: &str, quota: Quota, clock: &FakeClock) -> RateLimitLayer {
+    RateLimitLayer::builder(Policy::single(name, quota).unwrap())
+        .store(store(clock))
+        .build()
+        .unwrap()
+}
+
+/// A layer over a store that is [`Down`], failing closed.
+fn failing_closed() -> RateLimitLayer<PeerIp, Down> {
+    RateLimitLayer::builder(Policy::single("api", Quota::per_second(5)).unwrap())
+        .store(Down)
+        .on_store_error(OnStoreError::FailClosed)
+        .build()
+        .unwrap()
+}
+
+/// A layer allowing one call an hour per tenant, keyed by the `x-api-key` metadata.
+fn per_tenant() -> RateLimitLayer<HeaderKey> {
+    RateLimitLayer::builder(Policy::single("tenant", Quota::per_hour(1)).unwrap())
+        .key(HeaderKey::new(HeaderName::from_static("x-api-key")))
+        .build()
+        .unwrap()
+}
+
 async fn check(client: &mut HealthClient<Channel>) -> Result<Reported, Status> {
     let res = client.check(HealthCheckRequest { service: String::new() }).await?;
     Ok(res.into_inner().status())
@@ -95,10 +120,7 @@ fn meta<'a>(status: &'a Status, name: &str) -> Option<&'a str> {
 #[tokio::test]
 async fn unary_calls_past_the_limit_get_resource_exhausted_with_the_exact_pushback() {
     let clock = FakeClock::new();
-    let layer = RateLimitLayer::builder(Policy::single("check", Quota::per_minute(2)).unwrap())
-        .store(store(&clock))
-        .build()
-        .unwrap();
+    let layer = per_peer("check", Quota::per_minute(2), &clock);
     let limiter = layer.limiter().clone();
     let server = serve(layer).await;
     let mut client = server.client().await;
@@ -130,12 +152,8 @@ async fn unary_calls_past_the_limit_get_resource_exhausted_with_the_exact_pushba
 
 #[tokio::test]
 async fn a_streaming_watch_is_limited_when_it_opens_and_then_streams_freely() {
-    let clock = FakeClock::new();
-    let layer = RateLimitLayer::builder(Policy::single("watch", Quota::per_minute(1)).unwrap())
-        .store(store(&clock))
-        .build()
-        .unwrap();
-    let server = serve(layer).await;
+    // A clock that stands still: nothing refills.
+    let server = serve(per_peer("watch", Quota::per_minute(1), &FakeClock::new())).await;
     let mut client = server.client().await;
     let request = || HealthCheckRequest { service: String::new() };
 
@@ -217,12 +235,7 @@ async fn a_method_key_gives_each_method_its_own_bucket_under_one_policy() {
 
 #[tokio::test]
 async fn grpc_web_and_plain_http_on_the_same_server_keep_the_http_429() {
-    let clock = FakeClock::new();
-    let layer = RateLimitLayer::builder(Policy::single("check", Quota::per_minute(2)).unwrap())
-        .store(store(&clock))
-        .build()
-        .unwrap();
-    let server = serve(layer).await;
+    let server = serve(per_peer("check", Quota::per_minute(2), &FakeClock::new())).await;
     let mut client = server.client().await;
     check(&mut client).await.unwrap();
     check(&mut client).await.unwrap();
@@ -283,11 +296,7 @@ async fn a_cost_that_can_never_fit_has_no_pushback() {
 
 #[tokio::test]
 async fn metadata_keys_and_a_missing_key() {
-    let layer = RateLimitLayer::builder(Policy::single("tenant", Quota::per_hour(1)).unwrap())
-        .key(HeaderKey::new(HeaderName::from_static("x-api-key")))
-        .build()
-        .unwrap();
-    let server = serve(layer).await;
+    let server = serve(per_tenant()).await;
     let mut client = server.client().await;
     let as_tenant = |key: &'static str| {
         let mut req = tonic::Request::new(HealthCheckRequest { service: String::new() });
@@ -307,6 +316,15 @@ async fn metadata_keys_and_a_missing_key() {
         "no rate-limit key could be read from the request: HeaderKey found no key: it looked \
          for the `x-api-key` header, which the request does not have."
     ));
+}
+
+#[cfg(feature = "client")]
+#[tokio::test(start_paused = true)]
+async fn a_status_that_is_not_retryable_is_returned_at_once() {
+    // No `x-api-key` metadata: INVALID_ARGUMENT (as above), which no retry can fix.
+    let server = serve(per_tenant()).await;
+    let client = server.client().await;
+    assert_eq!(retried(5, &client).await, (Code::InvalidArgument, 1, Duration::ZERO));
 }
 
 #[tokio::test]
@@ -347,12 +365,7 @@ impl Store for Down {
 
 #[tokio::test]
 async fn a_store_failure_that_fails_closed_is_unavailable() {
-    let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(5)).unwrap())
-        .store(Down)
-        .on_store_error(OnStoreError::FailClosed)
-        .build()
-        .unwrap();
-    let server = serve(layer).await;
+    let server = serve(failing_closed()).await;
     let refused = check(&mut server.client().await).await.unwrap_err();
     assert_eq!(refused.code(), Code::Unavailable);
     assert_eq!(refused.message(), "the rate limiter cannot decide right now");
@@ -472,6 +485,16 @@ async fn check_with_retries(
     }
 }
 
+/// Calls `Check` through [`no_jitter`]`(attempts)`: the outcome's code, the calls made and the
+/// time they took.
+#[cfg(feature = "client")]
+async fn retried(attempts: u32, client: &HealthClient<Channel>) -> (Code, u32, Duration) {
+    let calls = std::sync::atomic::AtomicU32::new(0);
+    let start = tokio::time::Instant::now();
+    let code = check_with_retries(&no_jitter(attempts), client, &calls).await;
+    (code, calls.into_inner(), start.elapsed())
+}
+
 #[cfg(feature = "client")]
 #[tokio::test(start_paused = true)]
 async fn a_refused_call_is_retried_after_exactly_the_pushback_and_succeeds() {
@@ -486,46 +509,17 @@ async fn a_refused_call_is_retried_after_exactly_the_pushback_and_succeeds() {
     let refused = check(&mut client).await.unwrap_err();
     assert_eq!(meta(&refused, "grpc-retry-pushback-ms"), Some("1000"));
 
-    let calls = std::sync::atomic::AtomicU32::new(0);
-    let start = tokio::time::Instant::now();
-    assert_eq!(check_with_retries(&no_jitter(3), &client, &calls).await, Code::Ok);
-    assert_eq!(calls.into_inner(), 2, "refused, then retried once");
-    assert_eq!(start.elapsed(), Duration::from_millis(1000));
+    // Refused, then retried once.
+    assert_eq!(retried(3, &client).await, (Code::Ok, 2, Duration::from_millis(1000)));
 }
 
 #[cfg(feature = "client")]
 #[tokio::test(start_paused = true)]
 async fn unavailable_is_retried_until_the_attempts_are_spent() {
     // A store that fails closed: UNAVAILABLE with a pushback of 1 s, every time.
-    let layer = RateLimitLayer::builder(Policy::single("api", Quota::per_second(5)).unwrap())
-        .store(Down)
-        .on_store_error(OnStoreError::FailClosed)
-        .build()
-        .unwrap();
-    let server = serve(layer).await;
+    let server = serve(failing_closed()).await;
     let client = server.client().await;
-    let calls = std::sync::atomic::AtomicU32::new(0);
-    let start = tokio::time::Instant::now();
-    assert_eq!(check_with_retries(&no_jitter(3), &client, &calls).await, Code::Unavailable);
-    assert_eq!(calls.into_inner(), 3);
-    assert_eq!(start.elapsed(), Duration::from_millis(2000));
-}
-
-#[cfg(feature = "client")]
-#[tokio::test(start_paused = true)]
-async fn a_status_that_is_not_retryable_is_returned_at_once() {
-    // No `x-api-key` metadata: INVALID_ARGUMENT, which no retry can fix.
-    let layer = RateLimitLayer::builder(Policy::single("tenant", Quota::per_hour(1)).unwrap())
-        .key(HeaderKey::new(HeaderName::from_static("x-api-key")))
-        .build()
-        .unwrap();
-    let server = serve(layer).await;
-    let client = server.client().await;
-    let calls = std::sync::atomic::AtomicU32::new(0);
-    let start = tokio::time::Instant::now();
-    assert_eq!(check_with_retries(&no_jitter(5), &client, &calls).await, Code::InvalidArgument);
-    assert_eq!(calls.into_inner(), 1);
-    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert_eq!(retried(3, &client).await, (Code::Unavailable, 3, Duration::from_millis(2000)));
 }
 
 /// Twenty concurrent calls against 10 a second (burst 10): ten are refused at once with the

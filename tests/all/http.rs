@@ -172,12 +172,18 @@ async fn thousand_concurrent_requests_on_one_key_admit_exactly_the_quota() {
     assert_eq!((ok, limited), (100, 900));
 }
 
+/// The app allowing `count` requests an hour to each client address, read from the forwarding
+/// headers of a peer in `trusted` (a CIDR).
+async fn per_client_ip(count: u64, trusted: &str) -> support::Server {
+    let policy = Policy::single("ip", Quota::per_hour(count)).unwrap();
+    let key = ClientIp::from_cidrs([trusted]).unwrap();
+    serve(app(RateLimitLayer::builder(policy).key(key).build().unwrap())).await
+}
+
 #[tokio::test]
 async fn forged_forwarding_headers_from_an_untrusted_peer_do_not_change_the_key() {
-    let policy = Policy::single("ip", Quota::per_hour(3)).unwrap();
     // The test client connects from 127.0.0.1, which is not trusted here.
-    let key = ClientIp::from_cidrs(["10.0.0.0/8"]).unwrap();
-    let server = serve(app(RateLimitLayer::builder(policy).key(key).build().unwrap())).await;
+    let server = per_client_ip(3, "10.0.0.0/8").await;
     let c = client();
     let mut statuses = Vec::new();
     for i in 0..6 {
@@ -191,9 +197,7 @@ async fn forged_forwarding_headers_from_an_untrusted_peer_do_not_change_the_key(
 
 #[tokio::test]
 async fn trusted_proxy_forwards_the_right_most_untrusted_hop() {
-    let policy = Policy::single("ip", Quota::per_hour(1)).unwrap();
-    let key = ClientIp::from_cidrs(["127.0.0.0/8"]).unwrap();
-    let server = serve(app(RateLimitLayer::builder(policy).key(key).build().unwrap())).await;
+    let server = per_client_ip(1, "127.0.0.0/8").await;
     let c = client();
     let mut statuses = Vec::new();
     // Two clients behind the proxy, each with a spoofed left part that must be ignored.

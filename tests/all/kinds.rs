@@ -19,6 +19,22 @@ fn limiter_on(policy: Policy, clock: FakeClock) -> Limiter {
     Limiter::with_store(policy, store).unwrap()
 }
 
+/// A limiter of policy `policy` with one calendar tier, `tier`, on `clock`.
+fn calendar_limiter(policy: &str, tier: &str, calendar: Calendar, clock: &FakeClock) -> Limiter {
+    limiter_on(Policy::builder(policy).calendar(tier, calendar).build().unwrap(), clock.clone())
+}
+
+/// An LLM API's policy `llm`: 100 requests, 10,000 response bytes (tier `bytes_tier`) and
+/// 5,000 reported tokens an hour.
+pub(crate) fn llm_policy(bytes_tier: &str) -> Policy {
+    Policy::builder("llm")
+        .tier("requests", Quota::per_hour(100))
+        .tier(bytes_tier, Quota::per_hour(10_000).counting(Unit::ResponseBytes))
+        .tier("tokens", Quota::per_hour(5_000).counting(Unit::Reported))
+        .build()
+        .unwrap()
+}
+
 /// Nanoseconds since the epoch of an RFC 3339 instant.
 fn at(s: &str) -> u64 {
     let ts: jiff::Timestamp = s.parse().unwrap();
@@ -224,12 +240,7 @@ async fn a_request_that_fits_the_request_tier_but_not_the_byte_tier_charges_neit
 
 #[tokio::test]
 async fn response_bytes_and_tokens_are_settled_tier_by_tier() {
-    let policy = Policy::builder("llm")
-        .tier("requests", Quota::per_hour(100))
-        .tier("out", Quota::per_hour(10_000).counting(Unit::ResponseBytes))
-        .tier("tokens", Quota::per_hour(5_000).counting(Unit::Reported))
-        .build()
-        .unwrap();
+    let policy = llm_policy("out");
     let limiter = limiter_on(policy.clone(), FakeClock::new());
     let key = Key::text("k");
     let remaining = |d: Decision| d.tiers().iter().map(|t| t.remaining()).collect::<Vec<_>>();
@@ -260,11 +271,8 @@ async fn response_bytes_and_tokens_are_settled_tier_by_tier() {
 #[tokio::test]
 async fn a_daily_quota_in_berlin_resets_at_local_midnight_across_daylight_saving_changes() {
     let clock = FakeClock::new();
-    let policy = Policy::builder("daily")
-        .calendar("day", Calendar::per_day(2).in_time_zone("Europe/Berlin"))
-        .build()
-        .unwrap();
-    let limiter = limiter_on(policy, clock.clone());
+    let berlin = Calendar::per_day(2).in_time_zone("Europe/Berlin");
+    let limiter = calendar_limiter("daily", "day", berlin, &clock);
     let key = Key::Global;
     // 2025-03-29 23:00 CET (22:00 UTC): the day ends in an hour.
     clock.set(at("2025-03-29T22:00:00Z"));
@@ -292,11 +300,8 @@ async fn a_daily_quota_in_berlin_resets_at_local_midnight_across_daylight_saving
 #[tokio::test]
 async fn a_monthly_quota_resets_on_the_first_in_the_customers_zone() {
     let clock = FakeClock::new();
-    let policy = Policy::builder("plan")
-        .calendar("month", Calendar::per_month(10_000).in_time_zone("America/New_York"))
-        .build()
-        .unwrap();
-    let limiter = limiter_on(policy, clock.clone());
+    let new_york = Calendar::per_month(10_000).in_time_zone("America/New_York");
+    let limiter = calendar_limiter("plan", "month", new_york, &clock);
     // 2025-01-31 23:00 in New York (2025-02-01 04:00 UTC): January still.
     clock.set(at("2025-02-01T04:00:00Z"));
     let d = limiter.check(&Key::Global, 10_000).await.unwrap();
@@ -315,8 +320,7 @@ async fn a_monthly_quota_resets_on_the_first_in_the_customers_zone() {
 async fn shaping_reserves_in_the_next_window_but_no_further_than_eight_windows() {
     let clock = FakeClock::new();
     clock.set(at("2025-06-02T10:00:45Z"));
-    let policy = Policy::builder("m").calendar("minute", Calendar::per_minute(2)).build().unwrap();
-    let limiter = limiter_on(policy, clock.clone());
+    let limiter = calendar_limiter("m", "minute", Calendar::per_minute(2), &clock);
     let key = Key::Global;
     let r = limiter.reserve_within(&key, 2, Duration::from_secs(60)).await.unwrap();
     assert_eq!(r.decision().delay(), Duration::ZERO);

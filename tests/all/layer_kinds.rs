@@ -31,6 +31,17 @@ fn paused_store() -> MemoryStore {
     MemoryStore::builder().clock(TokioClock::new()).build().unwrap()
 }
 
+/// A layer enforcing `policy` on one key for every request, on tokio's clock.
+fn on_paused(policy: Policy) -> RateLimitLayer<GlobalKey> {
+    RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap()
+}
+
+/// What each tier of `layer`'s policy has left on the global key.
+async fn remaining(layer: &RateLimitLayer<GlobalKey>) -> Vec<u64> {
+    let decision = layer.limiter().check(&Key::Global, 0).await.unwrap();
+    decision.tiers().iter().map(|t| t.remaining()).collect()
+}
+
 /// The free slots of the policy's concurrency tier `tier` for the global key, by a query.
 async fn free_slots<St: Store>(limiter: &Limiter<St>, tier: usize) -> u64 {
     limiter.check(&Key::Global, 0).await.unwrap().tiers()[tier].remaining()
@@ -140,8 +151,7 @@ async fn policing_refuses_beyond_the_slots_and_a_dropped_body_gives_its_slot_bac
         .concurrency("slots", Concurrency::new(2).with_typical_hold(Duration::from_secs(3)))
         .build()
         .unwrap();
-    let layer =
-        RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap();
+    let layer = on_paused(policy);
     let in_flight = Arc::new(InFlight::default());
     let tracker = Arc::clone(&in_flight);
     let mut svc = layer.layer(service_fn(move |_req: Request<RequestBody<Empty<Bytes>>>| {
@@ -165,11 +175,14 @@ async fn policing_refuses_beyond_the_slots_and_a_dropped_body_gives_its_slot_bac
     assert_eq!(in_flight.now.load(Ordering::SeqCst), 0);
 }
 
+/// A layer of one concurrency slot, `slots`, on tokio's clock.
+fn one_slot() -> RateLimitLayer<GlobalKey> {
+    on_paused(Policy::builder("p").concurrency("slots", Concurrency::new(1)).build().unwrap())
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_slot_is_free_when_the_last_frame_is_handed_on() {
-    let policy = Policy::builder("p").concurrency("slots", Concurrency::new(1)).build().unwrap();
-    let layer =
-        RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap();
+    let layer = one_slot();
     let svc = layer.layer(service_fn(|_req: Request<RequestBody<Empty<Bytes>>>| async {
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"done"))))
     }));
@@ -184,9 +197,7 @@ async fn the_slot_is_free_when_the_last_frame_is_handed_on() {
 
 #[tokio::test(start_paused = true)]
 async fn a_handler_that_panics_or_fails_releases_its_slot() {
-    let policy = Policy::builder("p").concurrency("slots", Concurrency::new(1)).build().unwrap();
-    let layer =
-        RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap();
+    let layer = one_slot();
     let panicking = layer.layer(service_fn(|_req: Request<RequestBody<Empty<Bytes>>>| async {
         if true {
             panic!("handler bug");
@@ -206,14 +217,7 @@ async fn a_handler_that_panics_or_fails_releases_its_slot() {
 
 #[tokio::test(start_paused = true)]
 async fn response_bytes_and_reported_units_are_settled_when_the_body_ends() {
-    let policy = Policy::builder("llm")
-        .tier("requests", Quota::per_hour(100))
-        .tier("egress", Quota::per_hour(10_000).counting(Unit::ResponseBytes))
-        .tier("tokens", Quota::per_hour(5_000).counting(Unit::Reported))
-        .build()
-        .unwrap();
-    let layer =
-        RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap();
+    let layer = on_paused(crate::kinds::llm_policy("egress"));
     let svc = layer.layer(service_fn(|req: Request<RequestBody<Empty<Bytes>>>| async move {
         req.extensions().get::<Usage>().expect("a Usage for a reported tier").report(1_200);
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(vec![b'x'; 3_000]))))
@@ -231,9 +235,7 @@ async fn response_bytes_and_reported_units_are_settled_when_the_body_ends() {
     );
     let body = res.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(body.len(), 3_000);
-    let tiers = layer.limiter().check(&Key::Global, 0).await.unwrap();
-    let remaining: Vec<u64> = tiers.tiers().iter().map(|t| t.remaining()).collect();
-    assert_eq!(remaining, [99, 7_000, 3_800]);
+    assert_eq!(remaining(&layer).await, [99, 7_000, 3_800]);
 }
 
 #[tokio::test(start_paused = true)]
@@ -257,20 +259,18 @@ async fn a_refunded_response_gives_back_every_unit_it_counts() {
     }));
     let res = svc.oneshot(Request::new(Empty::new())).await.unwrap();
     res.into_body().collect().await.unwrap();
-    let d = layer.limiter().check(&Key::Global, 0).await.unwrap();
-    let remaining: Vec<u64> = d.tiers().iter().map(|t| t.remaining()).collect();
-    assert_eq!(remaining, [10, 10_000, 1]);
+    assert_eq!(remaining(&layer).await, [10, 10_000, 1]);
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_request_over_its_byte_tier_is_refused_and_charges_nothing() {
-    let policy = Policy::builder("upload")
-        .tier("requests", Quota::per_hour(10))
-        .tier("bytes", Quota::per_second(1_000).counting(Unit::RequestBytes))
-        .build()
-        .unwrap();
-    let layer =
-        RateLimitLayer::builder(policy).store(paused_store()).key(GlobalKey).build().unwrap();
+    let layer = on_paused(
+        Policy::builder("upload")
+            .tier("requests", Quota::per_hour(10))
+            .tier("bytes", Quota::per_second(1_000).counting(Unit::RequestBytes))
+            .build()
+            .unwrap(),
+    );
     let svc = layer.layer(service_fn(|_req: Request<RequestBody<String>>| async {
         Ok::<_, Infallible>(Response::new(Full::<Bytes>::default()))
     }));
@@ -670,16 +670,29 @@ async fn slot_and_bytes_left(layer: &RateLimitLayer<GlobalKey>) -> [u64; 2] {
     [decision.tiers()[0].remaining(), decision.tiers()[1].remaining()]
 }
 
+/// A request through [`slot_and_bytes`] counting response bytes under `mode`, answered with
+/// `frames` frames of 700 bytes, then `end`: the layer and the response body it hands on.
+async fn respond_with(
+    mode: Option<StreamMode>,
+    frames: usize,
+    end: End,
+) -> (RateLimitLayer<GlobalKey>, tollgate::layer::ResponseBody<Repeat>) {
+    let layer = slot_and_bytes(Unit::ResponseBytes, mode);
+    let svc = layer.clone().layer(service_fn(
+        move |_req: Request<RequestBody<Empty<Bytes>>>| async move {
+            Ok::<_, Infallible>(Response::new(Repeat::bytes(frames, 700, end)))
+        },
+    ));
+    let res = svc.oneshot(Request::new(Empty::new())).await.unwrap();
+    (layer, res.into_body())
+}
+
 /// A response body that fails has finished: its slot is free and its byte tier is charged
 /// the bytes it handed on before the error, exactly.
 #[tokio::test(start_paused = true)]
 async fn a_response_body_that_fails_is_settled_at_the_bytes_it_sent() {
     for mode in METERINGS {
-        let layer = slot_and_bytes(Unit::ResponseBytes, mode);
-        let svc = layer.layer(service_fn(|_req: Request<RequestBody<Empty<Bytes>>>| async {
-            Ok::<_, Infallible>(Response::new(Repeat::bytes(2, 700, End::Fail)))
-        }));
-        let mut body = svc.oneshot(Request::new(Empty::new())).await.unwrap().into_body();
+        let (layer, mut body) = respond_with(mode, 2, End::Fail).await;
         let settled = mode == Some(StreamMode::Settle);
         if settled {
             // At admission: the slot, and one byte estimated.
@@ -703,13 +716,8 @@ async fn a_response_body_that_fails_is_settled_at_the_bytes_it_sent() {
 #[tokio::test(start_paused = true)]
 async fn a_response_body_dropped_unfinished_is_settled_at_the_bytes_it_sent() {
     for mode in METERINGS {
-        let layer = slot_and_bytes(Unit::ResponseBytes, mode);
-        let svc = layer.layer(service_fn(|_req: Request<RequestBody<Empty<Bytes>>>| async {
-            Ok::<_, Infallible>(Response::new(Repeat::bytes(1, 700, End::Hang)))
-        }));
-        let mut body = svc.oneshot(Request::new(Empty::new())).await.unwrap().into_body();
+        let (layer, mut body) = respond_with(mode, 1, End::Hang).await;
         assert_eq!(body.frame().await.unwrap().unwrap().into_data().unwrap().len(), 700);
-        eprintln!("DEBUG {mode:?} {:?}", slot_and_bytes_left(&layer).await);
         if mode == Some(StreamMode::Settle) {
             assert_eq!(slot_and_bytes_left(&layer).await, [0, 9_999]);
         }
@@ -854,49 +862,26 @@ async fn grpc_messages(end: End) {
     }
 }
 
-#[tokio::test(start_paused = true)]
-async fn bodies_counted_whole_and_finished_are_settled_at_their_bytes() {
-    counted_whole(End::Done).await;
+/// One paused-clock test a row, running a scenario above with the way the body ends.
+macro_rules! body_end_tests {
+    ($($name:ident: $scenario:ident($end:expr),)*) => {$(
+        #[tokio::test(start_paused = true)]
+        async fn $name() {
+            $scenario($end).await;
+        }
+    )*};
 }
 
-#[tokio::test(start_paused = true)]
-async fn bodies_counted_whole_and_abandoned_are_settled_at_their_bytes() {
-    counted_whole(End::Fail).await;
-}
-
-#[tokio::test(start_paused = true)]
-async fn bodies_counted_whole_and_dropped_are_settled_at_their_bytes() {
-    counted_whole(End::Hang).await;
-}
-
-#[tokio::test(start_paused = true)]
-async fn streamed_bodies_finished_are_charged_their_bytes() {
-    leased_bytes(End::Done).await;
-}
-
-#[tokio::test(start_paused = true)]
-async fn streamed_bodies_abandoned_are_charged_their_bytes() {
-    leased_bytes(End::Fail).await;
-}
-
-#[tokio::test(start_paused = true)]
-async fn streamed_bodies_dropped_are_charged_their_bytes() {
-    leased_bytes(End::Hang).await;
-}
-
-#[tokio::test(start_paused = true)]
-async fn grpc_bodies_finished_are_charged_their_messages() {
-    grpc_messages(End::Done).await;
-}
-
-#[tokio::test(start_paused = true)]
-async fn grpc_bodies_abandoned_are_charged_their_messages() {
-    grpc_messages(End::Fail).await;
-}
-
-#[tokio::test(start_paused = true)]
-async fn grpc_bodies_dropped_are_charged_their_messages() {
-    grpc_messages(End::Hang).await;
+body_end_tests! {
+    bodies_counted_whole_and_finished_are_settled_at_their_bytes: counted_whole(End::Done),
+    bodies_counted_whole_and_abandoned_are_settled_at_their_bytes: counted_whole(End::Fail),
+    bodies_counted_whole_and_dropped_are_settled_at_their_bytes: counted_whole(End::Hang),
+    streamed_bodies_finished_are_charged_their_bytes: leased_bytes(End::Done),
+    streamed_bodies_abandoned_are_charged_their_bytes: leased_bytes(End::Fail),
+    streamed_bodies_dropped_are_charged_their_bytes: leased_bytes(End::Hang),
+    grpc_bodies_finished_are_charged_their_messages: grpc_messages(End::Done),
+    grpc_bodies_abandoned_are_charged_their_messages: grpc_messages(End::Fail),
+    grpc_bodies_dropped_are_charged_their_messages: grpc_messages(End::Hang),
 }
 
 /// A streamed response's slot is free when it finishes, and its last grant is settled then

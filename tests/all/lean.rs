@@ -354,17 +354,13 @@ fn every_unit_that_observes_a_body_has_no_lean_layer() {
         Unit::RequestMessages,
         Unit::ResponseMessages,
     ];
+    // Policy `p`: 10 requests a second, and tier `u`, a rate or a calendar tier.
+    let with_rate = |u: Quota| Policy::builder("p").tier("r", Quota::per_second(10)).tier("u", u);
+    let with_calendar =
+        |u: Calendar| Policy::builder("p").tier("r", Quota::per_second(10)).calendar("u", u);
     for unit in units {
-        let rate = Policy::builder("p")
-            .tier("r", Quota::per_second(10))
-            .tier("u", Quota::per_second(1000).counting(unit))
-            .build()
-            .unwrap();
-        let calendar = Policy::builder("p")
-            .tier("r", Quota::per_second(10))
-            .calendar("u", Calendar::per_day(1000).counting(unit))
-            .build()
-            .unwrap();
+        let rate = with_rate(Quota::per_second(1000).counting(unit)).build().unwrap();
+        let calendar = with_calendar(Calendar::per_day(1000).counting(unit)).build().unwrap();
         for policy in [rate, calendar] {
             let err = RateLimitLayer::builder(policy).build().unwrap().lean().unwrap_err();
             assert_eq!(
@@ -377,11 +373,7 @@ fn every_unit_that_observes_a_body_has_no_lean_layer() {
             );
         }
     }
-    let calendar = Policy::builder("p")
-        .tier("r", Quota::per_second(10))
-        .calendar("u", Calendar::per_day(1000))
-        .build()
-        .unwrap();
+    let calendar = with_calendar(Calendar::per_day(1000)).build().unwrap();
     assert!(RateLimitLayer::builder(calendar).build().unwrap().lean().is_ok());
 }
 

@@ -17,10 +17,45 @@ use support::redis::{Cluster, Server};
 use tollgate::clock::{Clock, FakeClock};
 use tollgate::key::Key;
 use tollgate::store::{Check, Lease, RedisPolicy, RedisStore, Store};
-use tollgate::{Algorithm, ConfigError, Outcome, Policy, Quota, Source};
+use tollgate::{Algorithm, ConfigError, Decision, Outcome, Policy, Quota, Source};
 
 const MS: u64 = 1_000_000;
 const S: u64 = 1_000_000_000;
+
+/// A leasing instance, or the exact one: its store and its binding.
+type Node = (RedisStore, RedisPolicy);
+
+/// [`started`], and on it a [`fleet`] of `policy` leasing with `lease`: the server (redis-server
+/// stops when it is dropped), the clock, the leasing instances, the exact one and the key they
+/// share, named as the policy; `None` without redis-server.
+fn leasing(policy: &Policy, lease: Lease) -> Option<(Server, FakeClock, Vec<Node>, Node, Key)> {
+    let (server, clock) = started()?;
+    let (nodes, exact) = fleet(&server.url(), &clock, policy, lease);
+    Some((server, clock, nodes, exact, Key::text(policy.name())))
+}
+
+/// GCRA at 100,000 a second (T = 10 µs) with a burst of 1,000, on one tier of policy `hot`.
+fn hot() -> Policy {
+    Policy::single("hot", Quota::per_second(100_000).with_burst(1_000)).unwrap()
+}
+
+/// Policy `w`: `count` a minute in a fixed window.
+fn window(count: u64) -> Policy {
+    fixed_window("w", "minute", Quota::per_minute(count))
+}
+
+/// Checks one unit at a time on `node` until one is refused: the admitted decisions, and the
+/// refusal.
+async fn until_refused(node: &Node, key: &Key) -> (Vec<Decision>, Decision) {
+    let mut admitted = Vec::new();
+    loop {
+        let d = check(node, key, 1).await;
+        if !d.is_allowed() {
+            return (admitted, d);
+        }
+        admitted.push(d);
+    }
+}
 
 /// Whether node `i` asks for a unit at step `step` (1 ms each): every node asks often but not
 /// always, and node 3 pauses for 40 ms of every 250, so blocks end unspent and come back.
@@ -36,11 +71,9 @@ fn demands(i: usize, step: u64) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_leasing_instances_admit_at_most_the_limit_in_every_fixed_window() {
-    let Some((server, clock)) = started() else { return };
     let policy = fixed_window("hot", "second", Quota::per_second(1_000));
     let lease = Lease::new().max_block(32).lifetime(Duration::from_millis(100));
-    let (nodes, _exact) = fleet(&server.url(), &clock, &policy, lease);
-    let key = Key::text("hot");
+    let Some((_server, clock, nodes, _exact, key)) = leasing(&policy, lease) else { return };
     // Even windows: quiet until their last 40 ms, when every node asks every millisecond (so
     // blocks grow, and are held when the window ends); odd windows: every node asks every
     // millisecond, 4,000 units for a limit of 1,000.
@@ -86,12 +119,10 @@ async fn four_instances_leasing_the_schedule_keep_gcra_within_the_same_bound() {
 
 async fn four_gcra_instances_within_the_bound(lease: Lease) {
     let prefetch = lease.prefetches();
-    let Some((server, clock)) = started() else { return };
     // T = 2 ms, burst 50.
     let policy = Policy::single("hot", Quota::per_second(500).with_burst(50)).unwrap();
     let lease = lease.max_block(8).lifetime(Duration::from_millis(30));
-    let (nodes, _exact) = fleet(&server.url(), &clock, &policy, lease);
-    let key = Key::text("hot");
+    let Some((_server, clock, nodes, _exact, key)) = leasing(&policy, lease) else { return };
     let admitted = hammer(&nodes, &clock, &key, 3_000, demands).await;
     let (burst, t) = (50u64, 2 * MS);
     let bound = lease.bound(N as u64);
@@ -127,11 +158,9 @@ async fn granted(node: &(RedisStore, RedisPolicy), grants: u64) {
 /// and it never holds more than 64 units.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefetching_instance_asks_for_the_next_block_when_half_is_spent() {
-    let Some((server, clock)) = started() else { return };
-    let policy = Policy::single("hot", Quota::per_second(100_000).with_burst(1_000)).unwrap();
     let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100)).prefetch(true);
-    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
-    let (node, key) = (&nodes[0], Key::text("hot"));
+    let Some((_server, _clock, nodes, exact, key)) = leasing(&hot(), lease) else { return };
+    let node = &nodes[0];
     let mut started = Vec::new();
     for check_no in 1..=200u64 {
         let before = node.1.lease_stats();
@@ -181,15 +210,8 @@ async fn at_the_keys_rate_an_instance_waits_for_a_useful_block_without_calling()
         let key = Key::text("hot");
         // Blocks of 1, 2, ... 32, then 64 while the key has 64 (14 of them): 959 units, 20
         // calls. The last leaves 41 in Redis, a useful block 23 units (230 µs) away.
-        let mut admitted = 0;
-        let refused = loop {
-            let d = check(node, &key, 1).await;
-            if !d.is_allowed() {
-                break d;
-            }
-            admitted += 1;
-        };
-        assert_eq!(admitted, 959, "{algorithm:?}");
+        let (admitted, refused) = until_refused(node, &key).await;
+        assert_eq!(admitted.len(), 959, "{algorithm:?}");
         let stats = node.1.lease_stats();
         assert_eq!((stats.grants, stats.decided_on_redis, stats.refused_locally), (20, 20, 1));
         assert_eq!(refused.outcome(), Outcome::Limited);
@@ -227,11 +249,8 @@ async fn at_the_keys_rate_an_instance_waits_for_a_useful_block_without_calling()
 /// with no call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_lease_call_is_waited_out_with_that_retry() {
-    let Some((server, clock)) = started() else { return };
-    let policy = Policy::single("hot", Quota::per_second(100_000).with_burst(1_000)).unwrap();
     let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100));
-    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
-    let key = Key::text("hot");
+    let Some((_server, clock, nodes, exact, key)) = leasing(&hot(), lease) else { return };
     // Blocks of 1 to 64, all spent: 127 units.
     for _ in 0..127 {
         assert!(check(&nodes[0], &key, 1).await.is_allowed());
@@ -289,7 +308,6 @@ fn each_tier_within(admitted: &[u64], tiers: &[(u64, u64)], bound: u64, what: &s
 /// interval.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_instances_leasing_the_schedule_keep_each_of_two_gcra_tiers_within_the_bound() {
-    let Some((server, clock)) = started() else { return };
     let policy = Policy::builder("two")
         .tier("fast", Quota::per_second(500).with_burst(20))
         .tier("slow", Quota::per_second(250).with_burst(50))
@@ -297,8 +315,7 @@ async fn four_instances_leasing_the_schedule_keep_each_of_two_gcra_tiers_within_
         .unwrap();
     let lease =
         Lease::new().max_block(8).lifetime(Duration::from_millis(30)).schedule(true).prefetch(true);
-    let (nodes, _exact) = fleet(&server.url(), &clock, &policy, lease);
-    let key = Key::text("two");
+    let Some((_server, clock, nodes, _exact, key)) = leasing(&policy, lease) else { return };
     let admitted = hammer(&nodes, &clock, &key, 3_000, demands).await;
     let bound = lease.bound(N as u64);
     let worst = each_tier_within(&admitted, &[(20, 2 * MS), (50, 4 * MS)], bound, "");
@@ -371,12 +388,10 @@ async fn a_horizon_past_the_fast_tiers_fill_keeps_each_tier_within_the_bound() {
 /// cost: the instance's own refusals never say less than Redis's exact wait for that cost.
 #[tokio::test]
 async fn a_weighted_check_is_never_told_to_retry_before_redis_would_admit_it() {
-    let Some((server, clock)) = started() else { return };
     // 100 a second: a useful block (1 ms of refill) is one unit.
     let policy = Policy::single("weighted", Quota::per_second(100)).unwrap();
     let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100));
-    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
-    let key = Key::text("weighted");
+    let Some((_server, clock, nodes, exact, key)) = leasing(&policy, lease) else { return };
     while check(&exact, &key, 1).await.is_allowed() {}
     for step in [0, 2, 7, 20] {
         clock.set(1_000 * S + step * 1_000_000);
@@ -396,12 +411,10 @@ async fn a_weighted_check_is_never_told_to_retry_before_redis_would_admit_it() {
 /// not when the instance asks Redis again.
 #[tokio::test]
 async fn a_weighted_check_leasing_the_schedule_is_never_told_to_retry_before_it_conforms() {
-    let Some((server, clock)) = started() else { return };
     // T = 10 ms, a burst of 100; the horizon is half the lifetime, 50 ms.
     let policy = Policy::single("weighted", Quota::per_second(100)).unwrap();
     let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100)).schedule(true);
-    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
-    let key = Key::text("weighted");
+    let Some((_server, clock, nodes, exact, key)) = leasing(&policy, lease) else { return };
     while check(&exact, &key, 1).await.is_allowed() {}
     for step in [0, 2, 7] {
         clock.set(1_000 * S + step * 1_000_000);
@@ -543,25 +556,14 @@ async fn instances_at_the_keys_rate(n: usize, lease: Lease, burst: u64) -> Optio
 /// as `retry_after` and `remaining` the units that conform now.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_leasing_the_schedule_admits_each_unit_when_it_conforms() {
-    let Some((server, clock)) = started() else { return };
-    let policy = Policy::single("hot", Quota::per_second(100_000).with_burst(1_000)).unwrap();
     let lease = Lease::new().max_block(64).lifetime(Duration::from_millis(100)).schedule(true);
-    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
-    let (node, key) = (&nodes[0], Key::text("hot"));
+    let Some((_server, clock, nodes, exact, key)) = leasing(&hot(), lease) else { return };
+    let node = &nodes[0];
     // Blocks of 1, 2, ... 32, then 64 while the key has 64 (959 units, 20 calls); the 21st
     // call finds 41 and takes 64: 41 that conform now, then one every 10 µs.
-    let mut admitted = 0;
-    let refused = loop {
-        let d = check(node, &key, 1).await;
-        if !d.is_allowed() {
-            break d;
-        }
-        admitted += 1;
-        if admitted == 1_000 {
-            assert_eq!(d.tiers()[0].remaining(), 0, "the last of the 41");
-        }
-    };
-    assert_eq!(admitted, 1_000);
+    let (admitted, refused) = until_refused(node, &key).await;
+    assert_eq!(admitted.len(), 1_000);
+    assert_eq!(admitted[999].tiers()[0].remaining(), 0, "the last of the 41");
     let stats = node.1.lease_stats();
     assert_eq!((stats.grants, stats.decided_on_redis, stats.refused_locally), (21, 21, 1));
     assert_eq!(stats.units_granted, 959 + 64);
@@ -602,16 +604,15 @@ async fn an_instance_leasing_the_schedule_admits_each_unit_when_it_conforms() {
     assert_eq!((stats.grants, stats.decided_on_redis), (22, 22));
     assert_eq!(stats.units_granted, 959 + 2 * 64);
     // Admitted in 240 µs: the burst and 24 units of refill, as exact GCRA.
-    assert_eq!(admitted + 4 + 19 + 1, 1_000 + 24);
+    assert_eq!(admitted.len() + 4 + 19 + 1, 1_000 + 24);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocks_grow_with_demand_and_come_back_when_dropped() {
-    let Some((server, clock)) = started() else { return };
-    let policy = fixed_window("w", "minute", Quota::per_minute(100));
     let lease = Lease::new().max_block(16).lifetime(Duration::from_secs(10));
-    let (mut nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
-    let key = Key::text("k");
+    let Some((_server, _clock, mut nodes, exact, key)) = leasing(&window(100), lease) else {
+        return;
+    };
     // Blocks of 1, 2, 4 and 8 units for 8 checks: 15 charged, 8 spent, 7 held.
     let mut remaining = Vec::new();
     for _ in 0..8 {
@@ -639,11 +640,8 @@ async fn blocks_grow_with_demand_and_come_back_when_dropped() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_is_never_spent_after_its_lifetime_and_its_rest_comes_back() {
-    let Some((server, clock)) = started() else { return };
-    let policy = fixed_window("w", "minute", Quota::per_minute(100));
     let lease = Lease::new().max_block(4).lifetime(Duration::from_millis(50));
-    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
-    let key = Key::text("k");
+    let Some((_server, clock, nodes, exact, key)) = leasing(&window(100), lease) else { return };
     for _ in 0..4 {
         assert!(check(&nodes[0], &key, 1).await.is_allowed());
     }
@@ -676,11 +674,9 @@ async fn a_block_is_never_spent_after_its_lifetime_and_its_rest_comes_back() {
 /// Redis, which has the units again (a shaping check, which is exact in lease mode).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_given_back_by_the_sweeper_forgets_the_keys_refusal() {
-    let Some((server, clock)) = started() else { return };
-    let policy = fixed_window("w", "minute", Quota::per_minute(100));
     let lease = Lease::new().max_block(4).lifetime(Duration::from_millis(50));
-    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
-    let (node, key) = (&nodes[0], Key::text("k"));
+    let Some((_server, clock, nodes, exact, key)) = leasing(&window(100), lease) else { return };
+    let node = &nodes[0];
     for _ in 0..4 {
         assert!(check(node, &key, 1).await.is_allowed());
     }
@@ -707,11 +703,9 @@ async fn a_block_given_back_by_the_sweeper_forgets_the_keys_refusal() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_next_block_gives_back_the_rest_of_the_last_in_the_same_call() {
-    let Some((server, clock)) = started() else { return };
     let policy = Policy::single("g", Quota::per_minute(60)).unwrap();
     let lease = Lease::new().max_block(8).lifetime(Duration::from_millis(10));
-    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
-    let key = Key::text("k");
+    let Some((_server, clock, nodes, exact, key)) = leasing(&policy, lease) else { return };
     for _ in 0..4 {
         assert!(check(&nodes[0], &key, 1).await.is_allowed());
     }
@@ -729,11 +723,8 @@ async fn the_next_block_gives_back_the_rest_of_the_last_in_the_same_call() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn near_the_limit_blocks_shrink_to_one_unit_and_refusals_are_exact() {
-    let Some((server, clock)) = started() else { return };
-    let policy = fixed_window("w", "minute", Quota::per_minute(10));
     let lease = Lease::new().max_block(64).lifetime(Duration::from_secs(30));
-    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
-    let key = Key::text("k");
+    let Some((_server, _clock, nodes, exact, key)) = leasing(&window(10), lease) else { return };
     // A quarter of 10 at most: blocks of 1, 2, 1, 1, ... as the key runs down.
     for i in 0..10 {
         let node = &nodes[i % 2];
@@ -804,12 +795,9 @@ fn policies_that_cannot_lease_are_refused_or_stay_exact() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ticket_from_a_block_settles_in_redis() {
-    let Some((server, clock)) = started() else { return };
-    let policy = fixed_window("w", "minute", Quota::per_minute(100));
     let lease = Lease::new().max_block(8).lifetime(Duration::from_secs(10));
-    let (nodes, exact) = fleet(&server.url(), &clock, &policy, lease);
+    let Some((_server, _clock, nodes, exact, key)) = leasing(&window(100), lease) else { return };
     let (s, b) = &nodes[0];
-    let key = Key::text("k");
     let mut tickets = Vec::new();
     for _ in 0..5 {
         let v = s.check(b, Check::new(&key, 1).with_ticket()).await.unwrap();

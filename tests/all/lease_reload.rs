@@ -21,7 +21,7 @@ use support::redis::Server;
 use support::stores::redis::on_clock;
 use tollgate::clock::FakeClock;
 use tollgate::config::{LimitsConfig, LimitsLayer};
-use tollgate::store::{Lease, RedisStore};
+use tollgate::store::{Lease, LeaseStats, RedisStore};
 
 /// `count` requests an hour in a fixed window, on one key for every request.
 fn config(count: u64, name: &str) -> LimitsConfig {
@@ -31,18 +31,9 @@ fn config(count: u64, name: &str) -> LimitsConfig {
 /// `count` requests an hour with `algorithm` (a burst of `count` for GCRA), on one key for
 /// every request.
 fn config_of(algorithm: &str, count: u64, name: &str) -> LimitsConfig {
-    let text = format!(
-        r#"
-[policies.api]
-algorithm = "{algorithm}"
-tiers = [{{ name = "hourly", count = {count}, period = "1h" }}]
-
-[[rules]]
-name = "api"
-key = "global"
-policy = "api"
-"#
-    );
+    let text = support::config_files::global_api(&format!(
+        "algorithm = \"{algorithm}\"\ntiers = [{{ name = \"hourly\", count = {count}, period = \"1h\" }}]"
+    ));
     LimitsConfig::from_toml(&text, name).unwrap()
 }
 
@@ -126,6 +117,31 @@ async fn answered(done: &AtomicUsize, n: usize) {
     }
 }
 
+/// Reloads every instance with `config`; asserts that the reload kept `api`'s binding
+/// (`kept`), or bound it anew.
+fn reload_all(apps: &Apps, config: &LimitsConfig, kept: bool) {
+    for (layer, _) in apps.iter() {
+        let reloaded = layer.handle().reload(config.clone()).unwrap();
+        let api = &["api".to_owned()][..];
+        assert_eq!(if kept { reloaded.kept() } else { reloaded.changed() }, api);
+    }
+}
+
+/// How many requests the clients' tasks saw admitted, once they are done.
+async fn admitted(clients: Vec<tokio::task::JoinHandle<usize>>) -> usize {
+    let mut ok = 0;
+    for client in clients {
+        ok += client.await.expect("no client task failed");
+    }
+    ok
+}
+
+/// Each instance's lease statistics for `api`.
+fn lease_stats(apps: &Apps) -> Vec<LeaseStats> {
+    let bound = |layer: &LimitsLayer<RedisStore>| layer.handle().limiter("api").expect("bound");
+    apps.iter().map(|(layer, _)| bound(layer).bound().lease_stats()).collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leasing_instances_admit_the_window_exactly_across_reloads_under_traffic() {
     let Some(server) = Server::start("redis-server") else { return };
@@ -136,31 +152,21 @@ async fn leasing_instances_admit_the_window_exactly_across_reloads_under_traffic
     // After 60 answers, both instances reload a file that keeps the policy: its binding (and
     // the blocks it holds) stay.
     answered(&done, 60).await;
-    for (layer, _) in apps.iter() {
-        let reloaded = layer.handle().reload(config(100, "v2.toml")).unwrap();
-        assert_eq!(reloaded.kept(), &["api".to_owned()][..]);
-    }
+    reload_all(&apps, &config(100, "v2.toml"), true);
     assert!(done.load(Ordering::SeqCst) < 320, "the reloads happened under traffic");
-    let mut ok = 0;
-    for client in clients {
-        ok += client.await.expect("no client task failed");
-    }
+    let mut ok = admitted(clients).await;
     // Whatever the instances still hold is spent by asking each of them again: exactly the
     // window's 100 over the whole run, not one more, none stranded.
     ok += drain(&apps, 20).await;
     assert_eq!(ok, 100);
     // Both instances decided from blocks, through the reload, on the binding they started with.
-    for (layer, _) in apps.iter() {
-        let stats = layer.handle().limiter("api").expect("bound").bound().lease_stats();
+    for stats in lease_stats(&apps) {
         assert!(stats.grants > 0 && stats.decided_locally > 0, "{stats:?}");
     }
 
     // A changed quota binds the policy anew, from a full window of the new count; the old
     // binding's blocks are not spent for it.
-    for (layer, _) in apps.iter() {
-        let reloaded = layer.handle().reload(config(150, "v3.toml")).unwrap();
-        assert_eq!(reloaded.changed(), &["api".to_owned()][..]);
-    }
+    reload_all(&apps, &config(150, "v3.toml"), false);
     assert_eq!(drain(&apps, 100).await, 150);
 }
 
@@ -197,27 +203,14 @@ async fn burst_across_reloads(lease: Lease) {
     // Once blocks have grown enough to be fetched ahead (200 answers), both instances reload
     // a file that keeps the policy.
     answered(&done, 200).await;
-    let prefetched_before: u64 = apps
-        .iter()
-        .map(|(layer, _)| layer.handle().limiter("api").expect("bound").bound().lease_stats())
-        .map(|s| s.prefetched)
-        .sum();
-    for (layer, _) in apps.iter() {
-        let reloaded = layer.handle().reload(config_of("gcra", 400, "v2.toml")).unwrap();
-        assert_eq!(reloaded.kept(), &["api".to_owned()][..]);
-    }
+    let prefetched_before: u64 = lease_stats(&apps).iter().map(|s| s.prefetched).sum();
+    reload_all(&apps, &config_of("gcra", 400, "v2.toml"), true);
     assert!(done.load(Ordering::SeqCst) < 800, "the reloads happened under traffic");
-    let mut ok = 0;
-    for client in clients {
-        ok += client.await.expect("no client task failed");
-    }
+    let mut ok = admitted(clients).await;
     // What the instances still hold is spent by asking each of them again: the burst exactly.
     ok += drain(&apps, 100).await;
     assert_eq!(ok, 400);
-    let stats: Vec<_> = apps
-        .iter()
-        .map(|(layer, _)| layer.handle().limiter("api").expect("bound").bound().lease_stats())
-        .collect();
+    let stats = lease_stats(&apps);
     let prefetched: u64 = stats.iter().map(|s| s.prefetched).sum();
     assert!(prefetched_before > 0, "blocks were fetched ahead before the reload: {stats:?}");
     for s in &stats {
@@ -228,9 +221,6 @@ async fn burst_across_reloads(lease: Lease) {
     assert!(prefetched >= prefetched_before);
 
     // A changed quota binds the policy anew, from a full burst of the new count.
-    for (layer, _) in apps.iter() {
-        let reloaded = layer.handle().reload(config_of("gcra", 500, "v3.toml")).unwrap();
-        assert_eq!(reloaded.changed(), &["api".to_owned()][..]);
-    }
+    reload_all(&apps, &config_of("gcra", 500, "v3.toml"), false);
     assert_eq!(drain(&apps, 300).await, 500);
 }

@@ -2,6 +2,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod bodies;
+pub mod config_files;
 #[cfg(feature = "redis")]
 pub mod lease;
 pub mod logs;
