@@ -40,7 +40,7 @@ fn long_policy(algorithm: Algorithm) -> Policy {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standalone_admits_exactly_100_of_1000_concurrent_on_one_connection() {
     let Some(server) = Server::start("redis-server") else { return };
-    let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(10)).build().unwrap();
+    let store = timed(RedisStore::builder(server.url()), 10);
     for algorithm in Algorithm::ALL {
         let admitted = admitted_concurrently(&store, &long_policy(algorithm), 1000).await;
         assert_eq!(admitted, 100, "{algorithm:?}");
@@ -98,7 +98,7 @@ async fn held_concurrently(store: &RedisStore, policy: &Policy, n: usize) -> usi
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_kind_admits_exactly_100_of_1000_concurrent_on_redis() {
     let Some(server) = Server::start("redis-server") else { return };
-    let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(10)).build().unwrap();
+    let store = timed(RedisStore::builder(server.url()), 10);
     for policy in kinds_policies() {
         assert_eq!(held_concurrently(&store, &policy, 1000).await, 100, "{}", policy.name());
     }
@@ -107,10 +107,7 @@ async fn every_kind_admits_exactly_100_of_1000_concurrent_on_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_admits_exactly_100_of_1000_concurrent() {
     let Some(cluster) = Cluster::start() else { return };
-    let store = RedisStore::cluster_builder(cluster.urls())
-        .timeout(Duration::from_secs(10))
-        .build()
-        .unwrap();
+    let store = timed(RedisStore::cluster_builder(cluster.urls()), 10);
     for algorithm in [Algorithm::Gcra, Algorithm::SlidingLog, Algorithm::SlidingCounter] {
         let admitted = admitted_concurrently(&store, &long_policy(algorithm), 1000).await;
         assert_eq!(admitted, 100, "{algorithm:?}");
