@@ -54,23 +54,14 @@ async fn standalone_admits_exactly_100_of_1000_concurrent_on_one_connection() {
 /// test only on New Year's Eve at midnight), a rate counting bytes, both with a concurrency tier
 /// that never fills up, and a concurrency tier of 100 slots nobody releases.
 fn kinds_policies() -> Vec<Policy> {
-    let slots = || Concurrency::new(1000).with_ttl(Duration::from_secs(600));
-    vec![
-        Policy::builder("conc-calendar")
-            .calendar("year", Calendar::per_year(100))
-            .concurrency("slots", slots())
-            .build()
-            .unwrap(),
-        Policy::builder("conc-bytes")
-            .tier("bytes", Quota::new(100, LONG).counting(Unit::RequestBytes))
-            .concurrency("slots", slots())
-            .build()
-            .unwrap(),
-        Policy::builder("conc-held")
-            .concurrency("slots", Concurrency::new(100).with_ttl(Duration::from_secs(600)))
-            .build()
-            .unwrap(),
-    ]
+    let slots = |max| Concurrency::new(max).with_ttl(Duration::from_secs(600));
+    let calendar = Policy::builder("conc-calendar").calendar("year", Calendar::per_year(100));
+    let bytes = Quota::new(100, LONG).counting(Unit::RequestBytes);
+    let bytes = Policy::builder("conc-bytes").tier("bytes", bytes);
+    let held = Policy::builder("conc-held");
+    [(calendar, 1000), (bytes, 1000), (held, 100)]
+        .map(|(builder, max)| builder.concurrency("slots", slots(max)).build().unwrap())
+        .into()
 }
 
 /// Sends `n` reservations of one key at once and keeps the admitted ones; returns how many.

@@ -5,9 +5,7 @@ use super::*;
 
 #[test]
 fn standalone_decides_exactly_like_memory_store() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let url = server.url();
-    differential(256, |clock, prefix| fake_clock_store(RedisStore::builder(&url), clock, prefix));
+    differential_on("redis-server", 256);
 }
 
 /// Clock steps back (NTP, a failover to a server whose clock is behind) between checks,
@@ -16,10 +14,7 @@ fn standalone_decides_exactly_like_memory_store() {
 #[test]
 fn a_clock_stepping_back_decides_exactly_like_memory_store() {
     let Some(server) = Server::start("redis-server") else { return };
-    let url = server.url();
-    differential_of(trace(true), 256, |clock, prefix| {
-        fake_clock_store(RedisStore::builder(&url), clock, prefix)
-    });
+    differential_of(trace(true), 256, stores_on(&server, ""));
 }
 
 /// A trace the test above once drew (about 1 in 40 runs), kept: a sliding log of one request
@@ -135,9 +130,7 @@ fn a_calendar_key_two_hours_ahead_of_the_clock_decides_exactly_like_memory_store
 
 #[test]
 fn valkey_decides_exactly_like_memory_store() {
-    let Some(server) = Server::start("valkey-server") else { return };
-    let url = server.url();
-    differential(64, |clock, prefix| fake_clock_store(RedisStore::builder(&url), clock, prefix));
+    differential_on("valkey-server", 64);
 }
 
 #[test]
@@ -183,12 +176,16 @@ fn every_algorithm_admits_then_limits<St: Store>(store: impl Fn(FakeClock) -> St
     }
 }
 
+/// [`every_algorithm_admits_then_limits`] on a `bin` server the test starts (skipped without it).
+fn every_algorithm_admits_then_limits_on_a(bin: &str) {
+    let Some(server) = Server::start(bin) else { return };
+    let stores = stores_on(&server, "a:");
+    every_algorithm_admits_then_limits(|clock| stores(clock, String::new()));
+}
+
 #[test]
 fn every_algorithm_admits_then_limits_on_redis() {
-    let Some(server) = Server::start("redis-server") else { return };
-    every_algorithm_admits_then_limits(|clock| {
-        fake_clock_store(RedisStore::builder(server.url()), clock, "a:".into())
-    });
+    every_algorithm_admits_then_limits_on_a("redis-server");
 }
 
 #[test]
@@ -200,10 +197,7 @@ fn every_algorithm_admits_then_limits_in_memory() {
 
 #[test]
 fn every_algorithm_admits_then_limits_on_valkey() {
-    let Some(server) = Server::start("valkey-server") else { return };
-    every_algorithm_admits_then_limits(|clock| {
-        fake_clock_store(RedisStore::builder(server.url()), clock, "a:".into())
-    });
+    every_algorithm_admits_then_limits_on_a("valkey-server");
 }
 
 #[test]

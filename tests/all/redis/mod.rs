@@ -83,9 +83,9 @@ fn limiters_on(
     clock: &FakeClock,
     prefix: &str,
 ) -> impl Fn(Policy) -> std::future::Ready<Limiter<RedisStore>> {
-    let (url, clock, prefix) = (server.url(), clock.clone(), prefix.to_owned());
+    let (stores, clock) = (stores_on(server, prefix), clock.clone());
     move |policy| {
-        let store = fake_clock_store(RedisStore::builder(&url), clock.clone(), prefix.clone());
+        let store = stores(clock.clone(), String::new());
         std::future::ready(Limiter::with_store(policy, store).unwrap())
     }
 }

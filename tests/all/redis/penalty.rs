@@ -73,7 +73,6 @@ async fn a_breach_blocks_the_key_for_exactly_the_block_on_redis() {
 #[test]
 fn penalty_boxes_decide_exactly_like_memory() {
     let Some(server) = Server::start("redis-server") else { return };
-    let url = server.url();
     let penalty = (
         0usize..5,
         prop_oneof![
@@ -94,7 +93,5 @@ fn penalty_boxes_decide_exactly_like_memory() {
             trace.penalty = Some(penalty);
             trace
         });
-    seeded_differential(traces, 24, 256, |clock, prefix| {
-        fake_clock_store(RedisStore::builder(&url), clock, format!("penalty{prefix}"))
-    });
+    seeded_differential(traces, 24, 256, stores_on(&server, "penalty"));
 }

@@ -36,7 +36,6 @@ async fn three_times_overload_refuses_no_critical_request_on_redis() {
 #[test]
 fn reserves_decide_exactly_like_memory() {
     let Some(server) = Server::start("redis-server") else { return };
-    let url = server.url();
     // Half of them with the clock stepping back between checks.
     // Now and then a penalty box too: a refusal at a class's threshold is a breach.
     let penalty = proptest::option::weighted(
@@ -56,9 +55,7 @@ fn reserves_decide_exactly_like_memory() {
             trace.penalty = penalty;
             trace
         });
-    seeded_differential(traces, 5, 256, |clock, prefix| {
-        fake_clock_store(RedisStore::builder(&url), clock, format!("reserve{prefix}"))
-    });
+    seeded_differential(traces, 5, 256, stores_on(&server, "reserve"));
 }
 
 /// The same with most checks shaped, critical reserves of at least an eighth of the tier and
@@ -68,7 +65,6 @@ fn reserves_decide_exactly_like_memory() {
 #[test]
 fn reserves_under_shaping_decide_exactly_like_memory() {
     let Some(server) = Server::start("redis-server") else { return };
-    let url = server.url();
     let traces = (
         proptest::bool::ANY.prop_flat_map(trace),
         (1u64..=3, 0u64..=3),
@@ -86,9 +82,7 @@ fn reserves_under_shaping_decide_exactly_like_memory() {
             }
             trace
         });
-    seeded_differential(traces, 7, 256, |clock, prefix| {
-        fake_clock_store(RedisStore::builder(&url), clock, format!("reshape{prefix}"))
-    });
+    seeded_differential(traces, 7, 256, stores_on(&server, "reshape"));
 }
 
 /// A refusal of one priority class is not the answer for another: a standard request refused
@@ -97,7 +91,6 @@ fn reserves_under_shaping_decide_exactly_like_memory() {
 #[tokio::test]
 async fn a_local_refusal_is_kept_per_priority_class() {
     let Some(server) = Server::start("redis-server") else { return };
-    let mut conn = server.conn();
     let policy = Policy::builder("prio")
         .tier("second", Quota::per_second(10))
         .reserve("second", Reserve::new().critical(5))
@@ -114,6 +107,7 @@ async fn a_local_refusal_is_kept_per_priority_class() {
     assert!(!twins.same(standard).await.is_allowed());
     assert!(!twins.same(standard).await.is_allowed());
     assert_eq!(bound.refused_locally(), 1);
+    let mut conn = server.conn();
     let calls = script_calls(&mut conn);
     assert!(twins.same(critical).await.is_allowed());
     assert_eq!(script_calls(&mut conn), calls + 1);

@@ -52,9 +52,7 @@ fn hot_trace() -> impl Strategy<Value = Trace> {
 fn local_refusals_decide_exactly_like_memory_store_and_like_redis_without_them() {
     let Some(server) = Server::start("redis-server") else { return };
     let url = server.url();
-    let on = differential_of(hot_trace(), 128, |clock, prefix| {
-        fake_clock_store(RedisStore::builder(&url), clock, format!("on{prefix}"))
-    });
+    let on = differential_of(hot_trace(), 128, stores_on(&server, "on"));
     let off = differential_of(hot_trace(), 32, |clock, prefix| {
         fake_clock_store(RedisStore::builder(&url).local_refusals(0), clock, format!("off{prefix}"))
     });
@@ -222,8 +220,8 @@ async fn concurrency_tiers_are_never_answered_locally() {
         .concurrency("slots", Concurrency::new(1))
         .build()
         .unwrap();
-    let bound = store.bind(&policy).unwrap();
     let key = Key::text("alice");
+    let bound = store.bind(&policy).unwrap();
     let held = store.check(&bound, Check::new(&key, 1).with_ticket()).await.unwrap();
     assert!(held.decision.is_allowed());
     let calls = script_calls(&mut conn);

@@ -442,6 +442,19 @@ pub(super) fn replay_kept(traces: impl IntoIterator<Item = Trace>) {
     }
 }
 
+/// The stores the differential tests connect with: on `server`, each reading the clock it is
+/// given, its keys under `prefix` and then the case's own prefix.
+pub(super) fn stores_on(server: &Server, prefix: &str) -> impl Fn(FakeClock, String) -> RedisStore {
+    let (url, prefix) = (server.url(), prefix.to_owned());
+    move |clock, case| fake_clock_store(RedisStore::builder(&url), clock, format!("{prefix}{case}"))
+}
+
+/// [`differential`] on a `bin` server the test starts (skipped without it), `cases` traces.
+pub(super) fn differential_on(bin: &str, cases: u32) {
+    let Some(server) = Server::start(bin) else { return };
+    differential(cases, stores_on(&server, ""));
+}
+
 pub(super) fn fake_clock_store(
     builder: tollgate::store::RedisStoreBuilder,
     clock: FakeClock,
