@@ -145,14 +145,15 @@ fn policy(name: &str, algorithm: Algorithm, limit: u64) -> Policy {
 
 /// The redis-server of a busy-machine scenario, with both cores loaded, run one at a time;
 /// `None` when the scenario was not asked for (see [`asked_for`]) or redis-server is missing.
-/// Dropped in order: the busy loops, the server, then the turn.
-async fn busy_machine() -> Option<(Busy, Server, tokio::sync::MutexGuard<'static, ()>)> {
+/// Bound by `let` in this order, they are dropped in reverse: the busy loops, the server, then
+/// the turn.
+async fn busy_machine() -> Option<(tokio::sync::MutexGuard<'static, ()>, Server, Busy)> {
     if !asked_for() {
         return None;
     }
     let one = ONE_AT_A_TIME.lock().await;
     let server = Server::start("redis-server")?;
-    Some((Busy::start(), server, one))
+    Some((one, server, Busy::start()))
 }
 
 /// How the requests of [`decided_by_redis`] arrive, all on one key.
@@ -210,7 +211,7 @@ async fn decided_by_redis(
     (limit, total): (u64, usize),
     what: &str,
 ) {
-    let Some((_busy, server, _one)) = busy_machine().await else { return };
+    let Some((_one, server, _busy)) = busy_machine().await else { return };
     let mut slowest = Duration::ZERO;
     for configured in Configured::ALL {
         let store = store(&server, configured, timeout);
@@ -271,7 +272,7 @@ fn note(line: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_redis_on_a_busy_machine_costs_a_request_at_most_twice_the_timeout() {
     const TIMEOUT: Duration = Duration::from_millis(50);
-    let Some((_busy, server, _one)) = busy_machine().await else { return };
+    let Some((_one, server, _busy)) = busy_machine().await else { return };
     let mut report = Vec::new();
     for configured in Configured::ALL {
         let store = store(&server, configured, Some(TIMEOUT));
