@@ -169,14 +169,14 @@ const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset
 /// response is ready. Small, because the response future carries it; the fields of draft 6 and
 /// the legacy family, rarely asked for, are behind one pointer.
 #[derive(Debug, Default, Clone)]
-pub(crate) struct Prepared {
+pub(crate) struct PreparedHeaders {
     /// `RateLimit-Policy`, and `RateLimit` (none in draft 6).
     ietf: Option<(&'static HeaderValue, Option<HeaderValue>)>,
     /// Draft 6's fields, the legacy family, and whether the layer hands them on.
     more: Option<Box<More>>,
 }
 
-/// The header fields of [`Prepared`] other than the current draft's, as numbers: each set is
+/// The header fields of [`PreparedHeaders`] other than the current draft's, as numbers: each set is
 /// the capacity, remaining units and seconds until full of one tier (the tightest), compared
 /// by its remaining units when several layers limited the request.
 #[derive(Debug, Default, Clone)]
@@ -199,9 +199,9 @@ struct More {
 /// [`Collected::write`], where the last of them is passed: the rules of a configuration file
 /// that apply together hand their decisions on as values, never as header text to read back.
 #[derive(Debug, Default, Clone)]
-pub(crate) struct Collected(Vec<Prepared>);
+pub(crate) struct Collected(Vec<PreparedHeaders>);
 
-impl Prepared {
+impl PreparedHeaders {
     /// Whether there is nothing to insert (the layer writes no rate-limit headers).
     #[inline]
     pub(crate) fn is_empty(&self) -> bool {
@@ -440,21 +440,29 @@ impl Headers {
     /// response's [`Collected`] instead of written (the layer is one of several rules that
     /// limit the request), with what combining them needs.
     #[inline]
-    pub(crate) fn prepare(&self, fields: Fields, decision: &Decision, collect: bool) -> Prepared {
+    pub(crate) fn prepare(
+        &self,
+        fields: Fields,
+        decision: &Decision,
+        collect: bool,
+    ) -> PreparedHeaders {
         if decision.tiers.is_empty() || fields.style == HeaderStyle::None {
-            return Prepared::default();
+            return PreparedHeaders::default();
         }
         // The default fields, written by this layer: built here, without the general case's
         // checks of every family and draft.
         if fields == Fields::default() && !collect {
-            return Prepared { ietf: Some((self.policy, Some(self.state(decision)))), more: None };
+            return PreparedHeaders {
+                ietf: Some((self.policy, Some(self.state(decision)))),
+                more: None,
+            };
         }
         self.render(fields, decision, collect)
     }
 
     /// [`prepare`](Self::prepare) for a layer that writes headers.
-    fn render(&self, fields: Fields, decision: &Decision, collect: bool) -> Prepared {
-        let mut out = Prepared::default();
+    fn render(&self, fields: Fields, decision: &Decision, collect: bool) -> PreparedHeaders {
+        let mut out = PreparedHeaders::default();
         if collect {
             out.more.get_or_insert_default().collect = true;
         }
@@ -653,7 +661,7 @@ mod tests {
         // Equals: the outermost's set. A layer without headers adds nothing.
         let mut res = http::Response::new(());
         prepared("d", Quota::per_hour(5), 4).await.apply(&mut res);
-        Prepared::default().apply(&mut res);
+        PreparedHeaders::default().apply(&mut res);
         prepared("e", Quota::per_minute(1), 0).await.apply(&mut res);
         prepared("f", Quota::per_hour(7), 6).await.apply(&mut res);
         res.extensions_mut().remove::<Collected>().unwrap().write(res.headers_mut());
@@ -756,7 +764,7 @@ mod tests {
             .build()
             .unwrap();
         let headers = Headers::new(&policy);
-        let written = |prepared: Prepared| {
+        let written = |prepared: PreparedHeaders| {
             let mut res = http::Response::new(());
             prepared.apply(&mut res);
             let collected = res.extensions_mut().remove::<Collected>();

@@ -630,19 +630,19 @@ fn concurrency(tier: &str, c: Concurrency) -> Result<(Quota, Rate, Kind), Config
             max: MAX_COUNT,
         });
     }
-    if c.lease < MIN_HOLD || c.lease > MAX_SPAN {
+    if c.ttl < MIN_HOLD || c.ttl > MAX_SPAN {
         return Err(ConfigError::LeaseOutOfRange {
             tier: tier_s(),
-            lease: c.lease,
+            lease: c.ttl,
             min: MIN_HOLD,
             max: MAX_SPAN,
         });
     }
-    let lease_ms = duration_to_nanos(c.lease).div_ceil(1_000_000);
+    let ttl_ms = duration_to_nanos(c.ttl).div_ceil(1_000_000);
     let initial_hold = duration_to_nanos(c.typical_hold.max(MIN_HOLD));
-    let quota = Quota::new(c.max, c.lease);
-    let rate = Rate { count: c.max, period: lease_ms * 1_000_000, burst: c.max };
-    let slots = Slots { spec: c, max: c.max, lease_ms, initial_hold };
+    let quota = Quota::new(c.max, c.ttl);
+    let rate = Rate { count: c.max, period: ttl_ms * 1_000_000, burst: c.max };
+    let slots = Slots { spec: c, max: c.max, ttl_ms, initial_hold };
     Ok((quota, rate, Kind::Concurrency(slots)))
 }
 

@@ -272,7 +272,7 @@ impl Unit {
 }
 
 /// [`Concurrency::DEFAULT_TTL`].
-pub(crate) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(30);
 
 /// [`Concurrency::DEFAULT_TYPICAL_HOLD`].
 pub(crate) const DEFAULT_TYPICAL_HOLD: Duration = Duration::from_secs(1);
@@ -317,14 +317,14 @@ pub(crate) const MIN_HOLD: Duration = Duration::from_millis(1);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Concurrency {
     pub(crate) max: u64,
-    pub(crate) lease: Duration,
+    pub(crate) ttl: Duration,
     pub(crate) typical_hold: Duration,
 }
 
 impl Concurrency {
     /// The default time to live of a slot on a shared store: 30 s (see
     /// [`with_ttl`](Self::with_ttl)).
-    pub const DEFAULT_TTL: Duration = DEFAULT_LEASE;
+    pub const DEFAULT_TTL: Duration = DEFAULT_TTL;
 
     /// The default typical hold of a slot before any was observed: 1 s (see
     /// [`with_typical_hold`](Self::with_typical_hold)).
@@ -335,7 +335,7 @@ impl Concurrency {
     /// ([`DEFAULT_TYPICAL_HOLD`](Self::DEFAULT_TYPICAL_HOLD)).
     #[must_use]
     pub const fn new(max: u64) -> Self {
-        Self { max, lease: DEFAULT_LEASE, typical_hold: DEFAULT_TYPICAL_HOLD }
+        Self { max, ttl: DEFAULT_TTL, typical_hold: DEFAULT_TYPICAL_HOLD }
     }
 
     /// How long a slot on a shared store lasts without a refresh (its time to live, default
@@ -345,7 +345,7 @@ impl Concurrency {
     /// ([`ConfigError::LeaseOutOfRange`](crate::ConfigError::LeaseOutOfRange)).
     #[must_use]
     pub const fn with_ttl(mut self, ttl: Duration) -> Self {
-        self.lease = ttl;
+        self.ttl = ttl;
         self
     }
 
@@ -373,14 +373,14 @@ impl Concurrency {
     /// The time to live of a slot on a shared store.
     #[must_use]
     pub const fn ttl(&self) -> Duration {
-        self.lease
+        self.ttl
     }
 
     /// The former name of [`ttl`](Self::ttl).
     #[deprecated(note = "renamed: Concurrency::ttl")]
     #[must_use]
     pub const fn lease(&self) -> Duration {
-        self.lease
+        self.ttl
     }
 
     /// The initial typical hold.
@@ -392,7 +392,7 @@ impl Concurrency {
     /// How often a holder refreshes its slot: a third of its time to live.
     #[must_use]
     pub const fn refresh_every(&self) -> Duration {
-        Duration::from_nanos((self.lease.as_nanos() / 3) as u64)
+        Duration::from_nanos((self.ttl.as_nanos() / 3) as u64)
     }
 }
 

@@ -36,8 +36,8 @@ pub(crate) struct Slots {
     pub(crate) spec: Concurrency,
     /// Slots per key.
     pub(crate) max: u64,
-    /// The lease on shared stores, whole milliseconds.
-    pub(crate) lease_ms: u64,
+    /// A slot's time to live on shared stores, whole milliseconds.
+    pub(crate) ttl_ms: u64,
     /// The typical hold before any was observed, nanoseconds (at least 1 ms).
     pub(crate) initial_hold: u64,
 }

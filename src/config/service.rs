@@ -14,7 +14,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use super::state::{Shared, Snapshot};
-use crate::headers::{Collected, Prepared};
+use crate::headers::{Collected, PreparedHeaders};
 use crate::layer::{RequestBody, ResponseBody, ResponseFuture};
 use crate::store::{MemoryStore, Store};
 
@@ -86,7 +86,7 @@ where
             .collect();
         if matched.is_empty() {
             let future = self.inner.call(req.map(RequestBody::new));
-            return ResponseFuture::inner(future, Prepared::default());
+            return ResponseFuture::inner(future, PreparedHeaders::default());
         }
         // The service that was polled ready goes into the rules' layers; a clone stays for the
         // next request.

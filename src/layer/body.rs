@@ -268,39 +268,8 @@ impl<B: Body> Metered<B> {
         match &frame {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
-                    // A byte tier had no room for more: the stream stops before this frame.
-                    if bytes::Buf::has_remaining(data) {
-                        if let Some(meter) = meters.iter_mut().find(|m| m.refused_bytes.is_some()) {
-                            let why = meter.refused_bytes.take();
-                            return stop_whole(meter, why.expect("found"));
-                        }
-                    }
-                    // What each meter's message gate spends: the messages the frame starts.
-                    // Counted before any is spent: a frame that does not reach the handler is
-                    // charged to no tier.
-                    let mut spent: SmallVec<[u64; 2]> = SmallVec::new();
-                    for meter in meters.iter_mut() {
-                        let Some((_, framer)) = &mut meter.messages else {
-                            spent.push(0);
-                            continue;
-                        };
-                        let messages = framer.count(data);
-                        match meter.refused.take() {
-                            // A message the tier had no room for: the stream stops before it.
-                            Some(why) if messages > 0 => return stop_whole(meter, why),
-                            refused => meter.refused = refused,
-                        }
-                        spent.push(messages);
-                    }
-                    let len = bytes::Buf::remaining(data);
-                    for (meter, messages) in meters.iter_mut().zip(spent) {
-                        if let Some(gate) = meter.bytes.as_mut() {
-                            gate.spend(len as u64);
-                        }
-                        if let Some((gate, _)) = meter.messages.as_mut() {
-                            gate.spend(messages);
-                        }
-                        meter.passed(len);
+                    if let Some(stopped) = pass_frame(meters, data) {
+                        return stopped;
                     }
                 }
             }
@@ -310,6 +279,45 @@ impl<B: Body> Metered<B> {
         }
         frame
     }
+}
+
+/// Counts a data frame of a body whose frames pass whole on every meter, or stops the stream
+/// before it (`Some`) when a byte or message tier had no room for it.
+fn pass_frame<D: bytes::Buf, T>(meters: &mut Meters, data: &D) -> Option<Poll<T>> {
+    // A byte tier had no room for more: the stream stops before this frame.
+    if data.has_remaining() {
+        if let Some(meter) = meters.iter_mut().find(|m| m.refused_bytes.is_some()) {
+            let why = meter.refused_bytes.take();
+            return Some(stop_whole(meter, why.expect("found")));
+        }
+    }
+    // What each meter's message gate spends: the messages the frame starts. Counted before
+    // any is spent: a frame that does not reach the handler is charged to no tier.
+    let mut spent: SmallVec<[u64; 2]> = SmallVec::new();
+    for meter in meters.iter_mut() {
+        let Some((_, framer)) = &mut meter.messages else {
+            spent.push(0);
+            continue;
+        };
+        let messages = framer.count(data);
+        match meter.refused.take() {
+            // A message the tier had no room for: the stream stops before it.
+            Some(why) if messages > 0 => return Some(stop_whole(meter, why)),
+            refused => meter.refused = refused,
+        }
+        spent.push(messages);
+    }
+    let len = data.remaining();
+    for (meter, messages) in meters.iter_mut().zip(spent) {
+        if let Some(gate) = meter.bytes.as_mut() {
+            gate.spend(len as u64);
+        }
+        if let Some((gate, _)) = meter.messages.as_mut() {
+            gate.spend(messages);
+        }
+        meter.passed(len);
+    }
+    None
 }
 
 /// Reads a stopped body's frames off and drops them, telling `signal` when it ended: the

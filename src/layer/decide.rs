@@ -15,7 +15,7 @@ use super::service::{Carry, MeteredBy};
 use super::{Config, Observed};
 use crate::error::StoreError;
 use crate::grpc::is_grpc;
-use crate::headers::Prepared;
+use crate::headers::PreparedHeaders;
 use crate::key::{Key, KeyExtractor, RequestHead};
 use crate::rejection::Rejection;
 use crate::store::{Check, Store, Verdict};
@@ -64,7 +64,7 @@ where
             Route::Limit(i) => policy = i,
             // Called here and now: the service that was polled ready, no clone.
             Route::Pass => {
-                return State::inner(inner.call(C::request(req)), Prepared::default(), None);
+                return State::inner(inner.call(C::request(req)), PreparedHeaders::default(), None);
             }
             Route::Refuse(status) => {
                 let grpc = is_grpc(req.headers());
@@ -76,7 +76,7 @@ where
     let key = config.key.extract(&head);
     if let (Some(scope), Some(key)) = (&config.scope, &key) {
         if scope.allows(key) {
-            return State::inner(inner.call(C::request(req)), Prepared::default(), None);
+            return State::inner(inner.call(C::request(req)), PreparedHeaders::default(), None);
         }
     }
     // The common case, decided here and now: policing, a key, and a store that answers
@@ -191,7 +191,7 @@ where
     fn state<F, R, E>(
         self,
         future: F,
-        headers: Prepared,
+        headers: PreparedHeaders,
         ticket: Option<St::Ticket>,
     ) -> State<F, R, E> {
         let Self { shared, policy, key, demand, collect } = self;

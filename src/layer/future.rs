@@ -13,7 +13,7 @@ use pin_project_lite::pin_project;
 #[cfg(feature = "config")]
 use super::body::ResponseBody;
 use super::service::{Bodies, Metered};
-use crate::headers::Prepared;
+use crate::headers::PreparedHeaders;
 use crate::key::Key;
 
 /// A boxed response future answering with body `R`, for the paths that wait (store I/O,
@@ -34,7 +34,7 @@ pub(crate) trait RefundByStatus: Send + Sync {
         key: &Key,
         cost: (u64, crate::Priority),
         collect: bool,
-    ) -> Option<Prepared>;
+    ) -> Option<PreparedHeaders>;
 }
 
 /// What a request admitted without a ticket needs to give its charge back: no allocation.
@@ -58,7 +58,7 @@ pub(crate) struct Untracked {
 pub(crate) type Refund = Box<dyn FnOnce(StatusCode) -> Option<Settle> + Send>;
 
 /// A settlement under way, and the headers of the state it leaves.
-pub(crate) type Settle = Pin<Box<dyn Future<Output = Prepared> + Send>>;
+pub(crate) type Settle = Pin<Box<dyn Future<Output = PreparedHeaders> + Send>>;
 
 pin_project! {
     /// The response future of [`RateLimit`](crate::layer::RateLimit): `F` is the inner service's future,
@@ -81,7 +81,7 @@ pin_project! {
 impl<F, B, E> ResponseFuture<F, B, E> {
     /// The inner service's response, with `headers` added.
     #[cfg(feature = "config")]
-    pub(crate) fn inner(future: F, headers: Prepared) -> Self {
+    pub(crate) fn inner(future: F, headers: PreparedHeaders) -> Self {
         Self { state: State::Inner { future, headers, charge: None } }
     }
 
@@ -125,8 +125,8 @@ pin_project! {
         // One state for an admission with or without a charge to give back by status: the
         // admitted path's future, moved whole into axum's box, carries no second variant
         // of the same size.
-        Inner { #[pin] future: F, headers: Prepared, charge: Option<Untracked> },
-        Refundable { #[pin] future: F, headers: Prepared, refund: Option<Refund> },
+        Inner { #[pin] future: F, headers: PreparedHeaders, charge: Option<Untracked> },
+        Refundable { #[pin] future: F, headers: PreparedHeaders, refund: Option<Refund> },
         Settling {
             settle: Settle,
             response: Option<Response<R>>,
@@ -141,13 +141,13 @@ impl<F, R, E> State<F, R, E> {
     /// The inner service's response, with `headers` added, after its status has had the chance
     /// to give `charge` back (when there is one).
     #[inline]
-    pub(crate) fn inner(future: F, headers: Prepared, charge: Option<Untracked>) -> Self {
+    pub(crate) fn inner(future: F, headers: PreparedHeaders, charge: Option<Untracked>) -> Self {
         State::Inner { future, headers, charge }
     }
 
     /// The inner service's response, with `headers` added, after `refund` has seen its status
     /// (and, when it gives the charge back, finished doing so).
-    pub(crate) fn refundable(future: F, headers: Prepared, refund: Refund) -> Self {
+    pub(crate) fn refundable(future: F, headers: PreparedHeaders, refund: Refund) -> Self {
         State::Refundable { future, headers, refund: Some(refund) }
     }
 
@@ -263,7 +263,7 @@ enum Refunded<R> {
 /// it finished.
 fn refunded<R>(
     mut res: Response<R>,
-    headers: Prepared,
+    headers: PreparedHeaders,
     settle: Option<Settle>,
     cx: &mut Context<'_>,
 ) -> Refunded<R> {

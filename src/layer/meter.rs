@@ -339,7 +339,11 @@ impl Meter {
     pub(super) fn end(&mut self) {
         // The grants end with the body: the unused part of each last grant is given back now,
         // not when the body is dropped later.
-        let leased_bytes = self.bytes.take().is_some();
+        let mut gate = self.bytes.take();
+        let leased_bytes = gate.is_some();
+        // What the grants kept of the units the admission charged (they counted it as paid).
+        let kept_admission = gate.as_mut().map_or(0, |g| g.end());
+        drop(gate);
         self.messages = None;
         let Some(Settlement { finish, counters, from_head }) = self.settlement.take() else {
             return;
@@ -349,14 +353,14 @@ impl Meter {
         let refunded = |unit: Unit| settled.iter().any(|(u, _)| *u == unit);
         let mut counted = Vec::with_capacity(3);
         // A streamed body's bytes were charged by its grants: the unit charged at admission
-        // is given back.
+        // is given back, unless the grants counted it as paid.
         if let Some(bytes) = &counters.request_bytes {
             counted.push((Unit::RequestBytes, bytes.load(Ordering::Relaxed)));
         } else if counters.request_streamed {
             counted.push((Unit::RequestBytes, 0));
         }
         if leased_bytes {
-            counted.push((Unit::ResponseBytes, 0));
+            counted.push((Unit::ResponseBytes, kept_admission));
         } else if counters.response_bytes {
             counted.push((Unit::ResponseBytes, self.passed));
         }

@@ -21,7 +21,7 @@ use super::serve::settled_by_head;
 use super::service::{Carry, Metered};
 use super::stream::{Gate, Grants, Signal, Stopped, StreamMode, Tally};
 use super::{Config, OnStoreError};
-use crate::headers::Prepared;
+use crate::headers::PreparedHeaders;
 use crate::key::{Key, KeyExtractor};
 use crate::limiter::{Held, Reservation};
 use crate::quota::Unit;
@@ -37,7 +37,7 @@ pub(super) async fn serve_metered<S, K, St, ReqB, ResB>(
     mut req: Request<RequestBody<ReqB>>,
     (key, demand): (Key, Demand),
     reservation: Reservation<St>,
-    headers: Prepared,
+    headers: PreparedHeaders,
 ) -> Result<Response<ResponseBody<ResB>>, S::Error>
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + 'static,
@@ -189,6 +189,15 @@ impl<'a, K: KeyExtractor, St: Store> Metering<'a, K, St> {
         Grants::new(self.limiter, key, priority, unit, mode, fail_open)
     }
 
+    /// What the admission charged every tier counting `unit` (the least of them).
+    fn admitted(&self, unit: Unit) -> u64 {
+        let Some(costs) = &self.demand.costs else { return 0 };
+        let tiers = self.limiter.policy().tiers().iter().enumerate();
+        let counting =
+            tiers.filter(|(_, t)| t.unit() == unit && t.kind() != crate::TierKind::Concurrency);
+        counting.filter_map(|(i, _)| costs.get(i).copied()).min().unwrap_or(0)
+    }
+
     /// Meters the request body: its bytes granted as it streams (a body whose length was not
     /// charged at admission) or counted, its gRPC messages granted or tallied.
     fn request<ReqB>(&self, req: &mut Request<RequestBody<ReqB>>) -> Requested {
@@ -268,8 +277,10 @@ impl<'a, K: KeyExtractor, St: Store> Metering<'a, K, St> {
             true => (self.mode, self.fail_open),
             false => (StreamMode::Shape, true),
         };
-        let gate = response_bytes
-            .then(|| Box::new(self.grants(Unit::ResponseBytes, mode, fail_open)) as Box<dyn Gate>);
+        let gate = response_bytes.then(|| {
+            let grants = self.grants(Unit::ResponseBytes, mode, fail_open);
+            Box::new(grants.credited(self.admitted(Unit::ResponseBytes))) as Box<dyn Gate>
+        });
         let policy = self.policy;
         let trailers = grpc.then(|| {
             let config: Arc<Config<K, St>> = Arc::clone(config);

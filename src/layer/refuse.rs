@@ -9,7 +9,7 @@ use super::future::RefundByStatus;
 use super::stream::Stopped;
 use crate::decision::Decision;
 use crate::error::StoreError;
-use crate::headers::{Fields, HeaderStyle, Prepared};
+use crate::headers::{Fields, HeaderStyle, PreparedHeaders};
 use crate::key::Key;
 use crate::limiter::Limiter;
 use crate::rejection::{Rejection, grpc_resource_exhausted, too_many_requests};
@@ -25,14 +25,14 @@ impl<K, St: Store> Config<K, St> {
         key: &Key,
         priority: crate::Priority,
         collect: bool,
-    ) -> Prepared {
+    ) -> PreparedHeaders {
         let limiter = self.limiter_at(policy);
         let query = Check::new(key, 0).with_priority(priority);
         match limiter.decide(query).await {
             Ok(verdict) => {
                 limiter.surface().headers.prepare(self.settings.headers, &verdict.decision, collect)
             }
-            Err(_) => Prepared::default(),
+            Err(_) => PreparedHeaders::default(),
         }
     }
 
@@ -152,14 +152,16 @@ where
         key: &Key,
         (cost, priority): (u64, crate::Priority),
         collect: bool,
-    ) -> Option<Prepared> {
+    ) -> Option<PreparedHeaders> {
         if !self.refunds(status) {
             return None;
         }
         let limiter = self.limiter_at(policy);
         limiter.refund_sync(key, cost);
         let query = Check::new(key, 0).with_priority(priority);
-        let Some(Ok(verdict)) = limiter.check_sync(query) else { return Some(Prepared::default()) };
+        let Some(Ok(verdict)) = limiter.check_sync(query) else {
+            return Some(PreparedHeaders::default());
+        };
         Some(limiter.surface().headers.prepare(self.settings.headers, &verdict.decision, collect))
     }
 }

@@ -14,7 +14,7 @@ use super::service::{Carry, MeteredBy};
 use super::{Config, MissingKey, Observed, OnStoreError};
 use crate::decision::Decision;
 use crate::error::StoreError;
-use crate::headers::Prepared;
+use crate::headers::PreparedHeaders;
 use crate::key::{Key, KeyExtractor, RequestHead};
 use crate::limiter::Reservation;
 use crate::rejection::Rejection;
@@ -96,7 +96,7 @@ where
     let reservation = reservation.wait().await;
     drop(permit);
     let headers = if outcome == Observed::DryRunLimited {
-        Prepared::default()
+        PreparedHeaders::default()
     } else {
         limiter.surface().headers.prepare(config.settings.headers, reservation.decision(), collect)
     };

@@ -6,7 +6,7 @@ use tower_service::Service;
 
 use super::Config;
 use super::service::Carry;
-use crate::headers::Prepared;
+use crate::headers::PreparedHeaders;
 use crate::key::Key;
 use crate::limiter::Reservation;
 use crate::quota::Unit;
@@ -21,7 +21,7 @@ pub(super) async fn serve<C, S, K, St, ReqB, ResB>(
     req: Request<C::Req>,
     (key, priority): (&Key, crate::Priority),
     reservation: Reservation<St>,
-    headers: Prepared,
+    headers: PreparedHeaders,
 ) -> Result<Response<C::Res>, S::Error>
 where
     C: Carry<ReqB, ResB>,

@@ -17,7 +17,7 @@ use super::decide::decide;
 use super::future::{ResponseFuture, Slow};
 use super::metered::serve_metered;
 use super::plan::Demand;
-use crate::headers::Prepared;
+use crate::headers::PreparedHeaders;
 use crate::key::{Key, KeyExtractor};
 use crate::limiter::Reservation;
 use crate::store::Store;
@@ -234,7 +234,7 @@ pub(super) type ServeMetered<S, K, St, Q, R, E> = fn(
     Request<Q>,
     (Key, Demand),
     Reservation<St>,
-    Prepared,
+    PreparedHeaders,
 ) -> Slow<R, E>;
 
 /// The [`ServeMetered`] of a service carrying bodies as `C` does; `None` for one that meters nothing.
@@ -257,7 +257,7 @@ fn metered<S, K, St, ReqB, ResB>(
     req: Request<RequestBody<ReqB>>,
     demand: (Key, Demand),
     reservation: Reservation<St>,
-    headers: Prepared,
+    headers: PreparedHeaders,
 ) -> Slow<ResponseBody<ResB>, S::Error>
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,

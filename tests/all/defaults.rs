@@ -57,10 +57,10 @@ async fn at_once(url: &str, n: usize, body: impl Fn() -> Frames) -> Vec<Option<S
     statuses
 }
 
-/// Ten chunked uploads of 1 MB at once against a burst of 1 MB, under a layer with no stream
-/// setting: policed as they stream, the handler reads at most the burst and one 16 KiB frame
-/// per stream (the clock stands still: nothing refills), none is stored whole, and the key
-/// is charged exactly what was read.
+/// Ten chunked uploads of 1 MB and 64 KiB at once against a burst of 1 MB, under a layer with
+/// no stream setting: policed as they stream, the handler reads at most the burst and one
+/// 16 KiB frame per stream (the clock stands still: nothing refills), none is stored whole
+/// (not even one that ran alone), and the key is charged exactly what was read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chunked_uploads_are_policed_as_they_stream_by_default() {
     let layer = RateLimitLayer::builder(bytes_tier(MB, MB))
@@ -71,7 +71,8 @@ async fn chunked_uploads_are_policed_as_they_stream_by_default() {
     let limiter = layer.limiter().clone();
     let log = Log::default();
     let server = serve(uploads_behind(layer, &log, Instant::now())).await;
-    let statuses = at_once(&server.url("/upload"), 10, || Frames::new(MB, 16 * 1024, false)).await;
+    let body = || Frames::new(MB + 64 * 1024, 16 * 1024, false);
+    let statuses = at_once(&server.url("/upload"), 10, body).await;
     assert!(!statuses.contains(&Some(StatusCode::OK)), "{statuses:?}");
     let read = read(&log);
     assert!((MB - 10 * 16 * 1024..=MB + 10 * 16 * 1024).contains(&read), "{read}");

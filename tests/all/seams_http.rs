@@ -58,23 +58,14 @@ struct Trace {
     batches: Vec<Vec<Body>>,
 }
 
-/// Where a trace runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum On {
-    Memory,
-    Redis,
-}
-
-/// The trace of `seed` on `on`: uploads or downloads, policed or shaped, with or without a
+/// The trace of `seed`: uploads or downloads, policed or shaped, with or without a
 /// penalty box. Shaping waits, on a clock that stands still, forever: its batches, and
 /// downloads' (a plain HTTP response that has started is shaped when it runs out), fit.
 ///
 /// Out of the known seams (each has an ignored test below): a chunked upload is sent alone
 /// ([`chunked_uploads_that_fit_together_on_memory`],
-/// [`shaped_chunked_uploads_that_fit_together_on_memory`]), and on Redis a batch of downloads
-/// under a penalty box is of one download
-/// ([`concurrent_downloads_that_fit_under_a_penalty_box_on_redis`]).
-fn trace(seed: u64, on: On) -> Trace {
+/// [`shaped_chunked_uploads_that_fit_together_on_memory`]).
+fn trace(seed: u64) -> Trace {
     let mut rng = fastrand::Rng::with_seed(seed);
     let capacity = [4_000, 20_000, 100_000][rng.usize(..3)];
     let (penalty, shape, download) = (rng.bool(), rng.u8(..4) == 0, rng.u8(..3) == 0);
@@ -83,10 +74,7 @@ fn trace(seed: u64, on: On) -> Trace {
     let mut batches = Vec::new();
     for _ in 0..rng.usize(3..8) {
         let mut batch = Vec::new();
-        let mut size = rng.usize(1..=5);
-        if download && penalty && on == On::Redis {
-            size = 1;
-        }
+        let size = rng.usize(1..=5);
         for _ in 0..size {
             let len = rng.u64(1..=capacity / 3);
             if must_fit && len > left {
@@ -174,8 +162,8 @@ async fn left<St: Store>(limiter: &Limiter<St>) -> u64 {
 }
 
 /// Runs trace `seed` on `store`; what went wrong, if anything.
-async fn run<St: Store>(seed: u64, on: On, store: St) -> Result<(), String> {
-    run_trace(seed, trace(seed, on), store).await
+async fn run<St: Store>(seed: u64, store: St) -> Result<(), String> {
+    run_trace(seed, trace(seed), store).await
 }
 
 /// Runs trace `t` (of seed `seed`, for the messages) on `store`.
@@ -236,7 +224,7 @@ fn seeds() -> std::ops::Range<u64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bodies_that_fit_stream_whole_and_the_rest_keeps_the_bound_on_memory() {
     for seed in seeds() {
-        if let Err(e) = run(seed, On::Memory, support::stores::frozen_memory()).await {
+        if let Err(e) = run(seed, support::stores::frozen_memory()).await {
             panic!("{e}");
         }
     }
@@ -248,7 +236,7 @@ async fn bodies_that_fit_stream_whole_and_the_rest_keeps_the_bound_on_redis() {
     let Some(redis) = support::redis::Server::start("redis-server") else { return };
     for seed in seeds() {
         let store = support::stores::redis::frozen_on(&redis, &format!("seamshttp{seed}:"));
-        if let Err(e) = run(seed, On::Redis, store).await {
+        if let Err(e) = run(seed, store).await {
             panic!("{e}");
         }
     }
@@ -340,7 +328,6 @@ async fn shaped_chunked_uploads_that_fit_together_on_redis() {
 /// or on memory, all three are sent whole.
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "issue 33: penalty × concurrent downloads on Redis (new), fixed by owner or redis-truth"]
 async fn concurrent_downloads_that_fit_under_a_penalty_box_on_redis() {
     let Some(redis) = support::redis::Server::start("redis-server") else { return };
     let body = |len| Body { len, frame: 1_024, sized: true };

@@ -45,7 +45,7 @@ pub(super) struct Read {
 
 /// One quota of a partition, as last reported and counted down locally since.
 #[derive(Debug, Clone)]
-pub(super) struct Quota {
+pub(super) struct PartitionQuota {
     /// The quota policy's name (`None`: the legacy `X-RateLimit-*` fields).
     pub(super) name: Option<Box<str>>,
     /// Units per window, when reported: what is left once the quota is full again, and the
@@ -80,7 +80,7 @@ pub(super) struct Quota {
     pub(super) learns: bool,
 }
 
-impl Quota {
+impl PartitionQuota {
     pub(super) fn new(name: Option<Box<str>>) -> Self {
         Self {
             name,

@@ -55,7 +55,7 @@ impl Partition {
 
 #[derive(Debug, Default, Clone)]
 pub(super) struct State {
-    pub(super) quotas: Vec<Quota>,
+    pub(super) quotas: Vec<PartitionQuota>,
     /// A 429's `Retry-After`: no request before this.
     pub(super) blocked_until: Option<Instant>,
     /// The sequence number of the last request reserved (they start at 1).
@@ -165,7 +165,7 @@ impl State {
             let i = match self.quotas.iter().position(|q| q.name == r.name) {
                 Some(i) => i,
                 None if self.quotas.len() < MAX_QUOTAS => {
-                    let mut quota = Quota::new(r.name.clone());
+                    let mut quota = PartitionQuota::new(r.name.clone());
                     // In flight before the quota was known: every report of it is compared.
                     for &open in self.open.keys() {
                         quota.sent.insert(open, Sent { reads: 0, admitted: 0 });

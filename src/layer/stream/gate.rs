@@ -116,6 +116,13 @@ pub(crate) trait Gate: Send {
     /// 0 when it must be polled. Lets a frame within its grant pass without the body's size
     /// hint or a poll.
     fn ready(&self) -> u64;
+
+    /// Ends the stream's grants now (the unused part of the last one given back): the units
+    /// its admission charged that they kept (see `Grants::credited`), which then stay charged
+    /// rather than being given back.
+    fn end(&mut self) -> u64 {
+        0
+    }
 }
 
 /// A [`Gate`] that only counts: the messages of a gRPC call under

@@ -64,6 +64,14 @@ pub(crate) struct Grants<St: Store> {
     left: u64,
     /// Bytes let through past the grants, paid from the next ones.
     owed: u64,
+    /// Units the admission charged these tiers that the first grant larger than them counts
+    /// as paid (see [`credited`](Self::credited)), until it is taken.
+    credit: u64,
+    /// The credit the grant being asked for counts, and the one the current grant counted.
+    asking_credit: u64,
+    grant_credit: u64,
+    /// The admission's units a grant counted: they stay charged when the stream ends.
+    credit_kept: u64,
     state: State<St::Ticket>,
 }
 
@@ -116,6 +124,10 @@ impl<St: Store> Grants<St> {
             granted: 0,
             left: 0,
             owed: 0,
+            credit: 0,
+            asking_credit: 0,
+            grant_credit: 0,
+            credit_kept: 0,
             state: State::Idle,
         }
     }
@@ -124,6 +136,15 @@ impl<St: Store> Grants<St> {
     /// first message each way, charged as a unary call's).
     pub(crate) fn prepaid(mut self, units: u64) -> Self {
         self.left = units;
+        self
+    }
+
+    /// The admission charged these tiers `units` that the stream's first grant larger than
+    /// them counts as paid: it asks the store for the rest only, so that concurrent streams of
+    /// a key do not hold their admission's units twice while they run. Whether a grant kept
+    /// them is told by [`Gate::end`]; the layer gives the others back when the body ends.
+    pub(crate) fn credited(mut self, units: u64) -> Self {
+        self.credit = units;
         self
     }
 
@@ -164,8 +185,9 @@ impl<St: Store> Grants<St> {
 
     /// Asks the store for a grant of `size` bytes: the answer if it came at once.
     fn ask(&mut self, size: u64) -> Option<Result<Verdict<St::Ticket>, StoreError>> {
+        self.asking_credit = if size > self.credit { self.credit } else { 0 };
         for &i in &self.tiers {
-            self.costs[i] = size;
+            self.costs[i] = size - self.asking_credit;
         }
         let mut check =
             Check::new(&self.key, 1).with_costs(&self.costs).with_priority(self.priority);
@@ -212,6 +234,9 @@ impl<St: Store> Grants<St> {
                 // The previous grant is spent: dropping its ticket keeps its charge.
                 self.grant = verdict.ticket;
                 self.grant(size);
+                self.grant_credit = std::mem::take(&mut self.asking_credit);
+                self.credit -= self.grant_credit;
+                self.credit_kept += self.grant_credit;
                 if !delay.is_zero() {
                     self.state = State::Sleeping(Box::pin(tokio::time::sleep(delay)));
                 }
@@ -223,7 +248,7 @@ impl<St: Store> Grants<St> {
                 // tier has left is asked for, when that lets a unit through (once per
                 // refusal).
                 _ if self.police => {
-                    let paid = self.close_lease();
+                    let paid = self.close_grant();
                     match self.smaller(size, &verdict.decision, paid) {
                         Some(smaller) => match self.ask(smaller) {
                             Some(answer) => self.answered(smaller, answer),
@@ -264,16 +289,24 @@ impl<St: Store> Grants<St> {
     /// Ends the current grant at what the stream used of it, its debt included (charged
     /// whatever the tiers say: it passed): the unused part is given back, the debt paid.
     /// Returns the debt.
-    fn close_lease(&mut self) -> u64 {
+    fn close_grant(&mut self) -> u64 {
         let debt = std::mem::take(&mut self.owed);
         let used = (self.granted - self.left).saturating_add(debt);
         let granted = std::mem::take(&mut self.granted);
         self.left = 0;
+        // The store charged the grant less the admission's units it counted; a stream that
+        // used less than those leaves them to be given back when it ends.
+        let credit = std::mem::take(&mut self.grant_credit);
+        if used < credit {
+            self.credit_kept -= credit;
+        }
         let Some(mut ticket) = self.grant.take() else { return debt };
         if used == granted {
             return debt;
         }
-        let settled: SmallVec<[(usize, u64); 2]> = self.tiers.iter().map(|&i| (i, used)).collect();
+        let charged = used.saturating_sub(credit);
+        let settled: SmallVec<[(usize, u64); 2]> =
+            self.tiers.iter().map(|&i| (i, charged)).collect();
         let limiter = self.limiter.clone();
         crate::limiter::run_or_spawn(async move {
             let settling = limiter.store().settle_tiers(limiter.bound(), &mut ticket, &settled);
@@ -347,6 +380,11 @@ impl<St: Store> Gate for Grants<St> {
             _ => 0,
         }
     }
+
+    fn end(&mut self) -> u64 {
+        self.close_grant();
+        self.credit_kept
+    }
 }
 
 impl<St: Store> Drop for Grants<St> {
@@ -354,6 +392,6 @@ impl<St: Store> Drop for Grants<St> {
     /// was dropped while waiting for its reserved instant), or charges what it let through
     /// past it.
     fn drop(&mut self) {
-        self.close_lease();
+        self.close_grant();
     }
 }

@@ -222,7 +222,7 @@ mod bytes {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn shaping_paces_concurrent_uploads_one_lease_per_store_call() {
+    async fn shaping_paces_concurrent_uploads_one_grant_per_store_call() {
         let start = Instant::now();
         let (statuses, log, store) = ten_uploads(StreamMode::Shape, 4_096).await;
         let elapsed = start.elapsed();
@@ -241,7 +241,7 @@ mod bytes {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn policing_stops_uploads_past_the_burst_and_gives_the_unused_leases_back() {
+    async fn policing_stops_uploads_past_the_burst_and_gives_the_unused_grants_back() {
         let (statuses, log, store) = ten_uploads(StreamMode::Police, 4_096).await;
         // The streams take turns: each is refused mid-way, none having its 1 MB from a 1 MB
         // burst, and the layer answers in its handler's place.
@@ -263,7 +263,7 @@ mod bytes {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn frames_larger_than_a_lease_are_owed_and_paid_before_the_next_read() {
+    async fn frames_larger_than_a_grant_are_owed_and_paid_before_the_next_read() {
         // Frames of 100,000 bytes: each overshoots a 64 KiB grant; the debt is paid from the
         // next grants before the next frame is read, so the bound holds with one frame per
         // stream.
@@ -273,7 +273,7 @@ mod bytes {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_shaped_download_is_cut_to_its_leases_and_paced() {
+    async fn a_shaped_download_is_cut_to_its_grants_and_paced() {
         let store = Counted::new();
         let policy = Policy::builder("download")
             .tier(
@@ -403,9 +403,10 @@ mod bytes {
                 Err(frame) => trailers = frame.into_trailers().ok(),
             }
         }
-        // The burst less the unit charged at admission (time stands still: nothing refills),
-        // the last grant cut to what the tier had left; then the trailers.
-        assert_eq!(read, MB - 1);
+        // The burst (time stands still: nothing refills), the unit charged at admission
+        // counted as the body's first and the last grant cut to what the tier had left; then
+        // the trailers.
+        assert_eq!(read, MB);
         let trailers = trailers.expect("trailers end the response");
         assert_eq!(trailers["grpc-status"], "8");
         assert!(trailers.contains_key("grpc-retry-pushback-ms"));
@@ -451,7 +452,7 @@ mod bytes {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_stream_dropped_while_its_lease_is_reserved_ahead_gives_it_back() {
+    async fn a_stream_dropped_while_its_grant_is_reserved_ahead_gives_it_back() {
         let store = Counted::new();
         let policy = Policy::builder("upload")
             .tier(
@@ -483,6 +484,44 @@ mod bytes {
         // Given back: the next byte fits after 1 us, as after the first grant alone.
         let next = limiter.check(&Key::Global, 1).await.unwrap();
         assert_eq!(next.retry_after(), Some(Duration::from_micros(1)));
+    }
+
+    /// The unit the admission charged counts as the first of the first grant larger than it:
+    /// the store is asked for the rest, and the unit is kept when the stream used it, left to
+    /// be given back when it did not (a body dropped before its first byte passed).
+    #[tokio::test(start_paused = true)]
+    async fn the_admissions_unit_is_the_first_grants_first_and_kept_only_when_used() {
+        let policy = Policy::builder("download")
+            .tier("bytes", Quota::per_hour(1_000).counting(Unit::ResponseBytes))
+            .build()
+            .unwrap();
+        for used in [0, 1, 300] {
+            let store = MemoryStore::builder().clock(TokioClock::new()).build().unwrap();
+            let limiter = Limiter::with_store(policy.clone(), store).unwrap();
+            // The admission's unit.
+            assert!(limiter.check(&Key::Global, 1).await.unwrap().is_allowed());
+            let mut grants = Grants::new(
+                &limiter,
+                Key::Global,
+                Priority::Standard,
+                Unit::ResponseBytes,
+                StreamMode::Police,
+                false,
+            )
+            .credited(1);
+            let mut cx = Context::from_waker(Waker::noop());
+            let room = grants.poll_room(&mut cx, Some(300), 300);
+            assert!(matches!(room, Poll::Ready(Ok(300))), "{room:?}");
+            // 300 granted, 299 of them charged now: the admission's unit is the first.
+            let left = limiter.check(&Key::Global, 0).await.unwrap().tiers()[0].remaining();
+            assert_eq!(left, 1_000 - 300);
+            grants.spend(used);
+            let kept = grants.end();
+            assert_eq!(kept, u64::from(used > 0), "used {used}");
+            // What the grants charged once ended: what passed, less the unit kept.
+            let left = limiter.check(&Key::Global, 0).await.unwrap().tiers()[0].remaining();
+            assert_eq!(left, 1_000 - 1 - (used - kept), "used {used}");
+        }
     }
 }
 
@@ -601,7 +640,7 @@ mod messages {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn policing_an_upload_stops_it_at_the_budget_with_one_store_call_per_lease() {
+    async fn policing_an_upload_stops_it_at_the_budget_with_one_store_call_per_grant() {
         // Five messages to a frame: a frame is read only while the tier has room for its
         // first message, so exactly the budget (20 frames) is read.
         let (read, status, checks) = police_upload(5).await;

@@ -123,7 +123,7 @@ impl RedisPolicy {
             state_key: self.state_key(check.key),
             refusal: self.refusal_hash(check.key),
             charges,
-            lease: None,
+            slots: None,
         }))))
     }
 

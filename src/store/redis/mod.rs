@@ -39,7 +39,7 @@ pub use node::{ServerInfo, ServerKind};
 use refusals::Refusals;
 use script::{KeyNames, Prepared};
 pub use ticket::RedisTicket;
-use ticket::{Charged, Remote, Slots, settle_remote};
+use ticket::{Charged, HeldSlots, Remote, settle_remote};
 
 use smallvec::SmallVec;
 

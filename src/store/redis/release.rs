@@ -13,7 +13,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Charges, Slots};
+use super::{Charges, HeldSlots};
 
 /// The first retry's wait.
 const FIRST: Duration = Duration::from_millis(100);
@@ -21,7 +21,7 @@ const FIRST: Duration = Duration::from_millis(100);
 /// The longest wait between two retries.
 const EVERY: Duration = Duration::from_millis(500);
 
-impl Slots {
+impl HeldSlots {
     /// Retries, on a spawned task, the release of the slots `charges` took on `state_key`, whose
     /// first attempt failed, until it lands or the slots' time to live runs out. Without a tokio
     /// runtime, nothing is retried (the slots come back when their time to live runs out).
@@ -37,7 +37,13 @@ impl Slots {
                 tries += 1;
                 let new: Vec<u64> = charges.iter().map(|c| c.cost).collect();
                 let store = &self.store;
-                let record = self.prepared.settle_kinds(&charges, &new, true, store.app_now());
+                let record = self.prepared.settle(
+                    &charges,
+                    |i| charges[i].cost,
+                    |i| new[i],
+                    true,
+                    store.app_now(),
+                );
                 let keys = self.prepared.keys(state_key.clone());
                 match store.submit(&self.prepared, keys, record, 0).await {
                     Ok(_) => {

@@ -22,11 +22,11 @@ pub(super) struct Remote {
     /// What each tier was charged (a tier's cost follows its settlements).
     pub(super) charges: Charges,
     /// The concurrency slots it holds: released when it is dropped.
-    pub(super) lease: Option<Slots>,
+    pub(super) slots: Option<HeldSlots>,
 }
 
-/// Leased concurrency slots, and what releasing them needs.
-pub(super) struct Slots {
+/// Concurrency slots held, and what releasing them needs.
+pub(super) struct HeldSlots {
     pub(super) id: u64,
     pub(super) store: Arc<Inner>,
     pub(super) prepared: Arc<Prepared>,
@@ -34,28 +34,28 @@ pub(super) struct Slots {
     pub(super) holds: Arc<Holds>,
 }
 
-impl fmt::Debug for Slots {
+impl fmt::Debug for HeldSlots {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Slots").field("id", &self.id).finish_non_exhaustive()
+        f.debug_struct("HeldSlots").field("id", &self.id).finish_non_exhaustive()
     }
 }
 
 impl Drop for Remote {
     fn drop(&mut self) {
-        let Some(lease) = self.lease.take() else { return };
+        let Some(slots) = self.slots.take() else { return };
         let Ok(handle) = tokio::runtime::Handle::try_current() else { return };
         let (state_key, charges) = (std::mem::take(&mut self.state_key), self.charges.clone());
         handle.spawn(async move {
             let new: Vec<u64> = charges.iter().map(|c| c.cost).collect();
-            if let Err(error) = lease.settle(state_key.clone(), &charges, &new, true).await {
+            if let Err(error) = slots.settle(state_key.clone(), &charges, &new, true).await {
                 tracing::debug!(%error, "tollgate: could not release concurrency slots; retrying");
-                lease.release_later(state_key, charges);
+                slots.release_later(state_key, charges);
             }
         });
     }
 }
 
-impl Slots {
+impl HeldSlots {
     /// Settles `charges` at `new` (per tier) in Redis, releasing the slots with `release`
     /// (and recording their holds).
     pub(super) async fn settle(
@@ -92,7 +92,8 @@ pub(super) async fn settle_remote(
     new: &[u64],
     release: bool,
 ) -> Result<(), StoreError> {
-    let record = prepared.settle_kinds(charges, new, release, inner.app_now());
+    let record =
+        prepared.settle(charges, |i| charges[i].cost, |i| new[i], release, inner.app_now());
     let keys = prepared.keys(state_key);
     let (_, at) = inner.submit(prepared, keys, record, 0).await?;
     if release {

@@ -101,7 +101,9 @@ impl Back {
         let hash = self.refusals.as_ref().map_or(0, |r| r.hash(key));
         let _forgetting =
             crate::store::redis::forgetting(self.refusals.as_deref(), &self.inner, hash);
-        let record = self.prepared.settle(&rest.charges, |_| rest.granted, |_| rest.spent);
+        let (granted, spent) = (rest.granted, rest.spent);
+        let now = self.inner.app_now();
+        let record = self.prepared.settle(&rest.charges, |_| granted, |_| spent, false, now);
         let state_key = state_key(&self.key_parts, &self.key_names, key);
         let keys = self.prepared.keys(state_key);
         self.inner.submit(&self.prepared, keys, record, 0).await.map(drop)

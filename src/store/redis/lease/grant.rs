@@ -31,7 +31,7 @@ pub(crate) struct Grant {
     /// Without an injected clock: this process's instant the call was sent.
     pub(crate) sent: Option<Instant>,
     /// For a lease of the key's schedule: per tier, when the last unit granted conforms, and
-    /// the emission interval (see `Held::paced`); empty otherwise.
+    /// the emission interval (see `HeldBlock::paced`); empty otherwise.
     pub(crate) paced: Paced,
 }
 
@@ -163,7 +163,7 @@ impl Leases {
         Begin { block, useful, rest, room: held.room }
     }
 
-    pub(super) fn take_rest(&self, held: &mut Held) -> Option<Rest> {
+    pub(super) fn take_rest(&self, held: &mut HeldBlock) -> Option<Rest> {
         let charges = held.charges.take()?;
         let rest = (held.left + held.expired > 0).then(|| Rest {
             granted: held.granted,
@@ -201,7 +201,7 @@ impl Leases {
             let mut held = slot.held.lock().unwrap_or_else(PoisonError::into_inner);
             let (next, key, fetching) = (held.next, held.key.take(), held.fetching);
             let room = decision.tiers.iter().map(|t| t.remaining).min();
-            *held = Held {
+            *held = HeldBlock {
                 left,
                 granted: take,
                 // A block spent at once leaves nothing to give back: its slot may be dropped.

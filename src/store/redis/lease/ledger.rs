@@ -5,12 +5,12 @@ use super::*;
 /// One key's block, and the lock that makes one check at a time take the next one.
 #[derive(Default)]
 pub(crate) struct Slot {
-    pub(super) held: Mutex<Held>,
+    pub(super) held: Mutex<HeldBlock>,
     pub(crate) refill: tokio::sync::Mutex<()>,
 }
 
 #[derive(Default)]
-pub(super) struct Held {
+pub(super) struct HeldBlock {
     /// Units of the block not spent yet.
     pub(super) left: u64,
     /// Units the block was granted with.
@@ -63,7 +63,7 @@ pub(super) struct Held {
 }
 
 /// Per tier, the instant a block's last unit conforms and the emission interval, in
-/// nanoseconds (see `Held::paced`).
+/// nanoseconds (see `HeldBlock::paced`).
 pub(crate) type Paced = smallvec::SmallVec<[(u64, u64); 2]>;
 
 /// The instant the unit `after` places before the last of a paced block conforms on every
@@ -81,7 +81,7 @@ pub(super) fn pace_count(paced: &Paced, n: u64, now: u64) -> u64 {
         .unwrap_or(n)
 }
 
-impl Held {
+impl HeldBlock {
     /// Now on the clock the block was granted on (see `Refusals::now`): never earlier than
     /// the server's clock, so a block ends early rather than late.
     pub(super) fn now(&self, clock_now: Option<u64>) -> u64 {
@@ -141,7 +141,7 @@ impl Held {
 /// Whether, at `now`, this instance waits on a tier that had `rest` units left in Redis at
 /// the last grant: it waits for a useful block (until `held.hold`), and the tier had less than
 /// one. Such a tier's units in Redis are not this instance's to promise until the wait ends.
-pub(super) fn waits_on(held: &Held, now: u64) -> impl Fn(u64) -> bool + use<> {
+pub(super) fn waits_on(held: &HeldBlock, now: u64) -> impl Fn(u64) -> bool + use<> {
     let (waiting, useful) = (now < held.hold, held.useful);
     move |rest| waiting && rest < useful
 }

@@ -42,7 +42,7 @@ use crate::quota::{Algorithm, Unit};
 pub use config::Lease;
 pub(crate) use give_back::{Back, sweeper};
 pub(crate) use grant::{Begin, Grant, Reply};
-use ledger::{Held, pace_at, promised, waits_on};
+use ledger::{HeldBlock, pace_at, promised, waits_on};
 pub(crate) use ledger::{Paced, Slot};
 use sizing::{horizon, longest_wait};
 pub(crate) use sizing::{lease_share, unleasable, useful_block};

@@ -22,7 +22,7 @@ impl Leases {
     /// the block this instance asks for is spent, and a useful block is at most a round trip
     /// away (half a round trip: the call reaches Redis about then, so it finds the useful
     /// block there, and this instance's checks wait for the rest of the round trip at most).
-    pub(super) fn wants_prefetch(&self, held: &mut Held, now: u64) -> bool {
+    pub(super) fn wants_prefetch(&self, held: &mut HeldBlock, now: u64) -> bool {
         let due = self.prefetching
             && !held.fetching
             && held.next >= PREFETCH_FROM.min(self.config.max_block).max(2)
@@ -167,7 +167,7 @@ impl Leases {
 
     /// Redis refused a prefetch at `at` (the key has nothing left): the block held is spent
     /// as it is, and then this instance waits as after a refused lease call (`waits`: see
-    /// `Held::waits`).
+    /// `HeldBlock::waits`).
     pub(super) fn prefetch_refused(
         &self,
         slot: &Slot,

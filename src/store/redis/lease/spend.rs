@@ -105,7 +105,7 @@ impl Leases {
     /// block (until `held.hold`): limited, `retry_after` the rest of the wait (when this
     /// instance asks Redis again), `remaining` 0 on every tier (what it can promise), the
     /// tiers that had the least left at the grant violated; `None` when it does not wait.
-    pub(super) fn held_refusal(&self, held: &Held, now: u64, cost: u64) -> Option<Decision> {
+    pub(super) fn held_refusal(&self, held: &HeldBlock, now: u64, cost: u64) -> Option<Decision> {
         if now >= held.hold || now < held.decided {
             return None;
         }
@@ -126,7 +126,7 @@ impl Leases {
 
     /// The refusal, at `now`, of a check this instance refuses until `until`: see
     /// [`held_refusal`](Self::held_refusal).
-    pub(super) fn refusal(held: &Held, now: u64, until: u64) -> Option<Decision> {
+    pub(super) fn refusal(held: &HeldBlock, now: u64, until: u64) -> Option<Decision> {
         let mut d = held.decision.clone()?;
         let (elapsed, retry) = (now.saturating_sub(held.decided), until - now);
         let least = d.tiers.iter().map(|t| t.remaining).min().unwrap_or(0);

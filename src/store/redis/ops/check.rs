@@ -1,4 +1,4 @@
-//! Checks decided by Redis: a policy of rates alone, and one of several kinds.
+//! Checks decided by Redis (a plain policy is the case of one cost on every tier).
 
 use super::*;
 
@@ -32,39 +32,12 @@ impl RedisStore {
                 return self.check_leased(bound, leases, &slot, check).await;
             }
         }
-        let prepared = &bound.prepared;
-        if prepared.is_kinds() {
-            return self.check_kinds(bound, check).await;
-        }
-        let state_key = bound.state_key(check.key);
-        let ticket_key = (check.ticket && check.cost > 0).then(|| state_key.clone());
-        let keys = prepared.keys(state_key);
-        let record = prepared.check(check.cost, check.max_delay);
-        let epoch = bound.refusal_epoch(check.key);
-        let sent = inner.settings.clock.is_none().then(Instant::now);
-        let answered = inner.submit(prepared, keys, record, prepared.check_reply_len()).await;
-        let decided = answered.and_then(|(reply, at)| {
-            script::decode(&bound.policy, check.cost, at, &reply).map(|d| (d, at))
-        });
-        match decided {
-            Ok(((decision, charges), at)) => {
-                bound.learn(&check, &decision, at, sent, epoch);
-                let ticket = charges.zip(ticket_key).map(|(charges, state_key)| {
-                    RedisTicket(Charged::Remote(Box::new(Remote {
-                        state_key,
-                        refusal: bound.refusal_hash(check.key),
-                        charges,
-                        lease: None,
-                    })))
-                });
-                Ok(Verdict { decision, ticket })
-            }
-            Err(error) => inner.fall_back(error, bound, check),
-        }
+        self.check_remote(bound, check).await
     }
 
-    /// [`Store::check`] for a policy of several kinds.
-    pub(super) async fn check_kinds(
+    /// A check Redis decides: a cost per tier (a plain policy's are all the check's cost),
+    /// and the slots of its concurrency tiers under a lease id of their own.
+    async fn check_remote(
         &self,
         bound: &RedisPolicy,
         check: Check<'_>,
@@ -77,18 +50,21 @@ impl RedisStore {
             (0..tiers.len()).map(|i| policy.tier_cost(i, check.cost, check.costs)).collect();
         let takes_slots =
             tiers.iter().zip(&costs).any(|(t, c)| matches!(t.kind, Kind::Concurrency(_)) && *c > 0);
-        // A lease id unique enough among the slots of one key (52 random bits: exact as a
+        // A holder id unique enough among the slots of one key (52 random bits: exact as a
         // double in the script).
-        let lease = if takes_slots { fastrand::u64(1..1 << 52) } else { 0 };
+        let holder = if takes_slots { fastrand::u64(1..1 << 52) } else { 0 };
         let state_key = bound.state_key(check.key);
-        let keys = prepared.keys(state_key.clone());
+        // A ticket when the request takes slots, or wants one and costs something.
+        let wanted = takes_slots || (check.ticket && costs.iter().any(|c| *c > 0));
+        let ticket_key = wanted.then(|| state_key.clone());
+        let keys = prepared.keys(state_key);
         let record =
-            prepared.check_kinds(&costs, check.max_delay, lease, check.priority, inner.app_now());
+            prepared.check(&costs, check.max_delay, holder, check.priority, inner.app_now());
         let epoch = bound.refusal_epoch(check.key);
         let sent = inner.settings.clock.is_none().then(Instant::now);
         let answered = inner.submit(prepared, keys, record, prepared.check_reply_len()).await;
         let decided = answered.and_then(|(reply, at)| {
-            script::decode_costs(policy, &|i| costs[i], lease, check.priority, at, &reply)
+            script::decode_costs(policy, &|i| costs[i], holder, check.priority, at, &reply)
                 .map(|d| (d, at))
         });
         let ((mut decision, charges), at) = match decided {
@@ -99,23 +75,20 @@ impl RedisStore {
         if policy.has_concurrency() {
             slots::fill(policy, &bound.holds, &mut decision);
         }
-        let ticket = charges.and_then(|charges| {
-            let slots = takes_slots.then(|| Slots {
-                id: lease,
+        let ticket = charges.zip(ticket_key).map(|(charges, state_key)| {
+            let slots = takes_slots.then(|| HeldSlots {
+                id: holder,
                 store: Arc::clone(&self.inner),
                 prepared: Arc::clone(prepared),
                 policy: policy.clone(),
                 holds: Arc::clone(&bound.holds),
             });
-            let wanted = check.ticket && charges.iter().any(|c| c.cost > 0);
-            (slots.is_some() || wanted).then(|| {
-                RedisTicket(Charged::Remote(Box::new(Remote {
-                    state_key,
-                    refusal: bound.refusal_hash(check.key),
-                    charges,
-                    lease: slots,
-                })))
-            })
+            RedisTicket(Charged::Remote(Box::new(Remote {
+                state_key,
+                refusal: bound.refusal_hash(check.key),
+                charges,
+                slots,
+            })))
         });
         Ok(Verdict { decision, ticket })
     }

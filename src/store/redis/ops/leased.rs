@@ -112,7 +112,7 @@ impl RedisStore {
         }
         loop {
             let costs: SmallVec<[u64; 4]> = (0..n).map(|_| block).collect();
-            let record = prepared.check_kinds(&costs, None, 0, check.priority, inner.app_now());
+            let record = prepared.check(&costs, None, 0, check.priority, inner.app_now());
             let keys = prepared.keys(state_key.clone());
             let epoch = bound.refusal_epoch(check.key);
             let sent = inner.settings.clock.is_none().then(Instant::now);

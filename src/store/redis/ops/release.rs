@@ -9,7 +9,7 @@ impl RedisStore {
         ticket: RedisTicket,
     ) -> Result<(), StoreError> {
         let Charged::Remote(mut remote) = ticket.0 else { return Ok(()) };
-        let Some(lease) = remote.lease.take() else { return Ok(()) };
+        let Some(slots) = remote.slots.take() else { return Ok(()) };
         let _forgetting = bound.forgetting(&self.inner, remote.refusal);
         let new: Vec<u64> = remote.charges.iter().map(|c| c.cost).collect();
         let state_key = std::mem::take(&mut remote.state_key);
@@ -27,7 +27,7 @@ impl RedisStore {
         .await;
         if released.is_err() {
             // Retried in the background until it lands or the slots' time to live runs out.
-            lease.release_later(state_key, remote.charges.clone());
+            slots.release_later(state_key, remote.charges.clone());
         }
         released
     }
@@ -38,9 +38,9 @@ impl RedisStore {
         ticket: &RedisTicket,
     ) -> Result<bool, StoreError> {
         let Charged::Remote(remote) = &ticket.0 else { return Ok(true) };
-        let Some(lease) = &remote.lease else { return Ok(true) };
+        let Some(slots) = &remote.slots else { return Ok(true) };
         let prepared = &bound.prepared;
-        let record = prepared.refresh(&remote.charges, lease.id);
+        let record = prepared.refresh(&remote.charges, slots.id);
         let keys = prepared.keys(remote.state_key.clone());
         let (reply, _) =
             self.inner.submit(prepared, keys, record, prepared.refresh_reply_len()).await?;

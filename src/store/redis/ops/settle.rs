@@ -19,50 +19,41 @@ impl RedisStore {
             }
             Charged::Remote(mut remote) => {
                 let _forgetting = bound.forgetting(inner, remote.refusal);
-                let prepared = &bound.prepared;
-                if prepared.is_kinds() {
-                    let lease = remote.lease.take();
-                    let new: Vec<u64> = bound
-                        .policy
-                        .tiers()
-                        .iter()
-                        .zip(&remote.charges)
-                        .map(|(t, c)| match t.kind {
-                            Kind::Concurrency(_) => c.cost,
-                            _ => cost,
-                        })
-                        .collect();
-                    let changed = remote.charges.iter().zip(&new).any(|(c, n)| c.cost != *n);
-                    if !changed && lease.is_none() {
-                        return Ok(());
-                    }
-                    let state_key = std::mem::take(&mut remote.state_key);
-                    let settled = settle_remote(
-                        inner,
-                        prepared,
-                        &bound.policy,
-                        &bound.holds,
-                        state_key.clone(),
-                        &remote.charges,
-                        &new,
-                        lease.is_some(),
-                    )
-                    .await;
-                    // The slots, at least, are released later (see `release`); the units'
-                    // settlement is not sent twice.
-                    if let (Err(_), Some(lease)) = (&settled, lease) {
-                        lease.release_later(state_key, remote.charges.clone());
-                    }
-                    return settled;
-                }
+                let slots = remote.slots.take();
                 // Each tier from what it was charged (single tiers may have been settled).
-                if remote.charges.iter().all(|c| c.cost == cost) {
+                let new: SmallVec<[u64; 4]> = bound
+                    .policy
+                    .tiers()
+                    .iter()
+                    .zip(&remote.charges)
+                    .map(|(t, c)| match t.kind {
+                        Kind::Concurrency(_) => c.cost,
+                        _ => cost,
+                    })
+                    .collect();
+                let changed = remote.charges.iter().zip(&new).any(|(c, n)| c.cost != *n);
+                if !changed && slots.is_none() {
                     return Ok(());
                 }
-                let charges = &remote.charges;
-                let record = prepared.settle(charges, |i| charges[i].cost, |_| cost);
-                let keys = prepared.keys(std::mem::take(&mut remote.state_key));
-                inner.submit(prepared, keys, record, 0).await.map(drop)
+                let state_key = std::mem::take(&mut remote.state_key);
+                let kept = slots.as_ref().map(|_| state_key.clone());
+                let settled = settle_remote(
+                    inner,
+                    &bound.prepared,
+                    &bound.policy,
+                    &bound.holds,
+                    state_key,
+                    &remote.charges,
+                    &new,
+                    slots.is_some(),
+                )
+                .await;
+                // The slots, at least, are released later (see `release`); the units'
+                // settlement is not sent twice.
+                if let (Err(_), Some(slots), Some(state_key)) = (&settled, slots, kept) {
+                    slots.release_later(state_key, remote.charges.clone());
+                }
+                settled
             }
         }
     }
@@ -88,7 +79,7 @@ impl RedisStore {
         let _forgetting = bound.forgetting(inner, remote.refusal);
         let tiers = bound.policy.tiers();
         let target = |i: usize| costs.iter().rev().find(|(t, _)| *t == i).map(|(_, c)| *c);
-        let new: Vec<u64> = tiers
+        let new: SmallVec<[u64; 4]> = tiers
             .iter()
             .zip(&remote.charges)
             .enumerate()
@@ -100,26 +91,10 @@ impl RedisStore {
         if remote.charges.iter().zip(&new).all(|(c, n)| c.cost == *n) {
             return Ok(());
         }
-        let prepared = &bound.prepared;
-        if prepared.is_kinds() {
-            let (state_key, charges) = (remote.state_key.clone(), &remote.charges);
-            settle_remote(
-                inner,
-                prepared,
-                &bound.policy,
-                &bound.holds,
-                state_key,
-                charges,
-                &new,
-                false,
-            )
+        let (state_key, charges) = (remote.state_key.clone(), &remote.charges);
+        let (prepared, holds) = (&bound.prepared, &bound.holds);
+        settle_remote(inner, prepared, &bound.policy, holds, state_key, charges, &new, false)
             .await?;
-        } else {
-            let charges = &remote.charges;
-            let record = prepared.settle(charges, |i| charges[i].cost, |i| new[i]);
-            let keys = prepared.keys(remote.state_key.clone());
-            inner.submit(prepared, keys, record, 0).await?;
-        }
         for (c, n) in remote.charges.iter_mut().zip(&new) {
             c.cost = *n;
         }

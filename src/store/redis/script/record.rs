@@ -55,7 +55,7 @@ pub(crate) struct Prepared {
     pub(super) ntiers: usize,
     /// Nanoseconds per unit.
     pub(crate) unit: u64,
-    /// For a policy that is not plain: the lease sets after the log sets (one per concurrency
+    /// For a policy that is not plain: the slot sets after the log sets (one per concurrency
     /// tier), then the penalty boxes, and the calendar tiers, whose window bounds each record
     /// carries.
     pub(super) kinds: Option<Kinds>,
@@ -66,7 +66,7 @@ pub(crate) struct Prepared {
 pub(super) struct Kinds {
     /// Concurrency tiers.
     pub(super) conc: usize,
-    /// The names of the lease sets and penalty boxes after a key's name: `:c:{tier}` per
+    /// The names of the slot sets and penalty boxes after a key's name: `:c:{tier}` per
     /// concurrency tier, then `:p:{tier}` per tier with a box (see [`Prepared::keys`]).
     pub(super) named: Vec<String>,
     /// The calendar tiers' windows, in tier order.
@@ -111,7 +111,7 @@ impl Prepared {
                     Kind::Concurrency(s) => {
                         kinds.conc += 1;
                         kinds.named.push(format!(":c:{}", escape(t.name())));
-                        args.extend([1.0, f(s.max), f(s.lease_ms), 0.0]);
+                        args.extend([1.0, f(s.max), f(s.ttl_ms), 0.0]);
                     }
                     Kind::Calendar(spec) => {
                         kinds.calendars.push(Arc::clone(spec));
@@ -150,7 +150,7 @@ impl Prepared {
     }
 
     /// The keys of a check on `state_key`: it, then the sliding-log sets (`{state_key}:z1`,
-    /// ...), then the lease sets and the penalty boxes. Those two hold state a reload keeps
+    /// ...), then the slot sets and the penalty boxes. Those two hold state a reload keeps
     /// (see `MemoryStore::rebind_policy`): they are named by the policy, the key and the tier
     /// (`{prefix}{{policy}|{key}}:c:{tier}`, `...:p:{tier}`), not by the policy's fingerprint,
     /// so every definition of a policy of that name finds them.
@@ -190,8 +190,8 @@ impl Prepared {
         self.kinds.as_ref().is_some_and(|k| !k.calendars.is_empty())
     }
 
-    /// `record` (a check or settlement of [`check_kinds`](Self::check_kinds) or
-    /// [`settle_kinds`](Self::settle_kinds)) with its calendar bounds made again at `now`, to
+    /// `record` (a check or settlement of [`check`](Self::check) or
+    /// [`settle`](Self::settle)) with its calendar bounds made again at `now`, to
     /// reach `need` (nanoseconds: a key's instant a script asked for) and any later record's;
     /// `None` for another record.
     pub(crate) fn rebound(&self, record: &[f64], now: u64, need: u64) -> Option<Vec<f64>> {
@@ -219,20 +219,27 @@ impl Prepared {
         Some(out)
     }
 
-    /// A check of a policy of several kinds: `costs` per tier (resolved), `max_delay` as for
-    /// [`check`](Self::check), the lease id of its slots, the request's class, and `now` (this
-    /// process's clock, for the calendar bounds).
-    pub(crate) fn check_kinds(
+    /// A check: `costs` per tier (resolved: a plain policy's are all the check's cost),
+    /// `max_delay` `None` polices and `Some` shapes (clamped to the longest span), the holder
+    /// id of its slots (0 for none), the request's class, and `now` (this process's clock, for
+    /// the calendar bounds). The key and policy indices (the second and third numbers) are set
+    /// when the batch is assembled. `gcra.lua` reads `op, key, policy, cost, budget`; the
+    /// other scripts `op, key, policy, length, budget, holder, costs.., class, bounds..`.
+    pub(crate) fn check(
         &self,
         costs: &[u64],
         max_delay: Option<Duration>,
-        lease: u64,
+        holder: u64,
         class: Priority,
         now: u64,
     ) -> Vec<f64> {
         let budget =
             max_delay.map_or(-1.0, |d| f((duration_to_nanos(d) / self.unit).min(MAX_SPAN_UNITS)));
-        let mut record = vec![1.0, 0.0, 0.0, 0.0, budget, f(lease)];
+        if self.family == Family::Gcra {
+            return vec![1.0, 0.0, 0.0, f(costs.first().copied().unwrap_or(0)), budget];
+        }
+        let mut record = Vec::with_capacity(7 + self.ntiers);
+        record.extend([1.0, 0.0, 0.0, 0.0, budget, f(holder)]);
         record.extend(costs.iter().map(|c| f(*c)));
         record.push(f(class.index()));
         self.bounds(&mut record, now, if max_delay.is_some() { LOOKAHEAD } else { 1 });
@@ -240,20 +247,31 @@ impl Prepared {
         record
     }
 
-    /// A settlement of a policy of several kinds: per tier the charge and the cost it is
-    /// settled at (`new`), the slots given back with `release`; `now` as for
-    /// [`check_kinds`](Self::check_kinds).
-    pub(crate) fn settle_kinds(
+    /// A settlement: per tier its charge (instant and entry id in `charges`), settled from
+    /// `old(i)` units to `new(i)`, the slots given back with `release`; `now` as for
+    /// [`check`](Self::check). `gcra.lua` reads per tier the same five numbers after op, key
+    /// and policy; the other scripts also a length and `release` before them, and the
+    /// calendar tiers' bounds and windows after.
+    pub(crate) fn settle(
         &self,
         charges: &Charges,
-        new: &[u64],
+        old: impl Fn(usize) -> u64,
+        new: impl Fn(usize) -> u64,
         release: bool,
         now: u64,
     ) -> Vec<f64> {
         let per_sec = NANOS_PER_SEC / self.unit;
-        let mut record = vec![2.0, 0.0, 0.0, 0.0, f(u64::from(release))];
-        for (c, new) in charges.iter().zip(new) {
-            record.extend([f(c.cost), f(*new), f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
+        let mut record = Vec::with_capacity(5 + 5 * self.ntiers);
+        if self.family == Family::Gcra {
+            record.extend([2.0, 0.0, 0.0]);
+        } else {
+            record.extend([2.0, 0.0, 0.0, 0.0, f(u64::from(release))]);
+        }
+        for (i, c) in charges.iter().enumerate() {
+            record.extend([f(old(i)), f(new(i)), f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
+        }
+        if self.family == Family::Gcra {
+            return record;
         }
         // The whole lookahead: a charge grown after a step back of the server's clock goes to
         // the window holding the key's later now, which may lie in it.
@@ -273,11 +291,11 @@ impl Prepared {
         record
     }
 
-    /// A refresh of the leases `lease` holds: the slots of each concurrency tier, from the
+    /// A refresh of the slots `holder` holds: those of each concurrency tier, from the
     /// charges.
-    pub(crate) fn refresh(&self, charges: &Charges, lease: u64) -> Vec<f64> {
+    pub(crate) fn refresh(&self, charges: &Charges, holder: u64) -> Vec<f64> {
         let tags = self.kinds.as_ref().map_or(&[][..], |k| &k.tags[..]);
-        let mut record = vec![4.0, 0.0, 0.0, 0.0, f(lease)];
+        let mut record = vec![4.0, 0.0, 0.0, 0.0, f(holder)];
         record.extend(tags.iter().zip(charges).filter(|(t, _)| **t == 1).map(|(_, c)| f(c.cost)));
         record[3] = f(record.len() as u64);
         record
@@ -286,48 +304,6 @@ impl Prepared {
     /// The numbers a refresh adds to the reply: one per concurrency tier.
     pub(crate) fn refresh_reply_len(&self) -> usize {
         self.kinds.as_ref().map_or(0, |k| k.conc)
-    }
-
-    /// A check of `cost` units on every tier of a plain policy; `max_delay` `None` polices,
-    /// `Some` shapes (clamped to the longest span). The key and policy indices (the second and
-    /// third numbers) are set when the batch is assembled. `gcra.lua` reads `op, key, policy,
-    /// cost, budget`; `kinds.lua` a check of [`check_kinds`](Self::check_kinds)'s layout (no
-    /// slots, the standard class, no calendar bounds).
-    pub(crate) fn check(&self, cost: u64, max_delay: Option<Duration>) -> Vec<f64> {
-        let budget =
-            max_delay.map_or(-1.0, |d| f((duration_to_nanos(d) / self.unit).min(MAX_SPAN_UNITS)));
-        if self.family == Family::Gcra {
-            return vec![1.0, 0.0, 0.0, f(cost), budget];
-        }
-        let mut record = Vec::with_capacity(7 + self.ntiers);
-        record.extend([1.0, 0.0, 0.0, f(7 + self.ntiers as u64), budget, 0.0]);
-        record.extend(std::iter::repeat_n(f(cost), self.ntiers));
-        record.push(f(Priority::Standard.index()));
-        record
-    }
-
-    /// Settles a plain policy's charges (`charges` per tier, instants in units): tier `i` from
-    /// `old(i)` units to `new(i)` (a plain policy is the same-cost case of the general one, and
-    /// settles its tiers alike: [`Store::settle_tiers`](crate::store::Store::settle_tiers)).
-    /// For `kinds.lua` a settlement of [`settle_kinds`](Self::settle_kinds)'s layout giving no
-    /// slots back; for `gcra.lua` the same per tier, after op, key and policy.
-    pub(crate) fn settle(
-        &self,
-        charges: &Charges,
-        old: impl Fn(usize) -> u64,
-        new: impl Fn(usize) -> u64,
-    ) -> Vec<f64> {
-        let per_sec = NANOS_PER_SEC / self.unit;
-        let mut record = Vec::with_capacity(5 + 5 * self.ntiers);
-        if self.family == Family::Gcra {
-            record.extend([2.0, 0.0, 0.0]);
-        } else {
-            record.extend([2.0, 0.0, 0.0, f(5 + 5 * self.ntiers as u64), 0.0]);
-        }
-        for (i, c) in charges.iter().enumerate() {
-            record.extend([f(old(i)), f(new(i)), f(c.at / per_sec), f(c.at % per_sec), f(c.id)]);
-        }
-        record
     }
 
     /// A lease: at least `cost` units and at most `block` (Redis grants at most a quarter of

@@ -48,13 +48,13 @@ pub(crate) fn decode(
     decode_costs(policy, &|_| cost, 0, Priority::Standard, now, reply)
 }
 
-/// [`decode`] with a cost per tier, and the lease id of the concurrency tiers' slots (charged
+/// [`decode`] with a cost per tier, and the holder id of the concurrency tiers' slots (charged
 /// at the decision's instant, not after its delay: they are held from then on), for a request
 /// of `class` (each tier's limit is what the class may use of it).
 pub(crate) fn decode_costs(
     policy: &Policy,
     cost: &dyn Fn(usize) -> u64,
-    lease: u64,
+    holder: u64,
     class: Priority,
     now: u64,
     reply: &[i64],
@@ -83,7 +83,7 @@ pub(crate) fn decode_costs(
             r[3] != 0,
         ));
         charges.push(match tier.kind {
-            Kind::Concurrency(_) => Charge { at, cost: cost(i), id: lease },
+            Kind::Concurrency(_) => Charge { at, cost: cost(i), id: holder },
             _ => Charge { at: at.saturating_add(delay), cost: cost(i), id: units(r[4])? },
         });
     }

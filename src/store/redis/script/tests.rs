@@ -84,7 +84,9 @@ fn a_batch_sends_each_policy_once_and_every_check_as_doubles() {
     let p = policy("api", Algorithm::SlidingLog);
     let prepared = Prepared::new(&p, 7);
     assert_eq!(prepared.keys("h".into()), ["h", "h:z1", "h:z2"]);
-    let (a, b) = (prepared.check(2, None), prepared.check(0, Some(Duration::from_nanos(5))));
+    let std = Priority::Standard;
+    let a = prepared.check(&[2, 2], None, 0, std, 0);
+    let b = prepared.check(&[0, 0], Some(Duration::from_nanos(5)), 0, std, 0);
     let checks = [(1, a.as_slice()), (4, b.as_slice())];
     let (policies, records) = batch(checks.iter().map(|(k, r)| (*k, &*prepared.policy, *r)));
     // unit, grace, algorithm, tiers, plain, then per tier its kind, count, period, burst, no
@@ -115,14 +117,14 @@ fn plain_settlements_and_leases_are_records_of_the_one_driver() {
     // op, key, policy, length, no release, then per tier old, new, instant, entry id; the
     // tiers at costs of their own.
     assert_eq!(
-        prepared.settle(&charges, |_| 3, |i| [1, 2][i]),
+        prepared.settle(&charges, |_| 3, |i| [1, 2][i], false, 0),
         [2.0, 0.0, 0.0, 15.0, 0.0, 3.0, 1.0, 7.0, 9.0, 0.0, 3.0, 2.0, 0.0, 5.0, 2.0]
     );
     // gcra.lua's: op, key, policy, then the same per tier.
     let whole = Prepared::new(&policy("api", Algorithm::Gcra), 0);
     assert_eq!(whole.family, Family::Gcra);
     assert_eq!(
-        whole.settle(&charges, |_| 3, |i| [1, 2][i]),
+        whole.settle(&charges, |_| 3, |i| [1, 2][i], false, 0),
         [2.0, 0.0, 0.0, 3.0, 1.0, 7.0, 9.0, 0.0, 3.0, 2.0, 0.0, 5.0, 2.0]
     );
     // op, key, policy, length, cost, block, useful, then the previous lease settled.
@@ -233,7 +235,7 @@ fn a_reserve_gets_its_own_keys_its_numbers_and_the_class_in_the_record() {
         [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 10.0, 6e10, 10.0, 0.0, 0.0, 0.0, 2.0, 3.0]
     );
     // op, key, policy, length, budget, lease, the costs, then the class (2 sheddable).
-    let record = prepared.check_kinds(&[1], None, 0, Priority::Sheddable, 0);
+    let record = prepared.check(&[1], None, 0, Priority::Sheddable, 0);
     assert_eq!(record, [1.0, 0.0, 0.0, 8.0, -1.0, 0.0, 1.0, 2.0]);
 }
 
@@ -250,22 +252,16 @@ fn a_policed_calendar_check_sends_the_windows_around_now_and_a_shaped_one_the_lo
     let now = 1_750_000_000 * NANOS_PER_SEC;
     let (start, end) = (1_749_945_600.0, 1_750_032_000.0);
     // op, key, policy, length, budget, lease, the costs, the class, then the bounds.
-    let policed = prepared.check_kinds(&[1, 1], None, 0, Priority::Standard, now);
+    let policed = prepared.check(&[1, 1], None, 0, Priority::Standard, now);
     assert_eq!(policed, [1.0, 0.0, 0.0, 12.0, -1.0, 0.0, 1.0, 1.0, 1.0, 2.0, start, end]);
     // Shaped: the day and the seven after it.
-    let shaped =
-        prepared.check_kinds(&[1, 1], Some(Duration::from_secs(1)), 0, Priority::Standard, now);
+    let shaped = prepared.check(&[1, 1], Some(Duration::from_secs(1)), 0, Priority::Standard, now);
     let days: Vec<f64> = (0..9).map(|d| start + f64::from(d) * 86_400.0).collect();
     assert_eq!(shaped[9], 9.0);
     assert_eq!(shaped[10..], days[..]);
     // Near midnight, a policed check sends both days the server's clock may be in.
-    let late = prepared.check_kinds(
-        &[1, 1],
-        None,
-        0,
-        Priority::Standard,
-        (end as u64 - 30) * NANOS_PER_SEC,
-    );
+    let late =
+        prepared.check(&[1, 1], None, 0, Priority::Standard, (end as u64 - 30) * NANOS_PER_SEC);
     assert_eq!(late[9..], [3.0, start, end, end + 86_400.0]);
 }
 
