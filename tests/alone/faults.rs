@@ -15,19 +15,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::outage::{Configured, Layered, MARGIN, by_header, request};
 use axum::body::Body;
-use http::{Request, Response, StatusCode};
+use http::{Response, StatusCode};
 use support::redis::{Cluster, Server};
 use tollgate::key::Key;
-use tollgate::store::{BreakerState, MemoryStore, RedisStore, Store};
-use tollgate::{OnStoreError, Policy, Quota, RateLimitLayer};
-use tower::{Layer, Service, ServiceExt};
+use tollgate::store::{BreakerState, RedisStore, Store};
+use tollgate::{Policy, Quota, RateLimitLayer};
+use tower::{Layer, ServiceExt};
 
 /// The store's per-call timeout in these tests.
 const TIMEOUT: Duration = Duration::from_millis(150);
-/// What a request may take beyond the timeout: the fallback decision and scheduling on a busy
-/// 2-core machine.
-const MARGIN: Duration = Duration::from_millis(250);
 /// Concurrent requests kept in flight.
 const IN_FLIGHT: usize = 200;
 /// Requests each of them sends at most (so a run is bounded even if time is not).
@@ -37,13 +35,6 @@ const PER_WORKER: usize = 1000;
 const PACE: Duration = Duration::from_millis(10);
 
 use crate::ONE_AT_A_TIME;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Configured {
-    Fallback,
-    FailClosed,
-    FailOpen,
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {
@@ -67,10 +58,6 @@ struct Sample {
     seen: Seen,
 }
 
-fn by_header(parts: &tollgate::key::RequestHead<'_>) -> Option<Key> {
-    parts.headers.get("x-key").and_then(|v| v.to_str().ok()).map(Key::text)
-}
-
 fn classify(res: &Response<tollgate::layer::ResponseBody<Body>>) -> Seen {
     let headers = res.headers();
     match res.status() {
@@ -84,13 +71,7 @@ fn classify(res: &Response<tollgate::layer::ResponseBody<Body>>) -> Seen {
 }
 
 fn store(builder: tollgate::store::RedisStoreBuilder, configured: Configured) -> RedisStore {
-    let builder = builder.timeout(TIMEOUT).circuit_breaker(3, Duration::from_millis(300));
-    match configured {
-        Configured::Fallback => builder.fallback(MemoryStore::new()),
-        _ => builder.no_fallback(),
-    }
-    .build()
-    .unwrap()
+    configured.build(builder.timeout(TIMEOUT).circuit_breaker(3, Duration::from_millis(300)))
 }
 
 /// Drives `svc` from `IN_FLIGHT` workers until `stop` is set (or each sent `PER_WORKER`), and
@@ -98,17 +79,7 @@ fn store(builder: tollgate::store::RedisStoreBuilder, configured: Configured) ->
 type Monitor = tokio::task::JoinHandle<Vec<(Instant, BreakerState)>>;
 type Workers = Vec<tokio::task::JoinHandle<Vec<Sample>>>;
 
-fn drive<S>(svc: S, store: RedisStore, stop: Arc<AtomicBool>) -> (Monitor, Workers)
-where
-    S: Service<
-            Request<Body>,
-            Response = Response<tollgate::layer::ResponseBody<Body>>,
-            Error = std::convert::Infallible,
-        > + Clone
-        + Send
-        + 'static,
-    S::Future: Send,
-{
+fn drive(svc: impl Layered, store: RedisStore, stop: Arc<AtomicBool>) -> (Monitor, Workers) {
     let monitor = {
         let stop = stop.clone();
         tokio::spawn(async move {
@@ -129,10 +100,7 @@ where
                     if stop.load(Ordering::Relaxed) {
                         break;
                     }
-                    let req = Request::get("/")
-                        .header("x-key", format!("k{}", (w * 7 + i) % 1000))
-                        .body(Body::empty())
-                        .unwrap();
+                    let req = request(&format!("k{}", (w * 7 + i) % 1000));
                     let started = Instant::now();
                     let res = svc.clone().oneshot(req).await.unwrap();
                     samples.push(Sample { took: started.elapsed(), seen: classify(&res) });
@@ -191,15 +159,11 @@ impl Target {
 async fn scenario(mut target: Target, configured: Configured, fault: Fault) {
     let store = target.store(configured);
     store.connect().await.unwrap();
-    let on_error = match configured {
-        Configured::FailOpen => OnStoreError::FailOpen,
-        _ => OnStoreError::FailClosed,
-    };
     let policy = Policy::single("faults", Quota::per_hour(50)).unwrap();
     let layer = RateLimitLayer::builder(policy.clone())
         .key(by_header)
         .store(store.clone())
-        .on_store_error(on_error)
+        .on_store_error(configured.on_store_error())
         .build()
         .unwrap();
     let svc = layer.layer(support::ok_service());
@@ -226,22 +190,15 @@ async fn scenario(mut target: Target, configured: Configured, fault: Fault) {
     check(&name, configured, &samples, &states, back);
 
     // Limiting by Redis is exact again: a fresh key gets its 50, no more, decided by Redis.
-    let fresh = || Request::get("/").header("x-key", "fresh").body(Body::empty()).unwrap();
     let mut allowed = 0;
     for _ in 0..60 {
-        let res = svc.clone().oneshot(fresh()).await.unwrap();
+        let res = svc.clone().oneshot(request("fresh")).await.unwrap();
         allowed += usize::from(res.status() == StatusCode::OK);
     }
     assert_eq!(allowed, 50, "{name}");
     let state = store.bind(&policy).unwrap().state_key(&Key::text("fresh"));
     let exists: i64 = redis::cmd("EXISTS").arg(&state).query(&mut target.conn_for(&state)).unwrap();
     assert_eq!(exists, 1, "{name}: decided by Redis, not the fallback");
-}
-
-async fn standalone(configured: Configured, fault: Fault) {
-    let _one = ONE_AT_A_TIME.lock().await;
-    let Some(server) = Server::start("redis-server") else { return };
-    scenario(Target::Standalone(server), configured, fault).await;
 }
 
 fn check(
@@ -295,46 +252,48 @@ fn timeline(states: &[(Instant, BreakerState)], back: Instant) -> String {
     out
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_under_load_with_fallback() {
-    standalone(Configured::Fallback, Fault::Kill).await;
+/// Where a scenario's fault happens: a standalone redis-server, or the master of this index in a
+/// Redis Cluster.
+enum Deployment {
+    Standalone,
+    ClusterMaster(usize),
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_under_load_failing_closed() {
-    standalone(Configured::FailClosed, Fault::Kill).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_under_load_failing_open() {
-    standalone(Configured::FailOpen, Fault::Kill).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn frozen_under_load_with_fallback() {
-    standalone(Configured::Fallback, Fault::Freeze).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn frozen_under_load_failing_closed() {
-    standalone(Configured::FailClosed, Fault::Freeze).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn frozen_under_load_failing_open() {
-    standalone(Configured::FailOpen, Fault::Freeze).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cluster_master_killed_under_load_with_fallback() {
+/// Starts the deployment (the tests skip without its servers) and runs the scenario on it, one
+/// scenario at a time.
+async fn run(deployment: Deployment, configured: Configured, fault: Fault) {
     let _one = ONE_AT_A_TIME.lock().await;
-    let Some(cluster) = Cluster::start() else { return };
-    scenario(Target::Cluster(cluster, 1), Configured::Fallback, Fault::Kill).await;
+    let target = match deployment {
+        Deployment::Standalone => {
+            let Some(server) = Server::start("redis-server") else { return };
+            Target::Standalone(server)
+        }
+        Deployment::ClusterMaster(i) => {
+            let Some(cluster) = Cluster::start() else { return };
+            Target::Cluster(cluster, i)
+        }
+    };
+    scenario(target, configured, fault).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cluster_master_frozen_under_load_failing_closed() {
-    let _one = ONE_AT_A_TIME.lock().await;
-    let Some(cluster) = Cluster::start() else { return };
-    scenario(Target::Cluster(cluster, 2), Configured::FailClosed, Fault::Freeze).await;
+/// One test per scenario: `name: deployment, configured outcome, fault;`.
+macro_rules! scenarios {
+    ($($name:ident: $deployment:expr, $configured:ident, $fault:ident;)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            run($deployment, Configured::$configured, Fault::$fault).await;
+        }
+    )*};
+}
+
+scenarios! {
+    killed_under_load_with_fallback: Deployment::Standalone, Fallback, Kill;
+    killed_under_load_failing_closed: Deployment::Standalone, FailClosed, Kill;
+    killed_under_load_failing_open: Deployment::Standalone, FailOpen, Kill;
+    frozen_under_load_with_fallback: Deployment::Standalone, Fallback, Freeze;
+    frozen_under_load_failing_closed: Deployment::Standalone, FailClosed, Freeze;
+    frozen_under_load_failing_open: Deployment::Standalone, FailOpen, Freeze;
+    a_cluster_master_killed_under_load_with_fallback: Deployment::ClusterMaster(1), Fallback, Kill;
+    a_cluster_master_frozen_under_load_failing_closed:
+        Deployment::ClusterMaster(2), FailClosed, Freeze;
 }

@@ -6,16 +6,15 @@
 //! measures is its own. The always-on run sends 200,000 distinct IPv4 clients;
 //! `TOLLGATE_LONG_TESTS=1` sends 1,000,000 (about a minute in a debug build).
 use crate::ONE_AT_A_TIME;
+use crate::support;
 
-use std::convert::Infallible;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use axum::body::Body;
-use http::{Request, Response, StatusCode};
-use tollgate::RequestBody;
+use http::{Request, StatusCode};
 use tollgate::store::MemoryStore;
 use tollgate::{Policy, Quota, RateLimitLayer};
-use tower::{Layer, Service, ServiceExt, service_fn};
+use tower::{Layer, ServiceExt};
 
 /// Resident memory of this process, in bytes (`/proc/self/statm`).
 fn resident_bytes() -> u64 {
@@ -46,14 +45,6 @@ fn from(ip: IpAddr) -> Request<Body> {
     req
 }
 
-fn ok()
--> impl Service<Request<RequestBody<Body>>, Response = Response<Body>, Error = Infallible, Future: Send>
-+ Clone
-+ Send
-+ 'static {
-    service_fn(|_req| async { Ok::<_, Infallible>(Response::new(Body::empty())) })
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ipv4_flood_stays_under_the_key_cap_and_established_clients_keep_their_state() {
     let _one = ONE_AT_A_TIME.lock().await;
@@ -62,7 +53,7 @@ async fn an_ipv4_flood_stays_under_the_key_cap_and_established_clients_keep_thei
     let store = MemoryStore::builder().max_keys(CAP).build().unwrap();
     let policy = Policy::single("flood", Quota::per_hour(5)).unwrap();
     let layer = RateLimitLayer::builder(policy).store(store.clone()).build().unwrap();
-    let svc = layer.layer(ok());
+    let svc = layer.layer(support::ok_service());
     let status = |ip: IpAddr| {
         let svc = svc.clone();
         async move { svc.oneshot(from(ip)).await.unwrap().status() }
@@ -116,7 +107,7 @@ async fn an_ipv6_client_rotating_through_its_slash_64_is_one_bucket() {
     let store = MemoryStore::new();
     let policy = Policy::single("v6", Quota::per_hour(5)).unwrap();
     let layer = RateLimitLayer::builder(policy).store(store.clone()).build().unwrap();
-    let svc = layer.layer(ok());
+    let svc = layer.layer(support::ok_service());
     let mut rng = Rng(42);
     let prefix: u128 = 0x2001_0db8_0001_0002 << 64;
     let mut admitted = 0;

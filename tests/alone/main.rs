@@ -14,6 +14,7 @@ mod support;
 
 mod faults;
 mod flood;
+mod outage;
 mod redis_busy;
 mod redis_load;
 mod sentinel;

@@ -16,14 +16,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use axum::body::Body;
-use http::{Request, Response, StatusCode};
+use crate::outage::{Configured, Layered, by_header, request};
+use http::StatusCode;
 use support::redis::Server;
-use tollgate::key::Key;
 use tollgate::layer::Observed;
-use tollgate::store::{MemoryStore, RedisStore};
-use tollgate::{Algorithm, OnStoreError, Policy, Quota, RateLimitLayer, Source};
-use tower::{Layer, Service, ServiceExt};
+use tollgate::store::RedisStore;
+use tollgate::{Algorithm, Policy, Quota, RateLimitLayer, Source};
+use tower::{Layer, ServiceExt};
 
 /// 12 days: no window boundary (aligned to the Unix epoch on server time) falls inside a test.
 const LONG: Duration = Duration::from_secs(12 * 86_400);
@@ -62,16 +61,6 @@ impl Drop for Busy {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Configured {
-    Fallback,
-    FailClosed,
-    FailOpen,
-}
-
-const CONFIGURED: [Configured; 3] =
-    [Configured::Fallback, Configured::FailClosed, Configured::FailOpen];
-
 /// What the layer reported, counted by the decision hook.
 #[derive(Default)]
 struct Counts {
@@ -99,26 +88,13 @@ impl Counts {
     }
 }
 
-fn by_header(parts: &tollgate::key::RequestHead<'_>) -> Option<Key> {
-    parts.headers.get("x-key").and_then(|v| v.to_str().ok()).map(Key::text)
-}
-
-fn request(key: &str) -> Request<Body> {
-    Request::get("/").header("x-key", key).body(Body::empty()).unwrap()
-}
-
 /// A store on `server` failing as `configured`, with `timeout` (`None`: the default).
 fn store(server: &Server, configured: Configured, timeout: Option<Duration>) -> RedisStore {
     let mut builder = RedisStore::builder(server.url());
     if let Some(timeout) = timeout {
         builder = builder.timeout(timeout);
     }
-    match configured {
-        Configured::Fallback => builder.fallback(MemoryStore::new()),
-        _ => builder.no_fallback(),
-    }
-    .build()
-    .unwrap()
+    configured.build(builder)
 }
 
 /// A layer over `store` limiting by the `x-key` header, counting into the returned `Counts`.
@@ -126,27 +102,13 @@ fn service(
     store: RedisStore,
     policy: Policy,
     configured: Configured,
-) -> (
-    impl Service<
-        Request<Body>,
-        Response = Response<tollgate::layer::ResponseBody<Body>>,
-        Error = std::convert::Infallible,
-        Future: Send,
-    > + Clone
-    + Send
-    + 'static,
-    Arc<Counts>,
-) {
+) -> (impl Layered, Arc<Counts>) {
     let counts = Arc::new(Counts::default());
     let hook = Arc::clone(&counts);
-    let on_error = match configured {
-        Configured::FailOpen => OnStoreError::FailOpen,
-        _ => OnStoreError::FailClosed,
-    };
     let layer = RateLimitLayer::builder(policy)
         .key(by_header)
         .store(store)
-        .on_store_error(on_error)
+        .on_store_error(configured.on_store_error())
         .on_decision(move |event| {
             let counter = match (event.decision.map(|d| d.source()), event.outcome) {
                 (_, Observed::FailedOpen) => &hook.failed_open,
@@ -170,13 +132,7 @@ fn service(
 /// Opens the connection and loads the scripts (a few attempts: the machine is busy, and the
 /// timeout short).
 async fn connect(store: &RedisStore) {
-    for attempt in 1.. {
-        match store.connect().await {
-            Ok(()) => return,
-            Err(e) if attempt == 10 => panic!("connect: {e}"),
-            Err(_) => {}
-        }
-    }
+    crate::outage::connect(store, 10, Duration::ZERO, "").await;
 }
 
 fn policy(name: &str, algorithm: Algorithm, limit: u64) -> Policy {
@@ -187,53 +143,109 @@ fn policy(name: &str, algorithm: Algorithm, limit: u64) -> Policy {
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_burst_of_two_thousand_on_a_busy_machine_is_decided_by_redis() {
+/// The redis-server of a busy-machine scenario, with both cores loaded, run one at a time;
+/// `None` when the scenario was not asked for (see [`asked_for`]) or redis-server is missing.
+/// Bound by `let` in this order, they are dropped in reverse: the busy loops, the server, then
+/// the turn.
+async fn busy_machine() -> Option<(tokio::sync::MutexGuard<'static, ()>, Server, Busy)> {
     if !asked_for() {
-        return;
+        return None;
     }
-    let _one = ONE_AT_A_TIME.lock().await;
-    let Some(server) = Server::start("redis-server") else { return };
-    let _busy = Busy::start();
+    let one = ONE_AT_A_TIME.lock().await;
+    let server = Server::start("redis-server")?;
+    Some((one, server, Busy::start()))
+}
+
+/// How the requests of [`decided_by_redis`] arrive, all on one key.
+#[derive(Debug, Clone, Copy)]
+enum Load {
+    /// 2,000 requests at once, released together.
+    Burst,
+    /// 200 clients, 5 requests each, one after the other.
+    Clients,
+}
+
+impl Load {
+    /// Sends the requests through `svc`; returns how many were admitted and the slowest.
+    async fn send(self, svc: impl Layered, key: &'static str) -> (usize, Duration) {
+        let (clients, each) = match self {
+            Self::Burst => (2000, 1),
+            Self::Clients => (200, 5),
+        };
+        let barrier = Arc::new(tokio::sync::Barrier::new(clients));
+        let tasks: Vec<_> = (0..clients)
+            .map(|_| {
+                let (svc, barrier) = (svc.clone(), Arc::clone(&barrier));
+                tokio::spawn(async move {
+                    if matches!(self, Self::Burst) {
+                        barrier.wait().await;
+                    }
+                    let (mut ok, mut slowest) = (0, Duration::ZERO);
+                    for _ in 0..each {
+                        let started = Instant::now();
+                        let res = svc.clone().oneshot(request(key)).await.unwrap();
+                        slowest = slowest.max(started.elapsed());
+                        ok += usize::from(res.status() == StatusCode::OK);
+                    }
+                    (ok, slowest)
+                })
+            })
+            .collect();
+        let (mut ok, mut slowest) = (0, Duration::ZERO);
+        for t in tasks {
+            let (admitted, took) = t.await.unwrap();
+            ok += admitted;
+            slowest = slowest.max(took);
+        }
+        (ok, slowest)
+    }
+}
+
+/// `load` on key `key` for every configured outcome and every algorithm, the store's timeout
+/// `timeout` (`None`: the default), `limit` admitted: every one of the `total` requests decided
+/// by Redis, exactly `limit` admitted. Notes the slowest request under `what`.
+async fn decided_by_redis(
+    load: Load,
+    key: &'static str,
+    timeout: Option<Duration>,
+    (limit, total): (u64, usize),
+    what: &str,
+) {
+    let Some((_one, server, _busy)) = busy_machine().await else { return };
     let mut slowest = Duration::ZERO;
-    for configured in CONFIGURED {
-        // The default timeout (100 ms).
-        let store = store(&server, configured, None);
+    for configured in Configured::ALL {
+        let store = store(&server, configured, timeout);
         connect(&store).await;
         for algorithm in Algorithm::ALL {
-            let (svc, counts) = service(
-                store.clone(),
-                policy(&format!("burst-{configured:?}"), algorithm, 100),
-                configured,
-            );
-            let barrier = Arc::new(tokio::sync::Barrier::new(2000));
-            let tasks: Vec<_> = (0..2000)
-                .map(|_| {
-                    let (svc, barrier) = (svc.clone(), Arc::clone(&barrier));
-                    tokio::spawn(async move {
-                        barrier.wait().await;
-                        let started = Instant::now();
-                        let status = svc.oneshot(request("burst")).await.unwrap().status();
-                        (status, started.elapsed())
-                    })
-                })
-                .collect();
-            let mut ok = 0;
-            for t in tasks {
-                let (status, took) = t.await.unwrap();
-                ok += usize::from(status == StatusCode::OK);
-                slowest = slowest.max(took);
-            }
+            let policy = policy(&format!("{key}-{configured:?}"), algorithm, limit);
+            let (svc, counts) = service(store.clone(), policy, configured);
+            let (ok, took) = load.send(svc, key).await;
+            slowest = slowest.max(took);
             let name = format!("{configured:?} {algorithm:?}");
+            let limit = usize::try_from(limit).unwrap();
             assert_eq!(
                 counts.get(),
-                (2000, 100, 0, 0, 0),
+                (total, limit, 0, 0, 0),
                 "{name}: (redis, admitted, fallback, open, closed)"
             );
-            assert_eq!(ok, 100, "{name}");
+            assert_eq!(ok, limit, "{name}");
         }
     }
-    note(&format!("a burst of 2,000 at the default timeout: slowest request {slowest:?}"));
+    note(&format!("{what}: slowest request {slowest:?}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_two_thousand_on_a_busy_machine_is_decided_by_redis() {
+    // The default timeout (100 ms).
+    let what = "a burst of 2,000 at the default timeout";
+    decided_by_redis(Load::Burst, "burst", None, (100, 2000), what).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_clients_at_50_ms_on_a_busy_machine_are_decided_by_redis() {
+    let what = "200 clients at a 50 ms timeout";
+    decided_by_redis(Load::Clients, "clients", Some(Duration::from_millis(50)), (50, 1000), what)
+        .await;
 }
 
 /// These scenarios load both cores on purpose and bound latencies, so their outcome depends
@@ -258,68 +270,11 @@ fn note(line: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_hundred_clients_at_50_ms_on_a_busy_machine_are_decided_by_redis() {
-    if !asked_for() {
-        return;
-    }
-    let _one = ONE_AT_A_TIME.lock().await;
-    let Some(server) = Server::start("redis-server") else { return };
-    let _busy = Busy::start();
-    let mut slowest = Duration::ZERO;
-    for configured in CONFIGURED {
-        let store = store(&server, configured, Some(Duration::from_millis(50)));
-        connect(&store).await;
-        for algorithm in Algorithm::ALL {
-            let (svc, counts) = service(
-                store.clone(),
-                policy(&format!("clients-{configured:?}"), algorithm, 50),
-                configured,
-            );
-            // 200 clients, 5 requests each, one after the other.
-            let tasks: Vec<_> = (0..200)
-                .map(|_| {
-                    let svc = svc.clone();
-                    tokio::spawn(async move {
-                        let (mut ok, mut slowest) = (0, Duration::ZERO);
-                        for _ in 0..5 {
-                            let started = Instant::now();
-                            let res = svc.clone().oneshot(request("clients")).await.unwrap();
-                            slowest = slowest.max(started.elapsed());
-                            ok += usize::from(res.status() == StatusCode::OK);
-                        }
-                        (ok, slowest)
-                    })
-                })
-                .collect();
-            let mut ok = 0;
-            for t in tasks {
-                let (admitted, took) = t.await.unwrap();
-                ok += admitted;
-                slowest = slowest.max(took);
-            }
-            let name = format!("{configured:?} {algorithm:?}");
-            assert_eq!(
-                counts.get(),
-                (1000, 50, 0, 0, 0),
-                "{name}: (redis, admitted, fallback, open, closed)"
-            );
-            assert_eq!(ok, 50, "{name}");
-        }
-    }
-    note(&format!("200 clients at a 50 ms timeout: slowest request {slowest:?}"));
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_redis_on_a_busy_machine_costs_a_request_at_most_twice_the_timeout() {
     const TIMEOUT: Duration = Duration::from_millis(50);
-    if !asked_for() {
-        return;
-    }
-    let _one = ONE_AT_A_TIME.lock().await;
-    let Some(server) = Server::start("redis-server") else { return };
-    let _busy = Busy::start();
+    let Some((_one, server, _busy)) = busy_machine().await else { return };
     let mut report = Vec::new();
-    for configured in CONFIGURED {
+    for configured in Configured::ALL {
         let store = store(&server, configured, Some(TIMEOUT));
         connect(&store).await;
         let policy = Policy::single(format!("frozen-{configured:?}"), Quota::per_hour(50)).unwrap();

@@ -90,22 +90,23 @@ async fn a_rejected_sliding_log_check_costs_redis_about_the_same_at_any_limit() 
     );
 }
 
-/// Each of `clients` tasks checks `key` `each` times; returns (admitted, decided by the
-/// fallback).
+/// Each of `clients` tasks checks `key` `each` times, their first checks released together;
+/// returns (admitted, decided by the fallback).
 async fn hammer(
-    limiter: &Arc<Limiter<RedisStore>>,
-    key: &str,
+    limiter: &Limiter<RedisStore>,
+    key: &Key,
     clients: usize,
     each: usize,
 ) -> (usize, usize) {
+    let barrier = Arc::new(tokio::sync::Barrier::new(clients));
     let tasks: Vec<_> = (0..clients)
         .map(|_| {
-            let limiter = Arc::clone(limiter);
-            let key = Key::text(key);
+            let (limiter, key, barrier) = (limiter.clone(), key.clone(), Arc::clone(&barrier));
             tokio::spawn(async move {
+                barrier.wait().await;
                 let (mut admitted, mut fallback) = (0, 0);
                 for _ in 0..each {
-                    let d = limiter.check(&key, 1).await.unwrap();
+                    let d = limiter.check(&key, 1).await.expect("decided");
                     admitted += usize::from(d.is_allowed());
                     fallback += usize::from(d.source() == Source::Fallback);
                 }
@@ -132,16 +133,16 @@ async fn a_hot_key_admits_exactly_its_limit_and_never_trips_the_breaker_for_othe
                 .timeout(Duration::from_millis(50))
                 .build()
                 .unwrap();
-            let limiter = Arc::new(
-                Limiter::with_store(policy("hot", algorithm, 1000, LONG), store.clone()).unwrap(),
-            );
+            let limiter =
+                Limiter::with_store(policy("hot", algorithm, 1000, LONG), store.clone()).unwrap();
             // 50 clients loop on one key far past its limit while an innocent client checks
             // another key.
             let hot = {
-                let limiter = Arc::clone(&limiter);
-                tokio::spawn(async move { hammer(&limiter, "hot", 50, 100).await })
+                let limiter = limiter.clone();
+                tokio::spawn(async move { hammer(&limiter, &Key::text("hot"), 50, 100).await })
             };
-            let (innocent_ok, innocent_fallback) = hammer(&limiter, "innocent", 1, 120).await;
+            let (innocent_ok, innocent_fallback) =
+                hammer(&limiter, &Key::text("innocent"), 1, 120).await;
             let (hot_ok, hot_fallback) = hot.await.unwrap();
             let name = format!("{bin} {algorithm:?}");
             assert_eq!(hot_ok, 1000, "{name}: the hot key admits exactly its limit");
@@ -150,27 +151,6 @@ async fn a_hot_key_admits_exactly_its_limit_and_never_trips_the_breaker_for_othe
             assert_eq!(store.breaker_state(), BreakerState::Closed, "{name}");
         }
     }
-}
-
-/// `n` checks of one key at once, each from its own task, released together.
-async fn admitted_concurrently(limiter: &Limiter<RedisStore>, n: usize) -> (usize, usize) {
-    let barrier = Arc::new(tokio::sync::Barrier::new(n));
-    let tasks: Vec<_> = (0..n)
-        .map(|_| {
-            let (limiter, barrier) = (limiter.clone(), Arc::clone(&barrier));
-            tokio::spawn(async move {
-                barrier.wait().await;
-                let d = limiter.check(&Key::Global, 1).await.expect("decided");
-                (usize::from(d.is_allowed()), usize::from(d.source() == Source::Fallback))
-            })
-        })
-        .collect();
-    let mut total = (0, 0);
-    for t in tasks {
-        let (a, f) = t.await.unwrap();
-        total = (total.0 + a, total.1 + f);
-    }
-    total
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -183,7 +163,7 @@ async fn two_thousand_concurrent_checks_with_the_defaults_admit_exactly_the_limi
         for algorithm in Algorithm::ALL {
             let limiter =
                 Limiter::with_store(policy("load", algorithm, 100, LONG), store.clone()).unwrap();
-            let (admitted, fallback) = admitted_concurrently(&limiter, 2000).await;
+            let (admitted, fallback) = hammer(&limiter, &Key::Global, 2000, 1).await;
             assert_eq!((admitted, fallback), (100, 0), "{bin} {algorithm:?}");
         }
         // All of it on one multiplexed connection (plus this inspecting one).
@@ -210,7 +190,7 @@ async fn two_thousand_concurrent_checks_on_a_cluster_admit_exactly_the_limit() {
     for algorithm in Algorithm::ALL {
         let limiter =
             Limiter::with_store(policy("cload", algorithm, 100, LONG), store.clone()).unwrap();
-        let (admitted, fallback) = admitted_concurrently(&limiter, 2000).await;
+        let (admitted, fallback) = hammer(&limiter, &Key::Global, 2000, 1).await;
         assert_eq!((admitted, fallback), (100, 0), "{algorithm:?}");
     }
 }

@@ -20,9 +20,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::outage::{MARGIN, connect, wait_for_promotion, with_fallback};
 use support::redis::Sentinels;
 use tollgate::key::Key;
-use tollgate::store::{BreakerState, MemoryStore, RedisStore, Store};
+use tollgate::store::{BreakerState, RedisStore, Store};
 use tollgate::{Limiter, Policy, Quota, Source};
 
 /// The store's per-call timeout in these tests. Killed servers refuse at once, so it bounds
@@ -30,9 +31,6 @@ use tollgate::{Limiter, Policy, Quota, Source};
 /// machine under other load, calls to a healthy server now and then stalled past it (and the
 /// fallback decided), which says nothing of a failover.
 const TIMEOUT: Duration = Duration::from_millis(500);
-/// What a check may take beyond the timeout: the fallback decision and scheduling on a busy
-/// 2-core machine.
-const MARGIN: Duration = Duration::from_millis(250);
 /// Concurrent checks kept in flight.
 const WORKERS: usize = 32;
 /// Checks each worker makes at most (so a run is bounded even if time is not).
@@ -41,16 +39,8 @@ const PER_WORKER: usize = 2000;
 const PACE: Duration = Duration::from_millis(5);
 /// From the failover on, by when checks are decided by Redis again.
 const RESUME: Duration = Duration::from_secs(1);
-/// How long the sentinels get to promote the replica.
-const FAILOVER_LIMIT: Duration = Duration::from_secs(15);
 
 use crate::ONE_AT_A_TIME;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Configured {
-    Fallback,
-    NoFallback,
-}
 
 /// What one check was.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,7 +72,8 @@ fn seen(result: &Result<tollgate::Decision, tollgate::StoreError>) -> Seen {
     }
 }
 
-async fn scenario(configured: Configured) {
+/// The scenario with the local fallback (`fallback`) or without one.
+async fn scenario(fallback: bool) {
     let _one = ONE_AT_A_TIME.lock().await;
     let Some(mut group) = Sentinels::start() else { return };
     let old = group.master.addr();
@@ -90,20 +81,10 @@ async fn scenario(configured: Configured) {
     let builder = RedisStore::sentinel_builder(group.urls(), group.name.clone())
         .timeout(TIMEOUT)
         .circuit_breaker(3, Duration::from_millis(300));
-    let store = match configured {
-        Configured::Fallback => builder.fallback(MemoryStore::new()),
-        Configured::NoFallback => builder.no_fallback(),
-    }
-    .build()
-    .unwrap();
-    // Setup, not the scenario: on a loaded machine one connect may miss the timeout.
-    let mut attempts = 0;
-    while let Err(e) = store.connect().await {
-        attempts += 1;
-        assert!(attempts < 20, "{configured:?}: connect: {e}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    if configured == Configured::Fallback {
+    let store = with_fallback(builder, fallback);
+    let name = if fallback { "Fallback" } else { "NoFallback" };
+    connect(&store, 20, Duration::from_millis(100), &format!("{name}: ")).await;
+    if fallback {
         let unknown = RedisStore::sentinel_builder(group.urls(), "unknown")
             .timeout(Duration::from_secs(2))
             .build()
@@ -159,24 +140,8 @@ async fn scenario(configured: Configured) {
     group.master.kill();
     let killed = Instant::now();
     // The failover time: until one of the sentinels names the replica.
-    let (group, failover, named) = tokio::task::spawn_blocking(move || {
-        loop {
-            let named =
-                (0..group.sentinels.len()).find_map(|i| group.master_addr(i).filter(|a| *a != old));
-            if let Some(new) = named {
-                return (group, killed.elapsed(), new);
-            }
-            assert!(
-                killed.elapsed() < FAILOVER_LIMIT,
-                "no failover within {FAILOVER_LIMIT:?}\n{}",
-                group.logs()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    })
-    .await
-    .unwrap();
-    let failed_over = killed + failover;
+    let (group, failed_over, named) = wait_for_promotion(group, old, killed).await;
+    let failover = failed_over - killed;
     assert_eq!(named, promoted, "{}", group.logs());
     tokio::time::sleep_until((failed_over + RESUME + Duration::from_secs(1)).into()).await;
     stop.store(true, Ordering::Relaxed);
@@ -185,7 +150,6 @@ async fn scenario(configured: Configured) {
     for w in workers {
         samples.extend(w.await.expect("no worker panicked"));
     }
-    let name = format!("{configured:?}");
     let before: Vec<&Sample> = samples.iter().filter(|s| s.started + s.took < killing).collect();
     let between: Vec<&Sample> = samples
         .iter()
@@ -227,15 +191,12 @@ async fn scenario(configured: Configured) {
             .take(30)
             .collect::<Vec<_>>()
     );
-    let policy_decided = match configured {
-        Configured::Fallback => {
-            assert_eq!(count(&between, Seen::Failed), 0, "{name}: the fallback always decides");
-            count(&between, Seen::Fallback)
-        }
-        Configured::NoFallback => {
-            assert_eq!(count(&between, Seen::Fallback), 0, "{name}: no fallback");
-            count(&between, Seen::Failed)
-        }
+    let policy_decided = if fallback {
+        assert_eq!(count(&between, Seen::Failed), 0, "{name}: the fallback always decides");
+        count(&between, Seen::Fallback)
+    } else {
+        assert_eq!(count(&between, Seen::Fallback), 0, "{name}: no fallback");
+        count(&between, Seen::Failed)
     };
     assert!(policy_decided > 0, "{name}: the failure policy decided during the failover");
     assert!(after.len() >= WORKERS, "{name}: only {} checks after the failover", after.len());
@@ -310,12 +271,12 @@ async fn scenario(configured: Configured) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failover_under_load_is_followed_with_the_fallback_deciding_in_between() {
-    scenario(Configured::Fallback).await;
+    scenario(true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failover_under_load_is_followed_with_errors_in_between_without_a_fallback() {
-    scenario(Configured::NoFallback).await;
+    scenario(false).await;
 }
 
 #[test]

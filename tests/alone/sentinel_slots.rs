@@ -9,6 +9,7 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
+use crate::outage::{connect, wait_for_promotion};
 use support::redis::Sentinels;
 use tollgate::key::Key;
 use tollgate::store::{Check, RedisPolicy, RedisStore, RedisTicket, Store};
@@ -18,8 +19,6 @@ use crate::ONE_AT_A_TIME;
 
 /// How long after the promotion the slots may take to come back.
 const BACK_WITHIN: Duration = Duration::from_secs(2);
-/// How long the sentinels get to promote the replica.
-const FAILOVER_LIMIT: Duration = Duration::from_secs(15);
 
 /// A slot taken by Redis (not the fallback: there is none), or `None`.
 async fn take(store: &RedisStore, bound: &RedisPolicy, key: &Key) -> Option<RedisTicket> {
@@ -39,12 +38,7 @@ async fn slots_released_during_a_failover_come_back_soon_after_the_promotion() {
         .no_fallback()
         .build()
         .unwrap();
-    let mut attempts = 0;
-    while let Err(e) = store.connect().await {
-        attempts += 1;
-        assert!(attempts < 20, "connect: {e}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    connect(&store, 20, Duration::from_millis(100), "").await;
     let policy =
         Policy::builder("sentinel-slots").concurrency("in-flight", Concurrency::new(2)).build();
     let bound = store.bind(&policy.unwrap()).unwrap();
@@ -61,19 +55,7 @@ async fn slots_released_during_a_failover_come_back_soon_after_the_promotion() {
     // Released while the master is down: both fail to reach Redis.
     assert!(store.release(&bound, first).await.is_err(), "the master is down");
     drop(second);
-    let (group, promoted) = tokio::task::spawn_blocking(move || {
-        loop {
-            let named =
-                (0..group.sentinels.len()).find_map(|i| group.master_addr(i).filter(|a| *a != old));
-            if named.is_some() {
-                return (group, Instant::now());
-            }
-            assert!(killed.elapsed() < FAILOVER_LIMIT, "no failover\n{}", group.logs());
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    })
-    .await
-    .unwrap();
+    let (group, promoted, _) = wait_for_promotion(group, old, killed).await;
     // Both slots free: two requests each take one, decided by the promoted master.
     let back = loop {
         if let Some(a) = take(&store, &bound, &key).await {

@@ -168,9 +168,10 @@ async fn gcra_beside_a_calendar_and_slots_refuses_like_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shaping_never_fills_a_calendar_minute_past_its_limit_on_redis() {
     let Some(server) = Server::start("redis-server") else { return };
+    let rate = Quota::per_second(1).with_burst(20);
     let policy = Policy::builder("paced")
         .algorithm(Algorithm::LeakyBucket)
-        .tier("rate", Quota::per_second(1).with_burst(20))
+        .tier("rate", rate)
         .calendar("minute", Calendar::per_minute(3))
         .build()
         .unwrap();

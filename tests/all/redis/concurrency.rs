@@ -40,7 +40,7 @@ fn long_policy(algorithm: Algorithm) -> Policy {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standalone_admits_exactly_100_of_1000_concurrent_on_one_connection() {
     let Some(server) = Server::start("redis-server") else { return };
-    let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(10)).build().unwrap();
+    let store = timed(RedisStore::builder(server.url()), 10);
     for algorithm in Algorithm::ALL {
         let admitted = admitted_concurrently(&store, &long_policy(algorithm), 1000).await;
         assert_eq!(admitted, 100, "{algorithm:?}");
@@ -54,23 +54,14 @@ async fn standalone_admits_exactly_100_of_1000_concurrent_on_one_connection() {
 /// test only on New Year's Eve at midnight), a rate counting bytes, both with a concurrency tier
 /// that never fills up, and a concurrency tier of 100 slots nobody releases.
 fn kinds_policies() -> Vec<Policy> {
-    let slots = || Concurrency::new(1000).with_ttl(Duration::from_secs(600));
-    vec![
-        Policy::builder("conc-calendar")
-            .calendar("year", Calendar::per_year(100))
-            .concurrency("slots", slots())
-            .build()
-            .unwrap(),
-        Policy::builder("conc-bytes")
-            .tier("bytes", Quota::new(100, LONG).counting(Unit::RequestBytes))
-            .concurrency("slots", slots())
-            .build()
-            .unwrap(),
-        Policy::builder("conc-held")
-            .concurrency("slots", Concurrency::new(100).with_ttl(Duration::from_secs(600)))
-            .build()
-            .unwrap(),
-    ]
+    let slots = |max| Concurrency::new(max).with_ttl(Duration::from_secs(600));
+    let calendar = Policy::builder("conc-calendar").calendar("year", Calendar::per_year(100));
+    let bytes = Quota::new(100, LONG).counting(Unit::RequestBytes);
+    let bytes = Policy::builder("conc-bytes").tier("bytes", bytes);
+    let held = Policy::builder("conc-held");
+    [(calendar, 1000), (bytes, 1000), (held, 100)]
+        .map(|(builder, max)| builder.concurrency("slots", slots(max)).build().unwrap())
+        .into()
 }
 
 /// Sends `n` reservations of one key at once and keeps the admitted ones; returns how many.
@@ -98,7 +89,7 @@ async fn held_concurrently(store: &RedisStore, policy: &Policy, n: usize) -> usi
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_kind_admits_exactly_100_of_1000_concurrent_on_redis() {
     let Some(server) = Server::start("redis-server") else { return };
-    let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(10)).build().unwrap();
+    let store = timed(RedisStore::builder(server.url()), 10);
     for policy in kinds_policies() {
         assert_eq!(held_concurrently(&store, &policy, 1000).await, 100, "{}", policy.name());
     }
@@ -107,10 +98,7 @@ async fn every_kind_admits_exactly_100_of_1000_concurrent_on_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_admits_exactly_100_of_1000_concurrent() {
     let Some(cluster) = Cluster::start() else { return };
-    let store = RedisStore::cluster_builder(cluster.urls())
-        .timeout(Duration::from_secs(10))
-        .build()
-        .unwrap();
+    let store = timed(RedisStore::cluster_builder(cluster.urls()), 10);
     for algorithm in [Algorithm::Gcra, Algorithm::SlidingLog, Algorithm::SlidingCounter] {
         let admitted = admitted_concurrently(&store, &long_policy(algorithm), 1000).await;
         assert_eq!(admitted, 100, "{algorithm:?}");

@@ -5,9 +5,7 @@ use super::*;
 
 #[test]
 fn standalone_decides_exactly_like_memory_store() {
-    let Some(server) = Server::start("redis-server") else { return };
-    let url = server.url();
-    differential(256, |clock, prefix| fake_clock_store(RedisStore::builder(&url), clock, prefix));
+    differential_on("redis-server", 256);
 }
 
 /// Clock steps back (NTP, a failover to a server whose clock is behind) between checks,
@@ -16,10 +14,7 @@ fn standalone_decides_exactly_like_memory_store() {
 #[test]
 fn a_clock_stepping_back_decides_exactly_like_memory_store() {
     let Some(server) = Server::start("redis-server") else { return };
-    let url = server.url();
-    differential_of(trace(true), 256, |clock, prefix| {
-        fake_clock_store(RedisStore::builder(&url), clock, prefix)
-    });
+    differential_of(trace(true), 256, stores_on(&server, ""));
 }
 
 /// A trace the test above once drew (about 1 in 40 runs), kept: a sliding log of one request
@@ -27,7 +22,6 @@ fn a_clock_stepping_back_decides_exactly_like_memory_store() {
 /// nanosecond, three shaped checks queued behind the entries, then policed checks.
 #[test]
 fn a_settled_up_log_after_the_clock_steps_back_decides_exactly_like_memory_store() {
-    let Some(server) = Server::start("redis-server") else { return };
     let w = 2_028_818;
     let check = |shape: Option<u64>| Step::Check { key: 2, cost: 1, costs: vec![1; 5], shape };
     let steps = vec![
@@ -42,11 +36,7 @@ fn a_settled_up_log_after_the_clock_steps_back_decides_exactly_like_memory_store
         Step::Advance(1),
         check(None),
     ];
-    let trace = Trace::new(Algorithm::SlidingLog, (vec![(1, w, 1)], vec![], 0, steps));
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let clock = FakeClock::new();
-    let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "log:".into());
-    rt.block_on(replay(store, clock, &trace)).unwrap();
+    replay_kept([Trace::new(Algorithm::SlidingLog, (vec![(1, w, 1)], vec![], 0, steps))]);
 }
 
 /// A trace the clock-step test drew (about 1 in 10 runs), kept: two GCRA tiers, a check
@@ -55,7 +45,6 @@ fn a_settled_up_log_after_the_clock_steps_back_decides_exactly_like_memory_store
 /// afresh), then the clock stepped back: a fresh tier's TAT is in the past on both stores.
 #[test]
 fn a_settlement_per_tier_then_a_step_back_decides_exactly_like_memory_store() {
-    let Some(server) = Server::start("redis-server") else { return };
     let check = |shape: Option<u64>| Step::Check { key: 0, cost: 1, costs: vec![1; 5], shape };
     let steps = vec![
         check(None),
@@ -66,18 +55,14 @@ fn a_settlement_per_tier_then_a_step_back_decides_exactly_like_memory_store() {
         Step::Settle { which: 0, cost: 1 },
         Step::Back(100_001),
     ];
-    let trace = Trace::new(
-        Algorithm::Gcra,
-        (vec![(1, 1_000_000, 1), (10, 1_000_000, 1)], vec![], 0, steps),
-    );
-    replay_kept(&server, &trace);
+    let tiers = vec![(1, 1_000_000, 1), (10, 1_000_000, 1)];
+    replay_kept([Trace::new(Algorithm::Gcra, (tiers, vec![], 0, steps))]);
 }
 
 /// Another trace the clock-step test drew, kept: a fractional emission interval (9 per
 /// millisecond) beside a whole one, a refund that leaves the key idle, one tier settled up.
 #[test]
 fn a_fresh_tier_beside_a_settled_one_decides_exactly_like_memory_store() {
-    let Some(server) = Server::start("redis-server") else { return };
     let check = |cost: u64| Step::Check { key: 0, cost, costs: vec![1; 5], shape: None };
     let steps = vec![
         check(1),
@@ -90,11 +75,8 @@ fn a_fresh_tier_beside_a_settled_one_decides_exactly_like_memory_store() {
         Step::SettleTier { which: 0, tier: 0, cost: 2 },
         Step::Back(1),
     ];
-    let trace = Trace::new(
-        Algorithm::Gcra,
-        (vec![(9, 1_000_000, 9), (10, 1_000_000, 9)], vec![], 0, steps),
-    );
-    replay_kept(&server, &trace);
+    let tiers = vec![(9, 1_000_000, 9), (10, 1_000_000, 9)];
+    replay_kept([Trace::new(Algorithm::Gcra, (tiers, vec![], 0, steps))]);
 }
 
 /// A trace the clock-step test drew (about 1 in 20 runs), kept, and its leaky-bucket twin: a
@@ -103,7 +85,6 @@ fn a_fresh_tier_beside_a_settled_one_decides_exactly_like_memory_store() {
 /// the past on both stores, never as of now, which would project backwards.
 #[test]
 fn a_fresh_bucket_beside_a_settled_one_decides_exactly_like_memory_store() {
-    let Some(server) = Server::start("redis-server") else { return };
     let check = Step::Check { key: 0, cost: 1, costs: vec![1; 5], shape: None };
     let steps = vec![
         check,
@@ -112,10 +93,11 @@ fn a_fresh_bucket_beside_a_settled_one_decides_exactly_like_memory_store() {
         Step::SettleTier { which: 0, tier: 0, cost: 1 },
         Step::Back(1),
     ];
-    for algorithm in [Algorithm::LeakyBucket, Algorithm::TokenBucket] {
-        let tiers = vec![(1, 10_000_000, 2), (3, 10_000_000, 1)];
-        replay_kept(&server, &Trace::new(algorithm, (tiers, vec![], 0, steps.clone())));
-    }
+    let tiers = vec![(1, 10_000_000, 2), (3, 10_000_000, 1)];
+    replay_kept(
+        [Algorithm::LeakyBucket, Algorithm::TokenBucket]
+            .map(|algorithm| Trace::new(algorithm, (tiers.clone(), vec![], 0, steps.clone()))),
+    );
 }
 
 /// A calendar key charged, then the clock stepped back two hours (past the 60 s the calendar
@@ -124,7 +106,6 @@ fn a_fresh_bucket_beside_a_settled_one_decides_exactly_like_memory_store() {
 /// windows reaching it (they once failed: "the calendar windows sent do not cover").
 #[test]
 fn a_calendar_key_two_hours_ahead_of_the_clock_decides_exactly_like_memory_store() {
-    let Some(server) = Server::start("redis-server") else { return };
     let check = |shape: Option<u64>| Step::Check { key: 0, cost: 1, costs: vec![1; 5], shape };
     let hour = 3_600_000_000_000;
     let steps = vec![
@@ -140,19 +121,16 @@ fn a_calendar_key_two_hours_ahead_of_the_clock_decides_exactly_like_memory_store
         Step::Advance(hour),
         check(None),
     ];
-    for (period, zone) in [(0, 0), (1, 1), (2, 2)] {
+    let start = instant("2025-10-26T00:00:00Z") + 3 * hour;
+    replay_kept([(0, 0), (1, 1), (2, 2)].map(|(period, zone)| {
         let extra = vec![Extra::Calendar(3, period, zone)];
-        let start = instant("2025-10-26T00:00:00Z") + 3 * hour;
-        let tiers = vec![(10, 1_000_000_000, 10)];
-        replay_kept(&server, &Trace::new(Algorithm::Gcra, (tiers, extra, start, steps.clone())));
-    }
+        Trace::new(Algorithm::Gcra, (vec![(10, 1_000_000_000, 10)], extra, start, steps.clone()))
+    }));
 }
 
 #[test]
 fn valkey_decides_exactly_like_memory_store() {
-    let Some(server) = Server::start("valkey-server") else { return };
-    let url = server.url();
-    differential(64, |clock, prefix| fake_clock_store(RedisStore::builder(&url), clock, prefix));
+    differential_on("valkey-server", 64);
 }
 
 #[test]
@@ -198,12 +176,16 @@ fn every_algorithm_admits_then_limits<St: Store>(store: impl Fn(FakeClock) -> St
     }
 }
 
+/// [`every_algorithm_admits_then_limits`] on a `bin` server the test starts (skipped without it).
+fn every_algorithm_admits_then_limits_on_a(bin: &str) {
+    let Some(server) = Server::start(bin) else { return };
+    let stores = stores_on(&server, "a:");
+    every_algorithm_admits_then_limits(|clock| stores(clock, String::new()));
+}
+
 #[test]
 fn every_algorithm_admits_then_limits_on_redis() {
-    let Some(server) = Server::start("redis-server") else { return };
-    every_algorithm_admits_then_limits(|clock| {
-        fake_clock_store(RedisStore::builder(server.url()), clock, "a:".into())
-    });
+    every_algorithm_admits_then_limits_on_a("redis-server");
 }
 
 #[test]
@@ -215,10 +197,7 @@ fn every_algorithm_admits_then_limits_in_memory() {
 
 #[test]
 fn every_algorithm_admits_then_limits_on_valkey() {
-    let Some(server) = Server::start("valkey-server") else { return };
-    every_algorithm_admits_then_limits(|clock| {
-        fake_clock_store(RedisStore::builder(server.url()), clock, "a:".into())
-    });
+    every_algorithm_admits_then_limits_on_a("valkey-server");
 }
 
 #[test]

@@ -5,15 +5,19 @@ use super::*;
 // ---------------------------------------------------------------------------------------------
 // Failure policy: the server killed mid-run and restarted.
 
+/// A store builder for `server` with a 300 ms timeout, its breaker opening after `failures`
+/// failed calls for `open_for`.
+fn breaking(server: &Server, failures: u32, open_for: Duration) -> RedisStoreBuilder {
+    RedisStore::builder(server.url())
+        .timeout(Duration::from_millis(300))
+        .circuit_breaker(failures, open_for)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_falls_back_locally_opens_the_breaker_and_recovers() {
     let Some(mut server) = Server::start("redis-server") else { return };
-    let store = RedisStore::builder(server.url())
-        .timeout(Duration::from_millis(300))
-        .circuit_breaker(2, Duration::from_millis(200))
-        .fallback(MemoryStore::new())
-        .build()
-        .unwrap();
+    let builder = breaking(&server, 2, Duration::from_millis(200));
+    let store = builder.fallback(MemoryStore::new()).build().unwrap();
     let policy = Policy::single("restart", Quota::per_hour(5)).unwrap();
     let limiter = Limiter::with_store(policy, store.clone()).unwrap();
     let key = Key::text("k");
@@ -62,12 +66,7 @@ async fn a_restart_falls_back_locally_opens_the_breaker_and_recovers() {
 async fn without_a_fallback_the_layer_fails_closed_or_open_as_configured() {
     use tower::{Layer as _, ServiceExt as _};
     let Some(mut server) = Server::start("redis-server") else { return };
-    let store = RedisStore::builder(server.url())
-        .timeout(Duration::from_millis(300))
-        .circuit_breaker(1, Duration::from_secs(600))
-        .no_fallback()
-        .build()
-        .unwrap();
+    let store = breaking(&server, 1, Duration::from_secs(600)).no_fallback().build().unwrap();
     let policy = Policy::single("outage", Quota::per_hour(5)).unwrap();
     let layer = |on_error| {
         RateLimitLayer::builder(policy.clone())

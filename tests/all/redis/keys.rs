@@ -9,10 +9,7 @@ use super::*;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_policys_keys_share_one_cluster_slot_and_keys_spread_over_nodes() {
     let Some(cluster) = Cluster::start() else { return };
-    let store = RedisStore::cluster_builder(cluster.urls())
-        .timeout(Duration::from_secs(5))
-        .build()
-        .unwrap();
+    let store = timed(RedisStore::cluster_builder(cluster.urls()), 5);
     let policy = Policy::builder("log")
         .algorithm(Algorithm::SlidingLog)
         .tier("second", Quota::per_second(5))

@@ -30,7 +30,8 @@ use support::redis::{Cluster, Server};
 use tollgate::clock::FakeClock;
 use tollgate::key::{GlobalKey, Key};
 use tollgate::store::{
-    BreakerState, Check, MemoryStore, MemoryTicket, RedisStore, RedisTicket, Store,
+    BreakerState, Check, MemoryStore, MemoryTicket, RedisStore, RedisStoreBuilder, RedisTicket,
+    Store,
 };
 use tollgate::{
     Algorithm, Calendar, CalendarPeriod, Concurrency, Decision, Limiter, OnStoreError, Penalty,
@@ -53,4 +54,38 @@ fn state_key(store: &RedisStore, policy: &Policy, key: &Key) -> String {
 /// key less its `:{fingerprint}` (8 hexadecimal digits), then `:c:{tier}`.
 fn lease_set(state: &str, tier: &str) -> String {
     format!("{}:c:{tier}", &state[..state.len() - 9])
+}
+
+/// A fake clock set to `at` nanoseconds since the epoch.
+fn clock_at(at: u64) -> FakeClock {
+    let clock = FakeClock::new();
+    clock.set(at);
+    clock
+}
+
+/// A fake clock set to `at` and the store `builder` makes on it, its keys under `prefix` (see
+/// [`fake_clock_store`]).
+fn clocked(builder: RedisStoreBuilder, at: u64, prefix: &str) -> (FakeClock, RedisStore) {
+    let clock = clock_at(at);
+    let store = fake_clock_store(builder, clock.clone(), prefix.into());
+    (clock, store)
+}
+
+/// The store `builder` makes, with a timeout of `secs` seconds.
+fn timed(builder: RedisStoreBuilder, secs: u64) -> RedisStore {
+    builder.timeout(Duration::from_secs(secs)).build().unwrap()
+}
+
+/// What a shared scenario (`support::penalty`, `support::priority`) calls for a limiter: each
+/// policy on a store on `server` reading `clock`, its keys under `prefix`.
+fn limiters_on(
+    server: &Server,
+    clock: &FakeClock,
+    prefix: &str,
+) -> impl Fn(Policy) -> std::future::Ready<Limiter<RedisStore>> {
+    let (stores, clock) = (stores_on(server, prefix), clock.clone());
+    move |policy| {
+        let store = stores(clock.clone(), String::new());
+        std::future::ready(Limiter::with_store(policy, store).unwrap())
+    }
 }

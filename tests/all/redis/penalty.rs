@@ -11,14 +11,8 @@ use super::*;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_breach_blocks_the_key_for_exactly_the_block_on_redis() {
     let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(3_600_000_000_000);
-    let url = server.url();
-    scenarios::every_scenario(&clock, |policy| {
-        let store = fake_clock_store(RedisStore::builder(&url), clock.clone(), "box:".into());
-        async move { Limiter::with_store(policy, store).unwrap() }
-    })
-    .await;
+    let clock = clock_at(3_600_000_000_000);
+    scenarios::every_scenario(&clock, limiters_on(&server, &clock, "box:")).await;
     // Without a grace, a blocked key's state lives exactly as long as its block.
     let store = RedisStore::builder(server.url())
         .clock(clock.clone())
@@ -79,7 +73,6 @@ async fn a_breach_blocks_the_key_for_exactly_the_block_on_redis() {
 #[test]
 fn penalty_boxes_decide_exactly_like_memory() {
     let Some(server) = Server::start("redis-server") else { return };
-    let url = server.url();
     let penalty = (
         0usize..5,
         prop_oneof![
@@ -100,7 +93,5 @@ fn penalty_boxes_decide_exactly_like_memory() {
             trace.penalty = Some(penalty);
             trace
         });
-    seeded_differential(traces, 24, 256, |clock, prefix| {
-        fake_clock_store(RedisStore::builder(&url), clock, format!("penalty{prefix}"))
-    });
+    seeded_differential(traces, 24, 256, stores_on(&server, "penalty"));
 }

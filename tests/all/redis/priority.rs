@@ -11,14 +11,8 @@ use super::*;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_class_decides_exactly_at_its_threshold_on_redis() {
     let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(3_600_000_000_000);
-    let url = server.url();
-    priorities::every_scenario(&clock, |policy| {
-        let store = fake_clock_store(RedisStore::builder(&url), clock.clone(), "class:".into());
-        async move { Limiter::with_store(policy, store).unwrap() }
-    })
-    .await;
+    let clock = clock_at(3_600_000_000_000);
+    priorities::every_scenario(&clock, limiters_on(&server, &clock, "class:")).await;
 }
 
 /// 3x overload with a mix of classes on Redis: no critical request refused, the total within
@@ -26,13 +20,10 @@ async fn each_class_decides_exactly_at_its_threshold_on_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_times_overload_refuses_no_critical_request_on_redis() {
     let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(3_600_000_000_000);
-    let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "ov:".into());
+    let (clock, store) = clocked(RedisStore::builder(server.url()), 3_600_000_000_000, "ov:");
     let limiter = Limiter::with_store(priorities::overload_policy("overload"), store).unwrap();
     let on_redis = priorities::three_times_overload(&clock, &limiter).await;
-    let clock = FakeClock::new();
-    clock.set(3_600_000_000_000);
+    let clock = clock_at(3_600_000_000_000);
     let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     let limiter = Limiter::with_store(priorities::overload_policy("overload"), memory).unwrap();
     let in_memory = priorities::overload(&clock, &limiter, 30).await;
@@ -45,7 +36,6 @@ async fn three_times_overload_refuses_no_critical_request_on_redis() {
 #[test]
 fn reserves_decide_exactly_like_memory() {
     let Some(server) = Server::start("redis-server") else { return };
-    let url = server.url();
     // Half of them with the clock stepping back between checks.
     // Now and then a penalty box too: a refusal at a class's threshold is a breach.
     let penalty = proptest::option::weighted(
@@ -65,9 +55,7 @@ fn reserves_decide_exactly_like_memory() {
             trace.penalty = penalty;
             trace
         });
-    seeded_differential(traces, 5, 256, |clock, prefix| {
-        fake_clock_store(RedisStore::builder(&url), clock, format!("reserve{prefix}"))
-    });
+    seeded_differential(traces, 5, 256, stores_on(&server, "reserve"));
 }
 
 /// The same with most checks shaped, critical reserves of at least an eighth of the tier and
@@ -77,7 +65,6 @@ fn reserves_decide_exactly_like_memory() {
 #[test]
 fn reserves_under_shaping_decide_exactly_like_memory() {
     let Some(server) = Server::start("redis-server") else { return };
-    let url = server.url();
     let traces = (
         proptest::bool::ANY.prop_flat_map(trace),
         (1u64..=3, 0u64..=3),
@@ -95,9 +82,7 @@ fn reserves_under_shaping_decide_exactly_like_memory() {
             }
             trace
         });
-    seeded_differential(traces, 7, 256, |clock, prefix| {
-        fake_clock_store(RedisStore::builder(&url), clock, format!("reshape{prefix}"))
-    });
+    seeded_differential(traces, 7, 256, stores_on(&server, "reshape"));
 }
 
 /// A refusal of one priority class is not the answer for another: a standard request refused
@@ -106,29 +91,25 @@ fn reserves_under_shaping_decide_exactly_like_memory() {
 #[tokio::test]
 async fn a_local_refusal_is_kept_per_priority_class() {
     let Some(server) = Server::start("redis-server") else { return };
-    let mut conn = server.conn();
-    let clock = FakeClock::new();
-    clock.set(1_000_000_000_000);
-    let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "prio:".into());
-    let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     let policy = Policy::builder("prio")
         .tier("second", Quota::per_second(10))
         .reserve("second", Reserve::new().critical(5))
         .build()
         .unwrap();
-    let (bound, m_bound) = (store.bind(&policy).unwrap(), memory.bind(&policy).unwrap());
-    let pair = (&store, &bound, &memory, &m_bound);
+    let twins = Twins::new(&server, "prio:", &policy);
+    let bound = &twins.bound;
     let key = Key::text("alice");
     let standard = Check::new(&key, 1);
     let critical = Check::new(&key, 1).with_priority(Priority::Critical);
     for _ in 0..5 {
-        assert!(same(pair, standard).await.is_allowed());
+        assert!(twins.same(standard).await.is_allowed());
     }
-    assert!(!same(pair, standard).await.is_allowed());
-    assert!(!same(pair, standard).await.is_allowed());
+    assert!(!twins.same(standard).await.is_allowed());
+    assert!(!twins.same(standard).await.is_allowed());
     assert_eq!(bound.refused_locally(), 1);
+    let mut conn = server.conn();
     let calls = script_calls(&mut conn);
-    assert!(same(pair, critical).await.is_allowed());
+    assert!(twins.same(critical).await.is_allowed());
     assert_eq!(script_calls(&mut conn), calls + 1);
     assert_eq!(bound.refused_locally(), 1);
 }

@@ -21,13 +21,7 @@ pub(super) fn script_calls(conn: &mut redis::Connection) -> u64 {
 fn hot_trace() -> impl Strategy<Value = Trace> {
     let step = || {
         let cost = || prop_oneof![8 => Just(1u64), 2 => 0u64..=3];
-        let check = (
-            0u8..2,
-            cost(),
-            proptest::collection::vec(cost(), 5),
-            proptest::option::weighted(0.15, 0u64..=1_000_000_000),
-        )
-            .prop_map(|(key, cost, costs, shape)| Step::Check { key, cost, costs, shape });
+        let check = check_step(2, cost, 0.15, 1_000_000_000);
         prop_oneof![
             1 => (0u64..=1_000).prop_map(Step::Advance),
             3 => (0u64..=20_000_000).prop_map(Step::Advance),
@@ -58,9 +52,7 @@ fn hot_trace() -> impl Strategy<Value = Trace> {
 fn local_refusals_decide_exactly_like_memory_store_and_like_redis_without_them() {
     let Some(server) = Server::start("redis-server") else { return };
     let url = server.url();
-    let on = differential_of(hot_trace(), 128, |clock, prefix| {
-        fake_clock_store(RedisStore::builder(&url), clock, format!("on{prefix}"))
-    });
+    let on = differential_of(hot_trace(), 128, stores_on(&server, "on"));
     let off = differential_of(hot_trace(), 32, |clock, prefix| {
         fake_clock_store(RedisStore::builder(&url).local_refusals(0), clock, format!("off{prefix}"))
     });
@@ -68,20 +60,31 @@ fn local_refusals_decide_exactly_like_memory_store_and_like_redis_without_them()
     assert!(on > 500, "only {on} checks were answered locally");
 }
 
-/// `check` through a Redis store and a memory store: their decisions are equal.
-pub(super) async fn same(
-    (store, bound, memory, m_bound): (
-        &RedisStore,
-        &<RedisStore as Store>::Bound,
-        &MemoryStore,
-        &<MemoryStore as Store>::Bound,
-    ),
-    check: Check<'_>,
-) -> Decision {
-    let r = store.check(bound, check).await.unwrap().decision;
-    let m = memory.check(m_bound, check).await.unwrap().decision;
-    assert_eq!(r, m);
-    r
+/// A Redis store and a memory store on one fake clock (at 1,000 s), one policy bound on each.
+pub(super) struct Twins {
+    pub(super) clock: FakeClock,
+    pub(super) store: RedisStore,
+    pub(super) bound: <RedisStore as Store>::Bound,
+    memory: MemoryStore,
+    m_bound: <MemoryStore as Store>::Bound,
+}
+
+impl Twins {
+    /// `policy` on a store on `server`, its keys under `prefix`, and in memory.
+    pub(super) fn new(server: &Server, prefix: &str, policy: &Policy) -> Self {
+        let (clock, store) = clocked(RedisStore::builder(server.url()), 1_000_000_000_000, prefix);
+        let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        let (bound, m_bound) = (store.bind(policy).unwrap(), memory.bind(policy).unwrap());
+        Self { clock, store, bound, memory, m_bound }
+    }
+
+    /// `check` through both stores: their decisions are equal.
+    pub(super) async fn same(&self, check: Check<'_>) -> Decision {
+        let r = self.store.check(&self.bound, check).await.unwrap().decision;
+        let m = self.memory.check(&self.m_bound, check).await.unwrap().decision;
+        assert_eq!(r, m);
+        r
+    }
 }
 
 /// A refused hot key costs no script call until its refusal ends; each local answer is the
@@ -91,19 +94,15 @@ pub(super) async fn same(
 async fn a_refused_hot_key_asks_redis_only_when_its_refusal_ends() {
     let Some(server) = Server::start("redis-server") else { return };
     let mut conn = server.conn();
-    let clock = FakeClock::new();
-    clock.set(1_000_000_000_000);
-    let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "hot:".into());
-    let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     let policy = Policy::builder("hot")
         .tier("second", Quota::per_second(2))
         .tier("hour", Quota::per_hour(100))
         .build()
         .unwrap();
-    let (bound, m_bound) = (store.bind(&policy).unwrap(), memory.bind(&policy).unwrap());
+    let twins = Twins::new(&server, "hot:", &policy);
+    let (clock, store, bound) = (&twins.clock, &twins.store, &twins.bound);
     let key = Key::text("hot");
-    let pair = (&store, &bound, &memory, &m_bound);
-    let both = |check| same(pair, check);
+    let both = |check| twins.same(check);
     assert!(both(Check::new(&key, 1)).await.is_allowed());
     assert!(both(Check::new(&key, 1)).await.is_allowed());
     let refused = both(Check::new(&key, 1)).await;
@@ -121,13 +120,13 @@ async fn a_refused_hot_key_asks_redis_only_when_its_refusal_ends() {
     let last = both(Check::new(&key, 1)).await;
     assert_eq!(last.retry_after(), Some(Duration::from_nanos(1)));
     // Through the synchronous path too.
-    let sync = store.check_sync(&bound, Check::new(&key, 1)).unwrap().unwrap().decision;
+    let sync = store.check_sync(bound, Check::new(&key, 1)).unwrap().unwrap().decision;
     assert_eq!(sync, last);
     assert_eq!(script_calls(&mut conn), calls);
     assert_eq!(bound.refused_locally(), 501);
     // At the refusal's end: Redis again, which admits.
     clock.advance(Duration::from_nanos(1));
-    assert!(store.check_sync(&bound, Check::new(&key, 1)).is_none());
+    assert!(store.check_sync(bound, Check::new(&key, 1)).is_none());
     assert!(both(Check::new(&key, 1)).await.is_allowed());
     assert_eq!(script_calls(&mut conn), calls + 1);
     // Another cost, or a shaping budget, is not the check that was refused: Redis decides.
@@ -144,9 +143,7 @@ async fn a_refused_hot_key_asks_redis_only_when_its_refusal_ends() {
 async fn a_settlement_through_this_instance_clears_the_refusal() {
     let Some(server) = Server::start("redis-server") else { return };
     let mut conn = server.conn();
-    let clock = FakeClock::new();
-    clock.set(1_000_000_000_000);
-    let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "set:".into());
+    let (_, store) = clocked(RedisStore::builder(server.url()), 1_000_000_000_000, "set:");
     for algorithm in [Algorithm::FixedWindow, Algorithm::Gcra] {
         let policy = Policy::builder(format!("{algorithm:?}"))
             .algorithm(algorithm)
@@ -190,9 +187,7 @@ async fn a_loop_of_checks_answered_locally_lets_other_tasks_run() {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000_000_000_000);
-    let store = fake_clock_store(RedisStore::builder(server.url()), clock, "coop:".into());
+    let (_, store) = clocked(RedisStore::builder(server.url()), 1_000_000_000_000, "coop:");
     let policy = Policy::single("coop", Quota::per_minute(1)).unwrap();
     let limiter = Limiter::with_store(policy, store).unwrap();
     let key = Key::text("alice");
@@ -219,16 +214,14 @@ async fn a_loop_of_checks_answered_locally_lets_other_tasks_run() {
 async fn concurrency_tiers_are_never_answered_locally() {
     let Some(server) = Server::start("redis-server") else { return };
     let mut conn = server.conn();
-    let clock = FakeClock::new();
-    clock.set(1_000_000_000_000);
-    let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "conc:".into());
+    let (_, store) = clocked(RedisStore::builder(server.url()), 1_000_000_000_000, "conc:");
     let policy = Policy::builder("conc")
         .tier("minute", Quota::per_minute(2))
         .concurrency("slots", Concurrency::new(1))
         .build()
         .unwrap();
-    let bound = store.bind(&policy).unwrap();
     let key = Key::text("alice");
+    let bound = store.bind(&policy).unwrap();
     let held = store.check(&bound, Check::new(&key, 1).with_ticket()).await.unwrap();
     assert!(held.decision.is_allowed());
     let calls = script_calls(&mut conn);
@@ -256,10 +249,8 @@ async fn concurrency_tiers_are_never_answered_locally() {
 #[tokio::test]
 async fn a_flood_of_refused_keys_stays_within_the_capacity() {
     let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(1_000_000_000_000);
     let builder = RedisStore::builder(server.url()).local_refusals(32);
-    let store = fake_clock_store(builder, clock.clone(), "flood:".into());
+    let (clock, store) = clocked(builder, 1_000_000_000_000, "flood:");
     let policy = Policy::single("flood", Quota::per_hour(1)).unwrap();
     let bound = store.bind(&policy).unwrap();
     let keys: Vec<Key> = (0..400).map(|i| Key::text(format!("k{i}"))).collect();

@@ -20,9 +20,9 @@ fn slots_policy(name: &str, max: u64, lease: Duration) -> Policy {
 async fn a_thousand_holders_on_redis_never_exceed_four_in_flight() {
     use crate::support::stores::most_in_flight;
     let Some(server) = Server::start("redis-server") else { return };
-    let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(10)).build().unwrap();
+    let policy = slots_policy("thousand", 4, Duration::from_secs(60));
     let limiter =
-        Limiter::with_store(slots_policy("thousand", 4, Duration::from_secs(60)), store).unwrap();
+        Limiter::with_store(policy, timed(RedisStore::builder(server.url()), 10)).unwrap();
     let most =
         most_in_flight(&limiter, &Key::text("api-key"), 1000, 4, Duration::from_secs(300)).await;
     assert_eq!(most, 4);
@@ -36,8 +36,7 @@ async fn a_thousand_holders_on_redis_never_exceed_four_in_flight() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_slot_of_a_crashed_holder_frees_itself_when_its_lease_expires() {
     let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(instant("2025-06-02T10:00:00Z"));
+    let clock = clock_at(instant("2025-06-02T10:00:00Z"));
     let policy = slots_policy("crash", 1, Duration::from_secs(10));
     // App server A takes the slot and crashes: it never releases nor refreshes.
     {
@@ -68,9 +67,8 @@ async fn the_slot_of_a_crashed_holder_frees_itself_when_its_lease_expires() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refreshed_lease_lasts_and_an_expired_one_says_so() {
     let Some(server) = Server::start("redis-server") else { return };
-    let clock = FakeClock::new();
-    clock.set(instant("2025-06-02T10:00:00Z"));
-    let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "fresh:".into());
+    let builder = RedisStore::builder(server.url());
+    let (clock, store) = clocked(builder, instant("2025-06-02T10:00:00Z"), "fresh:");
     let limiter =
         Limiter::with_store(slots_policy("refresh", 1, Duration::from_secs(9)), store).unwrap();
     let held = limiter.reserve(&Key::Global, 1).await.unwrap();
@@ -96,7 +94,7 @@ async fn a_refreshed_lease_lasts_and_an_expired_one_says_so() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_reservation_refreshes_its_lease_until_it_is_dropped() {
     let Some(server) = Server::start("redis-server") else { return };
-    let store = RedisStore::builder(server.url()).timeout(Duration::from_secs(5)).build().unwrap();
+    let store = timed(RedisStore::builder(server.url()), 5);
     let limiter =
         Limiter::with_store(slots_policy("held", 1, Duration::from_millis(900)), store).unwrap();
     let held = limiter.reserve(&Key::Global, 1).await.unwrap().hold();

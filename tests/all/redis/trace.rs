@@ -186,35 +186,40 @@ pub(super) fn step(grid: bool, back: bool) -> impl Strategy<Value = Step> {
         .boxed()
     };
     let cost = || prop_oneof![6 => Just(1u64), 3 => 0u64..=4, 1 => 0u64..=12];
-    let check = (
-        0u8..3,
-        cost(),
-        proptest::collection::vec(cost(), 5),
-        proptest::option::weighted(0.4, 0u64..=3_000_000_000),
-    )
-        .prop_map(|(key, cost, costs, shape)| Step::Check { key, cost, costs, shape });
+    let check = check_step(3, cost, 0.4, 3_000_000_000);
+    let advance = advance.prop_map(Step::Advance);
+    let settle = (0usize..64, 0u64..=8).prop_map(|(which, cost)| Step::Settle { which, cost });
+    let part = (0usize..64, 0usize..8, 0u64..=8).prop_map(|(which, tier, cost)| Step::SettleTier {
+        which,
+        tier,
+        cost,
+    });
+    let release = (0usize..64).prop_map(|which| Step::Release { which });
+    // One union each way (a step back of weight 0 would draw other traces from the seeds).
     if back {
         let back = prop_oneof![0u64..=1_000, 0u64..=300_000_000, 0u64..=6_000_000_000];
-        return prop_oneof![
-            2 => advance.prop_map(Step::Advance),
-            2 => back.prop_map(Step::Back),
-            7 => check,
-            1 => (0usize..64, 0u64..=8).prop_map(|(which, cost)| Step::Settle { which, cost }),
-            1 => (0usize..64, 0usize..8, 0u64..=8)
-                .prop_map(|(which, tier, cost)| Step::SettleTier { which, tier, cost }),
-            1 => (0usize..64).prop_map(|which| Step::Release { which }),
-        ]
-        .boxed();
+        let back = back.prop_map(Step::Back);
+        return prop_oneof![2 => advance, 2 => back, 7 => check, 1 => settle, 1 => part, 1 => release]
+            .boxed();
     }
-    prop_oneof![
-        2 => advance.prop_map(Step::Advance),
-        7 => check,
-        1 => (0usize..64, 0u64..=8).prop_map(|(which, cost)| Step::Settle { which, cost }),
-        1 => (0usize..64, 0usize..8, 0u64..=8)
-            .prop_map(|(which, tier, cost)| Step::SettleTier { which, tier, cost }),
-        1 => (0usize..64).prop_map(|which| Step::Release { which }),
-    ]
-    .boxed()
+    prop_oneof![2 => advance, 7 => check, 1 => settle, 1 => part, 1 => release].boxed()
+}
+
+/// A check on one of `keys` keys, of a cost `cost` draws (and one per tier), shaped with a
+/// budget of up to `max_shape` ns at odds `shaped`.
+pub(super) fn check_step<C: Strategy<Value = u64>>(
+    keys: u8,
+    cost: impl Fn() -> C,
+    shaped: f64,
+    max_shape: u64,
+) -> impl Strategy<Value = Step> {
+    (
+        0u8..keys,
+        cost(),
+        proptest::collection::vec(cost(), 5),
+        proptest::option::weighted(shaped, 0u64..=max_shape),
+    )
+        .prop_map(|(key, cost, costs, shape)| Step::Check { key, cost, costs, shape })
 }
 
 /// Nanoseconds since the epoch of an RFC 3339 instant.
@@ -426,13 +431,28 @@ fn differential_in(
     local.into_inner()
 }
 
-/// Replays a kept `trace` as [`differential_in`] replays a drawn one (the clock at its start).
-pub(super) fn replay_kept(server: &Server, trace: &Trace) {
+/// Replays kept `traces`, one after the other on one redis-server, as [`differential_in`]
+/// replays a drawn one (the clock at its start).
+pub(super) fn replay_kept(traces: impl IntoIterator<Item = Trace>) {
+    let Some(server) = Server::start("redis-server") else { return };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let clock = FakeClock::new();
-    clock.set(trace.start);
-    let store = fake_clock_store(RedisStore::builder(server.url()), clock.clone(), "kept:".into());
-    rt.block_on(replay(store, clock, trace)).unwrap();
+    for trace in traces {
+        let (clock, store) = clocked(RedisStore::builder(server.url()), trace.start, "kept:");
+        rt.block_on(replay(store, clock, &trace)).unwrap();
+    }
+}
+
+/// The stores the differential tests connect with: on `server`, each reading the clock it is
+/// given, its keys under `prefix` and then the case's own prefix.
+pub(super) fn stores_on(server: &Server, prefix: &str) -> impl Fn(FakeClock, String) -> RedisStore {
+    let (url, prefix) = (server.url(), prefix.to_owned());
+    move |clock, case| fake_clock_store(RedisStore::builder(&url), clock, format!("{prefix}{case}"))
+}
+
+/// [`differential`] on a `bin` server the test starts (skipped without it), `cases` traces.
+pub(super) fn differential_on(bin: &str, cases: u32) {
+    let Some(server) = Server::start(bin) else { return };
+    differential(cases, stores_on(&server, ""));
 }
 
 pub(super) fn fake_clock_store(
