@@ -50,7 +50,11 @@ impl Clocks {
             Self::System(c) => b.clock(c.clone()),
             Self::Fake(c) => b.clock(c.clone()),
         };
-        b.build().unwrap_or_default()
+        let store = b.build().unwrap_or_default();
+        // Swept on the runtime the engine is built on (the main one), not inline on the
+        // serving thread of whichever call stores a key first.
+        store.start_sweeping();
+        store
     }
 
     fn now(&self) -> u64 {

@@ -300,6 +300,22 @@ impl MemoryStore {
         self.inner.sweep()
     }
 
+    /// Starts the idle-key sweeper on the current tokio runtime now, instead of on the
+    /// runtime of the first check that stores a key; nothing outside a runtime, or when it
+    /// runs already. For servers whose checks run on runtimes of their own.
+    ///
+    /// ```
+    /// use tollgate::store::MemoryStore;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let store = MemoryStore::new();
+    /// store.start_sweeping(); // here, not on whichever runtime checks first
+    /// # }
+    /// ```
+    pub fn start_sweeping(&self) {
+        self.inner.spawn_sweeper();
+    }
+
     /// Decides at once: what [`Store::check`] answers, without a future. `bound` decides in the
     /// store that bound it.
     #[inline]

@@ -389,6 +389,29 @@ async fn sweeper_runs_on_its_interval_and_stops_with_the_store() {
     assert!(weak.upgrade().is_none(), "the sweeper holds no strong reference");
 }
 
+/// A sweeper started on one runtime sweeps there: a check made on another runtime (dropped
+/// afterwards, as a sweeper spawned there would be) leaves it where it is.
+#[test]
+fn a_sweeper_started_ahead_runs_on_its_own_runtime() {
+    let runtime =
+        || tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build();
+    let clock = FakeClock::new();
+    let store = MemoryStore::builder()
+        .clock(clock.clone())
+        .sweep_interval(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let bound = store.bind_policy(&Policy::single("p", Quota::per_second(1)).unwrap());
+    let background = runtime().unwrap();
+    background.block_on(async { store.start_sweeping() });
+    runtime().unwrap().block_on(async { assert!(allowed(&store, &bound, &ip(1))) });
+    assert_eq!(store.len(), 1);
+    clock.advance(Duration::from_secs(2));
+    // Paused, the background runtime's time moves on to the sweeper's next tick.
+    background.block_on(async { tokio::time::sleep(Duration::from_secs(11)).await });
+    assert_eq!(store.len(), 0, "swept on the background runtime");
+}
+
 #[test]
 fn threads_never_over_admit() {
     let store = MemoryStore::new();
