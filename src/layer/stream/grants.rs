@@ -247,10 +247,8 @@ impl<St: Store> Grants<St> {
                 let delay = verdict.decision.delay();
                 // The previous grant is spent: dropping its ticket keeps its charge.
                 self.grant = verdict.ticket;
-                self.grant(size);
-                self.grant_credit = std::mem::take(&mut self.asking_credit);
-                self.credit -= self.grant_credit;
-                self.credit_kept += self.grant_credit;
+                let credit = std::mem::take(&mut self.asking_credit);
+                self.grant(size, credit);
                 if !delay.is_zero() {
                     self.state = State::Sleeping(Box::pin(tokio::time::sleep(delay)));
                 }
@@ -289,7 +287,8 @@ impl<St: Store> Grants<St> {
             Err(error) if self.fail_open => {
                 tracing::warn!(%error, "tollgate: a stream's grant could not be decided; failing open");
                 self.grant = None;
-                self.grant(size);
+                // Uncharged: the admission's units stay the stream's credit.
+                self.grant(size, 0);
                 Ok(())
             }
             Err(error) => {
@@ -339,8 +338,12 @@ impl<St: Store> Grants<St> {
         debt
     }
 
-    /// A grant of `size` bytes was granted: it pays what is owed first.
-    fn grant(&mut self, size: u64) {
+    /// A grant of `size` bytes was granted, `credit` of them the admission's units (see
+    /// [`credited`](Self::credited)): it pays what is owed first.
+    fn grant(&mut self, size: u64, credit: u64) {
+        self.credit -= credit;
+        self.credit_kept += credit;
+        self.grant_credit = credit;
         let paid = size.min(self.owed);
         self.owed -= paid;
         self.granted = size;

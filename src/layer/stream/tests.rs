@@ -98,12 +98,19 @@ mod bytes {
     pub(super) struct Counted {
         inner: MemoryStore,
         checks: Arc<AtomicU64>,
+        /// While set, every check fails (a store that cannot be reached).
+        down: Arc<std::sync::atomic::AtomicBool>,
     }
 
     impl Counted {
         pub(super) fn new() -> Self {
             let inner = MemoryStore::builder().clock(TokioClock::new()).build().unwrap();
-            Self { inner, checks: Arc::default() }
+            Self { inner, checks: Arc::default(), down: Arc::default() }
+        }
+
+        fn down(&self) -> Option<StoreError> {
+            let down = self.down.load(Ordering::Relaxed);
+            down.then(|| StoreError::backend("down"))
         }
 
         pub(super) fn checks(&self) -> u64 {
@@ -125,6 +132,9 @@ mod bytes {
             check: Check<'_>,
         ) -> Option<Result<Verdict<MemoryTicket>, StoreError>> {
             self.checks.fetch_add(1, Ordering::Relaxed);
+            if let Some(error) = self.down() {
+                return Some(Err(error));
+            }
             self.inner.check_sync(bound, check)
         }
 
@@ -134,6 +144,9 @@ mod bytes {
             check: Check<'_>,
         ) -> Result<Verdict<MemoryTicket>, StoreError> {
             self.checks.fetch_add(1, Ordering::Relaxed);
+            if let Some(error) = self.down() {
+                return Err(error);
+            }
             self.inner.check(bound, check).await
         }
 
@@ -528,6 +541,33 @@ mod bytes {
             let left = limiter.check(&Key::Global, 0).await.unwrap().tiers()[0].remaining();
             assert_eq!(left, 1_000 - 1 - (used - kept), "used {used}");
         }
+    }
+
+    /// A grant given uncharged because the store failed (failing open) leaves the admission's
+    /// unit where the first grant put it: kept, as that grant used it.
+    #[tokio::test(start_paused = true)]
+    async fn a_grant_failing_open_keeps_the_admissions_unit_the_first_grant_used() {
+        let store = Counted::new();
+        let policy = Policy::builder("download")
+            .tier("bytes", Quota::per_hour(1_000).counting(Unit::ResponseBytes))
+            .build()
+            .unwrap();
+        let limiter = Limiter::with_store(policy, store.clone()).unwrap();
+        let mut grants = Grants::new(
+            &limiter,
+            Key::Global,
+            Priority::Standard,
+            Unit::ResponseBytes,
+            StreamMode::Shape,
+            true,
+        )
+        .credited(1);
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(matches!(grants.poll_room(&mut cx, Some(600), 300), Poll::Ready(Ok(300))));
+        grants.spend(300);
+        store.down.store(true, Ordering::Relaxed);
+        assert!(matches!(grants.poll_room(&mut cx, Some(300), 300), Poll::Ready(Ok(300))));
+        assert_eq!(grants.end(), 1, "the first grant used the admission's unit");
     }
 }
 

@@ -28,6 +28,12 @@ impl Inner {
         }
     }
 
+    /// The instant `prepared`'s records make their calendar bounds at: [`app_now`](Self::app_now)
+    /// for a policy with calendar tiers; the others send no bounds, and read no clock.
+    pub(super) fn bounds_now(&self, prepared: &Prepared) -> u64 {
+        if prepared.has_calendars() { self.app_now() } else { 0 }
+    }
+
     /// This process's idea of now: the injected clock's, or the system's (nanoseconds since
     /// the Unix epoch). Only calendar tiers need it, for the windows a check sends.
     pub(super) fn app_now(&self) -> u64 {

@@ -42,7 +42,7 @@ impl HeldSlots {
                     |i| charges[i].cost,
                     |i| new[i],
                     true,
-                    store.app_now(),
+                    store.bounds_now(&self.prepared),
                 );
                 let keys = self.prepared.keys(state_key.clone());
                 match store.submit(&self.prepared, keys, record, 0).await {

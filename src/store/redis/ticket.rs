@@ -95,8 +95,13 @@ pub(super) async fn settle_remote(
     new: &[u64],
     release: bool,
 ) -> Result<(), StoreError> {
-    let record =
-        prepared.settle(charges, |i| charges[i].cost, |i| new[i], release, inner.app_now());
+    let record = prepared.settle(
+        charges,
+        |i| charges[i].cost,
+        |i| new[i],
+        release,
+        inner.bounds_now(prepared),
+    );
     let keys = prepared.keys(state_key);
     let (_, at) = inner.submit(prepared, keys, record, 0).await?;
     if release {

@@ -102,7 +102,7 @@ impl Back {
         let _forgetting =
             crate::store::redis::forgetting(self.refusals.as_deref(), &self.inner, hash);
         let (granted, spent) = (rest.granted, rest.spent);
-        let now = self.inner.app_now();
+        let now = self.inner.bounds_now(&self.prepared);
         let record = self.prepared.settle(&rest.charges, |_| granted, |_| spent, false, now);
         let state_key = state_key(&self.key_parts, &self.key_names, key);
         let keys = self.prepared.keys(state_key);

@@ -58,8 +58,13 @@ impl RedisStore {
         let wanted = takes_slots || (check.ticket && costs.iter().any(|c| *c > 0));
         let ticket_key = wanted.then(|| state_key.clone());
         let keys = prepared.keys(state_key);
-        let record =
-            prepared.check(&costs, check.max_delay, holder, check.priority, inner.app_now());
+        let record = prepared.check(
+            &costs,
+            check.max_delay,
+            holder,
+            check.priority,
+            inner.bounds_now(prepared),
+        );
         let epoch = bound.refusal_epoch(check.key);
         let sent = inner.settings.clock.is_none().then(Instant::now);
         let answered = inner.submit(prepared, keys, record, prepared.check_reply_len()).await;
